@@ -395,3 +395,27 @@ def apply_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
             cls = next((a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)), hint)
             node = node[key]
     return from_dict(type(cfg), data)
+
+
+# ----------------------------------------------------------------------------- analytic counts
+# Methods on the config, as the house plan promises (``cfg.num_params()``); the arithmetic and
+# its conventions live in optimus_core.flops.
+
+def _num_params(self: ModelConfig) -> int:
+    from . import flops
+    return flops.num_params(self)
+
+
+def _num_active_params(self: ModelConfig) -> int:
+    from . import flops
+    return flops.num_active_params(self)
+
+
+def _flops_per_token(self: ModelConfig, seq_len: int) -> int:
+    from . import flops
+    return flops.flops_per_token(self, seq_len)
+
+
+ModelConfig.num_params = _num_params
+ModelConfig.num_active_params = _num_active_params
+ModelConfig.flops_per_token = _flops_per_token

@@ -1,2 +1,244 @@
-def main():
-    raise SystemExit("not yet")
+"""The `optimus` command: the composition root. It parses, picks where to run, calls a stage.
+
+    optimus corpus    --out results/data/corpus
+    optimus tokenize  --corpus results/data/corpus --out results/data/tokens --workers 2
+    optimus pretrain  --preset mula-7b-a1b@laptop --data results/data/tokens --out results/runs/x \\
+                      --steps 200 --store results/store.zarr --set optim.lr=1e-3
+    optimus pretrain  --experiment pretrain-mula-7b-a1b --scale laptop --data ... --out ...
+    optimus evaluate  --run results/runs/x --store results/store.zarr
+    optimus figures   --store results/store.zarr --out results/figures
+    optimus report    --store results/store.zarr --figures results/figures --out results/report.md
+    optimus presets | optimus experiments
+
+Stages never import this module (house rule 3); Snakemake rules and Parsl apps call it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from optimus_core.config import ConfigError, parse_value
+
+
+def _overrides(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise ConfigError(f"--set {pair!r}: expected key=value, e.g. train.steps=100")
+        key, value = pair.split("=", 1)
+        out[key.strip()] = parse_value(value)
+    return out
+
+
+# ----------------------------------------------------------------------------- commands
+
+def cmd_corpus(args) -> None:
+    from stages.corpus import CorpusConfig, CorpusInputs, CorpusOutputs, run_corpus
+
+    result = run_corpus(CorpusConfig(), CorpusInputs(from_dir=args.from_dir), CorpusOutputs(out_dir=args.out))
+    print(result)
+
+
+def cmd_tokenize(args) -> None:
+    from stages.tokenize import TokenizeConfig, TokenizeInputs, TokenizeOutputs, run_tokenize
+
+    config = TokenizeConfig(workers=args.workers, skip_bad_records=args.skip_bad_records,
+                            **({"vocab_size": args.vocab_size} if args.vocab_size else {}))
+    result = run_tokenize(config, TokenizeInputs(corpus_dir=args.corpus, tokenizer=args.tokenizer),
+                          TokenizeOutputs(out_dir=args.out))
+    print(result)
+
+
+def resolve_run_config(args):
+    """Preset (or experiment) + flags + --set overrides -> a validated RunConfig and run id."""
+    from optimus_core import presets
+
+    overrides: dict = {}
+    run_id, experiment = args.run_id, ""
+    if args.experiment:
+        from workflow.experiments import get as get_experiment
+
+        exp = get_experiment(args.experiment)
+        scale = exp.scale(args.scale)
+        preset_name, overrides = scale.preset, dict(scale.overrides())
+        run_id, experiment = run_id or exp.run_id(args.scale), exp.name
+    elif args.preset:
+        preset_name = args.preset
+    else:
+        raise ConfigError("pretrain needs --preset NAME or --experiment NAME (see `optimus presets`)")
+    flags = {"train.steps": args.steps, "train.seed": args.seed, "train.dtype": args.dtype,
+             "train.checkpoint_every": args.checkpoint_every, "parallel.ep": args.ep}
+    overrides.update({k: v for k, v in flags.items() if v is not None})
+    if args.experts_backend:
+        overrides["model.moe.experts_backend"] = args.experts_backend
+    overrides.update(_overrides(args.set))
+    cfg = presets.get(preset_name).run_config(**overrides)
+    return cfg, run_id or Path(args.out).name, experiment
+
+
+def cmd_pretrain(args) -> None:
+    from stages.pretrain import PretrainConfig, PretrainInputs, PretrainOutputs, run_pretrain
+
+    cfg, run_id, experiment = resolve_run_config(args)
+    if args.nproc != 1:
+        raise ConfigError(f"--nproc = {args.nproc}: multi-process training is not available yet (use 1)")
+    if args.launcher != "local":
+        raise ConfigError(f"--launcher = {args.launcher!r}: only 'local' is available yet")
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    result = run_pretrain(PretrainConfig(cfg, run_id=run_id, experiment=experiment, progress=not args.quiet),
+                          PretrainInputs(data_dir=args.data), PretrainOutputs(run_dir=args.out, store=args.store))
+    print(f"{result.run_id}: {result.steps} steps, {result.tokens:,} tokens, final loss {result.final_loss:.4f}, "
+          f"held-out loss {result.final_eval.get('loss', float('nan')):.4f}, {result.tokens_per_s:,.0f} tokens/s")
+
+
+def cmd_evaluate(args) -> None:
+    from stages.evaluate import EvaluateConfig, EvaluateInputs, EvaluateOutputs, run_evaluate
+
+    config = EvaluateConfig(tasks=tuple(args.tasks), max_batches=args.max_batches)
+    out = args.out or Path(args.run) / "eval.json"
+    result = run_evaluate(config, EvaluateInputs(run_dir=args.run, data_dir=args.data),
+                          EvaluateOutputs(eval_json=out, store=args.store))
+    print(json.dumps({"run_id": result.run_id, "step": result.step, **result.metrics}, indent=2))
+
+
+def cmd_figures(args) -> None:
+    from stages.figures import FiguresConfig, FiguresInputs, FiguresOutputs, run_figures
+
+    result = run_figures(FiguresConfig(), FiguresInputs(store=args.store), FiguresOutputs(out_dir=args.out))
+    for path in result.paths:
+        print(path)
+
+
+def cmd_report(args) -> None:
+    from stages.report import ReportConfig, ReportInputs, ReportOutputs, run_report
+
+    run_report(ReportConfig(), ReportInputs(store=args.store, figures_dir=args.figures), ReportOutputs(report=args.out))
+    print(args.out)
+
+
+def cmd_presets(args) -> None:
+    from optimus_core import presets
+
+    print(presets_table(args.seq_len))
+
+
+def presets_table(seq_len: int | None = None) -> str:
+    from optimus_core import presets
+
+    head = f"{'preset':24s} {'layers':>6s} {'width':>6s} {'experts':>7s} {'top-k':>5s} {'total':>9s} {'active':>9s} {'GFLOP/tok':>10s}"
+    lines = [head, "-" * len(head)]
+    for name in presets.names():
+        p = presets.get(name)
+        m = p.model
+        flops = m.flops_per_token(seq_len or p.seq_len) / 1e9
+        lines.append(f"{name:24s} {m.n_layers:6d} {m.d_model:6d} {m.moe.n_experts if m.moe else '-':>7} "
+                     f"{m.moe.top_k if m.moe else '-':>5} {_human(m.num_params()):>9s} "
+                     f"{_human(m.num_active_params()):>9s} {flops:10.3f}")
+    return "\n".join(lines)
+
+
+def _human(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def cmd_experiments(args) -> None:
+    from workflow.experiments import EXPERIMENTS
+
+    for exp in EXPERIMENTS.values():
+        print(exp.describe())
+
+
+# ----------------------------------------------------------------------------- parser
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="optimus", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("corpus", help="build the embedded corpus, or index an OLMoE-mix download")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--from", dest="from_dir", type=Path, default=None, help="an OLMoE-mix-0924 directory")
+    p.set_defaults(func=cmd_corpus)
+
+    p = sub.add_parser("tokenize", help="Dolma JSONL -> token arrays + indices + manifest")
+    p.add_argument("--corpus", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer.json (default: train a BPE)")
+    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)))
+    p.add_argument("--vocab-size", type=int, default=None, help="size of the BPE trained when no tokenizer is given")
+    p.add_argument("--skip-bad-records", action="store_true")
+    p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("pretrain", help="train one run")
+    p.add_argument("--preset", default=None)
+    p.add_argument("--experiment", default=None, help="a run of workflow/experiments.py")
+    p.add_argument("--scale", choices=("laptop", "paper"), default="laptop")
+    p.add_argument("--data", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True, help="the run directory")
+    p.add_argument("--run-id", default=None, help="default: the run directory's name")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--ep", type=int)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"))
+    p.add_argument("--seed", type=int)
+    p.add_argument("--experts-backend", choices=("loop", "torch", "triton"))
+    p.add_argument("--checkpoint-every", type=int)
+    p.add_argument("--store", type=Path, default=None)
+    p.add_argument("--launcher", choices=("local", "parsl"), default="local")
+    p.add_argument("--site", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.set_defaults(func=cmd_pretrain)
+
+    p = sub.add_parser("evaluate", help="held-out loss / perplexity / bits per byte of a run")
+    p.add_argument("--run", type=Path, required=True)
+    p.add_argument("--data", type=Path, default=None)
+    p.add_argument("--tasks", nargs="+", default=["heldout"])
+    p.add_argument("--max-batches", type=int, default=64)
+    p.add_argument("--store", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None, help="default: RUN/eval.json")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("figures", help="draw every figure from the results store")
+    p.add_argument("--store", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_figures)
+
+    p = sub.add_parser("report", help="write the markdown report from the results store")
+    p.add_argument("--store", type=Path, required=True)
+    p.add_argument("--figures", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("presets", help="the table of model presets")
+    p.add_argument("--seq-len", type=int, default=None)
+    p.set_defaults(func=cmd_presets)
+
+    p = sub.add_parser("experiments", help="the registry of runs")
+    p.set_defaults(func=cmd_experiments)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ConfigError as e:
+        print(f"optimus {args.command}: configuration error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
+        print(f"optimus {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Atomic outputs: a reader sees the old content or the complete new one, never a partial file.
+
+House rule 4: every output is written atomically and an interrupted writer leaves nothing that
+looks finished. Two tools cover every case in the pipeline:
+
+    from optimus_core.atomic import atomic_write, atomic_dir
+
+    atomic_write(run_dir / "meta.json", json.dumps(meta))      # one file: bytes or str
+
+    with atomic_dir(out_dir) as tmp:                           # a whole directory
+        (tmp / "a.npy").write_bytes(...)                       # build it freely inside tmp
+    # here out_dir holds exactly what was built; on an exception out_dir is untouched
+
+Temporary names start with a dot and contain ``.tmp-`` (``.meta.json.tmp-1a2b3c``), so globs
+over outputs never match them, and they sit in the same directory as the target because
+``rename`` is only atomic within one filesystem.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator, Union
+
+__all__ = ["atomic_write", "atomic_open", "atomic_dir", "fsync_dir"]
+
+
+def fsync_dir(path: Union[str, Path]) -> None:
+    """Flush a directory's entries (a rename is durable only once its directory is synced)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_open(path: Union[str, Path], mode: str = "wb") -> Iterator:
+    """Open a temporary sibling of ``path`` for writing; on a clean exit it replaces ``path``.
+
+    ``mode`` is ``"wb"`` or ``"w"`` (text, UTF-8). On an exception the temporary file is removed
+    and ``path`` keeps its old content (or stays absent).
+    """
+    if mode not in ("wb", "w"):
+        raise ValueError(f"atomic_open mode = {mode!r}: must be 'wb' or 'w'")
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; outputs are ordinary files
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write(path: Union[str, Path], data: Union[bytes, str]) -> None:
+    """Write ``data`` (bytes, or str as UTF-8) to ``path`` atomically."""
+    with atomic_open(path, "wb") as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: Union[str, Path]) -> Iterator[Path]:
+    """Build a directory in a temporary sibling and publish it as ``path`` on a clean exit.
+
+    Yields the (empty) temporary directory. On success an existing ``path`` is replaced only
+    after the new content is complete and synced; on an exception the temporary directory is
+    deleted and ``path`` is untouched. Replacing is two renames (old aside, new in), so a crash
+    between them leaves ``path`` absent plus a hidden ``.<name>.old-*`` sibling, never a mix.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        _sync_tree(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700
+        old = None
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.replace(path, old / path.name)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _sync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (the content must be durable before the
+    rename that publishes it, or a crash could publish a directory of empty files)."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(dirpath)

@@ -1,0 +1,60 @@
+"""Analytic parameter and FLOP counts of a ModelConfig (tested against the real model).
+
+Conventions (as PaLM appendix B / Megatron / torchtitan):
+- ``num_params`` counts every parameter of the instantiated model, the padded embedding and
+  the untied output layer included; ``num_active_params`` counts what one token touches: the
+  same, with only ``top_k`` of the ``n_experts`` experts of each MoE layer.
+- ``flops_per_token(seq_len)`` is forward + backward of one token: 6 x the active matmul
+  parameters (every weight matrix except the embedding lookup; router and output layer
+  included) + the attention term 12 x n_layers x d_model x seq_len (QK^T and AV, forward 2 x 2
+  FLOPs per (query, key, dim), x3 for backward, no discount for the causal mask). Norms,
+  softmax and activations are not counted. Activation recomputation is not counted either:
+  MFU measures useful work.
+"""
+from __future__ import annotations
+
+from .config import ModelConfig
+
+
+def _attention_params(cfg: ModelConfig) -> int:
+    kv_dim = cfg.kv_heads * cfg.head_dim
+    proj = 2 * cfg.d_model * cfg.d_model + 2 * cfg.d_model * kv_dim  # q, o + k, v
+    qk_norm = (cfg.d_model + kv_dim) if cfg.qk_norm else 0
+    return proj + qk_norm
+
+
+def _ffn_params(cfg: ModelConfig, active: bool) -> int:
+    if cfg.moe is None:
+        return 3 * cfg.d_model * cfg.d_ff
+    experts = cfg.moe.top_k if active else cfg.moe.n_experts
+    return cfg.d_model * cfg.moe.n_experts + experts * 3 * cfg.d_model * cfg.moe.d_expert
+
+
+def embedding_params(cfg: ModelConfig) -> int:
+    """Input embedding + untied output layer, both over the padded vocabulary."""
+    return 2 * cfg.padded_vocab_size * cfg.d_model
+
+
+def _layer_params(cfg: ModelConfig, active: bool) -> int:
+    return 2 * cfg.d_model + _attention_params(cfg) + _ffn_params(cfg, active)  # + 2 norms
+
+
+def num_params(cfg: ModelConfig) -> int:
+    return embedding_params(cfg) + cfg.d_model + cfg.n_layers * _layer_params(cfg, active=False)
+
+
+def num_active_params(cfg: ModelConfig) -> int:
+    return embedding_params(cfg) + cfg.d_model + cfg.n_layers * _layer_params(cfg, active=True)
+
+
+def active_matmul_params(cfg: ModelConfig) -> int:
+    """Weights a token multiplies with: attention, router, top_k experts (or dense MLP), output."""
+    kv_dim = cfg.kv_heads * cfg.head_dim
+    attn = 2 * cfg.d_model * cfg.d_model + 2 * cfg.d_model * kv_dim
+    per_layer = attn + _ffn_params(cfg, active=True)
+    return cfg.n_layers * per_layer + cfg.padded_vocab_size * cfg.d_model
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs (forward + backward) per token at ``seq_len``; see the module docstring."""
+    return 6 * active_matmul_params(cfg) + 12 * cfg.n_layers * cfg.d_model * seq_len

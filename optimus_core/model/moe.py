@@ -1,0 +1,61 @@
+"""The MoE feed-forward: route, (optionally) drop over capacity, permute, experts, combine."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import MoEConfig
+from .experts import Experts
+from .router import TopKRouter
+
+
+def capacity_keep_mask(topk_idx_TK: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
+    """True for the assignments that fit: each expert keeps its first ``capacity`` in token order."""
+    flat = topk_idx_TK.flatten()
+    one_hot = torch.nn.functional.one_hot(flat, n_experts)
+    position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1  # rank of this assignment in its expert
+    return (position < capacity).view_as(topk_idx_TK)
+
+
+class MoEFeedForward(nn.Module):
+    """Drop-in for the dense SwiGLU: same input and output, plus auxiliary losses and load stats.
+
+    After each forward, ``aux_loss`` holds lb_coef * lb_loss + z_coef * z_loss (a graph-connected
+    scalar the training step adds to the loss), ``last_lb_loss`` / ``last_z_loss`` the unscaled
+    values and ``last_tokens_per_expert_E`` the routing counts. They are overwritten, never
+    accumulated, so an activation-checkpointing recompute cannot count a micro-batch twice; the
+    training step reads them right after each forward.
+    """
+
+    def __init__(self, d_model: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = TopKRouter(d_model, cfg)
+        self.experts = Experts(cfg.n_experts, d_model, cfg.d_expert, cfg.experts_backend)
+        self.aux_loss = self.last_lb_loss = self.last_z_loss = self.last_tokens_per_expert_E = None
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(B * S, D)
+        routing = self.router(x_TD)
+        topk_idx_TK, topk_weight_TK = routing.topk_idx_TK, routing.topk_weight_TK
+        E, n_groups = self.cfg.n_experts, self.cfg.n_experts
+        if self.cfg.capacity_factor is not None:
+            capacity = math.ceil(self.cfg.capacity_factor * B * S * self.cfg.top_k / E)
+            keep_TK = capacity_keep_mask(topk_idx_TK, E, capacity)
+            # Dropped assignments go to a phantom group E past the last offset: the experts
+            # ignore those rows (zero output) and their combine weight is zero.
+            topk_idx_TK = torch.where(keep_TK, topk_idx_TK, E)
+            topk_weight_TK = topk_weight_TK * keep_TK
+            n_groups = E + 1
+
+        x_sorted_MD, offsets, sorted_idx = self.experts.permute(x_TD, topk_idx_TK, n_groups)
+        y_sorted_MD = self.experts(x_sorted_MD, offsets[:E])
+        out_TD = self.experts.unpermute(y_sorted_MD, sorted_idx, topk_weight_TK)
+
+        self.last_lb_loss, self.last_z_loss = routing.lb_loss, routing.z_loss
+        self.aux_loss = self.cfg.lb_loss_coef * routing.lb_loss + self.cfg.z_loss_coef * routing.z_loss
+        self.last_tokens_per_expert_E = routing.tokens_per_expert_E
+        return out_TD.view(B, S, D).to(x_BSD.dtype)

@@ -1,0 +1,178 @@
+"""The training loop: build, resume, then step / evaluate / checkpoint / log until done.
+
+    from optimus_core.train.loop import Trainer
+    summary = Trainer(cfg, data_dir="results/data/tokens", run_dir="results/runs/x", writer=w).fit()
+
+The step itself lives in optimus_core.train.step; this module only arranges what happens around
+it. A run directory that holds a valid checkpoint is resumed from it, with no flag.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import RunConfig
+from ..data import BatchLoader, TokenDataset, load_manifest
+from ..device import DeviceInfo, device_info
+from ..model.transformer import Transformer
+from . import checkpoint as ckpt
+from .evaluate import heldout_metrics
+from .optim import build_optimizer
+from .schedule import lr_at
+from .step import train_step
+
+
+class MetricsSink(Protocol):
+    """What the loop needs of a results-store writer (optimus_core.store.RunWriter)."""
+
+    def log(self, table: str, row: dict[str, Any], dims: dict | None = None) -> None: ...
+    def update_attrs(self, **attrs: Any) -> None: ...
+    def flush(self) -> None: ...
+
+
+@dataclass
+class TrainSummary:
+    steps: int  # the last step reached
+    tokens: int
+    resumed_from: int | None  # step of the checkpoint the run resumed from
+    final_loss: float
+    final_eval: dict[str, float]
+    tokens_per_s: float  # median over the steps of this process's life
+    wall_time_s: float
+
+
+def build_model(cfg: RunConfig, device: torch.device | str = "cpu") -> Transformer:
+    """The model of ``cfg``, initialised deterministically from ``cfg.train.seed``."""
+    model = Transformer(cfg.model)
+    generator = torch.Generator().manual_seed(cfg.train.seed)
+    model.init_weights(generator)
+    model.activation_checkpointing = cfg.train.activation_checkpointing
+    return model.to(device)
+
+
+def check_data_matches_model(cfg: RunConfig, data_dir: Path) -> None:
+    manifest = load_manifest(data_dir)
+    if manifest.vocab_size > cfg.model.vocab_size:
+        raise ValueError(
+            f"model.vocab_size = {cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({manifest.vocab_size}, {data_dir}/manifest.json): the data cannot be embedded")
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, data_dir: str | Path, run_dir: str | Path,
+                 writer: MetricsSink | None = None, progress: bool = True, device: DeviceInfo | None = None):
+        self.cfg, self.data_dir, self.run_dir = cfg, Path(data_dir), Path(run_dir)
+        self.writer, self.progress = writer, progress
+        self.device_info = device or device_info(cfg.train.device)
+        self.device = torch.device(self.device_info.type)
+        check_data_matches_model(cfg, self.data_dir)
+        torch.manual_seed(cfg.train.seed)
+        self.model = build_model(cfg, self.device)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        dataset = TokenDataset(self.data_dir, split="train", seq_len=cfg.data.seq_len)
+        self.loader = BatchLoader(dataset, cfg.train.global_batch, seed=cfg.data.seed)
+        self.step = 0
+        self.resumed_from = self._resume()
+        self.flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _resume(self) -> int | None:
+        found = ckpt.latest_valid(self.run_dir)
+        if found is None:
+            return None
+        saved = found.meta.get("config")
+        if saved is not None and saved["model"] != self.cfg.model.to_dict():
+            raise ValueError(f"{found.path} was saved by a different model configuration; "
+                             f"use a new run directory or the same preset")
+        self.model.load_state_dict(found.load_model_state(self.device))
+        self.optimizer.load_state_dict(found.load_optim_state(self.device))
+        state = found.load_state()
+        self.loader.load_state_dict(state["loader"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step = found.step
+        return found.step
+
+    def save(self) -> Path:
+        state = {"loader": self.loader.state_dict(), "torch_rng": torch.get_rng_state()}
+        meta = {"config": self.cfg.to_dict(), "tokens": self.tokens, "data_position": self.loader.state_dict()}
+        return ckpt.save_checkpoint(self.run_dir, self.step, model_state=self.model.state_dict(),
+                                    optim_state=self.optimizer.state_dict(), state=state, meta=meta,
+                                    keep=self.cfg.train.keep_checkpoints)
+
+    @property
+    def tokens(self) -> int:
+        return self.step * self.cfg.tokens_per_step
+
+    # ------------------------------------------------------------------ hooks around the step
+    def evaluate(self) -> dict[str, float]:
+        t = self.cfg.train
+        row = heldout_metrics(self.model, self.data_dir, seq_len=self.cfg.data.seq_len,
+                              batch_size=self.cfg.train.micro_batch or t.global_batch,
+                              max_batches=t.eval_batches, dtype=t.dtype, device=self.device)
+        self._log("eval", {"step": self.step, "tokens": self.tokens, **row})
+        return row
+
+    def _log(self, table: str, row: dict[str, Any]) -> None:
+        if self.writer is not None:
+            self.writer.log(table, row, dims={"expert_load": ("layer", "expert")} if "expert_load" in row else None)
+
+    def _train_row(self, stats, lr: float, step_time: float) -> dict[str, Any]:
+        tokens_per_s = self.cfg.tokens_per_step / step_time
+        peak = self.device_info.peak_flops
+        row = {"step": self.step, "tokens": self.tokens, "loss": stats.loss, "aux_loss": stats.aux_loss,
+               "lb_loss": stats.lb_loss, "z_loss": stats.z_loss, "lr": lr, "grad_norm": stats.grad_norm,
+               "tokens_per_s": tokens_per_s, "step_time_s": step_time,
+               "mfu": self.flops_per_token * tokens_per_s / peak if peak else float("nan")}
+        if stats.tokens_per_expert_LE is not None:
+            load_LE = stats.tokens_per_expert_LE.float()
+            share_LE = load_LE / load_LE.sum(-1, keepdim=True).clamp_min(1)
+            row["expert_load"] = share_LE.cpu().numpy()
+            row["moe_imbalance"] = float((load_LE.max(-1).values / load_LE.mean(-1).clamp_min(1e-9)).mean())
+        return row
+
+    def _should(self, every: int) -> bool:
+        return every > 0 and self.step % every == 0
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> TrainSummary:
+        t = self.cfg.train
+        start = time.perf_counter()
+        if self.resumed_from is None:
+            self.evaluate()  # the step-0 point of every held-out curve
+        if self.writer is not None:
+            self.writer.update_attrs(resumed_from=self.resumed_from)
+        step_times, last_loss = [], float("nan")
+        bar = tqdm(total=t.steps, initial=self.step, desc=self.cfg.preset or "train", unit="step",
+                   disable=not self.progress, dynamic_ncols=True)
+        while self.step < t.steps:
+            t0 = time.perf_counter()
+            batch = self.loader.next_batch().to(self.device, non_blocking=True)
+            lr = lr_at(self.step, t.steps, self.cfg.optim.lr, self.cfg.schedule)
+            stats = train_step(self.model, self.optimizer, batch, micro_batch=t.micro_batch,
+                               grad_clip=self.cfg.optim.grad_clip, lr=lr, dtype=t.dtype)
+            self.step += 1
+            step_time = time.perf_counter() - t0
+            step_times.append(step_time)
+            last_loss = stats.loss
+            if self._should(t.log_every) or self.step == t.steps:
+                self._log("train", self._train_row(stats, lr, step_time))
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{self.cfg.tokens_per_step / step_time:,.0f}")
+            if self._should(t.eval_every) and self.step < t.steps:
+                self.evaluate()
+            if self._should(t.checkpoint_every) and self.step < t.steps:
+                self.save()
+        bar.close()
+        final_eval = self.evaluate()
+        self.save()
+        if self.writer is not None:
+            self.writer.flush()
+        median = sorted(step_times)[len(step_times) // 2] if step_times else float("nan")
+        return TrainSummary(self.step, self.tokens, self.resumed_from, last_loss, final_eval,
+                            self.cfg.tokens_per_step / median if step_times else float("nan"),
+                            time.perf_counter() - start)

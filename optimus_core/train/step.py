@@ -1,0 +1,73 @@
+"""One optimizer step: forward, loss, backward over micro-batches, clip, update. Nothing else.
+
+Checkpointing, evaluation and metrics hook in around it (optimus_core.train.loop).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..model.transformer import Transformer
+from .optim import clip_grad_norm
+
+
+@dataclass
+class StepStats:
+    loss: float  # language-model cross entropy, mean over the step's tokens
+    aux_loss: float  # MoE auxiliary losses as added to the objective (0 for dense)
+    lb_loss: float  # unscaled load-balancing loss, mean over MoE layers (nan for dense)
+    z_loss: float  # unscaled router z-loss, mean over MoE layers (nan for dense)
+    grad_norm: float
+    tokens_per_expert_LE: torch.Tensor | None  # routing counts of the step, per MoE layer
+
+
+def autocast_context(device_type: str, dtype: str):
+    """bf16 autocast with float32 master weights and optimizer state; float32 runs as is."""
+    if dtype == "bfloat16":
+        return torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+
+
+def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: torch.Tensor, *,
+               micro_batch: int, grad_clip: float | None, lr: float, dtype: str) -> StepStats:
+    """Accumulate gradients over ``batch_BS1`` (B sequences of S+1 tokens) in micro-batches."""
+    model.train()
+    device_type = batch_BS1.device.type
+    chunks = batch_BS1.split(micro_batch) if micro_batch else (batch_BS1,)
+    n_tokens = batch_BS1.shape[0] * (batch_BS1.shape[1] - 1)
+    moe_layers = model.moe_layers()
+    loss_sum = aux_sum = lb_sum = z_sum = 0.0
+    load_LE = None
+    for chunk in chunks:
+        weight = chunk.shape[0] * (chunk.shape[1] - 1) / n_tokens  # token share of this chunk
+        with autocast_context(device_type, dtype):
+            logits = model(chunk[:, :-1])
+        ce = lm_loss(logits, chunk[:, 1:])
+        aux = model.aux_loss()
+        objective = ce + aux if aux is not None else ce
+        (objective * weight).backward()
+        loss_sum += ce.item() * weight
+        if moe_layers:
+            aux_sum += aux.item() * weight
+            lb_sum += weight * sum(m.last_lb_loss.item() for m in moe_layers) / len(moe_layers)
+            z_sum += weight * sum(m.last_z_loss.item() for m in moe_layers) / len(moe_layers)
+            counts = torch.stack([m.last_tokens_per_expert_E for m in moe_layers])
+            load_LE = counts if load_LE is None else load_LE + counts
+
+    grad_norm = clip_grad_norm(model, grad_clip)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for layer, load_E in zip(moe_layers, load_LE if load_LE is not None else []):
+        layer.router.update_balance_bias(load_E)
+    nan = float("nan")
+    return StepStats(loss_sum, aux_sum, lb_sum if moe_layers else nan, z_sum if moe_layers else nan,
+                     float(grad_norm), load_LE)

@@ -1,0 +1,243 @@
+"""Stage ``figures``: every figure, drawn from the results store alone (house rule 8).
+
+    from stages.figures import FiguresConfig, FiguresInputs, FiguresOutputs, run_figures
+
+    result = run_figures(FiguresConfig(), FiguresInputs(store=Path("results/store.zarr")),
+                         FiguresOutputs(out_dir=Path("results/figures")))
+    result.paths    # always the four FIGURES, in that order
+    result.skipped  # {"expert_load.png": "no MoE run in the store"}: drawn as a note instead
+
+Every name in FIGURES is always written, so the Snakemake rule can declare them all: a figure
+whose data is absent is drawn as a centred note and listed in ``skipped`` with the reason.
+Runs are ``config.runs`` or else every completed run, in creation order; a run keeps its
+colour across figures. PNGs are drawn with the Agg canvas (no pyplot, no global backend) and
+written atomically.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, ClassVar, Optional, Union
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from optimus_core.config import _Validated
+from optimus_core.atomic import atomic_open
+from optimus_core.store import ResultsStore, StoreKeyError, open_store
+
+# File name -> caption; the report embeds them in this order.
+FIGURES = {
+    "loss.png": "Training loss (thin: per step, thick: EMA) and held-out loss (markers) vs tokens",
+    "heldout.png": "Held-out loss per corpus source during training (stars: final evaluation)",
+    "throughput.png": "Training throughput (tokens/s) per step",
+    "expert_load.png": "Fraction of tokens routed to each expert at the last logged step, and load imbalance",
+}
+
+
+@dataclass(frozen=True)
+class FiguresConfig(_Validated):
+    _section: ClassVar[str] = "figures"
+
+    runs: Optional[tuple[str, ...]] = None  # None: every completed run
+    smoothing: float = 0.9  # EMA weight of the past for the smoothed training loss; 0 = none
+    log_x: bool = False  # tokens on a log axis
+    dpi: int = 120
+
+    def check(self) -> None:
+        self._require(0 <= self.smoothing < 1, "smoothing", "must be in [0, 1)")
+        self._require(self.dpi >= 10, "dpi", "must be >= 10")
+
+
+@dataclass(frozen=True)
+class FiguresInputs:
+    store: Path
+
+
+@dataclass(frozen=True)
+class FiguresOutputs:
+    out_dir: Path
+
+
+@dataclass
+class FiguresResult:
+    paths: list[Path]
+    skipped: dict[str, str] = field(default_factory=dict)  # file name -> why it is only a note
+
+
+def run_figures(config: FiguresConfig, inputs: FiguresInputs, outputs: FiguresOutputs) -> FiguresResult:
+    data = _Data(open_store(inputs.store, mode="r"), config)
+    outputs.out_dir.mkdir(parents=True, exist_ok=True)
+    draw: dict[str, Callable[[_Data], Union[Figure, str]]] = {
+        "loss.png": _loss, "heldout.png": _heldout,
+        "throughput.png": _throughput, "expert_load.png": _expert_load,
+    }
+    result = FiguresResult(paths=[])
+    for name in FIGURES:
+        fig = draw[name](data) if data.runs else "no completed run in the store"
+        if isinstance(fig, str):
+            result.skipped[name] = fig
+            fig = _note(fig)
+        path = outputs.out_dir / name
+        with atomic_open(path, "wb") as f:
+            fig.savefig(f, format="png", dpi=config.dpi)  # a bare Figure saves PNGs with Agg
+        result.paths.append(path)
+    return result
+
+
+def select_runs(store: ResultsStore, runs: Optional[tuple[str, ...]]) -> list[str]:
+    """``runs`` as given (each must exist), or else every completed run in creation order."""
+    if runs is None:
+        table = store.runs()
+        return table.loc[table["status"] == "completed", "run_id"].tolist()
+    for run_id in runs:
+        store.attrs(run_id)  # raises StoreKeyError listing the known runs
+    return list(runs)
+
+
+class _Data:
+    """The selected runs, their colours, and their tables read once each."""
+
+    def __init__(self, store: ResultsStore, config: FiguresConfig):
+        self.store, self.config = store, config
+        self.runs = select_runs(store, config.runs)
+        self.colour = {run_id: f"C{i % 10}" for i, run_id in enumerate(self.runs)}
+        self._tables: dict[tuple[str, str], Optional[pd.DataFrame]] = {}
+
+    def table(self, run_id: str, table: str, *needs: str) -> Optional[pd.DataFrame]:
+        """The table, or None when it is absent or lacks a finite value in any column ``needs``."""
+        if (run_id, table) not in self._tables:
+            try:
+                self._tables[run_id, table] = self.store.metrics(run_id, table)
+            except StoreKeyError:
+                self._tables[run_id, table] = None
+        frame = self._tables[run_id, table]
+        if frame is None or any(c not in frame or not np.isfinite(frame[c]).any() for c in needs):
+            return None
+        return frame
+
+
+def _loss(data: _Data) -> Union[Figure, str]:
+    fig = Figure(figsize=(8, 5))
+    ax = fig.add_subplot()
+    drawn = False
+    for run_id in data.runs:
+        colour = data.colour[run_id]
+        train = data.table(run_id, "train", "tokens", "loss")
+        if train is not None:
+            ema = train["loss"].ewm(alpha=1 - data.config.smoothing, ignore_na=True).mean()
+            ax.plot(train["tokens"], train["loss"], color=colour, alpha=0.25, lw=0.8)
+            ax.plot(train["tokens"], ema, color=colour, lw=1.8, label=run_id)
+            drawn = True
+        evals = data.table(run_id, "eval", "tokens", "loss")
+        if evals is not None:
+            ax.plot(evals["tokens"], evals["loss"], "o", color=colour, mec="black", ms=5,
+                    label=f"{run_id} (held-out)")
+            drawn = True
+    if not drawn:
+        return "no run has 'tokens' and 'loss' in its train or eval table"
+    ax.set(xlabel="tokens", ylabel="loss", title="Pretraining loss")
+    if data.config.log_x:
+        ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return fig
+
+
+def _heldout(data: _Data) -> Union[Figure, str]:
+    panels = []
+    for run_id in data.runs:
+        evals = data.table(run_id, "eval", "tokens")
+        sources = sorted(c[5:] for c in evals.columns if c.startswith("loss.")) if evals is not None else []
+        if sources:
+            panels.append((run_id, evals, sources))
+    if not panels:
+        return "no run has per-source held-out losses (eval table, loss.<source> columns)"
+    all_sources = sorted({s for _, _, sources in panels for s in sources})
+    colour = {s: f"C{i % 10}" for i, s in enumerate(all_sources)}
+    ncols = min(len(panels), 3)
+    nrows = math.ceil(len(panels) / ncols)
+    fig = Figure(figsize=(5 * ncols, 3.8 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, sharey=True, squeeze=False).ravel()
+    for ax, (run_id, evals, sources) in zip(axes, panels):
+        final = data.table(run_id, "heldout", "tokens")
+        for source in sources:
+            ax.plot(evals["tokens"], evals[f"loss.{source}"], "o-", ms=3, color=colour[source], label=source)
+            if final is not None and f"loss.{source}" in final:
+                last = final.iloc[-1]
+                ax.plot(last["tokens"], last[f"loss.{source}"], "*", ms=11, color=colour[source], mec="black")
+        ax.set(title=run_id, xlabel="tokens", ylabel="held-out loss")
+        if data.config.log_x:
+            ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    return fig
+
+
+def _throughput(data: _Data) -> Union[Figure, str]:
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.add_subplot()
+    drawn = False
+    for run_id in data.runs:
+        train = data.table(run_id, "train", "tokens_per_s")
+        if train is not None:
+            median = np.nanmedian(train["tokens_per_s"])
+            ax.plot(train["step"], train["tokens_per_s"], color=data.colour[run_id], lw=1,
+                    label=f"{run_id} (median {median:,.0f})")
+            drawn = True
+    if not drawn:
+        return "no run has 'tokens_per_s' in its train table"
+    ax.set(xlabel="step", ylabel="tokens / s", title="Training throughput")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return fig
+
+
+def _expert_load(data: _Data) -> Union[Figure, str]:
+    moe = [r for r in data.runs if data.table(r, "train") is not None
+           and "expert_load" in data.store.columns(r, "train")]
+    if not moe:
+        return "no MoE run in the store"
+    fig = Figure(figsize=(12, 3.6 * len(moe)), layout="constrained")
+    axes = fig.subplots(len(moe), 2, squeeze=False, width_ratios=(3, 2))
+    for (heat_ax, line_ax), run_id in zip(axes, moe):
+        load = data.store.array(run_id, "train", "expert_load")
+        logged = np.flatnonzero(np.isfinite(load).any(axis=tuple(range(1, load.ndim))))
+        train = data.table(run_id, "train")
+        if len(logged):
+            last = np.atleast_2d(load[logged[-1]])  # (layers, experts)
+            image = heat_ax.imshow(last, aspect="auto", cmap="viridis", interpolation="nearest")
+            fig.colorbar(image, ax=heat_ax, label="fraction of tokens")
+            heat_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            heat_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+            heat_ax.set(xlabel="expert", ylabel="layer",
+                        title=f"{run_id}: expert load at step {train['step'].iloc[logged[-1]]} "
+                              f"(uniform = {1 / last.shape[-1]:.3g})")
+        else:
+            _centred(heat_ax, f"{run_id}: expert_load never logged")
+        if data.table(run_id, "train", "moe_imbalance") is not None:
+            line_ax.plot(train["step"], train["moe_imbalance"], color=data.colour[run_id])
+            line_ax.axhline(1.0, color="grey", ls="--", lw=0.8)
+            line_ax.set(xlabel="step", ylabel="max / mean tokens per expert", title="load imbalance")
+            line_ax.grid(alpha=0.3)
+        else:
+            _centred(line_ax, f"{run_id}: no moe_imbalance logged")
+    return fig
+
+
+def _note(text: str) -> Figure:
+    fig = Figure(figsize=(6, 3))
+    _centred(fig.add_subplot(), text)
+    return fig
+
+
+def _centred(ax, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="dimgrey")
+    ax.set_xticks([])
+    ax.set_yticks([])

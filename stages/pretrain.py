@@ -1,0 +1,114 @@
+"""Stage `pretrain`: train one run with the trainer core and record it in the results store.
+
+    from stages.pretrain import PretrainConfig, PretrainInputs, PretrainOutputs, run_pretrain
+    cfg = presets.get("mula-7b-a1b@laptop").run_config(**{"train.steps": 200})
+    run_pretrain(PretrainConfig(cfg, run_id="laptop-mula-7b-a1b"),
+                 PretrainInputs(data_dir=Path("results/data/tokens")),
+                 PretrainOutputs(run_dir=Path("results/runs/laptop-mula-7b-a1b"), store=Path("results/store.zarr")))
+
+The run directory holds ``meta.json`` (run id, status, config) from the first step on,
+``checkpoints/``, and ``summary.json`` only once the run has finished: the file the workflow
+declares as the stage's output, so an interrupted run never looks finished, and rerunning the
+stage on the same directory resumes from the newest valid checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from optimus_core.atomic import atomic_write
+from optimus_core.config import RunConfig
+from optimus_core.device import device_info
+from optimus_core.provenance import describe, utc_now
+from optimus_core.store import open_store
+from optimus_core.train.loop import Trainer
+
+
+@dataclass
+class PretrainConfig:
+    run: RunConfig
+    run_id: str
+    experiment: str = ""
+    progress: bool = True
+
+    def __post_init__(self):
+        if not self.run_id or "/" in self.run_id or self.run_id.startswith("."):
+            raise ValueError(f"run_id = {self.run_id!r}: must be a non-empty name without '/' or a leading '.'")
+
+
+@dataclass
+class PretrainInputs:
+    data_dir: Path
+
+
+@dataclass
+class PretrainOutputs:
+    run_dir: Path
+    store: Path | None = None  # None: metrics are not recorded (tests, quick experiments)
+
+
+@dataclass
+class PretrainResult:
+    run_id: str
+    run_dir: Path
+    steps: int
+    tokens: int
+    resumed_from: int | None
+    final_loss: float
+    final_eval: dict = field(default_factory=dict)
+    tokens_per_s: float = float("nan")
+    wall_time_s: float = float("nan")
+
+
+def _check_run_dir(run_dir: Path, run_id: str) -> None:
+    """A run directory belongs to one run: refuse to train another run into it."""
+    meta_path = run_dir / "meta.json"
+    if meta_path.is_file():
+        existing = json.loads(meta_path.read_text()).get("run_id")
+        if existing != run_id:
+            raise ValueError(f"{run_dir} holds run {existing!r}, not {run_id!r}: use another --out")
+
+
+def run_pretrain(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainOutputs) -> PretrainResult:
+    run_dir = Path(outputs.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _check_run_dir(run_dir, config.run_id)
+    cfg = config.run.replace(data=config.run.data.replace(path=str(Path(inputs.data_dir).resolve())))
+    info = device_info(cfg.train.device)
+    attrs = {
+        "run_id": config.run_id, "experiment": config.experiment, "preset": cfg.preset,
+        "config": cfg.to_dict(), "run_dir": str(run_dir.resolve()),
+        "n_params": cfg.model.num_params(), "n_active_params": cfg.model.num_active_params(),
+        "flops_per_token": cfg.model.flops_per_token(cfg.data.seq_len),
+        "tokens_per_step": cfg.tokens_per_step, "device": info.type, **describe(info.name),
+    }
+    meta = {k: attrs[k] for k in ("run_id", "experiment", "preset", "config")}
+    atomic_write(run_dir / "meta.json", json.dumps(dict(meta, status="running", started=utc_now()), indent=2))
+
+    store = open_store(outputs.store) if outputs.store else None
+    writer = store.run_writer(config.run_id, attrs) if store else None
+    start = time.time()
+    try:
+        trainer = Trainer(cfg, inputs.data_dir, run_dir, writer=writer, progress=config.progress, device=info)
+        if writer:
+            writer.set_status("running")
+        summary = trainer.fit()
+    except BaseException as e:
+        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        if writer:
+            writer.close(status=status)
+        atomic_write(run_dir / "meta.json", json.dumps(dict(meta, status=status, error=repr(e)), indent=2))
+        raise
+    wall = time.time() - start
+    result = PretrainResult(config.run_id, run_dir, summary.steps, summary.tokens, summary.resumed_from,
+                            summary.final_loss, summary.final_eval, summary.tokens_per_s, wall)
+    if writer:
+        writer.update_attrs(wall_time_s=wall, tokens=summary.tokens, steps=summary.steps,
+                            tokens_per_s=summary.tokens_per_s, finished=utc_now())
+        writer.close(status="completed")
+    atomic_write(run_dir / "meta.json", json.dumps(dict(meta, status="completed", finished=utc_now()), indent=2))
+    summary_json = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items()}
+    atomic_write(run_dir / "summary.json", json.dumps(summary_json, indent=2))
+    return result

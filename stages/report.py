@@ -1,0 +1,208 @@
+"""Stage ``report``: results/report.md, written from the results store alone (house rule 8).
+
+    from stages.report import ReportConfig, ReportInputs, ReportOutputs, run_report
+
+    run_report(ReportConfig(),
+               ReportInputs(store=Path("results/store.zarr"), figures_dir=Path("results/figures")),
+               ReportOutputs(report=Path("results/report.md")))
+
+The report holds a summary table of the runs, the figures (relative links), and per run its
+held-out losses (first and last evaluation during training, and the final ``heldout`` table
+when the evaluate stage wrote one) and its resolved config. Its date is the latest ``updated``
+of the runs shown, never the time of writing, so the same store always gives the same bytes.
+Runs are chosen as for the figures: ``config.runs``, or else every completed run.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, ClassVar, Optional
+
+import numpy as np
+import pandas as pd
+
+from optimus_core.config import _Validated
+from optimus_core.atomic import atomic_open
+from optimus_core.store import ResultsStore, StoreKeyError, open_store
+from stages.figures import FIGURES, select_runs
+
+DASH = "–"  # a value the store does not have
+
+
+@dataclass(frozen=True)
+class ReportConfig(_Validated):
+    _section: ClassVar[str] = "report"
+
+    runs: Optional[tuple[str, ...]] = None  # None: every completed run
+    title: str = "Optimus results"
+    final_loss_rows: int = 10  # "final train loss" is the mean over this many last rows
+
+    def check(self) -> None:
+        self._require(self.final_loss_rows >= 1, "final_loss_rows", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class ReportInputs:
+    store: Path
+    figures_dir: Path
+
+
+@dataclass(frozen=True)
+class ReportOutputs:
+    report: Path
+
+
+@dataclass
+class ReportResult:
+    report: Path
+    runs: list[str]
+
+
+def run_report(config: ReportConfig, inputs: ReportInputs, outputs: ReportOutputs) -> ReportResult:
+    store = open_store(inputs.store, mode="r")
+    run_ids = select_runs(store, config.runs)
+    attrs = {r: store.attrs(r) for r in run_ids}
+    lines = [f"# {config.title}", "", _provenance(store, inputs.store, run_ids, attrs), ""]
+    if run_ids:
+        lines += ["## Summary", "", *_summary(store, run_ids, attrs, config.final_loss_rows), "",
+                  f"Final train loss: mean of the last {config.final_loss_rows} logged steps. "
+                  f"Steps: the last logged step.", ""]
+    lines += _figures(inputs.figures_dir, outputs.report.parent)
+    for run_id in run_ids:
+        lines += _run_section(store, run_id, attrs[run_id])
+    outputs.report.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_open(outputs.report, "w") as f:
+        f.write("\n".join(lines).rstrip() + "\n")
+    return ReportResult(report=outputs.report, runs=run_ids)
+
+
+def _provenance(store: ResultsStore, store_path: Path, run_ids: list[str], attrs: dict) -> str:
+    revs = list(dict.fromkeys(str(a["git_rev"]) for a in attrs.values() if a.get("git_rev")))
+    updated = max((a["updated"] for a in attrs.values()), default=None)
+    line = (f"Written from the results store `{store_path}` alone: {len(run_ids)} run(s), "
+            f"git revision {', '.join(f'`{r}`' for r in revs) or 'unrecorded'}")
+    if updated:
+        when = datetime.fromisoformat(updated).strftime("%Y-%m-%d %H:%M UTC")
+        line += f", last updated {when}"
+    others = store.runs()
+    others = others[~others["run_id"].isin(run_ids)]
+    if len(others):
+        line += ". Not shown: " + ", ".join(f"`{r}` ({s})" for r, s in zip(others["run_id"], others["status"]))
+    return line + "."
+
+
+def _summary(store: ResultsStore, run_ids: list[str], attrs: dict, last_n: int) -> list[str]:
+    rows = [["run", "preset", "params", "active params", "steps", "tokens",
+             "final train loss", "median tokens/s", "wall time"]]
+    for run_id in run_ids:
+        a = attrs[run_id]
+        train = _table(store, run_id, "train")
+        rows.append([
+            f"`{run_id}`", a.get("preset") or DASH, _count(a.get("n_params")), _count(a.get("n_active_params")),
+            _int(_last(train, "step")), _int(_last(train, "tokens")),
+            _num(train["loss"].dropna().tail(last_n).mean() if "loss" in train else None, ".4f"),
+            _num(train["tokens_per_s"].median() if "tokens_per_s" in train else None, ",.0f"),
+            _duration(a.get("wall_time_s")),
+        ])
+    return _markdown_table(rows, align="llrrrrrrr")
+
+
+def _figures(figures_dir: Path, report_dir: Path) -> list[str]:
+    lines = ["## Figures", ""]
+    for name, caption in FIGURES.items():
+        path = figures_dir / name
+        if path.exists():
+            link = Path(os.path.relpath(path, report_dir)).as_posix()
+            lines += [f"![{caption}]({link})", "", f"*{caption}.*", ""]
+        else:
+            lines += [f"*{name}: not drawn (run `optimus figures`).*", ""]
+    return lines
+
+
+def _run_section(store: ResultsStore, run_id: str, attrs: dict) -> list[str]:
+    facts = [f"{k}: {attrs[k]}" for k in ("experiment", "preset", "status", "hardware", "host") if attrs.get(k)]
+    lines = [f"## `{run_id}`", "", ", ".join(facts) + ".", ""]
+    evals = _table(store, run_id, "eval")
+    if len(evals):
+        first, last = evals.iloc[0], evals.iloc[-1]
+        rows = [["source", "first loss", "first ppl", "last loss", "last ppl"]]
+        for source, suffix in _sources(evals):
+            rows.append([source, _num(first.get("loss" + suffix), ".4f"), _num(first.get("ppl" + suffix), ",.2f"),
+                         _num(last.get("loss" + suffix), ".4f"), _num(last.get("ppl" + suffix), ",.2f")])
+        lines += ["### Held-out loss during training", "",
+                  f"First evaluation {_at(first)}, last {_at(last)}.", "",
+                  *_markdown_table(rows, align="lrrrr"), ""]
+    heldout = _table(store, run_id, "heldout")
+    if len(heldout):
+        final = heldout.iloc[-1]
+        rows = [["source", "loss", "ppl", "bits per byte"]]
+        for source, suffix in _sources(heldout):
+            rows.append([source, _num(final.get("loss" + suffix), ".4f"), _num(final.get("ppl" + suffix), ",.2f"),
+                         _num(final.get("bpb" + suffix), ".4f")])
+        lines += ["### Final held-out evaluation", "", f"Evaluated {_at(final)}.", "",
+                  *_markdown_table(rows, align="lrrr"), ""]
+    config = json.dumps(attrs.get("config", {}), indent=2, sort_keys=True)
+    lines += ["<details><summary>Resolved config</summary>", "", "```json", config, "```", "", "</details>", ""]
+    return lines
+
+
+def _table(store: ResultsStore, run_id: str, table: str) -> pd.DataFrame:
+    try:
+        return store.metrics(run_id, table)
+    except StoreKeyError:
+        return pd.DataFrame()
+
+
+def _sources(frame: pd.DataFrame) -> list[tuple[str, str]]:
+    """(label, column suffix): all sources together first, then each ``<metric>.<source>``."""
+    sources = sorted({c.split(".", 1)[1] for c in frame.columns if c.startswith(("loss.", "ppl.", "bpb."))})
+    return [("all", "")] + [(s, f".{s}") for s in sources]
+
+
+def _at(row: pd.Series) -> str:
+    return f"at step {_int(row.get('step'))} ({_int(row.get('tokens'))} tokens)"
+
+
+def _last(frame: pd.DataFrame, column: str) -> Any:
+    return frame[column].iloc[-1] if column in frame and len(frame) else None
+
+
+def _missing(x: Any) -> bool:
+    return x is None or (isinstance(x, (float, np.floating)) and math.isnan(x))
+
+
+def _num(x: Any, spec: str) -> str:
+    return DASH if _missing(x) else format(float(x), spec)
+
+
+def _int(x: Any) -> str:
+    return DASH if _missing(x) else f"{int(x):,}"
+
+
+def _count(x: Any) -> str:
+    """Parameter counts as 6.92B / 1.30M / 12.3K."""
+    if _missing(x):
+        return DASH
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return str(int(x))
+
+
+def _duration(seconds: Any) -> str:
+    if _missing(seconds):
+        return DASH
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
+
+
+def _markdown_table(rows: list[list[str]], align: str) -> list[str]:
+    rule = ["---:" if a == "r" else "---" for a in align]
+    return ["| " + " | ".join(map(str, row)) + " |" for row in [rows[0], rule, *rows[1:]]]

@@ -1,0 +1,146 @@
+"""The model against a straightforward reference written here, with the same weights."""
+import math
+
+import pytest
+import torch
+
+from optimus_core import presets
+from optimus_core.config import ModelConfig, MoEConfig
+from optimus_core.model.moe import capacity_keep_mask
+from optimus_core.model.transformer import Transformer
+
+
+def rms(x, w, eps):
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def rope(x, theta):  # x (S, H, Dh): rotate pairs (i, i + Dh/2) by pos * theta^(-2i/Dh)
+    S, _, Dh = x.shape
+    out = torch.empty_like(x)
+    for pos in range(S):
+        for i in range(Dh // 2):
+            angle = pos / theta ** (2 * i / Dh)
+            a, b = x[pos, :, i], x[pos, :, i + Dh // 2]
+            out[pos, :, i] = a * math.cos(angle) - b * math.sin(angle)
+            out[pos, :, i + Dh // 2] = b * math.cos(angle) + a * math.sin(angle)
+    return out
+
+
+def reference_forward(model: Transformer, tokens):
+    """One sequence at a time, one token at a time through the experts: no shared code."""
+    cfg = model.cfg
+    raw = model.state_dict()
+    sd = {k: v.double() for k, v in raw.items() if "experts" not in k}  # experts: cast per use
+    H, G, Dh = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    outs = []
+    for seq in tokens:
+        x = sd["embed.weight"][seq]
+        S = x.shape[0]
+        for i in range(cfg.n_layers):
+            p = lambda n: sd[f"blocks.{i}.{n}"]  # noqa: E731
+            h = rms(x, p("attn_norm.weight"), cfg.norm_eps)
+            q, k, v = h @ p("attn.w_q.weight").T, h @ p("attn.w_k.weight").T, h @ p("attn.w_v.weight").T
+            if cfg.qk_norm:
+                q, k = rms(q, p("attn.q_norm.weight"), cfg.norm_eps), rms(k, p("attn.k_norm.weight"), cfg.norm_eps)
+            q, k, v = q.view(S, H, Dh), k.view(S, G, Dh), v.view(S, G, Dh)
+            q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
+            att = torch.zeros(S, H, Dh, dtype=torch.float64)
+            for head in range(H):
+                g = head // (H // G)
+                scores = q[:, head] @ k[:, g].T / math.sqrt(Dh)
+                scores = scores.masked_fill(torch.triu(torch.ones(S, S, dtype=torch.bool), 1), float("-inf"))
+                att[:, head] = scores.softmax(-1) @ v[:, g]
+            x = x + att.reshape(S, H * Dh) @ p("attn.w_o.weight").T
+            h = rms(x, p("ffn_norm.weight"), cfg.norm_eps)
+            if cfg.moe is None:
+                gate, up = h @ p("ffn.w_gate.weight").T, h @ p("ffn.w_up.weight").T
+                x = x + (torch.nn.functional.silu(gate) * up) @ p("ffn.w_down.weight").T
+            else:
+                probs = (h @ p("ffn.router.gate.weight").T).softmax(-1)
+                y = torch.zeros_like(x)
+                for t in range(S):
+                    top = probs[t].topk(cfg.moe.top_k)
+                    for weight, e in zip(top.values, top.indices):
+                        gate, up = (h[t] @ raw[f"blocks.{i}.ffn.experts.w_up"][e].double()).chunk(2)
+                        y[t] += weight * (torch.nn.functional.silu(gate) * up) @ raw[f"blocks.{i}.ffn.experts.w_down"][e].double()
+                x = x + y
+        outs.append(rms(x, sd["final_norm.weight"], cfg.norm_eps) @ sd["lm_head.weight"].T)
+    return torch.stack(outs)
+
+
+def build(cfg, seed=0):
+    model = Transformer(cfg)
+    model.init_weights(torch.Generator().manual_seed(seed))
+    return model
+
+
+@pytest.mark.parametrize("cfg", [
+    ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, d_ff=48),
+    ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, qk_norm=False),
+    ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=2, moe=MoEConfig(n_experts=8, top_k=3, d_expert=16)),
+], ids=["dense", "gqa-no-qknorm", "moe"])
+def test_forward_matches_reference(cfg):
+    model = build(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = model(tokens).double()
+    torch.testing.assert_close(got, reference_forward(model, tokens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_mula_7b_a1b_two_layers_matches_reference():
+    """The real OLMoE widths (2048, 16 heads, 64 experts top-8, hidden 1024), 2 layers, float32."""
+    cfg = presets.get("mula-7b-a1b").model.replace(n_layers=2)
+    model = build(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = model(tokens).double()
+    torch.testing.assert_close(got, reference_forward(model, tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_init_is_truncated_normal_and_deterministic():
+    cfg = presets.get("mula-7b-a1b@laptop").model
+    a, b = build(cfg, seed=3), build(cfg, seed=3)
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+        if p.ndim >= 2:
+            assert p.abs().max() <= 3 * cfg.init_std + 1e-7, name
+    w = a.blocks[0].ffn.experts.w_up
+    assert abs(w.std().item() - 0.02 * 0.9866) < 0.0005  # std of N(0, .02) truncated at 3 sigma
+
+
+def test_moe_aux_losses_match_hand_computed_values():
+    cfg = MoEConfig(n_experts=4, top_k=2, d_expert=8)
+    model = Transformer(ModelConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, moe=cfg))
+    router = model.blocks[0].ffn.router
+    x = torch.eye(8)[:4]  # 4 tokens; logits = rows of the gate weight's transpose
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.tensor([[1.0, 0, 0, 0, 0, 0, 0, 0], [0, 2.0, 0, 0, 0, 0, 0, 0],
+                                               [0, 0, 3.0, 0, 0, 0, 0, 0], [0, 0, 0, 4.0, 0, 0, 0, 0]]))
+    r = router(x)
+    logits = torch.diag(torch.tensor([1.0, 2.0, 3.0, 4.0]))  # token t's logit t+1 on expert t
+    probs = logits.softmax(-1)
+    # token t picks expert t (its largest) and, for the tie of the other three at 0, the lowest id
+    counts = torch.bincount(r.topk_idx_TK.flatten(), minlength=4).float()
+    expected_lb = 4 * ((counts / 8) * probs.mean(0)).sum()
+    expected_z = torch.logsumexp(logits, -1).pow(2).mean()
+    assert torch.allclose(r.lb_loss, expected_lb) and torch.allclose(r.z_loss, expected_z)
+    assert r.topk_idx_TK[:, 0].tolist() == [0, 1, 2, 3]
+    assert counts.sum() == 8
+
+
+def test_capacity_drops_overflow_in_token_order():
+    idx = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])
+    keep = capacity_keep_mask(idx, 4, capacity=2)
+    assert keep.tolist() == [[True, True], [True, True], [False, True], [True, False]]
+
+
+def test_capacity_factor_zeroes_dropped_assignments():
+    base = ModelConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2,
+                       moe=MoEConfig(n_experts=4, top_k=2, d_expert=8))
+    dropless, capped = build(base), build(base.replace(moe=base.moe.replace(capacity_factor=100.0)))
+    tokens = torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        assert torch.allclose(dropless(tokens), capped(tokens), atol=1e-6)  # huge capacity: nothing dropped
+        tight = build(base.replace(moe=base.moe.replace(capacity_factor=0.25)))
+        assert not torch.allclose(dropless(tokens), tight(tokens), atol=1e-4)

@@ -1,0 +1,150 @@
+"""Figures and report stages: drawn from a synthetic results store alone."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib.image
+import numpy as np
+import pytest
+
+from optimus_core.config import ConfigError
+from optimus_core.store import StoreKeyError, open_store
+from stages.figures import FIGURES, FiguresConfig, FiguresInputs, FiguresOutputs, FiguresResult, run_figures
+from stages.report import ReportConfig, ReportInputs, ReportOutputs, run_report
+
+SOURCES = ("code", "web")
+EVAL_STEPS = (10, 20, 30, 40)
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _eval_loss(source: str, i: int) -> float:
+    return 9.0 - 0.75 * i + (0.123456 if source == "web" else 0.654321)
+
+
+def _write_run(store, run_id: str, moe: bool, evals: bool = True, status: str = "completed") -> None:
+    attrs = {"experiment": "laptop", "preset": f"{run_id}-preset", "git_rev": "abc1234",
+             "n_params": 7_000_000_000 if moe else 1_200_000_000, "n_active_params": 1_300_000_000,
+             "wall_time_s": 3723.0, "hardware": "cpu", "config": {"model": {"n_layers": 2}, "moe": moe}}
+    rng = np.random.default_rng(len(run_id))
+    with store.run_writer(run_id, attrs, flush_every=16) as w:
+        for step in range(1, 41):
+            row = {"step": step, "tokens": 1024 * step, "loss": 10.0 / step ** 0.3 + 0.05 * rng.random(),
+                   "lr": 1e-3, "tokens_per_s": 5000.0 + step}
+            if moe:
+                load = rng.dirichlet(np.ones(4), size=2).astype(np.float32)
+                row.update(expert_load=load, moe_imbalance=float(load.max(-1).mean() * 4))
+            w.log("train", row, dims={"expert_load": ("layer", "expert")})
+        for i, step in enumerate(EVAL_STEPS if evals else ()):
+            row = {"step": step, "tokens": 1024 * step, "loss": 8.0 - i, "ppl": float(np.exp(8.0 - i))}
+            for s in SOURCES:
+                row |= {f"loss.{s}": _eval_loss(s, i), f"ppl.{s}": float(np.exp(_eval_loss(s, i)))}
+            w.log("eval", row)
+        if evals:
+            w.log("heldout", {"step": 40, "tokens": 40960, "loss": 4.5, "ppl": 90.0, "bpb": 1.25,
+                              **{f"bpb.{s}": 1.0 + len(s) / 100 for s in SOURCES}})
+        w.close(status)
+
+
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory) -> Path:
+    """Two completed runs (dense, MoE) and a failed one; tests only read it."""
+    path = tmp_path_factory.mktemp("store") / "results" / "store.zarr"
+    store = open_store(path)
+    _write_run(store, "dense", moe=False)
+    _write_run(store, "moe", moe=True)
+    _write_run(store, "broken", moe=False, status="failed")
+    return path
+
+
+def _figures(store: Path, out: Path, **config) -> FiguresResult:
+    return run_figures(FiguresConfig(**config), FiguresInputs(store=store), FiguresOutputs(out_dir=out))
+
+
+def _assert_pngs(paths: list[Path]) -> None:
+    assert [p.name for p in paths] == list(FIGURES)
+    for path in paths:
+        assert path.read_bytes()[:8] == PNG_MAGIC
+        height, width, _ = matplotlib.image.imread(path).shape  # decodes: a whole, valid PNG
+        assert height > 100 and width > 100
+    assert not [p for p in paths[0].parent.iterdir() if p.name.startswith(".")]  # no temp files
+
+
+# ----------------------------------------------------------------------------- figures
+
+def test_figures_draw_every_figure_from_the_store(store_path, tmp_path):
+    result = _figures(store_path, tmp_path / "figures")
+    _assert_pngs(result.paths)
+    assert result.skipped == {}
+
+
+def test_figures_without_data_are_notes_listed_with_the_reason(tmp_path):
+    path = tmp_path / "store.zarr"
+    _write_run(open_store(path), "dense", moe=False, evals=False)
+    result = _figures(path, tmp_path / "figures")
+    _assert_pngs(result.paths)
+    assert set(result.skipped) == {"heldout.png", "expert_load.png"}
+    assert result.skipped["expert_load.png"] == "no MoE run in the store"
+    assert "loss.<source>" in result.skipped["heldout.png"]
+
+    empty = tmp_path / "empty.zarr"
+    open_store(empty)
+    result = _figures(empty, tmp_path / "empty-figures")
+    _assert_pngs(result.paths)
+    assert set(result.skipped.values()) == {"no completed run in the store"}
+
+
+def test_figures_choose_runs(store_path, tmp_path):
+    # only completed runs by default: the failed dense-only run alone has no MoE data
+    result = _figures(store_path, tmp_path / "a", runs=["broken"])
+    assert set(result.skipped) == {"expert_load.png"}
+    with pytest.raises(StoreKeyError, match="known runs: broken, dense, moe"):
+        _figures(store_path, tmp_path / "b", runs=["nope"])
+    with pytest.raises(ConfigError, match=r"figures.smoothing = 1.0"):
+        FiguresConfig(smoothing=1.0)
+
+
+# ----------------------------------------------------------------------------- report
+
+def _report(store_path: Path, report: Path, figures: Path) -> str:
+    run_report(ReportConfig(), ReportInputs(store=store_path, figures_dir=figures), ReportOutputs(report=report))
+    return report.read_text()
+
+
+def test_report_holds_the_numbers_of_the_store_and_links_the_figures(store_path, tmp_path):
+    results = tmp_path / "results"
+    _figures(store_path, results / "figures")
+    text = _report(store_path, results / "report.md", results / "figures")
+    store = open_store(store_path, mode="r")
+
+    for name in FIGURES:
+        assert f"](figures/{name})" in text
+    for run_id in ("dense", "moe"):
+        first, last = store.metrics(run_id, "eval").iloc[[0, -1]].to_dict("records")
+        for s in SOURCES:
+            assert f"| {s} | {first[f'loss.{s}']:.4f} | {first[f'ppl.{s}']:,.2f} " \
+                   f"| {last[f'loss.{s}']:.4f} | {last[f'ppl.{s}']:,.2f} |" in text
+        train = store.metrics(run_id)
+        final_loss = train["loss"].tail(10).mean()
+        assert f"| `{run_id}` | {run_id}-preset |" in text
+        assert f"| 40 | 40,960 | {final_loss:.4f} | {train['tokens_per_s'].median():,.0f} | 1h 02m 03s |" in text
+    assert f"| all | 8.0000 | {np.exp(8.0):,.2f} | 5.0000 | {np.exp(5.0):,.2f} |" in text
+    assert "| all | 4.5000 | 90.00 | 1.2500 |" in text and "| web | – | – | 1.0300 |" in text
+    assert "| 7B | 1.3B |" in text and "| 1.2B | 1.3B |" in text
+    updated = max(store.attrs(r)["updated"] for r in ("dense", "moe"))
+    assert "git revision `abc1234`" in text and f"last updated {updated[:10]} {updated[11:16]} UTC" in text
+    assert "Not shown: `broken` (failed)" in text and "## `broken`" not in text
+
+    config = text.split("```json\n", 1)[1].split("```", 1)[0]
+    assert json.loads(config) == store.attrs("dense")["config"]
+    assert "<details><summary>Resolved config</summary>" in text
+
+
+def test_report_is_reproducible_and_links_relative_to_itself(store_path, tmp_path):
+    figures = tmp_path / "elsewhere" / "figs"
+    _figures(store_path, figures)
+    report = tmp_path / "report.md"
+    first = _report(store_path, report, figures)
+    assert first == _report(store_path, report, figures)  # no clock in the report
+    assert "](elsewhere/figs/loss.png)" in first
+    assert [p.name for p in tmp_path.iterdir() if p.is_file()] == ["report.md"]  # no temp files

@@ -1,0 +1,20 @@
+rule figures:
+    input:
+        expand(f"{RES}/runs/{{run}}/eval.json", run=PRETRAIN_RUNS),
+    output:
+        FIGURES,
+    log:
+        f"{RES}/logs/figures.log",
+    shell:
+        f"optimus figures --store {STORE} --out {RES}/figures > {{log}} 2>&1"
+
+
+rule report:
+    input:
+        FIGURES,
+    output:
+        REPORT,
+    log:
+        f"{RES}/logs/report.log",
+    shell:
+        f"optimus report --store {STORE} --figures {RES}/figures --out {{output}} > {{log}} 2>&1"
