@@ -1,0 +1,130 @@
+"""The training loop: it learns, accumulation is exact, and a resumed run is the same run."""
+import shutil
+
+import pytest
+import torch
+
+from optimus_core import load_model, presets
+from optimus_core.config import DataConfig, ModelConfig, RunConfig, TrainConfig
+from optimus_core.train import checkpoint as ckpt
+from optimus_core.train import loop as loop_module
+from optimus_core.train.loop import Trainer, build_model
+from optimus_core.train.optim import build_optimizer
+from optimus_core.train.step import train_step
+
+
+class ListSink:
+    """A results-store stand-in that keeps rows in memory."""
+
+    def __init__(self):
+        self.rows = {}
+
+    def log(self, table, row, dims=None):
+        self.rows.setdefault(table, []).append(row)
+
+    def update_attrs(self, **attrs):
+        pass
+
+    def flush(self):
+        pass
+
+    def column(self, table, name):
+        return [r[name] for r in self.rows.get(table, [])]
+
+
+def laptop(name, **overrides):
+    base = {"train.steps": 40, "train.eval_batches": 2, "train.device": "cpu", "schedule.warmup_steps": 5}
+    return presets.get(name).run_config(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("preset", ["mula-1b@laptop", "mula-7b-a1b@laptop"])
+def test_loss_falls(tokens_dir, tmp_path, preset):
+    sink = ListSink()
+    summary = Trainer(laptop(preset), tokens_dir, tmp_path / "run", writer=sink, progress=False).fit()
+    losses = sink.column("train", "loss")
+    assert len(losses) == 40 and summary.steps == 40
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0
+    evals = sink.column("eval", "loss")
+    assert len(evals) == 2 and evals[-1] < evals[0]  # step 0 and the end
+    assert set(sink.rows["eval"][-1]) >= {"loss.code", "loss.prose", "loss.docs", "ppl.code", "bpb.prose"}
+    if "7b" in preset:
+        row = sink.rows["train"][-1]
+        assert row["expert_load"].shape == (4, 64) and abs(row["expert_load"].sum() - 4) < 1e-5
+        assert row["moe_imbalance"] >= 1.0 and row["lb_loss"] > 0
+
+
+def test_gradient_accumulation_matches_one_large_batch():
+    cfg = RunConfig(model=ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=16),
+                    train=TrainConfig(global_batch=8), data=DataConfig(seq_len=16))
+    batch = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(0))
+    params = []
+    for micro in (0, 2):
+        model = build_model(cfg)
+        opt = build_optimizer(model, cfg.optim)
+        train_step(model, opt, batch, micro_batch=micro, grad_clip=1.0, lr=1e-3, dtype="float32")
+        params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    torch.testing.assert_close(params[0], params[1], rtol=0, atol=1e-6)
+
+
+def _losses(sink):
+    return [(r["step"], r["loss"]) for r in sink.rows["train"]]
+
+
+def test_interrupted_run_resumes_bit_identically(tokens_dir, tmp_path, monkeypatch):
+    cfg = laptop("mula-7b-a1b@laptop", **{"train.steps": 8, "train.checkpoint_every": 3})
+    straight = ListSink()
+    Trainer(cfg, tokens_dir, tmp_path / "straight", writer=straight, progress=False).fit()
+
+    real_step, calls = loop_module.train_step, []
+
+    def dies_at_step_5(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt("simulated kill")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "train_step", dies_at_step_5)
+    first = ListSink()
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg, tokens_dir, tmp_path / "resumed", writer=first, progress=False).fit()
+    monkeypatch.setattr(loop_module, "train_step", real_step)
+    assert ckpt.latest_valid(tmp_path / "resumed").step == 3
+
+    second = ListSink()
+    trainer = Trainer(cfg, tokens_dir, tmp_path / "resumed", writer=second, progress=False)
+    assert trainer.resumed_from == 3
+    trainer.fit()
+    assert _losses(second) == _losses(straight)[3:]  # bit for bit, steps 4..8
+    assert _losses(first) == _losses(straight)[:4]
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tokens_dir, tmp_path):
+    cfg = laptop("mula-1b@laptop", **{"train.steps": 4, "train.checkpoint_every": 2, "train.keep_checkpoints": 3})
+    Trainer(cfg, tokens_dir, tmp_path / "run", progress=False).fit()
+    newest = ckpt.latest_valid(tmp_path / "run")
+    assert newest.step == 4
+    with open(newest.path / "model.pt", "r+b") as f:
+        f.seek(100)
+        f.write(b"garbage")
+    with pytest.warns(UserWarning, match="fails its sha256"):
+        assert ckpt.latest_valid(tmp_path / "run").step == 2
+    shutil.rmtree(ckpt.checkpoints_dir(tmp_path / "run") / "step_000002" / "meta.json", ignore_errors=True)
+    (ckpt.checkpoints_dir(tmp_path / "run") / "step_000002" / "meta.json").unlink()
+    with pytest.warns(UserWarning):
+        assert ckpt.latest_valid(tmp_path / "run") is None
+
+
+def test_load_model_returns_the_trained_weights(tokens_dir, tmp_path):
+    cfg = laptop("mula-7b-a1b@laptop", **{"train.steps": 2})
+    trainer = Trainer(cfg, tokens_dir, tmp_path / "run", progress=False)
+    trainer.fit()
+    model, loaded_cfg = load_model(tmp_path / "run")
+    assert loaded_cfg == cfg
+    for (name, a), b in zip(trainer.model.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_resuming_with_another_model_is_refused(tokens_dir, tmp_path):
+    Trainer(laptop("mula-1b@laptop", **{"train.steps": 1}), tokens_dir, tmp_path / "run", progress=False).fit()
+    with pytest.raises(ValueError, match="different model configuration"):
+        Trainer(laptop("mula-7b-a1b@laptop", **{"train.steps": 2}), tokens_dir, tmp_path / "run", progress=False)
