@@ -1,0 +1,45 @@
+"""Optimus kernels: the experts' compute of an MoE layer, behind one seam (house rule 6).
+
+    from kernels import grouped_mm, permute, unpermute, swiglu, available_backends
+
+    permute(x_TD, topk_idx_Tk, E)              -> x_sorted_RD, offsets_E (int32), sorted_idx_R (int64)
+    grouped_mm(x_MK, w_GKN, offsets_G)         -> y_MN
+    swiglu(h_M2H)                              -> out_MH
+    unpermute(y_sorted_RD, sorted_idx_R, w_Tk) -> out_TD
+
+Every op takes backend="loop" | "torch" | "triton" (default "triton") and has a plain-torch
+reference (`*_reference`) in its module; shapes, dtypes and semantics are in each module's
+docstring. Suffix legend: T tokens, k top-k, R = T*k rows sorted by expert, D model features,
+E = G experts (groups), M rows, K in-features, N out-features, H hidden features.
+The triton ops are registered as torch custom ops (namespace `optimus`) so that torch.compile
+traces a layer using them. This package imports only torch and (optionally) triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import INTERPRET, triton
+from .grouped_mm import grouped_mm, grouped_mm_reference, torch_grouped_mm_unsupported
+from .permute import permute, permute_reference, unpermute, unpermute_reference
+from .swiglu import swiglu, swiglu_reference
+
+__all__ = [
+    "available_backends", "grouped_mm", "grouped_mm_reference", "permute", "permute_reference",
+    "swiglu", "swiglu_reference", "torch_grouped_mm_unsupported", "unpermute", "unpermute_reference",
+]
+
+
+def available_backends() -> list[str]:
+    """The backends that run here on this machine's default device (an accelerator when there
+    is one): "loop" always; "torch" with torch._grouped_mm's fast path (bf16, CUDA sm90+);
+    "triton" with Triton and a CUDA/XPU device, or on the CPU under TRITON_INTERPRET=1."""
+    backends = ["loop"]
+    if torch.cuda.is_available():
+        probe = torch.empty(1, 8, dtype=torch.bfloat16, device="cuda")
+        if torch_grouped_mm_unsupported(probe, probe.new_empty(1, 8, 8)) is None:
+            backends.append("torch")
+    has_xpu = hasattr(torch, "xpu") and torch.xpu.is_available()
+    if triton is not None and (torch.cuda.is_available() or has_xpu or INTERPRET):
+        backends.append("triton")
+    return backends

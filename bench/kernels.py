@@ -1,0 +1,253 @@
+#!/usr/bin/env python3
+"""Benchmark of the expert kernels on the OLMoE expert shapes (not a test).
+
+    python bench/kernels.py [--quick] [--tokens 8192,16384,32768] [--store results/store.zarr]
+
+Shapes (OLMoE-1B-7B / Mula-7B-A1B): 64 experts, top-8, d_model 2048, expert hidden 1024, bf16.
+  up    grouped_mm (T*8, 2048) x (64, 2048, 2048) -> gate+up   (K=2048, N=2*1024)
+  down  grouped_mm (T*8, 1024) x (64, 1024, 2048)              (K=1024, N=2048)
+for T tokens per GPU, routing balanced (every expert gets T*8/64 rows) or Zipf-skewed (expert
+e chosen with weight 1/(e+1)^1.2, top-8 without replacement, Gumbel top-k). Each backend of
+kernels.grouped_mm (loop, torch, triton: those that run here) is timed forward and backward
+(dx and dw) separately, beside torch._grouped_mm called bare ("torch_raw": the "torch" backend
+also zeroes the rows past offsets[-1], one extra pass) and a dense torch.mm of the same FLOPs
+(the ceiling):
+  TFLOP/s = 2*M*K*N (fwd) or 4*M*K*N (bwd) / median time,  M = T*8.
+permute+unpermute (forward pair, backward pair) is reported in GB/s of minimal traffic (each
+input read once, each output written once) beside a plain copy (clone) of the (T*8, 2048)
+sorted activations: fwd 2*(T + T*8)*D*2 bytes, bwd (3*T*8 + 2*T)*D*2 bytes, copy 2*T*8*D*2.
+
+Timing: device events around each call, warm-up (which also runs Triton's autotuning) then
+the median of --reps repeats. Output: a table on stdout, bench/results/kernels-<device>.jsonl
+(one line per measurement and a summary line, written atomically) and, where the project's
+results store imports (optimus_core.store), run "bench-kernels-<device>" with one table per
+series, step = tokens. Without a GPU: exits with a message; `--quick` with TRITON_INTERPRET=1
+runs a tiny float32 smoke check on the CPU instead (timings meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere in the checkout
+
+from kernels import available_backends, grouped_mm, permute, unpermute  # noqa: E402
+
+OLMOE = dict(experts=64, top_k=8, d_model=2048, hidden=1024)
+TINY = dict(experts=4, top_k=2, d_model=32, hidden=16)  # the interpreter smoke check
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="one small token count, balanced routing, few repeats")
+    p.add_argument("--tokens", default="8192,16384,32768", help="comma list of tokens per GPU")
+    p.add_argument("--reps", type=int, default=50, help="timed repeats per measurement (median taken)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the JSON lines file")
+    p.add_argument("--store", default=str(ROOT / "results" / "store.zarr"), help="results store ('' to skip)")
+    return p.parse_args(argv)
+
+
+def pick_device(quick: bool) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return torch.device("xpu")
+    if quick and os.environ.get("TRITON_INTERPRET") == "1":
+        return torch.device("cpu")
+    sys.exit("bench/kernels.py measures GPU kernels and found no CUDA or XPU device. For a smoke "
+             "check of the script on the CPU: TRITON_INTERPRET=1 python bench/kernels.py --quick")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "cpu-interpreter"
+    name = getattr(torch, device.type).get_device_name(device)
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+class Timer:
+    """Median milliseconds of fn() with device events (host clock on the CPU)."""
+
+    def __init__(self, device: torch.device, reps: int, warmup: int):
+        self.device, self.reps, self.warmup = device, reps, warmup
+        self.mod = getattr(torch, device.type) if device.type != "cpu" else None
+
+    def __call__(self, fn) -> float:
+        for _ in range(self.warmup):
+            fn()
+        if self.mod is None:
+            times = []
+            for _ in range(self.reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(times)
+        events = [(self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True))
+                  for _ in range(self.reps)]
+        self.mod.synchronize()
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        self.mod.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def route(T: int, E: int, k: int, routing: str, gen: torch.Generator) -> torch.Tensor:
+    """topk_idx (T, k), k distinct experts per token."""
+    if routing == "balanced":  # token t takes experts t*k .. t*k+k-1 (mod E): equal loads
+        return (torch.arange(T)[:, None] * k + torch.arange(k)) % E
+    logits = -1.2 * torch.log(torch.arange(1, E + 1, dtype=torch.float64))
+    gumbel = -torch.log(-torch.log(torch.rand(T, E, generator=gen, dtype=torch.float64)))
+    return (logits + gumbel).topk(k, dim=1).indices  # = sampling k without replacement
+
+
+def bench_gemms(rec, timer, device, dtype, T, routing, topk_idx, shape, backends):
+    E, k, D, H = shape["experts"], shape["top_k"], shape["d_model"], shape["hidden"]
+    M = T * k
+    offsets = permute(torch.empty(T, 0, device=device), topk_idx, E, backend="loop")[1]
+    load = offsets.diff(prepend=offsets.new_zeros(1)).float()
+    gen = torch.Generator(device=device).manual_seed(0)
+    for gemm, K, N in (("up", D, 2 * H), ("down", H, D)):
+        x = torch.randn(M, K, device=device, dtype=dtype, generator=gen).requires_grad_()
+        w = (torch.randn(E, K, N, device=device, dtype=dtype, generator=gen) * 0.02).requires_grad_()
+        dy = torch.randn(M, N, device=device, dtype=dtype, generator=gen)
+        w2d = w[0].detach().clone().requires_grad_()
+        flop = 2 * M * K * N
+        runs = {b: (lambda b=b: grouped_mm(x, w, offsets, backend=b)) for b in backends}
+        if "torch" in backends:  # without the backend's zeroing of rows past offsets[-1]
+            runs["torch_raw"] = lambda: torch._grouped_mm(x, w, offs=offsets)
+        runs["dense"] = lambda: x @ w2d
+        for name, fwd in runs.items():
+            y = fwd()
+            params = (x, w2d) if name == "dense" else (x, w)
+            passes = {"fwd": (fwd, flop),
+                      "bwd": (lambda: torch.autograd.grad(y, params, dy, retain_graph=True), 2 * flop)}
+            for pass_, (fn, f) in passes.items():
+                ms = timer(fn)
+                rec(op=gemm, pass_=pass_, backend=name, tokens=T, routing=routing, ms=ms,
+                    tflops=f / ms / 1e9, flop=f, M=M, K=K, N=N, experts=E,
+                    max_over_mean_load=(load.max() / load.mean()).item())
+            del y
+
+
+def bench_permute(rec, timer, device, dtype, T, routing, topk_idx, shape, backends):
+    E, k, D = shape["experts"], shape["top_k"], shape["d_model"]
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(T, D, device=device, dtype=dtype, generator=gen).requires_grad_()
+    weights = torch.rand(T, k, device=device, generator=gen).requires_grad_()
+    dout = torch.randn(T, D, device=device, dtype=dtype, generator=gen)
+    b = torch.finfo(dtype).bits // 8
+    fwd_bytes, bwd_bytes = 2 * (T + T * k) * D * b, (3 * T * k + 2 * T) * D * b
+    for name in [bk for bk in backends if bk != "torch"]:  # "torch" is the reference, like "loop"
+        def pair(name=name):
+            x_sorted, _, sorted_idx = permute(x, topk_idx, E, backend=name)
+            return unpermute(x_sorted, sorted_idx, weights, backend=name)
+        out = pair()
+        back = lambda: torch.autograd.grad(out, (x, weights), dout, retain_graph=True)  # noqa: E731
+        for pass_, fn, nbytes in (("fwd", pair, fwd_bytes), ("bwd", back, bwd_bytes)):
+            ms = timer(fn)
+            rec(op="permute+unpermute", pass_=pass_, backend=name, tokens=T, routing=routing, ms=ms,
+                gbps=nbytes / ms / 1e6, bytes=nbytes, D=D, top_k=k)
+    sorted_rows = torch.randn(T * k, D, device=device, dtype=dtype, generator=gen)
+    nbytes = 2 * sorted_rows.numel() * b
+    ms = timer(sorted_rows.clone)
+    rec(op="copy", pass_="fwd", backend="clone", tokens=T, routing=routing, ms=ms,
+        gbps=nbytes / ms / 1e6, bytes=nbytes, D=D, top_k=k)
+
+
+def write_jsonl(path: Path, lines: list[dict]) -> None:
+    """Atomically: a temp file beside it, fsync, rename (a crash never leaves half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_store(store_path: str, run_id: str, records: list[dict], summary: dict) -> bool:
+    """One table per series (op, pass, backend, routing), step = tokens. Skipped silently where
+    the results store cannot be imported (e.g. zarr missing on a GPU box)."""
+    try:
+        from optimus_core.store import open_store
+    except ImportError:
+        return False
+    attrs = {k: v for k, v in summary.items() if k != "results"}
+    with open_store(store_path).run_writer(run_id, attrs={**attrs, "experiment": "bench-kernels"}) as w:
+        for r in sorted(records, key=lambda r: r["tokens"]):
+            table = "_".join((r["op"].replace("+", "_"), r["pass"], r["backend"], r["routing"]))
+            rate = {"tflops": r["tflops"]} if "tflops" in r else {"gbps": r["gbps"]}
+            w.log(table, {"step": r["tokens"], "ms": r["ms"], **rate})
+    return True
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = pick_device(args.quick)
+    interpreted = device.type == "cpu"
+    shape, dtype = (TINY, torch.float32) if interpreted else (OLMOE, torch.bfloat16)
+    tokens = [64] if interpreted else [2048] if args.quick else [int(t) for t in args.tokens.split(",")]
+    routings = ["balanced"] if args.quick else ["balanced", "zipf"]
+    reps = 1 if interpreted else 10 if args.quick else args.reps
+    timer = Timer(device, reps=reps, warmup=1 if interpreted else 5)
+    backends = available_backends()
+    name = device_name(device)
+    records = []
+
+    def rec(pass_, **fields):
+        line = {"bench": "kernels", "device": name, "pass": pass_, **fields}
+        records.append(line)
+        rate = f"{line['tflops']:8.1f} TFLOP/s" if "tflops" in line else f"{line['gbps']:8.1f} GB/s   "
+        print(f"{line['op']:>18} {pass_:>4} {line['backend']:>9} {line['tokens']:>6} "
+              f"{line['routing']:>8} {line['ms']:9.3f} ms {rate}", flush=True)
+
+    print(f"{'op':>18} {'pass':>4} {'backend':>9} {'tokens':>6} {'routing':>8} {'median':>12} {'rate':>14}")
+    gen = torch.Generator().manual_seed(0)
+    for T in tokens:
+        for routing in routings:
+            topk_idx = route(T, shape["experts"], shape["top_k"], routing, gen).to(device)
+            bench_gemms(rec, timer, device, dtype, T, routing, topk_idx, shape, backends)
+            bench_permute(rec, timer, device, dtype, T, routing, topk_idx, shape, backends)
+
+    def ratio(r, other):
+        base = [o for o in records if all(o[f] == r[f] for f in ("op", "pass", "tokens", "routing"))
+                and o["backend"] == other]
+        return r["tflops"] / base[0]["tflops"] if base else None
+
+    summary = {
+        "bench": "kernels_summary", "device": name, "torch": torch.__version__,
+        "triton": getattr(sys.modules.get("triton"), "__version__", None), "dtype": str(dtype),
+        "shape": shape, "backends": backends, "reps": reps, "quick": args.quick,
+        "flops_formula": "fwd 2*M*K*N, bwd 4*M*K*N (dx and dw), M = tokens*top_k; "
+                         "tflops = flop / median time",
+        "bytes_formula": "minimal traffic: each input read once, each output written once",
+        "triton_over_torch": {f"{r['op']}/{r['pass']}/{r['tokens']}/{r['routing']}": ratio(r, "torch")
+                              for r in records if r["backend"] == "triton" and "tflops" in r},
+        **{f"triton_over_{other}": {f"{r['op']}/{r['pass']}/{r['tokens']}/{r['routing']}": ratio(r, other)
+                                    for r in records if r["backend"] == "triton" and "tflops" in r}
+           for other in ("torch_raw", "dense")},
+    }
+    path = Path(args.out) / f"kernels-{name}.jsonl"
+    write_jsonl(path, records + [summary])
+    print(f"wrote {path}")
+    if args.store and write_store(args.store, f"bench-kernels-{name}", records, summary):
+        print(f"wrote run bench-kernels-{name} to {args.store}")
+
+
+if __name__ == "__main__":
+    main()
