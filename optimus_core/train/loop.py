@@ -52,7 +52,12 @@ def build_model(cfg: RunConfig, device: torch.device | str = "cpu") -> Transform
     generator = torch.Generator().manual_seed(cfg.train.seed)
     model.init_weights(generator)
     model.activation_checkpointing = cfg.train.activation_checkpointing
-    return model.to(device)
+    model = model.to(device)
+    if cfg.train.compile:
+        # Per block, in place: parameter names (and so checkpoints) stay those of the eager model.
+        for block in model.blocks:
+            block.compile()
+    return model
 
 
 def check_data_matches_model(cfg: RunConfig, data_dir: Path) -> None:

@@ -1,3 +1,5 @@
+import shlex
+
 rule pretrain:
     input:
         TOKENS,
@@ -6,13 +8,14 @@ rule pretrain:
     params:
         experiment=lambda wc: PRETRAIN_RUNS[wc.run].name,
         run_dir=lambda wc: f"{RES}/runs/{wc.run}",
+        overrides=" ".join(f"--set {shlex.quote(kv)}" for kv in config.get("pretrain_set", [])),
     threads: config["train_threads"]
     log:
         f"{RES}/logs/pretrain-{{run}}.log",
     shell:
         "OMP_NUM_THREADS={threads} optimus pretrain --experiment {params.experiment} --scale " + SCALE
         + " --data {input} --out {params.run_dir} --run-id {wildcards.run} --store " + STORE
-        + " --threads {threads} 2>&1 | tee {log}"
+        + " --threads {threads} {params.overrides} 2>&1 | tee {log}"
 
 
 rule evaluate:

@@ -144,3 +144,38 @@ def test_capacity_factor_zeroes_dropped_assignments():
         assert torch.allclose(dropless(tokens), capped(tokens), atol=1e-6)  # huge capacity: nothing dropped
         tight = build(base.replace(moe=base.moe.replace(capacity_factor=0.25)))
         assert not torch.allclose(dropless(tokens), tight(tokens), atol=1e-4)
+
+
+def test_aux_loss_free_bias_balances_a_skewed_router():
+    """No auxiliary loss, no gradient: the per-expert bias alone evens out a skewed router."""
+    from optimus_core.model.router import TopKRouter
+    cfg = MoEConfig(n_experts=16, top_k=2, d_expert=8, lb_loss_coef=0.0, bias_update_rate=0.002)
+    router = TopKRouter(32, cfg)
+    with torch.no_grad():
+        router.gate.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
+        router.gate.weight[:4, 0] += 2.0  # feature 0 is always on: experts 0-3 attract most tokens
+    x = torch.randn(2048, 32, generator=torch.Generator().manual_seed(1))
+    x[:, 0] = 1.0
+
+    def imbalance():
+        load = router(x).tokens_per_expert_E.float()
+        return (load.max() / load.mean()).item(), load
+
+    start, _ = imbalance()
+    for _ in range(300):
+        router.update_balance_bias(imbalance()[1])
+    end, _ = imbalance()
+    assert start > 3 and end < 1.5
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    cfg = presets.get("mula-7b-a1b@laptop").model
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for ac in (False, True):
+        model = build(cfg)
+        model.activation_checkpointing = ac
+        model(tokens).float().pow(2).mean().add(model.aux_loss()).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

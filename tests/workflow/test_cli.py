@@ -1,0 +1,72 @@
+"""The `optimus` command: bad input stops before any work, with the field named."""
+import pytest
+
+from optimus_core import presets
+from workflow.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_presets_table_lists_every_preset(capsys):
+    code, out, _ = run(capsys, "presets")
+    assert code == 0
+    for name in presets.names():
+        assert name in out
+    assert "6.92B" in out and "1.28B" in out  # mula-7b-a1b total and active
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "train.stepz=3"], "unknown field train.stepz"),
+    (["--set", "model.moe.top_k=100"], "model.moe.top_k = 100: must be between 1 and n_experts (64)"),
+    (["--steps", "-5"], "train.steps = -5: must be >= 1"),
+    (["--set", "train.steps=ten"], "train.steps = 'ten': must be an integer"),
+    (["--set", "steps"], "expected key=value"),
+    (["--ep", "3"], "parallel.ep = 3: must divide model.moe.n_experts (64)"),
+])
+def test_bad_config_stops_before_any_work(capsys, tmp_path, args, message):
+    out_dir = tmp_path / "run"
+    code, _, err = run(capsys, "pretrain", "--preset", "mula-7b-a1b@laptop", "--data", str(tmp_path / "none"),
+                       "--out", str(out_dir), *args)
+    assert code == 2
+    assert message in err
+    assert not out_dir.exists()
+
+
+def test_unknown_preset_and_experiment(capsys, tmp_path):
+    code, _, err = run(capsys, "pretrain", "--preset", "mula-3b", "--data", "x", "--out", str(tmp_path / "r"))
+    assert code == 2 and "unknown; known presets" in err
+    code, _, err = run(capsys, "pretrain", "--experiment", "nope", "--data", "x", "--out", str(tmp_path / "r"))
+    assert code == 2 and "experiment = 'nope': unknown" in err
+
+
+def test_pretrain_evaluate_figures_report(capsys, tmp_path, tokens_dir):
+    store, run_dir = tmp_path / "store.zarr", tmp_path / "runs" / "smoke"
+    code, out, err = run(capsys, "pretrain", "--preset", "mula-7b-a1b@laptop", "--data", str(tokens_dir),
+                         "--out", str(run_dir), "--steps", "3", "--store", str(store), "--quiet",
+                         "--set", "train.eval_batches=1")
+    assert code == 0, err
+    assert "smoke: 3 steps" in out
+    assert (run_dir / "summary.json").is_file() and (run_dir / "meta.json").is_file()
+    assert run(capsys, "evaluate", "--run", str(run_dir), "--store", str(store), "--max-batches", "2")[0] == 0
+    assert run(capsys, "figures", "--store", str(store), "--out", str(tmp_path / "figures"))[0] == 0
+    assert run(capsys, "report", "--store", str(store), "--figures", str(tmp_path / "figures"),
+               "--out", str(tmp_path / "report.md"))[0] == 0
+    from optimus_core.store import open_store
+    s = open_store(store, mode="r")
+    assert s.runs().set_index("run_id").loc["smoke", "status"] == "completed"
+    assert list(s.metrics("smoke")["step"]) == [1, 2, 3]
+    assert len(s.metrics("smoke", "heldout")) == 1
+    assert "smoke" in (tmp_path / "report.md").read_text()
+
+
+def test_a_run_directory_belongs_to_one_run(capsys, tmp_path, tokens_dir):
+    run_dir = tmp_path / "run"
+    base = ["pretrain", "--preset", "mula-1b@laptop", "--data", str(tokens_dir), "--out", str(run_dir),
+            "--steps", "1", "--quiet", "--set", "train.eval_batches=1"]
+    assert run(capsys, *base, "--run-id", "a")[0] == 0
+    code, _, err = run(capsys, *base, "--run-id", "b")
+    assert code == 1 and "holds run 'a', not 'b'" in err
