@@ -21,6 +21,7 @@ from pathlib import Path
 from optimus_core.atomic import atomic_write
 from optimus_core.config import RunConfig
 from optimus_core.device import device_info
+from optimus_core.parallel import init_distributed, shutdown
 from optimus_core.provenance import describe, utc_now
 from optimus_core.store import open_store
 from optimus_core.train.loop import Trainer
@@ -72,17 +73,38 @@ def _check_run_dir(run_dir: Path, run_id: str) -> None:
 
 
 def run_pretrain(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainOutputs) -> PretrainResult:
-    run_dir = Path(outputs.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _check_run_dir(run_dir, config.run_id)
+    """Train on this process's rank: a world of one, or one rank of a torchrun / mpiexec / local
+    launch (optimus_core.parallel.init_distributed reads which). Every rank trains; global rank
+    0 alone writes meta.json, the store and summary.json; the others return the same result."""
     cfg = config.run.replace(data=config.run.data.replace(path=str(Path(inputs.data_dir).resolve())))
-    info = device_info(cfg.train.device)
+    mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts if cfg.model.moe else None, cfg.train.device)
+    try:
+        return _run_rank(config, inputs, outputs, cfg, mesh)
+    finally:
+        shutdown(mesh)
+
+
+def _run_rank(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainOutputs, cfg: RunConfig,
+              mesh) -> PretrainResult:
+    lead = mesh.rank == 0
+    run_dir = Path(outputs.run_dir)
+    if lead:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _check_run_dir(run_dir, config.run_id)
+    mesh.barrier()  # the other ranks look for checkpoints in run_dir only once rank 0 has checked it
+    info = device_info(cfg.train.device, index=mesh.device.index or 0)
+    if not lead:
+        trainer = Trainer(cfg, inputs.data_dir, run_dir, writer=None, progress=False, device=info, mesh=mesh)
+        summary = trainer.fit()
+        return PretrainResult(config.run_id, run_dir, summary.steps, summary.tokens, summary.resumed_from,
+                              summary.final_loss, summary.final_eval, summary.tokens_per_s, summary.wall_time_s)
     attrs = {
         "run_id": config.run_id, "experiment": config.experiment, "preset": cfg.preset,
         "config": cfg.to_dict(), "run_dir": str(run_dir.resolve()),
         "n_params": cfg.model.num_params(), "n_active_params": cfg.model.num_active_params(),
         "flops_per_token": cfg.model.flops_per_token(cfg.data.seq_len),
-        "tokens_per_step": cfg.tokens_per_step, "device": info.type, **describe(info.name),
+        "tokens_per_step": cfg.tokens_per_step, "device": info.type, "world_size": mesh.world_size,
+        **describe(info.name),
     }
     meta = {k: attrs[k] for k in ("run_id", "experiment", "preset", "config")}
     atomic_write(run_dir / "meta.json", json.dumps(dict(meta, status="running", started=utc_now()), indent=2))
@@ -91,7 +113,8 @@ def run_pretrain(config: PretrainConfig, inputs: PretrainInputs, outputs: Pretra
     writer = store.run_writer(config.run_id, attrs) if store else None
     start = time.time()
     try:
-        trainer = Trainer(cfg, inputs.data_dir, run_dir, writer=writer, progress=config.progress, device=info)
+        trainer = Trainer(cfg, inputs.data_dir, run_dir, writer=writer, progress=config.progress, device=info,
+                          mesh=mesh)
         if writer:
             writer.set_status("running")
         summary = trainer.fit()

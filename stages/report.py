@@ -145,6 +145,16 @@ def _run_section(store: ResultsStore, run_id: str, attrs: dict) -> list[str]:
                          _num(final.get("bpb" + suffix), ".4f")])
         lines += ["### Final held-out evaluation", "", f"Evaluated {_at(final)}.", "",
                   *_markdown_table(rows, align="lrrr"), ""]
+    downstream = _table(store, run_id, "downstream")
+    if len(downstream):
+        final = downstream.iloc[-1]
+        tasks = sorted(c.split(".", 1)[1] for c in downstream.columns if c.startswith("acc."))
+        rows = [["task", "accuracy", "+-", "normalised accuracy", "items"]]
+        for task in tasks:
+            rows.append([task, _num(final.get(f"acc.{task}"), ".3f"), _num(final.get(f"acc_stderr.{task}"), ".3f"),
+                         _num(final.get(f"acc_norm.{task}"), ".3f"), _int(final.get(f"n.{task}"))])
+        lines += ["### Downstream tasks (lm-evaluation-harness)", "", f"Evaluated {_at(final)}.", "",
+                  *_markdown_table(rows, align="lrrrr"), ""]
     config = json.dumps(attrs.get("config", {}), indent=2, sort_keys=True)
     lines += ["<details><summary>Resolved config</summary>", "", "```json", config, "```", "", "</details>", ""]
     return lines

@@ -80,18 +80,40 @@ def resolve_run_config(args):
 
 
 def cmd_pretrain(args) -> None:
+    cfg, run_id, experiment = resolve_run_config(args)
+    if args.launcher == "parsl":  # the same command, submitted through a Parsl site (workflow/launch.py)
+        from workflow.launch import pretrain_on_site
+
+        done = pretrain_on_site(vars(args), run_id)
+        print(done.last_line() or f"{run_id}: done on site {args.site}")
+        return
     from stages.pretrain import PretrainConfig, PretrainInputs, PretrainOutputs, run_pretrain
 
-    cfg, run_id, experiment = resolve_run_config(args)
-    if args.nproc != 1:
-        raise ConfigError(f"--nproc = {args.nproc}: multi-process training is not available yet (use 1)")
-    if args.launcher != "local":
-        raise ConfigError(f"--launcher = {args.launcher!r}: only 'local' is available yet")
-    if args.threads:
+    from optimus_core.parallel.launch import spawn_local
+    from optimus_core.parallel.mesh import read_launch_env
+
+    launch = read_launch_env()  # torchrun / mpiexec / our own spawn below, or a world of one
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc = {args.nproc}: must be >= 1")
+    if args.nproc > 1 and launch.world_size == 1:
+        from optimus_core.parallel.mesh import group_layout
+
+        # A bad layout fails here, before any rank starts (the ranks check again themselves).
+        group_layout(args.nproc, cfg.parallel.ep, cfg.model.moe.n_experts if cfg.model.moe else None)
+        # No launcher around us: start the ranks here; each re-enters this function as one rank.
+        spawn_local(cmd_pretrain, args.nproc, (args,))
+        return
+    if args.nproc not in (1, launch.world_size):
+        raise ConfigError(f"--nproc = {args.nproc}: this process is rank {launch.rank} of {launch.world_size} "
+                          f"started by {launch.launcher}; pass --nproc 1 or {launch.world_size}")
+    threads = args.threads or (max(1, (os.cpu_count() or 1) // launch.world_size) if launch.world_size > 1 else None)
+    if threads:
         import torch
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(threads)
     result = run_pretrain(PretrainConfig(cfg, run_id=run_id, experiment=experiment, progress=not args.quiet),
                           PretrainInputs(data_dir=args.data), PretrainOutputs(run_dir=args.out, store=args.store))
+    if launch.rank != 0:
+        return
     print(f"{result.run_id}: {result.steps} steps, {result.tokens:,} tokens, final loss {result.final_loss:.4f}, "
           f"held-out loss {result.final_eval.get('loss', float('nan')):.4f}, {result.tokens_per_s:,.0f} tokens/s")
 
@@ -99,11 +121,21 @@ def cmd_pretrain(args) -> None:
 def cmd_evaluate(args) -> None:
     from stages.evaluate import EvaluateConfig, EvaluateInputs, EvaluateOutputs, run_evaluate
 
-    config = EvaluateConfig(tasks=tuple(args.tasks), max_batches=args.max_batches)
+    config = EvaluateConfig(tasks=tuple(args.tasks), max_batches=args.max_batches,
+                            task_dirs=tuple(args.task_dir or ()), limit=args.limit, n_items=args.items)
     out = args.out or Path(args.run) / "eval.json"
     result = run_evaluate(config, EvaluateInputs(run_dir=args.run, data_dir=args.data),
                           EvaluateOutputs(eval_json=out, store=args.store))
     print(json.dumps({"run_id": result.run_id, "step": result.step, **result.metrics}, indent=2))
+
+
+def cmd_export_hf(args) -> None:
+    from stages.export import ExportConfig, ExportInputs, ExportOutputs, run_export
+
+    result = run_export(ExportConfig(arch=args.arch), ExportInputs(run_dir=args.run, data_dir=args.data),
+                        ExportOutputs(out_dir=args.out))
+    print(f"{result.out_dir}: {result.arch} (step {result.step}); load with "
+          f"transformers.AutoModelForCausalLM.from_pretrained({str(result.out_dir)!r})")
 
 
 def cmd_figures(args) -> None:
@@ -156,6 +188,20 @@ def cmd_experiments(args) -> None:
         print(exp.describe())
 
 
+def cmd_plan(args) -> None:
+    """The paper-scale jobs on a site: tiles, nodes, queue, walltime, estimated node-hours, total."""
+    from workflow.experiments import dag, get as get_experiment
+    from workflow.sites import load_site, plan_table
+
+    site = load_site(args.site)
+    experiments = [get_experiment(n) for n in args.experiments] if args.experiments else dag("paper")
+    table, plans = plan_table(experiments, site)
+    print(table)
+    if args.pbs:
+        for exp, job in zip(experiments, plans):
+            print(f"\n# {exp.name}\n" + "\n".join(job.pbs_lines()) + f"\n{job.mpiexec} optimus pretrain ...")
+
+
 # ----------------------------------------------------------------------------- parser
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,8 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="the run directory")
     p.add_argument("--run-id", default=None, help="default: the run directory's name")
     p.add_argument("--steps", type=int)
-    p.add_argument("--nproc", type=int, default=1)
-    p.add_argument("--ep", type=int)
+    p.add_argument("--nproc", type=int, default=1,
+                   help="local ranks to start (CPU or one per GPU); under torchrun / mpiexec: 1 or the world size")
+    p.add_argument("--ep", type=int, help="expert-parallel ranks (divides --nproc and the expert count)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"))
     p.add_argument("--seed", type=int)
     p.add_argument("--experts-backend", choices=("loop", "torch", "triton"))
@@ -198,14 +245,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.set_defaults(func=cmd_pretrain)
 
-    p = sub.add_parser("evaluate", help="held-out loss / perplexity / bits per byte of a run")
+    p = sub.add_parser("evaluate", help="held-out loss / perplexity / bits per byte; lm-eval downstream tasks")
     p.add_argument("--run", type=Path, required=True)
     p.add_argument("--data", type=Path, default=None)
-    p.add_argument("--tasks", nargs="+", default=["heldout"])
+    p.add_argument("--tasks", nargs="+", default=["heldout"],
+                   help="heldout, continuation (offline multiple choice per source), or lm-eval task names")
+    p.add_argument("--task-dir", action="append", default=None, help="a directory of lm-eval task YAMLs (repeatable)")
+    p.add_argument("--limit", type=int, default=None, help="lm-eval: at most N documents per task")
+    p.add_argument("--items", type=int, default=200, help="continuation: items per corpus source")
     p.add_argument("--max-batches", type=int, default=64)
     p.add_argument("--store", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None, help="default: RUN/eval.json")
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("export-hf", help="a run's newest checkpoint as a Hugging Face transformers directory")
+    p.add_argument("--run", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--data", type=Path, default=None, help="tokenize output with the tokenizer (default: the run's)")
+    p.add_argument("--arch", choices=["olmoe", "llama"], default=None, help="default: the exact one for the model")
+    p.set_defaults(func=cmd_export_hf)
 
     p = sub.add_parser("figures", help="draw every figure from the results store")
     p.add_argument("--store", type=Path, required=True)
@@ -224,6 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("experiments", help="the registry of runs")
     p.set_defaults(func=cmd_experiments)
+
+    p = sub.add_parser("plan", help="the paper-scale jobs on a site, with nodes, walltime and node-hours")
+    p.add_argument("--site", default="aurora", help="local, aurora, or a YAML file with a site: block")
+    p.add_argument("--pbs", action="store_true", help="also print each job's PBS directives and mpiexec line")
+    p.add_argument("experiments", nargs="*", help="default: every run of the paper-scale DAG")
+    p.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -1,13 +1,45 @@
 """THE experiment registry: every run of the paper, at paper scale and at laptop scale.
 
-Snakemake (workflow/rules/*.smk), the `optimus` command (``--experiment NAME --scale S``) and,
-later, the Parsl launcher all read this module; nothing else says how long a run is or where
-it runs (house rule 2). Model shapes are not here: they live in optimus_core/presets.py.
+Snakemake (workflow/rules/*.smk), the `optimus` command (``--experiment NAME --scale S``) and
+the Parsl launcher (workflow/launch.py, workflow/sites.py) all read this module; nothing else
+says how long a run is, on how many tiles, or with which layout (house rule 2). Model shapes are
+not here: they live in optimus_core/presets.py.
 
-    >>> from workflow.experiments import get, pretraining
+    >>> from workflow.experiments import get, pretraining, dag
     >>> exp = get("pretrain-mula-7b-a1b")
     >>> exp.paper.steps, exp.laptop.steps
     (953675, 240)
+    >>> len(dag("laptop")), len(dag("paper"))
+    (2, 15)
+
+The runs
+- pretraining (kind ``pretrain``): mula-1b and mula-7b-a1b to 4T tokens on 3072 tiles; the
+  scale-up models mula-20b-a2b, mula-100b-a7b, mula-220b-a10b to 100B tokens.
+- strong scaling (kind ``scaling``): mula-220b-a10b at 384 ... 12288 tiles, a fixed global batch
+  and a fixed number of steps, so time per step is the only thing that changes.
+- ablation (kind ``ablation``): mula-20b-a2b on 384 tiles, baseline / +kernels / +optimizer /
+  both, a fixed number of steps.
+
+Tile counts of the scale-up runs (the paper gives its scaling range, not each run's size; we
+pick them in its spirit): tiles grow with the active FLOPs per token so that each 100B-token run
+takes a comparable, under-a-day time at a fixed per-tile throughput, and each is a power-of-two
+multiple of the 384-tile (32-node) unit of the scaling sweep: 20B-A2B (12.7 GFLOP/token) on 768
+tiles, 100B-A7B (59 GFLOP/token) on 1536, 220B-A10B (79 GFLOP/token) on 3072, the size the two
+4T runs use. EP degrees keep 8-16 experts per tile (ep 8, 16, 32) and every EP group count
+(tiles / ep = 96) equal, so expert-data-parallel replicas are alike across the three runs. The
+global batch is a whole number of sequences per rank (2, 2, 1 x 4096 tokens).
+
+Strong scaling keeps one global batch of 12288 sequences (50M tokens: one sequence per tile at
+12288 tiles, 32 accumulated micro-batches per tile at 384) for 20 steps, ep 32 everywhere.
+
+Laptop proxies: the tiny presets (``<name>@laptop``), one CPU process (multi-process training
+is not wired in yet). The laptop DAG (``dag("laptop")``, what `make reproduce` trains) holds
+only the two 240-step pretraining runs: each takes 2-4 min on one core, and `make reproduce`
+must fit 15 min on 2 cores, so the scale-up, scaling and ablation proxies are registered (and
+runnable one by one with ``optimus pretrain --experiment NAME``) but kept out of ``rule all``.
+The laptop ablation's ``+kernels`` variants use the Triton kernels, which need ``triton`` and,
+on a CPU, ``TRITON_INTERPRET=1`` (slow); its ``+optimizer`` variants equal the baseline with one
+process (the EP-aware optimizer only differs when experts are sharded).
 """
 from __future__ import annotations
 
@@ -19,28 +51,51 @@ from optimus_core import presets
 from optimus_core.config import ConfigError
 
 Scale = Literal["laptop", "paper"]
+Kind = Literal["pretrain", "scaling", "ablation"]
+KINDS = ("pretrain", "scaling", "ablation")
 TILES_PER_NODE = 12  # Aurora: 6 PVC GPUs x 2 tiles, one rank per tile
 
 
 @dataclass(frozen=True)
 class RunScale:
-    """One experiment at one scale: what is trained, on how much data, on how many devices."""
+    """One experiment at one scale: what is trained, on how much data, on how many devices.
+
+    ``global_batch`` is in sequences (0 = the preset's); ``ep`` the expert-parallel degree;
+    ``walltime_h`` the walltime of one PBS job (a run longer than that spans several jobs,
+    each resuming from the last checkpoint).
+    """
 
     preset: str
     tokens: int  # training token budget
     devices: int  # GPU tiles (paper) or CPU processes (laptop)
     walltime_h: float = 0.0  # per PBS job (paper scale)
     extra: dict[str, Any] = field(default_factory=dict)  # further --set overrides
+    ep: int = 1
+    global_batch: int = 0
 
     def __post_init__(self):
         presets.get(self.preset)  # unknown preset names fail at import, not at submit time
+        if self.devices < 1:
+            raise ConfigError(f"devices = {self.devices}: must be >= 1")
+        if self.global_batch < 0:
+            raise ConfigError(f"global_batch = {self.global_batch}: must be >= 0 (0 = the preset's)")
         if self.tokens < self.tokens_per_step:
             raise ConfigError(f"tokens = {self.tokens}: less than one step ({self.tokens_per_step} tokens)")
+        self.run_config()  # ep must divide the experts, overrides must name real fields
+
+    @classmethod
+    def for_steps(cls, preset: str, steps: int, devices: int, **kw: Any) -> "RunScale":
+        """A run of a fixed number of steps (scaling, ablation): tokens = steps x tokens per step."""
+        gb = kw.get("global_batch") or presets.get(preset).global_batch
+        return cls(preset, steps * gb * presets.get(preset).seq_len, devices, **kw)
+
+    @property
+    def batch(self) -> int:
+        return self.global_batch or presets.get(self.preset).global_batch
 
     @property
     def tokens_per_step(self) -> int:
-        p = presets.get(self.preset)
-        return p.global_batch * p.seq_len
+        return self.batch * presets.get(self.preset).seq_len
 
     @property
     def steps(self) -> int:
@@ -51,16 +106,34 @@ class RunScale:
         return math.ceil(self.devices / TILES_PER_NODE)
 
     def overrides(self) -> dict[str, Any]:
-        return {"train.steps": self.steps, **self.extra}
+        out: dict[str, Any] = {"train.steps": self.steps}
+        if self.global_batch:
+            out["train.global_batch"] = self.global_batch
+        if self.ep != 1:
+            out["parallel.ep"] = self.ep
+        return {**out, **self.extra}
+
+    def run_config(self):
+        return presets.get(self.preset).run_config(**self.overrides())
+
+    def flops(self) -> float:
+        """Training FLOPs of the whole run (the model's FLOP-per-token count x tokens)."""
+        p = presets.get(self.preset)
+        return float(p.model.flops_per_token(p.seq_len)) * self.steps * self.tokens_per_step
 
 
 @dataclass(frozen=True)
 class Experiment:
     name: str
-    kind: Literal["pretrain"]
+    kind: Kind
     paper: RunScale
     laptop: RunScale
     description: str = ""
+    laptop_dag: bool = False  # trained by `make reproduce` (the laptop `rule all`)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ConfigError(f"kind = {self.kind!r}: must be one of {', '.join(KINDS)}")
 
     def scale(self, scale: Scale) -> RunScale:
         if scale not in ("laptop", "paper"):
@@ -72,28 +145,78 @@ class Experiment:
 
     def describe(self) -> str:
         p, l = self.paper, self.laptop
-        return (f"{self.name:24s} paper: {p.preset} {p.tokens / 1e12:.3g}T tokens, {p.steps:,} steps, "
-                f"{p.devices} tiles ({p.nodes} nodes) | laptop: {l.preset} {l.tokens:,} tokens, "
-                f"{l.steps} steps, {l.devices} proc")
+        return (f"{self.name:28s} {self.kind:8s} paper: {p.preset} {p.tokens / 1e9:,.4g}B tokens, {p.steps:,} steps, "
+                f"{p.devices} tiles ({p.nodes} nodes), ep {p.ep}, batch {p.batch} | laptop: {l.preset} "
+                f"{l.tokens:,} tokens, {l.steps} steps, {l.devices} proc")
 
 
-T = 10**12
+T, B = 10**12, 10**9
 # Laptop budgets: 2 CPU cores, the whole `make reproduce` within 15 minutes.
 LAPTOP_EVAL = {"train.eval_every": 40, "train.eval_batches": 4, "train.log_every": 1}
+LAPTOP_SHORT = {"train.eval_every": 0, "train.eval_batches": 2, "train.log_every": 1}
+# Paper scale: bf16 autocast; checkpoints often enough that a job cut by its walltime loses
+# little (retries resubmit it and it resumes from `latest`).
+PAPER_TRAIN = {"train.dtype": "bfloat16", "train.checkpoint_every": 500}
+PAPER_TIMED = {"train.dtype": "bfloat16", "train.eval_every": 0, "train.eval_batches": 1}
+SCALING_TILES = (384, 768, 1536, 3072, 6144, 12288)
+SCALING_STEPS, SCALING_BATCH = 20, 12288
+ABLATION_STEPS, LAPTOP_TIMED_STEPS = 20, 20
+# baseline / +kernels / +optimizer / both: (experts backend, optimizer)
+ABLATION_VARIANTS = {
+    "baseline": ("torch", "ep_unaware"),
+    "kernels": ("triton", "ep_unaware"),
+    "optimizer": ("torch", "ep_aware"),
+    "both": ("triton", "ep_aware"),
+}
+
+
+def _pretrain(model: str, tokens: int, tiles: int, walltime_h: float, ep: int = 1, batch: int = 0,
+              laptop_dag: bool = False, description: str = "") -> Experiment:
+    return Experiment(
+        f"pretrain-{model}", "pretrain",
+        paper=RunScale(model, tokens, devices=tiles, walltime_h=walltime_h, ep=ep, global_batch=batch,
+                       extra=PAPER_TRAIN if not laptop_dag else {}),
+        laptop=RunScale(f"{model}@laptop", 240 * 2048, devices=1, extra=LAPTOP_EVAL),
+        description=description, laptop_dag=laptop_dag,
+    )
+
+
+def _scaling(tiles: int) -> Experiment:
+    return Experiment(
+        f"scaling-mula-220b-a10b-{tiles}", "scaling",
+        paper=RunScale.for_steps("mula-220b-a10b", SCALING_STEPS, tiles, walltime_h=1, ep=32,
+                                 global_batch=SCALING_BATCH, extra=PAPER_TIMED),
+        laptop=RunScale.for_steps("mula-220b-a10b@laptop", LAPTOP_TIMED_STEPS, 1, extra=LAPTOP_SHORT),
+        description=f"strong scaling of Mula-220B-A10B: {tiles} tiles, {SCALING_STEPS} steps of "
+                    f"{SCALING_BATCH} x 4096 tokens",
+    )
+
+
+def _ablation(variant: str) -> Experiment:
+    backend, optimizer = ABLATION_VARIANTS[variant]
+    sets = {"model.moe.experts_backend": backend, "parallel.optimizer": optimizer}
+    return Experiment(
+        f"ablation-mula-20b-a2b-{variant}", "ablation",
+        paper=RunScale.for_steps("mula-20b-a2b", ABLATION_STEPS, 384, walltime_h=1, ep=32, global_batch=1536,
+                                 extra={**PAPER_TIMED, **sets}),
+        laptop=RunScale.for_steps("mula-20b-a2b@laptop", LAPTOP_TIMED_STEPS, 1, extra={**LAPTOP_SHORT, **sets}),
+        description=f"kernel / optimizer ablation on Mula-20B-A2B: {variant} (experts {backend}, {optimizer})",
+    )
+
 
 _REGISTRY = [
-    Experiment(
-        "pretrain-mula-1b", "pretrain",
-        paper=RunScale("mula-1b", 4 * T, devices=3072, walltime_h=24),
-        laptop=RunScale("mula-1b@laptop", 240 * 2048, devices=1, extra=LAPTOP_EVAL),
-        description="dense Mula-1B on OLMoE-mix-0924 (4T tokens)",
-    ),
-    Experiment(
-        "pretrain-mula-7b-a1b", "pretrain",
-        paper=RunScale("mula-7b-a1b", 4 * T, devices=3072, walltime_h=24),
-        laptop=RunScale("mula-7b-a1b@laptop", 240 * 2048, devices=1, extra=LAPTOP_EVAL),
-        description="MoE Mula-7B-A1B (OLMoE-1B-7B) on OLMoE-mix-0924 (4T tokens)",
-    ),
+    _pretrain("mula-1b", 4 * T, 3072, 24, laptop_dag=True,
+              description="dense Mula-1B on OLMoE-mix-0924 (4T tokens)"),
+    _pretrain("mula-7b-a1b", 4 * T, 3072, 24, laptop_dag=True,
+              description="MoE Mula-7B-A1B (OLMoE-1B-7B) on OLMoE-mix-0924 (4T tokens)"),
+    _pretrain("mula-20b-a2b", 100 * B, 768, 12, ep=8, batch=1536,
+              description="scale-up: MoE Mula-20B-A2B to 100B tokens"),
+    _pretrain("mula-100b-a7b", 100 * B, 1536, 12, ep=16, batch=3072,
+              description="scale-up: MoE Mula-100B-A7B to 100B tokens"),
+    _pretrain("mula-220b-a10b", 100 * B, 3072, 12, ep=32, batch=3072,
+              description="scale-up: MoE Mula-220B-A10B to 100B tokens"),
+    *[_scaling(t) for t in SCALING_TILES],
+    *[_ablation(v) for v in ABLATION_VARIANTS],
 ]
 EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in _REGISTRY}
 
@@ -105,5 +228,20 @@ def get(name: str) -> Experiment:
         raise ConfigError(f"experiment = {name!r}: unknown; known: {', '.join(EXPERIMENTS)}") from None
 
 
+def of_kind(kind: Kind) -> list[Experiment]:
+    if kind not in KINDS:
+        raise ConfigError(f"kind = {kind!r}: must be one of {', '.join(KINDS)}")
+    return [e for e in EXPERIMENTS.values() if e.kind == kind]
+
+
 def pretraining() -> list[Experiment]:
-    return [e for e in EXPERIMENTS.values() if e.kind == "pretrain"]
+    """Every pretraining run (4T and scale-up); the laptop DAG trains only ``dag("laptop")``."""
+    return of_kind("pretrain")
+
+
+def dag(scale: Scale) -> list[Experiment]:
+    """The runs the Snakemake DAG trains at ``scale``: at paper scale every run, at laptop scale
+    those cheap enough for `make reproduce` (see the module docstring)."""
+    if scale not in ("laptop", "paper"):
+        raise ConfigError(f"scale = {scale!r}: must be 'laptop' or 'paper'")
+    return [e for e in EXPERIMENTS.values() if scale == "paper" or e.laptop_dag]

@@ -20,6 +20,7 @@ from ..config import RunConfig
 from ..data import BatchLoader, TokenDataset, load_manifest
 from ..device import DeviceInfo, device_info
 from ..model.transformer import Transformer
+from ..parallel import Mesh, ShardedAdamW, full_model_state, parallelize
 from . import checkpoint as ckpt
 from .evaluate import heldout_metrics
 from .optim import build_optimizer
@@ -70,17 +71,26 @@ def check_data_matches_model(cfg: RunConfig, data_dir: Path) -> None:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, data_dir: str | Path, run_dir: str | Path,
-                 writer: MetricsSink | None = None, progress: bool = True, device: DeviceInfo | None = None):
+                 writer: MetricsSink | None = None, progress: bool = True, device: DeviceInfo | None = None,
+                 mesh: Mesh | None = None):
         self.cfg, self.data_dir, self.run_dir = cfg, Path(data_dir), Path(run_dir)
-        self.writer, self.progress = writer, progress
         self.device_info = device or device_info(cfg.train.device)
         self.device = torch.device(self.device_info.type)
+        # With several ranks every rank trains, global rank 0 alone records (store, checkpoints).
+        self.mesh = mesh or Mesh.single(self.device)
+        self.is_lead = self.mesh.rank == 0
+        self.writer, self.progress = (writer, progress) if self.is_lead else (None, False)
         check_data_matches_model(cfg, self.data_dir)
         torch.manual_seed(cfg.train.seed)
-        self.model = build_model(cfg, self.device)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.model = build_model(cfg, self.device)  # the same full model on every rank (same seed)
+        if self.mesh.distributed:
+            self.model = parallelize(self.model, self.mesh)
+            self.optimizer = ShardedAdamW(self.model, self.mesh, cfg.optim, mode=cfg.parallel.optimizer)
+        else:
+            self.optimizer = build_optimizer(self.model, cfg.optim)
         dataset = TokenDataset(self.data_dir, split="train", seq_len=cfg.data.seq_len)
-        self.loader = BatchLoader(dataset, cfg.train.global_batch, seed=cfg.data.seed)
+        self.loader = BatchLoader(dataset, cfg.train.global_batch, seed=cfg.data.seed,
+                                  rank=self.mesh.rank, world_size=self.mesh.world_size)
         self.step = 0
         self.resumed_from = self._resume()
         self.flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
@@ -102,12 +112,29 @@ class Trainer:
         self.step = found.step
         return found.step
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """Write a checkpoint (global rank 0; a collective when distributed: every rank calls it).
+
+        With several ranks the full model state (experts gathered over each EP group) and every
+        rank's optimizer shard are gathered to rank 0 and written as one checkpoint, resumable
+        with the same number of ranks, ep and optimizer. That is fine at laptop scale; issue 6
+        replaces it with sharded torch.distributed.checkpoint writes.
+        """
         state = {"loader": self.loader.state_dict(), "torch_rng": torch.get_rng_state()}
         meta = {"config": self.cfg.to_dict(), "tokens": self.tokens, "data_position": self.loader.state_dict()}
-        return ckpt.save_checkpoint(self.run_dir, self.step, model_state=self.model.state_dict(),
-                                    optim_state=self.optimizer.state_dict(), state=state, meta=meta,
-                                    keep=self.cfg.train.keep_checkpoints)
+        if self.mesh.distributed:
+            model_state, optim_state = full_model_state(self.model, self.mesh), self.optimizer.state_dict()
+        else:
+            model_state, optim_state = self.model.state_dict(), self.optimizer.state_dict()
+        path = None
+        if self.is_lead:
+            if self.writer is not None:
+                self.writer.flush()  # metrics up to a checkpoint survive a kill, as the weights do
+            path = ckpt.save_checkpoint(self.run_dir, self.step, model_state=model_state, optim_state=optim_state,
+                                        state=state, meta=meta, keep=self.cfg.train.keep_checkpoints)
+        if self.mesh.distributed:
+            torch.distributed.barrier()  # nobody reads or resumes before rank 0 has published it
+        return path
 
     @property
     def tokens(self) -> int:
@@ -159,7 +186,7 @@ class Trainer:
             batch = self.loader.next_batch().to(self.device, non_blocking=True)
             lr = lr_at(self.step, t.steps, self.cfg.optim.lr, self.cfg.schedule)
             stats = train_step(self.model, self.optimizer, batch, micro_batch=t.micro_batch,
-                               grad_clip=self.cfg.optim.grad_clip, lr=lr, dtype=t.dtype)
+                               grad_clip=self.cfg.optim.grad_clip, lr=lr, dtype=t.dtype, mesh=self.mesh)
             self.step += 1
             step_time = time.perf_counter() - t0
             step_times.append(step_time)

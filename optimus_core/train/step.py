@@ -36,8 +36,14 @@ def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: torch.Tensor, *,
-               micro_batch: int, grad_clip: float | None, lr: float, dtype: str) -> StepStats:
-    """Accumulate gradients over ``batch_BS1`` (B sequences of S+1 tokens) in micro-batches."""
+               micro_batch: int, grad_clip: float | None, lr: float, dtype: str, mesh=None) -> StepStats:
+    """Accumulate gradients over ``batch_BS1`` (B sequences of S+1 tokens) in micro-batches.
+
+    With a distributed ``mesh`` (optimus_core.parallel.Mesh), ``batch_BS1`` is this rank's share
+    of the global batch; the returned losses are means over the world and the routing counts
+    sums over it, so every rank (and its balance bias) sees the numbers of the global batch.
+    An optimizer that ``syncs_gradients`` (ShardedAdamW) reduces, clips and updates itself.
+    """
     model.train()
     device_type = batch_BS1.device.type
     chunks = batch_BS1.split(micro_batch) if micro_batch else (batch_BS1,)
@@ -61,10 +67,18 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
             counts = torch.stack([m.last_tokens_per_expert_E for m in moe_layers])
             load_LE = counts if load_LE is None else load_LE + counts
 
-    grad_norm = clip_grad_norm(model, grad_clip)
+    if mesh is not None and mesh.distributed:
+        totals = torch.tensor([loss_sum, aux_sum, lb_sum, z_sum], dtype=torch.float64, device=batch_BS1.device)
+        loss_sum, aux_sum, lb_sum, z_sum = (mesh.all_reduce_sum_(totals) / mesh.world_size).tolist()
+        if load_LE is not None:
+            mesh.all_reduce_sum_(load_LE)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    optimizer.step()
+    if getattr(optimizer, "syncs_gradients", False):
+        grad_norm = optimizer.clip_and_step(grad_clip)
+    else:
+        grad_norm = clip_grad_norm(model, grad_clip)
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     for layer, load_E in zip(moe_layers, load_LE if load_LE is not None else []):
         layer.router.update_balance_bias(load_E)

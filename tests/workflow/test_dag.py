@@ -28,13 +28,15 @@ def test_dry_run_lists_every_stage_and_runs_nothing(tmp_path):
 @pytest.mark.slow
 def test_whole_pipeline_then_nothing_to_do(tmp_path):
     results = tmp_path / "results"
-    smoke = ['pretrain_set=["train.steps=4","train.eval_every=2","train.eval_batches=1"]', "eval_max_batches=2"]
+    smoke = ['pretrain_set=["train.steps=4","train.eval_every=2","train.eval_batches=1"]',
+             "eval_max_batches=2", "eval_items=10"]
     first = snakemake("--cores", "2", results=results, extra_config=smoke)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     report = (results / "report.md").read_text()
     for run in ("laptop-pretrain-mula-1b", "laptop-pretrain-mula-7b-a1b"):
         assert run in report
         assert (results / "runs" / run / "eval.json").is_file()
+    assert "Downstream tasks (lm-evaluation-harness)" in report
     for name in ("loss", "heldout", "throughput", "expert_load"):
         assert (results / "figures" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     second = snakemake("--cores", "2", results=results, extra_config=smoke)

@@ -1,15 +1,33 @@
 # Shared names. The runs come from the registry (workflow/experiments.py), never from here.
-from workflow.experiments import pretraining
+import sys
+
+from workflow.experiments import dag
 
 SCALE = config["scale"]
 RES = config["results"]
 STORE = f"{RES}/store.zarr"
 CORPUS = f"{RES}/data/corpus"
 TOKENS = f"{RES}/data/tokens"
-PRETRAIN_RUNS = {e.run_id(SCALE): e for e in pretraining()}
+# Every run the DAG trains at this scale (laptop: the cheap ones; paper: all of them).
+PRETRAIN_RUNS = {e.run_id(SCALE): e for e in dag(SCALE)}
+EVAL_RUNS = [run for run, e in PRETRAIN_RUNS.items() if e.kind == "pretrain"]  # scaling/ablation: timed only
+TIMED_RUNS = [run for run, e in PRETRAIN_RUNS.items() if e.kind != "pretrain"]
 FIGURE_NAMES = ["loss", "heldout", "throughput", "expert_load"]
 FIGURES = expand(f"{RES}/figures/{{name}}.png", name=FIGURE_NAMES)
 REPORT = f"{RES}/report.md"
+
+# Where training runs: here, or (launcher: parsl) through the Parsl site of the config's site:
+# block. The site plans every job now, at parse time, so a missing account, a queue too small
+# or a walltime over its limit stops `snakemake -n` before anything is submitted.
+LAUNCH = ""
+if config.get("launcher", "local") == "parsl":
+    from workflow.sites import plan_table, site_from_dict
+
+    if not config.get("site"):
+        raise ValueError("launcher = 'parsl': the config needs a site: block (see workflow/config/aurora.yaml)")
+    SITE = site_from_dict(config["site"])
+    LAUNCH = f"--launcher parsl --site {SITE.name}"
+    print(f"Job plan ({SCALE} scale, site {SITE.name}):\n" + plan_table(dag(SCALE), SITE)[0], file=sys.stderr)
 
 # The store is shared by every run (one group each, one writer per group), so it is not a
 # declared file: each stage declares a marker it writes last (summary.json, eval.json).

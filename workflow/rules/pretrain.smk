@@ -15,7 +15,7 @@ rule pretrain:
     shell:
         "OMP_NUM_THREADS={threads} optimus pretrain --experiment {params.experiment} --scale " + SCALE
         + " --data {input} --out {params.run_dir} --run-id {wildcards.run} --store " + STORE
-        + " --threads {threads} {params.overrides} 2>&1 | tee {log}"
+        + " --threads {threads} {params.overrides} " + LAUNCH + " 2>&1 | tee {log}"
 
 
 rule evaluate:
@@ -29,4 +29,5 @@ rule evaluate:
         f"{RES}/logs/evaluate-{{run}}.log",
     shell:
         "optimus evaluate --run {params.run_dir} --store " + STORE
-        + f" --max-batches {config['eval_max_batches']} --out {{output}} > {{log}} 2>&1"
+        + f" --max-batches {config['eval_max_batches']} --tasks {' '.join(config.get('eval_tasks', ['heldout']))}"
+        + f" --items {config.get('eval_items', 200)} --out {{output}} > {{log}} 2>&1"

@@ -1,6 +1,7 @@
 rule figures:
     input:
-        expand(f"{RES}/runs/{{run}}/eval.json", run=PRETRAIN_RUNS),
+        expand(f"{RES}/runs/{{run}}/eval.json", run=EVAL_RUNS),
+        expand(f"{RES}/runs/{{run}}/summary.json", run=TIMED_RUNS),
     output:
         FIGURES,
     log:

@@ -1,0 +1,172 @@
+"""Offline lm-eval tasks from the held-out split, task-file checks, and the lm-eval runner.
+
+    names = build_continuation_tasks("results/data/tokens", "/tmp/tasks", n_items=200)
+    # -> ["optimus_cont_code", "optimus_cont_docs", "optimus_cont_prose"]: one multiple-choice
+    #    task per corpus source, written as /tmp/tasks/<name>.yaml over /tmp/tasks/<name>.jsonl
+    scores = run_lm_eval(OptimusLM.from_run(run), names, task_dirs=["/tmp/tasks"])
+    scores["optimus_cont_code"]  # {"acc": .., "acc_stderr": .., "acc_norm": .., "n": 200}
+
+The continuation task: a held-out passage (``context_tokens`` tokens) and ``n_choices``
+candidate continuations (``cont_tokens`` tokens each): the true one and the continuations of
+other passages of the same source. Chance is 1 / n_choices; a model that learned the source's
+language prefers the continuation that fits. Items come from the val split, which training
+never sees, and are deterministic in (data, seed). Any other lm-eval task (ARC, HellaSwag, ...)
+runs by name where its data is available (``HF_DATASETS_OFFLINE`` is respected, not forced off).
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import yaml
+
+TASK_PREFIX = "optimus_cont_"
+
+
+class TaskFileError(ValueError):
+    """A task YAML file does not parse or is not a task definition; the message names the file."""
+
+
+# ----------------------------------------------------------------------------- task data
+
+def continuation_items(data_dir, source: str, *, n_items: int, context_tokens: int, cont_tokens: int,
+                       n_choices: int, seed: int) -> list[dict]:
+    """``[{"context", "choices", "label"}]`` from the val split of ``source`` (may be fewer)."""
+    from tokenizers import Tokenizer
+
+    from optimus_core.data import heldout_batches, load_manifest
+
+    data_dir = Path(data_dir)
+    eos = load_manifest(data_dir).eos_id
+    tok = Tokenizer.from_file(str(data_dir / "tokenizer.json"))
+    span = context_tokens + cont_tokens
+    passages = []
+    for batch in heldout_batches(data_dir, source, span - 1, batch_size=64):
+        for row in batch.tolist():
+            # The true continuation must continue the same document: no EOS where it begins.
+            if eos not in row[context_tokens - 1:]:
+                passages.append((tok.decode(row[:context_tokens]), tok.decode(row[context_tokens:])))
+        if len(passages) >= n_items:
+            break
+    passages = passages[:n_items]
+    if len(passages) < n_choices:
+        return []
+    rng = random.Random(f"{seed}:{source}")
+    items = []
+    for i, (context, true) in enumerate(passages):
+        others = [passages[(i + j) % len(passages)][1] for j in range(1, len(passages))]
+        others = [o for o in dict.fromkeys(others) if o != true][: n_choices - 1]
+        if len(others) < n_choices - 1:
+            continue
+        label = rng.randrange(n_choices)
+        choices = others[:label] + [true] + others[label:]
+        items.append({"context": context, "choices": choices, "label": label})
+    return items
+
+
+def _task_yaml(name: str, data_file: Path) -> dict:
+    return {
+        "task": name, "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data_file)}},
+        "test_split": "test", "output_type": "multiple_choice",
+        "doc_to_text": "context", "doc_to_choice": "choices", "doc_to_target": "label",
+        # context and choices were cut at a token boundary: join them with nothing in between
+        "target_delimiter": "", "num_fewshot": 0,
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+                        {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}],
+        "metadata": {"version": 1.0},
+    }
+
+
+def build_continuation_tasks(data_dir, out_dir, *, sources: Optional[Sequence[str]] = None, n_items: int = 200,
+                             context_tokens: int = 48, cont_tokens: int = 16, n_choices: int = 4,
+                             seed: int = 0) -> list[str]:
+    """Write one continuation task per source (YAML + JSONL) into ``out_dir``; their names."""
+    from optimus_core.atomic import atomic_write
+    from optimus_core.data import load_manifest
+
+    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    if not (data_dir / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{data_dir}/tokenizer.json: missing; continuation tasks need a tokenize output")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = []
+    for source in sources or load_manifest(data_dir).sources:
+        items = continuation_items(data_dir, source, n_items=n_items, context_tokens=context_tokens,
+                                   cont_tokens=cont_tokens, n_choices=n_choices, seed=seed)
+        if not items:
+            continue  # a source too small for a task: absent, as in the held-out metrics
+        name = f"{TASK_PREFIX}{source}"
+        data_file = out_dir / f"{name}.jsonl"
+        atomic_write(data_file, "".join(json.dumps(it) + "\n" for it in items))
+        atomic_write(out_dir / f"{name}.yaml", yaml.safe_dump(_task_yaml(name, data_file), sort_keys=False))
+        names.append(name)
+    if not names:
+        raise ValueError(f"{data_dir}: no source's val split holds {n_choices} passages of "
+                         f"{context_tokens + cont_tokens} tokens; use shorter passages")
+    return names
+
+
+# ----------------------------------------------------------------------------- task files
+
+class _AnyTagLoader(yaml.SafeLoader):
+    """Safe YAML that tolerates lm-eval's tags (``!function utils.process_docs``)."""
+
+
+_AnyTagLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+def check_task_files(task_dirs: Iterable) -> None:
+    """TaskFileError naming the first YAML under ``task_dirs`` that does not parse or define a task.
+
+    lm-eval itself logs and skips such files, which surfaces later as "task not found".
+    """
+    for d in task_dirs:
+        d = Path(d)
+        if not d.is_dir():
+            raise TaskFileError(f"{d}: task directory does not exist")
+        for path in sorted(d.rglob("*.yaml")):
+            try:
+                doc = yaml.load(path.read_text(), Loader=_AnyTagLoader)
+            except yaml.YAMLError as e:
+                raise TaskFileError(f"{path}: not valid YAML: {e}") from None
+            if not isinstance(doc, dict) or not ({"task", "group", "include", "tag"} & set(doc)):
+                raise TaskFileError(f"{path}: not an lm-eval task definition (a mapping with 'task:' or "
+                                    "'group:' is expected)")
+
+
+# ----------------------------------------------------------------------------- runner
+
+def run_lm_eval(lm, tasks: Sequence[str], *, task_dirs: Sequence = (), limit: Optional[int] = None,
+                include_defaults: Optional[bool] = None) -> dict[str, dict]:
+    """Run lm-eval ``tasks`` zero-shot on ``lm``; ``{task: {"acc", "acc_stderr", "acc_norm", ..., "n"}}``.
+
+    ``include_defaults`` (lm-eval's bundled task registry, slow to index) defaults to "only when
+    a task is not found in ``task_dirs``".
+    """
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    check_task_files(task_dirs)
+    dirs = [str(d) for d in task_dirs]
+    manager = TaskManager(include_path=dirs or None, include_defaults=bool(include_defaults))
+    if include_defaults is None and any(t not in manager.all_tasks for t in tasks):
+        manager = TaskManager(include_path=dirs or None, include_defaults=True)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        local = sorted(manager.all_tasks) if len(manager.all_tasks) < 50 else "see `lm_eval ls tasks`"
+        raise ValueError(f"tasks = {unknown}: unknown to lm-eval (task dirs {dirs}); known: {local}")
+    res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, num_fewshot=0, limit=limit,
+                                  log_samples=False, bootstrap_iters=0)
+    scores = {}
+    for task, metrics in res["results"].items():
+        row = {k.split(",")[0]: float(v) for k, v in metrics.items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "sample_len"}
+        n = row["n"] = int(res.get("n-samples", {}).get(task, {}).get("effective", 0))
+        for metric in ("acc", "acc_norm"):  # bootstrap_iters=0 skips stderrs: the binomial one is exact enough
+            if metric in row and f"{metric}_stderr" not in row and n > 1:
+                row[f"{metric}_stderr"] = math.sqrt(row[metric] * (1 - row[metric]) / (n - 1))
+        scores[task] = row
+    return scores

@@ -1,0 +1,195 @@
+"""Who am I, and with whom do I talk: launcher environment, process groups (dp, ep, expert-dp).
+
+    mesh = init_distributed(cfg.parallel, n_experts=cfg.model.moe.n_experts)   # every rank
+    mesh.rank, mesh.world_size, mesh.ep_rank, mesh.expert_dp_rank
+    mesh.ep_group          # the ``ep`` consecutive ranks that split the experts between them
+    mesh.expert_dp_group   # the world/ep ranks that hold the same experts (one per EP group)
+
+Rank, world size and local rank come from torchrun (RANK, WORLD_SIZE, LOCAL_RANK), Open MPI
+(OMPI_COMM_WORLD_*), or PMI / PALS (PMI_RANK, PMI_SIZE, PALS_LOCAL_RANKID or PMI_LOCAL_RANK) as
+Aurora's mpiexec sets them; with none of them the process is a world of one and no process group
+is created. Every check that can fail (layout, MASTER_ADDR) runs before the first collective, on
+every rank, so a bad launch is an error everywhere instead of a hang.
+
+Layout: EP groups are blocks of consecutive ranks (on one node when ep <= ranks per node, where
+the all-to-all is cheapest); expert-dp group ``j`` is the ranks ``j, j + ep, j + 2 ep, ...``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError, ParallelConfig
+from ..device import collective_backend, import_vendor_extensions, resolve_device_type
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Rank facts read from the launcher's environment variables."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    launcher: str  # torchrun | ompi | pmi | none
+    master_addr: str | None
+    master_port: str | None
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ConfigError(f"environment variable {name} = {env[name]!r}: must be an integer") from None
+
+
+def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Parse the launcher's variables (torchrun first, then Open MPI, then PMI / PALS).
+
+    >>> read_launch_env({"PMI_RANK": "3", "PMI_SIZE": "24", "PALS_LOCAL_RANKID": "3",
+    ...                  "MASTER_ADDR": "x1000c0s0b0n0", "MASTER_PORT": "29500"}).local_rank
+    3
+    """
+    env = os.environ if env is None else env
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher, rank, world = "torchrun", _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local_names = ("LOCAL_RANK",)
+    elif "OMPI_COMM_WORLD_RANK" in env:
+        launcher, rank, world = "ompi", _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
+        local_names = ("OMPI_COMM_WORLD_LOCAL_RANK",)
+    elif "PMI_RANK" in env:
+        launcher, rank, world = "pmi", _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
+        local_names = ("PALS_LOCAL_RANKID", "PMI_LOCAL_RANK", "MPI_LOCALRANKID")  # PALS, PMIx, Hydra
+    else:
+        return LaunchEnv(0, 1, 0, "none", addr, port)
+    # A launcher that does not say the local rank runs one rank per node as far as we can tell.
+    local = next((_int(env, n) for n in local_names if n in env), 0)
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"{launcher} environment: rank {rank}, world size {world}: need 0 <= rank < world")
+    return LaunchEnv(rank, world, local, launcher, addr, port)
+
+
+def check_rendezvous(launch: LaunchEnv) -> None:
+    """torchrun always sets MASTER_ADDR / MASTER_PORT; mpiexec does not, and without them every
+    rank would wait forever in init_process_group. Say so instead."""
+    if launch.world_size > 1 and not (launch.master_addr and launch.master_port):
+        missing = [n for n, v in (("MASTER_ADDR", launch.master_addr), ("MASTER_PORT", launch.master_port)) if not v]
+        raise ConfigError(
+            f"{' and '.join(missing)} not set under {launch.launcher} with world size {launch.world_size} "
+            f"(rank {launch.rank}): export MASTER_ADDR=<rank 0's hostname> (e.g. $(head -1 $PBS_NODEFILE)) "
+            f"and MASTER_PORT=<a free port> before mpiexec")
+
+
+def group_layout(world_size: int, ep: int, n_experts: int | None) -> tuple[list[list[int]], list[list[int]]]:
+    """(ep_groups, expert_dp_groups) as rank lists; validates the layout (pure logic).
+
+    >>> group_layout(4, 2, 8)
+    ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    """
+    if ep < 1 or world_size % ep:
+        raise ConfigError(f"parallel.ep = {ep}: must divide the world size ({world_size} ranks)")
+    if n_experts is not None and ep > n_experts:
+        raise ConfigError(f"parallel.ep = {ep}: more expert-parallel ranks than experts ({n_experts})")
+    if n_experts is not None and n_experts % ep:
+        raise ConfigError(f"parallel.ep = {ep}: must divide model.moe.n_experts ({n_experts})")
+    ep_groups = [list(range(start, start + ep)) for start in range(0, world_size, ep)]
+    expert_dp_groups = [list(range(j, world_size, ep)) for j in range(ep)]
+    return ep_groups, expert_dp_groups
+
+
+@dataclass
+class Mesh:
+    """One rank's view of the layout. Groups are None in a world of one (no collectives run)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    ep: int
+    device: torch.device
+    backend: str
+    ep_group: Any = None
+    expert_dp_group: Any = None
+    ep_ranks: tuple[int, ...] = (0,)
+    expert_dp_ranks: tuple[int, ...] = (0,)
+    owns_process_group: bool = False  # init_distributed created it, so shutdown destroys it
+
+    @classmethod
+    def single(cls, device: str | torch.device = "cpu") -> "Mesh":
+        """A world of one: what a plain single-process run uses."""
+        # No backend: a world of one runs no collective (and an xpu box without xccl still trains).
+        return cls(0, 1, 0, 1, torch.device(device), "none")
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep
+
+    @property
+    def expert_dp_size(self) -> int:
+        return self.world_size // self.ep
+
+    @property
+    def expert_dp_rank(self) -> int:
+        return self.rank // self.ep
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def all_reduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """In place over the whole world; a no-op in a world of one."""
+        if self.distributed:
+            dist.all_reduce(t)
+        return t
+
+
+def init_distributed(parallel: ParallelConfig, n_experts: int | None = None, device: str = "auto",
+                     env: Mapping[str, str] | None = None) -> Mesh:
+    """Read the launcher, validate, join the world and build the groups (every rank, same order)."""
+    launch = read_launch_env(env)
+    group_layout(launch.world_size, parallel.ep, n_experts)  # raises on every rank, before any collective
+    check_rendezvous(launch)
+    device_type = resolve_device_type(device)
+    if device_type == "cpu":
+        dev = torch.device("cpu")
+    else:  # one rank per device of the node
+        dev = torch.device(device_type, launch.local_rank % getattr(torch, device_type).device_count())
+        getattr(torch, device_type).set_device(dev)
+    if launch.world_size == 1:
+        return Mesh.single(dev)
+    backend = collective_backend(device_type)
+    import_vendor_extensions(device_type, backend)
+    mesh = Mesh(launch.rank, launch.world_size, launch.local_rank, parallel.ep, dev, backend)
+    if not dist.is_initialized():
+        mesh.owns_process_group = True
+        os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+        os.environ.setdefault("MASTER_PORT", launch.master_port)
+        dist.init_process_group(backend, init_method="env://", rank=launch.rank, world_size=launch.world_size,
+                                device_id=dev if device_type != "cpu" else None)
+    return build_groups(mesh)
+
+
+def build_groups(mesh: Mesh) -> Mesh:
+    """Create every EP and expert-dp group on every rank, in one order (new_group is collective)."""
+    ep_groups, expert_dp_groups = group_layout(mesh.world_size, mesh.ep, None)
+    for ranks in ep_groups:
+        group = dist.new_group(ranks)
+        if mesh.rank in ranks:
+            mesh.ep_group, mesh.ep_ranks = group, tuple(ranks)
+    for ranks in expert_dp_groups:
+        group = dist.new_group(ranks)
+        if mesh.rank in ranks:
+            mesh.expert_dp_group, mesh.expert_dp_ranks = group, tuple(ranks)
+    return mesh
+
+
+def shutdown(mesh: Mesh) -> None:
+    if mesh.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,105 @@
+"""Expert parallelism: the all-to-all dispatch / combine gives the single-process layer's outputs
+and gradients, also when routing is uneven (EP ranks that receive no tokens for their experts)
+and when tokens are dropped over capacity."""
+import copy
+
+import torch
+from torch import nn
+
+from optimus_core.config import MoEConfig, ParallelConfig
+from optimus_core.model.moe import MoEFeedForward
+from optimus_core.parallel import init_distributed, parallelize, shutdown
+from optimus_core.parallel.dispatch import inverse_permutation, source_to_expert_order
+from optimus_core.parallel.launch import spawn_local
+
+D, E, ROWS_PER_RANK, SEQ = 16, 4, 2, 5
+
+
+def test_source_to_expert_order_groups_rows_by_expert():
+    counts_SE = torch.tensor([[2, 0, 1], [1, 3, 0], [0, 1, 2]])
+    src = torch.repeat_interleave(torch.arange(9), counts_SE.flatten())  # segment id s * 3 + e
+    idx = source_to_expert_order(counts_SE)
+    experts = src[idx] % 3
+    sources = src[idx] // 3
+    assert experts.tolist() == sorted(experts.tolist())  # grouped by expert
+    for e in range(3):  # within an expert: sources in order, rows in their original order
+        assert sources[experts == e].tolist() == sorted(sources[experts == e].tolist())
+    assert idx.sort().values.tolist() == list(range(int(counts_SE.sum())))
+    assert torch.equal(idx[inverse_permutation(idx)], torch.arange(idx.numel()))
+
+
+def test_source_to_expert_order_empty():
+    assert source_to_expert_order(torch.zeros(2, 3, dtype=torch.long)).numel() == 0
+
+
+def _layer(cfg: MoEConfig, skew: bool) -> MoEFeedForward:
+    layer = MoEFeedForward(D, cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        if skew:  # positive inputs + these rows: every token picks experts 0 and 1 (EP rank 0)
+            layer.router.gate.weight.copy_(torch.tensor([1.0, 0.9, -1.0, -1.1])[:, None].expand(E, D))
+    return layer
+
+
+class _Holder(nn.Module):  # parallelize walks a model; any module holding the layer will do
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+
+def _check_layer(mesh, capacity, skew):
+    cfg = MoEConfig(n_experts=E, top_k=2, d_expert=8, capacity_factor=capacity)
+    ref = _layer(cfg, skew)
+    ep_model = parallelize(_Holder(copy.deepcopy(ref)), mesh)
+    g = torch.Generator().manual_seed(1)
+    x_all = torch.randn(mesh.world_size * ROWS_PER_RANK, SEQ, D, generator=g)
+    x_all = x_all.abs() if skew else x_all
+    w_all = torch.randn(x_all.shape, generator=g)
+    mine = slice(mesh.rank * ROWS_PER_RANK, (mesh.rank + 1) * ROWS_PER_RANK)
+
+    # Reference: the whole layer on each rank's slice in turn (capacity is per forward, as in EP).
+    ref_out, ref_dx = [], []
+    for r in range(mesh.world_size):
+        x = x_all[r * ROWS_PER_RANK:(r + 1) * ROWS_PER_RANK].clone().requires_grad_()
+        out = ref(x)
+        (out * w_all[r * ROWS_PER_RANK:(r + 1) * ROWS_PER_RANK]).sum().backward()
+        ref_out.append(out.detach()), ref_dx.append(x.grad)
+        if skew:
+            assert ref.last_tokens_per_expert_E[2:].sum() == 0  # EP rank 1 gets nothing
+
+    x = x_all[mine].clone().requires_grad_()
+    out = ep_model.layer(x)
+    (out * w_all[mine]).sum().backward()
+    torch.testing.assert_close(out, ref_out[mesh.rank], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, ref_dx[mesh.rank], rtol=1e-5, atol=1e-6)
+
+    gate_grad = ep_model.layer.router.gate.weight.grad.clone()
+    torch.distributed.all_reduce(gate_grad)
+    torch.testing.assert_close(gate_grad, ref.router.gate.weight.grad, rtol=1e-5, atol=1e-6)
+    experts = ep_model.layer.experts
+    assert experts.w_up.shape[0] == E // mesh.ep
+    local = slice(experts.first, experts.first + experts.n_local)
+    for name in ("w_up", "w_down"):
+        grad = getattr(experts, name).grad.clone()
+        torch.distributed.all_reduce(grad, group=mesh.expert_dp_group)  # the other EP groups' tokens
+        torch.testing.assert_close(grad, getattr(ref.experts, name).grad[local], rtol=1e-5, atol=1e-6)
+
+
+def _worker(ep):
+    torch.set_num_threads(1)
+    mesh = init_distributed(ParallelConfig(ep=ep), n_experts=E, device="cpu")
+    try:
+        for capacity, skew in ((None, False), (None, True), (1.0, False), (0.5, True)):
+            _check_layer(mesh, capacity, skew)
+    finally:
+        shutdown(mesh)
+
+
+def test_ep_layer_matches_single_process_4_ranks_ep2():
+    spawn_local(_worker, 4, (2,), start_method="fork")
+
+
+def test_ep_layer_matches_single_process_2_ranks_ep2():
+    spawn_local(_worker, 2, (2,), start_method="fork")

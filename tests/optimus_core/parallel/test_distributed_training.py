@@ -1,0 +1,153 @@
+"""Data + expert parallel training: 2 and 4 ranks (gloo, EP=2) follow the 1-process run of the
+same model, data and global batch step for step; a distributed run resumes from its checkpoint;
+``optimus pretrain --nproc 2`` runs the ranks itself."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from optimus_core.config import (DataConfig, ModelConfig, MoEConfig, ParallelConfig, RunConfig,
+                                 ScheduleConfig, TrainConfig)
+from optimus_core.parallel import init_distributed, shutdown
+from optimus_core.parallel.launch import spawn_local
+from optimus_core.train import checkpoint as ckpt
+from optimus_core.train.loop import Trainer
+
+STEPS = 15
+
+
+class _Sink:
+    def __init__(self):
+        self.rows = {}
+
+    def log(self, table, row, dims=None):
+        self.rows.setdefault(table, []).append(row)
+
+    def update_attrs(self, **attrs):
+        pass
+
+    def flush(self):
+        pass
+
+
+def _cfg(ep=1, optimizer="ep_aware", steps=STEPS, checkpoint_every=0, schedule="cosine"):
+    # micro_batch 2 everywhere: the load-balancing loss is a per-forward statistic, so the
+    # 1-process run must see the same 2-sequence forwards as the ranks do (global batch 8).
+    return RunConfig(
+        model=ModelConfig(vocab_size=4096, d_model=32, n_layers=2, n_heads=4, max_seq_len=32,
+                          moe=MoEConfig(n_experts=4, top_k=2, d_expert=16, bias_update_rate=1e-3)),
+        train=TrainConfig(steps=steps, global_batch=8, micro_batch=2, device="cpu", eval_batches=1,
+                          checkpoint_every=checkpoint_every),
+        data=DataConfig(seq_len=32), schedule=ScheduleConfig(kind=schedule, warmup_steps=3),
+        parallel=ParallelConfig(ep=ep, optimizer=optimizer))
+
+
+def _rows(sink):
+    return {"loss": [r["loss"] for r in sink.rows["train"]], "steps": [r["step"] for r in sink.rows["train"]],
+            "eval": [r["loss"] for r in sink.rows.get("eval", [])],
+            "load": [r["expert_load"].tolist() for r in sink.rows["train"]]}
+
+
+def _train_worker(cfg_json, tokens_dir, run_dir, out_path):
+    torch.set_num_threads(1)
+    cfg = RunConfig.from_json(cfg_json)
+    mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts, device="cpu")
+    try:
+        sink = _Sink()
+        Trainer(cfg, tokens_dir, run_dir, writer=sink, progress=False, mesh=mesh).fit()
+        if mesh.rank == 0:
+            out_path.write_text(json.dumps(_rows(sink)))
+        else:
+            assert sink.rows == {}  # only global rank 0 records
+    finally:
+        shutdown(mesh)
+
+
+def _distributed(nproc, cfg, tokens_dir, run_dir, out_path):
+    spawn_local(_train_worker, nproc, (cfg.to_json(), tokens_dir, run_dir, out_path), start_method="fork")
+    return json.loads(out_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def single(tokens_dir, tmp_path_factory):
+    sink = _Sink()
+    run_dir = tmp_path_factory.mktemp("single")
+    Trainer(_cfg(), tokens_dir, run_dir, writer=sink, progress=False).fit()
+    return _rows(sink), run_dir
+
+
+@pytest.mark.parametrize("nproc, ep, optimizer", [(2, 2, "ep_aware"), (4, 2, "ep_aware"), (4, 2, "ep_unaware"),
+                                                  (2, 1, "ep_aware")])  # ep 1: experts replicated, state sharded
+def test_ranks_follow_the_one_process_run(single, tokens_dir, tmp_path, nproc, ep, optimizer):
+    ref, ref_dir = single
+    got = _distributed(nproc, _cfg(ep=ep, optimizer=optimizer), tokens_dir, tmp_path / "run", tmp_path / "rows.json")
+    assert got["steps"] == list(range(1, STEPS + 1))
+    assert max(abs(a - b) for a, b in zip(got["loss"], ref["loss"])) < 1e-5
+    assert max(abs(a - b) for a, b in zip(got["eval"], ref["eval"])) < 1e-5
+    torch.testing.assert_close(torch.tensor(got["load"]), torch.tensor(ref["load"]))  # global routing counts
+    # rank 0's checkpoint holds the full model (experts gathered), equal to the 1-process model
+    mine = ckpt.latest_valid(tmp_path / "run").load_model_state()
+    theirs = ckpt.latest_valid(ref_dir).load_model_state()
+    assert mine.keys() == theirs.keys()
+    for name in theirs:
+        torch.testing.assert_close(mine[name], theirs[name], rtol=0, atol=1e-5)
+
+
+def test_distributed_run_resumes_from_its_checkpoint(tokens_dir, tmp_path):
+    # A constant schedule, so that a run told to stop at step 8 is the first part of a 15-step run.
+    sink = _Sink()
+    Trainer(_cfg(schedule="constant"), tokens_dir, tmp_path / "single", writer=sink, progress=False).fit()
+    ref = _rows(sink)
+    run_dir = tmp_path / "run"
+    first = _distributed(2, _cfg(ep=2, steps=8, schedule="constant"), tokens_dir, run_dir, tmp_path / "a.json")
+    assert first["steps"] == list(range(1, 9))
+    rest = _distributed(2, _cfg(ep=2, schedule="constant"), tokens_dir, run_dir, tmp_path / "b.json")  # from step 8
+    assert rest["steps"] == list(range(9, STEPS + 1))
+    assert max(abs(a - b) for a, b in zip(first["loss"] + rest["loss"], ref["loss"])) < 1e-5
+
+
+def test_resuming_on_another_layout_is_a_clear_error(tokens_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    Trainer(_cfg(steps=2), tokens_dir, run_dir, progress=False).fit()  # 1 process, plain AdamW
+    with pytest.raises(Exception, match="resume with the same number of ranks"):
+        _distributed(2, _cfg(ep=2, steps=4), tokens_dir, run_dir, tmp_path / "x.json")
+
+
+def test_cli_nproc_2_starts_the_ranks(tokens_dir, tmp_path):
+    out = tmp_path / "cli-run"
+    cmd = [sys.executable, "-m", "workflow.cli", "pretrain", "--preset", "mula-7b-a1b@laptop",
+           "--data", str(tokens_dir), "--out", str(out), "--nproc", "2", "--ep", "2", "--steps", "2", "--quiet",
+           "--set", "train.eval_batches=1", "--set", "train.global_batch=4", "--set", "train.device=cpu",
+           # a smaller model than the preset's, to keep the test quick
+           "--set", "model.n_layers=1", "--set", "model.moe.n_experts=4", "--set", "model.moe.top_k=2",
+           "--set", "data.seq_len=32"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("2 steps") == 1  # one line, from rank 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2
+    assert json.loads((out / "meta.json").read_text())["status"] == "completed"
+
+
+def test_cli_bad_ep_is_a_clear_error_before_any_rank_starts(tokens_dir, tmp_path, capsys):
+    from workflow.cli import main
+
+    code = main(["pretrain", "--preset", "mula-7b-a1b@laptop", "--data", str(tokens_dir),
+                 "--out", str(tmp_path / "r"), "--nproc", "2", "--ep", "4", "--steps", "1",
+                 "--set", "train.device=cpu"])
+    assert code == 2
+    assert "parallel.ep = 4: must divide the world size (2 ranks)" in capsys.readouterr().err
+
+
+def test_cli_nproc_must_agree_with_an_outer_launcher(tokens_dir, tmp_path, monkeypatch, capsys):
+    from workflow.cli import main
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code = main(["pretrain", "--preset", "mula-7b-a1b@laptop", "--data", str(tokens_dir),
+                 "--out", str(tmp_path / "r"), "--nproc", "3", "--steps", "1"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--nproc = 3: this process is rank 0 of 2 started by torchrun; pass --nproc 1 or 2" in err

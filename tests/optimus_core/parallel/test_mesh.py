@@ -1,0 +1,81 @@
+"""Launcher environments, the group layout and bad launches: pure logic, no processes."""
+import pytest
+
+from optimus_core.config import ConfigError, ParallelConfig
+from optimus_core.parallel.mesh import Mesh, check_rendezvous, group_layout, init_distributed, read_launch_env
+
+
+def test_torchrun_variables():
+    env = read_launch_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "h0", "MASTER_PORT": "1"})
+    assert (env.rank, env.world_size, env.local_rank, env.launcher) == (5, 8, 1, "torchrun")
+
+
+def test_pals_pmi_variables_as_aurora_mpiexec_sets_them():
+    env = read_launch_env({"PMI_RANK": "13", "PMI_SIZE": "24", "PALS_LOCAL_RANKID": "1", "PMI_LOCAL_RANK": "9"})
+    assert (env.rank, env.world_size, env.local_rank, env.launcher) == (13, 24, 1, "pmi")
+    assert read_launch_env({"PMI_RANK": "3", "PMI_SIZE": "4", "PMI_LOCAL_RANK": "3"}).local_rank == 3
+
+
+def test_open_mpi_variables():
+    env = read_launch_env({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
+                           "OMPI_COMM_WORLD_LOCAL_RANK": "0"})
+    assert (env.rank, env.world_size, env.local_rank, env.launcher) == (2, 4, 0, "ompi")
+
+
+def test_torchrun_wins_over_mpi_and_nothing_is_a_world_of_one():
+    env = read_launch_env({"RANK": "1", "WORLD_SIZE": "2", "PMI_RANK": "0", "PMI_SIZE": "2"})
+    assert (env.rank, env.launcher) == (1, "torchrun")
+    assert read_launch_env({}).world_size == 1
+
+
+def test_bad_rank_values_name_the_variable():
+    with pytest.raises(ConfigError, match="PMI_RANK"):
+        read_launch_env({"PMI_RANK": "x", "PMI_SIZE": "2"})
+    with pytest.raises(ConfigError, match="rank 4, world size 4"):
+        read_launch_env({"RANK": "4", "WORLD_SIZE": "4"})
+
+
+@pytest.mark.parametrize("world, ep, ep_groups, edp_groups", [
+    (4, 2, [[0, 1], [2, 3]], [[0, 2], [1, 3]]),
+    (4, 4, [[0, 1, 2, 3]], [[0], [1], [2], [3]]),
+    (4, 1, [[0], [1], [2], [3]], [[0, 1, 2, 3]]),
+    (6, 3, [[0, 1, 2], [3, 4, 5]], [[0, 3], [1, 4], [2, 5]]),
+])
+def test_group_layout(world, ep, ep_groups, edp_groups):
+    got_ep, got_edp = group_layout(world, ep, 12)
+    assert (got_ep, got_edp) == (ep_groups, edp_groups)
+    # every rank in exactly one group of each kind, and the two kinds meet in one rank
+    assert sorted(r for g in got_ep for r in g) == list(range(world))
+    assert all(len(set(a) & set(b)) == 1 for a in got_ep for b in got_edp)
+
+
+def test_mesh_ranks_match_layout():
+    ep_groups, edp_groups = group_layout(8, 2, 8)
+    for rank in range(8):
+        mesh = Mesh(rank, 8, rank, 2, None, "gloo")
+        assert ep_groups[mesh.expert_dp_rank][mesh.ep_rank] == rank
+        assert edp_groups[mesh.ep_rank][mesh.expert_dp_rank] == rank
+        assert mesh.expert_dp_size == 4
+
+
+def test_bad_layouts_fail_before_any_collective():
+    with pytest.raises(ConfigError, match=r"parallel.ep = 3: must divide the world size \(4 ranks\)"):
+        init_distributed(ParallelConfig(ep=3), n_experts=12, device="cpu",
+                         env={"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    with pytest.raises(ConfigError, match="more expert-parallel ranks than experts"):
+        init_distributed(ParallelConfig(ep=4), n_experts=2, device="cpu",
+                         env={"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+
+
+def test_missing_master_addr_under_mpiexec_is_a_clear_error():
+    env = {"PMI_RANK": "1", "PMI_SIZE": "2", "PALS_LOCAL_RANKID": "1"}
+    with pytest.raises(ConfigError, match="MASTER_ADDR and MASTER_PORT not set under pmi"):
+        init_distributed(ParallelConfig(ep=1), n_experts=4, device="cpu", env=env)
+    check_rendezvous(read_launch_env({"PMI_RANK": "0", "PMI_SIZE": "1"}))  # a world of one needs none
+
+
+def test_world_of_one_creates_no_process_group():
+    import torch.distributed as dist
+
+    mesh = init_distributed(ParallelConfig(ep=1), n_experts=4, device="cpu", env={})
+    assert not mesh.distributed and mesh.ep_group is None and not dist.is_initialized()

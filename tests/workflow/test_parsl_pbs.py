@@ -1,0 +1,127 @@
+"""End to end without Aurora: the real Parsl PBSProProvider, stand-in qsub/qstat/qdel, real mpiexec.
+
+`optimus pretrain --launcher parsl --site SITE.yaml` plans the job from the Aurora site block
+(account, queue and node size pointed at the stand-ins), Parsl writes the PBS script and submits
+it with the stand-in qsub (tests/workflow/fixtures/pbs/), which runs it here in the background;
+Parsl polls it with `qstat -x -f -F json`, the HTEX worker in it runs the bash app
+`mpiexec -n 2 -ppn 2 optimus pretrain ... --launcher local`, the run reaches its last step and
+writes its metrics to the store, and Parsl's cleanup ends the job with qdel.
+"""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "pbs"
+VENV_BIN = Path(sys.executable).parent
+
+pytest.importorskip("parsl")
+
+
+def standin_site(tmp_path: Path, file: str = "site.yaml", **changes) -> Path:
+    """workflow/config/aurora.yaml's site block, pointed at this machine and the stand-ins."""
+    site = yaml.safe_load((REPO / "workflow/config/aurora.yaml").read_text())["site"]
+    site.update(
+        account="TestProj", queue="debug", tiles_per_node=2, cpus_per_node=2, walltime_h=0.25,
+        worker_init=[f"export PATH={VENV_BIN}:{FIXTURES}:$PATH", f"cd {REPO}",
+                     "export MASTER_ADDR=127.0.0.1", f"export MASTER_PORT={free_port()}"],
+        mpiexec="mpiexec -n {ranks} -ppn {ppn}",  # MPICH's flags; Aurora's PALS line stays in aurora.yaml
+        cpu_bind="", optimus=str(VENV_BIN / "optimus"), address="127.0.0.1", retries=0, status_polling_interval=2,
+        run_dir=str(tmp_path / "parsl"),
+    )
+    site.update(changes)
+    path = tmp_path / file
+    path.write_text(yaml.safe_dump({"site": site}, sort_keys=False))
+    return path
+
+
+def optimus(tmp_path: Path, *args: str, timeout: int = 150) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PATH=f"{FIXTURES}{os.pathsep}{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
+               STANDIN_PBS_DIR=str(tmp_path / "pbs"), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.pop("OPTIMUS_ACCOUNT", None)
+    return subprocess.run([str(VENV_BIN / "optimus"), *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None,
+                    reason="needs a real mpiexec (MPICH: apt-get install mpich; .ci/run installs it)")
+def test_pretrain_through_parsl_pbspro_and_mpiexec(tmp_path, tokens_dir, monkeypatch):
+    # One stand-in node of 2 "tiles" (mpiexec -n 2 -ppn 2). The first job is cut as if by its
+    # walltime right after the first checkpoint; Parsl retries the task in a new job, which resumes.
+    site = standin_site(tmp_path, retries=1, heartbeat_period=1, heartbeat_threshold=4)
+    run_dir, store = tmp_path / "runs" / "pbs-smoke", tmp_path / "store.zarr"
+    monkeypatch.setenv("STANDIN_PBS_CUT_FIRST_JOB_WHEN", str(run_dir / "checkpoints" / "latest"))
+    out = optimus(tmp_path, "pretrain", "--preset", "mula-7b-a1b@laptop", "--data", str(tokens_dir),
+                  "--out", str(run_dir), "--run-id", "pbs-smoke", "--steps", "6", "--checkpoint-every", "2",
+                  "--store", str(store), "--quiet", "--threads", "1", "--set", "train.eval_batches=1",
+                  "--launcher", "parsl", "--site", str(site), "--nproc", "2")
+    log = (tmp_path / "pbs" / "qsub.log").read_text() if (tmp_path / "pbs" / "qsub.log").is_file() else ""
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + log
+    assert "mpiexec -n 2 -ppn 2 " in out.stdout and "--launcher local" in out.stdout
+    assert "pbs-smoke: 6 steps" in out.stdout
+
+    # Parsl submitted a job with the site's account, queue and #PBS lines; PBS cut it; Parsl
+    # submitted a second (site retries: 1); its cleanup qdel'ed the second.
+    events = [line.split()[0] for line in log.splitlines()]
+    assert events == ["qsub", "cut", "qsub", "qdel"], log
+    submits = [line for line in log.splitlines() if line.startswith("qsub ")]
+    assert "-q debug" in submits[0] and "-A TestProj" in submits[0]
+    for directive in ("#PBS -l select=1:ncpus=2", "#PBS -l walltime=00:15:00",
+                      "#PBS -l filesystems=home:flare", "#PBS -l place=scatter"):
+        assert directive in submits[0], directive
+    script = Path(submits[0].split(" | ")[0].split()[-1]).read_text()
+    for env in ("CCL_PROCESS_LAUNCHER=pmix", "CCL_ATL_TRANSPORT=mpi", "CCL_KVS_MODE=mpi",
+                "FI_MR_CACHE_MONITOR=userfaultfd"):
+        assert f"export {env}" in script
+
+    # The run finished, resumed from a checkpoint of the cut job, and its metrics are in the store.
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["resumed_from"] in (2, 4), summary
+    from optimus_core.store import open_store
+    s = open_store(store, mode="r")
+    assert s.runs().set_index("run_id").loc["pbs-smoke", "status"] == "completed"
+    steps = list(s.metrics("pbs-smoke")["step"])
+    # One writer (rank 0). Rows the cut job had not flushed yet are lost (the store's writer
+    # buffers up to 10 s; the trainer does not flush at checkpoints yet): only the resumed part
+    # is guaranteed.
+    assert steps[-1] == 6 and set(range(summary["resumed_from"] + 1, 7)) <= set(steps), steps
+    assert steps == sorted(set(steps)), steps
+
+
+def test_bad_site_stops_before_submitting(tmp_path, capsys, monkeypatch):
+    from workflow.cli import main
+
+    monkeypatch.delenv("OPTIMUS_ACCOUNT", raising=False)
+    monkeypatch.setenv("STANDIN_PBS_DIR", str(tmp_path / "pbs"))
+    base = ["pretrain", "--preset", "mula-1b@laptop", "--data", str(tmp_path), "--out", str(tmp_path / "r"),
+            "--launcher", "parsl"]
+    cases = [
+        (standin_site(tmp_path, "bad1.yaml", account=""), [], 2, "site aurora: account = '': missing"),
+        (standin_site(tmp_path, "bad2.yaml", tiles_per_node=12), ["--nproc", "8"], 2,
+         "tiles = 8: must be a multiple of tiles_per_node (12)"),
+        (standin_site(tmp_path, "bad3.yaml", queue="debug", tiles_per_node=1), ["--nproc", "3"], 2,
+         "nodes = 3: queue 'debug' allows 1-2 nodes"),
+        (standin_site(tmp_path, "bad4.yaml", queue="debug", walltime_h=2, tiles_per_node=1), [], 2,
+         "walltime_h = 2: over queue 'debug''s limit of 1h"),
+        (standin_site(tmp_path, "bad5.yaml", queue="gpu"), [], 2, "queue = 'gpu': unknown; allowed: auto, debug, debug-scaling, capacity, prod"),
+        (None, [], 1, "needs --site NAME"),
+    ]
+    for site, extra, code, message in cases:
+        got = main(base + (["--site", str(site)] if site else []) + extra)
+        err = capsys.readouterr().err
+        assert got == code and message in err, (message, err)
+    assert not (tmp_path / "pbs").exists() and not (tmp_path / "r").exists()
+

@@ -1,0 +1,74 @@
+"""The whole registry: scale-up, strong-scaling and ablation runs, at paper and laptop scale."""
+import pytest
+
+from optimus_core.config import ConfigError
+from workflow.cli import build_parser, resolve_run_config
+from workflow.experiments import (ABLATION_VARIANTS, EXPERIMENTS, SCALING_TILES, TILES_PER_NODE, RunScale, dag,
+                                  get, of_kind, pretraining)
+
+
+def test_every_paper_run_of_the_study_is_registered():
+    assert {e.paper.preset: e.paper.tokens for e in pretraining()} == {
+        "mula-1b": 4 * 10**12, "mula-7b-a1b": 4 * 10**12, "mula-20b-a2b": 10**11, "mula-100b-a7b": 10**11,
+        "mula-220b-a10b": 10**11}
+    assert [e.paper.devices for e in of_kind("scaling")] == [384, 768, 1536, 3072, 6144, 12288] == list(SCALING_TILES)
+    assert [e.name.rsplit("-", 1)[1] for e in of_kind("ablation")] == ["baseline", "kernels", "optimizer", "both"]
+    assert len(EXPERIMENTS) == 15
+
+
+def test_paper_layouts_fit_aurora():
+    for exp in EXPERIMENTS.values():
+        p = exp.paper
+        assert p.devices % TILES_PER_NODE == 0 and p.walltime_h > 0, exp.name
+        cfg = p.run_config()
+        if cfg.model.moe is not None:
+            assert cfg.model.moe.n_experts % p.ep == 0 and p.devices % p.ep == 0, exp.name
+        if exp.paper.tokens < 4 * 10**12:  # the new runs: a whole number of sequences per rank
+            assert p.batch % p.devices == 0, exp.name
+
+
+def test_strong_scaling_changes_only_the_tiles():
+    runs = [e.paper for e in of_kind("scaling")]
+    assert {(r.preset, r.steps, r.batch, r.tokens, r.ep) for r in runs} == {("mula-220b-a10b", 20, 12288, 20 * 12288 * 4096, 32)}
+    assert [r.nodes for r in runs] == [32, 64, 128, 256, 512, 1024]
+
+
+def test_ablation_variants_set_backend_and_optimizer():
+    for exp in of_kind("ablation"):
+        variant = exp.name.rsplit("-", 1)[1]
+        backend, optimizer = ABLATION_VARIANTS[variant]
+        for scale in ("paper", "laptop"):
+            cfg = exp.scale(scale).run_config()
+            assert (cfg.model.moe.experts_backend, cfg.parallel.optimizer) == (backend, optimizer)
+        assert exp.paper.preset == "mula-20b-a2b" and exp.paper.devices == 384 and exp.paper.steps == 20
+
+
+def test_laptop_proxies_and_the_laptop_dag():
+    for exp in EXPERIMENTS.values():
+        assert exp.laptop.preset == exp.paper.preset + "@laptop" and exp.laptop.devices == 1
+    assert [e.name for e in dag("laptop")] == ["pretrain-mula-1b", "pretrain-mula-7b-a1b"]
+    assert len(dag("paper")) == len(EXPERIMENTS)
+    with pytest.raises(ConfigError, match="scale = 'huge'"):
+        dag("huge")
+    with pytest.raises(ConfigError, match="kind = 'sweep': must be one of pretrain, scaling, ablation"):
+        of_kind("sweep")
+
+
+def test_cli_resolves_registry_runs_at_both_scales(tmp_path):
+    args = build_parser().parse_args(["pretrain", "--experiment", "scaling-mula-220b-a10b-1536", "--scale", "paper",
+                                      "--data", "d", "--out", str(tmp_path / "r")])
+    cfg, run_id, experiment = resolve_run_config(args)
+    assert (run_id, experiment) == ("paper-scaling-mula-220b-a10b-1536", "scaling-mula-220b-a10b-1536")
+    assert (cfg.train.steps, cfg.train.global_batch, cfg.parallel.ep, cfg.train.dtype) == (20, 12288, 32, "bfloat16")
+    args = build_parser().parse_args(["pretrain", "--experiment", "pretrain-mula-100b-a7b", "--data", "d",
+                                      "--out", str(tmp_path / "r")])
+    cfg, run_id, _ = resolve_run_config(args)
+    assert run_id == "laptop-pretrain-mula-100b-a7b" and cfg.train.steps == 240 and cfg.preset == "mula-100b-a7b@laptop"
+
+
+def test_bad_layouts_fail_at_import_time():
+    with pytest.raises(ConfigError, match=r"parallel.ep = 3: must divide model.moe.n_experts \(256\)"):
+        RunScale("mula-220b-a10b", 10**11, devices=384, ep=3)
+    with pytest.raises(ConfigError, match="devices = 0: must be >= 1"):
+        RunScale("mula-1b", 10**11, devices=0)
+    assert RunScale.for_steps("mula-1b", 7, 12, global_batch=12).steps == 7

@@ -1,0 +1,137 @@
+"""Launchers: run `optimus pretrain` here, or submit it through Parsl onto a site and wait.
+
+The core is plain Python (Parsl's guide: write the logic without Parsl, wrap it last):
+
+    >>> from workflow.launch import pretrain_argv, command_line
+    >>> argv = pretrain_argv({"experiment": "scaling-mula-220b-a10b-384", "scale": "paper",
+    ...                       "data": "/data/tokens", "out": "/runs/x", "quiet": True})
+    >>> argv[:4]
+    ['optimus', 'pretrain', '--experiment', 'scaling-mula-220b-a10b-384']
+
+``command_line(job, argv)`` prefixes the site's mpiexec line (one rank per tile) and
+``submit(site, job, command, ...)`` is the only function that imports Parsl: a ``bash_app``
+through the site's Parsl ``Config`` (workflow/sites.py), blocking until the job's task ends.
+The ranks find their rank / local rank in the launcher's environment (PMI / PALS), so the
+command on the nodes is the same `optimus pretrain` a laptop runs, with ``--launcher local``.
+"""
+from __future__ import annotations
+
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workflow.sites import JobPlan, SiteConfig, parsl_config
+
+# Flags that choose *where* to run: never forwarded to the command that runs there.
+WHERE = {"launcher", "site", "nproc"}
+
+
+def pretrain_argv(options: dict[str, Any], optimus: str = "optimus") -> list[str]:
+    """`optimus pretrain` with ``options`` (flag name with '_' -> value): None / False dropped,
+    True as a bare flag, a list repeated (``set``), the launcher forced to ``local``."""
+    argv = [*shlex.split(optimus), "pretrain"]
+    for key, value in options.items():
+        if key in WHERE or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                argv += [flag, str(v)]
+        else:
+            argv += [flag, str(value)]
+    return argv + ["--launcher", "local"]
+
+
+def command_line(job: JobPlan, argv: list[str]) -> str:
+    """The shell line the job runs: the mpiexec prefix (if any) and the command."""
+    cmd = shlex.join(argv)
+    return f"{job.mpiexec} {cmd}" if job.mpiexec else cmd
+
+
+@dataclass
+class Submitted:
+    returncode: int
+    stdout: Path
+    stderr: Path
+    seconds: float
+
+    def last_line(self) -> str:
+        text = self.stdout.read_text(errors="replace").strip() if self.stdout.is_file() else ""
+        return text.splitlines()[-1] if text else ""
+
+    def tail(self, n: int = 30) -> str:
+        text = self.stderr.read_text(errors="replace") if self.stderr.is_file() else ""
+        return "\n".join(text.splitlines()[-n:])
+
+
+def submit(site: SiteConfig, job: JobPlan, command: str, run_dir: str | Path, name: str = "optimus") -> Submitted:
+    """Run ``command`` as one Parsl bash_app on ``site`` (one PBS job of ``job.nodes`` nodes) and
+    wait for it. Parsl's run directory (submit scripts, logs) is ``run_dir``; the app's stdout and
+    stderr land in ``run_dir/<name>.out|.err``."""
+    import parsl
+    from parsl import bash_app
+
+    run_dir = Path(run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out, err = run_dir / f"{name}.out", run_dir / f"{name}.err"
+
+    @bash_app(executors=["optimus"])
+    def optimus_job(cmd: str, stdout: str = str(out), stderr: str = str(err)) -> str:
+        return cmd
+
+    t0 = time.time()
+    dfk = parsl.load(parsl_config(site, job, run_dir / "parsl"))
+    try:
+        code = 0
+        try:
+            optimus_job(command).result()
+        except Exception as e:  # BashExitFailure carries the exit code
+            code = getattr(e, "exitcode", None) or 1
+            with open(err, "a") as f:
+                f.write(f"\n[optimus launch] {type(e).__name__}: {e}\n")
+    finally:
+        dfk.cleanup()
+        parsl.clear()
+    return Submitted(code, out, err, time.time() - t0)
+
+
+class LaunchError(ValueError):
+    """A submitted job ended without success (its exit code and stderr tail in the message)."""
+
+
+def pretrain_on_site(options: dict[str, Any], run_id: str) -> Submitted:
+    """`optimus pretrain --launcher parsl --site NAME ...`: plan the job (errors before anything is
+    submitted), submit the same command with ``--launcher local`` under the site's mpiexec, wait.
+
+    The job's ranks are the run's tiles for ``--experiment`` (at ``--scale``), else ``--nproc``;
+    its walltime the run's per-job walltime, else the site's ``walltime_h``."""
+    from workflow.experiments import get
+    from workflow.sites import load_site, plan
+
+    if not options.get("site"):
+        raise LaunchError("--launcher parsl needs --site NAME (local, aurora, or a YAML file with a site: block)")
+    site = load_site(options["site"])
+    if options.get("experiment"):
+        job = plan(get(options["experiment"]).scale(options.get("scale") or "laptop"), site)
+    else:
+        job = plan(None, site, ranks=int(options.get("nproc") or 1))
+    forwarded = {k: v for k, v in options.items() if k not in ("func", "command")}
+    for key in ("data", "out", "store"):  # the job's working directory is not ours
+        if forwarded.get(key) is not None:
+            forwarded[key] = Path(forwarded[key]).resolve()
+    forwarded["run_id"] = run_id
+    argv = pretrain_argv(forwarded, optimus=site.optimus)
+    if job.ranks > 1 and not job.mpiexec:  # no MPI launcher on this site: the command spawns its ranks
+        argv[-2:-2] = ["--nproc", str(job.ranks)]
+    command = command_line(job, argv)
+    print(f"[optimus launch] site {site.name}: {job.nodes} node(s), {job.ranks} rank(s), queue {job.queue or '-'}, "
+          f"walltime {job.walltime}\n[optimus launch] {command}", flush=True)
+    done = submit(site, job, command, Path(site.run_dir).resolve() / run_id, name=run_id)
+    if done.returncode != 0:
+        raise LaunchError(f"run {run_id}: the job on site {site.name} failed (exit {done.returncode}); "
+                          f"stderr {done.stderr}:\n{done.tail()}")
+    return done
