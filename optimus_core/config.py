@@ -316,6 +316,11 @@ class TrainConfig(_Validated):
     keep_checkpoints: int = 2
     activation_checkpointing: bool = False
     compile: bool = False
+    # A step whose loss is not finite, or above loss_spike_factor x the median of recent good
+    # losses (None: only non-finite), is skipped; max_bad_steps in a row roll the run back to
+    # its last checkpoint and skip the data seen since.
+    loss_spike_factor: Optional[float] = 2.0
+    max_bad_steps: int = 3
 
     def check(self) -> None:
         self._require(self.steps >= 1, "steps", "must be >= 1")
@@ -329,6 +334,9 @@ class TrainConfig(_Validated):
         for name in ("eval_every", "eval_batches", "checkpoint_every"):
             self._require(getattr(self, name) >= 0, name, "must be >= 0")
         self._require(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+        self._require(self.loss_spike_factor is None or self.loss_spike_factor > 1, "loss_spike_factor",
+                      "must be null or > 1")
+        self._require(self.max_bad_steps >= 1, "max_bad_steps", "must be >= 1")
 
 
 @dataclass(frozen=True)

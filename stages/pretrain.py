@@ -25,6 +25,7 @@ from optimus_core.parallel import init_distributed, shutdown
 from optimus_core.provenance import describe, utc_now
 from optimus_core.store import open_store
 from optimus_core.train.loop import Trainer
+from optimus_core.train.resilience import Preempted
 
 
 @dataclass
@@ -119,7 +120,7 @@ def _run_rank(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainO
             writer.set_status("running")
         summary = trainer.fit()
     except BaseException as e:
-        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        status = "interrupted" if isinstance(e, (KeyboardInterrupt, Preempted)) else "failed"
         if writer:
             writer.close(status=status)
         atomic_write(run_dir / "meta.json", json.dumps(dict(meta, status=status, error=repr(e)), indent=2))

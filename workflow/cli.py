@@ -293,8 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from optimus_core.train.resilience import RESUBMIT_EXIT_CODE, Preempted
+
     try:
         args.func(args)
+    except Preempted as e:  # the scheduler asked us to stop: the launcher reruns, which resumes
+        print(f"optimus {args.command}: {e}", file=sys.stderr)
+        return RESUBMIT_EXIT_CODE
     except ConfigError as e:
         print(f"optimus {args.command}: configuration error: {e}", file=sys.stderr)
         return 2

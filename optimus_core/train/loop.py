@@ -24,6 +24,7 @@ from ..parallel import Mesh, ShardedAdamW, full_model_state, parallelize
 from . import checkpoint as ckpt
 from .evaluate import heldout_metrics
 from .optim import build_optimizer
+from .resilience import LossGuard, Preempted, StopRequest
 from .schedule import lr_at
 from .step import train_step
 
@@ -92,6 +93,8 @@ class Trainer:
         self.loader = BatchLoader(dataset, cfg.train.global_batch, seed=cfg.data.seed,
                                   rank=self.mesh.rank, world_size=self.mesh.world_size)
         self.step = 0
+        self.last_loss = float("nan")
+        self.events: list[dict] = []  # faults handled while running (skips, rollbacks)
         self.resumed_from = self._resume()
         self.flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
 
@@ -100,6 +103,10 @@ class Trainer:
         found = ckpt.latest_valid(self.run_dir)
         if found is None:
             return None
+        self._load(found)
+        return found.step
+
+    def _load(self, found: ckpt.Checkpoint) -> None:
         saved = found.meta.get("config")
         if saved is not None and saved["model"] != self.cfg.model.to_dict():
             raise ValueError(f"{found.path} was saved by a different model configuration; "
@@ -110,7 +117,31 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         torch.set_rng_state(state["torch_rng"])
         self.step = found.step
-        return found.step
+
+    def _roll_back(self, bad_steps: int) -> None:
+        """Back to the newest checkpoint, keeping the data position: the window since is skipped."""
+        found = ckpt.latest_valid(self.run_dir)
+        if found is None:
+            raise RuntimeError(f"{bad_steps} bad losses in a row at step {self.step} and no checkpoint to "
+                               f"roll back to (set train.checkpoint_every)")
+        position = self.loader.state_dict()
+        self._load(found)
+        self.loader.load_state_dict(position)
+
+    def _event(self, **event: Any) -> None:
+        """A fault handled while running: kept in the run's store attrs (``events``) and printed."""
+        self.events.append(event)
+        if self.writer is not None:
+            self.writer.update_attrs(events=self.events)
+        if self.is_lead:
+            tqdm.write(f"[{self.cfg.preset or 'train'}] {event}")
+
+    def _stop_agreed(self, stop: StopRequest) -> bool:
+        """A stop signal may reach only some ranks: stop when any rank got one."""
+        if not self.mesh.distributed:
+            return stop.requested
+        flag = torch.tensor([float(stop.requested)], device=self.device)
+        return bool(self.mesh.all_reduce_sum_(flag).item() > 0)
 
     def save(self) -> Path | None:
         """Write a checkpoint (global rank 0; a collective when distributed: every rank calls it).
@@ -178,33 +209,55 @@ class Trainer:
             self.evaluate()  # the step-0 point of every held-out curve
         if self.writer is not None:
             self.writer.update_attrs(resumed_from=self.resumed_from)
-        step_times, last_loss = [], float("nan")
+        step_times: list[float] = []
+        guard = LossGuard(t.loss_spike_factor, t.max_bad_steps)
         bar = tqdm(total=t.steps, initial=self.step, desc=self.cfg.preset or "train", unit="step",
                    disable=not self.progress, dynamic_ncols=True)
-        while self.step < t.steps:
-            t0 = time.perf_counter()
-            batch = self.loader.next_batch().to(self.device, non_blocking=True)
-            lr = lr_at(self.step, t.steps, self.cfg.optim.lr, self.cfg.schedule)
-            stats = train_step(self.model, self.optimizer, batch, micro_batch=t.micro_batch,
-                               grad_clip=self.cfg.optim.grad_clip, lr=lr, dtype=t.dtype, mesh=self.mesh)
-            self.step += 1
-            step_time = time.perf_counter() - t0
-            step_times.append(step_time)
-            last_loss = stats.loss
-            if self._should(t.log_every) or self.step == t.steps:
-                self._log("train", self._train_row(stats, lr, step_time))
-            bar.update(1)
-            bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{self.cfg.tokens_per_step / step_time:,.0f}")
-            if self._should(t.eval_every) and self.step < t.steps:
-                self.evaluate()
-            if self._should(t.checkpoint_every) and self.step < t.steps:
-                self.save()
+        with StopRequest() as stop:
+            while self.step < t.steps:
+                self._one_step(guard, step_times, bar)
+                if self._stop_agreed(stop):
+                    self.save()
+                    bar.close()
+                    raise Preempted(self.step, stop.signal_name or "a signal on another rank")
         bar.close()
         final_eval = self.evaluate()
         self.save()
         if self.writer is not None:
             self.writer.flush()
         median = sorted(step_times)[len(step_times) // 2] if step_times else float("nan")
-        return TrainSummary(self.step, self.tokens, self.resumed_from, last_loss, final_eval,
+        return TrainSummary(self.step, self.tokens, self.resumed_from, self.last_loss, final_eval,
                             self.cfg.tokens_per_step / median if step_times else float("nan"),
                             time.perf_counter() - start)
+
+    def _one_step(self, guard: LossGuard, step_times: list[float], bar) -> None:
+        """One batch: an update, or a rejected loss (skipped, perhaps rolled back); then the hooks."""
+        t = self.cfg.train
+        t0 = time.perf_counter()
+        batch = self.loader.next_batch().to(self.device, non_blocking=True)
+        lr = lr_at(self.step, t.steps, self.cfg.optim.lr, self.cfg.schedule)
+        stats = train_step(self.model, self.optimizer, batch, micro_batch=t.micro_batch,
+                           grad_clip=self.cfg.optim.grad_clip, lr=lr, dtype=t.dtype, mesh=self.mesh,
+                           accept=guard.accept)
+        if stats.skipped:
+            self._event(kind=guard.judge(stats.loss), step=self.step + 1, loss=stats.loss)
+            if guard.should_roll_back:
+                bad, at = guard.consecutive_bad, self.step
+                self._roll_back(bad)
+                guard.reset()
+                bar.reset(total=t.steps)
+                bar.update(self.step)
+                self._event(kind="rollback", step=at, to_step=self.step, bad_steps=bad)
+            return
+        self.step += 1
+        step_time = time.perf_counter() - t0
+        step_times.append(step_time)
+        self.last_loss = stats.loss
+        if self._should(t.log_every) or self.step == t.steps:
+            self._log("train", self._train_row(stats, lr, step_time))
+        bar.update(1)
+        bar.set_postfix(loss=f"{stats.loss:.3f}", tok_s=f"{self.cfg.tokens_per_step / step_time:,.0f}")
+        if self._should(t.eval_every) and self.step < t.steps:
+            self.evaluate()
+        if self._should(t.checkpoint_every) and self.step < t.steps:
+            self.save()

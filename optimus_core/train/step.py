@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ class StepStats:
     z_loss: float  # unscaled router z-loss, mean over MoE layers (nan for dense)
     grad_norm: float
     tokens_per_expert_LE: torch.Tensor | None  # routing counts of the step, per MoE layer
+    skipped: bool = False  # the loss was rejected: no update was made
 
 
 def autocast_context(device_type: str, dtype: str):
@@ -36,13 +38,16 @@ def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: torch.Tensor, *,
-               micro_batch: int, grad_clip: float | None, lr: float, dtype: str, mesh=None) -> StepStats:
+               micro_batch: int, grad_clip: float | None, lr: float, dtype: str, mesh=None,
+               accept: Callable[[float], bool] | None = None) -> StepStats:
     """Accumulate gradients over ``batch_BS1`` (B sequences of S+1 tokens) in micro-batches.
 
     With a distributed ``mesh`` (optimus_core.parallel.Mesh), ``batch_BS1`` is this rank's share
     of the global batch; the returned losses are means over the world and the routing counts
     sums over it, so every rank (and its balance bias) sees the numbers of the global batch.
     An optimizer that ``syncs_gradients`` (ShardedAdamW) reduces, clips and updates itself.
+    ``accept(loss)`` (a LossGuard) may reject the step's loss: the gradients are then dropped
+    and nothing is updated. It sees the world-mean loss, so every rank decides alike.
     """
     model.train()
     device_type = batch_BS1.device.type
@@ -72,6 +77,11 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
         loss_sum, aux_sum, lb_sum, z_sum = (mesh.all_reduce_sum_(totals) / mesh.world_size).tolist()
         if load_LE is not None:
             mesh.all_reduce_sum_(load_LE)
+    nan = float("nan")
+    if accept is not None and not accept(loss_sum):
+        optimizer.zero_grad(set_to_none=True)
+        return StepStats(loss_sum, aux_sum, lb_sum if moe_layers else nan, z_sum if moe_layers else nan,
+                         nan, load_LE, skipped=True)
     for group in optimizer.param_groups:
         group["lr"] = lr
     if getattr(optimizer, "syncs_gradients", False):
@@ -82,6 +92,5 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
     optimizer.zero_grad(set_to_none=True)
     for layer, load_E in zip(moe_layers, load_LE if load_LE is not None else []):
         layer.router.update_balance_bias(load_E)
-    nan = float("nan")
     return StepStats(loss_sum, aux_sum, lb_sum if moe_layers else nan, z_sum if moe_layers else nan,
                      float(grad_norm), load_LE)

@@ -1,0 +1,96 @@
+"""Faults a long run survives: a scheduler's stop signal, and non-finite or spiking losses.
+
+    guard = LossGuard(spike_factor=2.0, max_bad=3)
+    if not guard.accept(loss): ...          # skip this batch (no update)
+    if guard.should_roll_back: ...          # K bad steps in a row: back to the last checkpoint
+
+    with StopRequest() as stop:             # SIGTERM / SIGUSR1 set stop.requested
+        ...                                  # the loop checkpoints and raises Preempted
+"""
+from __future__ import annotations
+
+import signal
+import statistics
+import threading
+from collections import deque
+
+RESUBMIT_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; launchers rerun the command, which resumes
+
+
+class Preempted(Exception):
+    """The run stopped on request after saving a checkpoint; rerunning the command resumes it."""
+
+    def __init__(self, step: int, signal_name: str):
+        super().__init__(f"stopped by {signal_name} after step {step}; a checkpoint is saved, "
+                         f"rerun the same command to resume")
+        self.step = step
+
+
+class LossGuard:
+    """Judges each step's loss against a robust running estimate (the median of recent good ones).
+
+    A loss is bad if it is not finite, or (after ``warmup`` good steps) above ``spike_factor``
+    times that median. Bad losses never enter the estimate. The decision depends only on the
+    sequence of losses, so ranks that see the same (all-reduced) losses agree.
+    """
+
+    def __init__(self, spike_factor: float | None = 2.0, max_bad: int = 3, window: int = 50, warmup: int = 20):
+        self.spike_factor, self.max_bad, self.warmup = spike_factor, max_bad, warmup
+        self.recent: deque[float] = deque(maxlen=window)
+        self.consecutive_bad = 0
+
+    def judge(self, loss: float) -> str | None:
+        """None for a good loss, else the reason ("nonfinite" or "spike")."""
+        if loss != loss or loss in (float("inf"), float("-inf")):
+            return "nonfinite"
+        if self.spike_factor and len(self.recent) >= self.warmup and loss > self.spike_factor * statistics.median(self.recent):
+            return "spike"
+        return None
+
+    def accept(self, loss: float) -> bool:
+        if self.judge(loss) is None:
+            self.recent.append(loss)
+            self.consecutive_bad = 0
+            return True
+        self.consecutive_bad += 1
+        return False
+
+    @property
+    def should_roll_back(self) -> bool:
+        return self.consecutive_bad >= self.max_bad
+
+    def reset(self) -> None:
+        self.consecutive_bad = 0
+
+
+class StopRequest:
+    """SIGTERM and SIGUSR1 (a scheduler's walltime warning) ask the loop to stop after the step.
+
+    Handlers are installed only in the main thread and restored on exit.
+    """
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+    def _handle(self, signum, frame) -> None:
+        self.signal_name = signal.Signals(signum).name
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                signum = getattr(signal, name, None)
+                if signum is not None:
+                    self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()

@@ -1,0 +1,123 @@
+"""Faults handled while running: NaN and spiking losses, rollbacks, the scheduler's stop signal."""
+import json
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+from optimus_core import presets
+from optimus_core.train import checkpoint as ckpt
+from optimus_core.train import loop as loop_module
+from optimus_core.train import step as step_module
+from optimus_core.train.loop import Trainer
+from optimus_core.train.resilience import RESUBMIT_EXIT_CODE, LossGuard, Preempted
+
+from test_loop import ListSink, _losses  # pytest puts this test directory on sys.path
+
+
+def tiny(**overrides):
+    base = {"train.steps": 12, "train.eval_batches": 1, "train.device": "cpu", "schedule.warmup_steps": 2,
+            "model.n_layers": 1}
+    return presets.get("mula-7b-a1b@laptop").run_config(**{**base, **overrides})
+
+
+def poison_loss(monkeypatch, calls: set[int], how):
+    """Make lm_loss misbehave on the given (1-based) calls of this test."""
+    real, n = step_module.lm_loss, [0]
+
+    def patched(logits, targets):
+        n[0] += 1
+        loss = real(logits, targets)
+        return how(loss) if n[0] in calls else loss
+
+    monkeypatch.setattr(step_module, "lm_loss", patched)
+
+
+def test_loss_guard_rules():
+    guard = LossGuard(spike_factor=2.0, max_bad=2, warmup=3)
+    assert not guard.accept(float("nan")) and guard.judge(float("inf")) == "nonfinite"
+    assert guard.accept(10.0)  # no estimate yet: spikes are not judged before `warmup` good losses
+    for loss in (4.0, 4.2):
+        assert guard.accept(loss)
+    assert guard.judge(8.5) == "spike" and guard.judge(8.0) is None  # median 4.2 x 2 = 8.4
+    assert not guard.accept(9.0) and not guard.should_roll_back
+    assert not guard.accept(float("nan")) and guard.should_roll_back
+    assert guard.accept(4.1) and guard.consecutive_bad == 0
+
+
+def test_nan_loss_is_skipped_and_never_reaches_a_checkpoint(tokens_dir, tmp_path, monkeypatch):
+    poison_loss(monkeypatch, {5}, lambda loss: loss * float("nan"))
+    sink = ListSink()
+    trainer = Trainer(tiny(), tokens_dir, tmp_path / "run", writer=sink, progress=False)
+    summary = trainer.fit()
+    assert summary.steps == 12 and len(sink.rows["train"]) == 12
+    assert trainer.events == [{"kind": "nonfinite", "step": 5, "loss": trainer.events[0]["loss"]}]
+    assert math.isnan(trainer.events[0]["loss"])
+    assert all(math.isfinite(r["loss"]) for r in sink.rows["train"])
+    state = ckpt.latest_valid(tmp_path / "run").load_model_state()
+    assert all(torch.isfinite(v).all() for v in state.values())
+
+
+def test_repeated_spikes_roll_back_to_the_checkpoint_and_skip_the_window(tokens_dir, tmp_path, monkeypatch):
+    # 10x the loss on calls 24-26: the guard has 20+ good losses by then, 3 bad in a row roll back.
+    poison_loss(monkeypatch, {24, 25, 26}, lambda loss: loss * 10)
+    cfg = tiny(**{"train.steps": 30, "train.checkpoint_every": 10, "train.max_bad_steps": 3})
+    trainer = Trainer(cfg, tokens_dir, tmp_path / "run", writer=ListSink(), progress=False)
+    summary = trainer.fit()
+    kinds = [e["kind"] for e in trainer.events]
+    assert kinds == ["spike", "spike", "spike", "rollback"], trainer.events
+    assert trainer.events[-1]["step"] == 23 and trainer.events[-1]["to_step"] == 20
+    assert summary.steps == 30
+    # the 3 rejected batches and the 3 of steps 21-23 are not drawn again: 26 + 10 batches in all
+    state = trainer.loader.state_dict()
+    assert state["epoch"] * (state["examples"] // 16 * 16) + state["position"] == 36 * cfg.train.global_batch
+
+
+def test_no_checkpoint_to_roll_back_to_is_a_clear_error(tokens_dir, tmp_path, monkeypatch):
+    poison_loss(monkeypatch, {3, 4}, lambda loss: loss * float("nan"))
+    cfg = tiny(**{"train.max_bad_steps": 2})
+    with pytest.raises(RuntimeError, match="2 bad losses in a row at step 2 and no checkpoint"):
+        Trainer(cfg, tokens_dir, tmp_path / "run", progress=False).fit()
+
+
+def sigterm_at_call(monkeypatch, call: int):
+    real, n = loop_module.train_step, [0]
+
+    def patched(*args, **kwargs):
+        n[0] += 1
+        if n[0] == call:
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered mid-step; handled after it
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "train_step", patched)
+    return real
+
+
+def test_sigterm_checkpoints_then_resume_continues_exactly(tokens_dir, tmp_path, monkeypatch):
+    cfg = tiny(**{"train.steps": 8})
+    straight = ListSink()
+    Trainer(cfg, tokens_dir, tmp_path / "straight", writer=straight, progress=False).fit()
+
+    real = sigterm_at_call(monkeypatch, 3)
+    with pytest.raises(Preempted, match="stopped by SIGTERM after step 3"):
+        Trainer(cfg, tokens_dir, tmp_path / "run", progress=False).fit()
+    assert ckpt.latest_valid(tmp_path / "run").step == 3
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+    monkeypatch.setattr(loop_module, "train_step", real)
+    resumed = ListSink()
+    Trainer(cfg, tokens_dir, tmp_path / "run", writer=resumed, progress=False).fit()
+    assert _losses(resumed) == _losses(straight)[3:]
+
+
+def test_cli_exits_with_the_resubmit_status(tokens_dir, tmp_path, monkeypatch, capsys):
+    from workflow.cli import main
+    sigterm_at_call(monkeypatch, 2)
+    run_dir = tmp_path / "run"
+    code = main(["pretrain", "--preset", "mula-1b@laptop", "--data", str(tokens_dir), "--out", str(run_dir),
+                 "--steps", "5", "--quiet", "--set", "train.eval_batches=1", "--set", "model.n_layers=1"])
+    assert code == RESUBMIT_EXIT_CODE
+    assert "rerun the same command to resume" in capsys.readouterr().err
+    assert json.loads((run_dir / "meta.json").read_text())["status"] == "interrupted"
+    assert not (run_dir / "summary.json").exists()
