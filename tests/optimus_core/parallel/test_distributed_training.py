@@ -14,22 +14,9 @@ from optimus_core.parallel import init_distributed, shutdown
 from optimus_core.parallel.launch import spawn_local
 from optimus_core.train import checkpoint as ckpt
 from optimus_core.train.loop import Trainer
+from sinks import ListSink
 
 STEPS = 15
-
-
-class _Sink:
-    def __init__(self):
-        self.rows = {}
-
-    def log(self, table, row, dims=None):
-        self.rows.setdefault(table, []).append(row)
-
-    def update_attrs(self, **attrs):
-        pass
-
-    def flush(self):
-        pass
 
 
 def _cfg(ep=1, optimizer="ep_aware", steps=STEPS, checkpoint_every=0, schedule="cosine"):
@@ -55,7 +42,7 @@ def _train_worker(cfg_json, tokens_dir, run_dir, out_path):
     cfg = RunConfig.from_json(cfg_json)
     mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts, device="cpu")
     try:
-        sink = _Sink()
+        sink = ListSink()
         Trainer(cfg, tokens_dir, run_dir, writer=sink, progress=False, mesh=mesh).fit()
         if mesh.rank == 0:
             out_path.write_text(json.dumps(_rows(sink)))
@@ -72,7 +59,7 @@ def _distributed(nproc, cfg, tokens_dir, run_dir, out_path):
 
 @pytest.fixture(scope="module")
 def single(tokens_dir, tmp_path_factory):
-    sink = _Sink()
+    sink = ListSink()
     run_dir = tmp_path_factory.mktemp("single")
     Trainer(_cfg(), tokens_dir, run_dir, writer=sink, progress=False).fit()
     return _rows(sink), run_dir
@@ -97,7 +84,7 @@ def test_ranks_follow_the_one_process_run(single, tokens_dir, tmp_path, nproc, e
 
 def test_distributed_run_resumes_from_its_checkpoint(tokens_dir, tmp_path):
     # A constant schedule, so that a run told to stop at step 8 is the first part of a 15-step run.
-    sink = _Sink()
+    sink = ListSink()
     Trainer(_cfg(schedule="constant"), tokens_dir, tmp_path / "single", writer=sink, progress=False).fit()
     ref = _rows(sink)
     run_dir = tmp_path / "run"

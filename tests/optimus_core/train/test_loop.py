@@ -11,25 +11,7 @@ from optimus_core.train import loop as loop_module
 from optimus_core.train.loop import Trainer, build_model
 from optimus_core.train.optim import build_optimizer
 from optimus_core.train.step import train_step
-
-
-class ListSink:
-    """A results-store stand-in that keeps rows in memory."""
-
-    def __init__(self):
-        self.rows = {}
-
-    def log(self, table, row, dims=None):
-        self.rows.setdefault(table, []).append(row)
-
-    def update_attrs(self, **attrs):
-        pass
-
-    def flush(self):
-        pass
-
-    def column(self, table, name):
-        return [r[name] for r in self.rows.get(table, [])]
+from sinks import ListSink
 
 
 def laptop(name, **overrides):
@@ -66,10 +48,6 @@ def test_gradient_accumulation_matches_one_large_batch():
     torch.testing.assert_close(params[0], params[1], rtol=0, atol=1e-6)
 
 
-def _losses(sink):
-    return [(r["step"], r["loss"]) for r in sink.rows["train"]]
-
-
 def test_interrupted_run_resumes_bit_identically(tokens_dir, tmp_path, monkeypatch):
     cfg = laptop("mula-7b-a1b@laptop", **{"train.steps": 8, "train.checkpoint_every": 3})
     straight = ListSink()
@@ -94,8 +72,8 @@ def test_interrupted_run_resumes_bit_identically(tokens_dir, tmp_path, monkeypat
     trainer = Trainer(cfg, tokens_dir, tmp_path / "resumed", writer=second, progress=False)
     assert trainer.resumed_from == 3
     trainer.fit()
-    assert _losses(second) == _losses(straight)[3:]  # bit for bit, steps 4..8
-    assert _losses(first) == _losses(straight)[:4]
+    assert second.losses() == straight.losses()[3:]  # bit for bit, steps 4..8
+    assert first.losses() == straight.losses()[:4]
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tokens_dir, tmp_path):

@@ -14,7 +14,7 @@ from optimus_core.train import step as step_module
 from optimus_core.train.loop import Trainer
 from optimus_core.train.resilience import RESUBMIT_EXIT_CODE, LossGuard, Preempted
 
-from test_loop import ListSink, _losses  # pytest puts this test directory on sys.path
+from sinks import ListSink
 
 
 def tiny(**overrides):
@@ -108,7 +108,7 @@ def test_sigterm_checkpoints_then_resume_continues_exactly(tokens_dir, tmp_path,
     monkeypatch.setattr(loop_module, "train_step", real)
     resumed = ListSink()
     Trainer(cfg, tokens_dir, tmp_path / "run", writer=resumed, progress=False).fit()
-    assert _losses(resumed) == _losses(straight)[3:]
+    assert resumed.losses() == straight.losses()[3:]
 
 
 def test_cli_exits_with_the_resubmit_status(tokens_dir, tmp_path, monkeypatch, capsys):
