@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from optimus_core import load_model, presets
-from optimus_core.config import DataConfig, ModelConfig, RunConfig, TrainConfig
+from optimus_core.config import DataConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
 from optimus_core.train import checkpoint as ckpt
 from optimus_core.train import loop as loop_module
 from optimus_core.train.loop import Trainer, build_model
@@ -106,3 +106,21 @@ def test_resuming_with_another_model_is_refused(tokens_dir, tmp_path):
     Trainer(laptop("mula-1b@laptop", **{"train.steps": 1}), tokens_dir, tmp_path / "run", progress=False).fit()
     with pytest.raises(ValueError, match="different model configuration"):
         Trainer(laptop("mula-7b-a1b@laptop", **{"train.steps": 2}), tokens_dir, tmp_path / "run", progress=False)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_like_eager_and_keep_parameter_names():
+    """train.compile compiles each block in place (~40 s on 2 CPU cores, hence slow)."""
+    losses, names = [], []
+    for compile_ in (False, True):
+        cfg = RunConfig(model=ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=16,
+                                          moe=MoEConfig(n_experts=4, top_k=2, d_expert=16)),
+                        train=TrainConfig(global_batch=4, compile=compile_), data=DataConfig(seq_len=16))
+        model = build_model(cfg)
+        opt = build_optimizer(model, cfg.optim)
+        batch = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
+        losses.append([train_step(model, opt, batch, micro_batch=0, grad_clip=1.0, lr=1e-2, dtype="float32").loss
+                       for _ in range(3)])
+        names.append(list(model.state_dict()))
+    assert losses[0] == pytest.approx(losses[1], abs=1e-5)
+    assert names[0] == names[1]
