@@ -313,7 +313,8 @@ class TrainConfig(_Validated):
     eval_every: int = 0  # 0 = only at the start and the end
     eval_batches: int = 8  # batches of held-out sequences per source per evaluation
     checkpoint_every: int = 0  # 0 = only at the end
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # the newest N checkpoints are kept ...
+    keep_every: int = 0  # ... and every one at a multiple of this step (0: none)
     activation_checkpointing: bool = False
     compile: bool = False
     # A step whose loss is not finite, or above loss_spike_factor x the median of recent good
@@ -334,6 +335,7 @@ class TrainConfig(_Validated):
         for name in ("eval_every", "eval_batches", "checkpoint_every"):
             self._require(getattr(self, name) >= 0, name, "must be >= 0")
         self._require(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+        self._require(self.keep_every >= 0, "keep_every", "must be >= 0 (0 = keep only the newest)")
         self._require(self.loss_spike_factor is None or self.loss_spike_factor > 1, "loss_spike_factor",
                       "must be null or > 1")
         self._require(self.max_bad_steps >= 1, "max_bad_steps", "must be >= 1")

@@ -59,8 +59,9 @@ def checkpoints_dir(run_dir: Path) -> Path:
 
 
 def save_checkpoint(run_dir: Path, step: int, *, model_state: dict, optim_state: dict, state: dict,
-                    meta: dict, keep: int = 2) -> Path:
-    """Write checkpoint ``step`` and point ``latest`` at it; keep the newest ``keep``."""
+                    meta: dict, keep: int = 2, keep_every: int = 0) -> Path:
+    """Write checkpoint ``step`` and point ``latest`` at it; keep the newest ``keep`` and, for
+    the evaluation curves of a long run, every step that is a multiple of ``keep_every``."""
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -72,7 +73,8 @@ def save_checkpoint(run_dir: Path, step: int, *, model_state: dict, optim_state:
         (tmp / "meta.json").write_text(json.dumps(full_meta, indent=2, sort_keys=True))
     atomic_write(root / "latest", final.name)
     for old in list_step_dirs(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if not (keep_every and int(STEP_DIR.match(old.name).group(1)) % keep_every == 0):
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 

@@ -162,7 +162,8 @@ class Trainer:
             if self.writer is not None:
                 self.writer.flush()  # metrics up to a checkpoint survive a kill, as the weights do
             path = ckpt.save_checkpoint(self.run_dir, self.step, model_state=model_state, optim_state=optim_state,
-                                        state=state, meta=meta, keep=self.cfg.train.keep_checkpoints)
+                                        state=state, meta=meta, keep=self.cfg.train.keep_checkpoints,
+                                        keep_every=self.cfg.train.keep_every)
         if self.mesh.distributed:
             torch.distributed.barrier()  # nobody reads or resumes before rank 0 has published it
         return path

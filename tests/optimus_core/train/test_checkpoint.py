@@ -1,0 +1,30 @@
+"""Checkpoint retention and publication, without a model: tiny state dicts."""
+from optimus_core.train import checkpoint as ckpt
+
+
+def save(run_dir, step, **kw):
+    return ckpt.save_checkpoint(run_dir, step, model_state={"w": step}, optim_state={}, state={}, meta={}, **kw)
+
+
+def steps(run_dir):
+    return [int(p.name.split("_")[1]) for p in ckpt.list_step_dirs(run_dir)]
+
+
+def test_keeps_the_newest_n_and_every_mth(tmp_path):
+    for step in range(1, 13):
+        save(tmp_path, step, keep=2, keep_every=5)
+    assert steps(tmp_path) == [5, 10, 11, 12]
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000012"
+    assert ckpt.latest_valid(tmp_path).step == 12
+
+
+def test_without_keep_every_only_the_newest_remain(tmp_path):
+    for step in range(1, 6):
+        save(tmp_path, step, keep=3)
+    assert steps(tmp_path) == [3, 4, 5]
+
+
+def test_temporary_directories_are_never_taken_for_checkpoints(tmp_path):
+    save(tmp_path, 1)
+    (tmp_path / "checkpoints" / ".step_000002.tmp-abc").mkdir()  # a save killed mid-way
+    assert steps(tmp_path) == [1] and ckpt.latest_valid(tmp_path).step == 1
