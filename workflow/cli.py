@@ -154,8 +154,6 @@ def cmd_report(args) -> None:
 
 
 def cmd_presets(args) -> None:
-    from optimus_core import presets
-
     print(presets_table(args.seq_len))
 
 

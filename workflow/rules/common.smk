@@ -1,6 +1,7 @@
 # Shared names. The runs come from the registry (workflow/experiments.py), never from here.
 import sys
 
+from stages.figures import FIGURES as FIGURE_FILES
 from workflow.experiments import dag
 
 SCALE = config["scale"]
@@ -12,8 +13,7 @@ TOKENS = f"{RES}/data/tokens"
 PRETRAIN_RUNS = {e.run_id(SCALE): e for e in dag(SCALE)}
 EVAL_RUNS = [run for run, e in PRETRAIN_RUNS.items() if e.kind == "pretrain"]  # scaling/ablation: timed only
 TIMED_RUNS = [run for run, e in PRETRAIN_RUNS.items() if e.kind != "pretrain"]
-FIGURE_NAMES = ["loss", "heldout", "throughput", "expert_load"]
-FIGURES = expand(f"{RES}/figures/{{name}}.png", name=FIGURE_NAMES)
+FIGURES = [f"{RES}/figures/{name}" for name in FIGURE_FILES]  # the figures stage always writes all
 REPORT = f"{RES}/report.md"
 
 # Where training runs: here, or (launcher: parsl) through the Parsl site of the config's site:
