@@ -10,6 +10,7 @@ validate(config, "workflow/config/schema.yaml")
 include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/pretrain.smk"
+include: "workflow/rules/scaling.smk"
 include: "workflow/rules/report.smk"
 
 

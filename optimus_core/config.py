@@ -290,9 +290,13 @@ class ParallelConfig(_Validated):
     tp: int = 1  # reserved: tensor parallelism is not implemented yet (must be 1)
     pp: int = 1  # reserved: pipeline parallelism is not implemented yet (must be 1)
     optimizer: Literal["ep_aware", "ep_unaware"] = "ep_aware"
+    # Every collective (and the rendezvous) fails after this many seconds instead of waiting
+    # forever for a dead or stuck rank (torch.distributed.init_process_group's timeout).
+    collective_timeout_s: float = 1800.0
 
     def check(self) -> None:
         self._require(self.ep >= 1, "ep", "must be >= 1")
+        self._require(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0 (seconds)")
         self._require(self.tp == 1, "tp", "must be 1 (tensor parallelism is not implemented yet)")
         self._require(self.pp == 1, "pp", "must be 1 (pipeline parallelism is not implemented yet)")
 
@@ -315,6 +319,9 @@ class TrainConfig(_Validated):
     checkpoint_every: int = 0  # 0 = only at the end
     keep_checkpoints: int = 2  # the newest N checkpoints are kept ...
     keep_every: int = 0  # ... and every one at a multiple of this step (0: none)
+    # Write checkpoints in the background from a CPU copy (training goes on meanwhile); the
+    # newest is published (``latest``) when the next one starts or the run ends.
+    async_checkpoint: bool = False
     activation_checkpointing: bool = False
     compile: bool = False
     # A step whose loss is not finite, or above loss_spike_factor x the median of recent good
@@ -322,6 +329,14 @@ class TrainConfig(_Validated):
     # its last checkpoint and skip the data seen since.
     loss_spike_factor: Optional[float] = 2.0
     max_bad_steps: int = 3
+    # Start from these weights (a Hugging Face export directory, optimus_core.hf) instead of the
+    # seeded initialisation; ignored when the run directory already holds a checkpoint.
+    init_from: Optional[str] = None
+    # A rank with no completed step for this many seconds reports itself (rank, last step) and
+    # exits non-zero, so a launcher restarts the run from its checkpoint (optimus_core.train.
+    # watchdog). Generous: it must outlast torch.compile warm-up, evaluations and checkpoint
+    # writes at scale. 0 = off.
+    watchdog_timeout_s: float = 1800.0
 
     def check(self) -> None:
         self._require(self.steps >= 1, "steps", "must be >= 1")
@@ -339,6 +354,7 @@ class TrainConfig(_Validated):
         self._require(self.loss_spike_factor is None or self.loss_spike_factor > 1, "loss_spike_factor",
                       "must be null or > 1")
         self._require(self.max_bad_steps >= 1, "max_bad_steps", "must be >= 1")
+        self._require(self.watchdog_timeout_s >= 0, "watchdog_timeout_s", "must be >= 0 seconds (0 = no watchdog)")
 
 
 @dataclass(frozen=True)

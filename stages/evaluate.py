@@ -1,4 +1,5 @@
-"""Stage `evaluate`: held-out loss, perplexity and bits per byte of a run's newest checkpoint.
+"""Stage `evaluate`: held-out loss, perplexity and bits per byte of a run's newest checkpoint
+(or of each kept checkpoint), and downstream tasks through lm-evaluation-harness.
 
     run_evaluate(EvaluateConfig(), EvaluateInputs(run_dir=Path("results/runs/x")),
                  EvaluateOutputs(eval_json=Path("results/runs/x/eval.json"), store=Path("results/store.zarr")))
@@ -8,28 +9,39 @@ Tasks:
                    source): loss, perplexity, bits per byte -> store table ``heldout``
     continuation   offline multiple-choice tasks built from the held-out split, one per source
                    (optimus_core.eval.tasks), run through lm-evaluation-harness
+    docstring      offline multiple choice: a held-out Python function's docstring among four
+                   (optimus_core.eval.docstring), run through lm-evaluation-harness
     <any other>    an lm-eval task by name: from ``task_dirs`` (local YAML) or lm-eval's registry
                    where its data is available offline
 Downstream scores go to store table ``downstream`` (columns ``<metric>.<task>``) and to
 ``eval.json`` under ``downstream``. lm-eval is needed only for tasks other than ``heldout``
 (``pip install -e '.[eval]'``).
 
-    run_evaluate(EvaluateConfig(tasks=("heldout", "continuation")), ...)
+    run_evaluate(EvaluateConfig(tasks=("heldout", "continuation", "docstring")), ...)
+
+``all_checkpoints``: the held-out metrics of every valid checkpoint of the run (oldest first,
+one ``heldout`` row each with its ``step`` and ``tokens``: eval-vs-tokens curves; listed under
+``checkpoints`` in ``eval.json``); downstream tasks run on the newest checkpoint only, or on
+each as well with ``downstream_all_checkpoints``. A rerun rewrites the same rows (the store
+replaces rows from a re-logged step on), so it is idempotent.
 """
 from __future__ import annotations
 
 import json
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from optimus_core import load_model
 from optimus_core.atomic import atomic_write
+from optimus_core.config import RunConfig, from_dict
+from optimus_core.model.transformer import Transformer
 from optimus_core.provenance import utc_now
 from optimus_core.store import open_store
+from optimus_core.train.checkpoint import Checkpoint, latest_valid, list_step_dirs, validate
 from optimus_core.train.evaluate import heldout_metrics
 
-BUILTIN_TASKS = ("heldout", "continuation")  # anything else is handed to lm-eval by name
+BUILTIN_TASKS = ("heldout", "continuation", "docstring")  # anything else is handed to lm-eval by name
 
 
 @dataclass
@@ -40,7 +52,9 @@ class EvaluateConfig:
     dtype: str = "float32"
     task_dirs: tuple[str, ...] = ()  # extra directories of lm-eval task YAML files
     limit: int | None = None  # lm-eval: at most this many documents per task (None = all)
-    n_items: int = 200  # continuation: items per source
+    n_items: int = 200  # continuation: items per source; docstring: items at most
+    all_checkpoints: bool = False  # held-out metrics of every valid checkpoint, not only the newest
+    downstream_all_checkpoints: bool = False  # with all_checkpoints: downstream tasks on each too
 
     def __post_init__(self):
         self.tasks = tuple(self.tasks)
@@ -55,6 +69,11 @@ class EvaluateConfig:
             raise ValueError(f"limit = {self.limit}: must be None (all documents) or >= 1")
         if self.n_items < 4:
             raise ValueError(f"n_items = {self.n_items}: must be >= 4 (one true continuation + 3 distractors)")
+        if self.all_checkpoints and "heldout" not in self.tasks and not self.downstream_all_checkpoints:
+            raise ValueError(f"all_checkpoints = True with tasks = {list(self.tasks)}: it evaluates held-out "
+                             "metrics per checkpoint; add 'heldout' to tasks (or set downstream_all_checkpoints)")
+        if self.downstream_all_checkpoints and not self.all_checkpoints:
+            raise ValueError("downstream_all_checkpoints = True needs all_checkpoints = True")
 
     @property
     def downstream(self) -> tuple[str, ...]:
@@ -76,8 +95,9 @@ class EvaluateOutputs:
 @dataclass
 class EvaluateResult:
     run_id: str
-    step: int
-    metrics: dict = field(default_factory=dict)
+    step: int  # the newest checkpoint's
+    metrics: dict = field(default_factory=dict)  # of the newest checkpoint
+    checkpoints: list[int] = field(default_factory=list)  # steps evaluated, oldest first
 
 
 def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: EvaluateOutputs) -> EvaluateResult:
@@ -86,45 +106,113 @@ def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
     if not meta_path.is_file():
         raise FileNotFoundError(f"{run_dir}: not a run directory (no meta.json)")
     run_id = json.loads(meta_path.read_text())["run_id"]
-    model, cfg, step = load_model(run_dir, with_step=True)
-    data_dir = Path(inputs.data_dir or cfg.data.path)
-    base = {"step": step, "tokens": step * cfg.tokens_per_step}
-    metrics: dict = {}
-    if "heldout" in config.tasks:
-        metrics = heldout_metrics(model, data_dir, seq_len=cfg.data.seq_len, batch_size=config.batch_size,
-                                  max_batches=config.max_batches, dtype=config.dtype)
-    scores = _downstream(config, model, cfg, data_dir) if config.downstream else {}
-    down_row = {f"{metric}.{task}": v for task, m in scores.items() for metric, v in m.items()}
+    found = _checkpoints(run_dir, config.all_checkpoints)
+    newest = found[-1]
+    data_dir = Path(inputs.data_dir or newest.cfg.data.path)
+    heldout_rows: list[dict] = []  # oldest first: the store's rows stay in step order
+    down_rows: list[dict] = []
+    scores: dict = {}
+    with tempfile.TemporaryDirectory(prefix="optimus-tasks-") as tmp:
+        # The offline tasks are rebuilt per evaluation (seconds, deterministic), in a temporary
+        # directory: nothing is left behind that could go stale against a re-tokenized corpus.
+        names = _task_names(config, data_dir, Path(tmp)) if config.downstream else []
+        for point in found:
+            model = point.load()
+            base = {"step": point.step, "tokens": point.tokens}
+            if "heldout" in config.tasks:
+                heldout_rows.append({**base, **heldout_metrics(
+                    model, data_dir, seq_len=point.cfg.data.seq_len, batch_size=config.batch_size,
+                    max_batches=config.max_batches, dtype=config.dtype)})
+            if names and (point is newest or config.downstream_all_checkpoints):
+                scores = _downstream(config, model, point.cfg, data_dir, names, tmp)
+                down_rows.append({**base, **{f"{metric}.{task}": v for task, m in scores.items()
+                                             for metric, v in m.items()}})
+            del model
     if outputs.store:
         with open_store(outputs.store).run_writer(run_id) as writer:
-            if metrics:
-                writer.log("heldout", {**base, **metrics})
-            if down_row:
-                writer.log("downstream", {**base, **down_row})
+            for row in heldout_rows:
+                writer.log("heldout", row)
+            for row in down_rows:
+                writer.log("downstream", row)
             writer.update_attrs(evaluated=utc_now())
+    base = {"step": newest.step, "tokens": newest.tokens}
+    metrics = {k: v for k, v in (heldout_rows[-1] if heldout_rows else {}).items() if k not in base}
     doc = {"run_id": run_id, "data_dir": str(data_dir), **base, **metrics}
     if scores:
         doc["downstream"] = scores
+    if config.all_checkpoints:
+        doc["checkpoints"] = heldout_rows
+        if config.downstream_all_checkpoints:
+            doc["downstream_checkpoints"] = down_rows
     atomic_write(outputs.eval_json, json.dumps(doc, indent=2))
-    return EvaluateResult(run_id, step, {**metrics, **down_row})
+    down_row = {k: v for k, v in (down_rows[-1] if down_rows else {}).items() if k not in base}
+    return EvaluateResult(run_id, newest.step, {**metrics, **down_row},
+                          checkpoints=[r["step"] for r in heldout_rows or down_rows])
 
 
-def _downstream(config: EvaluateConfig, model, cfg, data_dir: Path) -> dict[str, dict]:
-    """lm-eval scores ``{task: {metric: value, "n": docs}}`` of the downstream tasks."""
+@dataclass
+class _Point:
+    """One checkpoint to evaluate: its step, tokens seen and config; the model loaded on demand."""
+
+    found: Checkpoint
+    cfg: RunConfig
+
+    @property
+    def step(self) -> int:
+        return self.found.step
+
+    @property
+    def tokens(self) -> int:
+        return int(self.found.meta.get("tokens", self.step * self.cfg.tokens_per_step))
+
+    def load(self) -> Transformer:
+        model = Transformer(self.cfg.model)
+        model.load_state_dict(self.found.load_model_state("cpu"))
+        return model.eval()
+
+
+def _checkpoints(run_dir: Path, every: bool) -> list[_Point]:
+    """The newest valid checkpoint, or (``every``) each valid one, oldest first."""
+    if every:
+        found = []
+        for path in list_step_dirs(run_dir):
+            try:
+                found.append(Checkpoint(path, validate(path)))
+            except (ValueError, json.JSONDecodeError) as e:
+                warnings.warn(f"skipping checkpoint: {e}", stacklevel=3)
+    else:
+        newest = latest_valid(run_dir)
+        found = [newest] if newest is not None else []
+    if not found:
+        raise FileNotFoundError(f"{run_dir}: no valid checkpoint (expected checkpoints/step_*/ with meta.json)")
+    return [_Point(c, from_dict(RunConfig, c.meta["config"])) for c in found]
+
+
+def _lm_eval():
     try:
-        from optimus_core.eval.lm import OptimusLM
-        from optimus_core.eval.tasks import build_continuation_tasks, run_lm_eval
+        from optimus_core.eval import docstring, lm, tasks
     except ImportError as e:
-        raise ValueError(f"tasks {list(config.downstream)} need lm-evaluation-harness ({e}); "
+        raise ValueError(f"downstream tasks need lm-evaluation-harness ({e}); "
                          "install the eval extra: pip install -e '.[eval]'") from None
-    lm = OptimusLM.for_model(model, cfg, data_dir, batch_size=config.batch_size)
-    # The continuation tasks are rebuilt per evaluation (seconds, deterministic), in a temporary
-    # directory: nothing is left behind that could go stale against a re-tokenized corpus.
-    with tempfile.TemporaryDirectory(prefix="optimus-tasks-") as tmp:
-        names: list[str] = []
-        for task in config.downstream:
-            if task == "continuation":
-                names += build_continuation_tasks(data_dir, tmp, n_items=config.n_items)
-            else:
-                names.append(task)
-        return run_lm_eval(lm, names, task_dirs=[tmp, *config.task_dirs], limit=config.limit)
+    return docstring, lm, tasks
+
+
+def _task_names(config: EvaluateConfig, data_dir: Path, tmp: Path) -> list[str]:
+    """The lm-eval task names of ``config.downstream``, the offline ones written into ``tmp``."""
+    docstring, _, tasks = _lm_eval()
+    names: list[str] = []
+    for task in config.downstream:
+        if task == "continuation":
+            names += tasks.build_continuation_tasks(data_dir, tmp, n_items=config.n_items)
+        elif task == "docstring":
+            names.append(docstring.build_docstring_task(data_dir, tmp, n_items=config.n_items))
+        else:
+            names.append(task)
+    return names
+
+
+def _downstream(config: EvaluateConfig, model, cfg, data_dir: Path, names: list[str], tmp) -> dict[str, dict]:
+    """lm-eval scores ``{task: {metric: value, "n": docs}}`` of the downstream tasks."""
+    _, lm, tasks = _lm_eval()
+    adapter = lm.OptimusLM.for_model(model, cfg, data_dir, batch_size=config.batch_size)
+    return tasks.run_lm_eval(adapter, names, task_dirs=[tmp, *config.task_dirs], limit=config.limit)

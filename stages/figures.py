@@ -4,13 +4,15 @@
 
     result = run_figures(FiguresConfig(), FiguresInputs(store=Path("results/store.zarr")),
                          FiguresOutputs(out_dir=Path("results/figures")))
-    result.paths    # always the four FIGURES, in that order
+    result.paths    # always every name of FIGURES, in that order
     result.skipped  # {"expert_load.png": "no MoE run in the store"}: drawn as a note instead
 
 Every name in FIGURES is always written, so the Snakemake rule can declare them all: a figure
 whose data is absent is drawn as a centred note and listed in ``skipped`` with the reason.
-Runs are ``config.runs`` or else every completed run, in creation order; a run keeps its
-colour across figures. PNGs are drawn with the Agg canvas (no pyplot, no global backend) and
+Runs are ``config.runs`` or else every completed training run (one with a ``train`` table), in
+creation order; a run keeps its colour across figures. The strong-scaling figures are drawn
+from the scaling study's runs instead (stages/scaling_figure.read_scaling: run ``perfmodel``, or
+the `optimus scaling` runs). PNGs are drawn with the Agg canvas (no pyplot, no global backend) and
 written atomically.
 """
 from __future__ import annotations
@@ -28,14 +30,23 @@ from matplotlib.ticker import MaxNLocator
 from optimus_core.config import _Validated
 from optimus_core.atomic import atomic_open
 from optimus_core.store import ResultsStore, StoreKeyError, open_store
+from stages.scaling_figure import breakdown_figure, read_scaling, scaling_figure
 
 # File name -> caption; the report embeds them in this order.
 FIGURES = {
     "loss.png": "Training loss (thin: per step, thick: EMA) and held-out loss (markers) vs tokens",
-    "heldout.png": "Held-out loss per corpus source during training (stars: final evaluation)",
+    "heldout.png": "Held-out loss per corpus source during training (stars: the evaluate stage, per checkpoint)",
     "throughput.png": "Training throughput (tokens/s) per step",
     "expert_load.png": "Fraction of tokens routed to each expert at the last logged step, and load imbalance",
+    "eval_table.png": "Final evaluation per run: held-out loss per source (nats) and downstream accuracy +- stderr",
+    "scaling.png": "Strong-scaling efficiency vs devices: measured sweeps (markers; ringed: held out from the "
+                   "model's calibration), the calibrated performance model (lines), the paper's Mula-220B-A10B "
+                   "sweep predicted on Aurora, and the paper's ~90% at 12288 tiles (star)",
+    "scaling_breakdown.png": "Where a step's time goes per device count: measured (M) and modelled (P, hatched) "
+                             "compute, expert all-to-all, gradient sync, optimizer and idle",
 }
+SCALING_FIGURES = ("scaling.png", "scaling_breakdown.png")  # drawn from the scaling study, not training runs
+DASH = "–"  # a value the store does not have
 
 
 @dataclass(frozen=True)
@@ -73,11 +84,12 @@ def run_figures(config: FiguresConfig, inputs: FiguresInputs, outputs: FiguresOu
     outputs.out_dir.mkdir(parents=True, exist_ok=True)
     draw: dict[str, Callable[[_Data], Union[Figure, str]]] = {
         "loss.png": _loss, "heldout.png": _heldout,
-        "throughput.png": _throughput, "expert_load.png": _expert_load,
+        "throughput.png": _throughput, "expert_load.png": _expert_load, "eval_table.png": _eval_table,
+        "scaling.png": _scaling, "scaling_breakdown.png": _scaling_breakdown,
     }
     result = FiguresResult(paths=[])
     for name in FIGURES:
-        fig = draw[name](data) if data.runs else "no completed run in the store"
+        fig = draw[name](data) if data.runs or name in SCALING_FIGURES else "no completed run in the store"
         if isinstance(fig, str):
             result.skipped[name] = fig
             fig = _note(fig)
@@ -89,10 +101,12 @@ def run_figures(config: FiguresConfig, inputs: FiguresInputs, outputs: FiguresOu
 
 
 def select_runs(store: ResultsStore, runs: Optional[tuple[str, ...]]) -> list[str]:
-    """``runs`` as given (each must exist), or else every completed run in creation order."""
+    """``runs`` as given (each must exist), or else every completed training run (one with a
+    ``train`` table; not a scaling sweep, a benchmark or the performance model) in creation order."""
     if runs is None:
         table = store.runs()
-        return table.loc[table["status"] == "completed", "run_id"].tolist()
+        done = table.loc[table["status"] == "completed", "run_id"].tolist()
+        return [r for r in done if "train" in store.tables(r)]
     for run_id in runs:
         store.attrs(run_id)  # raises StoreKeyError listing the known runs
     return list(runs)
@@ -106,6 +120,13 @@ class _Data:
         self.runs = select_runs(store, config.runs)
         self.colour = {run_id: f"C{i % 10}" for i, run_id in enumerate(self.runs)}
         self._tables: dict[tuple[str, str], Optional[pd.DataFrame]] = {}
+        self._scaling: Optional[tuple[list[dict], list[dict], list[dict]]] = None
+
+    def scaling(self) -> tuple[list[dict], list[dict], list[dict]]:
+        """(measured, predicted, holdout) of the scaling study, read once."""
+        if self._scaling is None:
+            self._scaling = read_scaling(self.store)
+        return self._scaling
 
     def table(self, run_id: str, table: str, *needs: str) -> Optional[pd.DataFrame]:
         """The table, or None when it is absent or lacks a finite value in any column ``needs``."""
@@ -167,8 +188,9 @@ def _heldout(data: _Data) -> Union[Figure, str]:
         for source in sources:
             ax.plot(evals["tokens"], evals[f"loss.{source}"], "o-", ms=3, color=colour[source], label=source)
             if final is not None and f"loss.{source}" in final:
-                last = final.iloc[-1]
-                ax.plot(last["tokens"], last[f"loss.{source}"], "*", ms=11, color=colour[source], mec="black")
+                # one star per evaluated checkpoint (`optimus evaluate --all-checkpoints`), dashed between
+                ax.plot(final["tokens"], final[f"loss.{source}"], "*--", ms=11, lw=0.8, color=colour[source],
+                        mec="black")
         ax.set(title=run_id, xlabel="tokens", ylabel="held-out loss")
         if data.config.log_x:
             ax.set_xscale("log")
@@ -229,6 +251,79 @@ def _expert_load(data: _Data) -> Union[Figure, str]:
         else:
             _centred(line_ax, f"{run_id}: no moe_imbalance logged")
     return fig
+
+
+def evaluation_table(store: ResultsStore, run_ids: list[str]) -> tuple[list[str], list[list[str]]]:
+    """(column headers, one row of cells per run): the last ``heldout`` row's loss overall and per
+    source, and the last ``downstream`` row's ``acc`` +- ``acc_stderr`` per task; DASH where a
+    run lacks a value. No columns when no run has either table (the figure and the report share it)."""
+    values: dict[str, dict[str, float]] = {}
+    for run_id in run_ids:
+        row: dict[str, float] = {}
+        for table, wanted in (("heldout", ("loss",)), ("downstream", ("acc", "acc_stderr"))):
+            try:
+                frame = store.metrics(run_id, table)
+            except StoreKeyError:
+                continue
+            if len(frame):
+                last = frame.iloc[-1]
+                row.update({c: float(last[c]) for c in frame.columns
+                            if c.split(".", 1)[0] in wanted and np.isfinite(last[c])})
+        values[run_id] = row
+    keys = {k for row in values.values() for k in row}
+    losses = (["loss"] if "loss" in keys else []) + sorted(k for k in keys if k.startswith("loss."))
+    tasks = sorted(k[4:] for k in keys if k.startswith("acc."))
+    if not losses and not tasks:
+        return [], []
+    headers = [("loss (all)" if k == "loss" else f"loss {k[5:]}") for k in losses]
+    headers += [f"{t.removeprefix('optimus_')} acc" for t in tasks]
+
+    def num(x: Optional[float], spec: str) -> str:
+        return DASH if x is None or not math.isfinite(x) else format(x, spec)
+
+    rows = []
+    for run_id in run_ids:
+        row = values[run_id]
+        cells = [num(row.get(k), ".4f") for k in losses]
+        for t in tasks:
+            acc, err = row.get(f"acc.{t}"), row.get(f"acc_stderr.{t}")
+            cells.append(num(acc, ".3f") + ("" if acc is None or err is None else f" ± {num(err, '.3f')}"))
+        rows.append(cells)
+    return headers, rows
+
+
+def _eval_table(data: _Data) -> Union[Figure, str]:
+    headers, rows = evaluation_table(data.store, data.runs)
+    if not headers:
+        return "no run has a heldout or downstream table (run `optimus evaluate`)"
+    fig = Figure(figsize=(min(2.2 + 1.25 * len(headers), 30), 1.2 + 0.35 * (len(rows) + 1)))
+    ax = fig.add_subplot()
+    ax.axis("off")
+    table = ax.table(cellText=rows, rowLabels=data.runs, colLabels=[h.replace(" ", "\n", 1) for h in headers],
+                     loc="center", cellLoc="center")
+    table.auto_set_font_size(False)
+    table.set_fontsize(8)
+    table.scale(1, 1.6)
+    for (r, _), cell in table.get_celld().items():
+        if r == 0:
+            cell.set_height(cell.get_height() * 1.6)  # two-line headers
+    fig.suptitle("Final evaluation (held-out loss in nats; accuracy ± stderr)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _scaling(data: _Data) -> Union[Figure, str]:
+    measured, predicted, _ = data.scaling()
+    if not measured and not predicted:
+        return "no scaling points in the store (run `optimus scaling` and `optimus perfmodel`)"
+    return scaling_figure(measured, predicted, "Strong scaling: measured and modelled")
+
+
+def _scaling_breakdown(data: _Data) -> Union[Figure, str]:
+    measured, predicted, _ = data.scaling()
+    if not measured and not predicted:
+        return "no scaling points in the store (run `optimus scaling` and `optimus perfmodel`)"
+    return breakdown_figure(measured, predicted, "Where a step's time goes (share of the step; M measured, P model)")
 
 
 def _note(text: str) -> Figure:

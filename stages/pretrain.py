@@ -10,6 +10,11 @@ The run directory holds ``meta.json`` (run id, status, config) from the first st
 ``checkpoints/``, and ``summary.json`` only once the run has finished: the file the workflow
 declares as the stage's output, so an interrupted run never looks finished, and rerunning the
 stage on the same directory resumes from the newest valid checkpoint.
+
+A new run starts from the seeded initialisation, or from the weights of a Hugging Face export
+(``optimus export-hf``) with ``train.init_from`` (``--set train.init_from=DIR``; the preset's
+architecture must match the export's, optimus_core.train.loop.build_model checks it). A run
+that resumes loads its checkpoint instead.
 """
 from __future__ import annotations
 
@@ -78,6 +83,8 @@ def run_pretrain(config: PretrainConfig, inputs: PretrainInputs, outputs: Pretra
     launch (optimus_core.parallel.init_distributed reads which). Every rank trains; global rank
     0 alone writes meta.json, the store and summary.json; the others return the same result."""
     cfg = config.run.replace(data=config.run.data.replace(path=str(Path(inputs.data_dir).resolve())))
+    if cfg.train.init_from:  # recorded as an absolute path, like the data
+        cfg = cfg.replace(train=cfg.train.replace(init_from=str(Path(cfg.train.init_from).resolve())))
     mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts if cfg.model.moe else None, cfg.train.device)
     try:
         return _run_rank(config, inputs, outputs, cfg, mesh)
@@ -108,14 +115,16 @@ def _run_rank(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainO
         **describe(info.name),
     }
     meta = {k: attrs[k] for k in ("run_id", "experiment", "preset", "config")}
+    # Built before anything is written: a run directory whose checkpoints belong to another model
+    # (or any other refusal) leaves its meta.json and its store run as they were.
+    trainer = Trainer(cfg, inputs.data_dir, run_dir, writer=None, progress=config.progress, device=info, mesh=mesh)
     atomic_write(run_dir / "meta.json", json.dumps(dict(meta, status="running", started=utc_now()), indent=2))
 
     store = open_store(outputs.store) if outputs.store else None
     writer = store.run_writer(config.run_id, attrs) if store else None
     start = time.time()
     try:
-        trainer = Trainer(cfg, inputs.data_dir, run_dir, writer=writer, progress=config.progress, device=info,
-                          mesh=mesh)
+        trainer.attach_writer(writer)
         if writer:
             writer.set_status("running")
         summary = trainer.fit()

@@ -6,7 +6,11 @@
                ReportInputs(store=Path("results/store.zarr"), figures_dir=Path("results/figures")),
                ReportOutputs(report=Path("results/report.md")))
 
-The report holds a summary table of the runs, the figures (relative links), and per run its
+The report holds a summary table of the runs, an evaluation table (every run's final held-out
+loss per source and downstream accuracy, followed by ``eval_table.png``), the strong-scaling
+section (stages/scaling_figure.scaling_report_markdown on the scaling study read from the store,
+followed by ``scaling.png`` and ``scaling_breakdown.png``), the other figures (relative links),
+and per training run its
 held-out losses (first and last evaluation during training, and the final ``heldout`` table
 when the evaluate stage wrote one) and its resolved config. Its date is the latest ``updated``
 of the runs shown, never the time of writing, so the same store always gives the same bytes.
@@ -28,9 +32,10 @@ import pandas as pd
 from optimus_core.config import _Validated
 from optimus_core.atomic import atomic_open
 from optimus_core.store import ResultsStore, StoreKeyError, open_store
-from stages.figures import FIGURES, select_runs
+from stages.figures import DASH, FIGURES, SCALING_FIGURES, evaluation_table, select_runs
+from stages.scaling_figure import read_scaling, scaling_report_markdown
 
-DASH = "–"  # a value the store does not have
+EVAL_TABLE = "eval_table.png"  # embedded under the evaluation table, not among the other figures
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,8 @@ def run_report(config: ReportConfig, inputs: ReportInputs, outputs: ReportOutput
         lines += ["## Summary", "", *_summary(store, run_ids, attrs, config.final_loss_rows), "",
                   f"Final train loss: mean of the last {config.final_loss_rows} logged steps. "
                   f"Steps: the last logged step.", ""]
+        lines += _evaluation(store, run_ids, inputs.figures_dir, outputs.report.parent)
+    lines += _scaling(store, inputs.figures_dir, outputs.report.parent)
     lines += _figures(inputs.figures_dir, outputs.report.parent)
     for run_id in run_ids:
         lines += _run_section(store, run_id, attrs[run_id])
@@ -111,16 +118,40 @@ def _summary(store: ResultsStore, run_ids: list[str], attrs: dict, last_n: int) 
     return _markdown_table(rows, align="llrrrrrrr")
 
 
+def _evaluation(store: ResultsStore, run_ids: list[str], figures_dir: Path, report_dir: Path) -> list[str]:
+    """Every run's final evaluation side by side (the numbers of eval_table.png), then the figure."""
+    headers, rows = evaluation_table(store, run_ids)
+    if not headers:
+        return []
+    table = [["run", *headers], *([f"`{r}`", *cells] for r, cells in zip(run_ids, rows))]
+    return ["## Evaluation", "", *_markdown_table(table, align="l" + "r" * len(headers)), "",
+            "Held-out loss (nats) of the last `heldout` row and accuracy +- its standard error of the last "
+            "`downstream` row of each run (`optimus evaluate`).", "", *_figure(figures_dir, report_dir, EVAL_TABLE)]
+
+
+def _scaling(store: ResultsStore, figures_dir: Path, report_dir: Path) -> list[str]:
+    """The strong-scaling section: the model at 12288 tiles beside the paper, held-out errors, the
+    measured sweeps (scaling_report_markdown), then its two figures."""
+    measured, predicted, holdout = read_scaling(store)
+    text = scaling_report_markdown(measured, predicted, holdout)
+    return [*text.rstrip("\n").split("\n"), "", *[line for name in SCALING_FIGURES
+                                                  for line in _figure(figures_dir, report_dir, name)]]
+
+
 def _figures(figures_dir: Path, report_dir: Path) -> list[str]:
     lines = ["## Figures", ""]
-    for name, caption in FIGURES.items():
-        path = figures_dir / name
-        if path.exists():
-            link = Path(os.path.relpath(path, report_dir)).as_posix()
-            lines += [f"![{caption}]({link})", "", f"*{caption}.*", ""]
-        else:
-            lines += [f"*{name}: not drawn (run `optimus figures`).*", ""]
+    for name in FIGURES:
+        if name != EVAL_TABLE and name not in SCALING_FIGURES:
+            lines += _figure(figures_dir, report_dir, name)
     return lines
+
+
+def _figure(figures_dir: Path, report_dir: Path, name: str) -> list[str]:
+    path, caption = figures_dir / name, FIGURES[name]
+    if path.exists():
+        link = Path(os.path.relpath(path, report_dir)).as_posix()
+        return [f"![{caption}]({link})", "", f"*{caption}.*", ""]
+    return [f"*{name}: not drawn (run `optimus figures`).*", ""]
 
 
 def _run_section(store: ResultsStore, run_id: str, attrs: dict) -> list[str]:

@@ -8,6 +8,9 @@
     optimus evaluate  --run results/runs/x --store results/store.zarr
     optimus figures   --store results/store.zarr --out results/figures
     optimus report    --store results/store.zarr --figures results/figures --out results/report.md
+    optimus scaling   --preset mula-7b-a1b@laptop --devices 1 2 --store results/store.zarr
+    optimus perfmodel --store results/store.zarr --measured bench/results/distributed-strong-weak-nvidia-h200.jsonl \\
+                      --out results/perfmodel.json
     optimus presets | optimus experiments
 
 Stages never import this module (house rule 3); Snakemake rules and Parsl apps call it.
@@ -95,6 +98,24 @@ def cmd_pretrain(args) -> None:
     launch = read_launch_env()  # torchrun / mpiexec / our own spawn below, or a world of one
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc}: must be >= 1")
+    max_restarts = getattr(args, "max_restarts", None) or 0
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts = {max_restarts}: must be >= 0")
+    if max_restarts and launch.world_size > 1:
+        raise ConfigError(f"--max-restarts = {max_restarts} under {launch.launcher} (world size "
+                          f"{launch.world_size}): restart the whole job with that launcher instead")
+    if max_restarts:
+        # Each attempt is a fresh process running this command without --max-restarts; it resumes
+        # from the newest valid checkpoint by itself. Configuration errors (status 2) are final.
+
+        from optimus_core.parallel.launch import ChildProcess, run_with_restarts
+
+        once = argparse.Namespace(**dict(vars(args), max_restarts=0))
+        status = run_with_restarts(ChildProcess(cmd_pretrain, (once,)), max_restarts,
+                                   should_restart=lambda code: code != 2)
+        if status:
+            raise SystemExit(status)
+        return
     if args.nproc > 1 and launch.world_size == 1:
         from optimus_core.parallel.mesh import group_layout
 
@@ -122,11 +143,14 @@ def cmd_evaluate(args) -> None:
     from stages.evaluate import EvaluateConfig, EvaluateInputs, EvaluateOutputs, run_evaluate
 
     config = EvaluateConfig(tasks=tuple(args.tasks), max_batches=args.max_batches,
-                            task_dirs=tuple(args.task_dir or ()), limit=args.limit, n_items=args.items)
+                            task_dirs=tuple(args.task_dir or ()), limit=args.limit, n_items=args.items,
+                            all_checkpoints=args.all_checkpoints or args.downstream_all_checkpoints,
+                            downstream_all_checkpoints=args.downstream_all_checkpoints)
     out = args.out or Path(args.run) / "eval.json"
     result = run_evaluate(config, EvaluateInputs(run_dir=args.run, data_dir=args.data),
                           EvaluateOutputs(eval_json=out, store=args.store))
-    print(json.dumps({"run_id": result.run_id, "step": result.step, **result.metrics}, indent=2))
+    print(json.dumps({"run_id": result.run_id, "step": result.step, "checkpoints": result.checkpoints,
+                      **result.metrics}, indent=2))
 
 
 def cmd_export_hf(args) -> None:
@@ -200,6 +224,35 @@ def cmd_plan(args) -> None:
             print(f"\n# {exp.name}\n" + "\n".join(job.pbs_lines()) + f"\n{job.mpiexec} optimus pretrain ...")
 
 
+def cmd_scaling(args) -> None:
+    from stages.scaling import ScalingConfig, ScalingOutputs, format_table, run_scaling
+
+    ep = args.ep if args.ep == "all" else int(args.ep)
+    config = ScalingConfig(preset=args.preset, devices=tuple(args.devices), ep=ep, optimizer=args.optimizer,
+                           global_batch=args.global_batch, micro_batch=args.micro_batch, steps=args.steps,
+                           warmup=args.warmup, device=args.device, threads_per_rank=args.threads,
+                           overrides=_overrides(args.set), run_id=args.run_id or "")
+    result = run_scaling(config, ScalingOutputs(store=args.store, jsonl=args.jsonl))
+    print(f"{result.run_id}\n{format_table(result.points)}")
+
+
+def cmd_perfmodel(args) -> None:
+    from workflow.scaling_study import check_paths, run_study
+
+    check_paths(args.measured)
+    study = run_study(args.store, args.measured, out_json=args.out)
+    for h in study["holdout"]:
+        print(f"held out: {h['sweep']} at {h['devices']} devices: measured {h['measured_s']:.4g} s, "
+              f"predicted {h['predicted_s']:.4g} s ({h['rel_error']:+.1%}, fitted on {h['fitted_on']} points)")
+    for name, why in study["skipped"].items():
+        print(f"skipped: {name}: {why}")
+    paper = study["paper"]
+    print(f"paper sweep on {paper['machine']}: efficiency at {paper['tiles'][-1]} tiles "
+          f"{paper['efficiency'][-1]:.1%} (overlap grad_sync what-if: {paper['efficiency_overlap_grad_sync'][-1]:.1%})")
+    if args.out:
+        print(args.out)
+
+
 # ----------------------------------------------------------------------------- parser
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--experts-backend", choices=("loop", "torch", "triton"))
     p.add_argument("--checkpoint-every", type=int)
+    p.add_argument("--max-restarts", type=int, default=None,
+                   help="rerun a run that crashed, hung (watchdog) or was stopped, up to R times, each time "
+                        "resuming from the newest valid checkpoint (local launcher; default 0)")
     p.add_argument("--store", type=Path, default=None)
     p.add_argument("--launcher", choices=("local", "parsl"), default="local")
     p.add_argument("--site", default=None)
@@ -247,10 +303,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", type=Path, required=True)
     p.add_argument("--data", type=Path, default=None)
     p.add_argument("--tasks", nargs="+", default=["heldout"],
-                   help="heldout, continuation (offline multiple choice per source), or lm-eval task names")
+                   help="heldout, continuation (offline multiple choice per source), docstring (offline multiple "
+                        "choice on held-out code), or lm-eval task names")
     p.add_argument("--task-dir", action="append", default=None, help="a directory of lm-eval task YAMLs (repeatable)")
     p.add_argument("--limit", type=int, default=None, help="lm-eval: at most N documents per task")
-    p.add_argument("--items", type=int, default=200, help="continuation: items per corpus source")
+    p.add_argument("--items", type=int, default=200, help="continuation: items per corpus source; docstring: at most")
+    p.add_argument("--all-checkpoints", action="store_true",
+                   help="held-out metrics of every kept checkpoint (a heldout row each); downstream: newest only")
+    p.add_argument("--downstream-all-checkpoints", action="store_true",
+                   help="downstream tasks on every kept checkpoint too (implies --all-checkpoints)")
     p.add_argument("--max-batches", type=int, default=64)
     p.add_argument("--store", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None, help="default: RUN/eval.json")
@@ -277,6 +338,32 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("presets", help="the table of model presets")
     p.add_argument("--seq-len", type=int, default=None)
     p.set_defaults(func=cmd_presets)
+
+    p = sub.add_parser("scaling", help="a strong-scaling sweep on this machine: step time by phase per device count")
+    p.add_argument("--preset", required=True, help="a model preset, e.g. mula-7b-a1b@laptop")
+    p.add_argument("--devices", type=int, nargs="+", default=[1, 2], help="device (rank) counts to sweep")
+    p.add_argument("--ep", default="all", help="'all' (ep = ranks of each point) or a fixed EP degree")
+    p.add_argument("--optimizer", choices=["ep_aware", "ep_unaware"], default="ep_aware")
+    p.add_argument("--global-batch", type=int, default=0, help="sequences per step, fixed (0: the preset's)")
+    p.add_argument("--micro-batch", type=int, default=0, help="sequences per forward/backward (0: all local)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per point (median taken)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda", "xpu"])
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")
+    p.add_argument("--store", type=Path, default=None, help="results store to write the points to")
+    p.add_argument("--jsonl", type=Path, default=None, help="also write the points here, one JSON line each")
+    p.add_argument("--run-id", default=None, help="store run id (default scaling-<preset>-<device>)")
+    p.set_defaults(func=cmd_scaling)
+
+    p = sub.add_parser("perfmodel", help="calibrate the performance model on measured sweeps, held-out errors, "
+                                         "and the paper's sweep predicted on Aurora")
+    p.add_argument("--store", type=Path, default=None,
+                   help="results store: reads its `optimus scaling` runs, writes run 'perfmodel'")
+    p.add_argument("--measured", type=Path, nargs="*", default=[],
+                   help="JSON-lines files of measured points (the strong suite of bench/distributed.py)")
+    p.add_argument("--out", type=Path, default=None, help="also write the study here as JSON")
+    p.set_defaults(func=cmd_perfmodel)
 
     p = sub.add_parser("experiments", help="the registry of runs")
     p.set_defaults(func=cmd_experiments)

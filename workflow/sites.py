@@ -22,10 +22,14 @@ account or queue, more nodes than the queue allows, a walltime over its limit, o
 that is not a multiple of the tiles per node. ``parsl_config(site, job, run_dir)`` builds the
 Parsl ``Config`` (HighThroughputExecutor + LocalProvider or PBSProProvider) for one job.
 
-The node-hour estimate is a simple throughput assumption until the performance model exists:
-a run's training FLOPs (the model's FLOP-per-token count x tokens) over
-``tiles x peak_tflops_per_tile x mfu`` (site config; Aurora: 419 TFLOP/s bf16 per PVC tile,
-half of a Max 1550's dense bf16 peak, at 25 % MFU).
+Node-hour estimates: with ``site.machine`` set (a machine of workflow/machines/, e.g.
+``aurora``), a run's hours are its steps x the step time workflow/perfmodel.py predicts for its
+model, tiles, EP degree and batch on that machine. Where the model does not apply (no machine
+set, or a layout it cannot price, e.g. fewer sequences per step than tiles) the estimate falls
+back to the throughput assumption: the run's training FLOPs (the model's FLOP-per-token count x
+tokens) over ``tiles x peak_tflops_per_tile x mfu`` (site config; Aurora: 419 TFLOP/s bf16 per
+PVC tile, half of a Max 1550's dense bf16 peak, at 25 % MFU). ``JobPlan.est_source`` and the
+plan table say which one each job used.
 """
 from __future__ import annotations
 
@@ -84,6 +88,7 @@ class SiteConfig:
     status_polling_interval: int = 60  # s between `qstat` polls (Parsl's PBSProProvider default)
     peak_tflops_per_tile: float = 419.0
     mfu: float = 0.25
+    machine: str = ""  # workflow/machines/<name>.yaml (or a path) for model-based node-hours; "" = none
     run_dir: str = "results/parsl"  # Parsl's run directory (submit scripts, logs)
 
     def __post_init__(self):
@@ -179,8 +184,9 @@ class JobPlan:
     select_line: str
     mpiexec: str  # the launcher prefix ('' = run the command directly)
     env: dict[str, str]
-    est_hours: float  # of training, at the site's throughput assumption (nan if unknown)
+    est_hours: float  # of training (nan if unknown): the performance model's, else the throughput assumption's
     jobs: int  # PBS jobs the run spans (each resumes from the last checkpoint)
+    est_source: str = "throughput"  # "perfmodel:<machine>" | "throughput" | "" (no run to estimate)
 
     @property
     def walltime(self) -> str:
@@ -242,10 +248,7 @@ def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
     if walltime_h <= 0:
         raise ConfigError(f"walltime_h = {walltime_h}: must be > 0")
     nodes = ranks // ppn
-    if run is not None:
-        est = run.flops() / (ranks * site.peak_tflops_per_tile * 1e12 * site.mfu) / 3600
-    else:
-        est = float("nan")
+    est, source = estimate_hours(run, site, ranks)
     jobs = max(1, math.ceil(est / walltime_h)) if est == est else 1
     queue = account = None
     sched, select = [], f"#PBS -l select={nodes}"
@@ -261,14 +264,43 @@ def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
         sched += [l if l.startswith("#PBS") else f"#PBS {l}" for l in site.scheduler_options]
     mpiexec = site.mpiexec.format(ranks=ranks, nodes=nodes, ppn=ppn, cpu_bind=site.cpu_bind).strip()
     return JobPlan(site.name, ranks, nodes, ppn, queue, account, walltime_h, "\n".join(sched), select, mpiexec,
-                   dict(site.env), est, jobs)
+                   dict(site.env), est, jobs, source)
+
+
+def estimate_hours(run, site: SiteConfig, ranks: int) -> tuple[float, str]:
+    """(hours of training, how they were estimated): the performance model on ``site.machine``
+    where it applies to the run as planned, else the throughput assumption; (nan, "") without a run."""
+    if run is None:
+        return float("nan"), ""
+    if site.machine and ranks == run.devices:
+        from workflow import perfmodel
+
+        machine = _machine(site.machine)  # an unknown or broken machine file is an error, not a fallback
+        try:
+            est = perfmodel.estimate_node_hours(run, machine)
+            return est["hours"], est["source"]
+        except ConfigError:
+            pass  # e.g. fewer sequences than tiles: the model has no layout for it
+    return run.flops() / (ranks * site.peak_tflops_per_tile * 1e12 * site.mfu) / 3600, "throughput"
+
+
+_MACHINES: dict[str, Any] = {}
+
+
+def _machine(name: str):
+    """The performance model's machine (loaded once per process: plan_table asks per job)."""
+    if name not in _MACHINES:
+        from workflow import perfmodel
+
+        _MACHINES[name] = perfmodel.load_machine(name)
+    return _MACHINES[name]
 
 
 def plan_table(experiments, site: SiteConfig) -> tuple[str, list[JobPlan]]:
     """The paper-scale jobs of ``experiments`` as a table, with the node-hour total last."""
     rows, plans = [], []
     head = (f"{'run':30s} {'tiles':>6s} {'nodes':>5s} {'queue':>13s} {'walltime':>9s} {'jobs':>4s} "
-            f"{'est. hours':>10s} {'node-hours':>11s}")
+            f"{'est. hours':>10s} {'node-hours':>11s}  {'estimate':s}")
     for exp in experiments:
         try:
             p = plan(exp.paper, site)
@@ -276,10 +308,16 @@ def plan_table(experiments, site: SiteConfig) -> tuple[str, list[JobPlan]]:
             raise ConfigError(f"{exp.name}: {e}") from None
         plans.append(p)
         rows.append(f"{exp.name:30s} {p.ranks:6d} {p.nodes:5d} {p.queue or '-':>13s} {p.walltime:>9s} {p.jobs:4d} "
-                    f"{p.est_hours:10.2f} {p.node_hours:11,.1f}")
+                    f"{p.est_hours:10.2f} {p.node_hours:11,.1f}  {p.est_source}")
     total = sum(p.node_hours for p in plans)
-    foot = (f"TOTAL {len(plans)} jobs, {total:,.0f} node-hours (assumed {site.peak_tflops_per_tile:g} TFLOP/s "
-            f"per tile at {site.mfu:.0%} MFU)")
+    modelled = sum(p.est_source.startswith("perfmodel") for p in plans)
+    assumed = f"assumed {site.peak_tflops_per_tile:g} TFLOP/s per tile at {site.mfu:.0%} MFU"
+    if modelled:
+        rest = f"; {assumed} for the other {len(plans) - modelled}" if modelled < len(plans) else ""
+        foot = (f"TOTAL {len(plans)} jobs, {total:,.0f} node-hours (performance model on machine "
+                f"{site.machine} for {modelled} jobs{rest})")
+    else:
+        foot = f"TOTAL {len(plans)} jobs, {total:,.0f} node-hours ({assumed})"
     return "\n".join([head, "-" * len(head), *rows, foot]), plans
 
 

@@ -198,7 +198,10 @@ def load_manifest(data_dir: Union[str, Path]) -> Manifest:
     path = root / MANIFEST_NAME
     if not path.is_file():
         raise ShardError(f"{path} does not exist: {root} is not a complete `optimus tokenize` output")
-    d = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ShardError(f"{path}: not valid JSON ({e}); rerun optimus tokenize") from None
     if d.get("format") != FORMAT or d.get("version") != FORMAT_VERSION:
         raise ShardError(f"{path}: format {d.get('format')!r} version {d.get('version')!r}; "
                          f"this reader understands {FORMAT!r} version {FORMAT_VERSION}")

@@ -67,7 +67,7 @@ def continuation_items(data_dir, source: str, *, n_items: int, context_tokens: i
     return items
 
 
-def _task_yaml(name: str, data_file: Path) -> dict:
+def task_yaml(name: str, data_file: Path) -> dict:
     return {
         "task": name, "dataset_path": "json",
         "dataset_kwargs": {"data_files": {"test": str(data_file)}},
@@ -101,7 +101,7 @@ def build_continuation_tasks(data_dir, out_dir, *, sources: Optional[Sequence[st
         name = f"{TASK_PREFIX}{source}"
         data_file = out_dir / f"{name}.jsonl"
         atomic_write(data_file, "".join(json.dumps(it) + "\n" for it in items))
-        atomic_write(out_dir / f"{name}.yaml", yaml.safe_dump(_task_yaml(name, data_file), sort_keys=False))
+        atomic_write(out_dir / f"{name}.yaml", yaml.safe_dump(task_yaml(name, data_file), sort_keys=False))
         names.append(name)
     if not names:
         raise ValueError(f"{data_dir}: no source's val split holds {n_choices} passages of "

@@ -34,6 +34,16 @@ class Experts(nn.Module):
     def unpermute(self, y_MD: torch.Tensor, sorted_idx: torch.Tensor, topk_weight_TK: torch.Tensor):
         return kernels.unpermute(y_MD, sorted_idx, topk_weight_TK, backend=self.backend)
 
+    def apply_routed(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
+                     n_groups: int) -> torch.Tensor:
+        """Each token through its top-k experts, the outputs summed with its routing weights:
+        permute, the experts, unpermute. Assignments to group ``n_experts`` (dropped over
+        capacity) get no expert and must carry weight 0. Expert parallelism replaces this one
+        method (optimus_core.parallel.expert_parallel): the seam where tokens may leave the rank."""
+        x_sorted_MD, offsets, sorted_idx = self.permute(x_TD, topk_idx_TK, n_groups)
+        y_sorted_MD = self(x_sorted_MD, offsets[:self.n_experts])
+        return self.unpermute(y_sorted_MD, sorted_idx, topk_weight_TK)
+
     def forward(self, x_MD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
         """x_MD expert-sorted rows, offsets_E int32 cumulative group ends (one per expert);
         rows past offsets_E[-1] (tokens dropped over capacity) come out zero."""

@@ -51,9 +51,7 @@ class MoEFeedForward(nn.Module):
             topk_weight_TK = topk_weight_TK * keep_TK
             n_groups = E + 1
 
-        x_sorted_MD, offsets, sorted_idx = self.experts.permute(x_TD, topk_idx_TK, n_groups)
-        y_sorted_MD = self.experts(x_sorted_MD, offsets[:E])
-        out_TD = self.experts.unpermute(y_sorted_MD, sorted_idx, topk_weight_TK)
+        out_TD = self.experts.apply_routed(x_TD, topk_idx_TK, topk_weight_TK, n_groups)
 
         self.last_lb_loss, self.last_z_loss = routing.lb_loss, routing.z_loss
         self.aux_loss = self.cfg.lb_loss_coef * routing.lb_loss + self.cfg.z_loss_coef * routing.z_loss

@@ -16,6 +16,7 @@ the all-to-all is cheapest); expert-dp group ``j`` is the ranks ``j, j + ep, j +
 """
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -167,24 +168,31 @@ def init_distributed(parallel: ParallelConfig, n_experts: int | None = None, dev
     backend = collective_backend(device_type)
     import_vendor_extensions(device_type, backend)
     mesh = Mesh(launch.rank, launch.world_size, launch.local_rank, parallel.ep, dev, backend)
+    timeout = datetime.timedelta(seconds=parallel.collective_timeout_s)
     if not dist.is_initialized():
         mesh.owns_process_group = True
         os.environ.setdefault("MASTER_ADDR", launch.master_addr)
         os.environ.setdefault("MASTER_PORT", launch.master_port)
+        # A collective that waits longer than parallel.collective_timeout_s for a dead or stuck
+        # rank raises on the ranks that wait, instead of hanging the job until its walltime.
         dist.init_process_group(backend, init_method="env://", rank=launch.rank, world_size=launch.world_size,
-                                device_id=dev if device_type != "cpu" else None)
-    return build_groups(mesh)
+                                device_id=dev if device_type != "cpu" else None,
+                                timeout=timeout)
+    return build_groups(mesh, timeout)
 
 
-def build_groups(mesh: Mesh) -> Mesh:
-    """Create every EP and expert-dp group on every rank, in one order (new_group is collective)."""
+def build_groups(mesh: Mesh, timeout: datetime.timedelta | None = None) -> Mesh:
+    """Create every EP and expert-dp group on every rank, in one order (new_group is collective).
+
+    ``timeout``: of every collective in these groups (a subgroup does not inherit the world's:
+    without it torch uses its own default)."""
     ep_groups, expert_dp_groups = group_layout(mesh.world_size, mesh.ep, None)
     for ranks in ep_groups:
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if mesh.rank in ranks:
             mesh.ep_group, mesh.ep_ranks = group, tuple(ranks)
     for ranks in expert_dp_groups:
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if mesh.rank in ranks:
             mesh.expert_dp_group, mesh.expert_dp_ranks = group, tuple(ranks)
     return mesh

@@ -34,6 +34,8 @@ from torch import nn
 
 from ..config import OptimConfig
 from .expert_parallel import expert_parameter_names
+from ..timing import phase
+from ..train.optim import clip_coef_as_grad_scale, is_fused, step_with_grad_scale
 from .mesh import Mesh
 
 
@@ -54,6 +56,7 @@ class Bucket:
     name: str  # dense.decay | dense.no_decay | expert.decay | expert.no_decay
     params: list[nn.Parameter]
     flat_N: torch.Tensor  # padded to a multiple of group_size; the params are views of it
+    grad_N: torch.Tensor  # same layout; the params' .grad are views of it (backward adds in place)
     shard: torch.Tensor  # this rank's slice of flat_N (a view: what AdamW updates in place)
     group: object  # process group (None = the world)
     group_size: int
@@ -75,20 +78,28 @@ class Bucket:
         lo = group_rank * shard_len if sharded else 0
         # A view, not a copy: whatever writes the parameters (a checkpoint load) writes the shard.
         shard = flat_N[lo:lo + shard_len]
-        return cls(name, params, flat_N, shard, group, group_size, group_rank, sharded, counts_in_norm)
+        bucket = cls(name, params, flat_N, torch.zeros_like(flat_N), shard, group, group_size, group_rank,
+                     sharded, counts_in_norm)
+        bucket.attach_grads()
+        return bucket
 
-    def flat_grad(self, scale: float) -> torch.Tensor:
-        grad_N = torch.zeros_like(self.flat_N)
+    def attach_grads(self) -> None:
+        """Make every parameter's .grad a view of grad_N: backward accumulates straight into the
+        flat buffer the collectives send, so no gradient is copied before the reduction."""
         offset = 0
         for p in self.params:
-            if p.grad is not None:
-                grad_N[offset:offset + p.numel()] = p.grad.flatten()
+            p.grad = self.grad_N[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
-        return grad_N.mul_(scale)
+
+    def zero_grad(self) -> None:
+        self.grad_N.zero_()
+        base = self.grad_N.untyped_storage().data_ptr()
+        if any(p.grad is None or p.grad.untyped_storage().data_ptr() != base for p in self.params):
+            self.attach_grads()  # someone replaced a .grad (model.zero_grad()): views again
 
     def reduce_grad(self, scale: float) -> torch.Tensor:
         """This rank's reduced gradient shard (sum over the group of grad * scale)."""
-        grad_N = self.flat_grad(scale)
+        grad_N = self.grad_N.mul_(scale)
         if self.group_size == 1:
             return grad_N
         if not self.sharded:
@@ -101,8 +112,11 @@ class Bucket:
     def publish(self) -> None:
         """Bring every rank's updated shard into the flat buffer (the params see it)."""
         if self.sharded and self.group_size > 1:
-            # The input is a slice of the output: hand the collective its own copy.
-            _all_gather(self.flat_N, self.shard.detach().clone(), self.group)
+            # The input is this rank's slice of the output. NCCL gathers in place when the input
+            # sits at output + rank * count (its documented in-place mode); other backends get a
+            # copy of the shard, which they may read while writing the output.
+            inplace = self.flat_N.device.type == "cuda"
+            _all_gather(self.flat_N, self.shard if inplace else self.shard.detach().clone(), self.group)
 
 
 class ShardedAdamW:
@@ -132,29 +146,41 @@ class ShardedAdamW:
                 self.buckets.append(Bucket.build(name, params, *args))
         groups = [{"params": [b.shard], "weight_decay": cfg.weight_decay if b.name.endswith(".decay") else 0.0}
                   for b in self.buckets]
-        self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
+        # One flat shard per group: the fused kernel (CUDA) updates it in one pass; elsewhere the
+        # single-tensor loop, whose arithmetic is torch.optim.AdamW's on any device.
+        fused = self.buckets[0].flat_N.device.type == "cuda"
+        self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                       foreach=False, fused=fused or None)
         self.param_groups = self.inner.param_groups  # the loop sets "lr" here each step
 
     @torch.no_grad()
     def clip_and_step(self, max_norm: float | None) -> torch.Tensor:
         """Reduce grads, clip by the global norm (returned, before clipping), update, all-gather."""
         scale = 1.0 / self.mesh.world_size
-        grads = [b.reduce_grad(scale) for b in self.buckets]
-        sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)
-        for b, g in zip(self.buckets, grads):
-            if b.counts_in_norm:
-                sq += g.double().pow(2).sum()
-        norm = self.mesh.all_reduce_sum_(sq).sqrt().float()
-        if max_norm is not None:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
-            for g in grads:
-                g.mul_(coef)
-        for b, g in zip(self.buckets, grads):
-            b.shard.grad = g
-        self.inner.step()
-        for b in self.buckets:
-            b.shard.grad = None
-            b.publish()
+        with phase("grad_sync"):
+            grads = [b.reduce_grad(scale) for b in self.buckets]
+        with phase("optimizer"):
+            sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+            for b, g in zip(self.buckets, grads):
+                if b.counts_in_norm:  # a float32 norm per shard, squared and summed in float64
+                    sq += torch.linalg.vector_norm(g).double().square()
+            norm = self.mesh.all_reduce_sum_(sq).sqrt().float()
+            for b, g in zip(self.buckets, grads):
+                b.shard.grad = g
+            if max_norm is None:
+                self.inner.step()
+            elif is_fused(self.inner):  # the clip factor rides into the update kernel
+                step_with_grad_scale(self.inner, clip_coef_as_grad_scale(norm, max_norm))
+            else:
+                coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
+                for g in grads:
+                    g.mul_(coef)
+                self.inner.step()
+            for b in self.buckets:
+                b.shard.grad = None
+        with phase("grad_sync"):
+            for b in self.buckets:
+                b.publish()
         return norm
 
     def step(self) -> None:
@@ -162,9 +188,10 @@ class ShardedAdamW:
         self.clip_and_step(None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat gradient buffers (``set_to_none`` is accepted and ignored: the
+        parameters' .grad stay views of the buffers the next reduction reads)."""
         for b in self.buckets:
-            for p in b.params:
-                p.grad = None
+            b.zero_grad()
 
     def state_numel(self) -> dict[str, int]:
         """Elements of AdamW state (exp_avg) this rank holds, per bucket kind (dense / expert)."""
@@ -179,18 +206,94 @@ class ShardedAdamW:
         return {"world_size": self.mesh.world_size, "ep": self.mesh.ep, "mode": self.mode,
                 "buckets": [b.name for b in self.buckets]}
 
-    def state_dict(self) -> dict:
-        """Collective: every rank's shard state, gathered (laptop scale; issue 6 shards it on disk)."""
-        local = self.inner.state_dict()
-        if self.mesh.distributed:
-            shards = [None] * self.mesh.world_size
-            dist.all_gather_object(shards, local)
-        else:
-            shards = [local]
-        return {"layout": self.layout(), "shards": shards}
+    def state_dict(self, sharded: bool = False) -> dict:
+        """Collective. Default: every rank's shard state, gathered (the one-file format, for this
+        exact layout). ``sharded=True``: this rank's part as a torch.distributed.checkpoint state
+        dict whose keys do not depend on the layout, so another world size, ep or mode loads it:
+
+            optim/<bucket>/step                  the AdamW step (replicated)
+            optim/dense.<decay>/<moment>         the bucket's unpadded flat moments: a DTensor
+                                                 sharded over the world as the flat shards are
+            optim/expert.<decay>/<i>/<moment>    per expert parameter i of the bucket, its full
+                                                 (n_experts, ...) shape: split over EP,
+                                                 replicated over expert-dp
+        """
+        if not sharded:
+            local = self.inner.state_dict()
+            if self.mesh.distributed:
+                shards = [None] * self.mesh.world_size
+                dist.all_gather_object(shards, local)
+            else:
+                shards = [local]
+            return {"layout": self.layout(), "shards": shards}
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        from ..train.checkpoint import OPTIM, dcp_meshes
+
+        world, grid = dcp_meshes(self.mesh)
+        out = {}
+        for b in self.buckets:
+            state = self.inner.state.get(b.shard, {})
+            step = state.get("step", torch.zeros(()))
+            out[f"{OPTIM}{b.name}/step"] = torch.as_tensor(step, dtype=torch.float32).detach().cpu().clone().reshape(())
+            numel = sum(p.numel() for p in b.params)
+            for moment in ("exp_avg", "exp_avg_sq"):
+                local = state.get(moment, torch.zeros_like(b.shard)).detach()
+                if b.name.startswith("dense"):  # sharded over the world in torch.chunk's way
+                    lo = b.group_rank * b.shard.numel()
+                    valid = max(0, min(b.shard.numel(), numel - lo))
+                    out[f"{OPTIM}{b.name}/{moment}"] = DTensor.from_local(
+                        local[:valid].clone(), world, [Shard(0)], run_check=False, shape=torch.Size((numel,)),
+                        stride=(1,))
+                    continue
+                full = local
+                if b.sharded and b.group_size > 1:  # this EP rank's experts, whole
+                    full = torch.empty_like(b.flat_N)
+                    _all_gather(full, local.contiguous(), b.group)
+                offset = 0
+                for i, p in enumerate(b.params):
+                    piece = full[offset:offset + p.numel()].view_as(p).clone()
+                    offset += p.numel()
+                    shape = (p.shape[0] * self.mesh.ep, *p.shape[1:])
+                    out[f"{OPTIM}{b.name}/{i}/{moment}"] = DTensor.from_local(
+                        piece, grid, [Replicate(), Shard(0)], run_check=False, shape=torch.Size(shape),
+                        stride=torch.empty(shape, device="meta").stride())
+        return out
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("layout") != self.layout():
-            raise ValueError(f"optimizer state was saved with layout {state.get('layout')}, this run has "
-                             f"{self.layout()}: resume with the same number of ranks, ep and optimizer")
-        self.inner.load_state_dict(state["shards"][self.mesh.rank])
+        """The gathered format (same layout only), or a filled ``state_dict(sharded=True)``."""
+        def load_sharded() -> None:
+            """Back from the layout-free keys to this rank's flat shards (see state_dict)."""
+            def local(t):
+                return t.to_local() if hasattr(t, "to_local") else t
+
+            fused_or_capturable = any(g.get("fused") or g.get("capturable") for g in self.inner.param_groups)
+            for b in self.buckets:
+                prefix = f"optim/{b.name}"
+                if f"{prefix}/step" not in state:
+                    raise ValueError(f"the checkpoint has no optimizer state for bucket {b.name}: another model?")
+                mine = {}
+                for moment in ("exp_avg", "exp_avg_sq"):
+                    if b.name.startswith("dense"):
+                        piece = local(state[f"{prefix}/{moment}"]).reshape(-1)
+                    else:
+                        piece = torch.cat([local(state[f"{prefix}/{i}/{moment}"]).reshape(-1) for i in range(len(b.params))])
+                        lo = b.group_rank * b.shard.numel() if b.sharded else 0
+                        piece = piece[lo:lo + b.shard.numel()]
+                    shard = torch.zeros_like(b.shard)
+                    shard[:piece.numel()] = piece.to(shard.device, shard.dtype)
+                    mine[moment] = shard
+                step = local(state[f"{prefix}/step"]).detach().to(torch.float32).reshape(())
+                mine["step"] = step.to(b.shard.device) if fused_or_capturable else step.cpu()
+                self.inner.state[b.shard] = mine
+
+        if "layout" not in state and any(k.startswith("optim/") for k in state):
+            load_sharded()
+        else:
+            if state.get("layout") != self.layout():
+                raise ValueError(f"optimizer state was saved with layout {state.get('layout')}, this run has "
+                                 f"{self.layout()}: resume with the same number of ranks, ep and optimizer")
+            self.inner.load_state_dict(state["shards"][self.mesh.rank])
+        # torch replaces the inner param_groups on load: alias them again, or the loop's per-step
+        # lr would go to the stale list and the run would train on with the saved lr.
+        self.param_groups = self.inner.param_groups

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,13 +21,14 @@ from ..config import RunConfig
 from ..data import BatchLoader, TokenDataset, load_manifest
 from ..device import DeviceInfo, device_info
 from ..model.transformer import Transformer
-from ..parallel import Mesh, ShardedAdamW, full_model_state, parallelize
+from ..parallel import Mesh, ShardedAdamW, parallelize
 from . import checkpoint as ckpt
 from .evaluate import heldout_metrics
 from .optim import build_optimizer
 from .resilience import LossGuard, Preempted, StopRequest
 from .schedule import lr_at
 from .step import train_step
+from .watchdog import Watchdog
 
 
 class MetricsSink(Protocol):
@@ -49,10 +51,36 @@ class TrainSummary:
 
 
 def build_model(cfg: RunConfig, device: torch.device | str = "cpu") -> Transformer:
-    """The model of ``cfg``, initialised deterministically from ``cfg.train.seed``."""
+    """The model of ``cfg``, initialised deterministically from ``cfg.train.seed``, or, with
+    ``cfg.train.init_from`` (a Hugging Face export, optimus_core.hf), with its weights; its
+    architecture must be ``cfg.model``'s (ValueError listing the fields that differ). A resumed
+    run loads its checkpoint over these weights (the export is read all the same: keep it)."""
     model = Transformer(cfg.model)
-    generator = torch.Generator().manual_seed(cfg.train.seed)
-    model.init_weights(generator)
+    if cfg.train.init_from:
+        from ..hf import ExportError, import_hf  # safetensors: only when asked
+
+        where = f"train.init_from = {cfg.train.init_from!r}"
+        try:
+            source, source_cfg = import_hf(cfg.train.init_from)
+        except (ExportError, FileNotFoundError) as e:
+            raise ValueError(f"{where}: {e}") from None
+
+        def arch(m) -> dict:  # what fixes the weights' shapes and the function they compute
+            moe = m.moe
+            return {"padded vocab_size": m.padded_vocab_size, "d_model": m.d_model, "n_layers": m.n_layers,
+                    "n_heads": m.n_heads, "kv heads": m.kv_heads, "qk_norm": m.qk_norm, "rope_theta": m.rope_theta,
+                    "norm_eps": m.norm_eps, "d_ff": None if moe else m.d_ff, "moe": moe is not None,
+                    "moe.n_experts": moe and moe.n_experts, "moe.top_k": moe and moe.top_k,
+                    "moe.d_expert": moe and moe.d_expert, "moe.norm_topk_probs": moe and moe.norm_topk_probs}
+        ours, theirs = arch(cfg.model), arch(source_cfg)
+        differ = [f"{k} {ours[k]} here, {theirs[k]} there" for k in ours if ours[k] != theirs[k]]
+        if differ:
+            raise ValueError(f"{where}: its model does not match model ({cfg.preset or 'this run'}): "
+                             f"{'; '.join(differ)}. Use the preset the export was trained with")
+        model.load_state_dict(source.state_dict(), strict=True)
+    else:
+        generator = torch.Generator().manual_seed(cfg.train.seed)
+        model.init_weights(generator)
     model.activation_checkpointing = cfg.train.activation_checkpointing
     model = model.to(device)
     if cfg.train.compile:
@@ -98,6 +126,10 @@ class Trainer:
         self.resumed_from = self._resume()
         self.flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
 
+    def attach_writer(self, writer: MetricsSink | None) -> None:
+        """Record into ``writer`` from now on (global rank 0 only, like the constructor's)."""
+        self.writer = writer if self.is_lead else None
+
     # ------------------------------------------------------------------ checkpoints
     def _resume(self) -> int | None:
         found = ckpt.latest_valid(self.run_dir)
@@ -111,15 +143,29 @@ class Trainer:
         if saved is not None and saved["model"] != self.cfg.model.to_dict():
             raise ValueError(f"{found.path} was saved by a different model configuration; "
                              f"use a new run directory or the same preset")
-        self.model.load_state_dict(found.load_model_state(self.device))
-        self.optimizer.load_state_dict(found.load_optim_state(self.device))
+        if found.sharded and not self.mesh.distributed:  # a run of N ranks continues on one process
+            self.model.load_state_dict(found.load_model_state(self.device))
+            ckpt.load_plain_optimizer(found.path, self.model, self.optimizer)
+        elif found.sharded:  # any layout: each rank reads its own pieces of the layout-free keys
+            target = {**ckpt.sharded_model_state(self.model, self.mesh), **self.optimizer.state_dict(sharded=True)}
+            ckpt.load_sharded(found.path, target)
+            self.model.load_state_dict(ckpt.local_model_state(target))
+            self.optimizer.load_state_dict({k: v for k, v in target.items() if not k.startswith(ckpt.MODEL)})
+        else:
+            self.model.load_state_dict(found.load_model_state(self.device))
+            self.optimizer.load_state_dict(found.load_optim_state(self.device))
         state = found.load_state()
         self.loader.load_state_dict(state["loader"])
-        torch.set_rng_state(state["torch_rng"])
+        per_rank = state.get("rng_per_rank")  # every rank's own; rank 0's on another world size
+        rng = per_rank[self.mesh.rank] if per_rank and len(per_rank) == self.mesh.world_size else state
+        torch.set_rng_state(rng["torch_rng"])
+        if rng.get("device_rng") is not None and self.device.type in ("cuda", "xpu"):
+            getattr(torch, self.device.type).set_rng_state(rng["device_rng"], self.device)
         self.step = found.step
 
     def _roll_back(self, bad_steps: int) -> None:
         """Back to the newest checkpoint, keeping the data position: the window since is skipped."""
+        self.publish_checkpoint()
         found = ckpt.latest_valid(self.run_dir)
         if found is None:
             raise RuntimeError(f"{bad_steps} bad losses in a row at step {self.step} and no checkpoint to "
@@ -144,28 +190,54 @@ class Trainer:
         return bool(self.mesh.all_reduce_sum_(flag).item() > 0)
 
     def save(self) -> Path | None:
-        """Write a checkpoint (global rank 0; a collective when distributed: every rank calls it).
+        """Write a checkpoint (a collective when distributed: every rank calls it).
 
-        With several ranks the full model state (experts gathered over each EP group) and every
-        rank's optimizer shard are gathered to rank 0 and written as one checkpoint, resumable
-        with the same number of ranks, ep and optimizer. That is fine at laptop scale; issue 6
-        replaces it with sharded torch.distributed.checkpoint writes.
+        One process: one file per part (model, optimizer, state). Several ranks: every rank
+        writes its own shards at once (torch.distributed.checkpoint), rank 0 the small rest, so
+        nothing is gathered and the checkpoint loads on another number of ranks or ep.
         """
-        state = {"loader": self.loader.state_dict(), "torch_rng": torch.get_rng_state()}
-        meta = {"config": self.cfg.to_dict(), "tokens": self.tokens, "data_position": self.loader.state_dict()}
+        rng = {"torch_rng": torch.get_rng_state(),
+               "device_rng": (getattr(torch, self.device.type).get_rng_state(self.device)
+                              if self.device.type in ("cuda", "xpu") else None)}
+        per_rank = [rng]
         if self.mesh.distributed:
-            model_state, optim_state = full_model_state(self.model, self.mesh), self.optimizer.state_dict()
+            per_rank = [None] * self.mesh.world_size
+            torch.distributed.all_gather_object(per_rank, rng)
+        state = {"loader": self.loader.state_dict(), **rng, "rng_per_rank": per_rank}
+        meta = {"config": self.cfg.to_dict(), "tokens": self.tokens, "data_position": self.loader.state_dict(),
+                "world_size": self.mesh.world_size, "ep": self.mesh.ep}
+        if self.is_lead and self.writer is not None:
+            self.writer.flush()  # metrics up to a checkpoint survive a kill, as the weights do
+        keep = {"keep": self.cfg.train.keep_checkpoints, "keep_every": self.cfg.train.keep_every}
+        self.publish_checkpoint()  # one background write at a time
+        # The last checkpoint of a run is written in the foreground: the run's outputs follow it.
+        background = self.cfg.train.async_checkpoint and self.step < self.cfg.train.steps
+        if self.mesh.distributed:
+            sharded = {**ckpt.sharded_model_state(self.model, self.mesh), **self.optimizer.state_dict(sharded=True)}
+            path = ckpt.save_sharded_checkpoint(self.run_dir, self.step, sharded_state=sharded, state=state, meta=meta,
+                                                rank=self.mesh.rank, process_group=ckpt.checkpoint_group(
+                                                    self.mesh, timedelta(seconds=self.cfg.parallel.collective_timeout_s)),
+                                                asynchronous=background, **keep)
+        elif background:
+            path = ckpt.save_checkpoint_async(self.run_dir, self.step, model_state=self.model.state_dict(),
+                                              optim_state=self.optimizer.state_dict(), state=state, meta=meta, **keep)
         else:
-            model_state, optim_state = self.model.state_dict(), self.optimizer.state_dict()
-        path = None
-        if self.is_lead:
-            if self.writer is not None:
-                self.writer.flush()  # metrics up to a checkpoint survive a kill, as the weights do
-            path = ckpt.save_checkpoint(self.run_dir, self.step, model_state=model_state, optim_state=optim_state,
-                                        state=state, meta=meta, keep=self.cfg.train.keep_checkpoints,
-                                        keep_every=self.cfg.train.keep_every)
+            return ckpt.save_checkpoint(self.run_dir, self.step, model_state=self.model.state_dict(),
+                                        optim_state=self.optimizer.state_dict(), state=state, meta=meta, **keep)
+        if isinstance(path, ckpt.PendingSave):
+            self._pending_save = path
+            return None
+        torch.distributed.barrier()  # nobody reads or resumes before rank 0 has published it
+        return path
+
+    def publish_checkpoint(self) -> Path | None:
+        """Finish a background checkpoint write, if one is under way (every rank calls it)."""
+        pending, self._pending_save = getattr(self, "_pending_save", None), None
+        if pending is None:
+            return None
+        path = pending.wait()
         if self.mesh.distributed:
-            torch.distributed.barrier()  # nobody reads or resumes before rank 0 has published it
+            torch.distributed.barrier()
         return path
 
     @property
@@ -189,7 +261,7 @@ class Trainer:
         tokens_per_s = self.cfg.tokens_per_step / step_time
         peak = self.device_info.peak_flops
         row = {"step": self.step, "tokens": self.tokens, "loss": stats.loss, "aux_loss": stats.aux_loss,
-               "lb_loss": stats.lb_loss, "z_loss": stats.z_loss, "lr": lr, "grad_norm": stats.grad_norm,
+               "lb_loss": stats.lb_loss, "z_loss": stats.z_loss, "lr": lr, "grad_norm": float(stats.grad_norm),
                "tokens_per_s": tokens_per_s, "step_time_s": step_time,
                "mfu": self.flops_per_token * tokens_per_s / peak if peak else float("nan")}
         if stats.tokens_per_expert_LE is not None:
@@ -214,16 +286,21 @@ class Trainer:
         guard = LossGuard(t.loss_spike_factor, t.max_bad_steps)
         bar = tqdm(total=t.steps, initial=self.step, desc=self.cfg.preset or "train", unit="step",
                    disable=not self.progress, dynamic_ncols=True)
-        with StopRequest() as stop:
+        # A stuck rank (a hung collective, a dead file system) ends the process with a clear
+        # message instead of hanging the job: optimus_core.train.watchdog. A checkpoint written
+        # in the background (train.async_checkpoint) is published however the loop ends.
+        with StopRequest() as stop, Watchdog(t.watchdog_timeout_s, self.mesh.rank).start(self.step) as watchdog, \
+                ckpt.finished_on_exit(self.publish_checkpoint):
             while self.step < t.steps:
                 self._one_step(guard, step_times, bar)
+                watchdog.beat(self.step)
                 if self._stop_agreed(stop):
                     self.save()
                     bar.close()
                     raise Preempted(self.step, stop.signal_name or "a signal on another rank")
-        bar.close()
-        final_eval = self.evaluate()
-        self.save()
+            bar.close()
+            final_eval = self.evaluate()
+            self.save()
         if self.writer is not None:
             self.writer.flush()
         median = sorted(step_times)[len(step_times) // 2] if step_times else float("nan")

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from ..model.transformer import Transformer
-from .optim import clip_grad_norm
+from ..timing import phase
+from .optim import clip_and_step
 
 
 @dataclass
@@ -21,7 +22,7 @@ class StepStats:
     aux_loss: float  # MoE auxiliary losses as added to the objective (0 for dense)
     lb_loss: float  # unscaled load-balancing loss, mean over MoE layers (nan for dense)
     z_loss: float  # unscaled router z-loss, mean over MoE layers (nan for dense)
-    grad_norm: float
+    grad_norm: float | torch.Tensor  # a 0-d tensor until read: reading it waits for the update
     tokens_per_expert_LE: torch.Tensor | None  # routing counts of the step, per MoE layer
     skipped: bool = False  # the loss was rejected: no update was made
 
@@ -54,29 +55,35 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
     chunks = batch_BS1.split(micro_batch) if micro_batch else (batch_BS1,)
     n_tokens = batch_BS1.shape[0] * (batch_BS1.shape[1] - 1)
     moe_layers = model.moe_layers()
-    loss_sum = aux_sum = lb_sum = z_sum = 0.0
+    # ce, aux, lb, z: summed as device tensors and read once per step, so the micro-batches
+    # queue back to back on a GPU (an .item() each would stall the host until the device drains).
+    sums_4 = torch.zeros(4, dtype=torch.float64, device=batch_BS1.device)
     load_LE = None
-    for chunk in chunks:
-        weight = chunk.shape[0] * (chunk.shape[1] - 1) / n_tokens  # token share of this chunk
-        with autocast_context(device_type, dtype):
-            logits = model(chunk[:, :-1])
-        ce = lm_loss(logits, chunk[:, 1:])
-        aux = model.aux_loss()
-        objective = ce + aux if aux is not None else ce
-        (objective * weight).backward()
-        loss_sum += ce.item() * weight
-        if moe_layers:
-            aux_sum += aux.item() * weight
-            lb_sum += weight * sum(m.last_lb_loss.item() for m in moe_layers) / len(moe_layers)
-            z_sum += weight * sum(m.last_z_loss.item() for m in moe_layers) / len(moe_layers)
-            counts = torch.stack([m.last_tokens_per_expert_E for m in moe_layers])
-            load_LE = counts if load_LE is None else load_LE + counts
+    with phase("compute"):
+        for chunk in chunks:
+            weight = chunk.shape[0] * (chunk.shape[1] - 1) / n_tokens  # token share of this chunk
+            with autocast_context(device_type, dtype):
+                logits = model(chunk[:, :-1])
+            ce = lm_loss(logits, chunk[:, 1:])
+            aux = model.aux_loss()
+            objective = ce + aux if aux is not None else ce
+            (objective * weight).backward()
+            with torch.no_grad():
+                if moe_layers:
+                    lb = torch.stack([m.last_lb_loss.detach() for m in moe_layers]).mean()
+                    z = torch.stack([m.last_z_loss.detach() for m in moe_layers]).mean()
+                    sums_4 += torch.stack([ce.detach(), aux.detach(), lb, z]).double() * weight
+                    counts = torch.stack([m.last_tokens_per_expert_E for m in moe_layers])
+                    load_LE = counts if load_LE is None else load_LE + counts
+                else:
+                    sums_4[0] += ce.detach().double() * weight
 
     if mesh is not None and mesh.distributed:
-        totals = torch.tensor([loss_sum, aux_sum, lb_sum, z_sum], dtype=torch.float64, device=batch_BS1.device)
-        loss_sum, aux_sum, lb_sum, z_sum = (mesh.all_reduce_sum_(totals) / mesh.world_size).tolist()
-        if load_LE is not None:
-            mesh.all_reduce_sum_(load_LE)
+        with phase("grad_sync"):  # a few numbers: latency, counted with the gradient traffic
+            sums_4 = mesh.all_reduce_sum_(sums_4) / mesh.world_size
+            if load_LE is not None:
+                mesh.all_reduce_sum_(load_LE)
+    loss_sum, aux_sum, lb_sum, z_sum = sums_4.tolist()  # the step's one host sync
     nan = float("nan")
     if accept is not None and not accept(loss_sum):
         optimizer.zero_grad(set_to_none=True)
@@ -85,12 +92,12 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
     for group in optimizer.param_groups:
         group["lr"] = lr
     if getattr(optimizer, "syncs_gradients", False):
-        grad_norm = optimizer.clip_and_step(grad_clip)
+        grad_norm = optimizer.clip_and_step(grad_clip)  # marks its own phases
     else:
-        grad_norm = clip_grad_norm(model, grad_clip)
-        optimizer.step()
+        with phase("optimizer"):
+            grad_norm = clip_and_step(model, optimizer, grad_clip)
     optimizer.zero_grad(set_to_none=True)
     for layer, load_E in zip(moe_layers, load_LE if load_LE is not None else []):
         layer.router.update_balance_bias(load_E)
     return StepStats(loss_sum, aux_sum, lb_sum if moe_layers else nan, z_sum if moe_layers else nan,
-                     float(grad_norm), load_LE)
+                     grad_norm, load_LE)

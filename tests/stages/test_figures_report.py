@@ -10,7 +10,8 @@ import pytest
 
 from optimus_core.config import ConfigError
 from optimus_core.store import StoreKeyError, open_store
-from stages.figures import FIGURES, FiguresConfig, FiguresInputs, FiguresOutputs, FiguresResult, run_figures
+from stages.figures import (FIGURES, SCALING_FIGURES, FiguresConfig, FiguresInputs, FiguresOutputs, FiguresResult,
+                            run_figures, select_runs)
 from stages.report import ReportConfig, ReportInputs, ReportOutputs, run_report
 
 SOURCES = ("code", "web")
@@ -43,17 +44,44 @@ def _write_run(store, run_id: str, moe: bool, evals: bool = True, status: str = 
         if evals:
             w.log("heldout", {"step": 40, "tokens": 40960, "loss": 4.5, "ppl": 90.0, "bpb": 1.25,
                               **{f"bpb.{s}": 1.0 + len(s) / 100 for s in SOURCES}})
+            if moe:  # downstream scores: the MoE run only, so the dense run's cells are dashes
+                w.log("downstream", {"step": 40, "tokens": 40960, "acc.optimus_docstring": 0.3125,
+                                     "acc_stderr.optimus_docstring": 0.0625, "acc_norm.optimus_docstring": 0.5})
         w.close(status)
+
+
+# The scaling study as `optimus perfmodel` stores it (workflow/scaling_study.py): numbers in the
+# tables, the strings of row i in attrs strings.<table>[i].
+STUDY = {
+    "measured": [({"devices": 1, "ep": 1, "step_s": 1.0, "compute_s": 0.9, "optimizer_s": 0.1},
+                  {"preset": "p", "device": "cpu", "optimizer": "local", "run_id": "EP=n", "role": "fitted"}),
+                 ({"devices": 2, "ep": 2, "step_s": 0.625, "compute_s": 0.45, "a2a_s": 0.1, "optimizer_s": 0.075},
+                  {"preset": "p", "device": "cpu", "optimizer": "ep_aware", "run_id": "EP=n", "role": "held-out"})],
+    "predicted": [({"devices": n, "ep": 32, "step_s": t, "compute_s": t - 1.5, "grad_sync_s": 1.5},
+                   {"preset": "mula-220b-a10b", "machine": "aurora", "optimizer": "ep_aware"})
+                  for n, t in ((384, 33.5), (12288, 2.5))],
+    "holdout": [({"devices": 2, "ep": 2, "measured_s": 0.625, "predicted_s": 0.6, "rel_error": -0.04},
+                 {"preset": "p", "device": "cpu", "optimizer": "ep_aware", "sweep": "p cpu EP=n", "fit_devices": "1"})],
+}
+
+
+def _write_study(store) -> None:
+    with store.run_writer("perfmodel", {"kind": "perfmodel", "strings": {
+            t: [label for _, label in rows] for t, rows in STUDY.items()}}) as w:
+        for table, rows in STUDY.items():
+            for i, (numbers, _) in enumerate(rows):
+                w.log(table, {"step": i, **numbers})
 
 
 @pytest.fixture(scope="module")
 def store_path(tmp_path_factory) -> Path:
-    """Two completed runs (dense, MoE) and a failed one; tests only read it."""
+    """Two completed runs (dense, MoE), a failed one and the scaling study; tests only read it."""
     path = tmp_path_factory.mktemp("store") / "results" / "store.zarr"
     store = open_store(path)
     _write_run(store, "dense", moe=False)
     _write_run(store, "moe", moe=True)
     _write_run(store, "broken", moe=False, status="failed")
+    _write_study(store)
     return path
 
 
@@ -83,7 +111,9 @@ def test_figures_without_data_are_notes_listed_with_the_reason(tmp_path):
     _write_run(open_store(path), "dense", moe=False, evals=False)
     result = _figures(path, tmp_path / "figures")
     _assert_pngs(result.paths)
-    assert set(result.skipped) == {"heldout.png", "expert_load.png"}
+    assert set(result.skipped) == {"heldout.png", "expert_load.png", "eval_table.png", *SCALING_FIGURES}
+    assert result.skipped["scaling.png"].startswith("no scaling points in the store")
+    assert "no run has a heldout or downstream table" in result.skipped["eval_table.png"]
     assert result.skipped["expert_load.png"] == "no MoE run in the store"
     assert "loss.<source>" in result.skipped["heldout.png"]
 
@@ -91,14 +121,25 @@ def test_figures_without_data_are_notes_listed_with_the_reason(tmp_path):
     open_store(empty)
     result = _figures(empty, tmp_path / "empty-figures")
     _assert_pngs(result.paths)
-    assert set(result.skipped.values()) == {"no completed run in the store"}
+    assert {result.skipped[n] for n in FIGURES if n not in SCALING_FIGURES} == {"no completed run in the store"}
+
+
+def test_eval_table_figure_holds_the_stores_numbers(store_path, tmp_path):
+    from stages.figures import evaluation_table
+    headers, rows = evaluation_table(open_store(store_path, mode="r"), ["dense", "moe"])
+    # heldout rows carry an overall loss only (per-source bpb is not a loss); accuracy +- stderr
+    assert headers == ["loss (all)", "docstring acc"]
+    assert rows == [["4.5000", "–"], ["4.5000", "0.312 ± 0.062"]]
+    path = _figures(store_path, tmp_path / "figures").paths[list(FIGURES).index("eval_table.png")]
+    height, width, _ = matplotlib.image.imread(path).shape
+    assert width > height > 100  # a wide table, drawn (not a note: nothing was skipped)
 
 
 def test_figures_choose_runs(store_path, tmp_path):
     # only completed runs by default: the failed dense-only run alone has no MoE data
     result = _figures(store_path, tmp_path / "a", runs=["broken"])
     assert set(result.skipped) == {"expert_load.png"}
-    with pytest.raises(StoreKeyError, match="known runs: broken, dense, moe"):
+    with pytest.raises(StoreKeyError, match="known runs: broken, dense, moe, perfmodel"):
         _figures(store_path, tmp_path / "b", runs=["nope"])
     with pytest.raises(ConfigError, match=r"figures.smoothing = 1.0"):
         FiguresConfig(smoothing=1.0)
@@ -134,6 +175,21 @@ def test_report_holds_the_numbers_of_the_store_and_links_the_figures(store_path,
     updated = max(store.attrs(r)["updated"] for r in ("dense", "moe"))
     assert "git revision `abc1234`" in text and f"last updated {updated[:10]} {updated[11:16]} UTC" in text
     assert "Not shown: `broken` (failed)" in text and "## `broken`" not in text
+
+    # the evaluation table: every run's final held-out loss and downstream accuracy, then its figure
+    evaluation = text.split("## Evaluation\n", 1)[1].split("## Figures", 1)[0]
+    assert "| run | loss (all) | docstring acc |" in evaluation
+    assert "| `dense` | 4.5000 | – |" in evaluation and "| `moe` | 4.5000 | 0.312 ± 0.062 |" in evaluation
+    assert "](figures/eval_table.png)" in evaluation and "eval_table.png" not in text.split("## Figures", 1)[1]
+
+    # the strong-scaling section: the study's numbers, then its two figures; not a run section
+    scaling = text.split("## Strong scaling\n", 1)[1].split("## Figures", 1)[0]
+    assert f"predicts **{33.5 * 384 / (2.5 * 12288):.0%}** strong-scaling efficiency for mula-220b-a10b" in scaling
+    assert "| p | cpu | p cpu EP=n | 2 | 2 | ep_aware | 1 | 0.625 | 0.6 | -4.0% |" in scaling
+    assert "| 2 | 0.625 | 0.45 | 0.1 | 0 | 0.075 | 0 | 80% |" in scaling  # NaN phases of the store read as 0
+    assert "](figures/scaling.png)" in scaling and "](figures/scaling_breakdown.png)" in scaling
+    assert "## `perfmodel`" not in text and "`perfmodel` (completed)" in text  # not a training run
+    assert select_runs(store, None) == ["dense", "moe"]
 
     config = text.split("```json\n", 1)[1].split("```", 1)[0]
     assert json.loads(config) == store.attrs("dense")["config"]

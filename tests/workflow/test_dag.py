@@ -1,4 +1,5 @@
 """The Snakemake DAG: a dry run lists it, a real run builds the report, a rerun does nothing."""
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +21,9 @@ def test_dry_run_lists_every_stage_and_runs_nothing(tmp_path):
     out = snakemake("-n", results=tmp_path / "results")
     assert out.returncode == 0, out.stderr
     text = out.stdout + out.stderr
-    for rule, count in {"corpus": 1, "tokenize": 1, "pretrain": 2, "evaluate": 2, "figures": 1, "report": 1}.items():
+    jobs = {"corpus": 1, "tokenize": 1, "pretrain": 2, "evaluate": 2, "figures": 1, "report": 1,
+            "scaling": 1, "ingest_bench": 3, "perfmodel": 1, "total": 14}
+    for rule, count in jobs.items():
         assert any(line.split() == [rule, str(count)] for line in text.splitlines()), rule
     assert not (tmp_path / "results").exists()
 
@@ -37,8 +40,21 @@ def test_whole_pipeline_then_nothing_to_do(tmp_path):
         assert run in report
         assert (results / "runs" / run / "eval.json").is_file()
     assert "Downstream tasks (lm-evaluation-harness)" in report
-    for name in ("loss", "heldout", "throughput", "expert_load"):
+    for name in ("loss", "heldout", "throughput", "expert_load", "scaling", "scaling_breakdown"):
         assert (results / "figures" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the scaling study: the CPU sweep measured here, the H200 sweeps of bench/results/ with their
+    # 4-GPU points held out, and the paper's sweep predicted on Aurora, all from the store
+    study = json.loads((results / "perfmodel.json").read_text())
+    assert sorted(h["sweep"] for h in study["holdout"]) == [
+        "mula-7b-a1b nvidia-h200 EP=1", "mula-7b-a1b nvidia-h200 EP=n", "mula-7b-a1b@laptop cpu EP=n"]
+    scaling = report.split("## Strong scaling\n", 1)[1].split("\n## ", 1)[0]
+    for h in study["holdout"]:
+        assert f"| {h['devices']} | {h['ep']} | {h['optimizer']} | {h['fit_devices']} | {h['measured_s']:.4g} | " \
+               f"{h['predicted_s']:.4g} | {h['rel_error']:+.1%} |" in scaling
+    assert f"predicts **{study['paper']['efficiency'][-1]:.0%}** strong-scaling efficiency" in scaling
+    assert "*mula-7b-a1b@laptop on cpu [EP=n] (ep_aware)*" in scaling
+    assert (results / "bench" / "distributed-strong-weak-nvidia-h200.ingested").read_text().startswith(
+        "wrote run bench-distributed-strong-weak-nvidia-h200 (7 records)")
     second = snakemake("--cores", "2", results=results, extra_config=smoke)
     assert second.returncode == 0
     assert "Nothing to be done" in second.stdout + second.stderr

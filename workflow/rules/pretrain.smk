@@ -30,4 +30,6 @@ rule evaluate:
     shell:
         "optimus evaluate --run {params.run_dir} --store " + STORE
         + f" --max-batches {config['eval_max_batches']} --tasks {' '.join(config.get('eval_tasks', ['heldout']))}"
-        + f" --items {config.get('eval_items', 200)} --out {{output}} > {{log}} 2>&1"
+        + f" --items {config.get('eval_items', 200)}"
+        + (" --all-checkpoints" if config.get("eval_all_checkpoints") else "")
+        + " --out {output} > {log} 2>&1"

@@ -2,6 +2,8 @@ rule figures:
     input:
         expand(f"{RES}/runs/{{run}}/eval.json", run=EVAL_RUNS),
         expand(f"{RES}/runs/{{run}}/summary.json", run=TIMED_RUNS),
+        PERFMODEL_JSON,  # the scaling study (workflow/rules/scaling.smk): run perfmodel in the store
+        BENCH_MARKERS,
     output:
         FIGURES,
     log:

@@ -9,27 +9,9 @@ from torch import nn
 from optimus_core.config import MoEConfig, ParallelConfig
 from optimus_core.model.moe import MoEFeedForward
 from optimus_core.parallel import init_distributed, parallelize, shutdown
-from optimus_core.parallel.dispatch import inverse_permutation, source_to_expert_order
 from optimus_core.parallel.launch import spawn_local
 
 D, E, ROWS_PER_RANK, SEQ = 16, 4, 2, 5
-
-
-def test_source_to_expert_order_groups_rows_by_expert():
-    counts_SE = torch.tensor([[2, 0, 1], [1, 3, 0], [0, 1, 2]])
-    src = torch.repeat_interleave(torch.arange(9), counts_SE.flatten())  # segment id s * 3 + e
-    idx = source_to_expert_order(counts_SE)
-    experts = src[idx] % 3
-    sources = src[idx] // 3
-    assert experts.tolist() == sorted(experts.tolist())  # grouped by expert
-    for e in range(3):  # within an expert: sources in order, rows in their original order
-        assert sources[experts == e].tolist() == sorted(sources[experts == e].tolist())
-    assert idx.sort().values.tolist() == list(range(int(counts_SE.sum())))
-    assert torch.equal(idx[inverse_permutation(idx)], torch.arange(idx.numel()))
-
-
-def test_source_to_expert_order_empty():
-    assert source_to_expert_order(torch.zeros(2, 3, dtype=torch.long)).numel() == 0
 
 
 def _layer(cfg: MoEConfig, skew: bool) -> MoEFeedForward:

@@ -1,0 +1,96 @@
+"""What the benchmarks share: device names, atomic JSON-lines files, and writing to the store.
+
+GPU machines may lack zarr: a benchmark there writes its JSON lines (bench/results/), and
+``ingest(path, store, ...)`` puts them into the results store afterwards, on any machine:
+
+    python bench/train_step.py --ingest bench/results/train-step-nvidia-h200.jsonl
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+
+def device_slug(device) -> str:
+    """"cpu", or the accelerator's name as a file-name slug ("nvidia-h200")."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "cpu"
+    name = getattr(torch, device.type).get_device_name(device)
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def write_jsonl(path: str | Path, lines: list[dict]) -> None:
+    """Atomically: a temp file beside it, fsync, rename (a crash never leaves half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.writelines(json.dumps(line) + "\n" for line in lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    lines = []
+    for i, text in enumerate(Path(path).read_text().splitlines(), 1):
+        if text.strip():
+            try:
+                lines.append(json.loads(text))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not a JSON line ({e.msg})") from None
+    return lines
+
+
+def _table_name(value: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", value)
+
+
+def write_store(store_path: str, run_id: str, records: list[dict], summary: dict, key: str) -> bool:
+    """One table per record (named by ``record[key]``), one row (step 0) of its numeric fields;
+    the summary's fields and each record's other fields in the run's attrs. False where the
+    store cannot be imported."""
+    try:
+        from optimus_core.store import open_store
+    except ImportError:
+        return False
+    with open_store(store_path).run_writer(run_id, attrs={**summary, "experiment": summary.get("bench", "bench")}) as w:
+        kept = [r for r in records if "error" not in r]
+        for r in kept:
+            row = {k: v for k, v in r.items() if _is_number(v)}
+            w.log(_table_name(str(r[key])), {**row, "step": 0})
+        # The store's tables hold numbers only: each record's other fields (preset, optimizer,
+        # dtype, overrides, ...) go to the run's attrs, by table name; failed records too.
+        w.update_attrs(records={_table_name(str(r[key])): {k: v for k, v in r.items() if not _is_number(v)}
+                                for r in records})
+    return True
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def run_id_for(path: str | Path) -> str:
+    """The store run of a results file: bench/results/train-step-nvidia-h200.jsonl ->
+    bench-train-step-nvidia-h200 (the benchmark writes and ``ingest`` reads the same name)."""
+    return f"bench-{Path(path).stem}"
+
+
+def ingest(path: str | Path, store_path: str, key: str) -> str:
+    """Write a benchmark's JSON lines (records + a final ``*_summary`` line) to the store."""
+    lines = read_jsonl(path)
+    summaries = [line for line in lines if str(line.get("bench", "")).endswith("summary")]
+    if not summaries:
+        raise ValueError(f"{path}: no summary line (a benchmark's last line ends with 'summary')")
+    summary = summaries[-1]
+    records = [line for line in lines if key in line]
+    run_id = run_id_for(path)
+    if not write_store(store_path, run_id, records, summary, key):
+        raise ImportError("the results store needs zarr: pip install -e .")
+    return f"wrote run {run_id} ({len(records)} records) to {store_path}"

@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Data + expert parallel training steps on the GPUs of one host (not a test).
+
+    python bench/distributed.py [--suites ablation weak strong] [--max-gpus 4] [--quick]
+    python bench/distributed.py --ingest bench/results/distributed-ablation-nvidia-h200.jsonl
+
+Model: ``mula-7b-a1b`` full width, 8 of its 16 layers (OLMoE-1B-7B shapes), sequence 4096, bf16
+autocast, float32 master weights and AdamW state, micro-batches of 2 sequences. Each point is
+one fresh launch of n ranks (one GPU each, NCCL) timing the trainer core's step with its phases
+(stages/scaling.py, optimus_core/train/measure.py): compute, expert all-to-all, gradient
+reduce-scatter / all-gather (``grad_sync``), optimizer (grad norm + AdamW) and idle.
+
+Suites:
+    ablation  2 GPUs, 2 sequences per GPU: experts loop | triton x optimizer ep_unaware | ep_aware
+              x EP 1 | 2. The paper's ablation: baseline = loop + ep_unaware, both = triton +
+              ep_aware; at EP=1 the experts are replicated over the 2 ranks, so the EP-aware
+              optimizer shards their state (the EP-unaware baseline all-reduces their gradients
+              and updates them in full on every rank).
+    weak      2 sequences per GPU on 1 and 2 GPUs (triton, ep_aware, EP = n):
+              efficiency = T(1) / T(2).
+    strong    a fixed 8 sequences per step on 1, 2, 4 ... --max-gpus GPUs (triton, ep_aware,
+              EP = n and EP = 1): efficiency = T(1) / (n T(n)).
+
+Summary line: ``optimizer_speedup_ep1`` = (grad_sync + optimizer) of the EP-unaware baseline over
+the EP-aware one at EP=1 (target >= 1.8), ``ablation_speedup`` per EP (both over baseline, tokens
+per s), ``weak_efficiency``, ``strong_efficiency``. Output: a table, bench/results/
+distributed-<suites>-<device>.jsonl, and (where the store imports) run
+``bench-distributed-<suites>-<device>``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import device_slug, ingest, run_id_for, write_jsonl, write_store  # noqa: E402
+
+MODEL = {"model.n_layers": 8, "data.seq_len": 4096, "train.dtype": "bfloat16"}
+QUICK = {"data.seq_len": 64, "model.n_layers": 2}  # preset @laptop, CPU: a smoke check only
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--suites", nargs="+", default=["ablation", "weak", "strong"],
+                   choices=["ablation", "weak", "strong"])
+    p.add_argument("--max-gpus", type=int, default=0, help="largest device count of the strong suite (0: all)")
+    p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="the laptop preset on CPU ranks (gloo): a smoke check")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--store", default=str(ROOT / "results" / "store.zarr"))
+    p.add_argument("--ingest", default=None, help="write an existing JSONL file to the store and exit")
+    return p.parse_args(argv)
+
+
+def plan(args, n_gpus: int) -> list[dict]:
+    """Every point as (label, suite, devices, per-point ScalingConfig fields)."""
+    mb = args.micro_batch
+    points = []
+    if "ablation" in args.suites and n_gpus >= 2:
+        for ep in (1, 2):
+            for backend in ("loop", "triton"):
+                for optimizer in ("ep_unaware", "ep_aware"):
+                    points.append(dict(label=f"ablation-ep{ep}-{backend}-{optimizer}", suite="ablation", devices=2,
+                                       ep=ep, backend=backend, optimizer=optimizer, global_batch=2 * mb))
+    if "weak" in args.suites:
+        for n in (1, 2) if n_gpus >= 2 else (1,):
+            points.append(dict(label=f"weak-{n}", suite="weak", devices=n, ep=n, backend="triton",
+                               optimizer="ep_aware", global_batch=n * mb))
+    if "strong" in args.suites:
+        top = min(args.max_gpus or n_gpus, n_gpus)
+        counts = [n for n in (1, 2, 4, 8) if n <= top]
+        for ep_rule in ("all", 1):
+            for n in counts:
+                if ep_rule == 1 and n == 1:
+                    continue  # the same point as ep "all" at one rank
+                points.append(dict(label=f"strong-ep{ep_rule}-{n}", suite="strong", devices=n,
+                                   ep=n if ep_rule == "all" else 1, ep_rule=str(ep_rule), backend="triton",
+                                   optimizer="ep_aware", global_batch=4 * mb))
+    return points
+
+
+def measure(p: dict, args, device_type: str) -> dict:
+    from stages.scaling import ScalingConfig, measure_point
+
+    overrides = {**MODEL, "model.moe.experts_backend": p["backend"]}
+    preset = "mula-7b-a1b"
+    if args.quick:
+        preset += "@laptop"
+        overrides = {**QUICK, "model.moe.experts_backend": "loop"}  # the CPU has no fast grouped GEMM
+    config = ScalingConfig(preset=preset, devices=(p["devices"],), ep=p["ep"], optimizer=p["optimizer"],
+                           global_batch=p["global_batch"], micro_batch=min(args.micro_batch, p["global_batch"]),
+                           steps=args.steps, warmup=args.warmup, device=device_type, overrides=overrides)
+    return {**p, **measure_point(config, p["devices"])}
+
+
+def summarize(records: list[dict], device: str) -> dict:
+    ok = {r["label"]: r for r in records if "error" not in r}
+
+    def after_backward(r):
+        return r["grad_sync_s"] + r["optimizer_s"]
+
+    out = {"bench": "distributed_summary", "device": device}
+    for ep in (1, 2):
+        base, both = ok.get(f"ablation-ep{ep}-loop-ep_unaware"), ok.get(f"ablation-ep{ep}-triton-ep_aware")
+        kern = ok.get(f"ablation-ep{ep}-triton-ep_unaware")
+        aware = ok.get(f"ablation-ep{ep}-loop-ep_aware")
+        if base and both:
+            out[f"ablation_speedup_ep{ep}"] = both["tokens_per_s"] / base["tokens_per_s"]
+        if base and kern:
+            out[f"kernels_speedup_ep{ep}"] = kern["tokens_per_s"] / base["tokens_per_s"]
+        if base and aware:
+            out[f"optimizer_only_speedup_ep{ep}"] = aware["tokens_per_s"] / base["tokens_per_s"]
+        for backend in ("triton", "loop"):
+            u, a = ok.get(f"ablation-ep{ep}-{backend}-ep_unaware"), ok.get(f"ablation-ep{ep}-{backend}-ep_aware")
+            if u and a:
+                out[f"optimizer_speedup_ep{ep}_{backend}"] = after_backward(u) / after_backward(a)
+                out[f"optimizer_update_speedup_ep{ep}_{backend}"] = u["optimizer_s"] / a["optimizer_s"]
+    out["optimizer_speedup_ep1"] = out.get("optimizer_speedup_ep1_triton")
+    out["ablation_speedup"] = out.get("ablation_speedup_ep1")
+    if "weak-1" in ok and "weak-2" in ok:
+        out["weak_efficiency"] = ok["weak-1"]["step_s"] / ok["weak-2"]["step_s"]
+    strong = {}
+    for rule in ("all", "1"):
+        pts = sorted([r for r in records if r.get("suite") == "strong" and "error" not in r
+                      and (r.get("ep_rule") == rule or r["devices"] == 1)], key=lambda r: r["devices"])
+        if pts and pts[0]["devices"] == 1:
+            strong[f"ep_{rule}"] = {str(r["devices"]): pts[0]["step_s"] / (r["devices"] * r["step_s"]) for r in pts}
+    out["strong_efficiency"] = strong
+    return out
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.ingest:
+        print(ingest(args.ingest, args.store, key="label"))
+        return
+    import torch
+
+    if args.quick:
+        device_type, n_gpus = "cpu", 2
+    elif torch.cuda.is_available() and torch.cuda.device_count() >= 1:
+        device_type, n_gpus = "cuda", torch.cuda.device_count()
+    else:
+        sys.exit("bench/distributed.py needs CUDA GPUs; `--quick` runs a CPU smoke check of the script")
+    name = device_slug(device_type)
+    path = Path(args.out) / f"distributed-{'-'.join(sorted(args.suites))}-{name}.jsonl"  # one file per suite set
+    records = []
+    cols = ("step_s", "compute_s", "a2a_s", "grad_sync_s", "optimizer_s", "idle_s")
+    print(f"{'point':>34} {'tokens/s':>9} " + " ".join(f"{c[:-2]:>9}" for c in cols) + " (ms)")
+    for p in plan(args, n_gpus):
+        try:
+            r = measure(p, args, device_type)
+        except Exception as e:  # keep the other points: an OOM or a crash is recorded, not fatal
+            traceback.print_exc()
+            r = {**p, "error": f"{type(e).__name__}: {e}"[:500]}
+            print(f"{p['label']:>34} failed", flush=True)
+        else:
+            print(f"{p['label']:>34} {r['tokens_per_s']:>9,.0f} " + " ".join(f"{r[c] * 1e3:>9.1f}" for c in cols),
+                  flush=True)
+        records.append(r)
+        write_jsonl(path, records)  # nothing measured is lost if the call is cut short
+    summary = summarize(records, name)
+    print(json.dumps(summary, indent=1))
+    write_jsonl(path, records + [summary])
+    print(f"wrote {path}")
+    if args.store and write_store(args.store, run_id_for(path), records, summary, key="label"):
+        print(f"wrote run {run_id_for(path)} to {args.store}")
+
+
+if __name__ == "__main__":
+    main()

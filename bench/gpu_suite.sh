@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU benchmarks of bench/NOTES.md in one call of a multi-GPU host, the peers beside ours.
+#
+#   bench/gpu_suite.sh speed      # OLMo-core (last GPU) | train_step (GPU 0) | 2-GPU ablation (GPUs 1,2)
+#   bench/gpu_suite.sh scaling    # weak + strong scaling over every GPU of the host
+#   bench/gpu_suite.sh all        # both, one after the other
+#   VARIANTS="7b8l-loop 7b8l-triton+compile" bench/gpu_suite.sh speed    # a subset of train_step
+#
+# Needs: torch + triton (CUDA); for OLMo-core, the peers folder with its wheels in .peers/
+# (../shared/peers/README.md says how to fill it). Results: bench/results/ (or $OUT if set), with
+# one log per part. Parts that share a call run on disjoint GPUs of the same host at once, so the
+# peer and ours are measured in the same call on identical GPUs.
+set -u
+cd "$(dirname "$0")/.."
+part=${1:?usage: bench/gpu_suite.sh speed|scaling}
+out=${OUT:-bench/results}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+echo "host: $n GPU(s); torch $(python3 -c 'import torch, triton; print(torch.__version__, "triton", triton.__version__)')"
+
+case $part in
+all)
+  bash "$0" speed && bash "$0" scaling
+  ;;
+speed)
+  pids=()
+  if [ -d .peers/.whl ] && [ "$n" -ge 2 ]; then
+    (python3 -m pip install -q --no-index --no-deps --target /tmp/peers-site .peers/.whl/*.whl &&
+     cd .peers && CUDA_VISIBLE_DEVICES=$((n - 1)) PYTHONPATH=/tmp/peers-site:${PYTHONPATH:-} \
+       timeout 420 python3 olmo_core_step.py --layers 8 >"$out/olmo-core.jsonl" 2>"$out/olmo-core.log") &
+    pids+=($!)
+  fi
+  if [ "$n" -ge 3 ]; then
+    CUDA_VISIBLE_DEVICES=1,2 timeout 540 python3 bench/distributed.py --suites ablation --out "$out" --store '' \
+      >"$out/ablation.log" 2>&1 &
+    pids+=($!)
+  fi
+  # OLMo-core's line is needed for the ratio: ours first, then wait for it.
+  CUDA_VISIBLE_DEVICES=0 timeout 480 python3 bench/train_step.py --store '' --out "$out" ${VARIANTS:+--variants $VARIANTS} \
+    >"$out/train-step.log" 2>&1
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  CUDA_VISIBLE_DEVICES=0 python3 bench/train_step.py --store '' --out "$out" --summarize-only \
+    --olmo-core-jsonl "$out/olmo-core.jsonl" >>"$out/train-step.log" 2>&1
+  tail -n 30 "$out/train-step.log" "$out/ablation.log" "$out/olmo-core.log" 2>/dev/null | cut -c1-300
+  ;;
+scaling)
+  timeout 560 python3 bench/distributed.py --suites weak strong --out "$out" --store '' >"$out/scaling.log" 2>&1
+  tail -n 40 "$out/scaling.log" | cut -c1-300
+  ;;
+*) echo "unknown part $part" >&2; exit 2 ;;
+esac

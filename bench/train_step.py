@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Training-step speed on one GPU: tokens/s, step time by phase, peak memory, MFU (not a test).
+
+    python bench/train_step.py [--variants ...] [--olmo-core-jsonl FILE] [--quick]
+    python bench/train_step.py --ingest bench/results/train-step-nvidia-h200.jsonl   # into the store
+
+Model: ``mula-7b-a1b`` with its full width and 8 of its 16 layers (OLMoE-1B-7B shapes: d_model
+2048, 64 experts, top-8, expert hidden 1024, vocabulary 50,304), sequence 4096, 2 x 4096 tokens
+per step, bf16 autocast with float32 master weights and AdamW state: the configuration OLMo-core
+is measured at by ../shared/peers/olmo_core_step.py. ``mula-1b`` (dense, all 16 layers) for
+reference. Each variant is one training step of the trainer core (optimus_core.train.measure:
+warm-up, then the median of timed steps, phases from device events):
+
+    loop / torch / triton   the experts' backend (kernels/): Python loop, torch._grouped_mm, ours
+    +compile                torch.compile of each block (the dense parts; the experts' custom ops
+                            are opaque to it)
+
+MFU = flops_per_token (the core's analytic count, optimus_core.flops) x tokens/s / peak, with
+peak = 989 TFLOP/s (H100/H200 dense bf16 datasheet, the convention) and, beside it, the dense
+bf16 matmul rate measured in the same run. OLMo-core's line (its JSON, produced in the same GPU
+call) gives ``ratio_vs_olmo_core`` = our best tokens/s / its tokens/s.
+
+Output: a table, bench/results/train-step-<device>.jsonl (one line per variant + a summary
+line with ``ratio_vs_olmo_core`` and ``ablation_speedup`` = best over the loop-experts
+baseline on one GPU) and, where the results store imports, run ``bench-train-step-<device>``
+(``--ingest`` writes it from the file later, on a machine that has the store).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import device_slug, ingest, read_jsonl, run_id_for, write_jsonl, write_store  # noqa: E402
+
+PEAK_FLOPS = 989e12  # H100 / H200 dense bf16, datasheet: the MFU convention
+MODEL_7B = dict(preset="mula-7b-a1b", overrides={"model.n_layers": 8})
+MODEL_1B = dict(preset="mula-1b", overrides={})
+VARIANTS = {  # name -> (model, experts backend, compile)
+    "7b8l-loop": (MODEL_7B, "loop", False),
+    "7b8l-torch": (MODEL_7B, "torch", False),
+    "7b8l-triton": (MODEL_7B, "triton", False),
+    "7b8l-torch+compile": (MODEL_7B, "torch", True),
+    "7b8l-triton+compile": (MODEL_7B, "triton", True),
+    "1b-dense+compile": (MODEL_1B, None, True),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=2, help="sequences per step (one micro-batch)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--olmo-core-jsonl", default=None, help="OLMo-core's JSON line(s) from the same GPU call")
+    p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: a smoke check, timings meaningless")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--store", default=str(ROOT / "results" / "store.zarr"))
+    p.add_argument("--ingest", default=None, help="write an existing JSONL file to the store and exit")
+    p.add_argument("--summarize-only", action="store_true",
+                   help="measure nothing: rewrite the summary of the existing results file (with --olmo-core-jsonl)")
+    return p.parse_args(argv)
+
+
+def matmul_tflops(device, n: int = 8192, reps: int = 20) -> float:
+    """Dense bf16 matmul rate of this device, measured now (the realistic ceiling)."""
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    torch.cuda.synchronize(device)
+    return 2 * n ** 3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def run_variant(name: str, args, device) -> dict:
+    import torch
+
+    from optimus_core import presets
+    from optimus_core.parallel import Mesh
+    from optimus_core.train.measure import measure_steps
+
+    model, backend, compiled = VARIANTS[name]
+    overrides = {**model["overrides"], "data.seq_len": args.seq, "train.global_batch": args.batch,
+                 "train.micro_batch": args.batch, "train.dtype": "bfloat16", "train.compile": compiled,
+                 "train.device": device.type}
+    if backend:
+        overrides["model.moe.experts_backend"] = backend
+    preset = model["preset"]
+    if args.quick:
+        preset += "@laptop"
+        overrides.update({"train.dtype": "float32", "data.seq_len": 64, "model.n_layers": 2})
+        overrides.pop("train.compile")
+    cfg = presets.get(preset).run_config(**overrides)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    point = measure_steps(cfg, Mesh.single(device), steps=args.steps, warmup=args.warmup)
+    flops = cfg.model.flops_per_token(cfg.data.seq_len)
+    return {"bench": "train_step", "variant": name, "preset": preset, "overrides": model["overrides"],
+            "experts_backend": backend, "compile": compiled, "seq_len": cfg.data.seq_len, "batch": args.batch,
+            "params": cfg.model.num_params(), "active_params": cfg.model.num_active_params(),
+            "flops_per_token": flops, "mfu": flops * point["tokens_per_s"] / PEAK_FLOPS,
+            "wall_s": time.perf_counter() - t0, **point}
+
+
+def summarize(records: list[dict], olmo: dict | None, dense_tflops: float | None, device: str) -> dict:
+    moe = [r for r in records if r["variant"].startswith("7b8l") and "error" not in r]
+    best = max(moe, key=lambda r: r["tokens_per_s"]) if moe else None
+    base = next((r for r in moe if r["variant"] == "7b8l-loop"), None)
+    out = {"bench": "train_step_summary", "device": device, "peak_flops": PEAK_FLOPS,
+           "dense_matmul_tflops": dense_tflops, "best_variant": best and best["variant"],
+           "best_tokens_per_s": best and best["tokens_per_s"], "best_mfu": best and best["mfu"],
+           "best_mfu_vs_measured_matmul": best and dense_tflops and
+           best["flops_per_token"] * best["tokens_per_s"] / (dense_tflops * 1e12),
+           "ablation_speedup": best and base and best["tokens_per_s"] / base["tokens_per_s"],
+           "ablation_note": "one GPU: kernels only (the EP-aware optimizer needs >1 rank; bench/distributed.py)"}
+    if olmo and best:
+        out.update(olmo_core_tokens_per_s=olmo["tokens_per_s"], olmo_core_peak_memory_gib=olmo.get("peak_mem_gib"),
+                   ratio_vs_olmo_core=best["tokens_per_s"] / olmo["tokens_per_s"],
+                   memory_vs_olmo_core=(best["peak_memory_bytes"] / 2**30) / olmo["peak_mem_gib"]
+                   if olmo.get("peak_mem_gib") else None)
+    else:
+        out["ratio_vs_olmo_core"] = None
+    return out
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.ingest:
+        print(ingest(args.ingest, args.store, key="variant"))
+        return
+    import torch
+
+    if not torch.cuda.is_available() and not args.quick:
+        sys.exit("bench/train_step.py measures a GPU training step and found no CUDA device; "
+                 "`--quick` runs a CPU smoke check of the script")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = device_slug(device)
+    path = Path(args.out) / f"train-step-{name}.jsonl"
+    olmo = None
+    if args.olmo_core_jsonl and Path(args.olmo_core_jsonl).is_file():
+        lines = [line for line in read_jsonl(args.olmo_core_jsonl) if "tokens_per_s" in line]
+        olmo = lines[-1] if lines else None
+    if args.summarize_only:  # OLMo-core finished after us, in the same call: add its line
+        lines = read_jsonl(path)
+        records = [line for line in lines if line.get("bench") == "train_step"]
+        old = next((line for line in lines if line.get("bench") == "train_step_summary"), {})
+        summary = summarize(records, olmo, old.get("dense_matmul_tflops"), name)
+        write_jsonl(path, records + ([{"bench": "olmo_core", **olmo}] if olmo else []) + [summary])
+        print(json.dumps(summary, indent=1))
+        return
+    dense = matmul_tflops(device) if device.type == "cuda" else None
+    if dense:
+        print(f"dense bf16 matmul 8192^3: {dense:.0f} TFLOP/s")
+    records = []
+    print(f"{'variant':>22} {'tokens/s':>10} {'step ms':>8} {'compute':>8} {'optim':>7} {'idle':>6} "
+          f"{'MFU':>6} {'peak GiB':>8}")
+    for variant in args.variants:
+        try:
+            r = run_variant(variant, args, device)
+        except Exception as e:  # one variant failing (OOM, a compile error) must not lose the others
+            r = {"bench": "train_step", "variant": variant, "error": f"{type(e).__name__}: {e}"[:500]}
+            print(f"{variant:>22} failed: {r['error']}", flush=True)
+            records.append(r)
+            continue
+        records.append(r)
+        print(f"{variant:>22} {r['tokens_per_s']:>10,.0f} {r['step_s'] * 1e3:>8.1f} {r['compute_s'] * 1e3:>8.1f} "
+              f"{r['optimizer_s'] * 1e3:>7.1f} {r['idle_s'] * 1e3:>6.1f} {r['mfu']:>6.1%} "
+              f"{r['peak_memory_bytes'] / 2**30:>8.1f}", flush=True)
+    summary = summarize(records, olmo, dense, name)
+    print(json.dumps(summary, indent=1))
+    write_jsonl(path, records + ([{"bench": "olmo_core", **olmo}] if olmo else []) + [summary])
+    print(f"wrote {path}")
+    if args.store and write_store(args.store, run_id_for(path), records, summary, key="variant"):
+        print(f"wrote run {run_id_for(path)} to {args.store}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Timed training steps on synthetic tokens: the measurement behind `optimus scaling` and bench/.
+
+    mesh = init_distributed(cfg.parallel, n_experts=...)       # or Mesh.single("cuda")
+    point = measure_steps(cfg, mesh, steps=10, warmup=3)       # every rank calls it
+    point["step_s"], point["compute_s"], point["a2a_s"], point["grad_sync_s"], point["optimizer_s"]
+
+What is timed is the training step itself (optimus_core.train.step.train_step) on the model and
+optimizer a real run of ``cfg`` builds (ShardedAdamW with ``cfg.parallel.optimizer`` when
+distributed); only the data differ: uniform random tokens from a seeded generator, so no
+dataset is needed, and the model is materialised directly on its device (a 3.6B-parameter
+init on the host would take longer than the measurement).
+
+Phases (optimus_core.timing, exclusive device seconds per step): ``compute`` forward + backward,
+``a2a`` the experts' all-to-alls and count exchanges, ``grad_sync`` gradient reduce-scatter /
+all-reduce and parameter all-gather, ``optimizer`` grad norm + AdamW; ``idle_s`` is the wall
+time of the step left over (host overhead, waiting for other ranks). Each is the median over
+the timed steps on each rank, then the mean over ranks; ``step_s`` is the slowest rank's median;
+``peak_memory_bytes`` the most any rank allocated during the timed steps.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..config import RunConfig
+from ..model.transformer import Transformer
+from ..parallel import Mesh, ShardedAdamW, parallelize
+from ..timing import PhaseTimer
+from .optim import build_optimizer
+from .step import train_step
+
+PHASES = ("compute", "a2a", "grad_sync", "optimizer")
+
+
+def build_on_device(cfg: RunConfig, device: torch.device) -> Transformer:
+    """The model of ``cfg``, built on the meta device and initialised where it will run."""
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model.to_empty(device=device)
+    torch.manual_seed(cfg.train.seed)
+    model.init_weights()  # the device's default generator, seeded above
+    model.activation_checkpointing = cfg.train.activation_checkpointing
+    if cfg.train.compile:
+        for block in model.blocks:
+            block.compile()
+    return model
+
+
+def _sync(device: torch.device) -> None:
+    if device.type in ("cuda", "xpu"):
+        getattr(torch, device.type).synchronize(device)
+
+
+def _peak_memory(device: torch.device) -> float:
+    if device.type in ("cuda", "xpu"):
+        return float(getattr(torch, device.type).max_memory_allocated(device))
+    return float("nan")
+
+
+def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 3) -> dict:
+    """Median step time and its phases for ``cfg`` on this mesh (collective: every rank calls it)."""
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"steps = {steps}, warmup = {warmup}: need steps >= 1 and warmup >= 0")
+    if cfg.train.global_batch % mesh.world_size:
+        raise ValueError(f"train.global_batch = {cfg.train.global_batch} sequences does not split over "
+                         f"{mesh.world_size} ranks")
+    device = mesh.device
+    model = parallelize(build_on_device(cfg, device), mesh)
+    if mesh.distributed:
+        optimizer = ShardedAdamW(model, mesh, cfg.optim, mode=cfg.parallel.optimizer)
+    else:
+        optimizer = build_optimizer(model, cfg.optim)
+    local_batch = cfg.train.global_batch // mesh.world_size
+    generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 7919 + mesh.rank)
+    batch_BS1 = torch.randint(0, cfg.model.vocab_size, (local_batch, cfg.data.seq_len + 1),
+                              generator=generator, device=device)
+    timer = PhaseTimer(device)
+    samples: dict[str, list[float]] = {name: [] for name in (*PHASES, "step", "idle")}
+    losses = []
+    for i in range(warmup + steps):
+        _sync(device)
+        mesh.barrier()  # every rank starts the step together: waits inside it are the step's
+        timer.reset()
+        t0 = time.perf_counter()
+        with timer.active():
+            stats = train_step(model, optimizer, batch_BS1, micro_batch=cfg.train.micro_batch,
+                               grad_clip=cfg.optim.grad_clip, lr=cfg.optim.lr, dtype=cfg.train.dtype, mesh=mesh)
+        float(stats.grad_norm)  # waits for the update
+        _sync(device)
+        wall = time.perf_counter() - t0
+        if i < warmup:
+            if i == warmup - 1 and device.type in ("cuda", "xpu"):
+                # Peak memory of the timed steps (the steady state), not of the autotuning and
+                # compilation of the warm-up, which allocate scratch space once.
+                getattr(torch, device.type).reset_peak_memory_stats(device)
+            continue
+        phases = timer.totals()
+        for name in PHASES:
+            samples[name].append(phases.get(name, 0.0))
+        samples["step"].append(wall)
+        samples["idle"].append(max(0.0, wall - sum(phases.get(n, 0.0) for n in PHASES)))
+        losses.append(stats.loss)
+    local = {f"{name}_s": statistics.median(values) for name, values in samples.items()}
+    local["peak_memory_bytes"] = _peak_memory(device)
+    ranks = [local]
+    if mesh.distributed:
+        ranks = [None] * mesh.world_size
+        dist.all_gather_object(ranks, local)
+    point = {key: statistics.fmean(r[key] for r in ranks) for key in local}
+    point["step_s"] = max(r["step_s"] for r in ranks)
+    point["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in ranks)
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    point.update(tokens_per_step=tokens, tokens_per_s=tokens / point["step_s"], loss=losses[-1],
+                 devices=mesh.world_size, ep=mesh.ep, steps=steps, warmup=warmup)
+    return point

@@ -1,0 +1,100 @@
+"""A per-rank watchdog: a stuck rank becomes a clear error and a non-zero exit, not a silent hang.
+
+    with Watchdog(timeout_s=1800, rank=mesh.rank) as dog:   # 0 = off
+        while ...:
+            one_step()
+            dog.beat(step)                                   # after every completed step
+
+A daemon thread wakes a few times per timeout. When no heartbeat has come for ``timeout_s``
+seconds it writes one line to stderr naming the rank and the last completed step, and ends the
+process with ``HANG_EXIT_CODE`` through ``os._exit``: a rank blocked inside a collective (or a
+kernel, or a dead file system) cannot be interrupted any other way, and a non-zero exit is what
+lets a launcher (``optimus pretrain --max-restarts``, Parsl ``retries``, a PBS resubmit) restart
+the run from its newest checkpoint. The other ranks of the job see the same silence (their
+collectives wait on this rank) and end the same way, or earlier through the collective timeout
+(``parallel.collective_timeout_s``) or the local launcher terminating the survivors.
+
+The timeout must outlast the slowest legitimate gap between two heartbeats: the first step
+(``torch.compile`` warm-up), an evaluation, and a checkpoint write at scale. Hence the generous
+default (``train.watchdog_timeout_s`` = 30 min).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Callable, TextIO
+
+HANG_EXIT_CODE = 124  # as timeout(1) reports a command it had to stop
+
+
+class Watchdog:
+    def __init__(self, timeout_s: float, rank: int = 0, *, exit_code: int = HANG_EXIT_CODE,
+                 stream: TextIO | None = None, on_timeout: Callable[[str], None] | None = None):
+        """``on_timeout(message)`` replaces the exit (tests of the thread itself); by default the
+        message goes to ``stream`` (stderr) and the process ends with ``exit_code``."""
+        if timeout_s < 0:
+            raise ValueError(f"timeout_s = {timeout_s}: must be >= 0 (0 = no watchdog)")
+        self.timeout_s, self.rank, self.exit_code = float(timeout_s), rank, exit_code
+        self.stream, self.on_timeout = stream, on_timeout
+        self.last_step: int | None = None
+        self._last_beat = time.monotonic()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.timeout_s > 0
+
+    def beat(self, step: int) -> None:
+        """Progress: ``step`` completed (cheap enough for every step)."""
+        self.last_step = step
+        self._last_beat = time.monotonic()
+
+    def start(self, step: int | None = None) -> "Watchdog":
+        """Start the clock (``step``: the step the run starts from, for the message)."""
+        if step is not None:
+            self.last_step = step
+        self._last_beat = time.monotonic()
+        if self.enabled and self._thread is None:
+            self._stopped.clear()
+            self._thread = threading.Thread(target=self._watch, name=f"watchdog-rank{self.rank}", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._thread = None
+
+    def __enter__(self) -> "Watchdog":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def message(self, silent_s: float) -> str:
+        step = "none yet" if self.last_step is None else str(self.last_step)
+        return (f"rank {self.rank}: no progress for {silent_s:.1f} s after step {step} (last completed step "
+                f"{step}); watchdog timeout train.watchdog_timeout_s = {self.timeout_s:g} s: this rank or a "
+                f"collective it waits in is stuck. Exiting with status {self.exit_code}; rerun (or let the "
+                f"launcher restart) to resume from the newest checkpoint")
+
+    def _watch(self) -> None:
+        poll_s = min(max(self.timeout_s / 10, 0.05), 10.0)
+        while not self._stopped.wait(poll_s):
+            silent_s = time.monotonic() - self._last_beat
+            if silent_s < self.timeout_s:
+                continue
+            text = self.message(silent_s)
+            if self.on_timeout is not None:
+                self.on_timeout(text)
+                return
+            stream = self.stream or sys.stderr
+            try:
+                stream.write(f"\nwatchdog: {text}\n")
+                stream.flush()
+            finally:
+                os._exit(self.exit_code)

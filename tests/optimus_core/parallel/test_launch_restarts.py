@@ -1,0 +1,149 @@
+"""The local launcher's restarts: a failed attempt is rerun (up to R times) and resumes; a stop
+signal or a configuration error is final; `optimus pretrain --max-restarts` survives a kill -9."""
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from optimus_core import presets
+from optimus_core.config import ConfigError, parse_value
+from optimus_core.parallel.launch import ChildProcess, run_with_restarts
+from optimus_core.store import open_store
+from optimus_core.train import checkpoint as ckpt
+from optimus_core.train.loop import Trainer
+from optimus_core.train.resilience import RESUBMIT_EXIT_CODE, Preempted, StopRequest
+from sinks import ListSink
+
+
+class Attempts:
+    def __init__(self, statuses, stop_signal=None):
+        self.statuses, self.calls, self.stop_signal = list(statuses), 0, stop_signal
+
+    def __call__(self):
+        self.calls += 1
+        return self.statuses.pop(0)
+
+
+def test_failed_attempts_are_rerun_until_one_succeeds():
+    logged = []
+    attempts = Attempts([137, RESUBMIT_EXIT_CODE, 0])
+    assert run_with_restarts(attempts, 3, log=logged.append) == 0
+    assert attempts.calls == 3
+    assert logged[0].startswith("attempt 1 ended with status 137: restarting (1 of 3 restarts)")
+
+
+def test_restarts_stop_when_used_up_or_pointless():
+    attempts = Attempts([1, 1, 1, 1])
+    assert run_with_restarts(attempts, 2, log=lambda m: None) == 1 and attempts.calls == 3
+    attempts = Attempts([2, 0])
+    assert run_with_restarts(attempts, 5, should_restart=lambda s: s != 2, log=lambda m: None) == 2
+    assert attempts.calls == 1
+    attempts = Attempts([RESUBMIT_EXIT_CODE, 0], stop_signal="SIGTERM")  # the scheduler wants us gone
+    assert run_with_restarts(attempts, 5, log=lambda m: None) == RESUBMIT_EXIT_CODE and attempts.calls == 1
+    with pytest.raises(ValueError, match="max_restarts = -1"):
+        run_with_restarts(Attempts([0]), -1)
+
+
+def _ok():
+    pass
+
+
+def _preempted():
+    raise Preempted(4, "SIGUSR1")
+
+
+def _bad_config():
+    raise ConfigError("train.steps = 0: must be >= 1")
+
+
+def _killed():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _waits_for_stop(ready: str):
+    with StopRequest() as stop:
+        Path(ready).write_text("ready")
+        while not stop.requested:
+            time.sleep(0.01)
+        raise Preempted(2, stop.signal_name)
+
+
+def test_child_process_statuses():
+    assert ChildProcess(_ok, start_method="fork")() == 0
+    assert ChildProcess(_preempted, start_method="fork")() == RESUBMIT_EXIT_CODE
+    assert ChildProcess(_bad_config, start_method="fork")() == 2
+    assert ChildProcess(_killed, start_method="fork")() == 128 + signal.SIGKILL
+
+
+def test_a_stop_signal_is_forwarded_to_the_attempt_and_ends_the_restarts(tmp_path):
+    ready = tmp_path / "ready"
+    attempt = ChildProcess(_waits_for_stop, (str(ready),), start_method="fork", poll_s=0.02)
+
+    def signal_us():
+        while not ready.exists():
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=signal_us, daemon=True).start()
+    assert run_with_restarts(attempt, 3, log=lambda m: None) == RESUBMIT_EXIT_CODE
+    assert attempt.stop_signal == "SIGTERM"
+
+
+SETS = ["train.eval_batches=1", "model.n_layers=1", "model.moe.n_experts=8", "model.moe.top_k=2",
+        "train.global_batch=4", "data.seq_len=32", "train.device=cpu", "schedule.warmup_steps=2"]
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = [int(p) for p in f.read().split()]
+    return [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
+def test_cli_max_restarts_survives_a_kill_9_and_resumes_exactly(tokens_dir, tmp_path):
+    steps = 16
+    overrides = {k: parse_value(v) for k, v in (s.split("=", 1) for s in SETS)}
+    cfg = presets.get("mula-7b-a1b@laptop").run_config(
+        **{**overrides, "train.steps": steps, "train.checkpoint_every": 2})
+    straight = ListSink()
+    Trainer(cfg, tokens_dir, tmp_path / "straight", writer=straight, progress=False).fit()
+
+    run_dir, store = tmp_path / "run", tmp_path / "store.zarr"
+    cmd = [sys.executable, "-m", "workflow.cli", "pretrain", "--preset", "mula-7b-a1b@laptop", "--data",
+           str(tokens_dir), "--out", str(run_dir), "--steps", str(steps), "--checkpoint-every", "2", "--quiet",
+           "--threads", "1", "--store", str(store), "--max-restarts", "2"]
+    for s in SETS:
+        cmd += ["--set", s]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while ckpt.latest_valid(run_dir) is None or ckpt.latest_valid(run_dir).step < 6:
+        assert launcher.poll() is None, launcher.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    (attempt,) = _children(launcher.pid)
+    os.kill(attempt, signal.SIGKILL)
+    out, err = launcher.communicate(timeout=180)
+    assert launcher.returncode == 0, err[-3000:]
+    assert "attempt 1 ended with status 137: restarting (1 of 2 restarts)" in err
+    assert out.count(f"{steps} steps") == 1
+    frame = open_store(store, mode="r").metrics(run_dir.name)
+    assert list(zip(frame["step"].astype(int), frame["loss"])) == straight.losses()  # bit for bit
+
+
+def test_cli_max_restarts_is_checked(tokens_dir, tmp_path, monkeypatch, capsys):
+    from workflow.cli import main
+
+    argv = ["pretrain", "--preset", "mula-1b@laptop", "--data", str(tokens_dir), "--out", str(tmp_path / "r"),
+            "--steps", "1"]
+    assert main(argv + ["--max-restarts", "-1"]) == 2
+    assert "--max-restarts = -1: must be >= 0" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(argv + ["--max-restarts", "1", "--nproc", "2"]) == 2
+    assert ("--max-restarts = 1 under torchrun (world size 2): restart the whole job with that launcher"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "r").exists()

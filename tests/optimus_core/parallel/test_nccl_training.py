@@ -1,0 +1,51 @@
+"""On 2 GPUs (NCCL): data + expert parallel training follows the 1-GPU run of the same model,
+data and global batch, with the loop reference and with the Triton kernels (float32)."""
+import json
+
+import pytest
+import torch
+
+from optimus_core.config import RunConfig
+from optimus_core.parallel import init_distributed, shutdown
+from optimus_core.parallel.launch import spawn_local
+from optimus_core.train.loop import Trainer
+from sinks import ListSink
+
+from test_distributed_training import STEPS, _cfg, _rows
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu,
+              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+
+
+def _gpu_cfg(backend: str, **kw) -> RunConfig:
+    cfg = _cfg(**kw)
+    moe = cfg.model.moe.replace(experts_backend=backend)
+    return cfg.replace(model=cfg.model.replace(moe=moe), train=cfg.train.replace(device="cuda"))
+
+
+def _gpu_worker(cfg_json, tokens_dir, run_dir, out_path):
+    cfg = RunConfig.from_json(cfg_json)
+    mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts, device="cuda")
+    try:
+        sink = ListSink()
+        Trainer(cfg, tokens_dir, run_dir, writer=sink, progress=False, mesh=mesh).fit()
+        if mesh.rank == 0:
+            out_path.write_text(json.dumps(_rows(sink)))
+    finally:
+        shutdown(mesh)
+
+
+@pytest.mark.parametrize("backend", ["loop", "triton"])
+@pytest.mark.parametrize("ep, optimizer", [(2, "ep_aware"), (1, "ep_aware"), (2, "ep_unaware")])
+def test_two_gpus_follow_one_gpu(tokens_dir, tmp_path, backend, ep, optimizer):
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 products, so the runs can agree
+    sink = ListSink()
+    Trainer(_gpu_cfg(backend), tokens_dir, tmp_path / "one", writer=sink, progress=False).fit()
+    ref = _rows(sink)
+    out = tmp_path / "rows.json"
+    spawn_local(_gpu_worker, 2, (_gpu_cfg(backend, ep=ep, optimizer=optimizer).to_json(), tokens_dir,
+                                 tmp_path / "two", out))
+    got = json.loads(out.read_text())
+    assert got["steps"] == list(range(1, STEPS + 1))
+    assert max(abs(a - b) for a, b in zip(got["loss"], ref["loss"])) < 1e-4
+    torch.testing.assert_close(torch.tensor(got["load"]), torch.tensor(ref["load"]))

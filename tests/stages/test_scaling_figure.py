@@ -1,0 +1,106 @@
+"""Scaling figure, breakdown and report section: drawn from plain point dicts, written atomically,
+numbers in the text taken from the inputs."""
+from __future__ import annotations
+
+import matplotlib.image
+import pytest
+
+from stages.scaling_figure import (PAPER, draw_breakdown, draw_scaling, drivers, paper_rows,
+                                   scaling_report_markdown, series)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _point(devices, step, preset="mula-7b-a1b@laptop", device="cpu", optimizer="ep_aware", **phases):
+    base = {"compute_s": step * 0.7, "a2a_s": step * 0.1, "grad_sync_s": step * 0.1, "optimizer_s": step * 0.05,
+            "idle_s": step * 0.05}
+    return {"preset": preset, "device": device, "devices": devices, "ep": devices,
+            "optimizer": optimizer if devices > 1 else "local", "step_s": step, **{**base, **phases}}
+
+
+MEASURED = [_point(1, 1.0), _point(2, 0.6), _point(4, 0.4), _point(2, 0.7, optimizer="ep_unaware"),
+            _point(4, 0.5, optimizer="ep_unaware")]
+PREDICTED = [
+    {**_point(n, t, preset="mula-220b-a10b", device=None), "machine": "aurora"}
+    for n, t in ((384, 200.0), (768, 101.0), (1536, 52.0), (3072, 27.0), (6144, 15.0), (12288, 9.0))
+] + [{**_point(n, t), "machine": "cpu"} for n, t in ((1, 0.95), (2, 0.62), (4, 0.45))]
+for row in PREDICTED[:6]:  # gradient sync that does not shrink with tiles: what the drivers should name
+    row.update(grad_sync_s=2.0, compute_s=row["step_s"] - 2.0 - row["a2a_s"] - row["optimizer_s"] - row["idle_s"])
+WHATIF = [{**r, "scenario": "overlap grad_sync", "grad_sync_s": 0.0, "step_s": r["step_s"] - 2.0}
+          for r in PREDICTED[:6]]
+HOLDOUT = [{"preset": "mula-7b-a1b@laptop", "device": "cpu", "devices": 4, "ep": 4, "optimizer": "ep_aware",
+            "measured_s": 0.4, "predicted_s": 0.45, "rel_error": 0.125, "sweep": "cpu EP=n", "fit_devices": "1 2"}]
+
+
+def test_series_split_sweeps_and_share_the_one_rank_base():
+    s = series(MEASURED)
+    assert set(s) == {("mula-7b-a1b@laptop", "cpu", "ep_aware"), ("mula-7b-a1b@laptop", "cpu", "ep_unaware")}
+    for rows in s.values():
+        assert [r["devices"] for r in rows] == [1, 2, 4] and rows[0]["optimizer"] == "local"
+    assert [r["devices"] for r in paper_rows(PREDICTED)] == [384, 768, 1536, 3072, 6144, 12288]
+
+
+def test_figures_are_pngs_written_atomically(tmp_path):
+    out = tmp_path / "figs"
+    for draw, name in ((draw_scaling, "scaling.png"), (draw_breakdown, "scaling_breakdown.png")):
+        path = draw(MEASURED, PREDICTED + WHATIF, out / name, "t")
+        assert path == out / name and path.read_bytes()[:8] == PNG_MAGIC
+        assert matplotlib.image.imread(path).shape[0] > 100
+        assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+    # nothing to draw: a note, still a PNG (the rule can always declare the file)
+    assert draw_scaling([], [], out / "empty.png").read_bytes()[:8] == PNG_MAGIC
+    assert draw_breakdown([], [], out / "empty2.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_report_section_puts_the_model_beside_the_paper_and_names_the_drivers():
+    text = scaling_report_markdown(MEASURED, PREDICTED, HOLDOUT)
+    eff = 200.0 * 384 / (9.0 * 12288)
+    assert f"predicts **{eff:.0%}** strong-scaling efficiency for mula-220b-a10b from 384 to 12288 tiles" in text
+    assert f"the paper reports **~{PAPER['efficiency']:.0%}** from 384 to 12288 tiles" in text
+    assert "gradient sync: 2 s at 384 and 2 s at 12288 devices (does not shrink)" in text
+    assert "no overlap of communication with compute" in text
+    assert "max 12%, mean 12% over 1 points" in text and "within the 15% target" in text
+    assert "| mula-7b-a1b@laptop | cpu | cpu EP=n | 4 | 4 | ep_aware | 1 2 | 0.4 | 0.45 | +12.5% |" in text
+    assert "*mula-7b-a1b@laptop on cpu (ep_unaware)*" in text
+    assert "What-if" not in text
+    whatif = scaling_report_markdown(MEASURED, PREDICTED + WHATIF, HOLDOUT)
+    eff_whatif = 198.0 * 384 / (7.0 * 12288)
+    assert (f"- What-if, overlap grad_sync: the same model with that overlap (our step does not do it) predicts "
+            f"{eff_whatif:.0%} at 12288 tiles.") in whatif
+    assert f"predicts **{eff:.0%}**" in whatif  # the headline stays the plain model's
+    bad = scaling_report_markdown([], [], [{**HOLDOUT[0], "rel_error": -0.2, "predicted_s": 0.32}])
+    assert "outside the 15% target" in bad and "No model prediction of the paper's sweep" in bad
+    assert "No measured scaling points" in bad
+    # a sweep calibrated on one device saw no communication: said, and the verdict given without it
+    blind = {**HOLDOUT[0], "sweep": "cpu2", "devices": 2, "fit_devices": "1", "rel_error": -0.5, "predicted_s": 0.2}
+    both = scaling_report_markdown([], [], [HOLDOUT[0], blind])
+    assert "max 50%, mean 31% over 2 points, outside the 15% target" in both
+    assert "calibrated on one device alone (cpu2) fit no communication" in both
+    assert "Without them: max 12%, mean 12% over 1 points, within the 15% target." in both
+
+
+def test_drivers_of_perfect_scaling_and_of_a_fixed_cost():
+    perfect = [{"devices": 1, "step_s": 2.0, "compute_s": 2.0}, {"devices": 2, "step_s": 1.0, "compute_s": 1.0}]
+    assert drivers(perfect) == ["The model scales perfectly from 1 to 2 devices."]
+    fixed = [{"devices": 1, "step_s": 3.0, "compute_s": 2.0, "grad_sync_s": 1.0},
+             {"devices": 2, "step_s": 2.0, "compute_s": 1.0, "grad_sync_s": 1.0}]
+    (line,) = drivers(fixed)
+    assert line.startswith("gradient sync: 1 s at 1 and 1 s at 2 devices (does not shrink); it accounts for 100%")
+    with pytest.raises(KeyError):
+        series([{"devices": 1}])  # a row without its preset is a caller's bug, not a silent drop
+
+
+def test_held_out_points_are_ringed_and_figures_build_without_saving():
+    from stages.scaling_figure import breakdown_figure, scaling_figure
+
+    measured = [{**p, "role": "held-out" if p["devices"] == 4 else "fitted"} for p in MEASURED]
+    fig = scaling_figure(measured, PREDICTED)
+    (ax,) = fig.axes
+    rings = [line for line in ax.get_lines() if line.get_markerfacecolor() == "none"]
+    assert len(rings) == 2  # the 4-device point of each of the two measured sweeps
+    assert sorted(x for line in rings for x in line.get_xdata()) == [4, 4]
+    assert "held out: predicted, not fitted" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert not [line for line in scaling_figure(MEASURED, PREDICTED).axes[0].get_lines()
+                if line.get_markerfacecolor() == "none"]
+    # one panel per (preset, hardware): the laptop CPU sweep (measured + model) and the Aurora sweep
+    assert len([a for a in breakdown_figure(MEASURED, PREDICTED).axes if a.get_visible()]) == 2

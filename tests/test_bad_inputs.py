@@ -1,0 +1,155 @@
+"""Bad input at every stage, in one place: each gives a clear error through the `optimus` command
+(the status and a message naming the culprit), and nothing already written is lost.
+
+Deeper per-stage cases live beside their stages and are not repeated here: every kind of damaged
+corpus record with --skip-bad-records (tests/stages/test_tokenize.py), truncated token files
+(tests/optimus_core/data/test_loader.py), corrupt or incomplete checkpoints skipped with a
+warning (tests/optimus_core/train/test_loop.py), damaged results stores
+(tests/optimus_core/test_store.py), config fields (tests/optimus_core/test_config.py).
+"""
+import gzip
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from workflow.cli import main
+
+TINY = ["--quiet", "--threads", "1", "--set", "train.eval_batches=1", "--set", "model.n_layers=1",
+        "--set", "train.global_batch=4", "--set", "data.seq_len=32", "--set", "train.device=cpu"]
+
+
+def digest(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root``: what "nothing written is lost" compares."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def fails(argv, capsys, status: int, message: str) -> str:
+    assert main([str(a) for a in argv]) == status
+    err = capsys.readouterr().err
+    assert message in err, err
+    return err
+
+
+# ----------------------------------------------------------------------------- tokenize
+
+GOOD = b"".join(json.dumps({"id": f"d{i}", "text": f"document {i} " * 20}).encode() + b"\n" for i in range(3))
+CORPORA = {  # file (under corpus/bad/), bytes, what the message says after "<path>:"
+    "corrupt archive": ("x.json.gz", b"this is not gzip at all", "unreadable or truncated"),
+    "broken JSON": ("x.jsonl", GOOD + b'{"id": "broken", "text": \n', "4: not JSON"),
+    "missing field": ("x.jsonl", GOOD + b'{"id": "no-text"}\n', "4: no 'text' string"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORPORA))
+def test_tokenize_bad_corpus_names_file_and_line_and_keeps_the_old_output(case, tokens_dir, tmp_path, capsys):
+    name, data, said = CORPORA[case]
+    corpus = tmp_path / "corpus"
+    (corpus / "good").mkdir(parents=True)
+    (corpus / "good" / "a.json.gz").write_bytes(gzip.compress(GOOD, mtime=0))
+    (corpus / "bad").mkdir()
+    (corpus / "bad" / name).write_bytes(data)
+    out = tmp_path / "tokens"
+    shutil.copytree(tokens_dir, out)  # a previous, complete output at the same place
+    before = digest(out)
+    err = fails(["tokenize", "--corpus", corpus, "--out", out, "--tokenizer", tokens_dir / "tokenizer.json",
+                 "--workers", "1"], capsys, 1, str(corpus / "bad" / name))
+    assert said in err
+    assert digest(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "tokens"]  # no half-written leftovers
+
+
+# ----------------------------------------------------------------------------- pretrain: before training
+
+def test_unknown_preset_lists_the_known_ones(tokens_dir, tmp_path, capsys):
+    fails(["pretrain", "--preset", "mula-9b@laptop", "--data", tokens_dir, "--out", tmp_path / "r", "--steps", 1],
+          capsys, 2, "preset = 'mula-9b@laptop': unknown; known presets: mula-1b,")
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("train.steps=abc", "train.steps = 'abc': must be an integer"),
+    ("train.dtype=float16", "train.dtype = 'float16': must be one of 'float32', 'bfloat16'"),
+    ("train.watchdog_timeout_s=-5", "train.watchdog_timeout_s = -5.0: must be >= 0"),
+    ("parallel.collective_timeout_s=[1]", "parallel.collective_timeout_s = [1]: must be a number"),
+    ("train.nosuch=1", "unknown field train.nosuch (in train); known fields:"),
+])
+def test_wrong_config_values_name_the_field(setting, message, tokens_dir, tmp_path, capsys):
+    fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", tmp_path / "r",
+           "--set", setting], capsys, 2, message)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_vocabulary_larger_than_the_model_is_refused(tokens_dir, tmp_path, capsys):
+    fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", tmp_path / "r", "--steps", 1,
+           "--set", "model.vocab_size=256", *TINY], capsys, 1,
+          "model.vocab_size = 256 is smaller than the tokenizer's vocabulary (4096")
+
+
+def test_missing_token_directory_is_named(tmp_path, capsys):
+    fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tmp_path / "nope", "--out", tmp_path / "r",
+           "--steps", 1, *TINY], capsys, 1, "is not a complete `optimus tokenize` output")
+
+
+def test_broken_manifest_is_named(tokens_dir, tmp_path, capsys):
+    data = tmp_path / "tokens"
+    shutil.copytree(tokens_dir, data)
+    (data / "manifest.json").write_text("{broken")
+    fails(["pretrain", "--preset", "mula-1b@laptop", "--data", data, "--out", tmp_path / "r", "--steps", 1, *TINY],
+          capsys, 1, str(data / "manifest.json"))
+
+
+# ----------------------------------------------------------------------------- pretrain: an existing run directory
+
+@pytest.fixture(scope="module")
+def finished_run(tokens_dir, tmp_path_factory):
+    run = tmp_path_factory.mktemp("runs") / "run-a"
+    assert main(["pretrain", "--preset", "mula-1b@laptop", "--data", str(tokens_dir), "--out", str(run),
+                 "--steps", "1", *TINY]) == 0
+    return run
+
+
+def test_a_run_directory_of_another_run_is_refused_untouched(finished_run, tokens_dir, tmp_path, capsys):
+    run = tmp_path / "run-a"
+    shutil.copytree(finished_run, run)
+    before = digest(run)
+    fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", run, "--run-id", "run-b",
+           "--steps", 2, *TINY], capsys, 1, f"{run} holds run 'run-a', not 'run-b': use another --out")
+    assert digest(run) == before
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_kept(finished_run, tokens_dir, tmp_path, capsys):
+    run = tmp_path / "run-a"
+    shutil.copytree(finished_run, run)
+    before = digest(run / "checkpoints")
+    fails(["pretrain", "--preset", "mula-7b-a1b@laptop", "--data", tokens_dir, "--out", run, "--steps", 2, *TINY],
+          capsys, 1, "was saved by a different model configuration; use a new run directory or the same preset")
+    assert digest(run / "checkpoints") == before
+    assert (run / "summary.json").is_file()
+
+
+def test_a_checkpoint_of_another_model_leaves_the_run_meta_as_it_was(finished_run, tokens_dir, tmp_path, capsys):
+    run = tmp_path / "run-a"
+    shutil.copytree(finished_run, run)
+    before = (run / "meta.json").read_text()
+    main(["pretrain", "--preset", "mula-7b-a1b@laptop", "--data", str(tokens_dir), "--out", str(run), "--steps", "2",
+          *TINY])
+    assert (run / "meta.json").read_text() == before
+
+
+# ----------------------------------------------------------------------------- after training
+
+def test_export_and_evaluate_need_a_run_directory(tmp_path, capsys):
+    (tmp_path / "not-a-run").mkdir()
+    fails(["export-hf", "--run", tmp_path / "not-a-run", "--out", tmp_path / "hf"], capsys, 1, "not a run directory")
+    assert not (tmp_path / "hf").exists()
+    fails(["evaluate", "--run", tmp_path / "not-a-run"], capsys, 1, "not a run directory")
+
+
+def test_figures_need_a_results_store(tmp_path, capsys):
+    fails(["figures", "--store", tmp_path / "none.zarr", "--out", tmp_path / "figs"], capsys, 1,
+          f"no results store at {tmp_path / 'none.zarr'}")
+    assert not (tmp_path / "none.zarr").exists()

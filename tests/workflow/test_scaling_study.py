@@ -1,0 +1,113 @@
+"""The scaling study (`optimus perfmodel`): sweeps from store runs and bench files, calibration on
+the smaller device counts with the held-out error at the largest, and the store round trip the
+figures and the report read."""
+import json
+from dataclasses import replace
+
+import pytest
+
+from optimus_core.store import open_store
+from stages.scaling import ScalingOutputs, write_points
+from stages.scaling_figure import read_scaling
+from workflow import perfmodel as pm
+from workflow import scaling_study as study
+
+PRESET = "mula-7b-a1b@laptop"
+
+
+def _truth() -> pm.Machine:
+    """The machine the synthetic points are 'measured' on: h200 with knobs moved off the file's."""
+    h200 = pm.load_machine("h200")
+    return pm._apply(replace(h200, microbatch_overhead=2e-3, step_overhead=1e-3),
+                     {"compute_efficiency": 0.2, "a2a_bandwidth": 0.3, "sync_bandwidth": 0.5})
+
+
+def _point(devices: int, ep: int, machine: pm.Machine, **extra) -> dict:
+    p = {"suite": "strong", "label": f"strong-ep{'all' if ep == devices else ep}-{devices}", "preset": PRESET,
+         "overrides": {}, "device": "nvidia-h200", "devices": devices, "ep": ep,
+         "optimizer": "ep_aware" if devices > 1 else "local", "global_batch": 8, "micro_batch": 2,
+         "seq_len": 128, "dtype": "float32", **extra}
+    return {**p, **pm.predict_point(p, machine).as_dict()}
+
+
+@pytest.fixture(scope="module")
+def bench_file(tmp_path_factory):
+    truth = _truth()
+    points = [_point(1, 1, truth), _point(2, 2, truth), _point(4, 4, truth), _point(2, 1, truth),
+              _point(4, 1, truth)]
+    lines = points + [{"label": "weak-2", "suite": "weak", "devices": 2}, {"bench": "distributed_summary"}]
+    path = tmp_path_factory.mktemp("bench") / "distributed-strong-nvidia-h200.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_sweeps_split_by_ep_rule_and_share_the_one_device_base(bench_file):
+    sw = study.sweeps(study.file_points(bench_file))  # the weak record and the summary are not points
+    assert list(sw) == [f"{PRESET} nvidia-h200 EP=1", f"{PRESET} nvidia-h200 EP=n"]
+    for name, rule in zip(sw, ("EP=1", "EP=n")):
+        assert [p["devices"] for p in sw[name]] == [1, 2, 4]
+        assert {p["run_id"] for p in sw[name]} == {rule} and {p["sweep"] for p in sw[name]} == {name}
+    assert [p["ep"] for p in sw[f"{PRESET} nvidia-h200 EP=n"]] == [1, 2, 4]
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: a strong-scaling record without preset"):
+        bad = bench_file.parent / "bad.jsonl"
+        bad.write_text(json.dumps({"suite": "strong", "devices": 2}) + "\n")
+        study.file_points(bad)
+
+
+def test_held_out_points_are_predicted_from_the_smaller_ones(bench_file, tmp_path):
+    result = study.run_study(None, [bench_file], out_json=tmp_path / "pm.json")
+    assert json.loads((tmp_path / "pm.json").read_text()) == result
+    holdout = result["holdout"]
+    assert [(h["sweep"].split()[-1], h["devices"], h["fit_devices"]) for h in holdout] == [
+        ("EP=1", 4, "1 2"), ("EP=n", 4, "1 2")]
+    for h in holdout:  # points made by the model itself: the fit on 1 and 2 devices predicts 4
+        assert abs(h["rel_error"]) < 0.05 and h["fitted_on"] == 2
+    roles = {(m["run_id"], m["devices"]): m["role"] for m in result["measured"]}
+    assert roles == {(r, n): "held-out" if n == 4 else "fitted" for r in ("EP=1", "EP=n") for n in (1, 2, 4)}
+    model = [r for r in result["predicted"] if r.get("run_id")]
+    assert sorted((r["run_id"], r["devices"]) for r in model) == sorted(roles)
+    paper = [r for r in result["predicted"] if r["preset"] == "mula-220b-a10b"]
+    assert [r["devices"] for r in paper if "scenario" not in r] == [384, 768, 1536, 3072, 6144, 12288]
+    assert {r["scenario"] for r in paper if "scenario" in r} == {"overlap grad_sync"}
+    assert result["paper"]["efficiency"][-1] == pytest.approx(paper[5]["efficiency"])
+    assert result["paper"]["efficiency_overlap_grad_sync"][-1] > result["paper"]["efficiency"][-1]
+
+
+def test_store_round_trip_and_rerun_replace(bench_file, tmp_path):
+    store_path = tmp_path / "store.zarr"
+    cpu = [{**_point(n, n, pm.load_machine("cpu")), "device": "cpu"} for n in (1, 2)]
+    for p in cpu:
+        p.pop("suite"), p.pop("label")
+    write_points("scaling-laptop-cpu", cpu, ScalingOutputs(store=store_path), attrs={"preset": PRESET})
+    tpu = [{**_point(n, n, _truth()), "device": "tpu-v9"} for n in (1, 2)]
+    (tmp_path / "tpu.jsonl").write_text("".join(json.dumps(p) + "\n" for p in tpu))
+
+    result = study.run_study(store_path, [bench_file, tmp_path / "tpu.jsonl"])
+    assert [s["name"] for s in result["sweeps"]] == [f"{PRESET} cpu EP=n", f"{PRESET} nvidia-h200 EP=1",
+                                                     f"{PRESET} nvidia-h200 EP=n"]
+    assert result["skipped"] == {f"{PRESET} tpu-v9 EP=n": "no machine file for device 'tpu-v9' (known: cpu, nvidia-h200)"}
+    cpu_hold = [h for h in result["holdout"] if h["device"] == "cpu"]
+    assert [(h["devices"], h["fit_devices"]) for h in cpu_hold] == [(2, "1")]
+
+    measured, predicted, holdout = read_scaling(open_store(store_path, mode="r"))
+    assert measured == [{k: v for k, v in m.items() if v is not None} for m in result["measured"]]
+    assert predicted == result["predicted"] and holdout == result["holdout"]
+    assert open_store(store_path, mode="r").attrs("perfmodel")["status"] == "completed"
+
+    # a rerun with fewer sweeps replaces the tables: nothing of the first run is left over
+    again = study.run_study(store_path, [])
+    measured, predicted, holdout = read_scaling(open_store(store_path, mode="r"))
+    assert len(measured) == 2 and holdout == again["holdout"] and len(holdout) == 1
+    assert predicted == again["predicted"]
+
+
+def test_cli_prints_the_held_out_errors_and_refuses_a_missing_file(bench_file, tmp_path, capsys):
+    from workflow.cli import main
+
+    out = tmp_path / "pm.json"
+    assert main(["perfmodel", "--measured", str(bench_file), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"held out: {PRESET} nvidia-h200 EP=n at 4 devices: measured" in text
+    assert "paper sweep on aurora: efficiency at 12288 tiles" in text and out.is_file()
+    assert main(["perfmodel", "--measured", str(tmp_path / "nope.jsonl")]) == 2
+    assert "--measured" in capsys.readouterr().err
