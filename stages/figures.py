@@ -4,11 +4,13 @@
 
     result = run_figures(FiguresConfig(), FiguresInputs(store=Path("results/store.zarr")),
                          FiguresOutputs(out_dir=Path("results/figures")))
-    result.paths    # always every name of FIGURES, in that order
+    result.paths    # every name of FIGURES (or of config.only), in FIGURES' order
     result.skipped  # {"expert_load.png": "no MoE run in the store"}: drawn as a note instead
 
-Every name in FIGURES is always written, so the Snakemake rule can declare them all: a figure
-whose data is absent is drawn as a centred note and listed in ``skipped`` with the reason.
+Every name in FIGURES (``FiguresConfig(only=("scaling.png",))``: those named) is always written,
+so a Snakemake rule can declare it: a figure whose data is absent is drawn as a centred note and
+listed in ``skipped`` with the reason. ``FIGURE_READS`` says which stages' data each figure reads,
+so the workflow builds one figure after those stages only (workflow/rules/report.smk).
 Runs are ``config.runs`` or else every completed training run (one with a ``train`` table), in
 creation order; a run keeps its colour across figures. The strong-scaling figures are drawn
 from the scaling study's runs instead (stages/scaling_figure.read_scaling: run ``perfmodel``, or
@@ -46,6 +48,18 @@ FIGURES = {
                              "compute, expert all-to-all, gradient sync, optimizer and idle",
 }
 SCALING_FIGURES = ("scaling.png", "scaling_breakdown.png")  # drawn from the scaling study, not training runs
+# What each figure reads from the store, so that a workflow can build one figure after only the
+# stages it needs: "training" (the training runs' train / eval tables), "evaluation" (the evaluate
+# stage's heldout / downstream tables), "scaling" (the scaling study: perfmodel, `optimus scaling`).
+FIGURE_READS = {
+    "loss.png": ("training",),
+    "heldout.png": ("training", "evaluation"),
+    "throughput.png": ("training",),
+    "expert_load.png": ("training",),
+    "eval_table.png": ("training", "evaluation"),
+    "scaling.png": ("scaling",),
+    "scaling_breakdown.png": ("scaling",),
+}
 DASH = "–"  # a value the store does not have
 
 
@@ -54,6 +68,7 @@ class FiguresConfig(_Validated):
     _section: ClassVar[str] = "figures"
 
     runs: Optional[tuple[str, ...]] = None  # None: every completed run
+    only: Optional[tuple[str, ...]] = None  # names of FIGURES to draw; None: all of them
     smoothing: float = 0.9  # EMA weight of the past for the smoothed training loss; 0 = none
     log_x: bool = False  # tokens on a log axis
     dpi: int = 120
@@ -61,6 +76,9 @@ class FiguresConfig(_Validated):
     def check(self) -> None:
         self._require(0 <= self.smoothing < 1, "smoothing", "must be in [0, 1)")
         self._require(self.dpi >= 10, "dpi", "must be >= 10")
+        if self.only is not None:
+            self._require(len(self.only) > 0 and all(name in FIGURES for name in self.only), "only",
+                          f"must name figures among {', '.join(FIGURES)}")
 
 
 @dataclass(frozen=True)
@@ -89,6 +107,8 @@ def run_figures(config: FiguresConfig, inputs: FiguresInputs, outputs: FiguresOu
     }
     result = FiguresResult(paths=[])
     for name in FIGURES:
+        if config.only is not None and name not in config.only:
+            continue
         fig = draw[name](data) if data.runs or name in SCALING_FIGURES else "no completed run in the store"
         if isinstance(fig, str):
             result.skipped[name] = fig

@@ -165,7 +165,8 @@ def cmd_export_hf(args) -> None:
 def cmd_figures(args) -> None:
     from stages.figures import FiguresConfig, FiguresInputs, FiguresOutputs, run_figures
 
-    result = run_figures(FiguresConfig(), FiguresInputs(store=args.store), FiguresOutputs(out_dir=args.out))
+    config = FiguresConfig(only=tuple(args.only) if args.only else None)
+    result = run_figures(config, FiguresInputs(store=args.store), FiguresOutputs(out_dir=args.out))
     for path in result.paths:
         print(path)
 
@@ -324,9 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=["olmoe", "llama"], default=None, help="default: the exact one for the model")
     p.set_defaults(func=cmd_export_hf)
 
-    p = sub.add_parser("figures", help="draw every figure from the results store")
+    p = sub.add_parser("figures", help="draw every figure (or those named by --only) from the results store")
     p.add_argument("--store", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--only", action="append", metavar="NAME", default=None,
+                   help="draw only this figure (a file name such as scaling.png; repeatable)")
     p.set_defaults(func=cmd_figures)
 
     p = sub.add_parser("report", help="write the markdown report from the results store")

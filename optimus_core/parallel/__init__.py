@@ -9,8 +9,8 @@ The trainer does all of this when it runs on more than one rank. Launching:
 
     optimus pretrain ... --nproc 4 --ep 2                               # 4 local ranks
     torchrun --nproc-per-node 4 -m workflow.cli pretrain ... --ep 2
-    export MASTER_ADDR=$(head -1 $PBS_NODEFILE) MASTER_PORT=29500       # mpiexec sets neither
-    mpiexec -n 24 --ppn 12 optimus pretrain ... --ep 12
+    mpiexec -n 24 --ppn 12 optimus pretrain ... --ep 12    # in a PBS job: rank 0's host from
+                                                           # $PBS_NODEFILE; else export MASTER_ADDR/PORT
 
 Modules: mesh (launcher env, groups), dispatch (all-to-all), expert_parallel (parallelize),
 optimizer (ShardedAdamW), launch (local ranks).

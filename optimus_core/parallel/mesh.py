@@ -7,8 +7,9 @@
 
 Rank, world size and local rank come from torchrun (RANK, WORLD_SIZE, LOCAL_RANK), Open MPI
 (OMPI_COMM_WORLD_*), or PMI / PALS (PMI_RANK, PMI_SIZE, PALS_LOCAL_RANKID or PMI_LOCAL_RANK) as
-Aurora's mpiexec sets them; with none of them the process is a world of one and no process group
-is created. Every check that can fail (layout, MASTER_ADDR) runs before the first collective, on
+Aurora's mpiexec sets them; under mpiexec in a PBS job without MASTER_ADDR, rank 0's host is the
+first line of $PBS_NODEFILE. With no launcher variables the process is a world of one and no
+process group is created. Every check that can fail (layout, MASTER_ADDR) runs before the first collective, on
 every rank, so a bad launch is an error everywhere instead of a hang.
 
 Layout: EP groups are blocks of consecutive ranks (on one node when ep <= ranks per node, where
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -71,7 +74,30 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
     local = next((_int(env, n) for n in local_names if n in env), 0)
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"{launcher} environment: rank {rank}, world size {world}: need 0 <= rank < world")
+    if world > 1 and not addr:
+        addr, port = pbs_rendezvous(env, port)
     return LaunchEnv(rank, world, local, launcher, addr, port)
+
+
+def pbs_rendezvous(env: Mapping[str, str], port: str | None) -> tuple[str | None, str | None]:
+    """Rank 0's host and a port for mpiexec inside a PBS job, which sets no MASTER_ADDR.
+
+    mpiexec places ranks in node-file order, so global rank 0 runs on the first host of
+    $PBS_NODEFILE (every rank reads the same file, so all agree). The port, unless MASTER_PORT
+    is set, is 29500 + a number from $PBS_JOBID: the same on every rank, and different for two
+    jobs that share a first node. (None, port) outside PBS: check_rendezvous then says what to set.
+    """
+    nodefile = env.get("PBS_NODEFILE")
+    if not nodefile:
+        return None, port
+    try:
+        hosts = [line.strip() for line in Path(nodefile).read_text().splitlines() if line.strip()]
+    except OSError:
+        return None, port
+    if not hosts:
+        return None, port
+    job = env.get("PBS_JOBID", "")
+    return hosts[0], port or str(29500 + zlib.crc32(job.encode()) % 1000)
 
 
 def check_rendezvous(launch: LaunchEnv) -> None:
@@ -81,8 +107,8 @@ def check_rendezvous(launch: LaunchEnv) -> None:
         missing = [n for n, v in (("MASTER_ADDR", launch.master_addr), ("MASTER_PORT", launch.master_port)) if not v]
         raise ConfigError(
             f"{' and '.join(missing)} not set under {launch.launcher} with world size {launch.world_size} "
-            f"(rank {launch.rank}): export MASTER_ADDR=<rank 0's hostname> (e.g. $(head -1 $PBS_NODEFILE)) "
-            f"and MASTER_PORT=<a free port> before mpiexec")
+            f"(rank {launch.rank}) and no $PBS_NODEFILE to read rank 0's host from: export "
+            f"MASTER_ADDR=<rank 0's hostname> and MASTER_PORT=<a free port> before mpiexec")
 
 
 def group_layout(world_size: int, ep: int, n_experts: int | None) -> tuple[list[list[int]], list[list[int]]]:

@@ -74,6 +74,23 @@ def test_missing_master_addr_under_mpiexec_is_a_clear_error():
     check_rendezvous(read_launch_env({"PMI_RANK": "0", "PMI_SIZE": "1"}))  # a world of one needs none
 
 
+def test_mpiexec_in_a_pbs_job_finds_rank_0_in_the_node_file(tmp_path):
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("x4102c5s0b0n0\nx4102c5s1b0n0\n")
+    pbs = {"PMI_SIZE": "24", "PBS_NODEFILE": str(nodefile), "PBS_JOBID": "123456.aurora-pbs-0001"}
+    ranks = [read_launch_env({**pbs, "PMI_RANK": str(r), "PALS_LOCAL_RANKID": str(r % 12)}) for r in (0, 13, 23)]
+    assert {(e.master_addr, e.master_port) for e in ranks} == {(ranks[0].master_addr, ranks[0].master_port)}
+    assert ranks[0].master_addr == "x4102c5s0b0n0" and 29500 <= int(ranks[0].master_port) < 30500
+    check_rendezvous(ranks[1])  # nothing missing
+    # what the user exports wins; a node file that is empty or gone leaves the clear error
+    given = read_launch_env({**pbs, "PMI_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "7"})
+    assert (given.master_addr, given.master_port) == ("h", "7")
+    assert read_launch_env({**pbs, "PMI_RANK": "0", "MASTER_PORT": "7"}).master_port == "7"
+    nodefile.write_text("")
+    with pytest.raises(ConfigError, match="no \\$PBS_NODEFILE to read rank 0's host from"):
+        check_rendezvous(read_launch_env({**pbs, "PMI_RANK": "1"}))
+
+
 def test_world_of_one_creates_no_process_group():
     import torch.distributed as dist
 
