@@ -14,6 +14,8 @@ warm-up, then the median of timed steps, phases from device events):
     loop / torch / triton   the experts' backend (kernels/): Python loop, torch._grouped_mm, ours
     +compile                torch.compile of each block (the dense parts; the experts' custom ops
                             are opaque to it)
+    +recast                 train.recast_expert_weights: the float32 expert weights cast inside
+                            each GEMM, no bf16 copies kept from forward to backward
 
 MFU = flops_per_token (the core's analytic count, optimus_core.flops) x tokens/s / peak, with
 peak = 989 TFLOP/s (H100/H200 dense bf16 datasheet, the convention) and, beside it, the dense
@@ -28,6 +30,7 @@ baseline on one GPU) and, where the results store imports, run ``bench-train-ste
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -41,13 +44,16 @@ from bench.common import device_slug, ingest, read_jsonl, run_id_for, write_json
 PEAK_FLOPS = 989e12  # H100 / H200 dense bf16, datasheet: the MFU convention
 MODEL_7B = dict(preset="mula-7b-a1b", overrides={"model.n_layers": 8})
 MODEL_1B = dict(preset="mula-1b", overrides={})
-VARIANTS = {  # name -> (model, experts backend, compile)
-    "7b8l-loop": (MODEL_7B, "loop", False),
-    "7b8l-torch": (MODEL_7B, "torch", False),
-    "7b8l-triton": (MODEL_7B, "triton", False),
-    "7b8l-torch+compile": (MODEL_7B, "torch", True),
-    "7b8l-triton+compile": (MODEL_7B, "triton", True),
-    "1b-dense+compile": (MODEL_1B, None, True),
+VARIANTS = {  # name -> (model, experts backend, compile, recast expert weights inside the GEMMs)
+    "7b8l-loop": (MODEL_7B, "loop", False, False),
+    "7b8l-torch": (MODEL_7B, "torch", False, False),
+    "7b8l-triton": (MODEL_7B, "triton", False, False),
+    "7b8l-torch+compile": (MODEL_7B, "torch", True, False),
+    "7b8l-triton+compile": (MODEL_7B, "triton", True, False),
+    "7b8l-triton+recast": (MODEL_7B, "triton", False, True),
+    "7b8l-torch+compile+recast": (MODEL_7B, "torch", True, True),
+    "7b8l-triton+compile+recast": (MODEL_7B, "triton", True, True),
+    "1b-dense+compile": (MODEL_1B, None, True, False),
 }
 
 
@@ -93,10 +99,10 @@ def run_variant(name: str, args, device) -> dict:
     from optimus_core.parallel import Mesh
     from optimus_core.train.measure import measure_steps
 
-    model, backend, compiled = VARIANTS[name]
+    model, backend, compiled, recast = VARIANTS[name]
     overrides = {**model["overrides"], "data.seq_len": args.seq, "train.global_batch": args.batch,
                  "train.micro_batch": args.batch, "train.dtype": "bfloat16", "train.compile": compiled,
-                 "train.device": device.type}
+                 "train.recast_expert_weights": recast, "train.device": device.type}
     if backend:
         overrides["model.moe.experts_backend"] = backend
     preset = model["preset"]
@@ -105,6 +111,10 @@ def run_variant(name: str, args, device) -> dict:
         overrides.update({"train.dtype": "float32", "data.seq_len": 64, "model.n_layers": 2})
         overrides.pop("train.compile")
     cfg = presets.get(preset).run_config(**overrides)
+    # Compiled code of an earlier variant holds on to its model and buffers: drop it, so each
+    # variant's peak memory is its own (the runs of 2026-11-30 did not, see bench/NOTES.md).
+    torch._dynamo.reset()
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -112,14 +122,14 @@ def run_variant(name: str, args, device) -> dict:
     point = measure_steps(cfg, Mesh.single(device), steps=args.steps, warmup=args.warmup)
     flops = cfg.model.flops_per_token(cfg.data.seq_len)
     return {"bench": "train_step", "variant": name, "preset": preset, "overrides": model["overrides"],
-            "experts_backend": backend, "compile": compiled, "seq_len": cfg.data.seq_len, "batch": args.batch,
+            "experts_backend": backend, "compile": compiled, "recast_expert_weights": recast, "seq_len": cfg.data.seq_len, "batch": args.batch,
             "params": cfg.model.num_params(), "active_params": cfg.model.num_active_params(),
             "flops_per_token": flops, "mfu": flops * point["tokens_per_s"] / PEAK_FLOPS,
             "wall_s": time.perf_counter() - t0, **point}
 
 
 def summarize(records: list[dict], olmo: dict | None, dense_tflops: float | None, device: str) -> dict:
-    moe = [r for r in records if r["variant"].startswith("7b8l") and "error" not in r]
+    moe = [r for r in records if r["variant"].startswith("7b8l") and "error" not in r]  # 8-layer 7B
     best = max(moe, key=lambda r: r["tokens_per_s"]) if moe else None
     base = next((r for r in moe if r["variant"] == "7b8l-loop"), None)
     out = {"bench": "train_step_summary", "device": device, "peak_flops": PEAK_FLOPS,

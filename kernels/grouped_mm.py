@@ -7,7 +7,10 @@
 Shape suffixes: M rows (token-to-expert assignments, sorted by group), K in-features,
 N out-features, G groups (experts).
 
-- x_MK: (M, K), w_GKN: (G, K, N), both of one dtype: bfloat16, float16 or float32.
+- x_MK: (M, K), w_GKN: (G, K, N), both of one dtype: bfloat16, float16 or float32; or w in
+  float32 (master weights) with x in bfloat16 / float16: w is cast to x's dtype inside the op,
+  in the forward and again in the backward, so no half-precision copy of the weights is kept
+  alive between them (for 8 OLMoE layers, 6 GiB), and dw comes back in float32.
 - offsets_G: int32 (G,), cumulative group ends as torch._grouped_mm takes them: group g owns rows
   offsets[g-1] .. offsets[g] (group 0 starts at row 0), G >= 1. Groups may be empty; rows past
   offsets[-1] belong to no group: their outputs are zero and they get zero gradient.
@@ -66,9 +69,9 @@ def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, backend: str = "triton"
     """y[rows of g] = x[rows of g] @ w[g]; see the module docstring for shapes and backends."""
     _check_args(x, w, offsets)
     if backend == "loop":
-        return grouped_mm_reference(x, w, offsets)
+        return grouped_mm_reference(x, w.to(x.dtype), offsets)
     if backend == "torch":
-        reason = torch_grouped_mm_unsupported(x, w)
+        reason = torch_grouped_mm_unsupported(x, w.to(x.dtype) if w.dtype != x.dtype else w)
         if reason is not None:
             raise RuntimeError(f"grouped_mm backend='torch' is unavailable: {reason}; "
                                "use backend='triton' or 'loop'")
@@ -86,9 +89,9 @@ def _check_args(x: Tensor, w: Tensor, offsets: Tensor) -> None:
     if offsets.dtype != torch.int32 or offsets.shape != (w.shape[0],):
         raise ValueError(f"grouped_mm: offsets must be int32 of shape (G,) = ({w.shape[0]},), "
                          f"got {offsets.dtype} {tuple(offsets.shape)}")
-    if x.dtype != w.dtype or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"grouped_mm: x and w must share a dtype among bfloat16, float16, float32; "
-                         f"got {x.dtype} and {w.dtype}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or w.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"grouped_mm: x and w must share a dtype among bfloat16, float16, float32 (or w "
+                         f"float32 with x in half precision); got {x.dtype} and {w.dtype}")
 
 
 # ---------------------------------------------------------------- backend "torch"
@@ -98,8 +101,8 @@ class _TorchGroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, offsets):
-        ctx.save_for_backward(x, w, offsets)
-        return _zero_tail(torch._grouped_mm(x, w, offs=offsets), offsets)
+        ctx.save_for_backward(x, w, offsets)  # w as given: a float32 w is cast again in backward
+        return _zero_tail(torch._grouped_mm(x, w.to(x.dtype), offs=offsets), offsets)
 
     @staticmethod
     def backward(ctx, dy):
@@ -107,9 +110,9 @@ class _TorchGroupedMM(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _zero_tail(torch._grouped_mm(dy, w.transpose(1, 2), offs=offsets), offsets)
+            dx = _zero_tail(torch._grouped_mm(dy, w.to(dy.dtype).transpose(1, 2), offs=offsets), offsets)
         if ctx.needs_input_grad[1]:
-            dw = torch._grouped_mm(x.t(), dy, offs=offsets)  # offsets split the reduction dim
+            dw = torch._grouped_mm(x.t(), dy, offs=offsets).to(w.dtype)  # offsets split the reduction dim
         return dx, dw, None
 
 
@@ -295,7 +298,7 @@ def _launch_grouped_mm_dw(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
 # plays the role of a torch.autograd.Function (and unlike one, is traced by AOTAutograd).
 @torch.library.custom_op("optimus::grouped_mm", mutates_args=())
 def _grouped_mm_op(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-    return _launch_grouped_mm(x, w, offsets)
+    return _launch_grouped_mm(x, w.to(x.dtype), offsets)
 
 
 @_grouped_mm_op.register_fake
@@ -318,9 +321,9 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy):
-    x, w, offsets = ctx.saved_tensors
+    x, w, offsets = ctx.saved_tensors  # w as given: a float32 w is cast again inside the op
     dx = _grouped_mm_op(dy, w.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
-    dw = _grouped_mm_dw_op(x, dy, offsets) if ctx.needs_input_grad[1] else None
+    dw = _grouped_mm_dw_op(x, dy, offsets).to(w.dtype) if ctx.needs_input_grad[1] else None
     return dx, dw, None
 
 

@@ -323,6 +323,11 @@ class TrainConfig(_Validated):
     # newest is published (``latest``) when the next one starts or the run ends.
     async_checkpoint: bool = False
     activation_checkpointing: bool = False
+    # Under bf16: cast the experts' float32 weights inside each grouped GEMM (forward, and again
+    # in backward) instead of keeping bf16 copies from forward to backward. Less memory (8
+    # OLMoE-size layers, triton experts + compile on an H200: 74.8 -> 55.9 GiB peak), one more
+    # cast pass per layer in backward (bench/NOTES.md).
+    recast_expert_weights: bool = False
     compile: bool = False
     # A step whose loss is not finite, or above loss_spike_factor x the median of recent good
     # losses (None: only non-finite), is skipped; max_bad_steps in a row roll the run back to

@@ -50,8 +50,21 @@ def cmd_tokenize(args) -> None:
 
     config = TokenizeConfig(workers=args.workers, skip_bad_records=args.skip_bad_records,
                             **({"vocab_size": args.vocab_size} if args.vocab_size else {}))
-    result = run_tokenize(config, TokenizeInputs(corpus_dir=args.corpus, tokenizer=args.tokenizer),
-                          TokenizeOutputs(out_dir=args.out))
+    inputs, outputs = TokenizeInputs(corpus_dir=args.corpus, tokenizer=args.tokenizer), TokenizeOutputs(out_dir=args.out)
+    if args.launcher == "parsl":  # one Parsl task per corpus file on the site's CPU executor, then the merge
+        from workflow.sites import load_site, parsl_cpu_config
+        from workflow.tokenize_fanout import default_shards, tokenize_fanout
+
+        if not args.site:
+            raise ConfigError("site = None: --launcher parsl needs --site NAME (local, aurora, or a YAML file)")
+        site = load_site(args.site)
+        shards = args.shards or default_shards(args.out)
+        parsl_config = parsl_cpu_config(site, Path(site.run_dir).resolve() / f"tokenize-{Path(args.out).name}")
+        result, done = tokenize_fanout(config, inputs, outputs, shards, parsl_config)
+        print(f"[optimus tokenize] site {site.name}: {sum(v == 'tokenized' for v in done.values())} file(s) "
+              f"tokenized, {sum(v == 'reused' for v in done.values())} reused from {shards}")
+    else:
+        result = run_tokenize(config, inputs, outputs)
     print(result)
 
 
@@ -222,7 +235,7 @@ def cmd_plan(args) -> None:
     print(table)
     if args.pbs:
         for exp, job in zip(experiments, plans):
-            print(f"\n# {exp.name}\n" + "\n".join(job.pbs_lines()) + f"\n{job.mpiexec} optimus pretrain ...")
+            print(f"\n# {exp.name}\n" + "\n".join(job.pbs_lines()) + f"\n{job.launcher} optimus pretrain ...")
 
 
 def cmd_scaling(args) -> None:
@@ -272,6 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)))
     p.add_argument("--vocab-size", type=int, default=None, help="size of the BPE trained when no tokenizer is given")
     p.add_argument("--skip-bad-records", action="store_true")
+    p.add_argument("--launcher", choices=("local", "parsl"), default="local",
+                   help="local: --workers processes here; parsl: one task per corpus file on --site's CPU executor "
+                        "(needs --tokenizer; unchanged files are not redone)")
+    p.add_argument("--site", default=None, help="with --launcher parsl: local, aurora, or a YAML file with a site: block")
+    p.add_argument("--shards", type=Path, default=None,
+                   help="with --launcher parsl: the per-file shards, kept for reruns (default: OUT.shards)")
     p.set_defaults(func=cmd_tokenize)
 
     p = sub.add_parser("pretrain", help="train one run")

@@ -7,8 +7,8 @@ not here: they live in optimus_core/presets.py.
 
     >>> from workflow.experiments import get, pretraining, dag
     >>> exp = get("pretrain-mula-7b-a1b")
-    >>> exp.paper.steps, exp.laptop.steps
-    (953675, 240)
+    >>> exp.paper.steps, exp.paper.batch, exp.laptop.steps
+    (317892, 3072, 240)
     >>> len(dag("laptop")), len(dag("paper"))
     (2, 15)
 
@@ -28,6 +28,18 @@ tiles, 100B-A7B (59 GFLOP/token) on 1536, 220B-A10B (79 GFLOP/token) on 3072, th
 4T runs use. EP degrees keep 8-16 experts per tile (ep 8, 16, 32) and every EP group count
 (tiles / ep = 96) equal, so expert-data-parallel replicas are alike across the three runs. The
 global batch is a whole number of sequences per rank (2, 2, 1 x 4096 tokens).
+
+The global batch of the two 4T runs is OUR choice, not the paper's (its text is not available to
+us): 3072 sequences x 4096 tokens (12.6M tokens per step), one sequence per tile on 3072 tiles.
+OLMoE-1B-7B's own batch (1024 x 4096, the presets' default) does not divide over 3072 ranks (a
+third of a sequence per tile); of the two ways out -- keep 3072 tiles (the issue's size for these
+runs) and triple the batch, or keep the batch and shrink the run to 1024 tiles, which are not a
+whole number of 12-tile nodes -- we keep the tiles. The presets' learning rate and warmup steps
+are kept as they are (so warmup spans 3x the tokens); 4T tokens take 317,892 steps.
+
+Every paper-scale run trains in micro-batches of one sequence per tile (``train.micro_batch=1``,
+what the performance model prices), accumulating ``global_batch / tiles`` of them per step, so
+``global_batch`` must be a multiple of ``tiles x micro_batch``; RunScale checks it for every run.
 
 Strong scaling keeps one global batch of 12288 sequences (50M tokens: one sequence per tile at
 12288 tiles, 32 accumulated micro-batches per tile at 384) for 20 steps, ep 32 everywhere.
@@ -81,7 +93,12 @@ class RunScale:
             raise ConfigError(f"global_batch = {self.global_batch}: must be >= 0 (0 = the preset's)")
         if self.tokens < self.tokens_per_step:
             raise ConfigError(f"tokens = {self.tokens}: less than one step ({self.tokens_per_step} tokens)")
-        self.run_config()  # ep must divide the experts, overrides must name real fields
+        cfg = self.run_config()  # ep must divide the experts, overrides must name real fields
+        micro = cfg.train.micro_batch or max(1, self.batch // self.devices)  # 0: the whole local batch at once
+        if self.batch % (self.devices * micro):
+            raise ConfigError(f"global_batch = {self.batch}: must be a multiple of devices x micro_batch "
+                              f"({self.devices} x {micro} = {self.devices * micro} sequences), so that every "
+                              f"rank runs whole micro-batches")
 
     @classmethod
     def for_steps(cls, preset: str, steps: int, devices: int, **kw: Any) -> "RunScale":
@@ -156,8 +173,10 @@ LAPTOP_EVAL = {"train.eval_every": 40, "train.eval_batches": 4, "train.log_every
 LAPTOP_SHORT = {"train.eval_every": 0, "train.eval_batches": 2, "train.log_every": 1}
 # Paper scale: bf16 autocast; checkpoints often enough that a job cut by its walltime loses
 # little (retries resubmit it and it resumes from `latest`).
-PAPER_TRAIN = {"train.dtype": "bfloat16", "train.checkpoint_every": 500}
-PAPER_TIMED = {"train.dtype": "bfloat16", "train.eval_every": 0, "train.eval_batches": 1}
+# One sequence per tile per forward / backward, accumulated up to the global batch (module doc).
+PAPER_TRAIN = {"train.dtype": "bfloat16", "train.checkpoint_every": 500, "train.micro_batch": 1}
+PAPER_TIMED = {"train.dtype": "bfloat16", "train.eval_every": 0, "train.eval_batches": 1, "train.micro_batch": 1}
+PAPER_4T_BATCH = 3072  # sequences: one per tile on 3072 tiles (our choice; module doc)
 SCALING_TILES = (384, 768, 1536, 3072, 6144, 12288)
 SCALING_STEPS, SCALING_BATCH = 20, 12288
 ABLATION_STEPS, LAPTOP_TIMED_STEPS = 20, 20
@@ -175,7 +194,7 @@ def _pretrain(model: str, tokens: int, tiles: int, walltime_h: float, ep: int = 
     return Experiment(
         f"pretrain-{model}", "pretrain",
         paper=RunScale(model, tokens, devices=tiles, walltime_h=walltime_h, ep=ep, global_batch=batch,
-                       extra=PAPER_TRAIN if not laptop_dag else {}),
+                       extra=PAPER_TRAIN),
         laptop=RunScale(f"{model}@laptop", 240 * 2048, devices=1, extra=LAPTOP_EVAL),
         description=description, laptop_dag=laptop_dag,
     )
@@ -205,9 +224,9 @@ def _ablation(variant: str) -> Experiment:
 
 
 _REGISTRY = [
-    _pretrain("mula-1b", 4 * T, 3072, 24, laptop_dag=True,
+    _pretrain("mula-1b", 4 * T, 3072, 24, batch=PAPER_4T_BATCH, laptop_dag=True,
               description="dense Mula-1B on OLMoE-mix-0924 (4T tokens)"),
-    _pretrain("mula-7b-a1b", 4 * T, 3072, 24, laptop_dag=True,
+    _pretrain("mula-7b-a1b", 4 * T, 3072, 24, batch=PAPER_4T_BATCH, laptop_dag=True,
               description="MoE Mula-7B-A1B (OLMoE-1B-7B) on OLMoE-mix-0924 (4T tokens)"),
     _pretrain("mula-20b-a2b", 100 * B, 768, 12, ep=8, batch=1536,
               description="scale-up: MoE Mula-20B-A2B to 100B tokens"),

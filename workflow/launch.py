@@ -8,7 +8,8 @@ The core is plain Python (Parsl's guide: write the logic without Parsl, wrap it 
     >>> argv[:4]
     ['optimus', 'pretrain', '--experiment', 'scaling-mula-220b-a10b-384']
 
-``command_line(job, argv)`` prefixes the site's mpiexec line (one rank per tile) and
+``command_line(job, argv)`` prefixes the site's mpiexec line (one rank per tile, each bound to
+its cores) and GPU affinity wrapper (each rank sees only its tile), and
 ``submit(site, job, command, ...)`` is the only function that imports Parsl: a ``bash_app``
 through the site's Parsl ``Config`` (workflow/sites.py), blocking until the job's task ends.
 The ranks find their rank / local rank in the launcher's environment (PMI / PALS), so the
@@ -47,9 +48,10 @@ def pretrain_argv(options: dict[str, Any], optimus: str = "optimus") -> list[str
 
 
 def command_line(job: JobPlan, argv: list[str]) -> str:
-    """The shell line the job runs: the mpiexec prefix (if any) and the command."""
+    """The shell line the job runs: the mpiexec prefix (if any), the site's per-rank GPU affinity
+    wrapper (if any: each rank sees only its tile) and the command."""
     cmd = shlex.join(argv)
-    return f"{job.mpiexec} {cmd}" if job.mpiexec else cmd
+    return f"{job.launcher} {cmd}" if job.launcher else cmd
 
 
 @dataclass

@@ -15,6 +15,12 @@ Moving to another PBS machine, account or queue is a YAML edit, never a code edi
 table, the launcher line (Aurora's PALS `mpiexec --ppn 12 --cpu-bind list:...`, or MPICH's
 `mpiexec -ppn N`), module loads, environment and throughput assumption all live there.
 
+Rank placement is site configuration too: ``cpu_bind`` binds local rank i to the i-th core set
+of its list, and ``gpu_affinity`` (a ``GpuAffinity``) becomes a small ``sh -c`` wrapper between
+mpiexec and the command that shows each rank only its own device -- on Aurora
+ZE_AFFINITY_MASK=<gpu>.<tile> from PALS_LOCAL_RANKID, one tile per rank -- so the trainer core
+never learns the node's topology (it takes device ``local_rank % device_count``, i.e. 0).
+
 ``plan(run, site)`` turns a registry run (or a bare rank count) into a ``JobPlan`` -- nodes,
 queue, walltime, the ``#PBS`` lines, the mpiexec prefix, the environment, an estimate of the
 run's hours and node-hours -- and raises ``ConfigError`` at planning time for a missing
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shlex
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -60,6 +67,86 @@ class QueueLimits:
 
 
 @dataclass(frozen=True)
+class GpuAffinity:
+    """Which accelerator each rank of a node sees: local rank r (the first of ``local_rank_env``
+    set by the launcher) gets ``variable`` = ``value`` with {gpu} = r // tiles_per_gpu,
+    {tile} = r % tiles_per_gpu, {local_rank} = r. Aurora: ZE_AFFINITY_MASK={gpu}.{tile}, two
+    tiles per GPU, so each of the 12 ranks of a node sees one tile as its only device."""
+
+    variable: str
+    value: str = "{local_rank}"
+    tiles_per_gpu: int = 1
+    local_rank_env: tuple[str, ...] = ("PALS_LOCAL_RANKID",)
+
+    def __post_init__(self):
+        def bad(name, allowed):
+            raise ConfigError(f"site.gpu_affinity.{name} = {getattr(self, name)!r}: {allowed}")
+
+        object.__setattr__(self, "local_rank_env", tuple(
+            [self.local_rank_env] if isinstance(self.local_rank_env, str) else self.local_rank_env))
+        if not _ENV_NAME.fullmatch(str(self.variable)):
+            bad("variable", "must be an environment variable name")
+        if not self.local_rank_env or not all(_ENV_NAME.fullmatch(str(v)) for v in self.local_rank_env):
+            bad("local_rank_env", "must be one or more environment variable names (the launcher's local rank)")
+        if not isinstance(self.tiles_per_gpu, int) or self.tiles_per_gpu < 1:
+            bad("tiles_per_gpu", "must be an integer >= 1")
+        try:
+            str(self.value).format(gpu=0, tile=0, local_rank=0)
+        except (KeyError, IndexError, ValueError) as e:
+            bad("value", f"unknown placeholder {e}; allowed: {{gpu}} {{tile}} {{local_rank}}")
+        if not _AFFINITY_VALUE.fullmatch(str(self.value)):
+            bad("value", "must be letters, digits and . , : - with the placeholders {gpu} {tile} {local_rank}")
+
+    def wrapper(self) -> str:
+        """A POSIX ``sh`` prefix that exports the variable for this rank, then execs the command."""
+        r, t = "$r", self.tiles_per_gpu
+        value = self.value.format(gpu=f"$(({r} / {t}))", tile=f"$(({r} % {t}))", local_rank=r)
+        rank = f"${{{self.local_rank_env[-1]}:?gpu_affinity: none of {' '.join(self.local_rank_env)} is set}}"
+        for name in reversed(self.local_rank_env[:-1]):
+            rank = f"${{{name}:-{rank}}}"
+        script = f'r={rank}; export {self.variable}={value}; exec "$@"'
+        return f"sh -c {shlex.quote(script)} gpu_affinity"
+
+
+@dataclass(frozen=True)
+class CpuExecutor:
+    """The site's executor for CPU-only fan-out work (tokenization, one task per corpus file):
+    blocks of ``nodes`` nodes for ``walltime_h``, at most ``max_blocks`` at once, with
+    ``workers_per_node`` Parsl workers per node (0 = cpus_per_node; on a local site, this
+    machine's cores). ``launcher`` starts the workers: ``simple`` on a block's first node only,
+    ``mpiexec`` on every node of a block (Parsl's MpiExecLauncher with ``bind_cmd`` and
+    ``launcher_options``, e.g. PALS' "--ppn 1 --depth=208")."""
+
+    nodes: int = 1
+    workers_per_node: int = 0
+    walltime_h: float = 1.0
+    max_blocks: int = 1
+    launcher: str = "simple"
+    launcher_options: str = ""
+    bind_cmd: str = "--cpu-bind"
+
+    def __post_init__(self):
+        def bad(name, allowed):
+            raise ConfigError(f"site.cpu_executor.{name} = {getattr(self, name)!r}: {allowed}")
+
+        for name in ("nodes", "max_blocks"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                bad(name, "must be an integer >= 1")
+        if not isinstance(self.workers_per_node, int) or self.workers_per_node < 0:
+            bad("workers_per_node", "must be an integer >= 0 (0 = cpus_per_node)")
+        if not self.walltime_h > 0:
+            bad("walltime_h", "must be > 0")
+        if self.launcher not in ("simple", "mpiexec"):
+            bad("launcher", "must be 'simple' or 'mpiexec'")
+        if self.launcher == "simple" and self.nodes > 1:
+            bad("launcher", f"'simple' starts workers on one node only; use 'mpiexec' for nodes = {self.nodes}")
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_AFFINITY_VALUE = re.compile(r"([A-Za-z0-9_.,:-]|\{(gpu|tile|local_rank)\})*")
+
+
+@dataclass(frozen=True)
 class SiteConfig:
     """One execution site. ``kind``: ``local`` (LocalProvider) or ``pbspro`` (PBSProProvider)."""
 
@@ -77,7 +164,9 @@ class SiteConfig:
     worker_init: list[str] = field(default_factory=list)  # module loads, venv activation
     env: dict[str, str] = field(default_factory=dict)  # exported in the job (oneCCL / xccl, ...)
     mpiexec: str = ""  # template: {ranks} {nodes} {ppn} {cpu_bind}; empty = no MPI launcher
-    cpu_bind: str = ""
+    cpu_bind: str = ""  # "list:A:B:...": local rank i runs on the i-th core set (one per rank of a node)
+    gpu_affinity: Optional[GpuAffinity] = None  # which GPU (tile) each rank sees; None = all of them
+    cpu_executor: CpuExecutor = field(default_factory=CpuExecutor)  # CPU fan-out (tokenization)
     optimus: str = "optimus"  # the command on the compute nodes
     retries: int = 1  # extra attempts for a failed task (beyond those a multi-job run needs)
     walltime_h: float = 1.0  # per job, for runs that do not come from the registry
@@ -111,6 +200,14 @@ class SiteConfig:
             bad("queues", "a PBS site needs its queue table (name: {min_nodes, max_nodes, walltime_h})")
         if self.queue != "auto" and self.queues and self.queue not in self.queues:
             bad("queue", f"unknown; allowed: auto, {', '.join(self.queues)}")
+        if self.cpu_bind.startswith("list:") and len(self.cpu_bind[5:].split(":")) != self.tiles_per_node:
+            bad("cpu_bind", f"a list needs one core set per rank of a node (tiles_per_node = {self.tiles_per_node}), "
+                            f"not {len(self.cpu_bind[5:].split(':'))}")
+        if self.gpu_affinity is not None and not self.mpiexec:
+            bad("gpu_affinity", "needs an mpiexec line: the local rank it reads comes from the MPI launcher")
+        if self.gpu_affinity is not None and self.tiles_per_node % self.gpu_affinity.tiles_per_gpu:
+            raise ConfigError(f"site {self.name}: gpu_affinity.tiles_per_gpu = {self.gpu_affinity.tiles_per_gpu}: "
+                              f"must divide tiles_per_node ({self.tiles_per_node})")
         if self.mpiexec:
             try:
                 self.mpiexec.format(ranks=1, nodes=1, ppn=1, cpu_bind="")
@@ -139,6 +236,25 @@ def site_from_dict(data: dict[str, Any], **overrides: Any) -> SiteConfig:
     if not data.get("account"):
         data["account"] = os.environ.get(ACCOUNT_ENV, "")
     data["env"] = {str(k): str(v) for k, v in (data.get("env") or {}).items()}
+    affinity = data.get("gpu_affinity")
+    if isinstance(affinity, dict):
+        try:
+            data["gpu_affinity"] = GpuAffinity(**affinity)
+        except TypeError as e:
+            raise ConfigError(f"site.gpu_affinity = {affinity!r}: needs variable, and may have value, tiles_per_gpu, "
+                              f"local_rank_env ({e})") from None
+    cpu = data.get("cpu_executor")
+    if isinstance(cpu, dict):
+        known = {f.name for f in fields(CpuExecutor)}
+        if set(cpu) - known:
+            raise ConfigError(f"site.cpu_executor.{sorted(set(cpu) - known)[0]}: unknown field; allowed: "
+                              f"{', '.join(sorted(known))}")
+        data["cpu_executor"] = CpuExecutor(**cpu)
+    elif cpu is None:
+        data.pop("cpu_executor", None)
+    if affinity is not None and not isinstance(affinity, (dict, GpuAffinity)):
+        raise ConfigError(f"site.gpu_affinity = {affinity!r}: must be a mapping (variable, value, tiles_per_gpu, "
+                          "local_rank_env) or null")
     for key in ("worker_init", "scheduler_options"):
         if isinstance(data.get(key), str):
             data[key] = [data[key]]
@@ -187,6 +303,12 @@ class JobPlan:
     est_hours: float  # of training (nan if unknown): the performance model's, else the throughput assumption's
     jobs: int  # PBS jobs the run spans (each resumes from the last checkpoint)
     est_source: str = "throughput"  # "perfmodel:<machine>" | "throughput" | "" (no run to estimate)
+    gpu_affinity: str = ""  # per-rank prefix after mpiexec: each rank sees only its GPU / tile ('' = none)
+
+    @property
+    def launcher(self) -> str:
+        """What precedes the command on the job's head node: mpiexec, then the per-rank affinity wrapper."""
+        return " ".join(part for part in (self.mpiexec, self.gpu_affinity) if part)
 
     @property
     def walltime(self) -> str:
@@ -263,8 +385,9 @@ def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
             sched.append(f"#PBS -l place={site.place}")
         sched += [l if l.startswith("#PBS") else f"#PBS {l}" for l in site.scheduler_options]
     mpiexec = site.mpiexec.format(ranks=ranks, nodes=nodes, ppn=ppn, cpu_bind=site.cpu_bind).strip()
+    affinity = site.gpu_affinity.wrapper() if site.gpu_affinity is not None else ""
     return JobPlan(site.name, ranks, nodes, ppn, queue, account, walltime_h, "\n".join(sched), select, mpiexec,
-                   dict(site.env), est, jobs, source)
+                   dict(site.env), est, jobs, source, affinity)
 
 
 def estimate_hours(run, site: SiteConfig, ranks: int) -> tuple[float, str]:
@@ -336,24 +459,8 @@ def parsl_config(site: SiteConfig, job: JobPlan, run_dir: str | Path, label: str
     from parsl.config import Config
     from parsl.executors import HighThroughputExecutor
     from parsl.launchers import SimpleLauncher
-    from parsl.providers import LocalProvider, PBSProProvider
 
-    init = worker_init(site, job)
-    class PolledPBSPro(PBSProProvider):  # Parsl fixes the qstat interval at 60 s; the site chooses
-        @property
-        def status_polling_interval(self):
-            return site.status_polling_interval
-
-    if site.kind == "pbspro":
-        provider = PolledPBSPro(
-            account=job.account, queue=job.queue, scheduler_options=job.scheduler_options,
-            select_options=site.select_options, worker_init=init, nodes_per_block=job.nodes,
-            cpus_per_node=site.cpus_per_node, init_blocks=1, min_blocks=0, max_blocks=1,
-            walltime=job.walltime, launcher=SimpleLauncher(),
-        )
-    else:
-        provider = LocalProvider(worker_init=init, init_blocks=1, min_blocks=0, max_blocks=1,
-                                 launcher=SimpleLauncher())
+    provider = _provider(site, job, SimpleLauncher())
     executor = HighThroughputExecutor(
         label=label, max_workers_per_node=site.max_workers_per_node, provider=provider,
         heartbeat_period=site.heartbeat_period, heartbeat_threshold=site.heartbeat_threshold,
@@ -362,3 +469,51 @@ def parsl_config(site: SiteConfig, job: JobPlan, run_dir: str | Path, label: str
     # A run longer than one job needs (jobs - 1) resubmissions; each resumes from `latest`.
     return Config(executors=[executor], retries=site.retries + job.jobs - 1, run_dir=str(run_dir),
                   strategy="simple", usage_tracking=0)
+
+
+def _provider(site: SiteConfig, job: JobPlan, launcher, max_blocks: int = 1):
+    """The Parsl provider of ``job``'s blocks: PBS Pro (``job.nodes`` nodes per block) or this machine."""
+    from parsl.providers import LocalProvider, PBSProProvider
+
+    class PolledPBSPro(PBSProProvider):  # Parsl fixes the qstat interval at 60 s; the site chooses
+        @property
+        def status_polling_interval(self):
+            return site.status_polling_interval
+
+    init = worker_init(site, job)
+    if site.kind == "pbspro":
+        return PolledPBSPro(
+            account=job.account, queue=job.queue, scheduler_options=job.scheduler_options,
+            select_options=site.select_options, worker_init=init, nodes_per_block=job.nodes,
+            cpus_per_node=site.cpus_per_node, init_blocks=1, min_blocks=0, max_blocks=max_blocks,
+            walltime=job.walltime, launcher=launcher,
+        )
+    return LocalProvider(worker_init=init, init_blocks=1, min_blocks=0, max_blocks=max_blocks, launcher=launcher)
+
+
+def cpu_job(site: SiteConfig) -> JobPlan:
+    """One block of the site's CPU executor, planned like a training job (queue, walltime and
+    account checked now, before anything is submitted)."""
+    cpu = site.cpu_executor
+    ranks = cpu.nodes * site.tiles_per_node if site.kind == "pbspro" else 1
+    return plan(None, site, ranks=ranks, walltime_h=cpu.walltime_h)
+
+
+def parsl_cpu_config(site: SiteConfig, run_dir: str | Path, label: str = "optimus_cpu"):
+    """The Parsl Config of the site's CPU executor (``site.cpu_executor``): many single-core
+    Python tasks over the cores of one or more nodes (the tokenize fan-out)."""
+    from parsl.config import Config
+    from parsl.executors import HighThroughputExecutor
+    from parsl.launchers import MpiExecLauncher, SimpleLauncher
+
+    cpu, job = site.cpu_executor, cpu_job(site)
+    launcher = (SimpleLauncher() if cpu.launcher == "simple"
+                else MpiExecLauncher(bind_cmd=cpu.bind_cmd, overrides=cpu.launcher_options))
+    workers = cpu.workers_per_node or (site.cpus_per_node if site.kind == "pbspro" else os.cpu_count() or 1)
+    executor = HighThroughputExecutor(
+        label=label, max_workers_per_node=workers, provider=_provider(site, job, launcher, cpu.max_blocks),
+        heartbeat_period=site.heartbeat_period, heartbeat_threshold=site.heartbeat_threshold,
+        **({"address": site.address} if site.address else {}),
+    )
+    return Config(executors=[executor], retries=site.retries, run_dir=str(run_dir), strategy="simple",
+                  usage_tracking=0)

@@ -21,6 +21,10 @@ import kernels
 
 
 class Experts(nn.Module):
+    # Under autocast: cast the float32 weights inside each grouped GEMM instead of once per
+    # forward (train.recast_expert_weights): less memory, a little more time.
+    recast_weights: bool = False
+
     def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = "loop"):
         super().__init__()
         self.n_experts, self.backend = n_experts, backend
@@ -48,9 +52,13 @@ class Experts(nn.Module):
         """x_MD expert-sorted rows, offsets_E int32 cumulative group ends (one per expert);
         rows past offsets_E[-1] (tokens dropped over capacity) come out zero."""
         w_up, w_down = self.w_up, self.w_down
-        if torch.is_autocast_enabled(x_MD.device.type):  # the kernels take one dtype
+        if torch.is_autocast_enabled(x_MD.device.type):  # the kernels compute in one dtype
             dtype = torch.get_autocast_dtype(x_MD.device.type)
-            x_MD, w_up, w_down = x_MD.to(dtype), w_up.to(dtype), w_down.to(dtype)
+            x_MD = x_MD.to(dtype)
+            if not self.recast_weights:  # cast once here; autograd keeps the copies for backward
+                w_up, w_down = w_up.to(dtype), w_down.to(dtype)
+            # else the float32 weights go in as they are: cast inside the GEMM, forward and again
+            # in backward, so no half-precision copy stays alive between them (kernels/grouped_mm.py)
         h_MF2 = kernels.grouped_mm(x_MD, w_up, offsets_E, backend=self.backend)
         h_MF = kernels.swiglu(h_MF2, backend=self.backend)
         return kernels.grouped_mm(h_MF, w_down, offsets_E, backend=self.backend)

@@ -71,6 +71,11 @@ class Transformer(nn.Module):
                 m.router.balance_bias.zero_()
         self.rope.reset_parameters()
 
+    def set_recast_expert_weights(self, recast: bool) -> None:
+        """Cast expert weights inside each grouped GEMM (less memory) or once per forward."""
+        for layer in self.moe_layers():
+            layer.experts.recast_weights = recast
+
     def moe_layers(self) -> list[MoEFeedForward]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoEFeedForward)]
 

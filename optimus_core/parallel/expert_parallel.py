@@ -30,7 +30,7 @@ class ExpertParallelExperts(Experts):
 
     def __init__(self, full: Experts, mesh: Mesh):
         nn.Module.__init__(self)
-        self.n_experts, self.backend = full.n_experts, full.backend
+        self.n_experts, self.backend, self.recast_weights = full.n_experts, full.backend, full.recast_weights
         self.ep, self.group = mesh.ep, mesh.ep_group
         self.n_local = full.n_experts // mesh.ep
         self.first = mesh.ep_rank * self.n_local

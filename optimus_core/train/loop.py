@@ -82,6 +82,7 @@ def build_model(cfg: RunConfig, device: torch.device | str = "cpu") -> Transform
         generator = torch.Generator().manual_seed(cfg.train.seed)
         model.init_weights(generator)
     model.activation_checkpointing = cfg.train.activation_checkpointing
+    model.set_recast_expert_weights(cfg.train.recast_expert_weights)
     model = model.to(device)
     if cfg.train.compile:
         # Per block, in place: parameter names (and so checkpoints) stay those of the eager model.

@@ -43,6 +43,7 @@ def build_on_device(cfg: RunConfig, device: torch.device) -> Transformer:
     torch.manual_seed(cfg.train.seed)
     model.init_weights()  # the device's default generator, seeded above
     model.activation_checkpointing = cfg.train.activation_checkpointing
+    model.set_recast_expert_weights(cfg.train.recast_expert_weights)
     if cfg.train.compile:
         for block in model.blocks:
             block.compile()

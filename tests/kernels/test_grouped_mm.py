@@ -143,3 +143,27 @@ def test_bf16_on_gpu(case, backend, gpu_device, rel_err):
         assert rel_err(g, r) < 5e-3, name
     M = x.shape[0]
     assert not got[0][M - tail:].any() and not got[1][M - tail:].any()
+
+
+@pytest.mark.parametrize("backend", ["loop", pytest.param("triton", marks=pytest.mark.gpu),
+                                     pytest.param("torch", marks=pytest.mark.gpu)])
+def test_float32_master_weights_compute_like_their_half_copy(backend, request):
+    """w float32 with x bf16: the same y and dx as with w cast to bf16 first, and dw in float32
+    (the bf16 dw, widened). Loop runs on the CPU; the others where they can run (GPU)."""
+    device = "cpu" if backend == "loop" else request.getfixturevalue("gpu_device")
+    x, w32, offsets, dy = make([5, 0, 9, 2], 3, 24, 16, device)
+    x, dy = x.detach().bfloat16().requires_grad_(), dy.bfloat16()
+    if backend == "torch" and torch_grouped_mm_unsupported(x, w32.detach().bfloat16()) is not None:
+        pytest.skip("torch._grouped_mm has no fast path here")
+    w16 = w32.detach().bfloat16().requires_grad_()
+    y16, dx16, dw16 = forward_backward(x, w16, offsets, dy, backend=backend)
+    x2 = x.detach().requires_grad_()
+    y, dx, dw = forward_backward(x2, w32, offsets, dy, backend=backend)
+    assert y.dtype == dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
+    assert torch.equal(y, y16) and torch.equal(dx, dx16) and torch.equal(dw, dw16.float())
+
+
+def test_mixed_dtypes_other_than_float32_master_weights_are_refused():
+    x, w, offsets, _ = make([2, 3], 0, 8, 8, "cpu")
+    with pytest.raises(ValueError, match="w float32 with x in half precision"):
+        grouped_mm(x, w.bfloat16(), offsets, backend="loop")

@@ -41,6 +41,9 @@ def standin_site(tmp_path: Path, file: str = "site.yaml", **changes) -> Path:
         mpiexec="mpiexec -n {ranks} -ppn {ppn}",  # MPICH's flags; Aurora's PALS line stays in aurora.yaml
         cpu_bind="", optimus=str(VENV_BIN / "optimus"), address="127.0.0.1", retries=0, status_polling_interval=2,
         run_dir=str(tmp_path / "parsl"),
+        # Aurora's per-rank affinity wrapper stays on (under MPICH it reads MPI_LOCALRANKID); one
+        # stand-in "tile" per GPU, so that any tiles_per_node fits
+        gpu_affinity={**site["gpu_affinity"], "tiles_per_gpu": 1},
     )
     site.update(changes)
     path = tmp_path / file
@@ -70,7 +73,8 @@ def test_pretrain_through_parsl_pbspro_and_mpiexec(tmp_path, tokens_dir, monkeyp
                   "--launcher", "parsl", "--site", str(site), "--nproc", "2")
     log = (tmp_path / "pbs" / "qsub.log").read_text() if (tmp_path / "pbs" / "qsub.log").is_file() else ""
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + log
-    assert "mpiexec -n 2 -ppn 2 " in out.stdout and "--launcher local" in out.stdout
+    assert "mpiexec -n 2 -ppn 2 sh -c " in out.stdout and "--launcher local" in out.stdout  # + the affinity wrapper
+    assert "export ZE_AFFINITY_MASK=" in out.stdout
     assert "pbs-smoke: 6 steps" in out.stdout
 
     # Parsl submitted a job with the site's account, queue and #PBS lines; PBS cut it; Parsl

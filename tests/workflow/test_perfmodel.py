@@ -1,6 +1,7 @@
 """The performance model: hand-computed cases, calibration that recovers known knobs, clear
 errors for bad machine files, and sanity of the paper-scale sweep and node-hour estimates."""
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,6 +10,8 @@ import yaml
 from optimus_core import presets
 from optimus_core.config import ConfigError, ModelConfig, MoEConfig
 from workflow import perfmodel as pm
+
+REPO = Path(__file__).resolve().parents[2]
 
 DENSE = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=64, pad_vocab_to=128)
 MOE = DENSE.replace(moe=MoEConfig(n_experts=8, top_k=2, d_expert=32))
@@ -216,9 +219,9 @@ def test_paper_sweep_is_sane():
         assert r["step_s"] == pytest.approx(sum(r[p] for p in pm.PHASES))
 
 
-def test_node_hours_from_the_model_and_the_site_fallback(monkeypatch):
+def test_node_hours_from_the_model_and_the_site_fallback(monkeypatch, tmp_path):
     from workflow import sites
-    from workflow.experiments import dag, get
+    from workflow.experiments import Experiment, RunScale, dag, get
 
     monkeypatch.delenv(sites.ACCOUNT_ENV, raising=False)
     aurora = pm.load_machine("aurora")
@@ -231,16 +234,21 @@ def test_node_hours_from_the_model_and_the_site_fallback(monkeypatch):
     site = sites.load_site("aurora", account="A", machine="aurora")
     job = sites.plan(run, site)
     assert job.est_source == "perfmodel:aurora" and job.est_hours == pytest.approx(est["hours"])
-    # 1024 sequences on 3072 tiles: the model has no layout for it; the throughput estimate stays.
-    fallback = sites.plan(get("pretrain-mula-7b-a1b").paper, site)
+    # A run the machine cannot price (a machine file without float32 matmuls, a float32 run): the
+    # throughput estimate stays, and the table says which jobs used which.
+    machine = yaml.safe_load((REPO / "workflow/machines/aurora.yaml").read_text())
+    del machine["device"]["matmul_flops"]["float32"]
+    (tmp_path / "bf16-only.yaml").write_text(yaml.safe_dump(machine))
+    bf16_only = sites.load_site("aurora", account="A", machine=str(tmp_path / "bf16-only.yaml"))
+    fp32 = Experiment("fp32-run", "scaling", laptop=run, paper=RunScale.for_steps(
+        "mula-220b-a10b", 20, 768, walltime_h=1, ep=32, global_batch=12288, extra={"train.dtype": "float32"}))
+    fallback = sites.plan(fp32.paper, bf16_only)
     assert fallback.est_source == "throughput"
-    table, plans = sites.plan_table(dag("paper"), site)
-    n_model = sum(p.est_source.startswith("perfmodel") for p in plans)
-    assert 0 < n_model < len(plans)
+    table, plans = sites.plan_table([get("scaling-mula-220b-a10b-768"), fp32], bf16_only)
+    assert [p.est_source for p in plans] == ["perfmodel:aurora", "throughput"]  # the file's machine name
     assert table.splitlines()[-1].endswith(
-        f"(performance model on machine aurora for {n_model} jobs; assumed 419 TFLOP/s per tile at 25% MFU "
-        f"for the other {len(plans) - n_model})")
-    assert "perfmodel:aurora" in table and "throughput" in table
+        "for 1 jobs; assumed 419 TFLOP/s per tile at 25% MFU for the other 1)")
+    assert all(p.est_source.startswith("perfmodel") for p in sites.plan_table(dag("paper"), site)[1])
     assert sites.load_site("aurora", account="A").machine == "aurora"  # the site file's default
     plain = sites.plan(run, sites.load_site("aurora", account="A", machine=""))
     assert plain.est_source == "throughput"

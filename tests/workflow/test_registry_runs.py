@@ -23,8 +23,27 @@ def test_paper_layouts_fit_aurora():
         cfg = p.run_config()
         if cfg.model.moe is not None:
             assert cfg.model.moe.n_experts % p.ep == 0 and p.devices % p.ep == 0, exp.name
-        if exp.paper.tokens < 4 * 10**12:  # the new runs: a whole number of sequences per rank
-            assert p.batch % p.devices == 0, exp.name
+
+
+
+def test_every_paper_batch_is_whole_micro_batches_on_every_rank():
+    for exp in EXPERIMENTS.values():
+        p = exp.paper
+        cfg = p.run_config()
+        assert cfg.train.micro_batch == 1, exp.name  # one sequence per tile per forward / backward
+        assert cfg.train.global_batch == p.batch and p.batch % (p.devices * cfg.train.micro_batch) == 0, exp.name
+        assert cfg.train.dtype == "bfloat16", exp.name
+    four_t = [e.paper for e in pretraining() if e.paper.tokens == 4 * 10**12]
+    assert [(r.devices, r.batch, r.tokens_per_step) for r in four_t] == [(3072, 3072, 3072 * 4096)] * 2
+    with pytest.raises(ConfigError, match=r"global_batch = 1024: must be a multiple of devices x micro_batch "
+                                          r"\(3072 x 1 = 3072 sequences\)"):
+        RunScale("mula-7b-a1b", 4 * 10**12, devices=3072, extra={"train.micro_batch": 1})
+    with pytest.raises(ConfigError, match=r"global_batch = 3072: must be a multiple of devices x micro_batch "
+                                          r"\(768 x 8 = 6144"):
+        RunScale("mula-1b", 10**11, devices=768, global_batch=3072, extra={"train.micro_batch": 8})
+    with pytest.raises(ConfigError, match=r"global_batch = 1024: must be a multiple of devices x micro_batch "
+                                          r"\(3072 x 1 = 3072"):  # no micro_batch: a third of a sequence per rank
+        RunScale("mula-1b", 4 * 10**12, devices=3072)
 
 
 def test_strong_scaling_changes_only_the_tiles():

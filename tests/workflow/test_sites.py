@@ -1,5 +1,6 @@
 """Sites and job planning: the PBS lines, queue and mpiexec line of Aurora jobs, errors before
 submission, the Parsl Config they become, and the paper-scale dry run with its node-hour total."""
+import math
 import os
 import re
 import subprocess
@@ -81,7 +82,7 @@ def test_planning_errors_name_field_value_and_allowed(aurora, monkeypatch):
 
 
 def test_parsl_config_for_aurora(aurora, tmp_path):
-    job = sites.plan(get("pretrain-mula-7b-a1b").paper, aurora)  # 30 h at 24 h per job: 2 jobs
+    job = sites.plan(get("pretrain-mula-7b-a1b").paper, aurora)  # longer than one 24 h job
     cfg = sites.parsl_config(aurora, job, tmp_path / "parsl")
     (ex,) = cfg.executors
     p = ex.provider
@@ -91,7 +92,8 @@ def test_parsl_config_for_aurora(aurora, tmp_path):
     assert p.scheduler_options == job.scheduler_options
     init = p.worker_init.splitlines()
     assert init[0] == "module load frameworks" and "export CCL_KVS_MODE=mpi" in init
-    assert cfg.retries == aurora.retries + 1 and cfg.run_dir == str(tmp_path / "parsl")
+    assert job.jobs == math.ceil(job.est_hours / 24) > 1
+    assert cfg.retries == aurora.retries + job.jobs - 1 and cfg.run_dir == str(tmp_path / "parsl")
     local = sites.load_site("local")
     lcfg = sites.parsl_config(local, sites.plan(None, local, ranks=1), tmp_path / "p2")
     assert type(lcfg.executors[0].provider).__name__ == "LocalProvider"
@@ -103,7 +105,8 @@ def test_command_line_is_the_laptop_command_under_mpiexec(aurora):
                           "out": "/r/x", "preset": None, "quiet": True, "dtype": None, "set": ["a=1", "b=2"],
                           "launcher": "parsl", "site": "aurora", "nproc": 1})
     line = command_line(job, argv)
-    assert line == (f"mpiexec -n 768 --ppn 12 --cpu-bind {CPU_BIND} optimus pretrain --experiment "
+    assert job.gpu_affinity == aurora.gpu_affinity.wrapper() and job.gpu_affinity.startswith("sh -c ")
+    assert line == (f"mpiexec -n 768 --ppn 12 --cpu-bind {CPU_BIND} {job.gpu_affinity} optimus pretrain --experiment "
                     "scaling-mula-220b-a10b-768 --scale paper --data /d/tok --out /r/x --quiet --set a=1 "
                     "--set b=2 --launcher local")
 
@@ -129,8 +132,8 @@ def test_paper_dry_run_lists_every_job_and_the_node_hour_total(tmp_path):
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
-    counts = {"corpus": 1, "tokenize": 1, "pretrain": 15, "evaluate": 5, "figures": 1, "report": 1,
-              "ingest_bench": 3, "perfmodel": 1, "total": 29}  # no CPU scaling sweep at paper scale
+    counts = {"corpus": 1, "tokenize": 1, "pretrain": 15, "evaluate": 5, "figure": 7, "report": 1,
+              "ingest_bench": 3, "perfmodel": 1, "total": 35}  # no CPU scaling sweep at paper scale
     for rule, count in counts.items():
         assert any(line.split() == [rule, str(count)] for line in text.splitlines()), rule
     for exp in dag("paper"):
@@ -140,11 +143,12 @@ def test_paper_dry_run_lists_every_job_and_the_node_hour_total(tmp_path):
     assert site.machine == "aurora"  # workflow/config/aurora.yaml: node-hours from the performance model
     _, plans = sites.plan_table(dag("paper"), site)
     total = f"{sum(p.node_hours for p in plans):,.0f}"
-    n_model = sum(p.est_source == "perfmodel:aurora" for p in plans)
-    assert 0 < n_model < 15
-    assert (f"TOTAL 15 jobs, {total} node-hours (performance model on machine aurora for {n_model} jobs; "
-            f"assumed 419 TFLOP/s per tile at 25% MFU for the other {15 - n_model})") in text
+    # every paper run has a layout the model prices (a whole number of sequences per tile)
+    assert all(p.est_source == "perfmodel:aurora" for p in plans)
+    assert f"TOTAL 15 jobs, {total} node-hours (performance model on machine aurora for 15 jobs)" in text
     assert "--launcher parsl --site aurora" in text
+    # tokenization fans out through the site's CPU executor, its shards kept beside the tokens
+    assert f"--launcher parsl --site aurora --shards {tmp_path / 'results'}/data/tokens.shards" in text
     assert not (tmp_path / "results").exists()
     # Without an account the plan stops the dry run, naming the field.
     env.pop("OPTIMUS_ACCOUNT")
@@ -176,5 +180,7 @@ def test_pretrain_on_site_plans_and_submits_the_local_command(tmp_path, monkeypa
     assert "x: 2 steps" in capsys.readouterr().out
     assert main([*base, "--experiment", "scaling-mula-220b-a10b-6144", "--scale", "paper", "--site", "aurora"]) == 0
     assert (seen["site"], seen["nodes"], seen["queue"]) == ("aurora", 512, "prod")
-    assert seen["command"].startswith(f"mpiexec -n 6144 --ppn 12 --cpu-bind {CPU_BIND} optimus pretrain --experiment")
+    wrapper = sites.load_site("aurora").gpu_affinity.wrapper()  # each rank sees only its tile
+    assert seen["command"].startswith(f"mpiexec -n 6144 --ppn 12 --cpu-bind {CPU_BIND} {wrapper} optimus pretrain "
+                                      "--experiment")
     assert seen["run_dir"].name == "paper-scaling-mula-220b-a10b-6144"

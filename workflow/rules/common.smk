@@ -1,7 +1,8 @@
 # Shared names. The runs come from the registry (workflow/experiments.py), never from here.
+import re
 import sys
 
-from stages.figures import FIGURES as FIGURE_FILES
+from stages.figures import FIGURE_READS, FIGURES as FIGURE_FILES
 from workflow.experiments import dag
 
 SCALE = config["scale"]
@@ -13,7 +14,7 @@ TOKENS = f"{RES}/data/tokens"
 PRETRAIN_RUNS = {e.run_id(SCALE): e for e in dag(SCALE)}
 EVAL_RUNS = [run for run, e in PRETRAIN_RUNS.items() if e.kind == "pretrain"]  # scaling/ablation: timed only
 TIMED_RUNS = [run for run, e in PRETRAIN_RUNS.items() if e.kind != "pretrain"]
-FIGURES = [f"{RES}/figures/{name}" for name in FIGURE_FILES]  # the figures stage always writes all
+FIGURES = [f"{RES}/figures/{name}" for name in FIGURE_FILES]  # one `figure` job each (report.smk)
 REPORT = f"{RES}/report.md"
 
 # Where training runs: here, or (launcher: parsl) through the Parsl site of the config's site:
@@ -33,3 +34,4 @@ if config.get("launcher", "local") == "parsl":
 # declared file: each stage declares a marker it writes last (summary.json, eval.json).
 wildcard_constraints:
     run="[A-Za-z0-9_.@-]+",
+    figure="|".join(re.escape(name) for name in FIGURE_FILES),

@@ -9,6 +9,12 @@ rule corpus:
         "optimus corpus --out {output} {params.source} 2> {log}"
 
 
+# With the parsl launcher (the aurora profile) tokenization fans out as one Parsl task per corpus
+# file on the site's CPU executor (workflow/tokenize_fanout.py); the per-file shards under
+# TOKEN_SHARDS outlive a rerun of this rule, so files already tokenized are not redone.
+TOKEN_SHARDS = f"{RES}/data/tokens.shards"
+
+
 rule tokenize:
     input:
         CORPUS,
@@ -16,8 +22,10 @@ rule tokenize:
         directory(TOKENS),
     params:
         tokenizer=f"--tokenizer {config['tokenizer']}" if config.get("tokenizer") else "",
+        fanout=f"--launcher parsl --site {SITE.name} --shards {TOKEN_SHARDS}" if LAUNCH else "",
     threads: config["tokenize_workers"]
     log:
         f"{RES}/logs/tokenize.log",
     shell:
-        "optimus tokenize --corpus {input} --out {output} --workers {threads} {params.tokenizer} 2>&1 | tee {log}"
+        "optimus tokenize --corpus {input} --out {output} --workers {threads} {params.tokenizer} {params.fanout}"
+        " 2>&1 | tee {log}"

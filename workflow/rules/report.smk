@@ -1,15 +1,27 @@
-rule figures:
+# One job per figure, after only the stages whose data it reads (stages/figures.py FIGURE_READS):
+# `snakemake results/figures/scaling.png` runs the scaling study, not the training runs.
+# "training" waits for every training run of the DAG: a figure draws every completed training
+# run in the store, so it must not be drawn while some are still missing.
+FIGURE_NEEDS = {
+    "training": expand(f"{RES}/runs/{{run}}/summary.json", run=list(PRETRAIN_RUNS)),
+    "evaluation": expand(f"{RES}/runs/{{run}}/eval.json", run=EVAL_RUNS),
+    "scaling": [PERFMODEL_JSON, *BENCH_MARKERS],  # the scaling study (workflow/rules/scaling.smk)
+}
+
+
+def figure_inputs(wildcards):
+    return sorted({path for need in FIGURE_READS[wildcards.figure] for path in FIGURE_NEEDS[need]})
+
+
+rule figure:
     input:
-        expand(f"{RES}/runs/{{run}}/eval.json", run=EVAL_RUNS),
-        expand(f"{RES}/runs/{{run}}/summary.json", run=TIMED_RUNS),
-        PERFMODEL_JSON,  # the scaling study (workflow/rules/scaling.smk): run perfmodel in the store
-        BENCH_MARKERS,
+        figure_inputs,
     output:
-        FIGURES,
+        f"{RES}/figures/{{figure}}",
     log:
-        f"{RES}/logs/figures.log",
+        f"{RES}/logs/figure-{{figure}}.log",
     shell:
-        f"optimus figures --store {STORE} --out {RES}/figures > {{log}} 2>&1"
+        f"optimus figures --store {STORE} --out {RES}/figures --only {{wildcards.figure}} > {{log}} 2>&1"
 
 
 rule report:

@@ -37,3 +37,29 @@ def test_torch_backend_refuses_clearly_where_unsupported():
         pytest.skip("torch._grouped_mm is supported here")
     with pytest.raises(RuntimeError, match="backend='torch' is unavailable"):
         losses("torch", steps=1)
+
+
+def test_recast_expert_weights_changes_memory_not_numbers():
+    """train.recast_expert_weights casts the float32 weights inside the GEMMs instead of once per
+    forward: under bf16 autocast the outputs and every gradient are bit-identical."""
+    from optimus_core.model.experts import Experts
+
+    torch.manual_seed(0)
+    plain = Experts(4, 16, 8, backend="loop")
+    for p in plain.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    recast = Experts(4, 16, 8, backend="loop")
+    recast.load_state_dict(plain.state_dict())
+    recast.recast_weights = True
+    x = torch.randn(13, 16)
+    offsets = torch.tensor([3, 3, 9, 11], dtype=torch.int32)  # an empty expert, 2 rows past the end
+    outs = []
+    for experts in (plain, recast):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = experts(xi, offsets)
+        y.float().square().sum().backward()
+        outs.append((y, xi.grad, experts.w_up.grad, experts.w_down.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert outs[1][2].dtype == torch.float32
