@@ -28,12 +28,10 @@ runs a tiny float32 smoke check on the CPU instead (timings meaningless).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,6 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere in the checkout
 
+from bench.common import write_jsonl  # noqa: E402
 from kernels import available_backends, grouped_mm, permute, unpermute  # noqa: E402
 
 OLMOE = dict(experts=64, top_k=8, d_model=2048, hidden=1024)
@@ -167,17 +166,6 @@ def bench_permute(rec, timer, device, dtype, T, routing, topk_idx, shape, backen
     ms = timer(sorted_rows.clone)
     rec(op="copy", pass_="fwd", backend="clone", tokens=T, routing=routing, ms=ms,
         gbps=nbytes / ms / 1e6, bytes=nbytes, D=D, top_k=k)
-
-
-def write_jsonl(path: Path, lines: list[dict]) -> None:
-    """Atomically: a temp file beside it, fsync, rename (a crash never leaves half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.writelines(json.dumps(line) + "\n" for line in lines)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def write_store(store_path: str, run_id: str, records: list[dict], summary: dict) -> bool:

@@ -11,7 +11,6 @@ import torch
 
 pytest.importorskip("lm_eval")
 
-from optimus_core import load_model  # noqa: E402
 from optimus_core.eval.lm import OptimusLM  # noqa: E402
 from optimus_core.eval.tasks import TaskFileError, build_continuation_tasks, run_lm_eval  # noqa: E402
 from workflow.cli import main  # noqa: E402

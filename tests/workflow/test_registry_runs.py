@@ -4,7 +4,7 @@ import pytest
 from optimus_core.config import ConfigError
 from workflow.cli import build_parser, resolve_run_config
 from workflow.experiments import (ABLATION_VARIANTS, EXPERIMENTS, SCALING_TILES, TILES_PER_NODE, RunScale, dag,
-                                  get, of_kind, pretraining)
+                                  of_kind, pretraining)
 
 
 def test_every_paper_run_of_the_study_is_registered():

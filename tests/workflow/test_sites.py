@@ -13,7 +13,7 @@ from optimus_core.config import ConfigError
 from parsl.providers import PBSProProvider
 
 from workflow import sites
-from workflow.experiments import RunScale, dag, get
+from workflow.experiments import dag, get
 from workflow.launch import command_line, pretrain_argv
 
 REPO = Path(__file__).resolve().parents[2]
