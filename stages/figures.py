@@ -46,11 +46,22 @@ FIGURES = {
                    "sweep predicted on Aurora, and the paper's ~90% at 12288 tiles (star)",
     "scaling_breakdown.png": "Where a step's time goes per device count: measured (M) and modelled (P, hatched) "
                              "compute, expert all-to-all, gradient sync, optimizer and idle",
+    "ablation.png": "The paper's ablation, measured on GPUs (bench/distributed.py): training tokens/s with our "
+                    "kernels, with the EP-aware optimizer and with both, over the baseline (loop experts, "
+                    "EP-unaware optimizer), per expert-parallel degree; dashed: the paper's 1.71x",
 }
 SCALING_FIGURES = ("scaling.png", "scaling_breakdown.png")  # drawn from the scaling study, not training runs
+BENCH_FIGURES = ("ablation.png",)  # drawn from the ingested GPU benchmarks (bench-* runs)
+# The paper's ablation (arXiv 2604.00785, as ../shared/DESIGN.md cites it): kernels and EP-aware
+# optimizer together, "up to 1.71x faster training".
+PAPER_ABLATION_SPEEDUP = 1.71
+ABLATION_VARIANTS = (  # label, experts backend, optimizer: bench/distributed.py's "ablation" suite
+    ("baseline", "loop", "ep_unaware"), ("+kernels", "triton", "ep_unaware"),
+    ("+EP-aware optimizer", "loop", "ep_aware"), ("both", "triton", "ep_aware"))
 # What each figure reads from the store, so that a workflow can build one figure after only the
 # stages it needs: "training" (the training runs' train / eval tables), "evaluation" (the evaluate
-# stage's heldout / downstream tables), "scaling" (the scaling study: perfmodel, `optimus scaling`).
+# stage's heldout / downstream tables), "scaling" (the scaling study: perfmodel, `optimus scaling`),
+# "bench" (the GPU benchmark results ingested into the store).
 FIGURE_READS = {
     "loss.png": ("training",),
     "heldout.png": ("training", "evaluation"),
@@ -59,6 +70,7 @@ FIGURE_READS = {
     "eval_table.png": ("training", "evaluation"),
     "scaling.png": ("scaling",),
     "scaling_breakdown.png": ("scaling",),
+    "ablation.png": ("bench",),
 }
 DASH = "–"  # a value the store does not have
 
@@ -103,13 +115,14 @@ def run_figures(config: FiguresConfig, inputs: FiguresInputs, outputs: FiguresOu
     draw: dict[str, Callable[[_Data], Union[Figure, str]]] = {
         "loss.png": _loss, "heldout.png": _heldout,
         "throughput.png": _throughput, "expert_load.png": _expert_load, "eval_table.png": _eval_table,
-        "scaling.png": _scaling, "scaling_breakdown.png": _scaling_breakdown,
+        "scaling.png": _scaling, "scaling_breakdown.png": _scaling_breakdown, "ablation.png": _ablation,
     }
     result = FiguresResult(paths=[])
     for name in FIGURES:
         if config.only is not None and name not in config.only:
             continue
-        fig = draw[name](data) if data.runs or name in SCALING_FIGURES else "no completed run in the store"
+        needs_training = name not in SCALING_FIGURES + BENCH_FIGURES
+        fig = draw[name](data) if data.runs or not needs_training else "no completed run in the store"
         if isinstance(fig, str):
             result.skipped[name] = fig
             fig = _note(fig)
@@ -344,6 +357,47 @@ def _scaling_breakdown(data: _Data) -> Union[Figure, str]:
     if not measured and not predicted:
         return "no scaling points in the store (run `optimus scaling` and `optimus perfmodel`)"
     return breakdown_figure(measured, predicted, "Where a step's time goes (share of the step; M measured, P model)")
+
+
+def ablation_speedups(store: ResultsStore) -> dict[str, dict[str, float]]:
+    """{"<device> EP=<ep>": {variant label: tokens/s over the baseline's}} from every ingested
+    ablation benchmark (runs bench-distributed-ablation-<device>), where its baseline was measured."""
+    out: dict[str, dict[str, float]] = {}
+    for run_id in store.runs()["run_id"]:
+        if not str(run_id).startswith("bench-distributed-ablation-"):
+            continue
+        device = str(run_id)[len("bench-distributed-ablation-"):]
+        tables = set(store.tables(run_id))
+        for ep in (1, 2, 4, 8):
+            rate = {label: float(store.metrics(run_id, name)["tokens_per_s"].iloc[-1])
+                    for label, backend, optimizer in ABLATION_VARIANTS
+                    if (name := f"ablation-ep{ep}-{backend}-{optimizer}") in tables}
+            if "baseline" in rate:
+                out[f"{device} EP={ep}"] = {label: r / rate["baseline"] for label, r in rate.items()}
+    return out
+
+
+def _ablation(data: _Data) -> Union[Figure, str]:
+    groups = ablation_speedups(data.store)
+    if not groups:
+        return "no ablation benchmark in the store (bench/distributed.py --suites ablation, then --ingest)"
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.add_subplot()
+    width = 0.8 / len(ABLATION_VARIANTS)
+    for i, (label, _, _) in enumerate(ABLATION_VARIANTS):
+        xs = [g + (i - (len(ABLATION_VARIANTS) - 1) / 2) * width for g in range(len(groups))]
+        ys = [speedups.get(label, float("nan")) for speedups in groups.values()]
+        bars = ax.bar(xs, ys, width, label=label, color=f"C{i}")
+        ax.bar_label(bars, labels=[f"{y:.2f}x" if np.isfinite(y) else "" for y in ys], fontsize=7)
+    ax.axhline(PAPER_ABLATION_SPEEDUP, ls="--", color="dimgrey",
+               label=f"paper: up to {PAPER_ABLATION_SPEEDUP}x (both, on Aurora)")
+    ax.set_xticks(range(len(groups)), list(groups))
+    ax.set_ylabel("training tokens/s over the baseline")
+    ax.set_ylim(0, 1.4 * max(max(v.values()) for v in groups.values()))  # room for the legend
+    ax.set_title("Ablation: our kernels and the EP-aware optimizer (bench/distributed.py)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", ncol=3)
+    fig.tight_layout()
+    return fig
 
 
 def _note(text: str) -> Figure:

@@ -52,7 +52,8 @@ def cmd_tokenize(args) -> None:
                             **({"vocab_size": args.vocab_size} if args.vocab_size else {}))
     inputs, outputs = TokenizeInputs(corpus_dir=args.corpus, tokenizer=args.tokenizer), TokenizeOutputs(out_dir=args.out)
     if args.launcher == "parsl":  # one Parsl task per corpus file on the site's CPU executor, then the merge
-        from workflow.sites import load_site, parsl_cpu_config
+        from workflow.parsl_sites import parsl_cpu_config
+        from workflow.sites import load_site
         from workflow.tokenize_fanout import default_shards, tokenize_fanout
 
         if not args.site:
@@ -227,7 +228,8 @@ def cmd_experiments(args) -> None:
 def cmd_plan(args) -> None:
     """The paper-scale jobs on a site: tiles, nodes, queue, walltime, estimated node-hours, total."""
     from workflow.experiments import dag, get as get_experiment
-    from workflow.sites import load_site, plan_table
+    from workflow.plan import plan_table
+    from workflow.sites import load_site
 
     site = load_site(args.site)
     experiments = [get_experiment(n) for n in args.experiments] if args.experiments else dag("paper")

@@ -1,7 +1,7 @@
 """THE experiment registry: every run of the paper, at paper scale and at laptop scale.
 
 Snakemake (workflow/rules/*.smk), the `optimus` command (``--experiment NAME --scale S``) and
-the Parsl launcher (workflow/launch.py, workflow/sites.py) all read this module; nothing else
+the Parsl launcher (workflow/launch.py, workflow/plan.py) all read this module; nothing else
 says how long a run is, on how many tiles, or with which layout (house rule 2). Model shapes are
 not here: they live in optimus_core/presets.py.
 

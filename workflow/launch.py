@@ -11,7 +11,7 @@ The core is plain Python (Parsl's guide: write the logic without Parsl, wrap it 
 ``command_line(job, argv)`` prefixes the site's mpiexec line (one rank per tile, each bound to
 its cores) and GPU affinity wrapper (each rank sees only its tile), and
 ``submit(site, job, command, ...)`` is the only function that imports Parsl: a ``bash_app``
-through the site's Parsl ``Config`` (workflow/sites.py), blocking until the job's task ends.
+through the site's Parsl ``Config`` (workflow/parsl_sites.py), blocking until the job's task ends.
 The ranks find their rank / local rank in the launcher's environment (PMI / PALS), so the
 command on the nodes is the same `optimus pretrain` a laptop runs, with ``--launcher local``.
 """
@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workflow.sites import JobPlan, SiteConfig, parsl_config
+from workflow.parsl_sites import parsl_config
+from workflow.plan import JobPlan
+from workflow.sites import SiteConfig
 
 # Flags that choose *where* to run: never forwarded to the command that runs there.
 WHERE = {"launcher", "site", "nproc"}
@@ -112,7 +114,8 @@ def pretrain_on_site(options: dict[str, Any], run_id: str) -> Submitted:
     The job's ranks are the run's tiles for ``--experiment`` (at ``--scale``), else ``--nproc``;
     its walltime the run's per-job walltime, else the site's ``walltime_h``."""
     from workflow.experiments import get
-    from workflow.sites import load_site, plan
+    from workflow.plan import plan
+    from workflow.sites import load_site
 
     if not options.get("site"):
         raise LaunchError("--launcher parsl needs --site NAME (local, aurora, or a YAML file with a site: block)")

@@ -1,13 +1,11 @@
-"""Sites: where a run executes through Parsl. Planning here is plain Python; Parsl only at the end.
+"""Sites: where a run executes -- the validated site configuration, and nothing else.
 
-    >>> from workflow import sites
-    >>> from workflow.experiments import get
-    >>> site = sites.load_site("aurora", account="MyProject")
-    >>> job = sites.plan(get("scaling-mula-220b-a10b-384").paper, site)
-    >>> job.nodes, job.queue, job.walltime
-    (32, 'debug-scaling', '01:00:00')
-    >>> print(job.mpiexec)          # doctest: +ELLIPSIS
-    mpiexec -n 384 --ppn 12 --cpu-bind list:1-8:...
+    >>> from workflow.sites import load_site
+    >>> site = load_site("aurora", account="MyProject")
+    >>> site.kind, site.tiles_per_node, list(site.queues)
+    ('pbspro', 12, ['debug', 'debug-scaling', 'capacity', 'prod'])
+    >>> site.gpu_affinity.variable
+    'ZE_AFFINITY_MASK'
 
 A site is a validated ``SiteConfig`` read from the ``site:`` block of
 ``workflow/config/<name>.yaml`` (or any YAML file with such a block); ``local`` is built in.
@@ -20,26 +18,13 @@ of its list, and ``gpu_affinity`` (a ``GpuAffinity``) becomes a small ``sh -c`` 
 mpiexec and the command that shows each rank only its own device -- on Aurora
 ZE_AFFINITY_MASK=<gpu>.<tile> from PALS_LOCAL_RANKID, one tile per rank -- so the trainer core
 never learns the node's topology (it takes device ``local_rank % device_count``, i.e. 0).
+``cpu_executor`` (a ``CpuExecutor``) describes the site's blocks for CPU fan-out work.
 
-``plan(run, site)`` turns a registry run (or a bare rank count) into a ``JobPlan`` -- nodes,
-queue, walltime, the ``#PBS`` lines, the mpiexec prefix, the environment, an estimate of the
-run's hours and node-hours -- and raises ``ConfigError`` at planning time for a missing
-account or queue, more nodes than the queue allows, a walltime over its limit, or a tile count
-that is not a multiple of the tiles per node. ``parsl_config(site, job, run_dir)`` builds the
-Parsl ``Config`` (HighThroughputExecutor + LocalProvider or PBSProProvider) for one job.
-
-Node-hour estimates: with ``site.machine`` set (a machine of workflow/machines/, e.g.
-``aurora``), a run's hours are its steps x the step time workflow/perfmodel.py predicts for its
-model, tiles, EP degree and batch on that machine. Where the model does not apply (no machine
-set, or a layout it cannot price, e.g. fewer sequences per step than tiles) the estimate falls
-back to the throughput assumption: the run's training FLOPs (the model's FLOP-per-token count x
-tokens) over ``tiles x peak_tflops_per_tile x mfu`` (site config; Aurora: 419 TFLOP/s bf16 per
-PVC tile, half of a Max 1550's dense bf16 peak, at 25 % MFU). ``JobPlan.est_source`` and the
-plan table say which one each job used.
+Planning jobs on a site is workflow/plan.py; the Parsl configurations built from a site and a
+plan are workflow/parsl_sites.py.
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 import shlex
@@ -281,239 +266,3 @@ def load_site(name_or_path: str | Path, **overrides: Any) -> SiteConfig:
 
 def _has_site(path: Path) -> bool:
     return "\nsite:" in "\n" + path.read_text()
-
-
-# ----------------------------------------------------------------------------- planning
-
-@dataclass(frozen=True)
-class JobPlan:
-    """One PBS (or local) job for one run: everything needed to submit it, and its cost estimate."""
-
-    site: str
-    ranks: int
-    nodes: int
-    ppn: int
-    queue: Optional[str]
-    account: Optional[str]
-    walltime_h: float
-    scheduler_options: str  # the `#PBS` lines Parsl puts in the submit script
-    select_line: str
-    mpiexec: str  # the launcher prefix ('' = run the command directly)
-    env: dict[str, str]
-    est_hours: float  # of training (nan if unknown): the performance model's, else the throughput assumption's
-    jobs: int  # PBS jobs the run spans (each resumes from the last checkpoint)
-    est_source: str = "throughput"  # "perfmodel:<machine>" | "throughput" | "" (no run to estimate)
-    gpu_affinity: str = ""  # per-rank prefix after mpiexec: each rank sees only its GPU / tile ('' = none)
-
-    @property
-    def launcher(self) -> str:
-        """What precedes the command on the job's head node: mpiexec, then the per-rank affinity wrapper."""
-        return " ".join(part for part in (self.mpiexec, self.gpu_affinity) if part)
-
-    @property
-    def walltime(self) -> str:
-        s = round(self.walltime_h * 3600)
-        return f"{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-    @property
-    def node_hours(self) -> float:
-        return self.nodes * self.est_hours
-
-    def pbs_lines(self) -> list[str]:
-        """Every directive the job gets: -A/-q (Parsl passes them to qsub) and the script's #PBS lines."""
-        out = [f"#PBS -A {self.account}"] if self.account else []
-        out += [f"#PBS -q {self.queue}"] if self.queue else []
-        out += [self.select_line, f"#PBS -l walltime={self.walltime}"]
-        return out + [l for l in self.scheduler_options.splitlines() if l]
-
-
-def _fmt_h(h: float) -> str:
-    return f"{h:g}h"
-
-
-def choose_queue(site: SiteConfig, nodes: int, walltime_h: float) -> str:
-    """The configured queue, checked, or (queue: auto) the first of the table that fits."""
-    if site.queue != "auto":
-        q = site.queues[site.queue]
-        if not q.min_nodes <= nodes <= q.max_nodes:
-            raise ConfigError(f"site {site.name}: nodes = {nodes}: queue {site.queue!r} allows "
-                              f"{q.min_nodes}-{q.max_nodes} nodes")
-        if walltime_h > q.walltime_h:
-            raise ConfigError(f"site {site.name}: walltime_h = {walltime_h:g}: over queue {site.queue!r}'s "
-                              f"limit of {_fmt_h(q.walltime_h)}")
-        return site.queue
-    for name, q in site.queues.items():
-        if q.min_nodes <= nodes <= q.max_nodes and walltime_h <= q.walltime_h:
-            return name
-    table = "; ".join(f"{n}: {q.min_nodes}-{q.max_nodes} nodes, <= {_fmt_h(q.walltime_h)}" for n, q in site.queues.items())
-    raise ConfigError(f"site {site.name}: nodes = {nodes}, walltime_h = {walltime_h:g}: no queue fits; allowed: {table}")
-
-
-def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
-         walltime_h: float | None = None) -> JobPlan:
-    """Plan one job: ``run`` is a registry RunScale (its tiles, walltime, FLOPs), or give ``ranks``."""
-    if site is None:
-        raise ConfigError("plan: a site is needed")
-    ranks = ranks if ranks is not None else run.devices
-    walltime_h = walltime_h if walltime_h is not None else (run.walltime_h if run and run.walltime_h else site.walltime_h)
-    # A local site is one machine: every rank on it, whatever tiles_per_node says.
-    ppn = site.tiles_per_node if site.kind == "pbspro" else max(1, ranks)
-    if site.kind == "pbspro" and not site.account:
-        raise ConfigError(f"site {site.name}: account = '': missing; set site.account in the site YAML "
-                          f"or the {ACCOUNT_ENV} environment variable")
-    if ranks < 1:
-        raise ConfigError(f"tiles = {ranks}: must be >= 1")
-    if ranks % ppn:
-        near = [n for n in (ranks // ppn * ppn, (ranks // ppn + 1) * ppn) if n]
-        raise ConfigError(f"site {site.name}: tiles = {ranks}: must be a multiple of tiles_per_node ({ppn}); "
-                          f"nearest: {' or '.join(map(str, near))}")
-    if walltime_h <= 0:
-        raise ConfigError(f"walltime_h = {walltime_h}: must be > 0")
-    nodes = ranks // ppn
-    est, source = estimate_hours(run, site, ranks)
-    jobs = max(1, math.ceil(est / walltime_h)) if est == est else 1
-    queue = account = None
-    sched, select = [], f"#PBS -l select={nodes}"
-    if site.kind == "pbspro":
-        account = site.account
-        queue = choose_queue(site, nodes, walltime_h)
-        select = f"#PBS -l select={nodes}:ncpus={site.cpus_per_node}" + (
-            f":{site.select_options.lstrip(':')}" if site.select_options else "")
-        if site.filesystems:
-            sched.append(f"#PBS -l filesystems={site.filesystems}")
-        if site.place:
-            sched.append(f"#PBS -l place={site.place}")
-        sched += [l if l.startswith("#PBS") else f"#PBS {l}" for l in site.scheduler_options]
-    mpiexec = site.mpiexec.format(ranks=ranks, nodes=nodes, ppn=ppn, cpu_bind=site.cpu_bind).strip()
-    affinity = site.gpu_affinity.wrapper() if site.gpu_affinity is not None else ""
-    return JobPlan(site.name, ranks, nodes, ppn, queue, account, walltime_h, "\n".join(sched), select, mpiexec,
-                   dict(site.env), est, jobs, source, affinity)
-
-
-def estimate_hours(run, site: SiteConfig, ranks: int) -> tuple[float, str]:
-    """(hours of training, how they were estimated): the performance model on ``site.machine``
-    where it applies to the run as planned, else the throughput assumption; (nan, "") without a run."""
-    if run is None:
-        return float("nan"), ""
-    if site.machine and ranks == run.devices:
-        from workflow import perfmodel
-
-        machine = _machine(site.machine)  # an unknown or broken machine file is an error, not a fallback
-        try:
-            est = perfmodel.estimate_node_hours(run, machine)
-            return est["hours"], est["source"]
-        except ConfigError:
-            pass  # e.g. fewer sequences than tiles: the model has no layout for it
-    return run.flops() / (ranks * site.peak_tflops_per_tile * 1e12 * site.mfu) / 3600, "throughput"
-
-
-_MACHINES: dict[str, Any] = {}
-
-
-def _machine(name: str):
-    """The performance model's machine (loaded once per process: plan_table asks per job)."""
-    if name not in _MACHINES:
-        from workflow import perfmodel
-
-        _MACHINES[name] = perfmodel.load_machine(name)
-    return _MACHINES[name]
-
-
-def plan_table(experiments, site: SiteConfig) -> tuple[str, list[JobPlan]]:
-    """The paper-scale jobs of ``experiments`` as a table, with the node-hour total last."""
-    rows, plans = [], []
-    head = (f"{'run':30s} {'tiles':>6s} {'nodes':>5s} {'queue':>13s} {'walltime':>9s} {'jobs':>4s} "
-            f"{'est. hours':>10s} {'node-hours':>11s}  {'estimate':s}")
-    for exp in experiments:
-        try:
-            p = plan(exp.paper, site)
-        except ConfigError as e:
-            raise ConfigError(f"{exp.name}: {e}") from None
-        plans.append(p)
-        rows.append(f"{exp.name:30s} {p.ranks:6d} {p.nodes:5d} {p.queue or '-':>13s} {p.walltime:>9s} {p.jobs:4d} "
-                    f"{p.est_hours:10.2f} {p.node_hours:11,.1f}  {p.est_source}")
-    total = sum(p.node_hours for p in plans)
-    modelled = sum(p.est_source.startswith("perfmodel") for p in plans)
-    assumed = f"assumed {site.peak_tflops_per_tile:g} TFLOP/s per tile at {site.mfu:.0%} MFU"
-    if modelled:
-        rest = f"; {assumed} for the other {len(plans) - modelled}" if modelled < len(plans) else ""
-        foot = (f"TOTAL {len(plans)} jobs, {total:,.0f} node-hours (performance model on machine "
-                f"{site.machine} for {modelled} jobs{rest})")
-    else:
-        foot = f"TOTAL {len(plans)} jobs, {total:,.0f} node-hours ({assumed})"
-    return "\n".join([head, "-" * len(head), *rows, foot]), plans
-
-
-# ----------------------------------------------------------------------------- Parsl
-
-def worker_init(site: SiteConfig, job: JobPlan) -> str:
-    """The job script's preamble: module loads / venv, then the environment exports."""
-    lines = list(site.worker_init)
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in job.env.items()]
-    return "\n".join(lines)
-
-
-def parsl_config(site: SiteConfig, job: JobPlan, run_dir: str | Path, label: str = "optimus"):
-    """The Parsl Config running ``job``: one block of ``job.nodes`` nodes, one worker on its head
-    node; the app itself starts the ranks with ``job.mpiexec``."""
-    from parsl.config import Config
-    from parsl.executors import HighThroughputExecutor
-    from parsl.launchers import SimpleLauncher
-
-    provider = _provider(site, job, SimpleLauncher())
-    executor = HighThroughputExecutor(
-        label=label, max_workers_per_node=site.max_workers_per_node, provider=provider,
-        heartbeat_period=site.heartbeat_period, heartbeat_threshold=site.heartbeat_threshold,
-        **({"address": site.address} if site.address else {}),
-    )
-    # A run longer than one job needs (jobs - 1) resubmissions; each resumes from `latest`.
-    return Config(executors=[executor], retries=site.retries + job.jobs - 1, run_dir=str(run_dir),
-                  strategy="simple", usage_tracking=0)
-
-
-def _provider(site: SiteConfig, job: JobPlan, launcher, max_blocks: int = 1):
-    """The Parsl provider of ``job``'s blocks: PBS Pro (``job.nodes`` nodes per block) or this machine."""
-    from parsl.providers import LocalProvider, PBSProProvider
-
-    class PolledPBSPro(PBSProProvider):  # Parsl fixes the qstat interval at 60 s; the site chooses
-        @property
-        def status_polling_interval(self):
-            return site.status_polling_interval
-
-    init = worker_init(site, job)
-    if site.kind == "pbspro":
-        return PolledPBSPro(
-            account=job.account, queue=job.queue, scheduler_options=job.scheduler_options,
-            select_options=site.select_options, worker_init=init, nodes_per_block=job.nodes,
-            cpus_per_node=site.cpus_per_node, init_blocks=1, min_blocks=0, max_blocks=max_blocks,
-            walltime=job.walltime, launcher=launcher,
-        )
-    return LocalProvider(worker_init=init, init_blocks=1, min_blocks=0, max_blocks=max_blocks, launcher=launcher)
-
-
-def cpu_job(site: SiteConfig) -> JobPlan:
-    """One block of the site's CPU executor, planned like a training job (queue, walltime and
-    account checked now, before anything is submitted)."""
-    cpu = site.cpu_executor
-    ranks = cpu.nodes * site.tiles_per_node if site.kind == "pbspro" else 1
-    return plan(None, site, ranks=ranks, walltime_h=cpu.walltime_h)
-
-
-def parsl_cpu_config(site: SiteConfig, run_dir: str | Path, label: str = "optimus_cpu"):
-    """The Parsl Config of the site's CPU executor (``site.cpu_executor``): many single-core
-    Python tasks over the cores of one or more nodes (the tokenize fan-out)."""
-    from parsl.config import Config
-    from parsl.executors import HighThroughputExecutor
-    from parsl.launchers import MpiExecLauncher, SimpleLauncher
-
-    cpu, job = site.cpu_executor, cpu_job(site)
-    launcher = (SimpleLauncher() if cpu.launcher == "simple"
-                else MpiExecLauncher(bind_cmd=cpu.bind_cmd, overrides=cpu.launcher_options))
-    workers = cpu.workers_per_node or (site.cpus_per_node if site.kind == "pbspro" else os.cpu_count() or 1)
-    executor = HighThroughputExecutor(
-        label=label, max_workers_per_node=workers, provider=_provider(site, job, launcher, cpu.max_blocks),
-        heartbeat_period=site.heartbeat_period, heartbeat_threshold=site.heartbeat_threshold,
-        **({"address": site.address} if site.address else {}),
-    )
-    return Config(executors=[executor], retries=site.retries, run_dir=str(run_dir), strategy="simple",
-                  usage_tracking=0)

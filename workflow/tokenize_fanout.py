@@ -1,15 +1,16 @@
 """Paper-scale tokenization through Parsl: one task per corpus file, then one merge.
 
-    from workflow.sites import load_site, parsl_cpu_config
+    from workflow.parsl_sites import parsl_cpu_config
+    from workflow.sites import load_site
     result, done = tokenize_fanout(TokenizeConfig(), TokenizeInputs(corpus, tokenizer),
                                    TokenizeOutputs(out), shards=Path("results/data/shards"),
                                    parsl_config=parsl_cpu_config(load_site("aurora"), run_dir))
     done  # {"data/web/part-0.json.zst": "tokenized" | "reused", ...}
 
-The logic is stages/tokenize.py's fan-out core (tokenize_shard, merge_shards); this module only
-submits ``tokenize_shard`` once per file as a Parsl ``python_app`` on the config's executor (the
-site's CPU executor: workflow/sites.py parsl_cpu_config), waits for all of them, and merges
-here. A file whose shard was made from the same bytes with the same tokenizer and settings is
+The logic is stages/tokenize_shards.py's fan-out core (tokenize_shard, merge_shards); this
+module only submits ``tokenize_shard`` once per file as a Parsl ``python_app`` on the config's
+executor (the site's CPU executor: workflow/parsl_sites.py parsl_cpu_config), waits for all of
+them, and merges here. A file whose shard was made from the same bytes with the same tokenizer and settings is
 reused by its task, so a rerun after a failure redoes only what is missing or changed. `optimus
 tokenize --launcher parsl --site NAME [--shards DIR]` calls it.
 """
@@ -19,8 +20,8 @@ from pathlib import Path
 
 from optimus_core.config import ConfigError
 from stages.corpus import CorpusError, list_corpus
-from stages.tokenize import (TokenizeConfig, TokenizeInputs, TokenizeOutputs, TokenizeResult, merge_shards,
-                             shard_dir, shard_settings, tokenize_shard)
+from stages.tokenize import TokenizeConfig, TokenizeInputs, TokenizeOutputs, TokenizeResult
+from stages.tokenize_shards import merge_shards, shard_dir, shard_settings, tokenize_shard
 
 
 def default_shards(out_dir: Path) -> Path:

@@ -10,7 +10,7 @@ import pytest
 
 from optimus_core.config import ConfigError
 from optimus_core.store import StoreKeyError, open_store
-from stages.figures import (FIGURES, SCALING_FIGURES, FiguresConfig, FiguresInputs, FiguresOutputs, FiguresResult,
+from stages.figures import (BENCH_FIGURES, FIGURES, SCALING_FIGURES, FiguresConfig, FiguresInputs, FiguresOutputs, FiguresResult,
                             run_figures, select_runs)
 from stages.report import ReportConfig, ReportInputs, ReportOutputs, run_report
 
@@ -73,15 +73,29 @@ def _write_study(store) -> None:
                 w.log(table, {"step": i, **numbers})
 
 
+# An ablation benchmark as bench/common.py ingests it: one table per point, one row of numbers.
+ABLATION_TOKENS_PER_S = {"ablation-ep1-loop-ep_unaware": 40.0, "ablation-ep1-triton-ep_unaware": 66.0,
+                         "ablation-ep1-loop-ep_aware": 41.0, "ablation-ep1-triton-ep_aware": 70.0,
+                         "ablation-ep2-triton-ep_aware": 80.0}  # EP=2 without its baseline: no group
+
+
+def _write_ablation(store) -> None:
+    with store.run_writer("bench-distributed-ablation-gpu-x", {"bench": "distributed_summary"}) as w:
+        for table, rate in ABLATION_TOKENS_PER_S.items():
+            w.log(table, {"step": 0, "tokens_per_s": rate, "devices": 2})
+
+
 @pytest.fixture(scope="module")
 def store_path(tmp_path_factory) -> Path:
-    """Two completed runs (dense, MoE), a failed one and the scaling study; tests only read it."""
+    """Two completed runs (dense, MoE), a failed one, the scaling study and an ablation
+    benchmark; tests only read it."""
     path = tmp_path_factory.mktemp("store") / "results" / "store.zarr"
     store = open_store(path)
     _write_run(store, "dense", moe=False)
     _write_run(store, "moe", moe=True)
     _write_run(store, "broken", moe=False, status="failed")
     _write_study(store)
+    _write_ablation(store)
     return path
 
 
@@ -111,8 +125,10 @@ def test_figures_without_data_are_notes_listed_with_the_reason(tmp_path):
     _write_run(open_store(path), "dense", moe=False, evals=False)
     result = _figures(path, tmp_path / "figures")
     _assert_pngs(result.paths)
-    assert set(result.skipped) == {"heldout.png", "expert_load.png", "eval_table.png", *SCALING_FIGURES}
+    assert set(result.skipped) == {"heldout.png", "expert_load.png", "eval_table.png", *SCALING_FIGURES,
+                                   *BENCH_FIGURES}
     assert result.skipped["scaling.png"].startswith("no scaling points in the store")
+    assert result.skipped["ablation.png"].startswith("no ablation benchmark in the store")
     assert "no run has a heldout or downstream table" in result.skipped["eval_table.png"]
     assert result.skipped["expert_load.png"] == "no MoE run in the store"
     assert "loss.<source>" in result.skipped["heldout.png"]
@@ -121,7 +137,16 @@ def test_figures_without_data_are_notes_listed_with_the_reason(tmp_path):
     open_store(empty)
     result = _figures(empty, tmp_path / "empty-figures")
     _assert_pngs(result.paths)
-    assert {result.skipped[n] for n in FIGURES if n not in SCALING_FIGURES} == {"no completed run in the store"}
+    assert {result.skipped[n] for n in FIGURES if n not in SCALING_FIGURES + BENCH_FIGURES} == {
+        "no completed run in the store"}
+
+
+def test_ablation_speedups_are_over_each_groups_baseline(store_path):
+    from stages.figures import ablation_speedups
+
+    got = ablation_speedups(open_store(store_path, mode="r"))
+    assert got == {"gpu-x EP=1": {"baseline": 1.0, "+kernels": 66 / 40, "+EP-aware optimizer": 41 / 40,
+                                  "both": 70 / 40}}
 
 
 def test_eval_table_figure_holds_the_stores_numbers(store_path, tmp_path):
@@ -139,7 +164,7 @@ def test_figures_choose_runs(store_path, tmp_path):
     # only completed runs by default: the failed dense-only run alone has no MoE data
     result = _figures(store_path, tmp_path / "a", runs=["broken"])
     assert set(result.skipped) == {"expert_load.png"}
-    with pytest.raises(StoreKeyError, match="known runs: broken, dense, moe, perfmodel"):
+    with pytest.raises(StoreKeyError, match="known runs: bench-distributed-ablation-gpu-x, broken, dense, moe, perfmodel"):
         _figures(store_path, tmp_path / "b", runs=["nope"])
     with pytest.raises(ConfigError, match=r"figures.smoothing = 1.0"):
         FiguresConfig(smoothing=1.0)

@@ -8,8 +8,8 @@ import zstandard
 from optimus_core.config import ConfigError
 from optimus_core.data.shards import load_manifest, sha256_file, verify
 from stages.corpus import list_corpus
-from stages.tokenize import (SHARD_NAME, CorpusError, TokenizeConfig, TokenizeInputs, TokenizeOutputs, merge_shards,
-                             run_tokenize, shard_dir, shard_settings, tokenize_shard)
+from stages.tokenize import CorpusError, TokenizeConfig, TokenizeInputs, TokenizeOutputs, run_tokenize
+from stages.tokenize_shards import SHARD_NAME, merge_shards, shard_dir, shard_settings, tokenize_shard
 
 
 def zst_records(n: int, prefix: str) -> bytes:

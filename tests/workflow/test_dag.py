@@ -21,8 +21,8 @@ def test_dry_run_lists_every_stage_and_runs_nothing(tmp_path):
     out = snakemake("-n", results=tmp_path / "results")
     assert out.returncode == 0, out.stderr
     text = out.stdout + out.stderr
-    jobs = {"corpus": 1, "tokenize": 1, "pretrain": 2, "evaluate": 2, "figure": 7, "report": 1,
-            "scaling": 1, "ingest_bench": 3, "perfmodel": 1, "total": 20}
+    jobs = {"corpus": 1, "tokenize": 1, "pretrain": 2, "evaluate": 2, "figure": 8, "report": 1,
+            "scaling": 1, "ingest_bench": 3, "perfmodel": 1, "total": 21}
     assert job_counts(text) == {**jobs, "all": 1}
     assert not (tmp_path / "results").exists()
 
@@ -36,6 +36,7 @@ def job_counts(text: str) -> dict[str, int]:
 @pytest.mark.parametrize("figure, jobs", [
     # the scaling study only: no corpus, no tokens, no training
     ("scaling.png", {"scaling": 1, "ingest_bench": 3, "perfmodel": 1, "figure": 1, "total": 6}),
+    ("ablation.png", {"ingest_bench": 3, "figure": 1, "total": 4}),  # the GPU results only
     ("loss.png", {"corpus": 1, "tokenize": 1, "pretrain": 2, "figure": 1, "total": 5}),  # no evaluation
     ("eval_table.png", {"corpus": 1, "tokenize": 1, "pretrain": 2, "evaluate": 2, "figure": 1, "total": 7}),
 ])

@@ -16,6 +16,7 @@ import pytest
 from optimus_core.config import ConfigError
 from workflow import sites
 from workflow.launch import command_line
+from workflow.plan import plan
 
 PALS_STANDIN = '''\
 import os, subprocess, sys
@@ -66,7 +67,7 @@ def run_ranks(line: str, tmp_path: Path, env: dict | None = None) -> subprocess.
 
 
 def test_two_nodes_each_rank_sees_its_own_tile_on_its_own_cores(aurora, tmp_path):
-    job = sites.plan(None, aurora, ranks=24)
+    job = plan(None, aurora, ranks=24)
     assert (job.nodes, job.ppn) == (2, 12)
     show = ["sh", "-c", 'echo "$PALS_RANKID $PALS_NODEID $PALS_LOCAL_RANKID $ZE_AFFINITY_MASK $STANDIN_CORES"']
     line = command_line(job, show)
@@ -102,7 +103,7 @@ def test_the_wrapper_reads_the_first_local_rank_variable_that_is_set(aurora, tmp
 def test_cuda_style_affinity_is_a_yaml_edit(tmp_path):
     site = sites.site_from_dict({"name": "gpu", "kind": "local", "mpiexec": "mpiexec -n {ranks}",
                                  "gpu_affinity": {"variable": "CUDA_VISIBLE_DEVICES", "local_rank_env": "LOCAL_RANK"}})
-    wrapper = sites.plan(None, site, ranks=4).gpu_affinity
+    wrapper = plan(None, site, ranks=4).gpu_affinity
     out = run_ranks(f'{wrapper} sh -c "echo \\$CUDA_VISIBLE_DEVICES"', tmp_path, {"LOCAL_RANK": "3"})
     assert out.stdout == "3\n"
 

@@ -17,6 +17,7 @@ from stages.corpus import CorpusError
 from stages.tokenize import TokenizeConfig, TokenizeInputs, TokenizeOutputs, run_tokenize
 from workflow import sites
 from workflow.cli import main
+from workflow.parsl_sites import cpu_job, parsl_cpu_config
 from workflow.tokenize_fanout import default_shards, tokenize_fanout
 
 
@@ -93,17 +94,17 @@ def test_cli_parsl_launcher_on_the_local_site_htex(corpus, tokenizer, tmp_path, 
 def test_site_cpu_executor_configs(monkeypatch, tmp_path):
     monkeypatch.delenv(sites.ACCOUNT_ENV, raising=False)
     aurora = sites.load_site("aurora", account="MyProj")
-    job = sites.cpu_job(aurora)
+    job = cpu_job(aurora)
     assert (job.nodes, job.queue, job.walltime) == (16, "capacity", "06:00:00")
-    (ex,) = sites.parsl_cpu_config(aurora, tmp_path / "p").executors
+    (ex,) = parsl_cpu_config(aurora, tmp_path / "p").executors
     p = ex.provider
     assert isinstance(p, PBSProProvider) and (p.nodes_per_block, p.queue, p.account) == (16, "capacity", "MyProj")
     assert ex.max_workers_per_node == 104 and type(p.launcher).__name__ == "MpiExecLauncher"
     assert (p.launcher.bind_cmd, p.launcher.overrides) == ("--cpu-bind", "--ppn 1")
-    (local,) = sites.parsl_cpu_config(sites.load_site("local"), tmp_path / "l").executors
+    (local,) = parsl_cpu_config(sites.load_site("local"), tmp_path / "l").executors
     assert isinstance(local.provider, LocalProvider) and local.max_workers_per_node >= 1
     with pytest.raises(ConfigError, match=r"nodes = 300, walltime_h = 30: no queue fits"):
-        sites.cpu_job(sites.load_site("aurora", account="A", cpu_executor={"nodes": 300, "walltime_h": 30,
+        cpu_job(sites.load_site("aurora", account="A", cpu_executor={"nodes": 300, "walltime_h": 30,
                                                                             "launcher": "mpiexec"}))
     with pytest.raises(ConfigError, match=r"site.cpu_executor.launcher = 'simple': 'simple' starts workers on one node"):
         sites.load_site("aurora", account="A", cpu_executor={"nodes": 2})

@@ -222,6 +222,7 @@ def test_paper_sweep_is_sane():
 def test_node_hours_from_the_model_and_the_site_fallback(monkeypatch, tmp_path):
     from workflow import sites
     from workflow.experiments import Experiment, RunScale, dag, get
+    from workflow.plan import plan, plan_table
 
     monkeypatch.delenv(sites.ACCOUNT_ENV, raising=False)
     aurora = pm.load_machine("aurora")
@@ -232,7 +233,7 @@ def test_node_hours_from_the_model_and_the_site_fallback(monkeypatch, tmp_path):
     assert est["step_s"] == pytest.approx(step.step_s) and est["nodes"] == 64
     assert est["node_hours"] == pytest.approx(run.steps * step.step_s / 3600 * 64)
     site = sites.load_site("aurora", account="A", machine="aurora")
-    job = sites.plan(run, site)
+    job = plan(run, site)
     assert job.est_source == "perfmodel:aurora" and job.est_hours == pytest.approx(est["hours"])
     # A run the machine cannot price (a machine file without float32 matmuls, a float32 run): the
     # throughput estimate stays, and the table says which jobs used which.
@@ -242,15 +243,15 @@ def test_node_hours_from_the_model_and_the_site_fallback(monkeypatch, tmp_path):
     bf16_only = sites.load_site("aurora", account="A", machine=str(tmp_path / "bf16-only.yaml"))
     fp32 = Experiment("fp32-run", "scaling", laptop=run, paper=RunScale.for_steps(
         "mula-220b-a10b", 20, 768, walltime_h=1, ep=32, global_batch=12288, extra={"train.dtype": "float32"}))
-    fallback = sites.plan(fp32.paper, bf16_only)
+    fallback = plan(fp32.paper, bf16_only)
     assert fallback.est_source == "throughput"
-    table, plans = sites.plan_table([get("scaling-mula-220b-a10b-768"), fp32], bf16_only)
+    table, plans = plan_table([get("scaling-mula-220b-a10b-768"), fp32], bf16_only)
     assert [p.est_source for p in plans] == ["perfmodel:aurora", "throughput"]  # the file's machine name
     assert table.splitlines()[-1].endswith(
         "for 1 jobs; assumed 419 TFLOP/s per tile at 25% MFU for the other 1)")
-    assert all(p.est_source.startswith("perfmodel") for p in sites.plan_table(dag("paper"), site)[1])
+    assert all(p.est_source.startswith("perfmodel") for p in plan_table(dag("paper"), site)[1])
     assert sites.load_site("aurora", account="A").machine == "aurora"  # the site file's default
-    plain = sites.plan(run, sites.load_site("aurora", account="A", machine=""))
+    plain = plan(run, sites.load_site("aurora", account="A", machine=""))
     assert plain.est_source == "throughput"
     with pytest.raises(ConfigError, match=r"machine = 'auroraa': unknown"):
-        sites.plan(run, sites.load_site("aurora", account="A", machine="auroraa"))
+        plan(run, sites.load_site("aurora", account="A", machine="auroraa"))

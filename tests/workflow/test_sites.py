@@ -15,6 +15,8 @@ from parsl.providers import PBSProProvider
 from workflow import sites
 from workflow.experiments import dag, get
 from workflow.launch import command_line, pretrain_argv
+from workflow.parsl_sites import parsl_config
+from workflow.plan import plan, plan_table
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_BIND = "list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100"
@@ -33,7 +35,7 @@ def aurora(monkeypatch):
     ("pretrain-mula-7b-a1b", 256, "prod", "24:00:00"),
 ])
 def test_aurora_job_pbs_lines_and_mpiexec(aurora, run, nodes, queue, walltime):
-    job = sites.plan(get(run).paper, aurora)
+    job = plan(get(run).paper, aurora)
     assert (job.nodes, job.ranks, job.queue, job.walltime) == (nodes, nodes * 12, queue, walltime)
     assert job.pbs_lines() == [
         "#PBS -A MyProj", f"#PBS -q {queue}", f"#PBS -l select={nodes}:ncpus=208",
@@ -50,25 +52,25 @@ def test_aurora_job_pbs_lines_and_mpiexec(aurora, run, nodes, queue, walltime):
     (8, 48, "capacity"), (16, 168, "capacity"), (17, 2, "prod"), (257, 1, "prod"), (1024, 24, "prod"),
 ])
 def test_queue_follows_node_count_and_walltime(aurora, nodes, walltime_h, queue):
-    assert sites.plan(None, aurora, ranks=12 * nodes, walltime_h=walltime_h).queue == queue
+    assert plan(None, aurora, ranks=12 * nodes, walltime_h=walltime_h).queue == queue
 
 
 def test_planning_errors_name_field_value_and_allowed(aurora, monkeypatch):
     run = get("scaling-mula-220b-a10b-384").paper
     with pytest.raises(ConfigError, match=r"account = '': missing; set site.account .* or the OPTIMUS_ACCOUNT"):
-        sites.plan(run, sites.load_site("aurora"))
+        plan(run, sites.load_site("aurora"))
     monkeypatch.setenv(sites.ACCOUNT_ENV, "FromEnv")
-    assert sites.plan(run, sites.load_site("aurora")).account == "FromEnv"
+    assert plan(run, sites.load_site("aurora")).account == "FromEnv"
     with pytest.raises(ConfigError, match=r"tiles = 100: must be a multiple of tiles_per_node \(12\); nearest: 96 or 108"):
-        sites.plan(None, aurora, ranks=100)
+        plan(None, aurora, ranks=100)
     with pytest.raises(ConfigError, match=r"nodes = 32: queue 'debug' allows 1-2 nodes"):
-        sites.plan(run, sites.load_site("aurora", account="A", queue="debug"))
+        plan(run, sites.load_site("aurora", account="A", queue="debug"))
     with pytest.raises(ConfigError, match=r"walltime_h = 2: over queue 'debug-scaling''s limit of 1h"):
-        sites.plan(run, sites.load_site("aurora", account="A", queue="debug-scaling"), walltime_h=2)
+        plan(run, sites.load_site("aurora", account="A", queue="debug-scaling"), walltime_h=2)
     with pytest.raises(ConfigError, match=r"nodes = 11000, walltime_h = 1: no queue fits; allowed: debug: 1-2 nodes"):
-        sites.plan(None, aurora, ranks=12 * 11000)
+        plan(None, aurora, ranks=12 * 11000)
     with pytest.raises(ConfigError, match=r"walltime_h = 30: no queue fits"):
-        sites.plan(None, aurora, ranks=12 * 100, walltime_h=30)
+        plan(None, aurora, ranks=12 * 100, walltime_h=30)
     with pytest.raises(ConfigError, match=r"queue = 'gpu': unknown; allowed: auto, debug, debug-scaling"):
         sites.load_site("aurora", queue="gpu")
     with pytest.raises(ConfigError, match=r"site.acount: unknown field"):
@@ -82,8 +84,8 @@ def test_planning_errors_name_field_value_and_allowed(aurora, monkeypatch):
 
 
 def test_parsl_config_for_aurora(aurora, tmp_path):
-    job = sites.plan(get("pretrain-mula-7b-a1b").paper, aurora)  # longer than one 24 h job
-    cfg = sites.parsl_config(aurora, job, tmp_path / "parsl")
+    job = plan(get("pretrain-mula-7b-a1b").paper, aurora)  # longer than one 24 h job
+    cfg = parsl_config(aurora, job, tmp_path / "parsl")
     (ex,) = cfg.executors
     p = ex.provider
     assert isinstance(p, PBSProProvider) and p.status_polling_interval == 60 and type(p.launcher).__name__ == "SimpleLauncher"
@@ -95,12 +97,12 @@ def test_parsl_config_for_aurora(aurora, tmp_path):
     assert job.jobs == math.ceil(job.est_hours / 24) > 1
     assert cfg.retries == aurora.retries + job.jobs - 1 and cfg.run_dir == str(tmp_path / "parsl")
     local = sites.load_site("local")
-    lcfg = sites.parsl_config(local, sites.plan(None, local, ranks=1), tmp_path / "p2")
+    lcfg = parsl_config(local, plan(None, local, ranks=1), tmp_path / "p2")
     assert type(lcfg.executors[0].provider).__name__ == "LocalProvider"
 
 
 def test_command_line_is_the_laptop_command_under_mpiexec(aurora):
-    job = sites.plan(get("scaling-mula-220b-a10b-768").paper, aurora)
+    job = plan(get("scaling-mula-220b-a10b-768").paper, aurora)
     argv = pretrain_argv({"experiment": "scaling-mula-220b-a10b-768", "scale": "paper", "data": Path("/d/tok"),
                           "out": "/r/x", "preset": None, "quiet": True, "dtype": None, "set": ["a=1", "b=2"],
                           "launcher": "parsl", "site": "aurora", "nproc": 1})
@@ -114,12 +116,12 @@ def test_command_line_is_the_laptop_command_under_mpiexec(aurora):
 def test_node_hours_follow_the_throughput_assumption():
     throughput = sites.load_site("aurora", account="MyProj", machine="")  # no performance model
     run = get("pretrain-mula-220b-a10b").paper
-    job = sites.plan(run, throughput)
+    job = plan(run, throughput)
     expected_h = run.flops() / (3072 * 419e12 * 0.25) / 3600
     assert job.est_hours == pytest.approx(expected_h) and job.node_hours == pytest.approx(256 * expected_h)
-    faster = sites.plan(run, sites.load_site("aurora", account="A", mfu=0.5, machine=""))
+    faster = plan(run, sites.load_site("aurora", account="A", mfu=0.5, machine=""))
     assert faster.node_hours == pytest.approx(job.node_hours / 2)
-    table, plans = sites.plan_table(dag("paper"), throughput)
+    table, plans = plan_table(dag("paper"), throughput)
     total = sum(p.node_hours for p in plans)
     assert table.splitlines()[-1].startswith(f"TOTAL 15 jobs, {total:,.0f} node-hours")
 
@@ -132,8 +134,8 @@ def test_paper_dry_run_lists_every_job_and_the_node_hour_total(tmp_path):
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
-    counts = {"corpus": 1, "tokenize": 1, "pretrain": 15, "evaluate": 5, "figure": 7, "report": 1,
-              "ingest_bench": 3, "perfmodel": 1, "total": 35}  # no CPU scaling sweep at paper scale
+    counts = {"corpus": 1, "tokenize": 1, "pretrain": 15, "evaluate": 5, "figure": 8, "report": 1,
+              "ingest_bench": 3, "perfmodel": 1, "total": 36}  # no CPU scaling sweep at paper scale
     for rule, count in counts.items():
         assert any(line.split() == [rule, str(count)] for line in text.splitlines()), rule
     for exp in dag("paper"):
@@ -141,7 +143,7 @@ def test_paper_dry_run_lists_every_job_and_the_node_hour_total(tmp_path):
         assert f"--experiment {exp.name} --scale paper" in text
     site = sites.load_site("aurora", account="CIProj")
     assert site.machine == "aurora"  # workflow/config/aurora.yaml: node-hours from the performance model
-    _, plans = sites.plan_table(dag("paper"), site)
+    _, plans = plan_table(dag("paper"), site)
     total = f"{sum(p.node_hours for p in plans):,.0f}"
     # every paper run has a layout the model prices (a whole number of sequences per tile)
     assert all(p.est_source == "perfmodel:aurora" for p in plans)

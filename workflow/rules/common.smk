@@ -22,7 +22,8 @@ REPORT = f"{RES}/report.md"
 # or a walltime over its limit stops `snakemake -n` before anything is submitted.
 LAUNCH = ""
 if config.get("launcher", "local") == "parsl":
-    from workflow.sites import plan_table, site_from_dict
+    from workflow.plan import plan_table
+    from workflow.sites import site_from_dict
 
     if not config.get("site"):
         raise ValueError("launcher = 'parsl': the config needs a site: block (see workflow/config/aurora.yaml)")

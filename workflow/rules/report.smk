@@ -6,6 +6,7 @@ FIGURE_NEEDS = {
     "training": expand(f"{RES}/runs/{{run}}/summary.json", run=list(PRETRAIN_RUNS)),
     "evaluation": expand(f"{RES}/runs/{{run}}/eval.json", run=EVAL_RUNS),
     "scaling": [PERFMODEL_JSON, *BENCH_MARKERS],  # the scaling study (workflow/rules/scaling.smk)
+    "bench": BENCH_MARKERS,  # the committed GPU benchmark results, ingested into the store
 }
 
 

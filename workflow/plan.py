@@ -1,0 +1,196 @@
+"""Planning jobs on a site: plain Python, no Parsl.
+
+    >>> from workflow.sites import load_site
+    >>> from workflow.plan import plan
+    >>> from workflow.experiments import get
+    >>> site = load_site("aurora", account="MyProject")
+    >>> job = plan(get("scaling-mula-220b-a10b-384").paper, site)
+    >>> job.nodes, job.queue, job.walltime
+    (32, 'debug-scaling', '01:00:00')
+    >>> print(job.mpiexec)          # doctest: +ELLIPSIS
+    mpiexec -n 384 --ppn 12 --cpu-bind list:1-8:...
+
+``plan(run, site)`` turns a registry run (or a bare rank count) into a ``JobPlan`` -- nodes,
+queue, walltime, the ``#PBS`` lines, the mpiexec prefix, the environment, an estimate of the
+run's hours and node-hours -- and raises ``ConfigError`` at planning time for a missing
+account or queue, more nodes than the queue allows, a walltime over its limit, or a tile count
+that is not a multiple of the tiles per node. ``plan_table(experiments, site)`` plans many runs
+and prints them as a table with the node-hour total (`optimus plan`, `snakemake -n`). The site
+(``SiteConfig``) is workflow/sites.py; the Parsl ``Config`` for a plan is workflow/parsl_sites.py.
+
+Node-hour estimates: with ``site.machine`` set (a machine of workflow/machines/, e.g.
+``aurora``), a run's hours are its steps x the step time workflow/perfmodel.py predicts for its
+model, tiles, EP degree and batch on that machine. Where the model does not apply (no machine
+set, or a layout it cannot price, e.g. fewer sequences per step than tiles) the estimate falls
+back to the throughput assumption: the run's training FLOPs (the model's FLOP-per-token count x
+tokens) over ``tiles x peak_tflops_per_tile x mfu`` (site config; Aurora: 419 TFLOP/s bf16 per
+PVC tile, half of a Max 1550's dense bf16 peak, at 25 % MFU). ``JobPlan.est_source`` and the
+plan table say which one each job used.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from optimus_core.config import ConfigError
+from workflow.sites import ACCOUNT_ENV, SiteConfig
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """One PBS (or local) job for one run: everything needed to submit it, and its cost estimate."""
+
+    site: str
+    ranks: int
+    nodes: int
+    ppn: int
+    queue: Optional[str]
+    account: Optional[str]
+    walltime_h: float
+    scheduler_options: str  # the `#PBS` lines Parsl puts in the submit script
+    select_line: str
+    mpiexec: str  # the launcher prefix ('' = run the command directly)
+    env: dict[str, str]
+    est_hours: float  # of training (nan if unknown): the performance model's, else the throughput assumption's
+    jobs: int  # PBS jobs the run spans (each resumes from the last checkpoint)
+    est_source: str = "throughput"  # "perfmodel:<machine>" | "throughput" | "" (no run to estimate)
+    gpu_affinity: str = ""  # per-rank prefix after mpiexec: each rank sees only its GPU / tile ('' = none)
+
+    @property
+    def launcher(self) -> str:
+        """What precedes the command on the job's head node: mpiexec, then the per-rank affinity wrapper."""
+        return " ".join(part for part in (self.mpiexec, self.gpu_affinity) if part)
+
+    @property
+    def walltime(self) -> str:
+        s = round(self.walltime_h * 3600)
+        return f"{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+    @property
+    def node_hours(self) -> float:
+        return self.nodes * self.est_hours
+
+    def pbs_lines(self) -> list[str]:
+        """Every directive the job gets: -A/-q (Parsl passes them to qsub) and the script's #PBS lines."""
+        out = [f"#PBS -A {self.account}"] if self.account else []
+        out += [f"#PBS -q {self.queue}"] if self.queue else []
+        out += [self.select_line, f"#PBS -l walltime={self.walltime}"]
+        return out + [l for l in self.scheduler_options.splitlines() if l]
+
+
+def _fmt_h(h: float) -> str:
+    return f"{h:g}h"
+
+
+def choose_queue(site: SiteConfig, nodes: int, walltime_h: float) -> str:
+    """The configured queue, checked, or (queue: auto) the first of the table that fits."""
+    if site.queue != "auto":
+        q = site.queues[site.queue]
+        if not q.min_nodes <= nodes <= q.max_nodes:
+            raise ConfigError(f"site {site.name}: nodes = {nodes}: queue {site.queue!r} allows "
+                              f"{q.min_nodes}-{q.max_nodes} nodes")
+        if walltime_h > q.walltime_h:
+            raise ConfigError(f"site {site.name}: walltime_h = {walltime_h:g}: over queue {site.queue!r}'s "
+                              f"limit of {_fmt_h(q.walltime_h)}")
+        return site.queue
+    for name, q in site.queues.items():
+        if q.min_nodes <= nodes <= q.max_nodes and walltime_h <= q.walltime_h:
+            return name
+    table = "; ".join(f"{n}: {q.min_nodes}-{q.max_nodes} nodes, <= {_fmt_h(q.walltime_h)}" for n, q in site.queues.items())
+    raise ConfigError(f"site {site.name}: nodes = {nodes}, walltime_h = {walltime_h:g}: no queue fits; allowed: {table}")
+
+
+def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
+         walltime_h: float | None = None) -> JobPlan:
+    """Plan one job: ``run`` is a registry RunScale (its tiles, walltime, FLOPs), or give ``ranks``."""
+    if site is None:
+        raise ConfigError("plan: a site is needed")
+    ranks = ranks if ranks is not None else run.devices
+    walltime_h = walltime_h if walltime_h is not None else (run.walltime_h if run and run.walltime_h else site.walltime_h)
+    # A local site is one machine: every rank on it, whatever tiles_per_node says.
+    ppn = site.tiles_per_node if site.kind == "pbspro" else max(1, ranks)
+    if site.kind == "pbspro" and not site.account:
+        raise ConfigError(f"site {site.name}: account = '': missing; set site.account in the site YAML "
+                          f"or the {ACCOUNT_ENV} environment variable")
+    if ranks < 1:
+        raise ConfigError(f"tiles = {ranks}: must be >= 1")
+    if ranks % ppn:
+        near = [n for n in (ranks // ppn * ppn, (ranks // ppn + 1) * ppn) if n]
+        raise ConfigError(f"site {site.name}: tiles = {ranks}: must be a multiple of tiles_per_node ({ppn}); "
+                          f"nearest: {' or '.join(map(str, near))}")
+    if walltime_h <= 0:
+        raise ConfigError(f"walltime_h = {walltime_h}: must be > 0")
+    nodes = ranks // ppn
+    est, source = estimate_hours(run, site, ranks)
+    jobs = max(1, math.ceil(est / walltime_h)) if est == est else 1
+    queue = account = None
+    sched, select = [], f"#PBS -l select={nodes}"
+    if site.kind == "pbspro":
+        account = site.account
+        queue = choose_queue(site, nodes, walltime_h)
+        select = f"#PBS -l select={nodes}:ncpus={site.cpus_per_node}" + (
+            f":{site.select_options.lstrip(':')}" if site.select_options else "")
+        if site.filesystems:
+            sched.append(f"#PBS -l filesystems={site.filesystems}")
+        if site.place:
+            sched.append(f"#PBS -l place={site.place}")
+        sched += [l if l.startswith("#PBS") else f"#PBS {l}" for l in site.scheduler_options]
+    mpiexec = site.mpiexec.format(ranks=ranks, nodes=nodes, ppn=ppn, cpu_bind=site.cpu_bind).strip()
+    affinity = site.gpu_affinity.wrapper() if site.gpu_affinity is not None else ""
+    return JobPlan(site.name, ranks, nodes, ppn, queue, account, walltime_h, "\n".join(sched), select, mpiexec,
+                   dict(site.env), est, jobs, source, affinity)
+
+
+def estimate_hours(run, site: SiteConfig, ranks: int) -> tuple[float, str]:
+    """(hours of training, how they were estimated): the performance model on ``site.machine``
+    where it applies to the run as planned, else the throughput assumption; (nan, "") without a run."""
+    if run is None:
+        return float("nan"), ""
+    if site.machine and ranks == run.devices:
+        from workflow import perfmodel
+
+        machine = _machine(site.machine)  # an unknown or broken machine file is an error, not a fallback
+        try:
+            est = perfmodel.estimate_node_hours(run, machine)
+            return est["hours"], est["source"]
+        except ConfigError:
+            pass  # e.g. fewer sequences than tiles: the model has no layout for it
+    return run.flops() / (ranks * site.peak_tflops_per_tile * 1e12 * site.mfu) / 3600, "throughput"
+
+
+_MACHINES: dict[str, Any] = {}
+
+
+def _machine(name: str):
+    """The performance model's machine (loaded once per process: plan_table asks per job)."""
+    if name not in _MACHINES:
+        from workflow import perfmodel
+
+        _MACHINES[name] = perfmodel.load_machine(name)
+    return _MACHINES[name]
+
+
+def plan_table(experiments, site: SiteConfig) -> tuple[str, list[JobPlan]]:
+    """The paper-scale jobs of ``experiments`` as a table, with the node-hour total last."""
+    rows, plans = [], []
+    head = (f"{'run':30s} {'tiles':>6s} {'nodes':>5s} {'queue':>13s} {'walltime':>9s} {'jobs':>4s} "
+            f"{'est. hours':>10s} {'node-hours':>11s}  {'estimate':s}")
+    for exp in experiments:
+        try:
+            p = plan(exp.paper, site)
+        except ConfigError as e:
+            raise ConfigError(f"{exp.name}: {e}") from None
+        plans.append(p)
+        rows.append(f"{exp.name:30s} {p.ranks:6d} {p.nodes:5d} {p.queue or '-':>13s} {p.walltime:>9s} {p.jobs:4d} "
+                    f"{p.est_hours:10.2f} {p.node_hours:11,.1f}  {p.est_source}")
+    total = sum(p.node_hours for p in plans)
+    modelled = sum(p.est_source.startswith("perfmodel") for p in plans)
+    assumed = f"assumed {site.peak_tflops_per_tile:g} TFLOP/s per tile at {site.mfu:.0%} MFU"
+    if modelled:
+        rest = f"; {assumed} for the other {len(plans) - modelled}" if modelled < len(plans) else ""
+        foot = (f"TOTAL {len(plans)} jobs, {total:,.0f} node-hours (performance model on machine "
+                f"{site.machine} for {modelled} jobs{rest})")
+    else:
+        foot = f"TOTAL {len(plans)} jobs, {total:,.0f} node-hours ({assumed})"
+    return "\n".join([head, "-" * len(head), *rows, foot]), plans
