@@ -119,6 +119,20 @@ class Bucket:
             _all_gather(self.flat_N, self.shard if inplace else self.shard.detach().clone(), self.group)
 
 
+def bucket_params(model: nn.Module) -> list[tuple[str, list[nn.Parameter]]]:
+    """The non-empty buckets in their fixed order, (dense | expert) x (decay | no_decay): the
+    layout of ShardedAdamW's flat buffers and of the optimizer keys in sharded checkpoints."""
+    experts = expert_parameter_names(model)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    out = []
+    for kind in ("dense", "expert"):
+        for decay in (True, False):
+            params = [p for n, p in named if (n in experts) == (kind == "expert") and (p.ndim >= 2) == decay]
+            if params:
+                out.append((f"{kind}.{'decay' if decay else 'no_decay'}", params))
+    return out
+
+
 class ShardedAdamW:
     """AdamW with ZeRO-1 sharding that knows which parameters are experts (see module doc)."""
 
@@ -128,22 +142,15 @@ class ShardedAdamW:
         if mode not in ("ep_aware", "ep_unaware"):
             raise ValueError(f"parallel.optimizer = {mode!r}: must be 'ep_aware' or 'ep_unaware'")
         self.mesh, self.mode = mesh, mode
-        experts = expert_parameter_names(model)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.buckets: list[Bucket] = []
-        for kind in ("dense", "expert"):
-            for decay in (True, False):
-                params = [p for n, p in named if (n in experts) == (kind == "expert") and (p.ndim >= 2) == decay]
-                if not params:
-                    continue
-                name = f"{kind}.{'decay' if decay else 'no_decay'}"
-                if kind == "dense":
-                    args = (None, mesh.world_size, mesh.rank, True, True)
-                else:
-                    aware = mode == "ep_aware"
-                    args = (mesh.expert_dp_group, mesh.expert_dp_size, mesh.expert_dp_rank, aware,
-                            aware or mesh.expert_dp_rank == 0)
-                self.buckets.append(Bucket.build(name, params, *args))
+        for name, params in bucket_params(model):
+            if name.startswith("dense"):
+                args = (None, mesh.world_size, mesh.rank, True, True)
+            else:
+                aware = mode == "ep_aware"
+                args = (mesh.expert_dp_group, mesh.expert_dp_size, mesh.expert_dp_rank, aware,
+                        aware or mesh.expert_dp_rank == 0)
+            self.buckets.append(Bucket.build(name, params, *args))
         groups = [{"params": [b.shard], "weight_decay": cfg.weight_decay if b.name.endswith(".decay") else 0.0}
                   for b in self.buckets]
         # One flat shard per group: the fused kernel (CUDA) updates it in one pass; elsewhere the

@@ -365,29 +365,24 @@ def read_full(path: Path, prefix: str) -> dict:
 def load_plain_optimizer(path: Path, model, optimizer: torch.optim.Optimizer) -> None:
     """Set a one-process torch AdamW's state (``model``: the whole model) from a sharded
     checkpoint's layout-free optimizer keys: a run of N ranks continues on one."""
-    from ..parallel import expert_parallel
+    from ..parallel.optimizer import bucket_params
 
     full = read_full(path, OPTIM)
-    experts = expert_parallel.expert_parameter_names(model)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
-    for kind in ("dense", "expert"):
-        for decay in (True, False):
-            params = [p for n, p in named if (n in experts) == (kind == "expert") and (p.ndim >= 2) == decay]
-            if not params:
-                continue
-            bucket = f"{OPTIM}{kind}.{'decay' if decay else 'no_decay'}"
-            if f"{bucket}/step" not in full:
-                raise ValueError(f"{path} has no optimizer state for {bucket[len(OPTIM):]}: another model?")
-            step = full[f"{bucket}/step"].to(torch.float32).reshape(())
-            offset = 0
-            for i, p in enumerate(params):
-                state = {"step": step.clone().to(p.device) if on_device else step.clone()}
-                for moment in ("exp_avg", "exp_avg_sq"):
-                    if kind == "dense":  # one flat tensor for the bucket, parameters in order
-                        value = full[f"{bucket}/{moment}"][offset:offset + p.numel()].view_as(p)
-                    else:
-                        value = full[f"{bucket}/{i}/{moment}"]
-                    state[moment] = value.to(p.device, p.dtype).clone()
-                offset += p.numel()
-                optimizer.state[p] = state
+    for name, params in bucket_params(model):
+        kind = name.split(".")[0]
+        bucket = f"{OPTIM}{name}"
+        if f"{bucket}/step" not in full:
+            raise ValueError(f"{path} has no optimizer state for {name}: another model?")
+        step = full[f"{bucket}/step"].to(torch.float32).reshape(())
+        offset = 0
+        for i, p in enumerate(params):
+            state = {"step": step.clone().to(p.device) if on_device else step.clone()}
+            for moment in ("exp_avg", "exp_avg_sq"):
+                if kind == "dense":  # one flat tensor for the bucket, parameters in order
+                    value = full[f"{bucket}/{moment}"][offset:offset + p.numel()].view_as(p)
+                else:
+                    value = full[f"{bucket}/{i}/{moment}"]
+                state[moment] = value.to(p.device, p.dtype).clone()
+            offset += p.numel()
+            optimizer.state[p] = state

@@ -40,7 +40,7 @@ def _rows(sink):
 def _train_worker(cfg_json, tokens_dir, run_dir, out_path):
     torch.set_num_threads(1)
     cfg = RunConfig.from_json(cfg_json)
-    mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts, device="cpu")
+    mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts, device=cfg.train.device)
     try:
         sink = ListSink()
         Trainer(cfg, tokens_dir, run_dir, writer=sink, progress=False, mesh=mesh).fit()

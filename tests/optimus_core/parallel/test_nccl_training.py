@@ -6,12 +6,11 @@ import pytest
 import torch
 
 from optimus_core.config import RunConfig
-from optimus_core.parallel import init_distributed, shutdown
 from optimus_core.parallel.launch import spawn_local
 from optimus_core.train.loop import Trainer
 from sinks import ListSink
 
-from test_distributed_training import STEPS, _cfg, _rows
+from test_distributed_training import STEPS, _cfg, _rows, _train_worker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
@@ -23,18 +22,6 @@ def _gpu_cfg(backend: str, **kw) -> RunConfig:
     return cfg.replace(model=cfg.model.replace(moe=moe), train=cfg.train.replace(device="cuda"))
 
 
-def _gpu_worker(cfg_json, tokens_dir, run_dir, out_path):
-    cfg = RunConfig.from_json(cfg_json)
-    mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts, device="cuda")
-    try:
-        sink = ListSink()
-        Trainer(cfg, tokens_dir, run_dir, writer=sink, progress=False, mesh=mesh).fit()
-        if mesh.rank == 0:
-            out_path.write_text(json.dumps(_rows(sink)))
-    finally:
-        shutdown(mesh)
-
-
 @pytest.mark.parametrize("backend", ["loop", "triton"])
 @pytest.mark.parametrize("ep, optimizer", [(2, "ep_aware"), (1, "ep_aware"), (2, "ep_unaware")])
 def test_two_gpus_follow_one_gpu(tokens_dir, tmp_path, backend, ep, optimizer):
@@ -43,7 +30,7 @@ def test_two_gpus_follow_one_gpu(tokens_dir, tmp_path, backend, ep, optimizer):
     Trainer(_gpu_cfg(backend), tokens_dir, tmp_path / "one", writer=sink, progress=False).fit()
     ref = _rows(sink)
     out = tmp_path / "rows.json"
-    spawn_local(_gpu_worker, 2, (_gpu_cfg(backend, ep=ep, optimizer=optimizer).to_json(), tokens_dir,
+    spawn_local(_train_worker, 2, (_gpu_cfg(backend, ep=ep, optimizer=optimizer).to_json(), tokens_dir,
                                  tmp_path / "two", out))
     got = json.loads(out.read_text())
     assert got["steps"] == list(range(1, STEPS + 1))
