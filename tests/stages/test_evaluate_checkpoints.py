@@ -14,9 +14,7 @@ from optimus_core.eval.docstring import docstring_items  # noqa: E402
 from optimus_core.eval.lm import OptimusLM  # noqa: E402
 from optimus_core.store import open_store  # noqa: E402
 from optimus_core.train.evaluate import heldout_metrics  # noqa: E402
-from stages.corpus import CorpusConfig, CorpusInputs, CorpusOutputs, run_corpus  # noqa: E402
 from stages.evaluate import EvaluateConfig, _checkpoints  # noqa: E402
-from stages.tokenize import TokenizeConfig, TokenizeInputs, TokenizeOutputs, run_tokenize  # noqa: E402
 from workflow.cli import main  # noqa: E402
 
 
@@ -26,25 +24,16 @@ class Req:  # the one attribute of lm_eval's Instance the model reads
 
 
 @pytest.fixture(scope="module")
-def code_tokens(tmp_path_factory):
-    root = tmp_path_factory.mktemp("code")
-    corpus = run_corpus(CorpusConfig(prose_bytes=20_000, code_bytes=150_000, docs_bytes=20_000, parts=1),
-                        CorpusInputs(), CorpusOutputs(out_dir=root / "corpus")).out_dir
-    return run_tokenize(TokenizeConfig(vocab_size=512, val_fraction=0.3), TokenizeInputs(corpus_dir=corpus),
-                        TokenizeOutputs(out_dir=root / "tokens")).out_dir
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, code_tokens):
+def run(tmp_path_factory, code_tokens_dir):
     root = tmp_path_factory.mktemp("ckpts")
     run_dir, store = root / "run", root / "store.zarr"
-    assert main(["pretrain", "--preset", "mula-1b@laptop", "--data", str(code_tokens), "--out", str(run_dir),
+    assert main(["pretrain", "--preset", "mula-1b@laptop", "--data", str(code_tokens_dir), "--out", str(run_dir),
                  "--steps", "2", "--checkpoint-every", "1", "--quiet", "--run-id", "tiny", "--store", str(store),
                  "--set", "train.eval_batches=1"]) == 0
     return run_dir, store
 
 
-def test_every_checkpoint_gets_a_heldout_row_and_the_newest_the_docstring_task(run, code_tokens, tmp_path, capsys):
+def test_every_checkpoint_gets_a_heldout_row_and_the_newest_the_docstring_task(run, code_tokens_dir, tmp_path, capsys):
     run_dir, store = run
     out = tmp_path / "eval.json"
     argv = ["evaluate", "--run", str(run_dir), "--all-checkpoints", "--tasks", "heldout", "docstring",
@@ -59,7 +48,7 @@ def test_every_checkpoint_gets_a_heldout_row_and_the_newest_the_docstring_task(r
     # each row is the held-out loss of that checkpoint's weights
     points = _checkpoints(run_dir, every=True)
     for point, row in zip(points, rows):
-        want = heldout_metrics(point.load(), code_tokens, seq_len=point.cfg.data.seq_len, batch_size=16,
+        want = heldout_metrics(point.load(), code_tokens_dir, seq_len=point.cfg.data.seq_len, batch_size=16,
                                max_batches=1)
         assert row["loss"] == pytest.approx(want["loss"], rel=1e-6)
         assert row["loss.code"] == pytest.approx(want["loss.code"], rel=1e-6)
@@ -75,9 +64,9 @@ def test_every_checkpoint_gets_a_heldout_row_and_the_newest_the_docstring_task(r
     down = open_store(store, mode="r").metrics("tiny", "downstream")
     assert down["step"].tolist() == [2]
     score = doc["downstream"]["optimus_docstring"]
-    items = docstring_items(code_tokens)
+    items = docstring_items(code_tokens_dir)
     assert score["n"] == len(items) >= 8
-    lm = OptimusLM.for_model(points[-1].load(), points[-1].cfg, code_tokens)
+    lm = OptimusLM.for_model(points[-1].load(), points[-1].cfg, code_tokens_dir)
     n = len(items[0]["choices"])
     ll = lm.loglikelihood([Req(it["context"], c) for it in items for c in it["choices"]])
     right = sum(max(range(n), key=lambda j: ll[n * i + j][0]) == it["label"] for i, it in enumerate(items))

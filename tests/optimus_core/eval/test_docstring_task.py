@@ -6,18 +6,6 @@ import yaml
 
 from optimus_core.eval.docstring import (TASK_NAME, build_docstring_task, docstring_items, documented_functions,
                                          heldout_documents)
-from stages.corpus import CorpusConfig, CorpusInputs, CorpusOutputs, run_corpus
-from stages.tokenize import TokenizeConfig, TokenizeInputs, TokenizeOutputs, run_tokenize
-
-
-@pytest.fixture(scope="module")
-def tokens_dir(tmp_path_factory):
-    """Mostly code, 30% held out: documented functions in the val split (about a second to build)."""
-    root = tmp_path_factory.mktemp("code")
-    corpus = run_corpus(CorpusConfig(prose_bytes=20_000, code_bytes=150_000, docs_bytes=20_000, parts=1),
-                        CorpusInputs(), CorpusOutputs(out_dir=root / "corpus")).out_dir
-    return run_tokenize(TokenizeConfig(vocab_size=512, val_fraction=0.3), TokenizeInputs(corpus_dir=corpus),
-                        TokenizeOutputs(out_dir=root / "tokens")).out_dir
 
 SOURCE = '''"""Module docstring: not a function's."""
 import functools
@@ -74,13 +62,13 @@ def test_documented_functions_cut_context_at_the_summary():
     assert list(documented_functions("def broken(:\n")) == []
 
 
-def test_items_from_held_out_code_are_well_formed_true_and_deterministic(tokens_dir):
-    docs = dict(heldout_documents(tokens_dir))
+def test_items_from_held_out_code_are_well_formed_true_and_deterministic(code_tokens_dir):
+    docs = dict(heldout_documents(code_tokens_dir))
     found = [(f"{doc_id}:{q}", context, summary) for doc_id, text in docs.items()
              for q, context, summary in documented_functions(text)]
     truth = {ident: (context, summary) for ident, context, summary in found}
     assert len(truth) == len(found) >= 8, "the test corpus should hold documented held-out functions"
-    items = docstring_items(tokens_dir, n_items=500)
+    items = docstring_items(code_tokens_dir, n_items=500)
     assert [item["id"] for item in items] == [ident for ident, _, _ in found]  # each once, none invented
     for item in items:
         context, summary = truth[item["id"]]
@@ -90,21 +78,21 @@ def test_items_from_held_out_code_are_well_formed_true_and_deterministic(tokens_
         assert all(c.strip() and "\n" not in c for c in item["choices"])
     # the true answer sits at every position somewhere (seeded), not always the same one
     assert len({item["label"] for item in items}) > 1
-    assert docstring_items(tokens_dir, n_items=500) == items  # deterministic
-    other = docstring_items(tokens_dir, n_items=500, seed=1)
+    assert docstring_items(code_tokens_dir, n_items=500) == items  # deterministic
+    other = docstring_items(code_tokens_dir, n_items=500, seed=1)
     assert [i["id"] for i in other] == [i["id"] for i in items] and other != items
-    assert docstring_items(tokens_dir, n_items=3) == items[:3]
-    assert docstring_items(tokens_dir, n_choices=len(items) + 99) == []  # too few: none, never padded
+    assert docstring_items(code_tokens_dir, n_items=3) == items[:3]
+    assert docstring_items(code_tokens_dir, n_choices=len(items) + 99) == []  # too few: none, never padded
 
 
-def test_build_writes_an_lm_eval_task(tokens_dir, tmp_path):
-    assert build_docstring_task(tokens_dir, tmp_path, n_items=5) == TASK_NAME
+def test_build_writes_an_lm_eval_task(code_tokens_dir, tmp_path):
+    assert build_docstring_task(code_tokens_dir, tmp_path, n_items=5) == TASK_NAME
     spec = yaml.safe_load((tmp_path / f"{TASK_NAME}.yaml").read_text())
     assert spec["task"] == TASK_NAME and spec["output_type"] == "multiple_choice"
     assert spec["target_delimiter"] == "" and spec["doc_to_choice"] == "choices"
     rows = [json.loads(line) for line in (tmp_path / f"{TASK_NAME}.jsonl").read_text().splitlines()]
-    assert rows == docstring_items(tokens_dir, n_items=5)
+    assert rows == docstring_items(code_tokens_dir, n_items=5)
     with pytest.raises(ValueError, match="source = 'nope': not in the data"):
-        build_docstring_task(tokens_dir, tmp_path, source="nope")
+        build_docstring_task(code_tokens_dir, tmp_path, source="nope")
     with pytest.raises(ValueError, match="fewer than 1000 Python functions"):
-        build_docstring_task(tokens_dir, tmp_path, n_choices=1000)
+        build_docstring_task(code_tokens_dir, tmp_path, n_choices=1000)
