@@ -21,6 +21,9 @@ Suites:
     strong    a fixed 8 sequences per step on 1, 2, 4 ... --max-gpus GPUs (triton, ep_aware,
               EP = n and EP = 1): efficiency = T(1) / (n T(n)).
 
+Every point reduces gradients under the backward (``parallel.overlap_grad_sync``, the default);
+the ``-nooverlap`` points repeat "both" and weak-2 with the reduction after the backward.
+
 Summary line: ``optimizer_speedup_ep1`` = (grad_sync + optimizer) of the EP-unaware baseline over
 the EP-aware one at EP=1 (target >= 1.8), ``ablation_speedup`` per EP (both over baseline, tokens
 per s), ``weak_efficiency``, ``strong_efficiency``. Output: a table, bench/results/
@@ -69,10 +72,17 @@ def plan(args, n_gpus: int) -> list[dict]:
                 for optimizer in ("ep_unaware", "ep_aware"):
                     points.append(dict(label=f"ablation-ep{ep}-{backend}-{optimizer}", suite="ablation", devices=2,
                                        ep=ep, backend=backend, optimizer=optimizer, global_batch=2 * mb))
+        # the same "both" points with the gradient reduction after the backward instead of under it
+        for ep in (1, 2):
+            points.append(dict(label=f"ablation-ep{ep}-triton-ep_aware-nooverlap", suite="ablation", devices=2,
+                               ep=ep, backend="triton", optimizer="ep_aware", global_batch=2 * mb, overlap=False))
     if "weak" in args.suites:
         for n in (1, 2) if n_gpus >= 2 else (1,):
             points.append(dict(label=f"weak-{n}", suite="weak", devices=n, ep=n, backend="triton",
                                optimizer="ep_aware", global_batch=n * mb))
+        if n_gpus >= 2:
+            points.append(dict(label="weak-2-nooverlap", suite="weak", devices=2, ep=2, backend="triton",
+                               optimizer="ep_aware", global_batch=2 * mb, overlap=False))
     if "strong" in args.suites:
         top = min(args.max_gpus or n_gpus, n_gpus)
         counts = [n for n in (1, 2, 4, 8) if n <= top]
@@ -89,11 +99,12 @@ def plan(args, n_gpus: int) -> list[dict]:
 def measure(p: dict, args, device_type: str) -> dict:
     from stages.scaling import ScalingConfig, measure_point
 
-    overrides = {**MODEL, "model.moe.experts_backend": p["backend"]}
+    overlap = {"parallel.overlap_grad_sync": p.get("overlap", True)}
+    overrides = {**MODEL, "model.moe.experts_backend": p["backend"], **overlap}
     preset = "mula-7b-a1b"
     if args.quick:
         preset += "@laptop"
-        overrides = {**QUICK, "model.moe.experts_backend": "loop"}  # the CPU has no fast grouped GEMM
+        overrides = {**QUICK, "model.moe.experts_backend": "loop", **overlap}  # the CPU has no fast grouped GEMM
     config = ScalingConfig(preset=preset, devices=(p["devices"],), ep=p["ep"], optimizer=p["optimizer"],
                            global_batch=p["global_batch"], micro_batch=min(args.micro_batch, p["global_batch"]),
                            steps=args.steps, warmup=args.warmup, device=device_type, overrides=overrides)
@@ -126,6 +137,12 @@ def summarize(records: list[dict], device: str) -> dict:
     out["ablation_speedup"] = out.get("ablation_speedup_ep1")
     if "weak-1" in ok and "weak-2" in ok:
         out["weak_efficiency"] = ok["weak-1"]["step_s"] / ok["weak-2"]["step_s"]
+    if "weak-1" in ok and "weak-2-nooverlap" in ok:
+        out["weak_efficiency_nooverlap"] = ok["weak-1"]["step_s"] / ok["weak-2-nooverlap"]["step_s"]
+    for ep in (1, 2):  # what running the gradient reduction under the backward saves per step
+        on, off = ok.get(f"ablation-ep{ep}-triton-ep_aware"), ok.get(f"ablation-ep{ep}-triton-ep_aware-nooverlap")
+        if on and off:
+            out[f"overlap_speedup_ep{ep}"] = off["step_s"] / on["step_s"]
     strong = {}
     for rule in ("all", "1"):
         pts = sorted([r for r in records if r.get("suite") == "strong" and "error" not in r

@@ -1,7 +1,7 @@
 """Token permutation around the experts: group token copies by expert, and the weighted
 top-k combine back.
 
-    permute(x_TD, topk_idx_Tk, n_experts, *, backend="triton")
+    permute(x_TD, topk_idx_Tk, n_experts, *, backend="triton", n_rows=None)
         -> (x_sorted_RD, offsets_E, sorted_idx_R)
     unpermute(y_sorted_RD, sorted_idx_R, topk_weights_Tk, *, backend="triton") -> out_TD
     permute_reference(...), unpermute_reference(...): the same in plain torch.
@@ -14,10 +14,16 @@ E experts. Assignment a = t*k + j is token t's j-th choice, topk_idx[t, j].
   expert order and, within an expert, in token order (a stable sort); offsets int32 (E,), the
   cumulative group ends that grouped_mm takes; sorted_idx int64 (R,), the assignment of each
   sorted row. Differentiable in x: dx[t] = sum_j dx_sorted[pos(t*k+j)].
+  ``n_rows`` (a host int <= R): only the first n_rows sorted rows are made, (n_rows, D). For
+  callers that know how many assignments go to real experts, the rest sorting last into a
+  phantom group no expert computes (expert parallelism: another rank's experts) — those rows
+  would cost a copy, the GEMMs' zero tails and the elementwise passes for nothing.
 - unpermute: out[t] = sum_j topk_weights[t, j] * y_sorted[pos(t*k+j)], pos the inverse of
   sorted_idx. Products and sum run in (at least) float32; out has y_sorted's dtype. Differentiable
   in y_sorted (dy_sorted[i] = w[a] * dout[a // k], a = sorted_idx[i]) and in topk_weights
-  (dw[a] = <dout[a // k], y_sorted[i]>, in topk_weights' dtype).
+  (dw[a] = <dout[a // k], y_sorted[i]>, in topk_weights' dtype). y_sorted may hold only the
+  first n <= R sorted rows (permute's ``n_rows``): assignments sorted past them add nothing and
+  get dw = 0.
 
 Backends: "loop" and "torch" both run the plain-torch reference; "triton" runs our kernels
 (the expert sort itself is torch.sort either way). Nothing here syncs with the host.
@@ -33,7 +39,8 @@ from ._triton import autotuned, check_launchable, device_guard, jit, row_configs
 BACKENDS = ("loop", "torch", "triton")
 
 
-def permute_reference(x: Tensor, topk_idx: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+def permute_reference(x: Tensor, topk_idx: Tensor, n_experts: int,
+                      n_rows: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     k = topk_idx.shape[1]
     flat = topk_idx.reshape(-1)
     sorted_idx = torch.argsort(flat, stable=True)
@@ -41,25 +48,29 @@ def permute_reference(x: Tensor, topk_idx: Tensor, n_experts: int) -> tuple[Tens
     # and a shape torch.compile cannot trace).
     counts = flat.new_zeros(n_experts).index_add_(0, flat, torch.ones_like(flat))
     offsets = torch.cumsum(counts, 0).to(torch.int32)
-    return x[sorted_idx // k], offsets, sorted_idx
+    return x[sorted_idx[:n_rows] // k], offsets, sorted_idx
 
 
 def unpermute_reference(y_sorted: Tensor, sorted_idx: Tensor, topk_weights: Tensor) -> Tensor:
     T, k = topk_weights.shape
+    missing = len(sorted_idx) - len(y_sorted)  # rows not made (permute's n_rows) count as zeros
+    y_sorted = torch.cat([y_sorted, y_sorted.new_zeros(missing, y_sorted.shape[1])]) if missing else y_sorted
     y = y_sorted[torch.argsort(sorted_idx)]  # the inverse permutation: back to (t, j) order
     acc = torch.promote_types(y.dtype, torch.float32)  # at least float32, as the kernel sums
     out = (y.view(T, k, y.shape[1]).to(acc) * topk_weights.to(acc).unsqueeze(-1)).sum(1)
     return out.to(y_sorted.dtype)
 
 
-def permute(x: Tensor, topk_idx: Tensor, n_experts: int, *,
-            backend: str = "triton") -> tuple[Tensor, Tensor, Tensor]:
+def permute(x: Tensor, topk_idx: Tensor, n_experts: int, *, backend: str = "triton",
+            n_rows: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Group token copies by expert; see the module docstring."""
     if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0]:
         raise ValueError(f"permute: need x (T, D) and topk_idx (T, k), "
                          f"got {tuple(x.shape)} and {tuple(topk_idx.shape)}")
+    if n_rows is not None and not 0 <= n_rows <= topk_idx.numel():
+        raise ValueError(f"permute: n_rows = {n_rows} must be in [0, T*k = {topk_idx.numel()}]")
     if backend in ("loop", "torch"):
-        return permute_reference(x, topk_idx, n_experts)
+        return permute_reference(x, topk_idx, n_experts, n_rows)
     if backend != "triton":
         raise ValueError(f"permute: backend must be one of {BACKENDS}, got {backend!r}")
     check_launchable("permute", x, topk_idx)
@@ -67,15 +78,16 @@ def permute(x: Tensor, topk_idx: Tensor, n_experts: int, *,
     # Group ends by binary search in the sorted experts: unlike bincount, no host sync.
     experts = torch.arange(n_experts, device=x.device, dtype=sorted_experts.dtype)
     offsets = torch.searchsorted(sorted_experts, experts, right=True, out_int32=True)
-    return torch.ops.optimus.permute_rows(x, sorted_idx, topk_idx.shape[1]), offsets, sorted_idx
+    n_rows = sorted_idx.numel() if n_rows is None else n_rows
+    return torch.ops.optimus.permute_rows(x, sorted_idx, topk_idx.shape[1], n_rows), offsets, sorted_idx
 
 
 def unpermute(y_sorted: Tensor, sorted_idx: Tensor, topk_weights: Tensor, *,
               backend: str = "triton") -> Tensor:
     """Weighted top-k combine back to token order; see the module docstring."""
     R = topk_weights.numel()
-    if y_sorted.dim() != 2 or topk_weights.dim() != 2 or sorted_idx.shape != (R,) or len(y_sorted) != R:
-        raise ValueError(f"unpermute: need y_sorted (T*k, D), sorted_idx (T*k,), topk_weights (T, k); "
+    if y_sorted.dim() != 2 or topk_weights.dim() != 2 or sorted_idx.shape != (R,) or len(y_sorted) > R:
+        raise ValueError(f"unpermute: need y_sorted (n <= T*k, D), sorted_idx (T*k,), topk_weights (T, k); "
                          f"got {tuple(y_sorted.shape)}, {tuple(sorted_idx.shape)}, {tuple(topk_weights.shape)}")
     if backend in ("loop", "torch"):
         return unpermute_reference(y_sorted, sorted_idx, topk_weights)
@@ -101,10 +113,10 @@ def _permute_kernel(x_ptr, sorted_idx_ptr, out_ptr, R, D, stride_x, stride_out,
 
 @autotuned(row_configs, key=["D"])
 @jit
-def _combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, T, D, stride_y, stride_out,
+def _combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, T, D, N_Y, stride_y, stride_out,
                     TOPK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[t] = sum_j w[t, j] * y[inv[t*TOPK + j]]: each token gathers its k rows, so the sum
-    needs no atomics and is deterministic."""
+    needs no atomics and is deterministic. Rows at or past N_Y (not made) add nothing."""
     tokens = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t_ok = tokens < T
@@ -113,8 +125,9 @@ def _combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, T, D, stride_y, stride_out,
     for j in tl.static_range(TOPK):
         a = tokens.to(tl.int64) * TOPK + j
         pos = tl.load(inv_ptr + a, mask=t_ok, other=0)
-        weight = tl.load(w_ptr + a, mask=t_ok, other=0.0).to(tl.float32)
-        y = tl.load(y_ptr + pos[:, None] * stride_y + cols[None, :], mask=mask, other=0.0)
+        made = t_ok & (pos < N_Y)
+        weight = tl.load(w_ptr + a, mask=made, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + pos[:, None] * stride_y + cols[None, :], mask=mask & made[:, None], other=0.0)
         acc += weight[:, None] * y.to(tl.float32)
     tl.store(out_ptr + tokens[:, None].to(tl.int64) * stride_out + cols[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -153,9 +166,9 @@ def _rows_grid(n_rows: int, D: int):
     return lambda meta: (triton.cdiv(n_rows, meta["BLOCK_R"]), triton.cdiv(D, meta["BLOCK_D"]))
 
 
-def _launch_permute(x: Tensor, sorted_idx: Tensor, k: int) -> Tensor:
+def _launch_permute(x: Tensor, sorted_idx: Tensor, k: int, n_rows: int) -> Tensor:
     x, sorted_idx = x.contiguous(), sorted_idx.contiguous()  # no-ops when already contiguous
-    R, D = sorted_idx.shape[0], x.shape[1]
+    R, D = n_rows, x.shape[1]  # the first n_rows sorted rows
     out = x.new_empty(R, D)
     if out.numel():
         with device_guard(x):
@@ -174,7 +187,7 @@ def _launch_unpermute(y_sorted: Tensor, sorted_idx: Tensor, weights: Tensor) -> 
     if out.numel():
         with device_guard(y_sorted):
             _combine_kernel(y_sorted.device.type)[_rows_grid(T, D)](
-                y_sorted, inv, weights, out, T, D, y_sorted.stride(0), out.stride(0), TOPK=k)
+                y_sorted, inv, weights, out, T, D, y_sorted.shape[0], y_sorted.stride(0), out.stride(0), TOPK=k)
     return out
 
 
@@ -184,7 +197,8 @@ def _launch_unpermute_bwd(dout: Tensor, y_sorted: Tensor, sorted_idx: Tensor,
     sorted_idx = sorted_idx.contiguous()
     (R, D), k = y_sorted.shape, weights.shape[1]
     dy = torch.empty_like(y_sorted)
-    dw = torch.empty_like(weights)
+    # Assignments sorted past the rows made (permute's n_rows) get no store below: dw = 0.
+    dw = torch.empty_like(weights) if R == weights.numel() else torch.zeros_like(weights)
     if R:
         with device_guard(dout):
             _unpermute_bwd_kernel(dout.device.type)[lambda meta: (triton.cdiv(R, meta["BLOCK_R"]),)](
@@ -196,17 +210,17 @@ def _launch_unpermute_bwd(dout: Tensor, y_sorted: Tensor, sorted_idx: Tensor,
 # ---------------------------------------------------------------- torch custom ops
 # register_autograd plays the role of a torch.autograd.Function, and torch.compile traces it.
 @torch.library.custom_op("optimus::permute_rows", mutates_args=())
-def _permute_rows_op(x: Tensor, sorted_idx: Tensor, k: int) -> Tensor:
-    return _launch_permute(x, sorted_idx, k)
+def _permute_rows_op(x: Tensor, sorted_idx: Tensor, k: int, n_rows: int) -> Tensor:
+    return _launch_permute(x, sorted_idx, k, n_rows)
 
 
 @_permute_rows_op.register_fake
-def _(x, sorted_idx, k):
-    return x.new_empty(sorted_idx.shape[0], x.shape[1])
+def _(x, sorted_idx, k, n_rows):
+    return x.new_empty(n_rows, x.shape[1])
 
 
 def _permute_setup(ctx, inputs, output):
-    x, sorted_idx, k = inputs
+    x, sorted_idx, k, _ = inputs
     ctx.save_for_backward(sorted_idx)
     ctx.shape = (x.shape[0], k)
 
@@ -215,7 +229,7 @@ def _permute_backward(ctx, dx_sorted):
     (sorted_idx,) = ctx.saved_tensors
     # dx[t] = sum of its k copies' gradients: the combine with unit weights.
     ones = torch.ones(ctx.shape, device=dx_sorted.device, dtype=torch.float32)
-    return _unpermute_op(dx_sorted, sorted_idx, ones), None, None
+    return _unpermute_op(dx_sorted, sorted_idx, ones), None, None, None
 
 
 _permute_rows_op.register_autograd(_permute_backward, setup_context=_permute_setup)

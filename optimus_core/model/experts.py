@@ -31,9 +31,9 @@ class Experts(nn.Module):
         self.w_up = nn.Parameter(torch.empty(n_experts, d_model, 2 * d_expert))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_expert, d_model))
 
-    def permute(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, n_groups: int):
-        """(x_sorted_MD, offsets (n_groups,) int32, sorted_idx (M,)); M = T * K."""
-        return kernels.permute(x_TD, topk_idx_TK, n_groups, backend=self.backend)
+    def permute(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, n_groups: int, n_rows: int | None = None):
+        """(x_sorted_MD, offsets (n_groups,) int32, sorted_idx (T * K,)); M = n_rows or T * K."""
+        return kernels.permute(x_TD, topk_idx_TK, n_groups, backend=self.backend, n_rows=n_rows)
 
     def unpermute(self, y_MD: torch.Tensor, sorted_idx: torch.Tensor, topk_weight_TK: torch.Tensor):
         return kernels.unpermute(y_MD, sorted_idx, topk_weight_TK, backend=self.backend)

@@ -16,8 +16,8 @@ from ..timing import phase
 
 
 def exchange_counts(send_counts_P: torch.Tensor, group) -> torch.Tensor:
-    """Row counts per peer: entry ``p`` of the input is how many rows this rank sends to peer
-    ``p``; entry ``s`` of the output how many peer ``s`` sends us."""
+    """Counts per peer: row ``p`` of the input (a number, or several) is what this rank sends to
+    peer ``p``; row ``s`` of the output what peer ``s`` sends us."""
     recv_counts_P = torch.empty_like(send_counts_P)
     with phase("a2a"):
         dist.all_to_all_single(recv_counts_P, send_counts_P.contiguous(), group=group)

@@ -58,10 +58,16 @@ class ExpertParallelExperts(Experts):
         rank_TK = topk_idx_TK // n_local  # the phantom group n_experts lands on "rank" ep: nowhere
         need_TP = torch.zeros(T, ep + 1, dtype=torch.bool, device=device).scatter_(1, rank_TK, True)[:, :ep]
         peer_S, token_S = need_TP.T.nonzero(as_tuple=True)  # rows to send: peer-major, token order
+        # Per peer: rows (tokens) and slots (token, expert) sent; the slots let the receiver
+        # make only its real assignments' rows below.
+        slots_P = torch.zeros(ep + 1, dtype=torch.long, device=device).scatter_add_(
+            0, rank_TK.flatten(), torch.ones(T * K, dtype=torch.long, device=device))[:ep]
         send_counts_P = need_TP.sum(0)
-        recv_counts_P = exchange_counts(send_counts_P, self.group)
+        recv_P2 = exchange_counts(torch.stack([send_counts_P, slots_P], 1), self.group)
         with phase("a2a"):  # the split sizes must reach the host: waits for the counts
-            send_splits, recv_splits = send_counts_P.tolist(), recv_counts_P.tolist()
+            send_splits = send_counts_P.tolist()
+            recv = recv_P2.tolist()
+        recv_splits, n_assigned = [r[0] for r in recv], sum(r[1] for r in recv)
 
         # Per sent row, its K slots as seen by the receiving peer: a local expert id, or n_local
         # (a phantom group: not this peer's expert) with weight 0. Ids ride in float32 next to
@@ -74,7 +80,8 @@ class ExpertParallelExperts(Experts):
         meta_R2K = all_to_all(meta_S2K, recv_splits, send_splits, self.group)
         w_RK, local_RK = meta_R2K[:, :K], meta_R2K[:, K:].detach().long()
 
-        x_sorted_MD, offsets, sorted_idx = self.permute(x_RD, local_RK, n_local + 1)
+        # The slots of other ranks' experts sort last (phantom group n_local): no rows for them.
+        x_sorted_MD, offsets, sorted_idx = self.permute(x_RD, local_RK, n_local + 1, n_rows=n_assigned)
         y_sorted_MD = self(x_sorted_MD, offsets[:n_local])
         partial_RD = self.unpermute(y_sorted_MD, sorted_idx, w_RK)
         partial_SD = all_to_all(partial_RD, send_splits, recv_splits, self.group)

@@ -23,6 +23,11 @@ over the expert-dp group covers all W ranks once. The global grad norm sums the 
 reduced shards over the world; a replicated (ep_unaware) expert bucket counts only on
 expert-dp rank 0, so every parameter is counted exactly once. The update itself is
 torch.optim.AdamW on the shard tensors, so the arithmetic is torch's.
+
+With ``overlap=True`` the reduction runs under the backward instead of after it
+(optimus_core.parallel.grad_sync: chunks of about ``chunk_mb`` MiB, each reduced onto its owners
+as soon as the last micro-batch's backward has produced it); ``train_step`` calls
+``arm_grad_sync()`` before that backward. The shards, state and results are the same.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from torch import nn
 
 from ..config import OptimConfig
 from .expert_parallel import expert_parameter_names
+from .grad_sync import OverlappedGradSync
 from ..timing import phase
 from ..train.optim import clip_coef_as_grad_scale, is_fused, step_with_grad_scale
 from .mesh import Mesh
@@ -109,6 +115,14 @@ class Bucket:
         _reduce_scatter(grad_shard, grad_N, self.group)
         return grad_shard
 
+    def reduced_grad(self) -> torch.Tensor:
+        """After an overlapped reduction (grad_sync.py, which reduces onto each owner's range of
+        grad_N in place): this rank's reduced shard, a view."""
+        if self.sharded and self.group_size > 1:
+            lo = self.group_rank * self.shard.numel()
+            return self.grad_N[lo:lo + self.shard.numel()]
+        return self.grad_N
+
     def publish(self) -> None:
         """Bring every rank's updated shard into the flat buffer (the params see it)."""
         if self.sharded and self.group_size > 1:
@@ -138,9 +152,12 @@ class ShardedAdamW:
 
     syncs_gradients = True  # train_step: call clip_and_step instead of clipping itself
 
-    def __init__(self, model: nn.Module, mesh: Mesh, cfg: OptimConfig, mode: str = "ep_aware"):
+    def __init__(self, model: nn.Module, mesh: Mesh, cfg: OptimConfig, mode: str = "ep_aware", *,
+                 overlap: bool = False, chunk_mb: float = 128.0):
         if mode not in ("ep_aware", "ep_unaware"):
             raise ValueError(f"parallel.optimizer = {mode!r}: must be 'ep_aware' or 'ep_unaware'")
+        if chunk_mb <= 0:
+            raise ValueError(f"parallel.grad_sync_chunk_mb = {chunk_mb}: must be > 0 (MiB)")
         self.mesh, self.mode = mesh, mode
         self.buckets: list[Bucket] = []
         for name, params in bucket_params(model):
@@ -159,13 +176,29 @@ class ShardedAdamW:
         self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                        foreach=False, fused=fused or None)
         self.param_groups = self.inner.param_groups  # the loop sets "lr" here each step
+        self.grad_sync = None
+        if overlap and any(b.group_size > 1 for b in self.buckets):
+            order_of = {id(p): i for i, p in enumerate(model.parameters())}
+            world = tuple(range(mesh.world_size))
+            ranks = {id(b): world if b.group is None else mesh.expert_dp_ranks for b in self.buckets}
+            self.grad_sync = OverlappedGradSync(self.buckets, order_of, int(chunk_mb * 2**20),
+                                                1.0 / mesh.world_size, ranks)
+
+    def arm_grad_sync(self) -> None:
+        """The next backward is the step's last: with overlap, reduce gradients as it goes."""
+        if self.grad_sync is not None:
+            self.grad_sync.arm()
 
     @torch.no_grad()
     def clip_and_step(self, max_norm: float | None) -> torch.Tensor:
         """Reduce grads, clip by the global norm (returned, before clipping), update, all-gather."""
         scale = 1.0 / self.mesh.world_size
         with phase("grad_sync"):
-            grads = [b.reduce_grad(scale) for b in self.buckets]
+            if self.grad_sync is not None:  # mostly done under the backward: wait for the rest
+                self.grad_sync.finish()
+                grads = [b.reduced_grad() for b in self.buckets]
+            else:
+                grads = [b.reduce_grad(scale) for b in self.buckets]
         with phase("optimizer"):
             sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)
             for b, g in zip(self.buckets, grads):
@@ -197,6 +230,8 @@ class ShardedAdamW:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient buffers (``set_to_none`` is accepted and ignored: the
         parameters' .grad stay views of the buffers the next reduction reads)."""
+        if self.grad_sync is not None:  # a skipped step: reductions may be in flight on the buffers
+            self.grad_sync.settle()
         for b in self.buckets:
             b.zero_grad()
 

@@ -38,8 +38,10 @@ def test_opcheck(triton_device):
     for op, args in [
         (ops.grouped_mm, (grad(x_sorted), w_up, offsets)),
         (ops.grouped_mm_dw, (x_sorted, h, offsets)),
-        (ops.permute_rows, (x, sorted_idx, topk_idx.shape[1])),
+        (ops.permute_rows, (x, sorted_idx, topk_idx.shape[1], len(sorted_idx))),
+        (ops.permute_rows, (x, sorted_idx, topk_idx.shape[1], len(sorted_idx) - 3)),  # a prefix only
         (ops.unpermute, (grad(y), sorted_idx, weights)),
+        (ops.unpermute, (grad(y[:-3]), sorted_idx, weights)),
         (ops.unpermute_backward, (x.detach(), y, sorted_idx, weights.detach())),
         (ops.swiglu, (grad(h),)),
         (ops.swiglu_backward, (h, h[:, :8])),

@@ -100,6 +100,35 @@ def test_round_trip_with_weights_one_over_k(case, backend, triton_device):
     torch.testing.assert_close(back, x, rtol=1e-6, atol=1e-6)  # k terms x/k: a few ulps at most
 
 
+@pytest.mark.parametrize("backend", ["triton", "loop"])
+def test_only_the_real_assignments_rows(backend, triton_device):
+    """The phantom group (the last, here the highest expert routed to: another rank's experts)
+    sorts last; with n_rows = the real assignments, permute makes only their rows, and unpermute
+    and every gradient equal the full computation with the phantom rows' outputs zero (their
+    weights need not be 0)."""
+    _, topk_idx, x, _, weights, _, grad_out = make("top-8, empty experts", triton_device)
+    E = int(topk_idx.max()) + 1  # groups; E - 1 the phantom
+    n_real = int((topk_idx < E - 1).sum())
+    assert 0 < n_real < topk_idx.numel()
+    x, weights = x.requires_grad_(), weights.requires_grad_()
+    full, offsets, sorted_idx = permute(x, topk_idx, E, backend=backend)
+    part, offsets_p, sorted_idx_p = permute(x, topk_idx, E, backend=backend, n_rows=n_real)
+    assert part.shape == (n_real, x.shape[1]) and torch.equal(part, full[:n_real])
+    assert torch.equal(offsets, offsets_p) and torch.equal(sorted_idx, sorted_idx_p)
+    assert int(offsets[E - 2]) == n_real
+    y_part = part * 2.0  # stands in for the experts: any function of the rows made
+    y_full = torch.cat([full[:n_real] * 2.0, torch.zeros_like(full[n_real:])])
+    got = unpermute(y_part, sorted_idx, weights, backend=backend)
+    want = unpermute(y_full, sorted_idx, weights, backend=backend)
+    torch.testing.assert_close(got, want, **TOL)
+    grads = torch.autograd.grad(got, (x, weights), grad_out)
+    grads_ref = torch.autograd.grad(want, (x, weights), grad_out)
+    for name, g, r in zip(("dx", "dweights"), grads, grads_ref):
+        torch.testing.assert_close(g, r, **TOL, msg=lambda m: f"{name}: {m}")
+    with pytest.raises(ValueError, match="n_rows"):
+        permute(x, topk_idx, E, backend=backend, n_rows=topk_idx.numel() + 1)
+
+
 def test_argument_checks():
     E, topk_idx, x, y_sorted, weights, _, _ = make("top-2", "cpu")
     with pytest.raises(ValueError, match="backend must be one of"):
@@ -108,8 +137,8 @@ def test_argument_checks():
         unpermute(y_sorted, topk_idx.reshape(-1), weights, backend="cuda")
     with pytest.raises(ValueError, match=r"need x \(T, D\) and topk_idx \(T, k\)"):
         permute(x[:-1], topk_idx, E)
-    with pytest.raises(ValueError, match=r"need y_sorted \(T\*k, D\)"):
-        unpermute(y_sorted[:-1], topk_idx.reshape(-1), weights)
+    with pytest.raises(ValueError, match=r"need y_sorted \(n <= T\*k, D\)"):
+        unpermute(torch.cat([y_sorted, y_sorted[:1]]), topk_idx.reshape(-1), weights)
 
 
 # bf16 tolerances: permute copies (exact). unpermute sums in float32 and rounds each output

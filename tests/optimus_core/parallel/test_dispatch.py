@@ -2,7 +2,9 @@
 and gradients, also when routing is uneven (EP ranks that receive no tokens for their experts)
 and when tokens are dropped over capacity."""
 import copy
+import os
 
+import pytest
 import torch
 from torch import nn
 
@@ -31,8 +33,8 @@ class _Holder(nn.Module):  # parallelize walks a model; any module holding the l
         self.layer = layer
 
 
-def _check_layer(mesh, capacity, skew):
-    cfg = MoEConfig(n_experts=E, top_k=2, d_expert=8, capacity_factor=capacity)
+def _check_layer(mesh, capacity, skew, backend="loop"):
+    cfg = MoEConfig(n_experts=E, top_k=2, d_expert=8, capacity_factor=capacity, experts_backend=backend)
     ref = _layer(cfg, skew)
     ep_model = parallelize(_Holder(copy.deepcopy(ref)), mesh)
     g = torch.Generator().manual_seed(1)
@@ -69,12 +71,12 @@ def _check_layer(mesh, capacity, skew):
         torch.testing.assert_close(grad, getattr(ref.experts, name).grad[local], rtol=1e-5, atol=1e-6)
 
 
-def _worker(ep):
+def _worker(ep, backend="loop"):
     torch.set_num_threads(1)
     mesh = init_distributed(ParallelConfig(ep=ep), n_experts=E, device="cpu")
     try:
         for capacity, skew in ((None, False), (None, True), (1.0, False), (0.5, True)):
-            _check_layer(mesh, capacity, skew)
+            _check_layer(mesh, capacity, skew, backend)
     finally:
         shutdown(mesh)
 
@@ -85,3 +87,10 @@ def test_ep_layer_matches_single_process_4_ranks_ep2():
 
 def test_ep_layer_matches_single_process_2_ranks_ep2():
     spawn_local(_worker, 2, (2,), start_method="fork")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels on CPU need TRITON_INTERPRET=1")
+def test_ep_layer_with_the_triton_kernels_2_ranks_ep2():
+    """The receiving rank makes rows only for its own experts' assignments (permute's n_rows):
+    the kernels' path through that, against the same single-process reference."""
+    spawn_local(_worker, 2, (2, "triton"), start_method="fork")
