@@ -2,6 +2,7 @@
 """Data + expert parallel training steps on the GPUs of one host (not a test).
 
     python bench/distributed.py [--suites ablation weak strong] [--max-gpus 4] [--quick]
+    python bench/distributed.py --suites weak ablation --only 'weak|ep1-triton'   # a subset of the points
     python bench/distributed.py --ingest bench/results/distributed-ablation-nvidia-h200.jsonl
 
 Model: ``mula-7b-a1b`` full width, 8 of its 16 layers (OLMoE-1B-7B shapes), sequence 4096, bf16
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -55,6 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--only", default=None, help="a regular expression: measure only the points whose label it matches")
     p.add_argument("--quick", action="store_true", help="the laptop preset on CPU ranks (gloo): a smoke check")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--store", default=str(ROOT / "results" / "store.zarr"))
@@ -93,6 +96,8 @@ def plan(args, n_gpus: int) -> list[dict]:
                 points.append(dict(label=f"strong-ep{ep_rule}-{n}", suite="strong", devices=n,
                                    ep=n if ep_rule == "all" else 1, ep_rule=str(ep_rule), backend="triton",
                                    optimizer="ep_aware", global_batch=4 * mb))
+    if args.only:
+        points = [p for p in points if re.search(args.only, p["label"])]
     return points
 
 

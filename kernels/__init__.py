@@ -20,11 +20,13 @@ from __future__ import annotations
 import torch
 
 from ._triton import INTERPRET, triton
+from .adamw import adamw_step_, adamw_step_reference_, squared_norm, squared_norm_reference
 from .grouped_mm import grouped_mm, grouped_mm_reference, torch_grouped_mm_unsupported
 from .permute import permute, permute_reference, unpermute, unpermute_reference
 from .swiglu import swiglu, swiglu_reference
 
 __all__ = [
+    "adamw_step_", "adamw_step_reference_", "squared_norm", "squared_norm_reference",
     "available_backends", "grouped_mm", "grouped_mm_reference", "permute", "permute_reference",
     "swiglu", "swiglu_reference", "torch_grouped_mm_unsupported", "unpermute", "unpermute_reference",
 ]

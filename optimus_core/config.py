@@ -240,6 +240,10 @@ class OptimConfig(_Validated):
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: Optional[float] = 1.0  # max global grad norm; None disables clipping
+    # The update kernel: "triton" = one streaming kernel per (flat) tensor (optimus_core.train.adamw,
+    # 28 bytes per parameter), "torch" = torch.optim.AdamW (fused on CUDA), "auto" = triton on a
+    # CUDA / XPU device where Triton imports, torch elsewhere. Same arithmetic and state either way.
+    implementation: Literal["auto", "torch", "triton"] = "auto"
 
     def check(self) -> None:
         self._require(self.lr > 0, "lr", "must be > 0")
@@ -293,9 +297,16 @@ class ParallelConfig(_Validated):
     # Every collective (and the rendezvous) fails after this many seconds instead of waiting
     # forever for a dead or stuck rank (torch.distributed.init_process_group's timeout).
     collective_timeout_s: float = 1800.0
+    # ShardedAdamW reduces gradients in chunks of about this many MiB (whole parameters, in
+    # backward order), each onto the ranks whose shards it covers (optimus_core/parallel/grad_sync.py).
+    grad_sync_chunk_mb: float = 128.0
+    # Start a chunk's reduction as soon as the last micro-batch's backward has produced it, so
+    # the gradient traffic runs under the rest of the backward (off: all of it after backward).
+    overlap_grad_sync: bool = True
 
     def check(self) -> None:
         self._require(self.ep >= 1, "ep", "must be >= 1")
+        self._require(self.grad_sync_chunk_mb > 0, "grad_sync_chunk_mb", "must be > 0 (MiB)")
         self._require(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0 (seconds)")
         self._require(self.tp == 1, "tp", "must be 1 (tensor parallelism is not implemented yet)")
         self._require(self.pp == 1, "pp", "must be 1 (pipeline parallelism is not implemented yet)")
@@ -328,6 +339,12 @@ class TrainConfig(_Validated):
     # OLMoE-size layers, triton experts + compile on an H200: 74.8 -> 55.9 GiB peak), one more
     # cast pass per layer in backward (bench/NOTES.md).
     recast_expert_weights: bool = False
+    # The LM head and the cross-entropy fused, a few thousand tokens at a time
+    # (optimus_core.model.linear_cross_entropy): the same loss and gradients without the
+    # micro-batch's full logits in bf16 and float32 and their gradients (several GB at 8192
+    # tokens x 50k vocabulary) and with a third of the memory passes over them. Off: logits,
+    # then F.cross_entropy, as evaluation does.
+    fused_lm_loss: bool = True
     compile: bool = False
     # A step whose loss is not finite, or above loss_spike_factor x the median of recent good
     # losses (None: only non-finite), is skipped; max_bad_steps in a row roll the run back to

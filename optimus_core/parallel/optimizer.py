@@ -22,7 +22,7 @@ contributions of the whole EP group (the all-to-all backward brought them home),
 over the expert-dp group covers all W ranks once. The global grad norm sums the squares of the
 reduced shards over the world; a replicated (ep_unaware) expert bucket counts only on
 expert-dp rank 0, so every parameter is counted exactly once. The update itself is
-torch.optim.AdamW on the shard tensors, so the arithmetic is torch's.
+torch.optim.AdamW's arithmetic on the shard tensors (torch's or TritonAdamW, optim.implementation).
 
 With ``overlap=True`` the reduction runs under the backward instead of after it
 (optimus_core.parallel.grad_sync: chunks of about ``chunk_mb`` MiB, each reduced onto its owners
@@ -41,7 +41,7 @@ from ..config import OptimConfig
 from .expert_parallel import expert_parameter_names
 from .grad_sync import OverlappedGradSync
 from ..timing import phase
-from ..train.optim import clip_coef_as_grad_scale, is_fused, step_with_grad_scale
+from ..train.optim import adamw, clip_coef_as_grad_scale, is_fused, step_with_grad_scale
 from .mesh import Mesh
 
 
@@ -74,7 +74,9 @@ class Bucket:
     def build(cls, name, params, group, group_size, group_rank, sharded, counts_in_norm):
         numel = sum(p.numel() for p in params)
         shards = group_size if sharded else 1
-        shard_len = -(-numel // shards)
+        # Shards of whole 16-element (64-byte) blocks: every shard starts aligned for the update
+        # kernel's vector loads.
+        shard_len = -(-numel // (shards * 16)) * 16
         flat_N = torch.zeros(shard_len * shards, dtype=params[0].dtype, device=params[0].device)
         offset = 0
         for p in params:  # the model's parameters become views of the flat buffer
@@ -170,11 +172,9 @@ class ShardedAdamW:
             self.buckets.append(Bucket.build(name, params, *args))
         groups = [{"params": [b.shard], "weight_decay": cfg.weight_decay if b.name.endswith(".decay") else 0.0}
                   for b in self.buckets]
-        # One flat shard per group: the fused kernel (CUDA) updates it in one pass; elsewhere the
-        # single-tensor loop, whose arithmetic is torch.optim.AdamW's on any device.
-        fused = self.buckets[0].flat_N.device.type == "cuda"
-        self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                       foreach=False, fused=fused or None)
+        # One flat shard per group, updated in one pass: TritonAdamW or torch's fused kernel on a
+        # GPU (optim.implementation); elsewhere torch's single-tensor loop. Same arithmetic.
+        self.inner = adamw(groups, cfg, self.buckets[0].flat_N.device)
         self.param_groups = self.inner.param_groups  # the loop sets "lr" here each step
         self.grad_sync = None
         if overlap and any(b.group_size > 1 for b in self.buckets):

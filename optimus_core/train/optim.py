@@ -16,11 +16,33 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def use_triton_adamw(cfg: OptimConfig, device: torch.device) -> bool:
+    """optim.implementation resolved for parameters on ``device`` (see OptimConfig)."""
+    from .adamw import triton_adamw_available
+
+    if cfg.implementation == "torch":
+        return False
+    available = triton_adamw_available(device)
+    if cfg.implementation == "triton" and not available:
+        raise ValueError(f"optim.implementation = 'triton': the Triton AdamW cannot run on {device.type} "
+                         "(needs a CUDA or XPU device with Triton); use 'auto' or 'torch'")
+    return available and (cfg.implementation == "triton" or device.type in ("cuda", "xpu"))
+
+
+def adamw(groups: list[dict], cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
+    """The AdamW of ``cfg.implementation`` over ``groups`` (parameters on ``device``)."""
+    if use_triton_adamw(cfg, device):
+        from .adamw import TritonAdamW
+
+        return TritonAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    # torch: the fused CUDA kernel on CUDA; its default (single-tensor or foreach) elsewhere.
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=device.type == "cuda" or None)
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    # The fused CUDA kernel where every parameter is on CUDA; torch's default elsewhere.
-    fused_ok = all(p.device.type == "cuda" for p in model.parameters())
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
-                             eps=cfg.eps, fused=fused_ok or None)
+    devices = {p.device for p in model.parameters()}
+    device = devices.pop() if len(devices) == 1 else torch.device("cpu")  # mixed: torch's default path
+    return adamw(param_groups(model, cfg.weight_decay), cfg, device)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
@@ -32,7 +54,8 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
 
 
 def is_fused(optimizer: torch.optim.Optimizer) -> bool:
-    return bool(optimizer.defaults.get("fused"))
+    """Takes the clip divisor as ``grad_scale`` inside its update (torch's fused AdamW, TritonAdamW)."""
+    return bool(optimizer.defaults.get("fused") or getattr(optimizer, "takes_grad_scale", False))
 
 
 def clip_coef_as_grad_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor:

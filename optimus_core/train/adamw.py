@@ -1,0 +1,67 @@
+"""AdamW whose update is one streaming Triton kernel per tensor (kernels.adamw_step_), with
+torch.optim.AdamW's arithmetic, parameter groups and state layout.
+
+    opt = TritonAdamW(param_groups, lr=4e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt.grad_scale = divisor     # optional: gradients divided by it inside the kernel (clipping)
+    opt.step()
+
+Why: torch's fused AdamW moves 32 bytes per parameter when it is given a grad_scale (it writes
+the unscaled gradient back) and runs through multi_tensor_apply; this kernel moves 28 and streams
+each flat buffer (ShardedAdamW's shards: a few tensors of hundreds of millions of elements).
+bench/optimizer.py times both; bench/NOTES.md has the numbers.
+
+The state is torch's: ``step`` (a float32 CPU tensor, so the bias corrections are computed on the
+host without a sync), ``exp_avg``, ``exp_avg_sq``; a torch AdamW state dict loads as it is (a
+step saved on the device moves to the host once, at the first update).
+"""
+from __future__ import annotations
+
+import torch
+
+import kernels
+
+
+class TritonAdamW(torch.optim.Optimizer):
+    takes_grad_scale = True  # train.optim.clip_and_step passes the clip divisor as grad_scale
+
+    def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not (p.is_contiguous() and p.grad.is_contiguous()):
+                    raise ValueError("TritonAdamW: parameters and gradients must be contiguous")
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                if state["step"].device.type != "cpu":  # loaded from a fused / capturable AdamW
+                    state["step"] = state["step"].detach().float().cpu()
+                state["step"] += 1
+                kernels.adamw_step_(p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1),
+                                    state["exp_avg_sq"].view(-1), lr=float(group["lr"]), beta1=beta1,
+                                    beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                                    step=int(state["step"]), grad_scale=grad_scale)
+        return loss
+
+
+def triton_adamw_available(device: torch.device) -> bool:
+    """True where the kernel can run: a CUDA or XPU device with Triton (or any device under
+    TRITON_INTERPRET=1, which the tests use)."""
+    from kernels._triton import INTERPRET, triton
+
+    if triton is None:
+        return False
+    return INTERPRET or device.type in ("cuda", "xpu")
