@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark of the expert kernels on the OLMoE expert shapes (not a test).
 
-    python bench/kernels.py [--quick] [--tokens 8192,16384,32768] [--store results/store.zarr]
+    python bench/kernels.py [--quick] [--tokens 8192,16384,32768] [--only up,down,permute]
+                            [--backends triton,triton-tma,...] [--store results/store.zarr]
 
 Shapes (OLMoE-1B-7B / Mula-7B-A1B): 64 experts, top-8, d_model 2048, expert hidden 1024, bf16.
   up    grouped_mm (T*8, 2048) x (64, 2048, 2048) -> gate+up   (K=2048, N=2*1024)
@@ -11,7 +12,13 @@ e chosen with weight 1/(e+1)^1.2, top-8 without replacement, Gumbel top-k). Each
 kernels.grouped_mm (loop, torch, triton: those that run here) is timed forward and backward
 (dx and dw) separately, beside torch._grouped_mm called bare ("torch_raw": the "torch" backend
 also zeroes the rows past offsets[-1], one extra pass) and a dense torch.mm of the same FLOPs
-(the ceiling):
+(the ceiling). Beside "triton" (the default kernels), its A/B variants (kernels.grouped_mm's
+TRITON_KERNELS choices), each labelled with the kernel that really ran ("fallback" names the
+reason where the TMA kernel could not):
+  triton-dxT      dx over a contiguous copy of w^T (the copy timed in), forward as triton (bwd only)
+  triton-tma      forward and dx through the persistent tensor-descriptor (TMA) kernel
+  triton-tma-flat the same with its loop over tiles fused with the K loop (tl.range flatten)
+  triton-tma-dxT  dx over the copy of w^T through the TMA kernel (bwd only)
   TFLOP/s = 2*M*K*N (fwd) or 4*M*K*N (bwd) / median time,  M = T*8.
 permute+unpermute (forward pair, backward pair) is reported in GB/s of minimal traffic (each
 input read once, each output written once) beside a plain copy (clone) of the (T*8, 2048)
@@ -42,9 +49,19 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere in the checkout
 
 from bench.common import write_jsonl  # noqa: E402
 from kernels import available_backends, grouped_mm, permute, unpermute  # noqa: E402
+from kernels.grouped_mm import triton_kernels  # noqa: E402
+from kernels.grouped_mm_tma import tma_unsupported  # noqa: E402
 
 OLMOE = dict(experts=64, top_k=8, d_model=2048, hidden=1024)
 TINY = dict(experts=4, top_k=2, d_model=32, hidden=16)  # the interpreter smoke check
+# name: (kernel choices, passes timed); the default "triton" is forward pointer, dx strided
+TRITON_VARIANTS = {
+    "triton-dxT": (dict(forward="pointer", dx="copy"), ("bwd",)),
+    "triton-tma": (dict(forward="tma", dx="tma"), ("fwd", "bwd")),
+    "triton-tma-flat": (dict(forward="tma", dx="tma", tma_flatten=True), ("fwd", "bwd")),
+    "triton-tma-dxT": (dict(forward="tma", dx="copy"), ("bwd",)),
+}
+OPS = ("up", "down", "permute")
 
 
 def parse_args(argv=None):
@@ -53,6 +70,10 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="one small token count, balanced routing, few repeats")
     p.add_argument("--tokens", default="8192,16384,32768", help="comma list of tokens per GPU")
+    p.add_argument("--only", default=",".join(OPS), help=f"comma list of ops among {','.join(OPS)}")
+    p.add_argument("--backends", default="",
+                   help="comma list of GEMM rows to time (default all that run here): loop, torch, "
+                        f"torch_raw, triton, {', '.join(TRITON_VARIANTS)}, dense")
     p.add_argument("--reps", type=int, default=50, help="timed repeats per measurement (median taken)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the JSON lines file")
     p.add_argument("--store", default=str(ROOT / "results" / "store.zarr"), help="results store ('' to skip)")
@@ -114,33 +135,55 @@ def route(T: int, E: int, k: int, routing: str, gen: torch.Generator) -> torch.T
     return (logits + gumbel).topk(k, dim=1).indices  # = sampling k without replacement
 
 
-def bench_gemms(rec, timer, device, dtype, T, routing, topk_idx, shape, backends):
+def bench_gemms(rec, timer, device, dtype, T, routing, topk_idx, shape, backends, ops=("up", "down")):
     E, k, D, H = shape["experts"], shape["top_k"], shape["d_model"], shape["hidden"]
     M = T * k
     offsets = permute(torch.empty(T, 0, device=device), topk_idx, E, backend="loop")[1]
     load = offsets.diff(prepend=offsets.new_zeros(1)).float()
     gen = torch.Generator(device=device).manual_seed(0)
     for gemm, K, N in (("up", D, 2 * H), ("down", H, D)):
+        if gemm not in ops:
+            continue
         x = torch.randn(M, K, device=device, dtype=dtype, generator=gen).requires_grad_()
         w = (torch.randn(E, K, N, device=device, dtype=dtype, generator=gen) * 0.02).requires_grad_()
         dy = torch.randn(M, N, device=device, dtype=dtype, generator=gen)
         w2d = w[0].detach().clone().requires_grad_()
         flop = 2 * M * K * N
-        runs = {b: (lambda b=b: grouped_mm(x, w, offsets, backend=b)) for b in backends}
-        if "torch" in backends:  # without the backend's zeroing of rows past offsets[-1]
+        runs = {b: (lambda b=b: grouped_mm(x, w, offsets, backend=b)) for b in backends
+                if b in ("loop", "torch", "triton")}
+        for b in backends:
+            if b in TRITON_VARIANTS:
+                runs[b] = lambda: grouped_mm(x, w, offsets, backend="triton")
+        if "torch_raw" in backends:  # without the backend's zeroing of rows past offsets[-1]
             runs["torch_raw"] = lambda: torch._grouped_mm(x, w, offs=offsets)
-        runs["dense"] = lambda: x @ w2d
+        if "dense" in backends:
+            runs["dense"] = lambda: x @ w2d
         for name, fwd in runs.items():
-            y = fwd()
-            params = (x, w2d) if name == "dense" else (x, w)
-            passes = {"fwd": (fwd, flop),
-                      "bwd": (lambda: torch.autograd.grad(y, params, dy, retain_graph=True), 2 * flop)}
-            for pass_, (fn, f) in passes.items():
-                ms = timer(fn)
-                rec(op=gemm, pass_=pass_, backend=name, tokens=T, routing=routing, ms=ms,
-                    tflops=f / ms / 1e9, flop=f, M=M, K=K, N=N, experts=E,
-                    max_over_mean_load=(load.max() / load.mean()).item())
-            del y
+            choices, timed = TRITON_VARIANTS.get(name, ({}, ("fwd", "bwd")))
+            extra = {}
+            if "tma" in name:  # say so where the TMA kernel falls back to the pointer kernel
+                reason = tma_unsupported(x, w, dy)  # dy stands in for y: same shape, dtype, strides
+                extra = {"kernels": choices, "fallback": reason} if reason else {"kernels": choices}
+            elif choices:
+                extra = {"kernels": choices}
+            try:
+                with triton_kernels(**choices):
+                    y = fwd()
+                    params = (x, w2d) if name == "dense" else (x, w)
+                    backward = lambda y=y, params=params: torch.autograd.grad(y, params, dy, retain_graph=True)  # noqa: E731
+                    passes = {"fwd": (fwd, flop), "bwd": (backward, 2 * flop)}
+                    for pass_ in timed:
+                        fn, f = passes[pass_]
+                        ms = timer(fn)
+                        rec(op=gemm, pass_=pass_, backend=name, tokens=T, routing=routing, ms=ms,
+                            tflops=f / ms / 1e9, flop=f, M=M, K=K, N=N, experts=E,
+                            max_over_mean_load=(load.max() / load.mean()).item(), **extra)
+                del y, backward, passes  # free this row's graph before the next row's forward
+            except Exception as e:  # an untried variant that fails (e.g. to compile) costs its row only
+                if name not in TRITON_VARIANTS:
+                    raise
+                rec(op=gemm, pass_="-", backend=name, tokens=T, routing=routing,
+                    error=f"{type(e).__name__}: {e}"[:2000], **extra)
 
 
 def bench_permute(rec, timer, device, dtype, T, routing, topk_idx, shape, backends):
@@ -151,7 +194,7 @@ def bench_permute(rec, timer, device, dtype, T, routing, topk_idx, shape, backen
     dout = torch.randn(T, D, device=device, dtype=dtype, generator=gen)
     b = torch.finfo(dtype).bits // 8
     fwd_bytes, bwd_bytes = 2 * (T + T * k) * D * b, (3 * T * k + 2 * T) * D * b
-    for name in [bk for bk in backends if bk != "torch"]:  # "torch" is the reference, like "loop"
+    for name in backends:
         def pair(name=name):
             x_sorted, _, sorted_idx = permute(x, topk_idx, E, backend=name)
             return unpermute(x_sorted, sorted_idx, weights, backend=name)
@@ -177,7 +220,7 @@ def write_store(store_path: str, run_id: str, records: list[dict], summary: dict
         return False
     attrs = {k: v for k, v in summary.items() if k != "results"}
     with open_store(store_path).run_writer(run_id, attrs={**attrs, "experiment": "bench-kernels"}) as w:
-        for r in sorted(records, key=lambda r: r["tokens"]):
+        for r in sorted((r for r in records if "error" not in r), key=lambda r: r["tokens"]):
             table = "_".join((r["op"].replace("+", "_"), r["pass"], r["backend"], r["routing"]))
             rate = {"tflops": r["tflops"]} if "tflops" in r else {"gbps": r["gbps"]}
             w.log(table, {"step": r["tokens"], "ms": r["ms"], **rate})
@@ -194,23 +237,42 @@ def main(argv=None) -> None:
     reps = 1 if interpreted else 10 if args.quick else args.reps
     timer = Timer(device, reps=reps, warmup=1 if interpreted else 5)
     backends = available_backends()
+    gemm_rows = [*backends, *(["torch_raw"] if "torch" in backends else []),
+                 *(TRITON_VARIANTS if "triton" in backends else []), "dense"]
+    permute_rows = [b for b in backends if b != "torch"]  # "torch" is the reference, like "loop"
+    if args.backends:
+        wanted = args.backends.split(",")
+        unknown = sorted(set(wanted) - {"loop", "torch", "torch_raw", "triton", "dense", *TRITON_VARIANTS})
+        if unknown:
+            sys.exit(f"--backends: unknown {unknown}; rows that run here: {gemm_rows}")
+        gemm_rows = [b for b in gemm_rows if b in wanted]
+        permute_rows = [b for b in permute_rows if b in wanted]
+    ops = args.only.split(",")
+    if set(ops) - set(OPS):
+        sys.exit(f"--only: unknown ops {sorted(set(ops) - set(OPS))}; choose among {OPS}")
     name = device_name(device)
     records = []
 
     def rec(pass_, **fields):
         line = {"bench": "kernels", "device": name, "pass": pass_, **fields}
         records.append(line)
+        if "error" in line:
+            print(f"{line['op']:>18} {line['backend']:>19} {line['tokens']:>6} {line['routing']:>8} "
+                  f"FAILED: {line['error'][:300]}", flush=True)
+            return
         rate = f"{line['tflops']:8.1f} TFLOP/s" if "tflops" in line else f"{line['gbps']:8.1f} GB/s   "
-        print(f"{line['op']:>18} {pass_:>4} {line['backend']:>9} {line['tokens']:>6} "
-              f"{line['routing']:>8} {line['ms']:9.3f} ms {rate}", flush=True)
+        note = f"  (fell back: {line['fallback']})" if line.get("fallback") else ""
+        print(f"{line['op']:>18} {pass_:>4} {line['backend']:>14} {line['tokens']:>6} "
+              f"{line['routing']:>8} {line['ms']:9.3f} ms {rate}{note}", flush=True)
 
-    print(f"{'op':>18} {'pass':>4} {'backend':>9} {'tokens':>6} {'routing':>8} {'median':>12} {'rate':>14}")
+    print(f"{'op':>18} {'pass':>4} {'backend':>14} {'tokens':>6} {'routing':>8} {'median':>12} {'rate':>14}")
     gen = torch.Generator().manual_seed(0)
     for T in tokens:
         for routing in routings:
             topk_idx = route(T, shape["experts"], shape["top_k"], routing, gen).to(device)
-            bench_gemms(rec, timer, device, dtype, T, routing, topk_idx, shape, backends)
-            bench_permute(rec, timer, device, dtype, T, routing, topk_idx, shape, backends)
+            bench_gemms(rec, timer, device, dtype, T, routing, topk_idx, shape, gemm_rows, ops)
+            if "permute" in ops:
+                bench_permute(rec, timer, device, dtype, T, routing, topk_idx, shape, permute_rows)
 
     def ratio(r, other):
         base = [o for o in records if all(o[f] == r[f] for f in ("op", "pass", "tokens", "routing"))
@@ -220,7 +282,8 @@ def main(argv=None) -> None:
     summary = {
         "bench": "kernels_summary", "device": name, "torch": torch.__version__,
         "triton": getattr(sys.modules.get("triton"), "__version__", None), "dtype": str(dtype),
-        "shape": shape, "backends": backends, "reps": reps, "quick": args.quick,
+        "shape": shape, "backends": gemm_rows, "reps": reps, "quick": args.quick,
+        "triton_variants": {k: v[0] for k, v in TRITON_VARIANTS.items()},
         "flops_formula": "fwd 2*M*K*N, bwd 4*M*K*N (dx and dw), M = tokens*top_k; "
                          "tflops = flop / median time",
         "bytes_formula": "minimal traffic: each input read once, each output written once",
@@ -229,6 +292,11 @@ def main(argv=None) -> None:
         **{f"triton_over_{other}": {f"{r['op']}/{r['pass']}/{r['tokens']}/{r['routing']}": ratio(r, other)
                                     for r in records if r["backend"] == "triton" and "tflops" in r}
            for other in ("torch_raw", "dense")},
+        # the A/B: each variant beside the default kernels and beside the bare torch._grouped_mm
+        **{f"variants_over_{other}": {f"{r['backend']}/{r['op']}/{r['pass']}/{r['tokens']}/{r['routing']}":
+                                      ratio(r, other) for r in records
+                                      if r["backend"] in TRITON_VARIANTS and "tflops" in r}
+           for other in ("triton", "torch_raw")},
     }
     path = Path(args.out) / f"kernels-{name}.jsonl"
     write_jsonl(path, records + [summary])

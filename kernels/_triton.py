@@ -27,9 +27,13 @@ except ImportError:  # e.g. macOS laptops
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def jit(fn):
-    """triton.jit, or the bare function when Triton is missing (then it is never launched)."""
-    return triton.jit(fn) if triton is not None else fn
+def jit(fn=None, **options):
+    """triton.jit, or the bare function when Triton is missing (then it is never launched).
+    Options go to triton.jit: `@jit(do_not_specialize=["DX"])` for an int argument that is only
+    an autotune key, so that its values do not compile separate copies of the kernel."""
+    if fn is None:
+        return lambda fn: jit(fn, **options)
+    return triton.jit(fn, **options) if triton is not None else fn
 
 
 def autotuned(configs_for, key):
@@ -45,6 +49,13 @@ def autotuned(configs_for, key):
         return for_variant
 
     return wrap
+
+
+def tile_configs(shapes, **options):
+    """GEMM configs from (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) tuples; options (e.g. Intel's
+    grf_mode) go to every config."""
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, **options}, num_warps=w, num_stages=s)
+            for m, n, k, w, s in shapes]
 
 
 def row_configs(device_type: str):

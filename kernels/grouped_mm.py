@@ -24,17 +24,57 @@ Backends:
   Torch leaves rows past offsets[-1] unwritten (seen on an H200, torch 2.11); this backend
   zeroes them in y and dx with a small Triton kernel that touches only those rows.
 - "triton": our kernels, no host sync and no loop over groups. Products accumulate in float32;
-  float32 inputs multiply in full fp32 ("ieee", not tf32), as torch.mm does by default.
+  float32 inputs multiply in full fp32 ("ieee", not tf32), as torch.mm does by default. Which
+  kernels run is TRITON_KERNELS (below; `with triton_kernels(forward="tma", dx="copy"): ...`
+  for an A/B): the forward by pointer loads or by the Hopper TMA kernel (grouped_mm_tma.py),
+  dx reading w^T through strides, from a contiguous copy of it, or transposed by the TMA kernel.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
-from ._triton import INTERPRET, autotuned, bucket, check_launchable, device_guard, jit, tl, triton
+from ._triton import INTERPRET, autotuned, bucket, check_launchable, device_guard, jit, tile_configs, tl, triton
+from .grouped_mm_tiles import locate_tile, segment_tiles
+from .grouped_mm_tma import launch_grouped_mm_tma, tma_unsupported
 
 BACKENDS = ("loop", "torch", "triton")
+
+# The triton backend's kernel choices, read at every launch (so a benchmark can time both
+# sides of each in one process: see triton_kernels):
+#   forward  "pointer": one program per output tile, pointer loads (the measured default);
+#            "tma": grouped_mm_tma's persistent tensor-descriptor kernel, where it can run
+#            (Triton 3.4+, NVIDIA sm90+, 16-bit, aligned rows), else "pointer".
+#   dx       "strided": the forward's kernel reading w^T through transposed strides (default);
+#            "copy": w^T made contiguous per group first ((G, N, K) by a tiled transpose that
+#            also casts, a temporary of w's size freed after the kernel), then the forward
+#            kernel chosen above over it;
+#            "tma": the TMA kernel reading w as stored and transposing tiles in shared memory
+#            (no copy), where it can run, else "strided".
+#   tma_flatten  False / True: the TMA kernel's loop over work items fused with its K loop.
+TRITON_KERNELS = {"forward": "pointer", "dx": "strided", "tma_flatten": False}
+KERNEL_CHOICES = {"forward": ("pointer", "tma"), "dx": ("strided", "copy", "tma"), "tma_flatten": (False, True)}
+
+
+@contextlib.contextmanager
+def triton_kernels(**choices):
+    """Run a block with other kernel choices, e.g. `with triton_kernels(forward="tma", dx="copy"):`
+    (the backward reads them when it runs, so run it inside the block too)."""
+    for name, value in choices.items():
+        if name not in KERNEL_CHOICES:
+            raise ValueError(f"triton_kernels: unknown choice {name!r}; choices are {sorted(KERNEL_CHOICES)}")
+        if value not in KERNEL_CHOICES[name]:
+            raise ValueError(f"triton_kernels: {name} must be one of {KERNEL_CHOICES[name]}, got {value!r}")
+    saved = dict(TRITON_KERNELS)
+    TRITON_KERNELS.update(choices)
+    try:
+        yield
+    finally:
+        TRITON_KERNELS.clear()
+        TRITON_KERNELS.update(saved)
 
 
 def grouped_mm_reference(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
@@ -145,24 +185,19 @@ def _zero_tail(y: Tensor, offsets: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------- backend "triton": kernels
-def _configs(shapes, **options):
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, **options}, num_warps=w, num_stages=s)
-            for m, n, k, w, s in shapes]
-
-
 def _mm_configs(device_type: str, dtype: torch.dtype):
     """Forward and dx: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), a BLOCK_M x BLOCK_N output
     tile and a BLOCK_K reduction step."""
     if INTERPRET:
-        return _configs([(16, 16, 16, 1, 1)])
+        return tile_configs([(16, 16, 16, 1, 1)])
     if dtype == torch.float32:  # exact fp32 products run on FMA units, not tensor cores: big
         # tiles would only unroll into huge, slow-to-compile code for a dtype used in tests
-        return _configs([(64, 64, 32, 4, 2)])
+        return tile_configs([(64, 64, 32, 4, 2)])
     if device_type == "xpu":  # Intel Max (PVC): big tiles, 32 warps, the large register file
-        return _configs([(256, 256, 32, 32, 2), (256, 256, 32, 32, 3), (256, 128, 32, 32, 2),
-                         (128, 256, 32, 32, 2), (128, 128, 32, 16, 2)], grf_mode="large")
-    return _configs([(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
-                     (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 3)])
+        return tile_configs([(256, 256, 32, 32, 2), (256, 256, 32, 32, 3), (256, 128, 32, 32, 2),
+                             (128, 256, 32, 32, 2), (128, 128, 32, 16, 2)], grf_mode="large")
+    return tile_configs([(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
+                         (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 3)])
 
 
 def _dw_configs(device_type: str, dtype: torch.dtype):
@@ -172,19 +207,19 @@ def _dw_configs(device_type: str, dtype: torch.dtype):
     if INTERPRET or dtype == torch.float32:
         return _mm_configs(device_type, dtype)
     if device_type == "xpu":
-        return _configs([(32, 256, 256, 32, 2), (32, 256, 256, 32, 3), (32, 256, 128, 32, 2),
-                         (32, 128, 256, 32, 2), (32, 128, 128, 16, 2)], grf_mode="large")
-    return _configs([(64, 256, 128, 8, 3), (64, 128, 256, 8, 3), (32, 128, 128, 4, 4),
-                     (64, 128, 128, 8, 3), (64, 128, 128, 4, 4)])
+        return tile_configs([(32, 256, 256, 32, 2), (32, 256, 256, 32, 3), (32, 256, 128, 32, 2),
+                             (32, 128, 256, 32, 2), (32, 128, 128, 16, 2)], grf_mode="large")
+    return tile_configs([(64, 256, 128, 8, 3), (64, 128, 256, 8, 3), (32, 128, 128, 4, 4),
+                         (64, 128, 128, 8, 3), (64, 128, 128, 4, 4)])
 
 
-@autotuned(_mm_configs, key=["N", "K", "M_BUCKET", "stride_wk"])
-@jit
+@autotuned(_mm_configs, key=["N", "K", "M_BUCKET", "stride_wk", "DX"])
+@jit(do_not_specialize=["DX"])  # a key only: one compiled kernel for both
 def _grouped_mm_kernel(
     x_ptr, w_ptr, y_ptr, offsets_ptr,
     M, N, K, G,
     stride_xm, stride_xk, stride_wg, stride_wk, stride_wn, stride_ym, stride_yn,
-    M_BUCKET,  # autotune key only (stride_wk is in the key too: it tells forward from dx)
+    M_BUCKET, DX,  # autotune keys only: forward (0) or dx (1); stride_wk tells w from w^T views
     SEGMENTS: tl.constexpr,  # a power of two >= G + 1
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -193,22 +228,12 @@ def _grouped_mm_kernel(
     tile = tl.program_id(0) // num_n
     pid_n = tl.program_id(0) % num_n
 
-    # Segments 0..G-1 are the groups, segment G the rows past offsets[-1] (zero output). Row
-    # tiles are numbered segment after segment; each program rebuilds that numbering from the
-    # G offsets and searches it, so the host never reads group sizes. The grid, sized
-    # cdiv(M, BLOCK_M) + G (each segment adds at most one partial tile), may overshoot.
-    seg = tl.arange(0, SEGMENTS)
-    ends = tl.minimum(tl.load(offsets_ptr + seg, mask=seg < G, other=M), M)  # clamp: never address past M
-    starts = tl.load(offsets_ptr + seg - 1, mask=(seg > 0) & (seg <= G), other=0)
-    starts = tl.where(seg > G, M, tl.minimum(starts, M))
-    tiles = tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_M)
-    tiles_end = tl.cumsum(tiles, 0)
-    g = tl.sum((tiles_end <= tile).to(tl.int32), 0)  # the segment holding this tile
+    # Row tiles are numbered group after group (grouped_mm_tiles); the grid, sized
+    # cdiv(M, BLOCK_M) + G tiles (each segment adds at most one partial tile), may overshoot.
+    seg, starts, ends, tiles, tiles_end = segment_tiles(offsets_ptr, M, G, SEGMENTS, BLOCK_M)
+    g, row_start, row_end = locate_tile(tile, seg, starts, ends, tiles, tiles_end, BLOCK_M)
     if g > G:  # past the last tile
         return
-    row_end = tl.sum(tl.where(seg == g, ends, 0), 0)
-    row_start = tl.sum(tl.where(seg == g, starts + (tile - tiles_end + tiles) * BLOCK_M, 0), 0)
-
     rows = row_start + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -261,21 +286,69 @@ def _grouped_mm_dw_kernel(
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=(ks[:, None] < K) & (cols[None, :] < N))
 
 
+@jit
+def _transpose_kernel(w_ptr, wt_ptr, K, N, stride_wg, stride_wk, stride_wn,
+                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """wt[g] = w[g]^T (contiguous (G, N, K), cast to wt's dtype), one BLOCK_K x BLOCK_N tile per
+    program: Triton turns the tile through shared memory, so reads and writes both stay
+    coalesced (an elementwise copy of the transposed view reads with a stride of N)."""
+    g = tl.program_id(0).to(tl.int64)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ns = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (ks[:, None] < K) & (ns[None, :] < N)
+    tile = tl.load(w_ptr + g * stride_wg + ks[:, None] * stride_wk + ns[None, :] * stride_wn, mask=mask)
+    tl.store(wt_ptr + g * N * K + ns[None, :] * K + ks[:, None], tile.to(wt_ptr.dtype.element_ty), mask=mask)
+
+
+def _transposed_copy(w: Tensor, dtype: torch.dtype) -> Tensor:
+    """w (G, K, N) -> contiguous (G, N, K) in dtype, one read and one write of w."""
+    G, K, N = w.shape
+    wt = w.new_empty((G, N, K), dtype=dtype)
+    if wt.numel():
+        block = 16 if INTERPRET else 64
+        with device_guard(w):
+            _transpose_kernel[(G, triton.cdiv(K, block), triton.cdiv(N, block))](
+                w, wt, K, N, *w.stride(), BLOCK_K=block, BLOCK_N=block, num_warps=4)
+    return wt
+
+
 # ---------------------------------------------------------------- backend "triton": launchers
-def _launch_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+def _launch_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, dx: bool = False) -> Tensor:
+    """y = x @ w[g] per group, w (G, K, N) in any strides; TRITON_KERNELS["forward"] picks the kernel."""
     (M, K), (G, _, N) = x.shape, w.shape
     y = x.new_empty(M, N)
     if y.numel() == 0:
         return y
+    if TRITON_KERNELS["forward"] == "tma" and tma_unsupported(x, w, y) is None:
+        return launch_grouped_mm_tma(x, w, offsets, y, dx=dx, flatten=TRITON_KERNELS["tma_flatten"])
 
     def grid(meta):
         return ((triton.cdiv(M, meta["BLOCK_M"]) + G) * triton.cdiv(N, meta["BLOCK_N"]),)
 
     with device_guard(x):
         _grouped_mm_kernel(x.device.type, x.dtype)[grid](
-            x, w, y, offsets, M, N, K, G, *x.stride(), *w.stride(), *y.stride(), bucket(M),
+            x, w, y, offsets, M, N, K, G, *x.stride(), *w.stride(), *y.stride(), bucket(M), int(dx),
             SEGMENTS=triton.next_power_of_2(G + 1))
     return y
+
+
+def _launch_grouped_mm_dx(dy: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    """dx = dy @ w[g]^T per group, w (G, K, N) as the forward got it (float32 master weights
+    are cast here); TRITON_KERNELS["dx"] picks how w^T is read."""
+    mode = TRITON_KERNELS["dx"]
+    K, M = w.shape[1], dy.shape[0]
+    if mode == "tma":
+        w16 = w.to(dy.dtype)
+        dx = dy.new_empty(M, K)
+        if tma_unsupported(dy, w16, dx) is None:
+            if dx.numel():
+                launch_grouped_mm_tma(dy, w16, offsets, dx, trans_w=True, dx=True,
+                                      flatten=TRITON_KERNELS["tma_flatten"])
+            return dx
+        mode = "strided"
+    if mode == "copy":  # w^T made contiguous ((G, N, K), one pass that casts too), freed on return
+        return _launch_grouped_mm(dy, _transposed_copy(w, dy.dtype), offsets, dx=True)
+    return _launch_grouped_mm(dy, w.to(dy.dtype).transpose(1, 2), offsets, dx=True)
 
 
 def _launch_grouped_mm_dw(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
@@ -316,13 +389,23 @@ def _(x, dy, offsets):
     return x.new_empty(offsets.shape[0], x.shape[1], dy.shape[1])
 
 
+@torch.library.custom_op("optimus::grouped_mm_dx", mutates_args=())
+def _grouped_mm_dx_op(dy: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    return _launch_grouped_mm_dx(dy, w, offsets)
+
+
+@_grouped_mm_dx_op.register_fake
+def _(dy, w, offsets):
+    return dy.new_empty(dy.shape[0], w.shape[1])
+
+
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
 def _backward(ctx, dy):
     x, w, offsets = ctx.saved_tensors  # w as given: a float32 w is cast again inside the op
-    dx = _grouped_mm_op(dy, w.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
+    dx = _grouped_mm_dx_op(dy, w, offsets) if ctx.needs_input_grad[0] else None
     dw = _grouped_mm_dw_op(x, dy, offsets).to(w.dtype) if ctx.needs_input_grad[1] else None
     return dx, dw, None
 

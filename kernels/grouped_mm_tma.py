@@ -1,0 +1,169 @@
+"""The grouped GEMM's Hopper kernel: tensor descriptors (TMA) and a persistent grid.
+
+    launch_grouped_mm_tma(x_MK, w, offsets_G, y_MN, *, trans_w=False, dx=False, flatten=False)
+    tma_unsupported(x_MK, w, y_MN) -> str | None     # why it cannot run these tensors, or None
+
+y[rows of g] = x[rows of g] @ B_g with B_g = w[g] for w (G, K, N), or, with trans_w, B_g = w[g]^T
+for w (G, N, K): that is dx = dy @ w[g]^T read straight from the forward's weight, transposed in
+shared memory instead of copied. Same contract as grouped_mm.py's pointer kernel (rows past
+offsets[-1] come out zero, empty groups, any sizes); kernels/grouped_mm.py chooses between them.
+
+One program per SM loops over the (row tile, column tile) work items, numbered from offsets on
+the device (grouped_mm_tiles), so there is no host sync and no idle tail of tiny programs.
+Descriptors: x as (M, K), w as one (G*K, N) (or (G*N, K)) matrix, y as (M, N), made once per
+program on the device (tl.make_tensor_descriptor; the descriptors live in a small scratch buffer
+from the allocator set with triton.set_allocator). Loads past a descriptor's shape read zeros,
+stores past it are dropped; that is all the clipping TMA does, so:
+- x's rows past a group's end belong to the next group: they feed only output rows that are
+  never stored (rows are independent in a matmul).
+- w's rows of a K block running past K belong to group g + 1: the last partial K block is
+  zeroed in registers (x's columns past K read as zeros already, but 0 * inf would be NaN).
+  Transposed, they land in output columns >= N, which the store drops.
+- A row tile that ends inside its group (the partial last tile) is stored with masked pointer
+  stores: a TMA store would write into the next group's rows, which another program owns.
+
+Needs Triton with device-side descriptors (3.4+), an NVIDIA sm90+ GPU, 16-bit inputs with
+16-byte aligned rows (K, N multiples of 8), or the interpreter (float32, any TMA-legal shape).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from ._triton import INTERPRET, autotuned, bucket, device_guard, jit, tile_configs, tl, triton
+from .grouped_mm_tiles import locate_tile, segment_tiles
+
+
+def tma_unsupported(x: Tensor, w: Tensor, y: Tensor) -> str | None:
+    """Why the TMA kernel cannot run on these tensors (w as the kernel reads it), or None."""
+    if triton is None or not hasattr(tl, "make_tensor_descriptor") or not hasattr(triton, "set_allocator"):
+        return f"Triton {getattr(triton, '__version__', None)} has no device-side tensor descriptors"
+    if not INTERPRET:
+        if x.device.type != "cuda" or torch.version.cuda is None:
+            return f"tensor descriptors (TMA) need an NVIDIA GPU, got {x.device.type}"
+        if torch.cuda.get_device_capability(x.device) < (9, 0):
+            return "tensor descriptors (TMA) need compute capability 9.0+"
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            return f"the TMA kernel is for 16-bit inputs (float32 runs on FMA units), got {x.dtype}"
+    if x.shape[1] == 0:
+        return "K = 0: nothing for a descriptor to load"
+    if not w.is_contiguous():
+        return "w must be contiguous (it is read as one (G*K, N) matrix)"
+    for name, t in (("x", x), ("w", w), ("y", y)):
+        if t.stride(-1) != 1 or any(s * t.element_size() % 16 for s in t.stride()[:-1]) \
+                or t.data_ptr() % 16:
+            return f"{name} needs 16-byte aligned rows and base for TMA, got strides {t.stride()}"
+    return None
+
+
+def _tma_configs(device_type: str, dtype: torch.dtype):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Shared memory per stage is (BM + BN) * BK * 2
+    bytes, plus BM * BN * 2 for the TMA store's staging tile: 128 x 256 x 64 with 3 stages is
+    208 KB of the H200's 227 KB."""
+    if INTERPRET:
+        return tile_configs([(16, 16, 16, 1, 1)])
+    return tile_configs([(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
+                         (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (256, 128, 64, 8, 3)])
+
+
+@autotuned(_tma_configs, key=["N", "K", "M_BUCKET", "DX", "TRANS_W", "FLATTEN"])
+@jit(do_not_specialize=["DX"])  # a key only: one compiled kernel for both
+def _grouped_mm_tma_kernel(
+    x_ptr, w_ptr, y_ptr, offsets_ptr,
+    M, N, K, G, stride_xm, stride_ym,
+    M_BUCKET, DX,  # autotune keys only: the row count's bucket, forward (0) or dx (1)
+    SEGMENTS: tl.constexpr,  # a power of two >= G + 1
+    TRANS_W: tl.constexpr,  # w is (G, N, K): multiply by w[g]^T
+    FLATTEN: tl.constexpr,  # fuse the work-item and K loops into one software pipeline
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    if TRANS_W:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G * N, K], strides=[K, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[G * K, N], strides=[N, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
+    y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[stride_ym, 1],
+                                       block_shape=[BLOCK_M, BLOCK_N])
+
+    seg, starts, ends, tiles, tiles_end = segment_tiles(offsets_ptr, M, G, SEGMENTS, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    work = tl.sum(tiles, 0) * num_n  # row tiles x column tiles, the tail segment's included
+    for item in tl.range(tl.program_id(0), work, tl.num_programs(0), flatten=FLATTEN):
+        tile = item // num_n
+        n0 = item % num_n * BLOCK_N
+        g, row_start, row_end = locate_tile(tile, seg, starts, ends, tiles, tiles_end, BLOCK_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k_end = tl.where(g < G, K, 0)  # the tail segment keeps acc = 0
+        if TRANS_W:
+            k_main = k_end  # a K block past K is clipped by x's and w's descriptors alike
+        else:
+            k_main = k_end - k_end % BLOCK_K
+        for k in range(0, k_main, BLOCK_K):
+            a = x_desc.load([row_start, k])
+            if TRANS_W:
+                b = tl.trans(w_desc.load([g * N + n0, k]))
+            else:
+                b = w_desc.load([g * K + k, n0])
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        if not TRANS_W:
+            if k_main < k_end:  # the partial last K block, with the next group's rows zeroed
+                a = x_desc.load([row_start, k_main])
+                b = w_desc.load([g * K + k_main, n0])
+                ks = k_main + tl.arange(0, BLOCK_K)
+                b = tl.where((ks < K)[:, None], b, tl.zeros_like(b))
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+
+        out = acc.to(y_ptr.dtype.element_ty)
+        if row_start + BLOCK_M <= row_end:
+            y_desc.store([row_start, n0], out)  # columns past N are dropped by the descriptor
+        else:
+            rows = row_start + tl.arange(0, BLOCK_M)
+            cols = n0 + tl.arange(0, BLOCK_N)
+            tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :], out,
+                     mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+
+
+@functools.cache
+def _num_programs(device: torch.device) -> int:
+    """One program per SM; in the interpreter a few, so that each loops over several tiles."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 3
+
+
+def _scratch(device: torch.device):
+    def allocate(size: int, alignment: int, stream):  # the descriptors' device-side scratch
+        return torch.empty(size, dtype=torch.int8, device=device)
+
+    return allocate
+
+
+def launch_grouped_mm_tma(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *,
+                          trans_w: bool = False, dx: bool = False, flatten: bool = False) -> Tensor:
+    """Fill y (M, N) with the grouped product; w is (G, K, N), or (G, N, K) with trans_w. The
+    caller checks tma_unsupported first. flatten: Triton fuses the loop over work items with
+    the K loop (tl.range(flatten=True), as Triton's persistent matmul tutorial does), so the
+    next tile's loads start during this tile's epilogue; without it each tile fills and drains
+    its own pipeline."""
+    (M, K), G, N = x.shape, offsets.shape[0], y.shape[1]
+    if y.numel() == 0:
+        return y
+    programs = _num_programs(x.device)
+
+    def grid(meta):
+        return (min(programs, (triton.cdiv(M, meta["BLOCK_M"]) + G) * triton.cdiv(N, meta["BLOCK_N"])),)
+
+    # The allocator is a context variable: set it on every launch, since the backward runs
+    # on autograd's own thread, which does not see the main thread's setting.
+    triton.set_allocator(_scratch(x.device))
+    with device_guard(x):
+        _grouped_mm_tma_kernel(x.device.type, x.dtype)[grid](
+            x, w, y, offsets, M, N, K, G, x.stride(0), y.stride(0), bucket(M), int(dx),
+            SEGMENTS=triton.next_power_of_2(G + 1), TRANS_W=trans_w, FLATTEN=flatten)
+    return y
