@@ -3,6 +3,8 @@
     model = Transformer(cfg); model.init_weights()
     logits_BSV = model(tokens_BS)          # V = cfg.padded_vocab_size
     aux = model.aux_loss()                 # MoE: summed lb/z losses of the last forward
+    h_BSD = model.hidden(tokens_BS)        # final-normed hidden states: logits = lm_head(h)
+    loss = model.lm_loss(tokens_BS, targets_BS)  # mean cross-entropy, no (tokens x vocab) logits
 
 The model knows nothing of parallelism (house rule 6): optimus_core.parallel wraps it.
 """
@@ -15,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import ModelConfig
 from .attention import Attention
 from .layers import RMSNorm, RotaryEmbedding, SwiGLU
+from .linear_cross_entropy import DEFAULT_CHUNK_ROWS, linear_cross_entropy
 from .moe import MoEFeedForward
 
 
@@ -84,6 +87,21 @@ class Transformer(nn.Module):
         return torch.stack(losses).sum() if losses else None
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.hidden(tokens_BS))
+
+    def lm_loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor, *,
+                chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
+        """Mean cross-entropy of the next-token logits against ``targets_BS`` (float32, 0-d).
+
+        The same value and gradients as F.cross_entropy(self(tokens_BS).float(), targets), with
+        the LM head fused into the loss chunk by chunk (optimus_core.model.linear_cross_entropy).
+        """
+        h_BSD = self.hidden(tokens_BS)
+        return linear_cross_entropy(h_BSD.flatten(0, 1), self.lm_head.weight, targets_BS.flatten(),
+                                    chunk_rows=chunk_rows)
+
+    def hidden(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """The final-normed hidden states h_BSD, the LM head's input."""
         S = tokens_BS.shape[1]
         if S > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {S} exceeds model.max_seq_len {self.cfg.max_seq_len}")
@@ -94,4 +112,4 @@ class Transformer(nn.Module):
                 x_BSD = checkpoint(block, x_BSD, cos_SDh, sin_SDh, use_reentrant=False)
             else:
                 x_BSD = block(x_BSD, cos_SDh, sin_SDh)
-        return self.lm_head(self.final_norm(x_BSD))
+        return self.final_norm(x_BSD)

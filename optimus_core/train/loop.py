@@ -115,7 +115,9 @@ class Trainer:
         self.model = build_model(cfg, self.device)  # the same full model on every rank (same seed)
         if self.mesh.distributed:
             self.model = parallelize(self.model, self.mesh)
-            self.optimizer = ShardedAdamW(self.model, self.mesh, cfg.optim, mode=cfg.parallel.optimizer)
+            self.optimizer = ShardedAdamW(self.model, self.mesh, cfg.optim, mode=cfg.parallel.optimizer,
+                                         overlap=cfg.parallel.overlap_grad_sync,
+                                         chunk_mb=cfg.parallel.grad_sync_chunk_mb)
         else:
             self.optimizer = build_optimizer(self.model, cfg.optim)
         dataset = TokenDataset(self.data_dir, split="train", seq_len=cfg.data.seq_len)
@@ -317,7 +319,7 @@ class Trainer:
         lr = lr_at(self.step, t.steps, self.cfg.optim.lr, self.cfg.schedule)
         stats = train_step(self.model, self.optimizer, batch, micro_batch=t.micro_batch,
                            grad_clip=self.cfg.optim.grad_clip, lr=lr, dtype=t.dtype, mesh=self.mesh,
-                           accept=guard.accept)
+                           accept=guard.accept, fused_lm_loss=t.fused_lm_loss)
         if stats.skipped:
             self._event(kind=guard.judge(stats.loss), step=self.step + 1, loss=stats.loss)
             if guard.should_roll_back:

@@ -71,7 +71,8 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
     device = mesh.device
     model = parallelize(build_on_device(cfg, device), mesh)
     if mesh.distributed:
-        optimizer = ShardedAdamW(model, mesh, cfg.optim, mode=cfg.parallel.optimizer)
+        optimizer = ShardedAdamW(model, mesh, cfg.optim, mode=cfg.parallel.optimizer,
+                                   overlap=cfg.parallel.overlap_grad_sync, chunk_mb=cfg.parallel.grad_sync_chunk_mb)
     else:
         optimizer = build_optimizer(model, cfg.optim)
     local_batch = cfg.train.global_batch // mesh.world_size
@@ -88,7 +89,8 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
         t0 = time.perf_counter()
         with timer.active():
             stats = train_step(model, optimizer, batch_BS1, micro_batch=cfg.train.micro_batch,
-                               grad_clip=cfg.optim.grad_clip, lr=cfg.optim.lr, dtype=cfg.train.dtype, mesh=mesh)
+                               grad_clip=cfg.optim.grad_clip, lr=cfg.optim.lr, dtype=cfg.train.dtype, mesh=mesh,
+                               fused_lm_loss=cfg.train.fused_lm_loss)
         float(stats.grad_norm)  # waits for the update
         _sync(device)
         wall = time.perf_counter() - t0

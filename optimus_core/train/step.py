@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..model.linear_cross_entropy import DEFAULT_CHUNK_ROWS
 from ..model.transformer import Transformer
 from ..timing import phase
 from .optim import clip_and_step
@@ -38,9 +39,25 @@ def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
 
 
+def micro_batch_loss(model: Transformer, batch_BS1: torch.Tensor, *, dtype: str, fused: bool,
+                     chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
+    """The language-model loss of one micro-batch (float32, 0-d), next-token targets.
+
+    ``fused``: the LM head and the loss in chunks of ``chunk_rows`` tokens, no logits of the
+    whole micro-batch (Transformer.lm_loss); else the logits, then ``lm_loss``. Same value.
+    """
+    tokens_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
+    with autocast_context(batch_BS1.device.type, dtype):
+        if fused:  # inside autocast: the head's matmuls run in bf16, as nn.Linear's would
+            return model.lm_loss(tokens_BS, targets_BS, chunk_rows=chunk_rows)
+        logits_BSV = model(tokens_BS)
+    return lm_loss(logits_BSV, targets_BS)
+
+
 def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: torch.Tensor, *,
                micro_batch: int, grad_clip: float | None, lr: float, dtype: str, mesh=None,
-               accept: Callable[[float], bool] | None = None) -> StepStats:
+               accept: Callable[[float], bool] | None = None, fused_lm_loss: bool = True,
+               lm_loss_chunk_rows: int = DEFAULT_CHUNK_ROWS) -> StepStats:
     """Accumulate gradients over ``batch_BS1`` (B sequences of S+1 tokens) in micro-batches.
 
     With a distributed ``mesh`` (optimus_core.parallel.Mesh), ``batch_BS1`` is this rank's share
@@ -49,9 +66,10 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
     An optimizer that ``syncs_gradients`` (ShardedAdamW) reduces, clips and updates itself.
     ``accept(loss)`` (a LossGuard) may reject the step's loss: the gradients are then dropped
     and nothing is updated. It sees the world-mean loss, so every rank decides alike.
+    ``fused_lm_loss`` (train.fused_lm_loss) computes the loss without the micro-batch's full
+    logits, ``lm_loss_chunk_rows`` tokens at a time (micro_batch_loss).
     """
     model.train()
-    device_type = batch_BS1.device.type
     chunks = batch_BS1.split(micro_batch) if micro_batch else (batch_BS1,)
     n_tokens = batch_BS1.shape[0] * (batch_BS1.shape[1] - 1)
     moe_layers = model.moe_layers()
@@ -60,11 +78,11 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
     sums_4 = torch.zeros(4, dtype=torch.float64, device=batch_BS1.device)
     load_LE = None
     with phase("compute"):
-        for chunk in chunks:
+        for i, chunk in enumerate(chunks):
             weight = chunk.shape[0] * (chunk.shape[1] - 1) / n_tokens  # token share of this chunk
-            with autocast_context(device_type, dtype):
-                logits = model(chunk[:, :-1])
-            ce = lm_loss(logits, chunk[:, 1:])
+            if i == len(chunks) - 1 and hasattr(optimizer, "arm_grad_sync"):
+                optimizer.arm_grad_sync()  # the last backward: reduce gradients as they are done
+            ce = micro_batch_loss(model, chunk, dtype=dtype, fused=fused_lm_loss, chunk_rows=lm_loss_chunk_rows)
             aux = model.aux_loss()
             objective = ce + aux if aux is not None else ce
             (objective * weight).backward()

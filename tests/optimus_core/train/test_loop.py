@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from optimus_core import load_model, presets
-from optimus_core.config import DataConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
+from optimus_core.config import ConfigError, DataConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
 from optimus_core.train import checkpoint as ckpt
 from optimus_core.train import loop as loop_module
 from optimus_core.train.loop import Trainer, build_model
@@ -46,6 +46,23 @@ def test_gradient_accumulation_matches_one_large_batch():
         train_step(model, opt, batch, micro_batch=micro, grad_clip=1.0, lr=1e-3, dtype="float32")
         params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     torch.testing.assert_close(params[0], params[1], rtol=0, atol=1e-6)
+
+
+def test_fused_lm_loss_trains_like_the_logits_path(tokens_dir, tmp_path):
+    """train.fused_lm_loss (the default) changes memory, not the run: the same loss curve."""
+    curves = []
+    for fused in (True, False):
+        cfg = laptop("mula-7b-a1b@laptop", **{"train.steps": 6, "model.n_layers": 1, "train.eval_batches": 1,
+                                              "model.vocab_size": 4100, "train.fused_lm_loss": fused})
+        assert cfg.model.padded_vocab_size > cfg.model.vocab_size
+        sink = ListSink()
+        Trainer(cfg, tokens_dir, tmp_path / f"run-{fused}", writer=sink, progress=False).fit()
+        curves.append(sink.column("train", "loss"))
+    assert len(curves[0]) == 6 and curves[0][-1] < curves[0][0]
+    assert curves[0] == pytest.approx(curves[1], rel=1e-5)  # float32: sums in another order only
+    with pytest.raises(ConfigError, match=r"train\.fused_lm_loss"):
+        TrainConfig(fused_lm_loss="yes")
+    assert TrainConfig().fused_lm_loss
 
 
 def test_interrupted_run_resumes_bit_identically(tokens_dir, tmp_path, monkeypatch):

@@ -24,15 +24,15 @@ def tiny(**overrides):
 
 
 def poison_loss(monkeypatch, calls: set[int], how):
-    """Make lm_loss misbehave on the given (1-based) calls of this test."""
-    real, n = step_module.lm_loss, [0]
+    """Make the micro-batch loss misbehave on the given (1-based) calls of this test."""
+    real, n = step_module.micro_batch_loss, [0]
 
-    def patched(logits, targets):
+    def patched(*args, **kwargs):
         n[0] += 1
-        loss = real(logits, targets)
+        loss = real(*args, **kwargs)
         return how(loss) if n[0] in calls else loss
 
-    monkeypatch.setattr(step_module, "lm_loss", patched)
+    monkeypatch.setattr(step_module, "micro_batch_loss", patched)
 
 
 def test_loss_guard_rules():

@@ -1,0 +1,113 @@
+"""The LM head and its cross-entropy in one pass over row chunks: no (tokens x vocab) tensor.
+
+    loss = linear_cross_entropy(h_ND, model.lm_head.weight, targets_N, chunk_rows=4096)
+    loss.backward()        # == F.cross_entropy((h_ND @ W_VD.T).float(), targets_N), same grads
+
+Per chunk of rows: the logits in the matmul dtype (bf16 under autocast, like nn.Linear's), their
+log-softmax in float32, the loss of the targets, and -- the loss being a scalar, its gradient is
+known before backward -- the gradients of h and W right there, so no chunk's logits outlive its
+iteration. What is kept for backward is dh (N x D) and dW (V x D, float32); backward only scales
+them by the incoming gradient. Every vocabulary row of W takes part in the softmax, the padded
+ones included, exactly as the logits of ``Transformer.forward`` do (the padded rows are trained
+towards -inf like any never-seen token), so losses equal those of the logits path.
+
+Versus logits -> .float() -> F.cross_entropy (bf16 autocast), the logits see two elementwise
+passes besides the matmuls (the float32 log-softmax, its exp into bf16: ~12 bytes per logit)
+instead of five (to float32, log-softmax, the zero-filled loss gradient, log-softmax backward,
+back to bf16: ~36 bytes), and only one chunk's logits live at a time (~6 bytes each) instead
+of the whole micro-batch's in bf16 and float32 and their gradients.
+"""
+from __future__ import annotations
+
+import torch
+
+# Rows per chunk. Transient memory is ~6 bytes per logit of a chunk (bf16 logits + float32
+# log-probabilities): 1.2 GB at 4096 rows and V = 50,304; the logits path holds ~10 bytes
+# per logit of the whole micro-batch at once (8192 tokens: ~4 GB). Each matmul of a chunk
+# (4096 x 2048 x 50,304, 0.84 TFLOP) is still large enough to run at the full matmul rate; a
+# chunk more costs one float32 add of dW (V x D) only.
+DEFAULT_CHUNK_ROWS = 4096
+
+
+def linear_cross_entropy(h_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor, *,
+                         chunk_rows: int = DEFAULT_CHUNK_ROWS, ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy of ``h_ND @ weight_VD.T`` against ``targets_N`` (a float32 0-d tensor).
+
+    The mean runs over the targets that are not ``ignore_index`` (NaN if there are none, as
+    F.cross_entropy). Inside ``torch.autocast`` the matmuls run in the autocast dtype, as
+    ``nn.Linear`` would, and the gradients come back in the inputs' own dtypes (float32 for a
+    float32 master weight); outside it, in ``h_ND``'s dtype. The gradients are computed in the
+    forward: backward may run once.
+    """
+    if h_ND.ndim != 2 or weight_VD.ndim != 2 or h_ND.shape[1] != weight_VD.shape[1]:
+        raise ValueError(f"h_ND {tuple(h_ND.shape)} and weight_VD {tuple(weight_VD.shape)}: need (N, D) and (V, D)")
+    if targets_N.shape != h_ND.shape[:1]:
+        raise ValueError(f"targets_N {tuple(targets_N.shape)} must be ({h_ND.shape[0]},), one per row of h_ND")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows = {chunk_rows}: must be >= 1")
+    device_type = h_ND.device.type
+    compute_dtype = h_ND.dtype
+    if torch.is_autocast_enabled(device_type) and h_ND.dtype != torch.float64:  # autocast leaves float64 alone
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    grads = torch.is_grad_enabled()
+    return _LinearCrossEntropy.apply(h_ND, weight_VD, targets_N, compute_dtype, chunk_rows, ignore_index,
+                                     grads and h_ND.requires_grad, grads and weight_VD.requires_grad)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_ND, weight_VD, targets_N, compute_dtype, chunk_rows, ignore_index, need_dh, need_dw):
+        with torch.autocast(h_ND.device.type, enabled=False):  # the dtypes below are chosen, not cast
+            w_VD = weight_VD.to(compute_dtype)  # once, not per chunk
+            valid_N = targets_N != ignore_index
+            safe_N = torch.where(valid_N, targets_N, 0)  # a gatherable index on ignored rows
+            count = valid_N.sum()
+            nll = torch.zeros((), dtype=torch.float32, device=h_ND.device)
+            dh_ND = torch.empty_like(h_ND) if need_dh else None
+            dw_VD = None
+            for start in range(0, h_ND.shape[0], chunk_rows):
+                rows = slice(start, start + chunk_rows)
+                h_CD, t_C1, valid_C1 = h_ND[rows].to(compute_dtype), safe_N[rows, None], valid_N[rows, None]
+                logits_CV = h_CD @ w_VD.T
+                # float32 log-softmax of the compute-dtype logits: F.cross_entropy(logits.float())
+                logp_CV = torch.log_softmax(logits_CV, dim=-1, dtype=torch.float32)
+                del logits_CV
+                logp_C1 = logp_CV.gather(1, t_C1)
+                nll -= torch.where(valid_C1, logp_C1, 0.0).sum()
+                if not (need_dh or need_dw):
+                    continue
+                # d(sum of row losses)/d(logits) = softmax - one_hot(target): exp of the log-probs
+                # straight into the compute dtype, then the target entries, rounded from float32.
+                if compute_dtype == torch.float32:
+                    dlogits_CV = logp_CV.exp_()
+                else:
+                    dlogits_CV = torch.exp(logp_CV, out=torch.empty_like(logp_CV, dtype=compute_dtype))
+                del logp_CV
+                dlogits_CV.scatter_(1, t_C1, (logp_C1.exp() - valid_C1.float()).to(compute_dtype))
+                # Ignored rows: zero in h and in dh instead of a pass over their logits.
+                keep_C1 = valid_C1.to(compute_dtype)
+                if need_dh:
+                    dh_ND[rows] = (dlogits_CV @ w_VD) * keep_C1
+                if need_dw:
+                    part_VD = dlogits_CV.T @ (h_CD * keep_C1)
+                    # float32 accumulation over chunks: what the float32 master weight receives
+                    dw_VD = part_VD.float() if dw_VD is None else dw_VD.add_(part_VD)
+            loss = nll / count  # NaN when every target is ignored, as F.cross_entropy
+            inv_count = 1.0 / count.clamp(min=1).float()
+        ctx.save_for_backward(dh_ND, dw_VD, inv_count)
+        ctx.weight_dtype = weight_VD.dtype
+        ctx.backward_done = False
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.backward_done:
+            raise RuntimeError("linear_cross_entropy computes its gradients in the forward and scales them in "
+                               "place: backward can run only once (no retain_graph)")
+        ctx.backward_done = True
+        dh_ND, dw_VD, inv_count = ctx.saved_tensors
+        scale = grad_loss.float() * inv_count
+        # In place: these buffers are ours alone, and a second copy of dW (V x D) is 400 MB at scale.
+        grad_h = dh_ND.mul_(scale) if dh_ND is not None else None
+        grad_w = dw_VD.mul_(scale).to(ctx.weight_dtype) if dw_VD is not None else None
+        return grad_h, grad_w, None, None, None, None, None, None
