@@ -16,6 +16,8 @@ warm-up, then the median of timed steps, phases from device events):
                             are opaque to it)
     +recast                 train.recast_expert_weights: the float32 expert weights cast inside
                             each GEMM, no bf16 copies kept from forward to backward
+    +logits+torch-adamw     the recipe before train.fused_lm_loss and optim.implementation=auto:
+                            full logits then cross-entropy, torch's fused AdamW (an A/B, same call)
 
 MFU = flops_per_token (the core's analytic count, optimus_core.flops) x tokens/s / peak, with
 peak = 989 TFLOP/s (H100/H200 dense bf16 datasheet, the convention) and, beside it, the dense
@@ -44,16 +46,20 @@ from bench.common import device_slug, ingest, read_jsonl, run_id_for, write_json
 PEAK_FLOPS = 989e12  # H100 / H200 dense bf16, datasheet: the MFU convention
 MODEL_7B = dict(preset="mula-7b-a1b", overrides={"model.n_layers": 8})
 MODEL_1B = dict(preset="mula-1b", overrides={})
-VARIANTS = {  # name -> (model, experts backend, compile, recast expert weights inside the GEMMs)
-    "7b8l-loop": (MODEL_7B, "loop", False, False),
-    "7b8l-torch": (MODEL_7B, "torch", False, False),
-    "7b8l-triton": (MODEL_7B, "triton", False, False),
-    "7b8l-torch+compile": (MODEL_7B, "torch", True, False),
-    "7b8l-triton+compile": (MODEL_7B, "triton", True, False),
-    "7b8l-triton+recast": (MODEL_7B, "triton", False, True),
-    "7b8l-torch+compile+recast": (MODEL_7B, "torch", True, True),
-    "7b8l-triton+compile+recast": (MODEL_7B, "triton", True, True),
-    "1b-dense+compile": (MODEL_1B, None, True, False),
+RECAST = {"train.recast_expert_weights": True}
+# The recipe of the 2026-11-30 measurements: full logits then cross-entropy, torch's fused AdamW.
+LOGITS_TORCH_ADAMW = {"train.fused_lm_loss": False, "optim.implementation": "torch"}
+VARIANTS = {  # name -> (model, experts backend, compile, further config overrides)
+    "7b8l-loop": (MODEL_7B, "loop", False, {}),
+    "7b8l-torch": (MODEL_7B, "torch", False, {}),
+    "7b8l-triton": (MODEL_7B, "triton", False, {}),
+    "7b8l-torch+compile": (MODEL_7B, "torch", True, {}),
+    "7b8l-triton+compile": (MODEL_7B, "triton", True, {}),
+    "7b8l-triton+compile+logits+torch-adamw": (MODEL_7B, "triton", True, LOGITS_TORCH_ADAMW),
+    "7b8l-triton+recast": (MODEL_7B, "triton", False, RECAST),
+    "7b8l-torch+compile+recast": (MODEL_7B, "torch", True, RECAST),
+    "7b8l-triton+compile+recast": (MODEL_7B, "triton", True, RECAST),
+    "1b-dense+compile": (MODEL_1B, None, True, {}),
 }
 
 
@@ -99,10 +105,10 @@ def run_variant(name: str, args, device) -> dict:
     from optimus_core.parallel import Mesh
     from optimus_core.train.measure import measure_steps
 
-    model, backend, compiled, recast = VARIANTS[name]
+    model, backend, compiled, extra = VARIANTS[name]
     overrides = {**model["overrides"], "data.seq_len": args.seq, "train.global_batch": args.batch,
                  "train.micro_batch": args.batch, "train.dtype": "bfloat16", "train.compile": compiled,
-                 "train.recast_expert_weights": recast, "train.device": device.type}
+                 "train.device": device.type, **extra}
     if backend:
         overrides["model.moe.experts_backend"] = backend
     preset = model["preset"]
@@ -122,7 +128,9 @@ def run_variant(name: str, args, device) -> dict:
     point = measure_steps(cfg, Mesh.single(device), steps=args.steps, warmup=args.warmup)
     flops = cfg.model.flops_per_token(cfg.data.seq_len)
     return {"bench": "train_step", "variant": name, "preset": preset, "overrides": model["overrides"],
-            "experts_backend": backend, "compile": compiled, "recast_expert_weights": recast, "seq_len": cfg.data.seq_len, "batch": args.batch,
+            "experts_backend": backend, "compile": compiled, "recast_expert_weights": cfg.train.recast_expert_weights,
+            "fused_lm_loss": cfg.train.fused_lm_loss, "optim_implementation": cfg.optim.implementation,
+            "seq_len": cfg.data.seq_len, "batch": args.batch,
             "params": cfg.model.num_params(), "active_params": cfg.model.num_active_params(),
             "flops_per_token": flops, "mfu": flops * point["tokens_per_s"] / PEAK_FLOPS,
             "wall_s": time.perf_counter() - t0, **point}
@@ -178,18 +186,18 @@ def main(argv=None) -> None:
     if dense:
         print(f"dense bf16 matmul 8192^3: {dense:.0f} TFLOP/s")
     records = []
-    print(f"{'variant':>22} {'tokens/s':>10} {'step ms':>8} {'compute':>8} {'optim':>7} {'idle':>6} "
+    print(f"{'variant':>38} {'tokens/s':>10} {'step ms':>8} {'compute':>8} {'optim':>7} {'idle':>6} "
           f"{'MFU':>6} {'peak GiB':>8}")
     for variant in args.variants:
         try:
             r = run_variant(variant, args, device)
         except Exception as e:  # one variant failing (OOM, a compile error) must not lose the others
             r = {"bench": "train_step", "variant": variant, "error": f"{type(e).__name__}: {e}"[:500]}
-            print(f"{variant:>22} failed: {r['error']}", flush=True)
+            print(f"{variant:>38} failed: {r['error']}", flush=True)
             records.append(r)
             continue
         records.append(r)
-        print(f"{variant:>22} {r['tokens_per_s']:>10,.0f} {r['step_s'] * 1e3:>8.1f} {r['compute_s'] * 1e3:>8.1f} "
+        print(f"{variant:>38} {r['tokens_per_s']:>10,.0f} {r['step_s'] * 1e3:>8.1f} {r['compute_s'] * 1e3:>8.1f} "
               f"{r['optimizer_s'] * 1e3:>7.1f} {r['idle_s'] * 1e3:>6.1f} {r['mfu']:>6.1%} "
               f"{r['peak_memory_bytes'] / 2**30:>8.1f}", flush=True)
     summary = summarize(records, olmo, dense, name)

@@ -25,9 +25,12 @@ Backends:
   zeroes them in y and dx with a small Triton kernel that touches only those rows.
 - "triton": our kernels, no host sync and no loop over groups. Products accumulate in float32;
   float32 inputs multiply in full fp32 ("ieee", not tf32), as torch.mm does by default. Which
-  kernels run is TRITON_KERNELS (below; `with triton_kernels(forward="tma", dx="copy"): ...`
-  for an A/B): the forward by pointer loads or by the Hopper TMA kernel (grouped_mm_tma.py),
+  kernels run is TRITON_KERNELS (below; `with triton_kernels(forward="pointer", dx="copy"):
+  ...` for an A/B): the forward by pointer loads or by the Hopper TMA kernel (grouped_mm_tma.py),
   dx reading w^T through strides, from a contiguous copy of it, or transposed by the TMA kernel.
+  The default is the TMA kernel for both (measured faster on an H200 at every shape of
+  bench/kernels.py, bench/NOTES.md); where it cannot run (no sm90, Intel XPU, float32, the
+  interpreter) the pointer kernels run instead, chosen per call.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ BACKENDS = ("loop", "torch", "triton")
 #            "tma": the TMA kernel reading w as stored and transposing tiles in shared memory
 #            (no copy), where it can run, else "strided".
 #   tma_flatten  False / True: the TMA kernel's loop over work items fused with its K loop.
-TRITON_KERNELS = {"forward": "pointer", "dx": "strided", "tma_flatten": False}
+TRITON_KERNELS = {"forward": "tma", "dx": "tma", "tma_flatten": False}
 KERNEL_CHOICES = {"forward": ("pointer", "tma"), "dx": ("strided", "copy", "tma"), "tma_flatten": (False, True)}
 
 
