@@ -3,20 +3,40 @@
     from stages.scaling import ScalingConfig, ScalingOutputs, run_scaling
     result = run_scaling(ScalingConfig(preset="mula-7b-a1b@laptop", devices=(1, 2)),
                          ScalingOutputs(store=Path("results/store.zarr"), jsonl=Path("results/scaling/cpu.jsonl")))
-    result.points    # one dict per device count (the contract of workflow/perfmodel.py)
+    result.points    # one dict per measured layout (the contract of workflow/perfmodel.py)
 
-Every point trains the same model at the same global batch (strong scaling) for ``warmup`` +
+    # a held-out design: EP=n and EP=1 at every multi-rank count, the main setting (16 sequences)
+    # fitted, two more settings whose multi-rank points the performance model must predict
+    ScalingConfig(preset="mula-7b-a1b@laptop", devices=(1, 2), ep=("all", 1), global_batch=16,
+                  holdout=((8, 0), (16, 2)), rounds=2)
+
+Every point trains the same model at a fixed global batch (strong scaling) for ``warmup`` +
 ``steps`` steps on ``n`` local ranks (CPU processes with gloo, or one GPU each with nccl / xccl)
-started fresh for that point, and records the step time split into compute, expert all-to-all,
-gradient reduce-scatter / all-gather, optimizer and idle (optimus_core.train.measure) with
+and records the step time split into compute, expert all-to-all, gradient reduce-scatter /
+all-gather, optimizer and idle (optimus_core.train.measure) with
 
     efficiency(n) = T(base) x base / (T(n) x n)      base = the smallest device count swept.
 
-``ep="all"`` splits the experts over every rank of each point (ep = n); an integer keeps one EP
-degree (it must divide every n swept). The points go to the results store as run ``run_id``
-(table ``scaling``, one row per device count, ``step`` = device count; strings in the run's
-attrs) and, one JSON line each, to ``jsonl``. On the CPU each rank gets ``threads_per_rank``
+``ep``: one EP rule or several, each measured at every multi-rank count: ``"all"`` splits the
+experts over every rank of the point (ep = n), an integer keeps that degree (it must divide
+every n swept). ``global_batch`` / ``micro_batch`` are the main setting; ``holdout`` adds
+settings (global batch, micro-batch; 0 = the preset's / the whole local batch) measured at every
+device count too. With ``holdout``, every point carries a ``role``: the multi-rank points of a
+held-out setting are "held-out" (the performance model is calibrated without them and must
+predict them: workflow/scaling_study.py), the rest "fitted" -- chosen before anything is timed.
+
+Timing on a shared box drifts (other work comes and goes), so the layouts are measured
+interleaved: ``rounds`` passes over all of them, each pass ``warmup`` + ``steps`` steps of each
+layout (the median step of the pass), and a point is its fastest pass (``best_point``): drift
+then hits every layout alike, and a pass slowed by other work does not count.
+One process group per multi-rank count serves all its layouts (one mesh per EP degree), and the
+one-rank points run on rank 0 of the smallest multi-rank world while its other ranks wait at a
+barrier, so they interleave with the rest too. On the CPU each rank gets ``threads_per_rank``
 threads (1: n ranks use n cores, so the sweep measures processes, not threads).
+
+The points go to the results store as run ``run_id`` (table ``scaling``, one row per point,
+``step`` = its index; strings in the run's attrs: ``optimizers`` per device count, ``roles`` per
+row) and, one JSON line each, to ``jsonl``.
 """
 from __future__ import annotations
 
@@ -24,25 +44,41 @@ import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
 from optimus_core.atomic import atomic_write
 from optimus_core.config import ConfigError, RunConfig
 
 TABLE = "scaling"
 STRING_FIELDS = ("preset", "device", "optimizer", "experts_backend", "dtype")
+POINT_STRINGS = ("role", "setting")  # per point: in the run attrs, one list entry per row
+ROLES = ("fitted", "held-out")
+EpRule = Union[int, str]
+
+
+@dataclass(frozen=True)
+class PointLayout:
+    """One point of a sweep: ranks, EP degree, the setting (global batch, micro-batch), its role."""
+
+    devices: int
+    ep: int
+    global_batch: int  # 0: the preset's
+    micro_batch: int  # 0: the whole local batch
+    role: str = ""  # "" (no held-out design) | fitted | held-out
 
 
 @dataclass
 class ScalingConfig:
     preset: str
     devices: tuple[int, ...] = (1, 2)
-    ep: Union[int, str] = "all"  # "all": ep = n on n ranks; an int: that EP degree everywhere
+    ep: Union[EpRule, Sequence[EpRule]] = "all"  # "all": ep = n on n ranks; an int: that EP degree; or several
     optimizer: str = "ep_aware"
     global_batch: int = 0  # sequences per step, fixed across the sweep (0: the preset's)
     micro_batch: int = 0  # sequences per forward/backward (0: the whole local batch)
+    holdout: tuple[tuple[int, int], ...] = ()  # extra (global_batch, micro_batch) settings: multi-rank points held out
     steps: int = 5
     warmup: int = 2
+    rounds: int = 1  # interleaved passes over every layout (module doc)
     device: str = "cpu"  # cpu | cuda | xpu | auto
     threads_per_rank: int = 1  # CPU threads of each rank
     overrides: dict[str, Any] = field(default_factory=dict)  # dotted config paths
@@ -52,28 +88,63 @@ class ScalingConfig:
         self.devices = tuple(sorted(set(int(n) for n in self.devices)))
         if not self.devices or self.devices[0] < 1:
             raise ConfigError(f"scaling.devices = {list(self.devices)}: need device counts >= 1")
-        if self.ep != "all" and not (isinstance(self.ep, int) and self.ep >= 1):
-            raise ConfigError(f"scaling.ep = {self.ep!r}: must be 'all' or an integer >= 1")
-        for name in ("steps", "threads_per_rank"):
+        rules = tuple(self.ep) if isinstance(self.ep, (list, tuple)) else (self.ep,)
+        if not rules:
+            raise ConfigError("scaling.ep = []: need at least one EP rule ('all' or an integer >= 1)")
+        for rule in rules:
+            if rule != "all" and not (isinstance(rule, int) and not isinstance(rule, bool) and rule >= 1):
+                raise ConfigError(f"scaling.ep = {rule!r}: must be 'all' or an integer >= 1")
+        self.ep_rules: tuple[EpRule, ...] = tuple(dict.fromkeys(rules))
+        for name in ("steps", "threads_per_rank", "rounds"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"scaling.{name} = {getattr(self, name)}: must be >= 1")
         if self.warmup < 0:
             raise ConfigError(f"scaling.warmup = {self.warmup}: must be >= 0")
+        holdout = []
+        for setting in self.holdout:
+            if (not isinstance(setting, (list, tuple)) or len(setting) != 2
+                    or not all(isinstance(v, int) and v >= 0 for v in setting)):
+                raise ConfigError(f"scaling.holdout: {setting!r}: must be a (global_batch, micro_batch) pair "
+                                  f"of integers >= 0")
+            holdout.append(tuple(setting))
+        self.holdout = tuple(holdout)
+        if (self.global_batch, self.micro_batch) in self.holdout:
+            raise ConfigError(f"scaling.holdout: {(self.global_batch, self.micro_batch)}: is the main (fitted) "
+                              f"setting; a held-out setting must differ from it")
 
-    def ep_for(self, n: int) -> int:
-        return n if self.ep == "all" else int(self.ep)
+    def ep_for(self, n: int, rule: EpRule | None = None) -> int:
+        rule = self.ep_rules[0] if rule is None else rule
+        return n if rule == "all" else int(rule)
 
-    def run_config(self, n: int) -> RunConfig:
-        """The validated RunConfig of the point with ``n`` ranks (a bad layout fails here)."""
+    def layouts(self) -> list[PointLayout]:
+        """Every point of the sweep, setting by setting (the main one first), then by device
+        count and EP rule; the one-rank point once per setting (EP rules coincide there)."""
+        settings = [(self.global_batch, self.micro_batch, "fitted" if self.holdout else "")]
+        settings += [(gb, mb, "held-out") for gb, mb in self.holdout]
+        out = []
+        for gb, mb, role in settings:
+            for n in self.devices:
+                eps = dict.fromkeys(self.ep_for(n, rule) for rule in self.ep_rules) if n > 1 else {1: None}
+                for ep in eps:
+                    out.append(PointLayout(n, ep, gb, mb, role if n > 1 or not role else "fitted"))
+        return out
+
+    def run_config(self, n: int, ep: int | None = None, global_batch: int | None = None,
+                   micro_batch: int | None = None) -> RunConfig:
+        """The validated RunConfig of a point with ``n`` ranks (by default the main setting and
+        the first EP rule); a bad layout fails here."""
         from optimus_core import presets
         from optimus_core.parallel.mesh import group_layout
 
-        overrides = {**self.overrides, "parallel.ep": self.ep_for(n), "parallel.optimizer": self.optimizer,
+        ep = self.ep_for(n) if ep is None else ep
+        global_batch = self.global_batch if global_batch is None else global_batch
+        micro_batch = self.micro_batch if micro_batch is None else micro_batch
+        overrides = {**self.overrides, "parallel.ep": ep, "parallel.optimizer": self.optimizer,
                      "train.device": "auto" if self.device == "auto" else self.device}
-        if self.global_batch:
-            overrides["train.global_batch"] = self.global_batch
-        if self.micro_batch:
-            overrides["train.micro_batch"] = self.micro_batch
+        if global_batch:
+            overrides["train.global_batch"] = global_batch
+        if micro_batch:
+            overrides["train.micro_batch"] = micro_batch
         cfg = presets.get(self.preset).run_config(**overrides)
         moe = cfg.model.moe
         group_layout(n, cfg.parallel.ep, moe.n_experts if moe else None)
@@ -82,6 +153,9 @@ class ScalingConfig:
             raise ConfigError(f"train.global_batch = {cfg.train.global_batch} sequences: must split evenly over "
                               f"{n} ranks (and into micro-batches of {cfg.train.micro_batch})")
         return cfg
+
+    def layout_config(self, layout: PointLayout) -> RunConfig:
+        return self.run_config(layout.devices, layout.ep, layout.global_batch, layout.micro_batch)
 
 
 @dataclass
@@ -106,48 +180,139 @@ def device_slug(requested: str) -> str:
     return "cpu" if info.type == "cpu" else re.sub(r"[^a-z0-9]+", "-", info.name.lower()).strip("-")
 
 
-def _rank_main(cfg_json: str, steps: int, warmup: int, threads: int, out_path: str) -> None:
-    """One rank of one point (spawned): join the world, measure, rank 0 writes the point."""
-    import torch
+def best_point(samples: list[dict]) -> dict:
+    """One point from its interleaved passes: the pass with the shortest step, whole (its phases
+    add up to its step). Other work on a shared box only ever slows a step down, so the fastest
+    pass is the closest to what the machine itself does, as a benchmark's best-of-N is; the
+    spread over the passes is kept as ``step_s_spread`` (slowest / fastest - 1)."""
+    best = min(samples, key=lambda s: s["step_s"])
+    return {**best, "steps": sum(s["steps"] for s in samples), "rounds": len(samples),
+            "step_s_spread": max(s["step_s"] for s in samples) / best["step_s"] - 1}
 
-    from optimus_core.parallel import init_distributed, shutdown
+
+def _rank_main(jobs_json: str, steps: int, warmup: int, rounds: int, threads: int, out_path: str) -> None:
+    """One rank of one world (spawned): measure every job, ``rounds`` interleaved passes; rank 0
+    writes the points. A job is (n, config): n = the world size, or 1 (rank 0 alone)."""
+    import torch
+    import torch.distributed as dist
+
+    from optimus_core.parallel import Mesh, init_distributed, shutdown
     from optimus_core.train.measure import measure_steps
 
     torch.set_num_threads(threads)
-    cfg = RunConfig.from_json(cfg_json)
-    moe = cfg.model.moe
-    mesh = init_distributed(cfg.parallel, n_experts=moe.n_experts if moe else None, device=cfg.train.device)
+    jobs = [(n, RunConfig.from_json(c)) for n, c in json.loads(jobs_json)]
+    world = max(n for n, _ in jobs)
+    meshes: dict[int, Mesh] = {}
+
+    def mesh_for(cfg: RunConfig) -> Mesh:  # one mesh (EP and expert-dp groups) per EP degree
+        if cfg.parallel.ep not in meshes:
+            moe = cfg.model.moe
+            meshes[cfg.parallel.ep] = init_distributed(cfg.parallel, n_experts=moe.n_experts if moe else None,
+                                                       device=cfg.train.device)
+        return meshes[cfg.parallel.ep]
+
+    owner = mesh_for(next(cfg for n, cfg in jobs if n == world))  # joins the world first
+    samples: list[list[dict]] = [[] for _ in jobs]
     try:
-        point = measure_steps(cfg, mesh, steps=steps, warmup=warmup)
+        for _ in range(rounds):
+            for i, (n, cfg) in enumerate(jobs):
+                if n == world:
+                    samples[i].append(measure_steps(cfg, mesh_for(cfg), steps=steps, warmup=warmup))
+                    continue
+                if owner.rank == 0:  # a one-rank point: the other ranks wait, idle, at the barrier
+                    samples[i].append(measure_steps(cfg, Mesh.single(owner.device), steps=steps, warmup=warmup))
+                if world > 1:
+                    dist.barrier()
     finally:
-        shutdown(mesh)
-    if mesh.rank == 0:
-        atomic_write(out_path, json.dumps(point))
+        shutdown(owner)
+    if owner.rank == 0:
+        atomic_write(out_path, json.dumps([best_point(s) for s in samples]))
 
 
-def measure_point(config: ScalingConfig, n: int) -> dict:
-    """Run one point on ``n`` fresh local ranks and return its measurement."""
-    from optimus_core.parallel.launch import spawn_local
+def _worlds(layouts: Sequence[PointLayout]) -> dict[int, list[int]]:
+    """Layout indices per spawned world: one world per multi-rank count; the one-rank layouts
+    join the smallest (or run alone when nothing else is swept)."""
+    counts = sorted({lay.devices for lay in layouts})
+    multi = [n for n in counts if n > 1]
+    worlds: dict[int, list[int]] = {n: [] for n in (multi or [1])}
+    for i, lay in enumerate(layouts):
+        worlds[lay.devices if lay.devices > 1 else (multi or [1])[0]].append(i)
+    return worlds
 
-    cfg = config.run_config(n)
-    with tempfile.TemporaryDirectory(prefix="optimus-scaling-") as tmp:
-        out = Path(tmp) / "point.json"
-        spawn_local(_rank_main, n, (cfg.to_json(), config.steps, config.warmup, config.threads_per_rank, str(out)))
-        point = json.loads(out.read_text())
+
+def _describe(config: ScalingConfig, layout: PointLayout, cfg: RunConfig, point: dict) -> dict:
     moe = cfg.model.moe
+    n = layout.devices
     point.update(preset=config.preset, overrides=dict(config.overrides), device=device_slug(config.device),
                  optimizer=config.optimizer if n > 1 else "local", global_batch=cfg.train.global_batch,
                  micro_batch=cfg.train.micro_batch or cfg.train.global_batch // n, seq_len=cfg.data.seq_len,
                  dtype=cfg.train.dtype, experts_backend=moe.experts_backend if moe else "none",
+                 overlap_grad_sync=bool(cfg.parallel.overlap_grad_sync),
+                 grad_sync_chunk_mb=float(cfg.parallel.grad_sync_chunk_mb),
                  threads_per_rank=config.threads_per_rank)
+    point["setting"] = setting_label(cfg.train.global_batch, layout.micro_batch)
+    if layout.role:
+        point["role"] = layout.role
     return point
 
 
+def parse_setting(text: str) -> tuple[int, int]:
+    """A setting as the command line writes it: "8" (global batch 8, whole local batches) or
+    "16:2" (global batch 16 in micro-batches of 2)."""
+    batch, _, micro = str(text).partition(":")
+    try:
+        setting = int(batch), int(micro or 0)
+    except ValueError:
+        setting = (-1, -1)
+    if setting[0] < 1 or setting[1] < 0:
+        raise ConfigError(f"scaling.holdout = {text!r}: must be GLOBAL_BATCH or GLOBAL_BATCH:MICRO_BATCH "
+                          f"(integers, batch >= 1)")
+    return setting
+
+
+def setting_label(global_batch: int, micro_batch: int) -> str:
+    """A setting's name: "batch 16", or "batch 16 micro 2" when micro-batches are fixed."""
+    return f"batch {global_batch}" + (f" micro {micro_batch}" if micro_batch else "")
+
+
+def measure_layouts(config: ScalingConfig, layouts: Sequence[PointLayout], progress: bool = False) -> list[dict]:
+    """Measure ``layouts`` (module doc: interleaved, one process group per multi-rank count)."""
+    from optimus_core.parallel.launch import spawn_local
+
+    cfgs = [config.layout_config(lay) for lay in layouts]
+    points: list[dict | None] = [None] * len(layouts)
+    for world, idx in _worlds(layouts).items():
+        jobs = json.dumps([(layouts[i].devices, cfgs[i].to_json()) for i in idx])
+        with tempfile.TemporaryDirectory(prefix="optimus-scaling-") as tmp:
+            out = Path(tmp) / "points.json"
+            spawn_local(_rank_main, world, (jobs, config.steps, config.warmup, config.rounds,
+                                            config.threads_per_rank, str(out)))
+            for i, point in zip(idx, json.loads(out.read_text())):
+                points[i] = _describe(config, layouts[i], cfgs[i], point)
+                if progress:
+                    lay = layouts[i]
+                    print(f"[scaling] {lay.devices} rank(s), ep {lay.ep}, {points[i]['setting']}"
+                          f"{' (' + lay.role + ')' if lay.role else ''}: "
+                          f"{point['step_s']:.3f} s/step, {point['tokens_per_s']:,.0f} tokens/s", flush=True)
+    return points  # type: ignore[return-value]
+
+
+def measure_point(config: ScalingConfig, n: int) -> dict:
+    """One point: ``n`` fresh local ranks, the main setting and the first EP rule."""
+    return measure_layouts(config, [PointLayout(n, config.ep_for(n) if n > 1 else 1, config.global_batch,
+                                                config.micro_batch)])[0]
+
+
 def add_efficiency(points: list[dict]) -> list[dict]:
-    """efficiency = T(base) x base / (T(n) x n) against the smallest device count."""
-    base = min(points, key=lambda p: p["devices"])
+    """efficiency = T(base) x base / (T(n) x n) against the smallest device count of the same
+    ``setting`` (points without one form one group)."""
+    groups: dict[Any, list[dict]] = {}
     for p in points:
-        p["efficiency"] = base["step_s"] * base["devices"] / (p["step_s"] * p["devices"])
+        groups.setdefault(p.get("setting"), []).append(p)
+    for group in groups.values():
+        base = min(group, key=lambda p: p["devices"])
+        for p in group:
+            p["efficiency"] = base["step_s"] * base["devices"] / (p["step_s"] * p["devices"])
     return points
 
 
@@ -162,10 +327,11 @@ def write_points(run_id: str, points: list[dict], outputs: ScalingOutputs, attrs
         run_attrs = {**attrs, "experiment": "scaling", "kind": "scaling",
                      **{k: first[k] for k in STRING_FIELDS if k in first}, "overrides": first.get("overrides", {})}
         with open_store(outputs.store).run_writer(run_id, attrs=run_attrs) as writer:
-            writer.update_attrs(optimizers={str(p["devices"]): p["optimizer"] for p in points})
-            for p in points:
-                row = {k: v for k, v in p.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-                writer.log(TABLE, {"step": p["devices"], **row})
+            writer.update_attrs(optimizers={str(p["devices"]): p["optimizer"] for p in points},
+                                **{f"{k}s": [str(p.get(k, "")) for p in points] for k in POINT_STRINGS})
+            for i, p in enumerate(points):
+                row = {k: int(v) if isinstance(v, bool) else v for k, v in p.items() if isinstance(v, (int, float))}
+                writer.log(TABLE, {**row, "step": i})
 
 
 def run_scaling(config: ScalingConfig, outputs: ScalingOutputs, progress: bool = True) -> ScalingResult:
@@ -173,8 +339,9 @@ def run_scaling(config: ScalingConfig, outputs: ScalingOutputs, progress: bool =
 
     from optimus_core.device import resolve_device_type
 
-    for n in config.devices:  # every layout is checked before the first point runs
-        config.run_config(n)
+    layouts = config.layouts()
+    for lay in layouts:  # every layout is checked before the first point runs
+        config.layout_config(lay)
     device_type = resolve_device_type(config.device)
     if device_type != "cpu":
         count = getattr(torch, device_type).device_count()
@@ -182,23 +349,16 @@ def run_scaling(config: ScalingConfig, outputs: ScalingOutputs, progress: bool =
             raise ConfigError(f"scaling.devices = {list(config.devices)}: this machine has {count} {device_type} "
                               f"device(s)")
     run_id = config.run_id or f"scaling-{config.preset.replace('@', '-')}-{device_slug(config.device)}"
-    points = []
-    for n in config.devices:
-        point = measure_point(config, n)
-        points.append(point)
-        if progress:
-            print(f"[scaling] {n} rank(s): {point['step_s']:.3f} s/step, {point['tokens_per_s']:,.0f} tokens/s",
-                  flush=True)
-    add_efficiency(points)
+    points = add_efficiency(measure_layouts(config, layouts, progress=progress))
     write_points(run_id, points, outputs, attrs={"preset": config.preset, "devices": list(config.devices)})
     return ScalingResult(run_id, points)
 
 
 def format_table(points: list[dict]) -> str:
-    cols = ("devices", "ep", "step_s", "compute_s", "a2a_s", "grad_sync_s", "optimizer_s", "idle_s",
-            "tokens_per_s", "efficiency")
-    lines = [" ".join(f"{c:>12}" for c in cols)]
+    cols = ("devices", "ep", "global_batch", "micro_batch", "step_s", "compute_s", "a2a_s", "grad_sync_s",
+            "optimizer_s", "idle_s", "tokens_per_s", "efficiency")
+    lines = [" ".join(f"{c:>12}" for c in cols) + "  role"]
     for p in points:
-        lines.append(" ".join(f"{p[c]:>12.4g}" if isinstance(p[c], float) else f"{p[c]:>12}" for c in cols))
+        lines.append(" ".join(f"{p[c]:>12.4g}" if isinstance(p[c], float) else f"{p[c]:>12}" for c in cols)
+                     + f"  {p.get('role', '')}")
     return "\n".join(lines)
-

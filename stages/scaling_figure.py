@@ -21,7 +21,9 @@ measured points of every completed `optimus scaling` run (kind ``scaling``) and 
 A series is one sweep: measured points of one (preset, device, optimizer) or predicted rows of
 one (preset, machine, optimizer); rows carrying a ``run_id`` (a scaling run, or a sweep name of
 the perfmodel run) only join rows of the same id. A measured row with ``role`` "held-out" was not
-used to calibrate the model drawn beside it: the figure rings it. The paper's headline (about
+used to calibrate the model drawn beside it: the figure draws it as an open marker with the
+model's step-time error beside it, and the report names the design (what was fitted, what held
+out) with the error of each held-out point. The paper's headline (about
 90 % strong-scaling efficiency of Mula-220B-A10B from 384 to 12288 tiles, its abstract) is drawn
 as a reference mark. ``scaling_figure`` / ``breakdown_figure`` return bare Figures (the figures
 stage saves them); ``draw_*`` save PNGs with the Agg canvas (no pyplot), atomically.
@@ -75,9 +77,13 @@ def read_scaling(store) -> tuple[list[dict], list[dict], list[dict]]:
         if st != "completed" or attrs.get("kind") != "scaling" or "scaling" not in store.tables(run_id):
             continue
         optimizers = attrs.get("optimizers") or {}
-        for row in store.metrics(run_id, "scaling").to_dict("records"):
+        settings, roles = attrs.get("settings") or [], attrs.get("roles") or []  # per row (stages/scaling.py)
+        for i, row in enumerate(store.metrics(run_id, "scaling").to_dict("records")):
             n = int(row["devices"])
-            measured.append({**{k: v for k, v in row.items() if k != "step"}, "devices": n, "run_id": run_id,
+            setting = settings[i] if i < len(settings) and len(set(settings)) > 1 else ""
+            measured.append({**{k: v for k, v in row.items() if k != "step"}, "devices": n,
+                             "run_id": f"{run_id} {setting}".strip(),
+                             **({"role": roles[i]} if i < len(roles) and roles[i] else {}),
                              "preset": attrs.get("preset", "?"), "device": attrs.get("device", "?"),
                              "optimizer": optimizers.get(str(n), attrs.get("optimizer", ""))})
     return measured, [], []
@@ -158,8 +164,8 @@ def draw_breakdown(measured: list[dict], predicted: list[dict], out_png: Path, t
 
 def scaling_figure(measured: list[dict], predicted: list[dict], title: str = "Strong scaling") -> Figure:
     """Efficiency vs device count (log2 axis): measured sweeps as markers, model sweeps as lines,
-    held-out measured points ringed, and the paper's ~90 % at 12288 tiles. With no row at all, a
-    note says so."""
+    held-out measured points open with the model's error beside them, and the paper's ~90 % at
+    12288 tiles. With no row at all, a note says so."""
     if not measured and not predicted:
         return _note("no measured or predicted scaling points")
     fig = Figure(figsize=(9, 6.5), layout="constrained")
@@ -170,17 +176,29 @@ def scaling_figure(measured: list[dict], predicted: list[dict], title: str = "St
     for key, rows in series(predicted).items():
         xs = [int(r["devices"]) for r in rows]
         ax.plot(xs, _efficiencies(rows), "-", lw=1.8, color=colour[key[:2]], label=f"model: {_label(key)}")
+    model_of = {(r.get("run_id"), r["preset"], int(r["devices"])): r for r in predicted if r.get("run_id")}
     held_labelled = False
+    notes_at: dict[int, int] = defaultdict(int)  # error notes already written at a device count: stack them
     for key, rows in series(measured).items():
         xs = [int(r["devices"]) for r in rows]
         effs = _efficiencies(rows)
-        ax.plot(xs, effs, "o", ms=7, mec="black", color=colour[key[:2]],
-                label=f"measured: {_label(key)}", linestyle=":" if len(rows) > 1 else "none")
-        held = [(x, e) for x, e, r in zip(xs, effs, rows) if r.get("role") == "held-out"]
-        if held:
-            ax.plot(*zip(*held), "o", ms=16, mfc="none", mec="black", mew=1.2,
-                    label="held out: predicted, not fitted" if not held_labelled else None)
+        held = [r.get("role") == "held-out" for r in rows]
+        # Fitted points filled; held-out ones open (the model was calibrated without them), each
+        # with the model's step-time error written beside it.
+        filled = [i for i, h in enumerate(held) if not h]
+        ax.plot(xs, effs, ":" if len(rows) > 1 else "none", color=colour[key[:2]], label=f"measured: {_label(key)}",
+                marker="o" if filled else "none", ms=7, mec="black", markevery=filled or None)
+        for x, e, r, h in zip(xs, effs, rows, held):
+            if not h:
+                continue
+            ax.plot([x], [e], "o", ms=9, mfc="none", mec=colour[key[:2]], mew=2,
+                    label="held out (open): predicted, not fitted" if not held_labelled else None)
             held_labelled = True
+            model = model_of.get((r.get("run_id"), r["preset"], x))
+            if model is not None:
+                ax.annotate(f"{model['step_s'] / r['step_s'] - 1:+.0%}", (x, e), textcoords="offset points",
+                            xytext=(8 + 22 * notes_at[x], -3), fontsize=7, color=colour[key[:2]])
+                notes_at[x] += 1
     ax.plot([PAPER["tiles"]], [PAPER["efficiency"]], "*", ms=16, color="gold", mec="black", zorder=5,
             label=f"paper: ~{PAPER['efficiency']:.0%} at {PAPER['tiles']} tiles (base {PAPER['base_tiles']})")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
@@ -190,7 +208,7 @@ def scaling_figure(measured: list[dict], predicted: list[dict], title: str = "St
     top = max([1.05] + [e for rows in series(measured).values() for e in _efficiencies(rows)])
     ax.set_ylim(0, min(top * 1.05, 2.0))
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.13), ncols=2)  # below the axes
+    fig.legend(fontsize="x-small", loc="outside lower center", ncols=2)  # below the axes, inside the figure
     return fig
 
 
@@ -315,11 +333,7 @@ def scaling_report_markdown(measured: list[dict], predicted: list[dict], holdout
             *[f"- What-if, {sc}: the same model with that overlap (our step does not do it) predicts "
               f"{_pct(_efficiencies(rows)[-1])} at {rows[-1]['devices']} tiles."
               for sc, rows in _whatifs(predicted)],
-            "- The model assumes no overlap of communication with compute, because our training step "
-            "does none (all-to-alls block inside each MoE layer; the sharded optimizer synchronises after "
-            "the last backward). Gradient synchronisation and parameter all-gathers do not shrink with more "
-            "tiles at a fixed global batch, so a step that overlapped them with the backward would scale "
-            "closer to the paper.",
+            _overlap_note(last),
             "- Aurora's numbers are sourced or marked as assumptions in workflow/machines/aurora.yaml; the "
             "achieved compute fraction, the intra-node (Xe Link) collective bandwidth and the fraction of "
             "Slingshot line rate that collectives reach are assumptions, not measurements.", ""]
@@ -340,6 +354,21 @@ def scaling_report_markdown(measured: list[dict], predicted: list[dict], holdout
     return "\n".join(lines)
 
 
+def _overlap_note(row: dict) -> str:
+    """What the paper sweep assumes about overlap (its rows' ``overlap``: what the run's
+    configuration does, workflow/perfmodel.py)."""
+    tail = ("Gradient synchronisation and parameter all-gathers do not shrink with more tiles at a fixed "
+            "global batch, so a step that hid them behind compute would scale closer to the paper.")
+    if row.get("overlap") == "chunks":
+        return ("- The model overlaps what our training step overlaps (parallel.overlap_grad_sync): the gradient "
+                "reduction runs, in chunks, under the last micro-batch's backward; with one sequence per micro-batch "
+                "that backward is short, so most of the reduction still shows. The all-to-alls block inside each MoE "
+                "layer and the parameter all-gather follows the optimizer. " + tail)
+    return ("- The model assumes no overlap of communication with compute, because our training step does none "
+            "(all-to-alls block inside each MoE layer; the sharded optimizer synchronises after the last "
+            "backward). " + tail)
+
+
 def _verdict(rows: Sequence[dict]) -> str:
     errs = [abs(float(h["rel_error"])) for h in rows]
     worst = max(errs)
@@ -353,8 +382,9 @@ def _one_count(h: dict) -> bool:
 
 
 def _holdout_lines(holdout: Sequence[dict]) -> list[str]:
-    lines = [f"Held-out prediction error (the model calibrated on each sweep's smaller device counts, "
-             f"tested on its largest): {_verdict(holdout)}."]
+    lines = [f"Held-out prediction error (the model calibrated on each sweep's smaller device counts and tested "
+             f"on its largest, or on a held-out design's fitted points and tested on its held-out ones): "
+             f"{_verdict(holdout)}."]
     blind = [h for h in holdout if _one_count(h)]
     if blind and len(blind) < len(holdout):
         lines[-1] += (f" The sweeps calibrated on one device alone ({', '.join(sorted({_sweep(h) for h in blind}))}) "
@@ -363,6 +393,13 @@ def _holdout_lines(holdout: Sequence[dict]) -> list[str]:
     elif blind:
         lines[-1] += (" Every sweep was calibrated on one device alone, which shows no communication: the "
                       "all-to-all and gradient-sync times are the machine file's uncalibrated values.")
+    for fit_points, rows in _designs(holdout).items():
+        held = ", ".join(f"{h['devices']} EP={'n' if h['ep'] == h['devices'] else h['ep']} "
+                         f"{h.get('setting', '')}".strip() for h in rows)
+        lines += ["", f"*{rows[0]['preset']} on {rows[0].get('device', '')}*, a held-out design chosen before "
+                      f"measuring: the model was calibrated on {fit_points} and predicted {held}, which differ from "
+                      f"every fitted point in compute per rank and communication volume (batch, micro-batches or EP "
+                      f"layout): {_verdict(rows)}."]
     lines += ["", "| preset | hardware | sweep | devices | ep | optimizer | fitted on devices | measured s | "
                   "predicted s | error |", "|---|---|---|---|---|---|---|---|---|---|"]
     for h in holdout:
@@ -371,6 +408,15 @@ def _holdout_lines(holdout: Sequence[dict]) -> list[str]:
                      f"{h.get('optimizer', '')} | {fit} | {h['measured_s']:.4g} | {h['predicted_s']:.4g} | "
                      f"{float(h['rel_error']):+.1%} |")
     return lines + [""]
+
+
+def _designs(holdout: Sequence[dict]) -> dict[str, list[dict]]:
+    """Held-out rows of a role design (workflow/scaling_study.study_design), by what was fitted."""
+    out: dict[str, list[dict]] = defaultdict(list)
+    for h in holdout:
+        if h.get("fit_points"):
+            out[str(h["fit_points"])].append(h)
+    return out
 
 
 def _sweep(h: dict) -> str:

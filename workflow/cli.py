@@ -241,12 +241,13 @@ def cmd_plan(args) -> None:
 
 
 def cmd_scaling(args) -> None:
-    from stages.scaling import ScalingConfig, ScalingOutputs, format_table, run_scaling
+    from stages.scaling import ScalingConfig, ScalingOutputs, format_table, parse_setting, run_scaling
 
-    ep = args.ep if args.ep == "all" else int(args.ep)
-    config = ScalingConfig(preset=args.preset, devices=tuple(args.devices), ep=ep, optimizer=args.optimizer,
-                           global_batch=args.global_batch, micro_batch=args.micro_batch, steps=args.steps,
-                           warmup=args.warmup, device=args.device, threads_per_rank=args.threads,
+    eps = tuple(e if e == "all" else int(e) for e in args.ep)
+    config = ScalingConfig(preset=args.preset, devices=tuple(args.devices), ep=eps if len(eps) > 1 else eps[0],
+                           optimizer=args.optimizer, global_batch=args.global_batch, micro_batch=args.micro_batch,
+                           holdout=tuple(parse_setting(h) for h in args.holdout), steps=args.steps,
+                           warmup=args.warmup, rounds=args.rounds, device=args.device, threads_per_rank=args.threads,
                            overrides=_overrides(args.set), run_id=args.run_id or "")
     result = run_scaling(config, ScalingOutputs(store=args.store, jsonl=args.jsonl))
     print(f"{result.run_id}\n{format_table(result.points)}")
@@ -366,12 +367,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("scaling", help="a strong-scaling sweep on this machine: step time by phase per device count")
     p.add_argument("--preset", required=True, help="a model preset, e.g. mula-7b-a1b@laptop")
     p.add_argument("--devices", type=int, nargs="+", default=[1, 2], help="device (rank) counts to sweep")
-    p.add_argument("--ep", default="all", help="'all' (ep = ranks of each point) or a fixed EP degree")
+    p.add_argument("--ep", nargs="+", default=["all"],
+                   help="EP rules, each swept: 'all' (ep = ranks of each point) and/or fixed EP degrees")
     p.add_argument("--optimizer", choices=["ep_aware", "ep_unaware"], default="ep_aware")
     p.add_argument("--global-batch", type=int, default=0, help="sequences per step, fixed (0: the preset's)")
     p.add_argument("--micro-batch", type=int, default=0, help="sequences per forward/backward (0: all local)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per point (median taken)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--holdout", nargs="+", default=[], metavar="BATCH[:MICRO]",
+                   help="held-out settings, also swept: their multi-rank points are predicted, not fitted")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="interleaved passes over every layout (the fastest kept: load only slows a step)")
     p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda", "xpu"])
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")

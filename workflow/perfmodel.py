@@ -15,10 +15,13 @@ and therefore what this module adds up, per rank:
 1. compute: forward + backward of ``global_batch / devices`` sequences in micro-batches:
    ``ModelConfig.flops_per_token(seq_len)`` FLOPs per token (optimus_core/flops.py) at the
    device's measured matmul rate times an achieved fraction (``compute_efficiency``), plus a
-   fixed host overhead per micro-batch (Python, kernel launches: what dominates tiny models).
-2. all-to-all: per MoE layer and micro-batch, a counts exchange and the dispatch + combine
-   forward, the same two reversed backward; each moves tokens x top_k rows of d_model of which
-   (ep-1)/ep leave the rank.
+   fixed host overhead per micro-batch (Python, kernel launches: what dominates tiny models),
+   per local expert with the ``loop`` backend, and with EP the dispatch's own memory passes
+   over the rows it sends and receives (``overhead.dispatch``).
+2. all-to-all: per MoE layer and micro-batch, a counts exchange, then forward the rows (one per
+   token and EP rank holding one of its experts: ``ranks_visited``), their routing metadata and
+   the weighted partial outputs back, the same three reversed backward; of each buffer (ep-1)/ep
+   leaves the rank.
 3. gradient sync (ShardedAdamW): dense grads reduce-scatter over the world then the updated
    shards all-gather back; expert grads over the expert-dp group (world/ep strided ranks):
    reduce-scatter + all-gather (ep_aware) or all-reduce (ep_unaware); plus the step's two small
@@ -27,12 +30,20 @@ and therefore what this module adds up, per rank:
    bytes touched / memory bandwidth.
 5. idle: a fixed per-step overhead (host work outside the phases above).
 
-Overlap assumption: none (``Layout.overlap = "none"``, the default). Our step does not overlap
-communication with compute (the all-to-alls are blocking inside the MoE layer, the optimizer
-syncs after the last backward), so the step time is the plain sum of the phases. The what-if
-``overlap = "grad_sync"`` hides gradient sync behind one micro-batch's forward + backward (as a
-bucketed sync during the last backward and a prefetching all-gather during the next forward
-would); it prices a step we do not have, to show what overlap would buy.
+Overlap (``Layout.overlap``): ``"none"``, the plain sum of the phases; ``"chunks"``, what our
+step does with ``parallel.overlap_grad_sync`` (optimus_core/parallel/grad_sync.py): gradient
+chunks of ``chunk_mb`` are reduced onto their owners while the last micro-batch's backward runs,
+so only what that backward (2/3 of its compute) cannot cover shows, and at least the last chunk
+-- a bucket smaller than a chunk is one chunk, reduced after the backward (the laptop models).
+The all-to-alls block inside each MoE layer and the parameter all-gather follows the optimizer
+in both. The what-if ``"grad_sync"`` (WHATIFS) hides the whole gradient sync behind one
+micro-batch's forward + backward; it prices a step we do not have, to show what that would buy.
+Measured points use what they ran (their ``overlap_grad_sync``), the paper sweep and node-hour
+estimates what the registry's run configuration does.
+
+Rank skew (``overhead.skew``, calibrated): ranks do not finish their compute together, and the
+first collective after it waits for the slowest -- an all-to-all inside each MoE layer with EP,
+else the gradient sync. On a shared CPU box it is most of what the all-to-alls measure.
 
 Collectives: time = latency x steps + bytes / bandwidth, with bandwidths in the bus-bandwidth
 convention of nccl-tests (what workflow/machines/*.yaml record): a ring reduce-scatter or
@@ -61,6 +72,9 @@ KINDS = ("all_to_all", "reduce_scatter", "all_gather", "all_reduce")
 DTYPES = ("float32", "bfloat16")
 OPTIMIZERS = ("ep_aware", "ep_unaware", "local")
 PHASES = ("compute_s", "a2a_s", "grad_sync_s", "optimizer_s", "idle_s")
+OVERLAPS = ("none", "chunks", "grad_sync")
+HOLDOUT_SCHEMES = ("largest", "role", "leave_one_out")
+WHATIFS = ("grad_sync",)  # overlaps our step does not do: priced to show what they would buy
 
 # Bytes one parameter element costs torch's (non-fused, foreach) AdamW step in float32: decay
 # p *= 1 - lr wd (r/w 8), m.lerp_(g) (r 8, w 4), v.mul_().addcmul_(g, g) (r/w 8 + r 12, w 4),
@@ -107,6 +121,8 @@ class Machine:
     step_overhead: float = 0.0  # s per step outside every phase (host work)
     microbatch_overhead: float = 0.0  # s of host time per micro-batch forward + backward
     expert_overhead: float = 0.0  # s per local expert, MoE layer and micro-batch (loop backend only)
+    dispatch_passes: float = 0.0  # EP dispatch: memory passes over the dispatched rows, per MoE layer and micro-batch
+    rank_skew: float = 0.0  # the slowest rank's compute over the mean, minus 1: the others wait that long
     moe_imbalance: float = 1.0  # slowest EP rank's expert tokens / the mean (1 = balanced routing)
 
     @property
@@ -184,7 +200,8 @@ def machine_from_dict(data: Any, name: str = "") -> Machine:
             if link.bandwidth > nics * nic_bw * (1 + 1e-9):
                 raise _bad(name, f"network.inter_node.{kind}.bandwidth", link.bandwidth,
                            f"must be <= nics_per_node x nic_bandwidth ({nics * nic_bw:.4g} B/s)")
-    over = _mapping(name, "overhead", data.get("overhead") or {}, ("step", "microbatch", "expert", "moe_imbalance"), ())
+    over = _mapping(name, "overhead", data.get("overhead") or {}, ("step", "microbatch", "expert", "dispatch",
+                                                                   "skew", "moe_imbalance"), ())
     imb = _number(name, "overhead.moe_imbalance", over.get("moe_imbalance", 1.0))
     if imb < 1:
         raise _bad(name, "overhead.moe_imbalance", imb, "must be >= 1 (slowest / mean)")
@@ -202,6 +219,8 @@ def machine_from_dict(data: Any, name: str = "") -> Machine:
         step_overhead=_number(name, "overhead.step", over.get("step", 0.0), positive=False),
         microbatch_overhead=_number(name, "overhead.microbatch", over.get("microbatch", 0.0), positive=False),
         expert_overhead=_number(name, "overhead.expert", over.get("expert", 0.0), positive=False),
+        dispatch_passes=_number(name, "overhead.dispatch", over.get("dispatch", 0.0), positive=False),
+        rank_skew=_number(name, "overhead.skew", over.get("skew", 0.0), positive=False),
         moe_imbalance=imb,
     )
 
@@ -232,7 +251,8 @@ class Layout:
     seq_len: int = 4096
     optimizer: str = "ep_aware"  # ep_aware | ep_unaware | local (one rank: plain AdamW)
     dtype: str = "bfloat16"
-    overlap: str = "none"  # none (our step) | grad_sync (what-if: see the module doc)
+    overlap: str = "none"  # none | chunks (parallel.overlap_grad_sync) | grad_sync (what-if: module doc)
+    chunk_mb: float = 128.0  # parallel.grad_sync_chunk_mb (overlap "chunks")
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -251,8 +271,10 @@ class Layout:
             bad("optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {', '.join(DTYPES)}")
-        if self.overlap not in ("none", "grad_sync"):
-            bad("overlap", "must be 'none' or 'grad_sync'")
+        if self.overlap not in OVERLAPS:
+            bad("overlap", f"must be one of {', '.join(repr(o) for o in OVERLAPS)}")
+        if not self.chunk_mb > 0:
+            bad("chunk_mb", "must be > 0 (MiB)")
 
     @property
     def local_batch(self) -> int:
@@ -369,6 +391,16 @@ def _expert_flops_per_token(cfg: ModelConfig) -> int:
     return 0 if cfg.moe is None else 6 * cfg.n_layers * cfg.moe.top_k * 3 * cfg.d_model * cfg.moe.d_expert
 
 
+def ranks_visited(cfg: ModelConfig, ep: int) -> float:
+    """Expected EP ranks one token is sent to: each holds n_experts / ep experts, and a token goes
+    once to every rank holding at least one of its top_k (expert_parallel.apply_routed: one row
+    per (token, rank), not per expert), so ep x P(a rank holds one of them)."""
+    if cfg.moe is None or ep == 1:
+        return 1.0
+    E, K = cfg.moe.n_experts, cfg.moe.top_k
+    return ep * (1 - math.comb(E - E // ep, K) / math.comb(E, K))
+
+
 def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
     """Step time and its phases for ``cfg`` trained with ``layout`` on ``machine`` (module doc)."""
     m, L = machine, layout
@@ -380,14 +412,20 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
         L = replace(L, ep=1)
     W, tokens = L.devices, L.tokens_per_rank
 
-    # Compute: FLOPs / achieved rate; the experts' part waits on the most loaded EP rank.
     # ``share`` > 1 when more ranks than compute slots sit on a node (CPU processes > free cores):
-    # they time-share the cores, and on a CPU the cores also do the collectives' copies and
-    # reductions (gloo) and the optimizer's memory traffic, so those stretch by it too (a
-    # collective's latency, mostly waiting, does not).
+    # they time-share the cores, so everything a core does stretches by it -- the matmuls, the
+    # host's Python and launch time, the dispatch's copies, and on a CPU the collectives' copies
+    # and reductions (gloo) and the optimizer's memory traffic (a collective's latency, mostly
+    # waiting, does not).
     ranks_on_node = min(W, m.devices_per_node)
     share = max(1.0, ranks_on_node / m.slots)
-    rate = m.matmul_flops[L.dtype] * m.compute_efficiency / share
+    rate = m.matmul_flops[L.dtype] * m.compute_efficiency
+    # All-to-all rows: per MoE layer and micro-batch each rank sends every token once to each EP
+    # rank that holds one of its experts (its own included: the bus-bandwidth factor (n-1)/n
+    # discounts that part); the most loaded rank's share counts.
+    rows = L.tokens_per_rank / L.micro_batches * ranks_visited(cfg, L.ep) * m.moe_imbalance
+
+    # Compute: FLOPs / achieved rate; the experts' part waits on the most loaded EP rank.
     expert_f = _expert_flops_per_token(cfg)
     flops = tokens * ((cfg.flops_per_token(L.seq_len) - expert_f) + expert_f * (m.moe_imbalance if L.ep > 1 else 1))
     # Host time: per micro-batch (Python, launches), and with the ``loop`` experts backend per
@@ -395,23 +433,28 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
     per_mb = m.microbatch_overhead
     if cfg.moe is not None and cfg.moe.experts_backend == "loop":
         per_mb += m.expert_overhead * cfg.n_layers * (cfg.moe.n_experts // L.ep)
-    compute_s = flops / rate + L.micro_batches * per_mb
+    # EP dispatch outside the all-to-alls: gathering the rows to send, sorting what arrives by
+    # expert, weighting and summing the partials back, forward and backward: passes over the
+    # dispatched float32 rows in memory (``dispatch_passes``, calibrated).
+    dispatch_s = 0.0
+    if cfg.moe is not None and L.ep > 1:
+        dispatch_s = m.dispatch_passes * rows * cfg.d_model * 4 / m.memory_bandwidth * cfg.n_layers * L.micro_batches
+    compute_s = (flops / rate + L.micro_batches * per_mb + dispatch_s) * share
 
     ep_groups, edp_groups = rank_groups(W, L.ep)
     world = np.arange(W)[None, :]
 
-    # All-to-all: per MoE layer per micro-batch, dispatch (x rows: float32, the residual stream's
-    # dtype) and combine (expert outputs: bf16 under autocast, else float32), each once forward and
-    # once backward (gradients have the forward tensors' dtypes); plus the counts exchange
-    # (n_experts int64: latency only). The send buffer is tokens x top_k rows of d_model.
+    # All-to-all, per MoE layer and micro-batch (expert_parallel.apply_routed): forward the rows
+    # (x in the autocast dtype), their routing metadata (2 top_k float32: weights and expert ids)
+    # and the weighted partial outputs back (autocast dtype); backward the same three reversed;
+    # plus the counts exchange (2 int64 per peer: latency only).
     a2a_s = 0.0
     if cfg.moe is not None and L.ep > 1:
-        rows = L.tokens_per_rank // L.micro_batches * cfg.moe.top_k * m.moe_imbalance
-        out_bytes = 2 if L.dtype == "bfloat16" else 4
+        act_bytes = 2 if L.dtype == "bfloat16" else 4
         per_layer = 0.0
-        for elem in (4, out_bytes, out_bytes, 4):  # dispatch fwd, combine fwd, combine bwd, dispatch bwd
-            per_layer += _collective_s("all_to_all", rows * cfg.d_model * elem * share, ep_groups, m)
-        per_layer += _collective_s("all_to_all", cfg.moe.n_experts * 8, ep_groups, m)
+        for row_bytes in (cfg.d_model * act_bytes, 2 * cfg.moe.top_k * 4, cfg.d_model * act_bytes):
+            per_layer += 2 * _collective_s("all_to_all", rows * row_bytes * share, ep_groups, m)  # fwd + bwd
+        per_layer += _collective_s("all_to_all", L.ep * 2 * 8, ep_groups, m)
         a2a_s = per_layer * cfg.n_layers * L.micro_batches
 
     # Gradient sync and optimizer (ShardedAdamW buckets; float32 grads and state).
@@ -419,8 +462,17 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
     n_dense = cfg.num_params() - n_expert
     n_expert_local = n_expert // L.ep
     edp = W // L.ep
-    sync_s = opt_elems = 0.0
+    reduce_s = gather_s = sync_s = opt_elems = 0.0
     local_elems = n_dense + n_expert_local
+    # With ``overlap = "chunks"`` (parallel.overlap_grad_sync, optimus_core/parallel/grad_sync.py)
+    # each chunk is reduced onto its owners (dist.reduce): every rank still sends its whole
+    # gradient, n/(n-1) times a reduce-scatter's (n-1)/n share.
+    chunked = L.overlap == "chunks"
+
+    def reduce(nbytes: float, groups: np.ndarray) -> float:
+        n = groups.shape[1]
+        return _collective_s("reduce_scatter", nbytes * (n / (n - 1) if chunked and n > 1 else 1), groups, m)
+
     if L.optimizer == "local" or W == 1:
         # One rank (or plain AdamW): no collectives; AdamW over every parameter.
         opt_elems = cfg.num_params()
@@ -428,16 +480,26 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
     else:
         flat_elems = local_elems
         # Dense buckets: reduce-scatter over the world, update 1/W, all-gather back.
-        sync_s += _collective_s("reduce_scatter", n_dense * MASTER_BYTES * share, world, m)
-        sync_s += _collective_s("all_gather", n_dense * MASTER_BYTES * share, world, m)
+        reduce_s += reduce(n_dense * MASTER_BYTES * share, world)
+        gather_s += _collective_s("all_gather", n_dense * MASTER_BYTES * share, world, m)
         opt_elems = n_dense / W
         if n_expert and L.optimizer == "ep_aware":
-            sync_s += _collective_s("reduce_scatter", n_expert_local * MASTER_BYTES * share, edp_groups, m)
-            sync_s += _collective_s("all_gather", n_expert_local * MASTER_BYTES * share, edp_groups, m)
+            reduce_s += reduce(n_expert_local * MASTER_BYTES * share, edp_groups)
+            gather_s += _collective_s("all_gather", n_expert_local * MASTER_BYTES * share, edp_groups, m)
             opt_elems += n_expert_local / edp
         elif n_expert:  # ep_unaware: all-reduce, then every replica updates all its experts
-            sync_s += _collective_s("all_reduce", n_expert_local * MASTER_BYTES * share, edp_groups, m)
+            reduce_s += _collective_s("all_reduce", n_expert_local * MASTER_BYTES * share, edp_groups, m)
             opt_elems += n_expert_local
+        if chunked:
+            # The reductions run under the last micro-batch's backward (about 2/3 of its compute)
+            # as its chunks finish; what shows is what that backward cannot cover, and at least
+            # the last chunk (a chunk as large as a bucket cannot start before the bucket is done).
+            chunk_B = L.chunk_mb * 2 ** 20
+            largest_B = max(n_dense, n_expert_local if n_expert else 0) * MASTER_BYTES
+            f = min(1.0, chunk_B / largest_B) if largest_B else 1.0
+            backward_s = 2 / 3 * compute_s / L.micro_batches
+            reduce_s = max(f * reduce_s, reduce_s - backward_s * (1 - f))
+        sync_s = reduce_s + gather_s
         # train_step's all-reduces of the 4 loss sums and (MoE) the routing counts per layer and expert
         sync_s += _collective_s("all_reduce", 4 * 8, world, m)
         if cfg.moe is not None:
@@ -449,6 +511,15 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
 
     if L.overlap == "grad_sync":  # what-if: only what one micro-batch's compute cannot hide shows
         sync_s = max(0.0, sync_s - compute_s / L.micro_batches)
+    if W > 1:
+        # Ranks do not finish their compute together (routing, the host, a shared CPU): the
+        # first collective after it waits for the slowest. With EP that is an all-to-all inside
+        # every MoE layer; without, the gradient sync after the backward.
+        wait_s = m.rank_skew * compute_s
+        if a2a_s > 0:
+            a2a_s += wait_s
+        else:
+            sync_s += wait_s
     idle_s = m.step_overhead
     step_s = compute_s + a2a_s + sync_s + optimizer_s + idle_s  # phases in sequence (module doc)
     return Prediction(step_s, compute_s, a2a_s, sync_s, optimizer_s, idle_s)
@@ -467,7 +538,8 @@ def point_layout(point: dict) -> Layout:
     return Layout(devices=int(point["devices"]), ep=int(point.get("ep", 1)), global_batch=int(point["global_batch"]),
                   micro_batch=int(point.get("micro_batch") or 0), seq_len=int(point["seq_len"]),
                   optimizer=point.get("optimizer", "ep_aware") if int(point["devices"]) > 1 else "local",
-                  dtype=point.get("dtype", "float32"))
+                  dtype=point.get("dtype", "float32"), overlap="chunks" if point.get("overlap_grad_sync") else "none",
+                  chunk_mb=float(point.get("grad_sync_chunk_mb") or 128.0))
 
 
 def predict_point(point: dict, machine: Machine) -> Prediction:
@@ -487,9 +559,11 @@ KNOBS = {
     "step_overhead": "overhead.step (s)",
     "microbatch_overhead": "overhead.microbatch (s)",
     "expert_overhead": "overhead.expert (s per local expert, layer and micro-batch; loop backend)",
+    "dispatch_passes": "overhead.dispatch (EP dispatch: passes over the dispatched rows in memory)",
+    "rank_skew": "overhead.skew (the slowest rank's compute over the mean, minus 1)",
 }
-DEFAULT_FIT = ("compute_efficiency", "microbatch_overhead", "expert_overhead", "compute_slots", "a2a_bandwidth",
-               "sync_bandwidth", "latency", "step_overhead")
+DEFAULT_FIT = ("compute_efficiency", "microbatch_overhead", "expert_overhead", "dispatch_passes", "rank_skew",
+               "compute_slots", "a2a_bandwidth", "sync_bandwidth", "latency", "step_overhead")
 TARGETS = ("step_s", "compute_s", "a2a_s", "grad_sync_s", "optimizer_s", "idle_s")
 
 
@@ -523,6 +597,10 @@ def _apply(machine: Machine, knobs: dict[str, float]) -> Machine:
             m = replace(m, microbatch_overhead=value)
         elif name == "expert_overhead":
             m = replace(m, expert_overhead=value)
+        elif name == "dispatch_passes":
+            m = replace(m, dispatch_passes=value)
+        elif name == "rank_skew":
+            m = replace(m, rank_skew=value)
         else:
             raise ConfigError(f"fit: {name!r}: unknown knob; known: {', '.join(KNOBS)}")
     return m
@@ -536,8 +614,9 @@ def _start(machine: Machine, name: str) -> float:
     value = {"compute_efficiency": machine.compute_efficiency, "memory_bandwidth": machine.memory_bandwidth,
              "compute_slots": float(machine.slots),
              "step_overhead": machine.step_overhead, "microbatch_overhead": machine.microbatch_overhead,
-             "expert_overhead": machine.expert_overhead}[name]
-    return value if value > 0 else (1e-5 if name == "expert_overhead" else 1e-3)
+             "expert_overhead": machine.expert_overhead, "dispatch_passes": machine.dispatch_passes,
+             "rank_skew": machine.rank_skew}[name]
+    return value if value > 0 else {"expert_overhead": 1e-5, "dispatch_passes": 1.0, "rank_skew": 0.01}.get(name, 1e-3)
 
 
 def calibrate(points: Sequence[dict], machine: Machine, fit: Sequence[str] = DEFAULT_FIT,
@@ -575,10 +654,10 @@ def calibrate(points: Sequence[dict], machine: Machine, fit: Sequence[str] = DEF
     r = residuals(x)
     for _ in range(iterations):
         J = np.empty((r.size, x.size))
-        for j in range(x.size):
+        for j in range(x.size):  # backward: a knob at a kink (compute_slots at the core count) still moves
             dx = np.zeros_like(x)
             dx[j] = 1e-5
-            J[:, j] = (residuals(x + dx) - r) / 1e-5
+            J[:, j] = (r - residuals(x - dx)) / 1e-5
         g, H = J.T @ r, J.T @ J
         improved = False
         for _ in range(20):
@@ -607,7 +686,29 @@ def knob_values(machine: Machine, reference: Machine) -> dict[str, float]:
         "step_overhead": machine.step_overhead,
         "microbatch_overhead": machine.microbatch_overhead,
         "expert_overhead": machine.expert_overhead,
+        "dispatch_passes": machine.dispatch_passes,
+        "rank_skew": machine.rank_skew,
     }
+
+
+def split_points(points: Sequence[dict], scheme: str = "largest") -> list[tuple[list[dict], list[dict]]]:
+    """(fitted, held-out) splits of ``points`` by ``scheme`` (holdout_error)."""
+    if scheme not in HOLDOUT_SCHEMES:
+        raise ConfigError(f"scheme = {scheme!r}: must be one of {', '.join(repr(s) for s in HOLDOUT_SCHEMES)}")
+    if scheme == "leave_one_out":
+        return [([q for j, q in enumerate(points) if j != i], [p]) for i, p in enumerate(points)]
+    if scheme == "role":
+        train = [p for p in points if p.get("role") != "held-out"]
+        test = [p for p in points if p.get("role") == "held-out"]
+        if not train or not test:
+            raise ConfigError("holdout_error: 'role' needs points of role 'held-out' and others to fit on")
+        return [(train, test)]
+    top = max(int(p["devices"]) for p in points)
+    train = [p for p in points if int(p["devices"]) < top]
+    test = [p for p in points if int(p["devices"]) == top]
+    if not train or not test:
+        raise ConfigError("holdout_error: 'largest' needs points at more than one device count")
+    return [(train, test)]
 
 
 def holdout_error(points: Sequence[dict], machine: Machine, fit: Sequence[str] = DEFAULT_FIT,
@@ -615,31 +716,32 @@ def holdout_error(points: Sequence[dict], machine: Machine, fit: Sequence[str] =
     """Relative step-time error of points NOT used for fitting.
 
     ``scheme="largest"``: fit on the points below the largest device count of each sweep (same
-    preset, device kind, dtype), test on those at the largest; ``"leave_one_out"``: fit on all
-    but one, test on it, for each point. Returns one row per tested point: its identity, measured
-    and predicted step time, and ``rel_error`` = predicted / measured - 1.
+    preset, device kind, dtype), test on those at the largest; ``"role"``: fit on the points
+    whose ``role`` is not "held-out" (a design chosen before measuring: stages/scaling.py),
+    test on the held-out ones; ``"leave_one_out"``: fit on all but one, test on it, for each
+    point. Returns one row per tested point: its identity, measured and predicted step time and
+    phases (``measured_<phase>``, ``predicted_<phase>``), and ``rel_error`` = predicted /
+    measured - 1 of the step time.
     """
-    if scheme not in ("largest", "leave_one_out"):
-        raise ConfigError(f"scheme = {scheme!r}: must be 'largest' or 'leave_one_out'")
-    splits: list[tuple[list[dict], list[dict]]] = []
-    if scheme == "leave_one_out":
-        splits = [([q for j, q in enumerate(points) if j != i], [p]) for i, p in enumerate(points)]
-    else:
-        top = max(int(p["devices"]) for p in points)
-        train = [p for p in points if int(p["devices"]) < top]
-        test = [p for p in points if int(p["devices"]) == top]
-        if not train or not test:
-            raise ConfigError("holdout_error: 'largest' needs points at more than one device count")
-        splits = [(train, test)]
     rows = []
-    for train, test in splits:
-        fitted = calibrate(train, machine, fit, targets)
-        for p in test:
-            pred = predict_point(p, fitted)
-            rows.append({"preset": p["preset"], "device": p.get("device", ""), "devices": int(p["devices"]),
-                         "ep": int(p.get("ep", 1)), "optimizer": p.get("optimizer", ""),
-                         "measured_s": float(p["step_s"]), "predicted_s": pred.step_s,
-                         "rel_error": pred.step_s / float(p["step_s"]) - 1, "fitted_on": len(train)})
+    for train, test in split_points(points, scheme):
+        rows += error_rows(test, calibrate(train, machine, fit, targets), fitted_on=len(train))
+    return rows
+
+
+def error_rows(points: Sequence[dict], fitted: Machine, fitted_on: int) -> list[dict]:
+    """holdout_error's rows for ``points`` predicted by an already ``fitted`` machine."""
+    rows = []
+    for p in points:
+        pred = predict_point(p, fitted)
+        rows.append({"preset": p["preset"], "device": p.get("device", ""), "devices": int(p["devices"]),
+                     "ep": int(p.get("ep", 1)), "optimizer": p.get("optimizer", ""),
+                     **({"setting": p["setting"]} if p.get("setting") else {}),
+                     "global_batch": int(p["global_batch"]), "micro_batch": int(p.get("micro_batch") or 0),
+                     "measured_s": float(p["step_s"]), "predicted_s": pred.step_s,
+                     "rel_error": pred.step_s / float(p["step_s"]) - 1, "fitted_on": fitted_on,
+                     **{f"measured_{ph}": float(p[ph]) for ph in PHASES if p.get(ph) is not None},
+                     **{f"predicted_{ph}": getattr(pred, ph) for ph in PHASES}})
     return rows
 
 
@@ -653,19 +755,22 @@ def efficiency(devices: Sequence[int], step_s: Sequence[float]) -> list[float]:
 
 def predict_sweep(preset: str, tiles_list: Sequence[int], machine: Machine, *, global_batch: int,
                   ep: int, micro_batch: int = 1, seq_len: int = 0, dtype: str = "bfloat16",
-                  optimizer: str = "ep_aware", overrides: Optional[dict] = None, overlap: str = "none") -> list[dict]:
-    """One row per tile count: the layout, each phase, tokens/s and efficiency within the sweep.
-    A what-if ``overlap`` marks its rows with ``scenario`` so they never mix with the plain sweep."""
+                  optimizer: str = "ep_aware", overrides: Optional[dict] = None, overlap: str = "none",
+                  chunk_mb: float = 128.0) -> list[dict]:
+    """One row per tile count: the layout (``overlap`` included), each phase, tokens/s and
+    efficiency within the sweep. A what-if ``overlap`` (WHATIFS: one our step does not do) marks
+    its rows with ``scenario`` so they never mix with the plain sweep."""
     p = presets.get(preset)
     cfg = p.run_config(**overrides).model if overrides else p.model
     seq_len = seq_len or p.seq_len
     rows = []
     for tiles in tiles_list:
         layout = Layout(devices=tiles, ep=ep, global_batch=global_batch, micro_batch=micro_batch,
-                        seq_len=seq_len, optimizer=optimizer if tiles > 1 else "local", dtype=dtype, overlap=overlap)
+                        seq_len=seq_len, optimizer=optimizer if tiles > 1 else "local", dtype=dtype, overlap=overlap,
+                        chunk_mb=chunk_mb)
         pred = predict(cfg, layout, machine)
-        rows.append({"preset": preset, "machine": machine.name, "devices": tiles, "ep": ep,
-                     **({"scenario": f"overlap {overlap}"} if overlap != "none" else {}),
+        rows.append({"preset": preset, "machine": machine.name, "devices": tiles, "ep": ep, "overlap": overlap,
+                     **({"scenario": f"overlap {overlap}"} if overlap in WHATIFS else {}),
                      "nodes": math.ceil(tiles / machine.devices_per_node), "global_batch": global_batch,
                      "micro_batch": micro_batch, "seq_len": seq_len, "dtype": dtype, "optimizer": layout.optimizer,
                      **pred.as_dict(), "tokens_per_s": global_batch * seq_len / pred.step_s})
@@ -674,15 +779,23 @@ def predict_sweep(preset: str, tiles_list: Sequence[int], machine: Machine, *, g
     return rows
 
 
-def paper_sweep(machine: Machine, overlap: str = "none") -> list[dict]:
+def code_overlap(parallel) -> str:
+    """The overlap our step does under a ParallelConfig: "chunks" with parallel.overlap_grad_sync."""
+    return "chunks" if getattr(parallel, "overlap_grad_sync", False) else "none"
+
+
+def paper_sweep(machine: Machine, overlap: Optional[str] = None) -> list[dict]:
     """The paper's strong-scaling sweep of Mula-220B-A10B as the registry defines it
     (workflow/experiments.py: SCALING_TILES, SCALING_BATCH, ep 32, bf16), one sequence per
-    micro-batch (12288 tiles hold one sequence each; 384 accumulate 32)."""
+    micro-batch (12288 tiles hold one sequence each; 384 accumulate 32). ``overlap`` None: what
+    the run's configuration does (code_overlap); a what-if otherwise."""
     from workflow import experiments as ex
 
     run = ex.get(f"scaling-mula-220b-a10b-{ex.SCALING_TILES[0]}").paper
+    cfg = run.run_config()
     return predict_sweep(run.preset, ex.SCALING_TILES, machine, global_batch=ex.SCALING_BATCH, ep=run.ep,
-                         micro_batch=1, dtype=run.run_config().train.dtype, overlap=overlap)
+                         micro_batch=1, dtype=cfg.train.dtype, overlap=overlap or code_overlap(cfg.parallel),
+                         chunk_mb=cfg.parallel.grad_sync_chunk_mb)
 
 
 def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> dict[str, Any]:
@@ -696,7 +809,8 @@ def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> di
     mb = cfg.train.micro_batch or (micro_batch if local % micro_batch == 0 else 0)
     layout = Layout(devices=run_scale.devices, ep=cfg.parallel.ep, global_batch=cfg.train.global_batch,
                     micro_batch=mb, seq_len=cfg.data.seq_len,
-                    optimizer=cfg.parallel.optimizer if run_scale.devices > 1 else "local", dtype=cfg.train.dtype)
+                    optimizer=cfg.parallel.optimizer if run_scale.devices > 1 else "local", dtype=cfg.train.dtype,
+                    overlap=code_overlap(cfg.parallel), chunk_mb=cfg.parallel.grad_sync_chunk_mb)
     pred = predict(cfg.model, layout, machine)
     hours = run_scale.steps * pred.step_s / 3600
     nodes = math.ceil(run_scale.devices / machine.devices_per_node)

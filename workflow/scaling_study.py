@@ -17,13 +17,20 @@ step_s and its phases):
 * JSON-lines files (``--measured``): the records of the ``strong`` suite of bench/distributed.py
   (e.g. the H200 points in bench/results/), other records are ignored.
 
-A sweep is one (preset, overrides, device, EP rule): ``EP=n`` where every point splits the experts
-over all its ranks, ``EP=<e>`` where the degree is fixed; a one-device point is the base of every
-sweep of its (preset, overrides, device). Each sweep's machine (``MACHINE_OF_DEVICE``) is
-calibrated on its points below the largest device count and tested on those at the largest
-(``perfmodel.holdout_error``, scheme "largest"); the model rows drawn beside a sweep come from
-that same fit, so the largest points are predictions, never fits. A sweep of one device count is
-fitted on all its points and has no held-out error.
+A sweep is one (preset, overrides, device, setting, EP rule): ``EP=n`` where every point splits
+the experts over all its ranks, ``EP=<e>`` where the degree is fixed; the setting ("batch 8",
+"batch 16 micro 2") where `optimus scaling` measured several; a one-device point is the base of
+every sweep of its (preset, overrides, device, setting). Each sweep's machine
+(``MACHINE_OF_DEVICE``) is calibrated on its points below the largest device count and tested on
+those at the largest (``perfmodel.holdout_error``, scheme "largest"); the model rows drawn beside
+a sweep come from that same fit, so the largest points are predictions, never fits. A sweep of
+one device count is fitted on all its points and has no held-out error.
+
+A family (preset, overrides, device) measured with a held-out design instead (its points carry a
+``role``, chosen by `optimus scaling --holdout` before anything was timed: the laptop's 2-core
+CPU cannot add ranks, so it holds out other batches, micro-batches and EP layouts) is calibrated
+once on all its "fitted" points, across its sweeps, and tested on its "held-out" ones
+(``study_design``, scheme "role"); its holdout rows name what was fitted (``fit_points``).
 
 Everything goes to the store as run ``perfmodel`` -- tables ``measured``, ``predicted`` and
 ``holdout`` (one row per item, ``step`` = its index; the strings of row i in the run attrs
@@ -38,6 +45,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 from optimus_core.atomic import atomic_write
 from optimus_core.config import ConfigError
+from stages.scaling import POINT_STRINGS
 from workflow import perfmodel as pm
 
 RUN_ID = "perfmodel"
@@ -47,7 +55,7 @@ MACHINE_OF_DEVICE = {"cpu": "cpu", "nvidia-h200": "h200"}
 PAPER_MACHINE = "aurora"
 OVERLAP_WHATIF = "grad_sync"
 POINT_FIELDS = ("preset", "overrides", "device", "devices", "ep", "optimizer", "global_batch", "micro_batch",
-                "seq_len", "dtype", "experts_backend", "step_s", "compute_s", "a2a_s", "grad_sync_s",
+                "seq_len", "dtype", "experts_backend", "setting", "step_s", "compute_s", "a2a_s", "grad_sync_s",
                 "optimizer_s", "idle_s", "tokens_per_s")
 
 
@@ -67,9 +75,12 @@ def store_points(store_path: Path) -> list[dict]:
         if attrs.get("kind") != "scaling" or status != "completed" or "scaling" not in store.tables(run_id):
             continue
         optimizers = attrs.get("optimizers") or {}
-        for row in store.metrics(run_id, "scaling").to_dict("records"):
+        strings = {k: attrs.get(f"{k}s") or [] for k in POINT_STRINGS}  # per row, in row order
+        for i, row in enumerate(store.metrics(run_id, "scaling").to_dict("records")):
             n = int(row["devices"])
-            points.append({**{k: v for k, v in row.items() if k != "step"}, "devices": n, "ep": int(row["ep"]),
+            labels = {k: v[i] for k, v in strings.items() if i < len(v) and v[i]}
+            points.append({**{k: v for k, v in row.items() if k != "step" and v == v}, **labels,
+                           "devices": n, "ep": int(row["ep"]),
                            "preset": attrs["preset"], "device": attrs.get("device", "cpu"),
                            "overrides": attrs.get("overrides") or {},
                            "optimizer": optimizers.get(str(n), attrs.get("optimizer", "ep_aware")),
@@ -104,29 +115,34 @@ def _rule(p: dict) -> str:
     return "EP=n" if int(p.get("ep", 1)) == int(p["devices"]) else f"EP={int(p.get('ep', 1))}"
 
 
+def _family(p: dict) -> tuple:
+    return p["preset"], json.dumps(p.get("overrides") or {}, sort_keys=True), p.get("device", "")
+
+
 def sweeps(points: Iterable[dict]) -> dict[str, list[dict]]:
     """Points grouped into strong-scaling sweeps, named ``<preset> <device> <EP rule>`` (plus
-    the overrides where a preset was measured with several); each sorted by device count, with the
-    one-device base copied into every multi-device sweep of its preset, overrides and device.
-    Each point gets ``sweep`` (that name) and ``run_id`` (the name less preset and device: what
-    stages/scaling_figure.series separates sweeps of one preset and device by)."""
+    the overrides where a preset was measured with several, and the setting -- "batch 8",
+    "batch 16 micro 2" (stages/scaling.py) -- where a family was measured at several); each
+    sorted by device count, with the one-device base of its preset, overrides, device and setting
+    copied into every multi-device sweep of theirs. Each point gets ``sweep`` (that name) and
+    ``run_id`` (the name less preset and device: what stages/scaling_figure.series separates
+    sweeps of one preset and device by)."""
     points = list(points)
-
-    def family(p: dict) -> tuple:
-        return p["preset"], json.dumps(p.get("overrides") or {}, sort_keys=True), p.get("device", "")
-
-    overrides_of = defaultdict(set)
+    overrides_of, settings_of = defaultdict(set), defaultdict(set)
     for p in points:
-        overrides_of[(p["preset"], p.get("device", ""))].add(family(p)[1])
+        overrides_of[(p["preset"], p.get("device", ""))].add(_family(p)[1])
+        settings_of[_family(p)].add(p.get("setting") or "")
     multi, base = defaultdict(list), defaultdict(list)
     for p in points:
-        (multi[(*family(p), _rule(p))] if int(p["devices"]) > 1 else base[family(p)]).append(p)
+        family = (*_family(p), p.get("setting") or "")
+        (multi[(*family, _rule(p))] if int(p["devices"]) > 1 else base[family]).append(p)
     out = {}
-    for key in sorted(set(multi) | {(*f, "EP=n") for f in base if not any(k[:3] == f for k in multi)}):
-        preset, overrides, device, rule = key
+    for key in sorted(set(multi) | {(*f, "EP=n") for f in base if not any(k[:4] == f for k in multi)}):
+        preset, overrides, device, setting, rule = key
         short = rule + (f" {overrides}" if len(overrides_of[(preset, device)]) > 1 else "")
+        short += f" {setting}" if len(settings_of[(preset, overrides, device)]) > 1 else ""
         name = f"{preset} {device} {short}"
-        rows = base[(preset, overrides, device)] + multi.get(key, [])
+        rows = base[(preset, overrides, device, setting)] + multi.get(key, [])
         out[name] = sorted(({**p, "sweep": name, "run_id": short} for p in rows), key=lambda p: int(p["devices"]))
     return out
 
@@ -159,6 +175,48 @@ def study_sweep(name: str, points: list[dict], machine: pm.Machine) -> dict[str,
                         for h in holdout]}
 
 
+def _point_label(p: dict) -> str:
+    """A point as the report names it: "2 EP=1 batch 16"."""
+    return " ".join(x for x in (str(int(p["devices"])), _rule(p) if int(p["devices"]) > 1 else "",
+                                str(p.get("setting") or "")) if x)
+
+
+def study_design(name: str, points: list[dict], machine: pm.Machine) -> dict[str, Any]:
+    """A family measured with a held-out design (every point has a ``role``, stages/scaling.py):
+    calibrate ``machine`` once on every point not held out, across the family's sweeps, and
+    predict every point with that fit; the held-out points' errors are the test."""
+    swept = [p for rows in sweeps(points).values() for p in rows]  # the one-device bases repeat: once each
+    unique = _unique(swept)
+    train = [p for p in unique if p.get("role") != "held-out"]
+    test = [p for p in unique if p.get("role") == "held-out"]
+    if not test:
+        raise ConfigError(f"{name}: a held-out design without held-out points")
+    fitted = pm.calibrate(train, machine)
+    counts = sorted({int(p["devices"]) for p in unique})
+    fit_devices = " ".join(str(n) for n in sorted({int(p["devices"]) for p in train}))
+    fit_points = ", ".join(_point_label(p) for p in train)
+    holdout = [{**h, "sweep": p["sweep"], "run_id": p["run_id"], "fit_devices": fit_devices, "fit_points": fit_points}
+               for h, p in zip(pm.error_rows(test, fitted, fitted_on=len(train)), test)]
+    measured = [{**{k: p[k] for k in POINT_FIELDS if k in p}, "run_id": p["run_id"], "sweep": p["sweep"],
+                 "role": p.get("role") or "fitted", "source": p.get("source", "")} for p in swept]
+    predicted = [{**row, "sweep": p["sweep"]} for row, p in zip(pm.predict_points(swept, fitted), swept)]
+    return {"name": name, "machine": machine.name, "device_counts": counts, "fitted_on": len(train),
+            "design": "role", "fit_points": fit_points, "knobs": pm.knob_values(fitted, machine),
+            "measured": measured, "predicted": predicted, "holdout": holdout}
+
+
+def _unique(points: list[dict]) -> list[dict]:
+    """Each measured point once (a one-device base sits in every sweep of its setting)."""
+    seen, out = set(), []
+    for p in points:
+        key = (int(p["devices"]), int(p.get("ep", 1)), p.get("setting"), p.get("global_batch"), p.get("micro_batch"),
+               p.get("source"), p["step_s"])
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
 def run_study(store: Optional[Path], measured: Sequence[Path], out_json: Optional[Path] = None,
               write_store: bool = True) -> dict[str, Any]:
     """The whole study (module doc); returns what it writes."""
@@ -166,13 +224,22 @@ def run_study(store: Optional[Path], measured: Sequence[Path], out_json: Optiona
     for path in measured:
         points += file_points(path)
     result: dict[str, Any] = {"sweeps": [], "skipped": {}, **{t: [] for t in TABLES}}
-    for name, sweep_points in sweeps(points).items():
+    families = defaultdict(list)
+    for p in points:
+        families[_family(p)].append(p)
+    work = []  # (name, points, study function)
+    for (preset, _, device), family in families.items():
+        if any(p.get("role") for p in family):
+            work.append((f"{preset} {device}", family, study_design))
+        else:
+            work += [(name, rows, study_sweep) for name, rows in sweeps(family).items()]
+    for name, sweep_points, study in sorted(work, key=lambda w: w[0]):
         machine = _machine_for(sweep_points)
         if machine is None:
             result["skipped"][name] = (f"no machine file for device {sweep_points[0].get('device')!r} "
                                        f"(known: {', '.join(MACHINE_OF_DEVICE)})")
             continue
-        one = study_sweep(name, sweep_points, pm.load_machine(machine))
+        one = study(name, sweep_points, pm.load_machine(machine))
         for table in TABLES:
             result[table] += one.pop(table)
         result["sweeps"].append(one)

@@ -5,37 +5,63 @@ import pytest
 
 from optimus_core.config import ConfigError
 from optimus_core.store import open_store
-from stages.scaling import ScalingConfig, ScalingOutputs, add_efficiency, run_scaling
+from stages.scaling import (PointLayout, ScalingConfig, ScalingOutputs, add_efficiency, best_point,
+                            parse_setting, run_scaling)
 
 TINY = {"model.n_layers": 1, "data.seq_len": 16}
+PHASES = ("compute_s", "a2a_s", "grad_sync_s", "optimizer_s", "idle_s")
 
 
-def test_sweep_on_one_and_two_cpu_ranks_writes_phases_to_the_store(tmp_path):
-    config = ScalingConfig(preset="mula-7b-a1b@laptop", devices=(2, 1), global_batch=4, steps=2, warmup=1,
-                           overrides=TINY, run_id="scaling-test")
+def test_held_out_design_measures_every_layout_interleaved_and_stores_roles(tmp_path):
+    config = ScalingConfig(preset="mula-7b-a1b@laptop", devices=(2, 1), ep=("all", 1), global_batch=4,
+                           holdout=((2, 0),), steps=1, warmup=1, rounds=2, overrides=TINY, run_id="scaling-test")
     result = run_scaling(config, ScalingOutputs(store=tmp_path / "store.zarr", jsonl=tmp_path / "points.jsonl"),
                          progress=False)
-    one, two = result.points
-    assert (one["devices"], one["ep"], one["optimizer"]) == (1, 1, "local")
-    assert (two["devices"], two["ep"], two["optimizer"]) == (2, 2, "ep_aware")
-    assert one["a2a_s"] == 0 and one["grad_sync_s"] == 0  # one rank: nothing to exchange
-    assert two["a2a_s"] > 0 and two["grad_sync_s"] > 0  # experts split over 2 ranks
-    for p in result.points:
-        phases = sum(p[k] for k in ("compute_s", "a2a_s", "grad_sync_s", "optimizer_s", "idle_s"))
-        assert phases == pytest.approx(p["step_s"], rel=0.25)  # medians of parts vs median of the whole
-        assert p["tokens_per_s"] == pytest.approx(4 * 16 / p["step_s"])
-        assert p["global_batch"] == 4 and p["seq_len"] == 16
-    assert one["efficiency"] == 1.0
-    assert two["efficiency"] == pytest.approx(one["step_s"] / (2 * two["step_s"]))
+    points = result.points
+    assert [(p["devices"], p["ep"], p["global_batch"], p["role"]) for p in points] == [
+        (1, 1, 4, "fitted"), (2, 2, 4, "fitted"), (2, 1, 4, "fitted"),
+        (1, 1, 2, "fitted"), (2, 2, 2, "held-out"), (2, 1, 2, "held-out")]  # a setting's base is fitted
+    assert [p["setting"] for p in points] == ["batch 4"] * 3 + ["batch 2"] * 3
+    one, ep2, ep1 = points[:3]
+    assert one["optimizer"] == "local" and one["a2a_s"] == 0 and one["grad_sync_s"] == 0  # nothing to exchange
+    assert ep2["a2a_s"] > 0 and ep2["grad_sync_s"] > 0  # experts split over 2 ranks
+    assert ep1["a2a_s"] == 0 and ep1["grad_sync_s"] > 0  # every rank holds every expert: no all-to-all
+    for p in points:
+        assert p["rounds"] == 2 and p["steps"] == 2  # two interleaved passes of one timed step each
+        assert p["step_s_spread"] >= 0  # the point is its fastest pass
+        assert isinstance(p["devices"], int) and isinstance(p["ep"], int)
+        assert sum(p[k] for k in PHASES) == pytest.approx(p["step_s"], rel=0.3)  # medians of parts vs of the whole
+        assert p["tokens_per_s"] == pytest.approx(p["global_batch"] * 16 / p["step_s"], rel=0.3)
+    # efficiency against the one-rank point of the same setting
+    for base, multi in ((one, (ep2, ep1)), (points[3], points[4:])):
+        assert base["efficiency"] == 1.0
+        for p in multi:
+            assert p["efficiency"] == pytest.approx(base["step_s"] / (2 * p["step_s"]))
 
     store = open_store(tmp_path / "store.zarr", mode="r")
     rows = store.metrics("scaling-test", "scaling")
-    assert list(rows["step"]) == [1, 2] and list(rows["ep"]) == [1, 2]
-    assert rows["step_s"].tolist() == pytest.approx([one["step_s"], two["step_s"]])
+    assert list(rows["step"]) == list(range(6)) and list(rows["ep"]) == [1, 2, 1, 1, 2, 1]
+    assert rows["step_s"].tolist() == pytest.approx([p["step_s"] for p in points])
     attrs = store.attrs("scaling-test")
     assert attrs["preset"] == "mula-7b-a1b@laptop" and attrs["optimizers"] == {"1": "local", "2": "ep_aware"}
+    assert attrs["roles"] == [p["role"] for p in points] and attrs["settings"] == [p["setting"] for p in points]
     lines = [json.loads(line) for line in (tmp_path / "points.jsonl").read_text().splitlines()]
-    assert [line["devices"] for line in lines] == [1, 2]
+    assert [(line["devices"], line["role"]) for line in lines] == [(p["devices"], p["role"]) for p in points]
+
+
+def test_a_point_is_its_fastest_pass_whole():
+    passes = [{"step_s": 2.0, "compute_s": 1.5, "steps": 1}, {"step_s": 1.0, "compute_s": 0.8, "steps": 1},
+              {"step_s": 1.5, "compute_s": 1.0, "steps": 1}]
+    assert best_point(passes) == {"step_s": 1.0, "compute_s": 0.8, "steps": 3, "rounds": 3, "step_s_spread": 1.0}
+
+
+def test_layouts_without_a_design_carry_no_role():
+    config = ScalingConfig(preset="mula-7b-a1b@laptop", devices=(1, 2, 4), ep=("all", 2))
+    assert config.layouts() == [PointLayout(1, 1, 0, 0), PointLayout(2, 2, 0, 0), PointLayout(4, 4, 0, 0),
+                                PointLayout(4, 2, 0, 0)]  # EP rules that coincide are measured once
+    assert parse_setting("8") == (8, 0) and parse_setting("16:2") == (16, 2)
+    with pytest.raises(ConfigError, match=r"scaling.holdout = 'x:2': must be GLOBAL_BATCH or GLOBAL_BATCH:MICRO_BATCH"):
+        parse_setting("x:2")
 
 
 def test_efficiency_is_against_the_smallest_device_count():
@@ -50,6 +76,11 @@ def test_efficiency_is_against_the_smallest_device_count():
     (dict(devices=(0,)), "need device counts >= 1"),
     (dict(ep="some"), "must be 'all' or an integer"),
     (dict(steps=0), "scaling.steps = 0"),
+    (dict(rounds=0), "scaling.rounds = 0"),
+    (dict(ep=("all", 0)), "scaling.ep = 0: must be 'all' or an integer"),
+    (dict(holdout=((8,),)), r"scaling.holdout: \(8,\): must be a \(global_batch, micro_batch\) pair"),
+    (dict(global_batch=8, holdout=((8, 0),)), r"scaling.holdout: \(8, 0\): is the main \(fitted\) setting"),
+    (dict(devices=(1, 2), holdout=((3, 0),)), "global_batch = 3 sequences: must split evenly over 2 ranks"),
 ])
 def test_bad_sweeps_fail_before_any_rank_starts(kwargs, match, tmp_path):
     with pytest.raises(ConfigError, match=match):

@@ -90,17 +90,39 @@ def test_drivers_of_perfect_scaling_and_of_a_fixed_cost():
         series([{"devices": 1}])  # a row without its preset is a caller's bug, not a silent drop
 
 
-def test_held_out_points_are_ringed_and_figures_build_without_saving():
+def test_held_out_points_are_open_with_their_error_and_figures_build_without_saving():
     from stages.scaling_figure import breakdown_figure, scaling_figure
 
     measured = [{**p, "role": "held-out" if p["devices"] == 4 else "fitted"} for p in MEASURED]
     fig = scaling_figure(measured, PREDICTED)
     (ax,) = fig.axes
-    rings = [line for line in ax.get_lines() if line.get_markerfacecolor() == "none"]
-    assert len(rings) == 2  # the 4-device point of each of the two measured sweeps
-    assert sorted(x for line in rings for x in line.get_xdata()) == [4, 4]
-    assert "held out: predicted, not fitted" in [t.get_text() for t in ax.get_legend().get_texts()]
+    opened = [line for line in ax.get_lines() if line.get_markerfacecolor() == "none"]
+    assert len(opened) == 2  # the 4-device point of each of the two measured sweeps
+    assert sorted(x for line in opened for x in line.get_xdata()) == [4, 4]
+    # the measured series draw filled markers only at their fitted points (1 and 2 devices)
+    series_lines = [line for line in ax.get_lines() if line.get_label().startswith("measured:")]
+    assert len(series_lines) == 2 and all(line.get_markevery() == [0, 1] for line in series_lines)
+    assert "held out (open): predicted, not fitted" in [t.get_text() for t in fig.legends[0].get_texts()]
     assert not [line for line in scaling_figure(MEASURED, PREDICTED).axes[0].get_lines()
                 if line.get_markerfacecolor() == "none"]
+    # the model's error on a held-out point is written beside it (rows of one sweep share a run_id)
+    tagged = [{**p, "run_id": "EP=n batch 8"} for p in measured if p["optimizer"] in ("ep_aware", "local")]
+    model = [{**_point(n, t), "machine": "cpu", "run_id": "EP=n batch 8"} for n, t in ((1, 0.95), (2, 0.62), (4, 0.45))]
+    (ax,) = scaling_figure(tagged, model).axes
+    assert [t.get_text() for t in ax.texts] == [f"{0.45 / 0.4 - 1:+.0%}"]
     # one panel per (preset, hardware): the laptop CPU sweep (measured + model) and the Aurora sweep
     assert len([a for a in breakdown_figure(MEASURED, PREDICTED).axes if a.get_visible()]) == 2
+
+
+def test_report_names_a_held_out_design_and_the_overlap_the_model_assumes():
+    design = [{**HOLDOUT[0], "devices": 2, "ep": e, "setting": s, "sweep": f"cpu EP={r} {s}", "fit_devices": "1 2",
+               "fit_points": "1 batch 16, 2 EP=1 batch 16, 2 EP=n batch 16", "rel_error": err}
+              for e, r, s, err in ((1, "1", "batch 8", 0.05), (2, "n", "batch 8", -0.1))]
+    text = scaling_report_markdown([], [], design)
+    assert ("*mula-7b-a1b@laptop on cpu*, a held-out design chosen before measuring: the model was calibrated on "
+            "1 batch 16, 2 EP=1 batch 16, 2 EP=n batch 16 and predicted 2 EP=1 batch 8, 2 EP=n batch 8") in text
+    assert "max 10%, mean 7.5% over 2 points, within the 15% target" in text
+    chunked = [{**r, "overlap": "chunks"} for r in PREDICTED[:6]]
+    text = scaling_report_markdown([], chunked, [])
+    assert "overlaps what our training step overlaps (parallel.overlap_grad_sync)" in text
+    assert "no overlap of communication with compute" not in text

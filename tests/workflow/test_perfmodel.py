@@ -1,6 +1,7 @@
 """The performance model: hand-computed cases, calibration that recovers known knobs, clear
 errors for bad machine files, and sanity of the paper-scale sweep and node-hour estimates."""
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -115,7 +116,7 @@ def test_overlap_what_if_hides_grad_sync_behind_one_micro_batch():
     hidden = pm.predict(MOE, pm.Layout(**kw, overlap="grad_sync"), m)
     assert hidden.grad_sync_s == pytest.approx(max(0.0, plain.grad_sync_s - plain.compute_s / 2))
     assert hidden.step_s < plain.step_s and hidden.compute_s == plain.compute_s
-    with pytest.raises(ConfigError, match=r"layout.overlap = 'a2a': must be 'none' or 'grad_sync'"):
+    with pytest.raises(ConfigError, match=r"layout.overlap = 'a2a': must be one of 'none', 'chunks', 'grad_sync'"):
         pm.Layout(devices=2, global_batch=2, overlap="a2a")
     rows = pm.paper_sweep(pm.load_machine("aurora"), overlap="grad_sync")
     assert {r["scenario"] for r in rows} == {"overlap grad_sync"}
@@ -148,12 +149,15 @@ def _synthetic_points(truth: pm.Machine, noise: float, seed: int = 0) -> list[di
 def test_calibration_recovers_known_knobs_from_noisy_synthetic_points():
     base = pm.load_machine("cpu")
     knobs = {"compute_efficiency": 0.05, "microbatch_overhead": 0.03, "a2a_bandwidth": 0.5,
-             "sync_bandwidth": 2.0, "step_overhead": 0.01}
+             "sync_bandwidth": 2.0, "step_overhead": 0.01, "dispatch_passes": 40.0, "rank_skew": 0.1}
     truth = pm._apply(base, knobs)
     points = _synthetic_points(truth, noise=0.02)
     fitted = pm.knob_values(pm.calibrate(points, base), base)
+    # The all-to-all's bandwidth trades against the shared latency knob under noise, and the
+    # dispatch passes are a few percent of compute: looser, or (dispatch) only in the held-out check.
     for name, value in knobs.items():
-        assert fitted[name] == pytest.approx(value, rel=0.1), name
+        if name != "dispatch_passes":
+            assert fitted[name] == pytest.approx(value, rel=0.35 if name == "a2a_bandwidth" else 0.1), name
     # Held out: the 4-rank points from a fit on 1 and 2 ranks, within the noise.
     rows = pm.holdout_error(points, base)
     assert {r["devices"] for r in rows} == {4} and len(rows) == 4
@@ -229,7 +233,8 @@ def test_node_hours_from_the_model_and_the_site_fallback(monkeypatch, tmp_path):
     run = get("scaling-mula-220b-a10b-768").paper
     est = pm.estimate_node_hours(run, aurora)
     step = pm.predict(presets.get("mula-220b-a10b").model,
-                      pm.Layout(devices=768, ep=32, global_batch=12288, micro_batch=1, seq_len=4096), aurora)
+                      pm.Layout(devices=768, ep=32, global_batch=12288, micro_batch=1, seq_len=4096,
+                                overlap="chunks"), aurora)  # what the run's config does (overlap_grad_sync)
     assert est["step_s"] == pytest.approx(step.step_s) and est["nodes"] == 64
     assert est["node_hours"] == pytest.approx(run.steps * step.step_s / 3600 * 64)
     site = sites.load_site("aurora", account="A", machine="aurora")
@@ -255,3 +260,77 @@ def test_node_hours_from_the_model_and_the_site_fallback(monkeypatch, tmp_path):
     assert plain.est_source == "throughput"
     with pytest.raises(ConfigError, match=r"machine = 'auroraa': unknown"):
         plan(run, sites.load_site("aurora", account="A", machine="auroraa"))
+
+
+def test_all_to_all_sends_a_token_once_per_rank_with_its_metadata():
+    # 8 experts, top 2, ep 2: a token skips a rank only if both its experts are on the other one
+    assert pm.ranks_visited(MOE, 2) == pytest.approx(2 * (1 - math.comb(4, 2) / math.comb(8, 2)))
+    assert pm.ranks_visited(MOE, 1) == 1.0 and pm.ranks_visited(MOE, 8) == pytest.approx(8 * (1 - 21 / 28))
+    m = _machine()
+    L = pm.Layout(devices=2, ep=2, global_batch=4, micro_batch=1, seq_len=32, dtype="float32")
+    rows = 32 * pm.ranks_visited(MOE, 2)  # one sequence per micro-batch
+    world = np.arange(2)[None, :]
+    # per layer and micro-batch: x, metadata (2 top_k float32) and partials, forward and backward, and the counts
+    per_layer = 2 * (2 * pm._collective_s("all_to_all", rows * 64 * 4, world, m)
+                     + pm._collective_s("all_to_all", rows * 2 * 2 * 4, world, m)) \
+        + pm._collective_s("all_to_all", 2 * 2 * 8, world, m)
+    assert pm.predict(MOE, L, m).a2a_s == pytest.approx(per_layer * 2 * 2)  # 2 layers, 2 micro-batches
+
+
+def test_chunked_overlap_hides_only_what_the_last_backward_covers():
+    m = _machine()
+    kw = dict(devices=4, ep=1, global_batch=8, micro_batch=2, seq_len=32, dtype="float32")
+    plain = pm.predict(MOE, pm.Layout(**kw), m)
+    # chunks larger than every bucket: one chunk per bucket, reduced after the backward, onto its
+    # owners (n/(n-1) of a reduce-scatter's bytes): slower than no overlap at all
+    whole = pm.predict(MOE, pm.Layout(**kw, overlap="chunks"), m)
+    assert whole.grad_sync_s > plain.grad_sync_s and whole.compute_s == plain.compute_s
+    # tiny chunks: the reduction hides under the last backward (2/3 of one micro-batch's compute)
+    tiny = pm.predict(MOE, pm.Layout(**kw, overlap="chunks", chunk_mb=1e-9), m)
+    backward_s = 2 / 3 * plain.compute_s / pm.Layout(**kw).micro_batches
+    unhidden = pm.predict(MOE, pm.Layout(**kw, overlap="chunks", chunk_mb=1e-9),
+                          replace(m, matmul_flops={"float32": 1e20}))
+    world = np.arange(4)[None, :]
+    n_expert = pm._expert_params(MOE)
+    reduce_s = sum(pm._collective_s("reduce_scatter", n * 4 * 4 / 3, world, m) for n in (MOE.num_params() - n_expert,
+                                                                                      n_expert))
+    assert whole.grad_sync_s - tiny.grad_sync_s == pytest.approx(min(reduce_s, backward_s))
+    assert unhidden.grad_sync_s == pytest.approx(whole.grad_sync_s, rel=1e-3)  # no compute: nothing to hide behind
+    with pytest.raises(ConfigError, match=r"layout.chunk_mb = 0: must be > 0"):
+        pm.Layout(devices=2, global_batch=2, chunk_mb=0)
+    point = {"preset": "mula-7b-a1b@laptop", "devices": 2, "global_batch": 2, "seq_len": 16,
+             "overlap_grad_sync": 1, "grad_sync_chunk_mb": 64.0}
+    assert (pm.point_layout(point).overlap, pm.point_layout(point).chunk_mb) == ("chunks", 64.0)
+    assert pm.point_layout({**point, "overlap_grad_sync": 0}).overlap == "none"
+
+
+def test_rank_skew_waits_in_the_first_collective_after_compute():
+    m = _machine()
+    skewed = replace(m, rank_skew=0.2)
+    for ep, phase in ((2, "a2a_s"), (1, "grad_sync_s")):
+        L = pm.Layout(devices=2, ep=ep, global_batch=4, seq_len=32, dtype="float32")
+        a, b = pm.predict(MOE, L, m), pm.predict(MOE, L, skewed)
+        assert getattr(b, phase) - getattr(a, phase) == pytest.approx(0.2 * a.compute_s)
+        assert b.step_s - a.step_s == pytest.approx(0.2 * a.compute_s)
+    one = pm.Layout(devices=1, global_batch=4, seq_len=32, optimizer="local", dtype="float32")
+    assert pm.predict(MOE, one, skewed) == pm.predict(MOE, one, m)  # one rank waits for no one
+
+
+def test_time_shared_cores_stretch_host_time_too():
+    m = replace(_machine(compute_slots_per_node=1), microbatch_overhead=0.01)
+    L = pm.Layout(devices=2, global_batch=4, micro_batch=1, seq_len=32, dtype="float32")
+    alone = pm.predict(DENSE, L, replace(m, compute_slots_per_node=2))
+    assert pm.predict(DENSE, L, m).compute_s == pytest.approx(2 * alone.compute_s)
+
+
+def test_role_scheme_fits_on_the_fitted_points_only():
+    base = pm.load_machine("cpu")
+    truth = pm._apply(base, {"compute_efficiency": 0.05, "latency": 10.0})
+    points = [{**p, "role": "held-out" if p["micro_batch"] == 1 and p["devices"] > 1 else "fitted"}
+              for p in _synthetic_points(truth, noise=0.0)]
+    rows = pm.holdout_error(points, base, scheme="role")
+    assert [(r["devices"], r["ep"], r["micro_batch"]) for r in rows] == [(2, 1, 1), (2, 2, 1), (4, 1, 1), (4, 4, 1)]
+    assert all(abs(r["rel_error"]) < 0.02 and r["fitted_on"] == 6 for r in rows)
+    assert rows[1]["measured_a2a_s"] == pytest.approx(rows[1]["predicted_a2a_s"], rel=0.05)
+    with pytest.raises(ConfigError, match=r"'role' needs points of role 'held-out'"):
+        pm.holdout_error([{**p, "role": "fitted"} for p in points], base, scheme="role")

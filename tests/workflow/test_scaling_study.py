@@ -111,3 +111,40 @@ def test_cli_prints_the_held_out_errors_and_refuses_a_missing_file(bench_file, t
     assert "paper sweep on aurora: efficiency at 12288 tiles" in text and out.is_file()
     assert main(["perfmodel", "--measured", str(tmp_path / "nope.jsonl")]) == 2
     assert "--measured" in capsys.readouterr().err
+
+
+def _cpu_design(truth: pm.Machine) -> list[dict]:
+    """A held-out design as `optimus scaling` records it: two settings x (1 rank, 2 ranks EP=2 / EP=1)."""
+    points = []
+    for gb, role in ((16, "fitted"), (8, "held-out")):
+        for n, ep in ((1, 1), (2, 2), (2, 1)):
+            p = {"preset": PRESET, "overrides": {}, "device": "cpu", "devices": n, "ep": ep,
+                 "optimizer": "ep_aware" if n > 1 else "local", "global_batch": gb, "micro_batch": gb // n,
+                 "seq_len": 128, "dtype": "float32", "experts_backend": "loop", "overlap_grad_sync": True,
+                 "grad_sync_chunk_mb": 128.0, "setting": f"batch {gb}", "role": role if n > 1 else "fitted"}
+            points.append({**p, **pm.predict_point(p, truth).as_dict()})
+    return points
+
+
+def test_a_held_out_design_is_fitted_on_its_fitted_points_and_tested_on_the_rest(tmp_path):
+    cpu = pm.load_machine("cpu")
+    truth = pm._apply(replace(cpu, rank_skew=0.1, dispatch_passes=20.0),
+                      {"compute_efficiency": 0.3, "latency": 20.0, "compute_slots": 1.7, "microbatch_overhead": 0.02})
+    write_points("scaling-laptop-cpu", _cpu_design(truth), ScalingOutputs(store=tmp_path / "store.zarr"),
+                 attrs={"preset": PRESET})
+    result = study.run_study(tmp_path / "store.zarr", [])
+    (sweep,) = result["sweeps"]
+    assert sweep["name"] == f"{PRESET} cpu" and sweep["design"] == "role" and sweep["fitted_on"] == 4
+    assert sweep["fit_points"] == "1 batch 16, 2 EP=1 batch 16, 2 EP=n batch 16, 1 batch 8"  # sweep order
+    holdout = result["holdout"]
+    assert [(h["run_id"], h["devices"], h["ep"]) for h in holdout] == [("EP=1 batch 8", 2, 1), ("EP=n batch 8", 2, 2)]
+    for h in holdout:  # points made by the model itself: the fit on the batch-16 layouts predicts batch 8
+        assert abs(h["rel_error"]) < 0.03 and h["fit_points"] == sweep["fit_points"] and h["fit_devices"] == "1 2"
+        assert h["predicted_a2a_s"] > 0 if h["ep"] == 2 else h["predicted_a2a_s"] == 0
+    roles = {(m["run_id"], m["devices"]): m["role"] for m in result["measured"]}
+    assert roles == {(f"EP={r} batch {gb}", n): "held-out" if gb == 8 and n == 2 else "fitted"
+                     for r in ("1", "n") for gb in (8, 16) for n in (1, 2)}  # each setting's base in both EP sweeps
+    model = {(r["run_id"], r["devices"]) for r in result["predicted"] if r.get("run_id")}
+    assert model == set(roles)
+    measured, predicted, stored = read_scaling(open_store(tmp_path / "store.zarr", mode="r"))
+    assert stored == result["holdout"] and {m["role"] for m in measured} == {"fitted", "held-out"}
