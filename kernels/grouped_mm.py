@@ -1,6 +1,6 @@
 """Grouped matrix multiply: the experts' GEMM of an MoE layer.
 
-    grouped_mm(x_MK, w_GKN, offsets_G, *, backend="triton") -> y_MN
+    grouped_mm(x_MK, w_GKN, offsets_G, *, backend="triton", keep_cast=False) -> y_MN
     grouped_mm_reference(x_MK, w_GKN, offsets_G) -> y_MN
     torch_grouped_mm_unsupported(x_MK, w_GKN) -> str | None
 
@@ -8,9 +8,11 @@ Shape suffixes: M rows (token-to-expert assignments, sorted by group), K in-feat
 N out-features, G groups (experts).
 
 - x_MK: (M, K), w_GKN: (G, K, N), both of one dtype: bfloat16, float16 or float32; or w in
-  float32 (master weights) with x in bfloat16 / float16: w is cast to x's dtype inside the op,
-  in the forward and again in the backward, so no half-precision copy of the weights is kept
-  alive between them (for 8 OLMoE layers, 6 GiB), and dw comes back in float32.
+  float32 (master weights) with x in bfloat16 / float16: w is cast to x's dtype inside the op
+  and dw comes back in float32, written so by the kernel (no cast pass over it). Then
+  ``keep_cast`` (triton backend) chooses memory or time: False casts again in the backward, so
+  no half-precision copy of the weights is kept alive between them (for 8 OLMoE layers, 6 GiB);
+  True keeps the forward's copy for the backward (one cast per step instead of two).
 - offsets_G: int32 (G,), cumulative group ends as torch._grouped_mm takes them: group g owns rows
   offsets[g-1] .. offsets[g] (group 0 starts at row 0), G >= 1. Groups may be empty; rows past
   offsets[-1] belong to no group: their outputs are zero and they get zero gradient.
@@ -108,8 +110,10 @@ def torch_grouped_mm_unsupported(x: Tensor, w: Tensor) -> str | None:
     return None
 
 
-def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, backend: str = "triton") -> Tensor:
-    """y[rows of g] = x[rows of g] @ w[g]; see the module docstring for shapes and backends."""
+def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, backend: str = "triton",
+               keep_cast: bool = False) -> Tensor:
+    """y[rows of g] = x[rows of g] @ w[g]; see the module docstring for shapes, backends and
+    ``keep_cast``."""
     _check_args(x, w, offsets)
     if backend == "loop":
         return grouped_mm_reference(x, w.to(x.dtype), offsets)
@@ -121,6 +125,8 @@ def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, backend: str = "triton"
         return _TorchGroupedMM.apply(x, w, offsets)
     if backend == "triton":
         check_launchable("grouped_mm", x, w, offsets)
+        if keep_cast and w.dtype != x.dtype:
+            return torch.ops.optimus.grouped_mm_keep_cast(x, w, offsets)[0]
         return torch.ops.optimus.grouped_mm(x, w, offsets)
     raise ValueError(f"grouped_mm: backend must be one of {BACKENDS}, got {backend!r}")
 
@@ -354,9 +360,11 @@ def _launch_grouped_mm_dx(dy: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     return _launch_grouped_mm(dy, w.to(dy.dtype).transpose(1, 2), offsets, dx=True)
 
 
-def _launch_grouped_mm_dw(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
+def _launch_grouped_mm_dw(x: Tensor, dy: Tensor, offsets: Tensor, float32_out: bool = False) -> Tensor:
+    """dw[g] = x[rows of g]^T @ dy[rows of g], accumulated in float32 and stored in x's dtype or,
+    with ``float32_out``, as float32 (the gradient of float32 master weights, no cast after)."""
     (M, K), N, G = x.shape, dy.shape[1], offsets.shape[0]
-    dw = x.new_empty(G, K, N)
+    dw = x.new_empty(G, K, N, dtype=torch.float32 if float32_out else x.dtype)
     if dw.numel() == 0:
         return dw
 
@@ -383,13 +391,13 @@ def _(x, w, offsets):
 
 
 @torch.library.custom_op("optimus::grouped_mm_dw", mutates_args=())
-def _grouped_mm_dw_op(x: Tensor, dy: Tensor, offsets: Tensor) -> Tensor:
-    return _launch_grouped_mm_dw(x, dy, offsets)
+def _grouped_mm_dw_op(x: Tensor, dy: Tensor, offsets: Tensor, float32_out: bool = False) -> Tensor:
+    return _launch_grouped_mm_dw(x, dy, offsets, float32_out)
 
 
 @_grouped_mm_dw_op.register_fake
-def _(x, dy, offsets):
-    return x.new_empty(offsets.shape[0], x.shape[1], dy.shape[1])
+def _(x, dy, offsets, float32_out=False):
+    return x.new_empty(offsets.shape[0], x.shape[1], dy.shape[1], dtype=torch.float32 if float32_out else x.dtype)
 
 
 @torch.library.custom_op("optimus::grouped_mm_dx", mutates_args=())
@@ -409,8 +417,36 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy):
     x, w, offsets = ctx.saved_tensors  # w as given: a float32 w is cast again inside the op
     dx = _grouped_mm_dx_op(dy, w, offsets) if ctx.needs_input_grad[0] else None
-    dw = _grouped_mm_dw_op(x, dy, offsets).to(w.dtype) if ctx.needs_input_grad[1] else None
+    dw = _grouped_mm_dw_op(x, dy, offsets, w.dtype != x.dtype) if ctx.needs_input_grad[1] else None
     return dx, dw, None
 
 
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# keep_cast: float32 w, half-precision x. The cast copy is a second output so that setup_context
+# can keep it for the backward (an op's internals are not visible to autograd).
+@torch.library.custom_op("optimus::grouped_mm_keep_cast", mutates_args=())
+def _grouped_mm_keep_cast_op(x: Tensor, w: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
+    w_lp = w.to(x.dtype)
+    return _launch_grouped_mm(x, w_lp, offsets), w_lp
+
+
+@_grouped_mm_keep_cast_op.register_fake
+def _(x, w, offsets):
+    return x.new_empty(x.shape[0], w.shape[2]), w.new_empty(w.shape, dtype=x.dtype)
+
+
+def _keep_cast_setup(ctx, inputs, output):
+    x, _, offsets = inputs
+    ctx.save_for_backward(x, output[1], offsets)
+
+
+def _keep_cast_backward(ctx, dy, _):
+    x, w_lp, offsets = ctx.saved_tensors
+    dx = _grouped_mm_dx_op(dy, w_lp, offsets) if ctx.needs_input_grad[0] else None
+    dw = _grouped_mm_dw_op(x, dy, offsets, True) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+_grouped_mm_keep_cast_op.register_autograd(_keep_cast_backward, setup_context=_keep_cast_setup)

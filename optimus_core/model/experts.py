@@ -52,13 +52,18 @@ class Experts(nn.Module):
         """x_MD expert-sorted rows, offsets_E int32 cumulative group ends (one per expert);
         rows past offsets_E[-1] (tokens dropped over capacity) come out zero."""
         w_up, w_down = self.w_up, self.w_down
+        keep_cast = False
         if torch.is_autocast_enabled(x_MD.device.type):  # the kernels compute in one dtype
             dtype = torch.get_autocast_dtype(x_MD.device.type)
             x_MD = x_MD.to(dtype)
-            if not self.recast_weights:  # cast once here; autograd keeps the copies for backward
+            if self.backend == "triton":
+                # The float32 weights go in as they are: the op casts them, and writes their
+                # gradient in float32 itself (no cast pass over it); it keeps its cast copy for
+                # the backward, or with recast_weights casts again there (6 GiB less for 8
+                # OLMoE layers, one more pass) (kernels/grouped_mm.py).
+                keep_cast = not self.recast_weights
+            elif not self.recast_weights:  # cast once here; autograd keeps the copies for backward
                 w_up, w_down = w_up.to(dtype), w_down.to(dtype)
-            # else the float32 weights go in as they are: cast inside the GEMM, forward and again
-            # in backward, so no half-precision copy stays alive between them (kernels/grouped_mm.py)
-        h_MF2 = kernels.grouped_mm(x_MD, w_up, offsets_E, backend=self.backend)
+        h_MF2 = kernels.grouped_mm(x_MD, w_up, offsets_E, backend=self.backend, keep_cast=keep_cast)
         h_MF = kernels.swiglu(h_MF2, backend=self.backend)
-        return kernels.grouped_mm(h_MF, w_down, offsets_E, backend=self.backend)
+        return kernels.grouped_mm(h_MF, w_down, offsets_E, backend=self.backend, keep_cast=keep_cast)

@@ -38,6 +38,8 @@ def test_opcheck(triton_device):
     for op, args in [
         (ops.grouped_mm, (grad(x_sorted), w_up, offsets)),
         (ops.grouped_mm_dw, (x_sorted, h, offsets)),
+        (ops.grouped_mm_dw, (x_sorted, h, offsets, True)),
+        (ops.grouped_mm_keep_cast, (grad(x_sorted.half()), w_up, offsets)),
         (ops.permute_rows, (x, sorted_idx, topk_idx.shape[1], len(sorted_idx))),
         (ops.permute_rows, (x, sorted_idx, topk_idx.shape[1], len(sorted_idx) - 3)),  # a prefix only
         (ops.unpermute, (grad(y), sorted_idx, weights)),

@@ -145,11 +145,14 @@ def test_bf16_on_gpu(case, backend, gpu_device, rel_err):
     assert not got[0][M - tail:].any() and not got[1][M - tail:].any()
 
 
-@pytest.mark.parametrize("backend", ["loop", pytest.param("triton", marks=pytest.mark.gpu),
-                                     pytest.param("torch", marks=pytest.mark.gpu)])
-def test_float32_master_weights_compute_like_their_half_copy(backend, request):
-    """w float32 with x bf16: the same y and dx as with w cast to bf16 first, and dw in float32
-    (the bf16 dw, widened). Loop runs on the CPU; the others where they can run (GPU)."""
+@pytest.mark.parametrize("backend, keep_cast", [
+    ("loop", False), pytest.param("triton", False, marks=pytest.mark.gpu),
+    pytest.param("triton", True, marks=pytest.mark.gpu), pytest.param("torch", False, marks=pytest.mark.gpu)])
+def test_float32_master_weights_compute_like_their_half_copy(backend, keep_cast, request, rel_err):
+    """w float32 with x bf16: the same y and dx as with w cast to bf16 first, and dw in float32:
+    loop and torch widen the bf16 dw; triton writes its float32 accumulator (no rounding to bf16
+    between), so its dw is the float32 sum of the same bf16 products. Loop runs on the CPU;
+    the others where they can run (GPU)."""
     device = "cpu" if backend == "loop" else request.getfixturevalue("gpu_device")
     x, w32, offsets, dy = make([5, 0, 9, 2], 3, 24, 16, device)
     x, dy = x.detach().bfloat16().requires_grad_(), dy.bfloat16()
@@ -158,9 +161,41 @@ def test_float32_master_weights_compute_like_their_half_copy(backend, request):
     w16 = w32.detach().bfloat16().requires_grad_()
     y16, dx16, dw16 = forward_backward(x, w16, offsets, dy, backend=backend)
     x2 = x.detach().requires_grad_()
-    y, dx, dw = forward_backward(x2, w32, offsets, dy, backend=backend)
+    y, dx, dw = forward_backward(x2, w32, offsets, dy, backend=backend, keep_cast=keep_cast)
     assert y.dtype == dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
-    assert torch.equal(y, y16) and torch.equal(dx, dx16) and torch.equal(dw, dw16.float())
+    assert torch.equal(y, y16) and torch.equal(dx, dx16)
+    if backend == "triton":
+        xf = x.detach().float().nan_to_num()  # rows past offsets[-1] (NaN) belong to no group
+        want = torch.zeros_like(dw)
+        rows, start = dy.float().nan_to_num(), 0
+        for g, end in enumerate(offsets.tolist()):
+            want[g] = xf[start:end].T @ rows[start:end]
+            start = end
+        assert rel_err(dw, want) < 1e-5 and rel_err(dw.bfloat16(), dw16) < 1e-2
+    else:
+        assert torch.equal(dw, dw16.float())
+
+
+@pytest.mark.parametrize("keep_cast", [False, True])
+def test_keep_cast_keeps_the_half_copy_or_not(keep_cast, triton_device):
+    """float32 w with float16 x (the interpreter runs float16): the same results either way; the
+    backward keeps the forward's half-precision copy of w only with keep_cast, else a float32
+    w (cast again in the backward); dw comes back float32."""
+    x, w, offsets, dy = make([4, 0, 7], 2, 16, 8, triton_device)
+    x, dy = x.detach().half().requires_grad_(), dy.half()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t,
+                                                  lambda t: t):
+        y = grouped_mm(x, w, offsets, keep_cast=keep_cast)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    weights_saved = [dtype for dtype, shape in saved if shape == tuple(w.shape)]
+    assert weights_saved == ([torch.float16] if keep_cast else [torch.float32])
+    ref = forward_backward(x.detach().float().requires_grad_(), w, offsets, dy.float(), backend="loop")
+    M = x.shape[0] - 2
+    for name, g, r in zip(("y", "dx", "dw"), (y, dx, dw), ref):
+        torch.testing.assert_close(g[:M].float() if name != "dw" else g, r[:M] if name != "dw" else r,
+                                   rtol=2e-2, atol=2e-2, msg=lambda m: f"{name}: {m}")
+    assert dw.dtype == torch.float32
 
 
 def test_mixed_dtypes_other_than_float32_master_weights_are_refused():
