@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Where a training step's GPU time goes, kernel by kernel (not a test).
+
+    python bench/profile_step.py [--variant 7b8l-triton+compile] [--steps 3]
+
+The same step as bench/train_step.py (its VARIANTS: model, experts backend, compile, overrides),
+warmed up, then ``--steps`` steps under torch.profiler. Device kernels are put in categories by
+name (expert GEMMs, dense GEMMs, attention, permute / SwiGLU, AdamW, norms, compiled fusions,
+copies and casts, ...) and reported as ms per step, with the 25 most expensive kernels. Output: a
+table, and one JSON line (categories + top kernels) in bench/results/profile-<device>.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import device_slug, write_jsonl  # noqa: E402
+from bench.train_step import VARIANTS  # noqa: E402
+
+CATEGORIES = [  # (category, regular expression on the kernel name), first match wins
+    ("expert GEMM (ours)", r"_grouped_mm|grouped_mm_tma|_gmm"),
+    ("expert GEMM (CUTLASS)", r"grouped|GroupedGemm|cutlass.*group"),
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("dense GEMM", r"gemm|nvjet|sm90_xmma|cutlass|cublas|matmul"),
+    ("permute / unpermute", r"permute|combine"),
+    ("SwiGLU", r"swiglu"),
+    ("AdamW", r"adamw|adam"),
+    ("norms", r"norm"),
+    ("compiled fusions", r"^triton_"),
+    ("copy / cast / fill", r"copy|cast|fill|elementwise|vectorized|unrolled"),
+    ("reduce / sort / index", r"reduce|sort|scan|index|scatter|gather|radix"),
+    ("collectives", r"nccl"),
+]
+
+
+def category(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return label
+    return "other"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--variant", default="7b8l-triton+compile", choices=list(VARIANTS))
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = p.parse_args(argv)
+
+    import torch
+
+    from optimus_core import presets
+    from optimus_core.train.measure import build_on_device
+    from optimus_core.train.optim import build_optimizer
+    from optimus_core.train.step import train_step
+
+    if not torch.cuda.is_available():
+        sys.exit("bench/profile_step.py profiles a GPU step and found no CUDA device")
+    device = torch.device("cuda")
+    model_spec, backend, compiled, extra = VARIANTS[args.variant]
+    overrides = {**model_spec["overrides"], "data.seq_len": args.seq, "train.global_batch": args.batch,
+                 "train.micro_batch": args.batch, "train.dtype": "bfloat16", "train.compile": compiled,
+                 "train.device": "cuda", **extra}
+    if backend:
+        overrides["model.moe.experts_backend"] = backend
+    cfg = presets.get(model_spec["preset"]).run_config(**overrides)
+    model = build_on_device(cfg, device)
+    optimizer = build_optimizer(model, cfg.optim)
+    batch_BS1 = torch.randint(0, cfg.model.vocab_size, (args.batch, args.seq + 1), device=device)
+
+    def step():
+        stats = train_step(model, optimizer, batch_BS1, micro_batch=args.batch, grad_clip=cfg.optim.grad_clip,
+                           lr=cfg.optim.lr, dtype="bfloat16", fused_lm_loss=cfg.train.fused_lm_loss)
+        float(stats.grad_norm)
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            ms = event.time_range.elapsed_us() / 1e3 / args.steps  # per step
+            kernels[event.name] = kernels.get(event.name, 0.0) + ms
+    by_category: dict[str, float] = {}
+    for name, ms in kernels.items():
+        by_category[category(name)] = by_category.get(category(name), 0.0) + ms
+    total = sum(kernels.values())
+    print(f"{args.variant}: {total:.1f} ms of kernels per step")
+    for label, ms in sorted(by_category.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:>24} {ms:8.2f} ms  {ms / total:6.1%}")
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
+    for name, ms in top:
+        print(f"  {ms:8.2f} ms  {category(name):>24}  {name[:110]}")
+    record = {"bench": "profile_step", "variant": args.variant, "device": device_slug(device),
+              "kernel_ms_per_step": total, "categories_ms": by_category,
+              "top_kernels_ms": [{"name": n[:300], "ms": ms, "category": category(n)} for n, ms in top]}
+    path = Path(args.out) / f"profile-{device_slug(device)}.jsonl"
+    write_jsonl(path, [record])
+    print(f"wrote {path}")
+    print(json.dumps({k: v for k, v in record.items() if k != "top_kernels_ms"})[:2000])
+
+
+if __name__ == "__main__":
+    main()
