@@ -30,6 +30,12 @@ Why these shapes
 - Laptop proxies (``<name>@laptop``) keep the family: same expert count and top-k, same ratios
   of expert hidden to width, tiny widths (128) and depth (4), a 4096-token BPE vocabulary
   trained on the embedded corpus, and a recipe scaled to a few hundred CPU steps.
+  The scale-up proxies (LAPTOP_SCALEUP) keep the paper's ordering, 20B < 100B < 220B in total
+  and in active parameters, and the paper's growth axes within a CPU budget (all three train in
+  `make reproduce`): mula-20b-a2b@laptop is deeper than the 7B-A1B proxy (5 layers, as 24 > 16);
+  mula-100b-a7b@laptop is wider (160, as 4096 > 2048); mula-220b-a10b@laptop keeps that width
+  and is deeper (8, as 60 > 32) with its 256 narrower experts: 17.2M / 2.44M, 26.5M / 3.46M
+  and 46.7M / 3.85M parameters (total / active).
 """
 from __future__ import annotations
 
@@ -41,6 +47,12 @@ from .config import (ConfigError, DataConfig, ModelConfig, MoEConfig, OptimConfi
 
 OLMOE_VOCAB = 50280  # gpt-neox-olmo-dolma-v1_5; padded to 50304 in the embedding
 LAPTOP_VOCAB = 4096  # the byte-level BPE `optimus tokenize` trains on the embedded corpus
+# The scale-up proxies' width, depth and heads (head dim 32, as every laptop proxy): module doc.
+LAPTOP_SCALEUP = {
+    "mula-20b-a2b": dict(d_model=128, n_layers=5, n_heads=4),
+    "mula-100b-a7b": dict(d_model=160, n_layers=5, n_heads=5),
+    "mula-220b-a10b": dict(d_model=160, n_layers=8, n_heads=5),
+}
 
 
 @dataclass(frozen=True)
@@ -102,9 +114,10 @@ def _build() -> dict[str, Preset]:
     out = {p.name: p for p in paper}
     for p in paper:
         tiny = ModelConfig(vocab_size=LAPTOP_VOCAB, d_model=128, n_layers=4, n_heads=4, d_ff=512, max_seq_len=512)
+        tiny = tiny.replace(**LAPTOP_SCALEUP.get(p.name, {}))
         if p.model.moe is not None:
             ratio = p.model.moe.d_expert / p.model.d_model  # keep expert hidden / width
-            tiny = tiny.replace(moe=p.model.moe.replace(d_expert=max(16, int(128 * ratio))))
+            tiny = tiny.replace(moe=p.model.moe.replace(d_expert=max(16, int(tiny.d_model * ratio))))
         lp = _laptop(p, tiny)
         out[lp.name] = lp
     return out

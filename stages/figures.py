@@ -14,8 +14,8 @@ so the workflow builds one figure after those stages only (workflow/rules/report
 Runs are ``config.runs`` or else every completed training run (one with a ``train`` table), in
 creation order; a run keeps its colour across figures. The strong-scaling figures are drawn
 from the scaling study's runs instead (stages/scaling_figure.read_scaling: run ``perfmodel``, or
-the `optimus scaling` runs). PNGs are drawn with the Agg canvas (no pyplot, no global backend) and
-written atomically.
+the `optimus scaling` runs); ``scaleup.png`` draws the MoE runs among them (stages/scaleup.py).
+PNGs are drawn with the Agg canvas (no pyplot, no global backend) and written atomically.
 """
 from __future__ import annotations
 
@@ -32,18 +32,22 @@ from matplotlib.ticker import MaxNLocator
 from optimus_core.config import _Validated
 from optimus_core.atomic import atomic_open
 from optimus_core.store import ResultsStore, StoreKeyError, open_store
+from stages.scaleup import scaleup_figure, scaleup_runs
 from stages.scaling_figure import breakdown_figure, read_scaling, scaling_figure
 
 # File name -> caption; the report embeds them in this order.
 FIGURES = {
     "loss.png": "Training loss (thin: per step, thick: EMA) and held-out loss (markers) vs tokens",
+    "scaleup.png": "Scale-up: training loss (thin: per step, thick: EMA) and held-out loss during training vs "
+                   "tokens (log scale) of the MoE models, smallest first (Mula-7B-A1B, the reference, and the scale-up "
+                   "models Mula-20B-A2B, -100B-A7B, -220B-A10B), labelled with total / active parameters",
     "heldout.png": "Held-out loss per corpus source during training (stars: the evaluate stage, per checkpoint)",
     "throughput.png": "Training throughput (tokens/s) per step",
     "expert_load.png": "Fraction of tokens routed to each expert at the last logged step, and load imbalance",
     "eval_table.png": "Final evaluation per run: held-out loss per source (nats) and downstream accuracy +- stderr",
-    "scaling.png": "Strong-scaling efficiency vs devices: measured sweeps (markers; ringed: held out from the "
-                   "model's calibration), the calibrated performance model (lines), the paper's Mula-220B-A10B "
-                   "sweep predicted on Aurora, and the paper's ~90% at 12288 tiles (star)",
+    "scaling.png": "Strong-scaling efficiency vs devices: measured sweeps (markers; open: held out from the "
+                   "model's calibration, with the model's error), the calibrated performance model (lines), the "
+                   "paper's Mula-220B-A10B sweep predicted on Aurora, and the paper's ~90% at 12288 tiles (star)",
     "scaling_breakdown.png": "Where a step's time goes per device count: measured (M) and modelled (P, hatched) "
                              "compute, expert all-to-all, gradient sync, optimizer and idle",
     "ablation.png": "The paper's ablation, measured on GPUs (bench/distributed.py): training tokens/s with our "
@@ -61,9 +65,11 @@ ABLATION_VARIANTS = (  # label, experts backend, optimizer: bench/distributed.py
 # What each figure reads from the store, so that a workflow can build one figure after only the
 # stages it needs: "training" (the training runs' train / eval tables), "evaluation" (the evaluate
 # stage's heldout / downstream tables), "scaling" (the scaling study: perfmodel, `optimus scaling`),
-# "bench" (the GPU benchmark results ingested into the store).
+# "bench" (the GPU benchmark results ingested into the store), "scaleup" (the training runs of the
+# MoE models only: the scale-up runs and their reference, stages/scaleup.py).
 FIGURE_READS = {
     "loss.png": ("training",),
+    "scaleup.png": ("scaleup",),
     "heldout.png": ("training", "evaluation"),
     "throughput.png": ("training",),
     "expert_load.png": ("training",),
@@ -113,7 +119,7 @@ def run_figures(config: FiguresConfig, inputs: FiguresInputs, outputs: FiguresOu
     data = _Data(open_store(inputs.store, mode="r"), config)
     outputs.out_dir.mkdir(parents=True, exist_ok=True)
     draw: dict[str, Callable[[_Data], Union[Figure, str]]] = {
-        "loss.png": _loss, "heldout.png": _heldout,
+        "loss.png": _loss, "scaleup.png": _scaleup, "heldout.png": _heldout,
         "throughput.png": _throughput, "expert_load.png": _expert_load, "eval_table.png": _eval_table,
         "scaling.png": _scaling, "scaling_breakdown.png": _scaling_breakdown, "ablation.png": _ablation,
     }
@@ -199,6 +205,11 @@ def _loss(data: _Data) -> Union[Figure, str]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     return fig
+
+
+def _scaleup(data: _Data) -> Union[Figure, str]:
+    runs = scaleup_runs(data.store, data.runs)
+    return scaleup_figure(data.store, runs, data.colour, data.config.smoothing)
 
 
 def _heldout(data: _Data) -> Union[Figure, str]:

@@ -7,8 +7,9 @@
                ReportOutputs(report=Path("results/report.md")))
 
 The report holds a summary table of the runs, an evaluation table (every run's final held-out
-loss per source and downstream accuracy, followed by ``eval_table.png``), the strong-scaling
-section (stages/scaling_figure.scaling_report_markdown on the scaling study read from the store,
+loss per source and downstream accuracy, followed by ``eval_table.png``), the scale-up section
+(the MoE runs, smallest first, as ``scaleup.png`` draws them: parameters, tokens seen, final
+held-out loss, wall time; stages/scaleup.py), the strong-scaling section (stages/scaling_figure.scaling_report_markdown on the scaling study read from the store,
 followed by ``scaling.png`` and ``scaling_breakdown.png``), the other figures (relative links),
 and per training run its
 held-out losses (first and last evaluation during training, and the final ``heldout`` table
@@ -33,9 +34,11 @@ from optimus_core.config import _Validated
 from optimus_core.atomic import atomic_open
 from optimus_core.store import ResultsStore, StoreKeyError, open_store
 from stages.figures import DASH, FIGURES, SCALING_FIGURES, evaluation_table, select_runs
+from stages.scaleup import format_count, scaleup_runs
 from stages.scaling_figure import read_scaling, scaling_report_markdown
 
 EVAL_TABLE = "eval_table.png"  # embedded under the evaluation table, not among the other figures
+SCALEUP = "scaleup.png"  # embedded under the scale-up table
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ def run_report(config: ReportConfig, inputs: ReportInputs, outputs: ReportOutput
                   f"Final train loss: mean of the last {config.final_loss_rows} logged steps. "
                   f"Steps: the last logged step.", ""]
         lines += _evaluation(store, run_ids, inputs.figures_dir, outputs.report.parent)
+        lines += _scaleup(store, run_ids, attrs, inputs.figures_dir, outputs.report.parent)
     lines += _scaling(store, inputs.figures_dir, outputs.report.parent)
     lines += _figures(inputs.figures_dir, outputs.report.parent)
     for run_id in run_ids:
@@ -129,6 +133,27 @@ def _evaluation(store: ResultsStore, run_ids: list[str], figures_dir: Path, repo
             "`downstream` row of each run (`optimus evaluate`).", "", *_figure(figures_dir, report_dir, EVAL_TABLE)]
 
 
+def _scaleup(store: ResultsStore, run_ids: list[str], attrs: dict, figures_dir: Path, report_dir: Path) -> list[str]:
+    """The MoE runs smallest first (the runs of scaleup.png): size, tokens seen, final held-out
+    loss of the evaluate stage and the last one during training, wall time; then the figure."""
+    runs = scaleup_runs(store, run_ids)
+    if not runs:
+        return []
+    rows = [["run", "preset", "params", "active params", "tokens", "held-out loss (evaluate)",
+             "held-out loss (training)", "wall time"]]
+    for run_id in runs:
+        a, train = attrs[run_id], _table(store, run_id, "train")
+        rows.append([f"`{run_id}`", a.get("preset") or DASH, _count(a.get("n_params")),
+                     _count(a.get("n_active_params")), _int(_last(train, "tokens")),
+                     _num(_last(_table(store, run_id, "heldout"), "loss"), ".4f"),
+                     _num(_last(_table(store, run_id, "eval"), "loss"), ".4f"), _duration(a.get("wall_time_s"))])
+    return ["## Scale-up", "", *_markdown_table(rows, align="llrrrrrr"), "",
+            "The MoE models by size: the paper's scale-up runs (Mula-20B-A2B, -100B-A7B, -220B-A10B) beside "
+            "Mula-7B-A1B. Tokens: the last logged training step's. Held-out loss (nats, every source together): "
+            "the last `heldout` row of `optimus evaluate`, and the last evaluation during training. "
+            "Wall time: the training run's.", "", *_figure(figures_dir, report_dir, SCALEUP)]
+
+
 def _scaling(store: ResultsStore, figures_dir: Path, report_dir: Path) -> list[str]:
     """The strong-scaling section: the model at 12288 tiles beside the paper, held-out errors, the
     measured sweeps (scaling_report_markdown), then its two figures."""
@@ -141,7 +166,7 @@ def _scaling(store: ResultsStore, figures_dir: Path, report_dir: Path) -> list[s
 def _figures(figures_dir: Path, report_dir: Path) -> list[str]:
     lines = ["## Figures", ""]
     for name in FIGURES:
-        if name != EVAL_TABLE and name not in SCALING_FIGURES:
+        if name not in (EVAL_TABLE, SCALEUP) and name not in SCALING_FIGURES:
             lines += _figure(figures_dir, report_dir, name)
     return lines
 
@@ -226,12 +251,7 @@ def _int(x: Any) -> str:
 
 def _count(x: Any) -> str:
     """Parameter counts as 6.92B / 1.30M / 12.3K."""
-    if _missing(x):
-        return DASH
-    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if abs(x) >= scale:
-            return f"{x / scale:.3g}{unit}"
-    return str(int(x))
+    return DASH if _missing(x) else format_count(x)
 
 
 def _duration(seconds: Any) -> str:

@@ -5,12 +5,14 @@ the Parsl launcher (workflow/launch.py, workflow/plan.py) all read this module; 
 says how long a run is, on how many tiles, or with which layout (house rule 2). Model shapes are
 not here: they live in optimus_core/presets.py.
 
-    >>> from workflow.experiments import get, pretraining, dag
+    >>> from workflow.experiments import get, pretraining, dag, scaleup
     >>> exp = get("pretrain-mula-7b-a1b")
     >>> exp.paper.steps, exp.paper.batch, exp.laptop.steps
     (317892, 3072, 240)
     >>> len(dag("laptop")), len(dag("paper"))
-    (2, 15)
+    (5, 15)
+    >>> [e.name for e in scaleup()]
+    ['pretrain-mula-20b-a2b', 'pretrain-mula-100b-a7b', 'pretrain-mula-220b-a10b']
 
 The runs
 - pretraining (kind ``pretrain``): mula-1b and mula-7b-a1b to 4T tokens on 3072 tiles; the
@@ -46,9 +48,16 @@ Strong scaling keeps one global batch of 12288 sequences (50M tokens: one sequen
 
 Laptop proxies: the tiny presets (``<name>@laptop``), one CPU process (multi-process training
 is not wired in yet). The laptop DAG (``dag("laptop")``, what `make reproduce` trains) holds
-only the two 240-step pretraining runs: each takes 2-4 min on one core, and `make reproduce`
-must fit 15 min on 2 cores, so the scale-up, scaling and ablation proxies are registered (and
-runnable one by one with ``optimus pretrain --experiment NAME``) but kept out of ``rule all``.
+every pretraining run: the two 4T proxies, 240 steps each (1.5-2.5 min on one core), and the
+three scale-up proxies, LAPTOP_SCALEUP_STEPS steps each, sized to add about two minutes to
+`make reproduce` on 2 cores (the README gives the measured times). Their presets keep the paper's order in
+total and active parameters (optimus_core/presets.py); they train on the same corpus and batch
+as the 4T proxies, 32 steps to their 240 (the paper's runs: a fortieth of the tokens), with the
+warmup cut to match, and are evaluated on held-out loss only, on fewer batches (``scaleup_eval``
+in workflow/config/laptop.yaml: the lm-eval tasks would cost more than their training).
+``scaleup_figure(scale)`` names the runs results/figures/scaleup.png draws. The scaling and
+ablation proxies are registered (and runnable one by one with ``optimus pretrain --experiment
+NAME``) but kept out of ``rule all``: their point is time on many devices, not a CPU curve.
 The laptop ablation's ``+kernels`` variants use the Triton kernels, which need ``triton`` and,
 on a CPU, ``TRITON_INTERPRET=1`` (slow); its ``+optimizer`` variants equal the baseline with one
 process (the EP-aware optimizer only differs when experts are sharded).
@@ -147,6 +156,7 @@ class Experiment:
     laptop: RunScale
     description: str = ""
     laptop_dag: bool = False  # trained by `make reproduce` (the laptop `rule all`)
+    scaleup: bool = False  # one of the paper's scale-up runs (scaleup.png, the report's "Scale-up")
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -171,6 +181,11 @@ T, B = 10**12, 10**9
 # Laptop budgets: 2 CPU cores, the whole `make reproduce` within 15 minutes.
 LAPTOP_EVAL = {"train.eval_every": 40, "train.eval_batches": 4, "train.log_every": 1}
 LAPTOP_SHORT = {"train.eval_every": 0, "train.eval_batches": 2, "train.log_every": 1}
+# The scale-up proxies: LAPTOP_SCALEUP_STEPS steps of the 4T proxies' batch (module doc), held-out
+# loss every 8 steps for the curve, warmup 8 steps (the preset's 20 would be most of the run).
+LAPTOP_SCALEUP_STEPS = 32
+LAPTOP_SCALEUP = {"train.eval_every": 8, "train.eval_batches": 4, "train.log_every": 1,
+                  "schedule.warmup_steps": 8}
 # Paper scale: bf16 autocast; checkpoints often enough that a job cut by its walltime loses
 # little (retries resubmit it and it resumes from `latest`).
 # One sequence per tile per forward / backward, accumulated up to the global batch (module doc).
@@ -190,13 +205,14 @@ ABLATION_VARIANTS = {
 
 
 def _pretrain(model: str, tokens: int, tiles: int, walltime_h: float, ep: int = 1, batch: int = 0,
-              laptop_dag: bool = False, description: str = "") -> Experiment:
+              scaleup: bool = False, description: str = "") -> Experiment:
+    laptop = (RunScale.for_steps(f"{model}@laptop", LAPTOP_SCALEUP_STEPS, 1, extra=LAPTOP_SCALEUP) if scaleup
+              else RunScale(f"{model}@laptop", 240 * 2048, devices=1, extra=LAPTOP_EVAL))
     return Experiment(
         f"pretrain-{model}", "pretrain",
         paper=RunScale(model, tokens, devices=tiles, walltime_h=walltime_h, ep=ep, global_batch=batch,
                        extra=PAPER_TRAIN),
-        laptop=RunScale(f"{model}@laptop", 240 * 2048, devices=1, extra=LAPTOP_EVAL),
-        description=description, laptop_dag=laptop_dag,
+        laptop=laptop, description=description, laptop_dag=True, scaleup=scaleup,
     )
 
 
@@ -224,15 +240,15 @@ def _ablation(variant: str) -> Experiment:
 
 
 _REGISTRY = [
-    _pretrain("mula-1b", 4 * T, 3072, 24, batch=PAPER_4T_BATCH, laptop_dag=True,
+    _pretrain("mula-1b", 4 * T, 3072, 24, batch=PAPER_4T_BATCH,
               description="dense Mula-1B on OLMoE-mix-0924 (4T tokens)"),
-    _pretrain("mula-7b-a1b", 4 * T, 3072, 24, batch=PAPER_4T_BATCH, laptop_dag=True,
+    _pretrain("mula-7b-a1b", 4 * T, 3072, 24, batch=PAPER_4T_BATCH,
               description="MoE Mula-7B-A1B (OLMoE-1B-7B) on OLMoE-mix-0924 (4T tokens)"),
-    _pretrain("mula-20b-a2b", 100 * B, 768, 12, ep=8, batch=1536,
+    _pretrain("mula-20b-a2b", 100 * B, 768, 12, ep=8, batch=1536, scaleup=True,
               description="scale-up: MoE Mula-20B-A2B to 100B tokens"),
-    _pretrain("mula-100b-a7b", 100 * B, 1536, 12, ep=16, batch=3072,
+    _pretrain("mula-100b-a7b", 100 * B, 1536, 12, ep=16, batch=3072, scaleup=True,
               description="scale-up: MoE Mula-100B-A7B to 100B tokens"),
-    _pretrain("mula-220b-a10b", 100 * B, 3072, 12, ep=32, batch=3072,
+    _pretrain("mula-220b-a10b", 100 * B, 3072, 12, ep=32, batch=3072, scaleup=True,
               description="scale-up: MoE Mula-220B-A10B to 100B tokens"),
     *[_scaling(t) for t in SCALING_TILES],
     *[_ablation(v) for v in ABLATION_VARIANTS],
@@ -254,8 +270,21 @@ def of_kind(kind: Kind) -> list[Experiment]:
 
 
 def pretraining() -> list[Experiment]:
-    """Every pretraining run (4T and scale-up); the laptop DAG trains only ``dag("laptop")``."""
+    """Every pretraining run (4T and scale-up); all of them are in ``dag("laptop")``."""
     return of_kind("pretrain")
+
+
+def scaleup() -> list[Experiment]:
+    """The paper's scale-up runs (Mula-20B-A2B, -100B-A7B, -220B-A10B to 100B tokens), smallest first."""
+    return [e for e in EXPERIMENTS.values() if e.scaleup]
+
+
+def scaleup_figure(scale: Scale) -> list[Experiment]:
+    """The runs results/figures/scaleup.png draws at ``scale``, so what its Snakemake target waits
+    for: the MoE pretraining runs of ``dag(scale)``, i.e. mula-7b-a1b (the reference) and the
+    scale-up runs. stages/scaleup.py picks the same runs out of the store by their attributes
+    (fewer active than total parameters), since a stage never reads the registry."""
+    return [e for e in dag(scale) if e.kind == "pretrain" and e.scale(scale).run_config().model.moe is not None]
 
 
 def dag(scale: Scale) -> list[Experiment]:

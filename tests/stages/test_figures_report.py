@@ -23,9 +23,11 @@ def _eval_loss(source: str, i: int) -> float:
     return 9.0 - 0.75 * i + (0.123456 if source == "web" else 0.654321)
 
 
-def _write_run(store, run_id: str, moe: bool, evals: bool = True, status: str = "completed") -> None:
+def _write_run(store, run_id: str, moe: bool, evals: bool = True, status: str = "completed",
+               params: tuple[int, int] = (0, 0)) -> None:
+    total, active = params if params[0] else (7_000_000_000 if moe else 1_200_000_000, 1_300_000_000)
     attrs = {"experiment": "laptop", "preset": f"{run_id}-preset", "git_rev": "abc1234",
-             "n_params": 7_000_000_000 if moe else 1_200_000_000, "n_active_params": 1_300_000_000,
+             "n_params": total, "n_active_params": active,
              "wall_time_s": 3723.0, "hardware": "cpu", "config": {"model": {"n_layers": 2}, "moe": moe}}
     rng = np.random.default_rng(len(run_id))
     with store.run_writer(run_id, attrs, flush_every=16) as w:
@@ -125,8 +127,9 @@ def test_figures_without_data_are_notes_listed_with_the_reason(tmp_path):
     _write_run(open_store(path), "dense", moe=False, evals=False)
     result = _figures(path, tmp_path / "figures")
     _assert_pngs(result.paths)
-    assert set(result.skipped) == {"heldout.png", "expert_load.png", "eval_table.png", *SCALING_FIGURES,
-                                   *BENCH_FIGURES}
+    assert set(result.skipped) == {"heldout.png", "expert_load.png", "eval_table.png", "scaleup.png",
+                                   *SCALING_FIGURES, *BENCH_FIGURES}
+    assert result.skipped["scaleup.png"].startswith("no MoE training run in the store")
     assert result.skipped["scaling.png"].startswith("no scaling points in the store")
     assert result.skipped["ablation.png"].startswith("no ablation benchmark in the store")
     assert "no run has a heldout or downstream table" in result.skipped["eval_table.png"]
@@ -163,7 +166,7 @@ def test_eval_table_figure_holds_the_stores_numbers(store_path, tmp_path):
 def test_figures_choose_runs(store_path, tmp_path):
     # only completed runs by default: the failed dense-only run alone has no MoE data
     result = _figures(store_path, tmp_path / "a", runs=["broken"])
-    assert set(result.skipped) == {"expert_load.png"}
+    assert set(result.skipped) == {"expert_load.png", "scaleup.png"}
     with pytest.raises(StoreKeyError, match="known runs: bench-distributed-ablation-gpu-x, broken, dense, moe, perfmodel"):
         _figures(store_path, tmp_path / "b", runs=["nope"])
     with pytest.raises(ConfigError, match=r"figures.smoothing = 1.0"):
@@ -219,6 +222,27 @@ def test_report_holds_the_numbers_of_the_store_and_links_the_figures(store_path,
     config = text.split("```json\n", 1)[1].split("```", 1)[0]
     assert json.loads(config) == store.attrs("dense")["config"]
     assert "<details><summary>Resolved config</summary>" in text
+
+
+def test_report_scaleup_section_lists_the_moe_runs_smallest_first(store_path, tmp_path):
+    text = _report(store_path, tmp_path / "report.md", tmp_path / "figures")
+    scaleup = text.split("## Scale-up\n", 1)[1].split("\n## ", 1)[0]
+    # the one MoE run: sizes, tokens, the evaluate stage's held-out loss, the last in-training one, wall time
+    assert "| `moe` | moe-preset | 7B | 1.3B | 40,960 | 4.5000 | 5.0000 | 1h 02m 03s |" in scaleup
+    assert "`dense`" not in scaleup and "scaleup.png: not drawn" in scaleup  # no figures drawn here
+
+    path = tmp_path / "scaleup.zarr"
+    store = open_store(path)
+    _write_run(store, "big", moe=True, evals=False, params=(50_000_000, 4_000_000))
+    _write_run(store, "small", moe=True, params=(17_000_000, 2_400_000))
+    _write_run(store, "dense", moe=False)
+    _figures(path, tmp_path / "figs", only=("scaleup.png",))
+    text = _report(path, tmp_path / "r.md", tmp_path / "figs")
+    scaleup = text.split("## Scale-up\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in scaleup.splitlines() if line.startswith("| `")]
+    assert rows == ["| `small` | small-preset | 17M | 2.4M | 40,960 | 4.5000 | 5.0000 | 1h 02m 03s |",
+                    "| `big` | big-preset | 50M | 4M | 40,960 | – | – | 1h 02m 03s |"]  # never evaluated
+    assert "](figs/scaleup.png)" in scaleup and "scaleup.png" not in text.split("## Figures", 1)[1]
 
 
 def test_report_is_reproducible_and_links_relative_to_itself(store_path, tmp_path):

@@ -21,10 +21,15 @@ def test_dry_run_lists_every_stage_and_runs_nothing(tmp_path):
     out = snakemake("-n", results=tmp_path / "results")
     assert out.returncode == 0, out.stderr
     text = out.stdout + out.stderr
-    jobs = {"corpus": 1, "tokenize": 1, "pretrain": 2, "evaluate": 2, "figure": 8, "report": 1,
-            "scaling": 1, "ingest_bench": 3, "perfmodel": 1, "total": 21}
+    jobs = {"corpus": 1, "tokenize": 1, "pretrain": 5, "evaluate": 5, "figure": 9, "report": 1,
+            "scaling": 1, "ingest_bench": 3, "perfmodel": 1, "total": 28}
     assert job_counts(text) == {**jobs, "all": 1}
     assert not (tmp_path / "results").exists()
+    # the scale-up runs are evaluated on held-out loss alone (scaleup_eval), the 4T runs on every task
+    evaluate = {line.split("--run ", 1)[1].split()[0].rsplit("/", 1)[1]: line.split("--tasks ", 1)[1].split(" --items")[0]
+                for line in text.splitlines() if "optimus evaluate --run" in line}
+    assert evaluate == {**{f"laptop-pretrain-{m}": "heldout continuation docstring" for m in ("mula-1b", "mula-7b-a1b")},
+                        **{f"laptop-pretrain-{m}": "heldout" for m in ("mula-20b-a2b", "mula-100b-a7b", "mula-220b-a10b")}}
 
 
 def job_counts(text: str) -> dict[str, int]:
@@ -37,15 +42,22 @@ def job_counts(text: str) -> dict[str, int]:
     # the scaling study only: no corpus, no tokens, no training
     ("scaling.png", {"scaling": 1, "ingest_bench": 3, "perfmodel": 1, "figure": 1, "total": 6}),
     ("ablation.png", {"ingest_bench": 3, "figure": 1, "total": 4}),  # the GPU results only
-    ("loss.png", {"corpus": 1, "tokenize": 1, "pretrain": 2, "figure": 1, "total": 5}),  # no evaluation
-    ("eval_table.png", {"corpus": 1, "tokenize": 1, "pretrain": 2, "evaluate": 2, "figure": 1, "total": 7}),
+    ("loss.png", {"corpus": 1, "tokenize": 1, "pretrain": 5, "figure": 1, "total": 8}),  # no evaluation
+    ("eval_table.png", {"corpus": 1, "tokenize": 1, "pretrain": 5, "evaluate": 5, "figure": 1, "total": 13}),
+    # the MoE runs only (three scale-up runs and mula-7b-a1b): not mula-1b, no evaluation
+    ("scaleup.png", {"corpus": 1, "tokenize": 1, "pretrain": 4, "figure": 1, "total": 7}),
 ])
 def test_a_figure_target_builds_only_what_that_figure_needs(tmp_path, figure, jobs):
     results = tmp_path / "results"
     out = snakemake("-n", str(results / "figures" / figure), results=results)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert job_counts(out.stdout + out.stderr) == jobs
+    text = out.stdout + out.stderr
+    assert job_counts(text) == jobs
     assert not results.exists()
+    if figure == "scaleup.png":
+        trained = {line.split("--experiment ", 1)[1].split()[0] for line in text.splitlines() if "--experiment" in line}
+        assert trained == {"pretrain-mula-7b-a1b", "pretrain-mula-20b-a2b", "pretrain-mula-100b-a7b",
+                           "pretrain-mula-220b-a10b"}
 
 
 @pytest.mark.slow
@@ -60,19 +72,31 @@ def test_whole_pipeline_then_nothing_to_do(tmp_path):
         assert run in report
         assert (results / "runs" / run / "eval.json").is_file()
     assert "Downstream tasks (lm-evaluation-harness)" in report
-    for name in ("loss", "heldout", "throughput", "expert_load", "scaling", "scaling_breakdown"):
+    # the scale-up section: the MoE runs smallest first, each trained and evaluated on held-out loss
+    scaleup = report.split("## Scale-up\n", 1)[1].split("\n## ", 1)[0]
+    moe = ["mula-7b-a1b", "mula-20b-a2b", "mula-100b-a7b", "mula-220b-a10b"]
+    rows = [line for line in scaleup.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == [f"laptop-pretrain-{m}" for m in moe]
+    assert all(row.split(" | ")[4] == "8,192" and "–" not in row for row in rows)  # 4 steps x 2048 tokens
+    for m in moe[1:]:
+        assert "downstream" not in json.loads((results / "runs" / f"laptop-pretrain-{m}" / "eval.json").read_text())
+    assert "](figures/scaleup.png)" in scaleup
+    for name in ("loss", "heldout", "throughput", "expert_load", "scaling", "scaling_breakdown", "scaleup"):
         assert (results / "figures" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the scaling study: the CPU sweep measured here, the H200 sweeps of bench/results/ with their
     # 4-GPU points held out, and the paper's sweep predicted on Aurora, all from the store
     study = json.loads((results / "perfmodel.json").read_text())
+    # the CPU sweep is fitted on batch 16 and predicts the 2-rank points at batch 8 and at
+    # micro-batches of 2, for EP = 1 and EP = n (stages/scaling.py)
     assert sorted(h["sweep"] for h in study["holdout"]) == [
-        "mula-7b-a1b nvidia-h200 EP=1", "mula-7b-a1b nvidia-h200 EP=n", "mula-7b-a1b@laptop cpu EP=n"]
+        "mula-7b-a1b nvidia-h200 EP=1", "mula-7b-a1b nvidia-h200 EP=n",
+        *(f"mula-7b-a1b@laptop cpu EP={ep} batch {b}" for ep in ("1", "n") for b in ("16 micro 2", "8"))]
     scaling = report.split("## Strong scaling\n", 1)[1].split("\n## ", 1)[0]
     for h in study["holdout"]:
         assert f"| {h['devices']} | {h['ep']} | {h['optimizer']} | {h['fit_devices']} | {h['measured_s']:.4g} | " \
                f"{h['predicted_s']:.4g} | {h['rel_error']:+.1%} |" in scaling
     assert f"predicts **{study['paper']['efficiency'][-1]:.0%}** strong-scaling efficiency" in scaling
-    assert "*mula-7b-a1b@laptop on cpu [EP=n] (ep_aware)*" in scaling
+    assert "*mula-7b-a1b@laptop on cpu [EP=n batch 16] (ep_aware)*" in scaling
     assert (results / "bench" / "distributed-strong-weak-nvidia-h200.ingested").read_text().startswith(
         "wrote run bench-distributed-strong-weak-nvidia-h200 (7 records)")
     second = snakemake("--cores", "2", results=results, extra_config=smoke)

@@ -3,8 +3,9 @@ import pytest
 
 from optimus_core.config import ConfigError
 from workflow.cli import build_parser, resolve_run_config
-from workflow.experiments import (ABLATION_VARIANTS, EXPERIMENTS, SCALING_TILES, TILES_PER_NODE, RunScale, dag,
-                                  of_kind, pretraining)
+from optimus_core import presets
+from workflow.experiments import (ABLATION_VARIANTS, EXPERIMENTS, LAPTOP_SCALEUP_STEPS, SCALING_TILES, TILES_PER_NODE,
+                                  RunScale, dag, get, of_kind, pretraining, scaleup, scaleup_figure)
 
 
 def test_every_paper_run_of_the_study_is_registered():
@@ -65,12 +66,38 @@ def test_ablation_variants_set_backend_and_optimizer():
 def test_laptop_proxies_and_the_laptop_dag():
     for exp in EXPERIMENTS.values():
         assert exp.laptop.preset == exp.paper.preset + "@laptop" and exp.laptop.devices == 1
-    assert [e.name for e in dag("laptop")] == ["pretrain-mula-1b", "pretrain-mula-7b-a1b"]
+    # every pretraining run, the scale-up runs after the two 4T runs; no scaling or ablation run
+    assert [e.name for e in dag("laptop")] == ["pretrain-mula-1b", "pretrain-mula-7b-a1b", "pretrain-mula-20b-a2b",
+                                               "pretrain-mula-100b-a7b", "pretrain-mula-220b-a10b"]
     assert len(dag("paper")) == len(EXPERIMENTS)
     with pytest.raises(ConfigError, match="scale = 'huge'"):
         dag("huge")
     with pytest.raises(ConfigError, match="kind = 'sweep': must be one of pretrain, scaling, ablation"):
         of_kind("sweep")
+
+
+def test_scaleup_runs_keep_the_papers_order_at_both_scales():
+    names = ["pretrain-mula-20b-a2b", "pretrain-mula-100b-a7b", "pretrain-mula-220b-a10b"]
+    assert [e.name for e in scaleup()] == names
+    for scale in ("laptop", "paper"):
+        models = [presets.get(e.scale(scale).preset).model for e in scaleup()]
+        totals, actives = [m.num_params() for m in models], [m.num_active_params() for m in models]
+        assert totals == sorted(set(totals)) and actives == sorted(set(actives)), scale  # strictly increasing
+        # the figure draws them beside mula-7b-a1b, the smallest MoE model
+        assert [e.name for e in scaleup_figure(scale)] == ["pretrain-mula-7b-a1b", *names]
+        reference = presets.get(get("pretrain-mula-7b-a1b").scale(scale).preset).model
+        assert reference.num_params() < totals[0] and reference.num_active_params() < actives[0]
+
+
+def test_scaleup_proxies_train_on_the_4t_proxies_batch_with_held_out_curves():
+    reference = get("pretrain-mula-7b-a1b").laptop.run_config()
+    for exp in scaleup():
+        cfg = exp.laptop.run_config()
+        assert exp.laptop_dag and exp.paper.tokens == 10**11
+        assert (cfg.train.global_batch, cfg.data.seq_len) == (reference.train.global_batch, reference.data.seq_len)
+        assert cfg.train.steps == LAPTOP_SCALEUP_STEPS < reference.train.steps
+        assert cfg.schedule.warmup_steps < cfg.train.steps // 2  # the 4T proxies' warmup would be most of it
+        assert cfg.train.eval_every and cfg.train.steps // cfg.train.eval_every >= 3  # a curve, not a point
 
 
 def test_cli_resolves_registry_runs_at_both_scales(tmp_path):
@@ -82,7 +109,8 @@ def test_cli_resolves_registry_runs_at_both_scales(tmp_path):
     args = build_parser().parse_args(["pretrain", "--experiment", "pretrain-mula-100b-a7b", "--data", "d",
                                       "--out", str(tmp_path / "r")])
     cfg, run_id, _ = resolve_run_config(args)
-    assert run_id == "laptop-pretrain-mula-100b-a7b" and cfg.train.steps == 240 and cfg.preset == "mula-100b-a7b@laptop"
+    assert run_id == "laptop-pretrain-mula-100b-a7b" and cfg.preset == "mula-100b-a7b@laptop"
+    assert cfg.train.steps == LAPTOP_SCALEUP_STEPS and cfg.schedule.warmup_steps == 8
 
 
 def test_bad_layouts_fail_at_import_time():

@@ -3,7 +3,7 @@ import re
 import sys
 
 from stages.figures import FIGURE_READS, FIGURES as FIGURE_FILES
-from workflow.experiments import dag
+from workflow.experiments import dag, scaleup, scaleup_figure
 
 SCALE = config["scale"]
 RES = config["results"]
@@ -14,6 +14,10 @@ TOKENS = f"{RES}/data/tokens"
 PRETRAIN_RUNS = {e.run_id(SCALE): e for e in dag(SCALE)}
 EVAL_RUNS = [run for run, e in PRETRAIN_RUNS.items() if e.kind == "pretrain"]  # scaling/ablation: timed only
 TIMED_RUNS = [run for run, e in PRETRAIN_RUNS.items() if e.kind != "pretrain"]
+# The paper's scale-up runs (evaluated with `scaleup_eval` where the config sets it), and the runs
+# scaleup.png draws: the MoE pretraining runs, the scale-up runs and their reference.
+SCALEUP_RUNS = [e.run_id(SCALE) for e in scaleup() if e.run_id(SCALE) in PRETRAIN_RUNS]
+SCALEUP_FIGURE_RUNS = [e.run_id(SCALE) for e in scaleup_figure(SCALE)]
 FIGURES = [f"{RES}/figures/{name}" for name in FIGURE_FILES]  # one `figure` job each (report.smk)
 REPORT = f"{RES}/report.md"
 

@@ -1,5 +1,10 @@
 import shlex
 
+# Longest first: the costliest runs (FLOPs of the whole run, workflow/experiments.py) start first,
+# so on 2 cores the short scale-up runs fill in beside the 240-step 4T runs instead of after them.
+PRETRAIN_RANK = {run: rank for rank, run in enumerate(sorted(PRETRAIN_RUNS, key=lambda r: PRETRAIN_RUNS[r].scale(SCALE).flops()), 1)}
+
+
 rule pretrain:
     input:
         TOKENS,
@@ -10,12 +15,22 @@ rule pretrain:
         run_dir=lambda wc: f"{RES}/runs/{wc.run}",
         overrides=" ".join(f"--set {shlex.quote(kv)}" for kv in config.get("pretrain_set", [])),
     threads: config["train_threads"]
+    priority: lambda wc: PRETRAIN_RANK[wc.run]
     log:
         f"{RES}/logs/pretrain-{{run}}.log",
     shell:
         "OMP_NUM_THREADS={threads} optimus pretrain --experiment {params.experiment} --scale " + SCALE
         + " --data {input} --out {params.run_dir} --run-id {wildcards.run} --store " + STORE
         + " --threads {threads} {params.overrides} " + LAUNCH + " 2>&1 | tee {log}"
+
+
+def eval_flags(run):
+    """--max-batches and --tasks of one run: eval_max_batches / eval_tasks, or for a scale-up run
+    what `scaleup_eval` sets (held-out loss only at laptop scale: workflow/config/laptop.yaml)."""
+    settings = {"max_batches": config["eval_max_batches"], "tasks": config.get("eval_tasks", ["heldout"])}
+    if run in SCALEUP_RUNS:
+        settings.update(config.get("scaleup_eval") or {})
+    return f"--max-batches {settings['max_batches']} --tasks {' '.join(settings['tasks'])}"
 
 
 rule evaluate:
@@ -25,11 +40,11 @@ rule evaluate:
         f"{RES}/runs/{{run}}/eval.json",
     params:
         run_dir=lambda wc: f"{RES}/runs/{wc.run}",
+        flags=lambda wc: eval_flags(wc.run),
     log:
         f"{RES}/logs/evaluate-{{run}}.log",
     shell:
-        "optimus evaluate --run {params.run_dir} --store " + STORE
-        + f" --max-batches {config['eval_max_batches']} --tasks {' '.join(config.get('eval_tasks', ['heldout']))}"
+        "optimus evaluate --run {params.run_dir} --store " + STORE + " {params.flags}"
         + f" --items {config.get('eval_items', 200)}"
         + (" --all-checkpoints" if config.get("eval_all_checkpoints") else "")
         + " --out {output} > {log} 2>&1"

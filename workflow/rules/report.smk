@@ -4,6 +4,8 @@
 # run in the store, so it must not be drawn while some are still missing.
 FIGURE_NEEDS = {
     "training": expand(f"{RES}/runs/{{run}}/summary.json", run=list(PRETRAIN_RUNS)),
+    # scaleup.png draws the MoE training runs only: it waits for those, not the dense one
+    "scaleup": expand(f"{RES}/runs/{{run}}/summary.json", run=SCALEUP_FIGURE_RUNS),
     "evaluation": expand(f"{RES}/runs/{{run}}/eval.json", run=EVAL_RUNS),
     "scaling": [PERFMODEL_JSON, *BENCH_MARKERS],  # the scaling study (workflow/rules/scaling.smk)
     "bench": BENCH_MARKERS,  # the committed GPU benchmark results, ingested into the store
