@@ -330,7 +330,8 @@ def scaling_report_markdown(measured: list[dict], predicted: list[dict], holdout
             *_phase_table(paper, where_col=False), "",
             "What drives the difference (from the predicted phases):", "",
             *[f"- {s}" for s in drivers(paper)],
-            *[f"- What-if, {sc}: the same model with that overlap (our step does not do it) predicts "
+            *[f"- What-if, {sc}: the same model with that phase fully hidden (our step hides only what "
+              f"runs under the last micro-batch's backward) predicts "
               f"{_pct(_efficiencies(rows)[-1])} at {rows[-1]['devices']} tiles."
               for sc, rows in _whatifs(predicted)],
             _overlap_note(last),
