@@ -57,17 +57,22 @@ class ExpertParallelExperts(Experts):
             x_TD = x_TD.to(torch.get_autocast_dtype(device.type))
         rank_TK = topk_idx_TK // n_local  # the phantom group n_experts lands on "rank" ep: nowhere
         need_TP = torch.zeros(T, ep + 1, dtype=torch.bool, device=device).scatter_(1, rank_TK, True)[:, :ep]
-        peer_S, token_S = need_TP.T.nonzero(as_tuple=True)  # rows to send: peer-major, token order
         # Per peer: rows (tokens) and slots (token, expert) sent; the slots let the receiver
         # make only its real assignments' rows below.
         slots_P = torch.zeros(ep + 1, dtype=torch.long, device=device).scatter_add_(
             0, rank_TK.flatten(), torch.ones(T * K, dtype=torch.long, device=device))[:ep]
-        send_counts_P = need_TP.sum(0)
-        recv_P2 = exchange_counts(torch.stack([send_counts_P, slots_P], 1), self.group)
-        with phase("a2a"):  # the split sizes must reach the host: waits for the counts
-            send_splits = send_counts_P.tolist()
-            recv = recv_P2.tolist()
-        recv_splits, n_assigned = [r[0] for r in recv], sum(r[1] for r in recv)
+        send_P2 = torch.stack([need_TP.sum(0), slots_P], 1)
+        recv_P2 = exchange_counts(send_P2, self.group)
+        with phase("a2a"):  # the split sizes must reach the host: the layer's one wait for the device
+            counts = torch.cat([send_P2, recv_P2]).tolist()
+        send_splits = [c[0] for c in counts[:ep]]
+        recv_splits, n_assigned = [c[0] for c in counts[ep:]], sum(c[1] for c in counts[ep:])
+        # Rows to send, peer-major in token order. The count is known now, so nonzero_static
+        # needs no second wait (plain nonzero syncs to size its output).
+        if device.type in ("cpu", "cuda"):
+            peer_S, token_S = torch.nonzero_static(need_TP.T, size=sum(send_splits)).unbind(1)
+        else:
+            peer_S, token_S = need_TP.T.nonzero(as_tuple=True)
 
         # Per sent row, its K slots as seen by the receiving peer: a local expert id, or n_local
         # (a phantom group: not this peer's expert) with weight 0. Ids ride in float32 next to
