@@ -57,6 +57,7 @@ def test_ablation_variants_set_backend_and_optimizer():
     for exp in of_kind("ablation"):
         variant = exp.name.rsplit("-", 1)[1]
         backend, optimizer = ABLATION_VARIANTS[variant]
+        assert backend in ("loop", "triton")  # what runs on Aurora's XPUs (no torch._grouped_mm there)
         for scale in ("paper", "laptop"):
             cfg = exp.scale(scale).run_config()
             assert (cfg.model.moe.experts_backend, cfg.parallel.optimizer) == (backend, optimizer)
