@@ -82,6 +82,17 @@ def run_id_for(path: str | Path) -> str:
     return f"bench-{Path(path).stem}"
 
 
+def publish(path: str | Path, records: list[dict], summary: dict, store_path: str, key: str,
+            extra: list[dict] = ()) -> None:
+    """A benchmark's end: print the summary, write records + ``extra`` lines + summary to
+    ``path``, and the run (``run_id_for(path)``) to the store where one is given and imports."""
+    print(json.dumps(summary, indent=1))
+    write_jsonl(path, [*records, *extra, summary])
+    print(f"wrote {path}")
+    if store_path and write_store(store_path, run_id_for(path), records, summary, key=key):
+        print(f"wrote run {run_id_for(path)} to {store_path}")
+
+
 def ingest(path: str | Path, store_path: str, key: str) -> str:
     """Write a benchmark's JSON lines (records + a final ``*_summary`` line) to the store."""
     lines = read_jsonl(path)

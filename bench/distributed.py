@@ -34,7 +34,6 @@ distributed-<suites>-<device>.jsonl, and (where the store imports) run
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import traceback
@@ -43,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import device_slug, ingest, run_id_for, write_jsonl, write_store  # noqa: E402
+from bench.common import device_slug, ingest, publish, write_jsonl  # noqa: E402
 
 MODEL = {"model.n_layers": 8, "data.seq_len": 4096, "train.dtype": "bfloat16"}
 QUICK = {"data.seq_len": 64, "model.n_layers": 2}  # preset @laptop, CPU: a smoke check only
@@ -188,12 +187,7 @@ def main(argv=None) -> None:
                   flush=True)
         records.append(r)
         write_jsonl(path, records)  # nothing measured is lost if the call is cut short
-    summary = summarize(records, name)
-    print(json.dumps(summary, indent=1))
-    write_jsonl(path, records + [summary])
-    print(f"wrote {path}")
-    if args.store and write_store(args.store, run_id_for(path), records, summary, key="label"):
-        print(f"wrote run {run_id_for(path)} to {args.store}")
+    publish(path, records, summarize(records, name), args.store, key="label")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import sys
@@ -44,7 +43,7 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere in the checkout
 
 import torch  # noqa: E402
 
-from bench.common import device_slug, ingest, run_id_for, write_jsonl, write_store  # noqa: E402
+from bench.common import device_slug, ingest, publish  # noqa: E402
 from bench.kernels import Timer  # noqa: E402
 from bench.train_step import MODEL_7B  # noqa: E402
 
@@ -238,13 +237,8 @@ def main(argv=None) -> None:
     except torch.OutOfMemoryError as e:  # its own allocations: keep the flat cases' results
         records.append({"bench": "optimizer", "case": "adamw-torch-list/s", "device": name, "numel": numel,
                         "error": f"OutOfMemoryError: {e}"[:500]})
-    summary = summarize(records, name, numel, args)
-    print(json.dumps(summary, indent=1))
-    path = Path(args.out) / f"optimizer-{name}.jsonl"
-    write_jsonl(path, records + [summary])
-    print(f"wrote {path}")
-    if args.store and write_store(args.store, run_id_for(path), records, summary, key="case"):
-        print(f"wrote run {run_id_for(path)} to {args.store}")
+    publish(Path(args.out) / f"optimizer-{name}.jsonl", records, summarize(records, name, numel, args), args.store,
+            key="case")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import device_slug, ingest, read_jsonl, run_id_for, write_jsonl, write_store  # noqa: E402
+from bench.common import device_slug, ingest, publish, read_jsonl, write_jsonl  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H100 / H200 dense bf16, datasheet: the MFU convention
 MODEL_7B = dict(preset="mula-7b-a1b", overrides={"model.n_layers": 8})
@@ -200,12 +200,8 @@ def main(argv=None) -> None:
         print(f"{variant:>38} {r['tokens_per_s']:>10,.0f} {r['step_s'] * 1e3:>8.1f} {r['compute_s'] * 1e3:>8.1f} "
               f"{r['optimizer_s'] * 1e3:>7.1f} {r['idle_s'] * 1e3:>6.1f} {r['mfu']:>6.1%} "
               f"{r['peak_memory_bytes'] / 2**30:>8.1f}", flush=True)
-    summary = summarize(records, olmo, dense, name)
-    print(json.dumps(summary, indent=1))
-    write_jsonl(path, records + ([{"bench": "olmo_core", **olmo}] if olmo else []) + [summary])
-    print(f"wrote {path}")
-    if args.store and write_store(args.store, run_id_for(path), records, summary, key="variant"):
-        print(f"wrote run {run_id_for(path)} to {args.store}")
+    publish(path, records, summarize(records, olmo, dense, name), args.store, key="variant",
+            extra=[{"bench": "olmo_core", **olmo}] if olmo else [])
 
 
 if __name__ == "__main__":

@@ -414,11 +414,17 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
+def _grads(ctx, x, w, offsets, dy, float32_dw: bool):
+    """(dx, dw, None) of y = x @ w[g]: dx through w as given (a float32 w is cast inside the op),
+    dw in float32 when the weight it belongs to is float32 master weights."""
+    dx = _grouped_mm_dx_op(dy, w, offsets) if ctx.needs_input_grad[0] else None
+    dw = _grouped_mm_dw_op(x, dy, offsets, float32_dw) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
 def _backward(ctx, dy):
     x, w, offsets = ctx.saved_tensors  # w as given: a float32 w is cast again inside the op
-    dx = _grouped_mm_dx_op(dy, w, offsets) if ctx.needs_input_grad[0] else None
-    dw = _grouped_mm_dw_op(x, dy, offsets, w.dtype != x.dtype) if ctx.needs_input_grad[1] else None
-    return dx, dw, None
+    return _grads(ctx, x, w, offsets, dy, w.dtype != x.dtype)
 
 
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
@@ -443,10 +449,8 @@ def _keep_cast_setup(ctx, inputs, output):
 
 
 def _keep_cast_backward(ctx, dy, _):
-    x, w_lp, offsets = ctx.saved_tensors
-    dx = _grouped_mm_dx_op(dy, w_lp, offsets) if ctx.needs_input_grad[0] else None
-    dw = _grouped_mm_dw_op(x, dy, offsets, True) if ctx.needs_input_grad[1] else None
-    return dx, dw, None
+    x, w_lp, offsets = ctx.saved_tensors  # the forward's half-precision copy; the weight is float32
+    return _grads(ctx, x, w_lp, offsets, dy, True)
 
 
 _grouped_mm_keep_cast_op.register_autograd(_keep_cast_backward, setup_context=_keep_cast_setup)

@@ -574,10 +574,19 @@ def _scale_links(links: Optional[dict[str, Link]], kinds, bw: float = 1.0, lat: 
             for k, l in links.items()}
 
 
+# Knobs that set one Machine field to the fitted value as it is.
+FIELD_KNOBS = {"memory_bandwidth": "memory_bandwidth", "compute_slots": "compute_slots_per_node",
+               "step_overhead": "step_overhead", "microbatch_overhead": "microbatch_overhead",
+               "expert_overhead": "expert_overhead", "dispatch_passes": "dispatch_passes",
+               "rank_skew": "rank_skew"}
+
+
 def _apply(machine: Machine, knobs: dict[str, float]) -> Machine:
     m = machine
     for name, value in knobs.items():
-        if name == "compute_efficiency":
+        if name in FIELD_KNOBS:
+            m = replace(m, **{FIELD_KNOBS[name]: value})
+        elif name == "compute_efficiency":
             m = replace(m, compute_efficiency=min(1.0, value))
         elif name == "a2a_bandwidth":
             m = replace(m, intra=_scale_links(m.intra, ("all_to_all",), bw=value),
@@ -587,20 +596,6 @@ def _apply(machine: Machine, knobs: dict[str, float]) -> Machine:
             m = replace(m, intra=_scale_links(m.intra, kinds, bw=value), inter=_scale_links(m.inter, kinds, bw=value))
         elif name == "latency":
             m = replace(m, intra=_scale_links(m.intra, KINDS, lat=value), inter=_scale_links(m.inter, KINDS, lat=value))
-        elif name == "memory_bandwidth":
-            m = replace(m, memory_bandwidth=value)
-        elif name == "compute_slots":
-            m = replace(m, compute_slots_per_node=value)
-        elif name == "step_overhead":
-            m = replace(m, step_overhead=value)
-        elif name == "microbatch_overhead":
-            m = replace(m, microbatch_overhead=value)
-        elif name == "expert_overhead":
-            m = replace(m, expert_overhead=value)
-        elif name == "dispatch_passes":
-            m = replace(m, dispatch_passes=value)
-        elif name == "rank_skew":
-            m = replace(m, rank_skew=value)
         else:
             raise ConfigError(f"fit: {name!r}: unknown knob; known: {', '.join(KNOBS)}")
     return m
