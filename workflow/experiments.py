@@ -184,8 +184,8 @@ LAPTOP_SHORT = {"train.eval_every": 0, "train.eval_batches": 2, "train.log_every
 # The scale-up proxies: LAPTOP_SCALEUP_STEPS steps of the 4T proxies' batch (module doc), held-out
 # loss every 8 steps for the curve, warmup 8 steps (the preset's 20 would be most of the run).
 LAPTOP_SCALEUP_STEPS = 32
-LAPTOP_SCALEUP = {"train.eval_every": 8, "train.eval_batches": 4, "train.log_every": 1,
-                  "schedule.warmup_steps": 8}
+LAPTOP_SCALEUP_TRAIN = {"train.eval_every": 8, "train.eval_batches": 4, "train.log_every": 1,
+                        "schedule.warmup_steps": 8}
 # Paper scale: bf16 autocast; checkpoints often enough that a job cut by its walltime loses
 # little (retries resubmit it and it resumes from `latest`).
 # One sequence per tile per forward / backward, accumulated up to the global batch (module doc).
@@ -209,7 +209,7 @@ ABLATION_VARIANTS = {
 
 def _pretrain(model: str, tokens: int, tiles: int, walltime_h: float, ep: int = 1, batch: int = 0,
               scaleup: bool = False, description: str = "") -> Experiment:
-    laptop = (RunScale.for_steps(f"{model}@laptop", LAPTOP_SCALEUP_STEPS, 1, extra=LAPTOP_SCALEUP) if scaleup
+    laptop = (RunScale.for_steps(f"{model}@laptop", LAPTOP_SCALEUP_STEPS, 1, extra=LAPTOP_SCALEUP_TRAIN) if scaleup
               else RunScale(f"{model}@laptop", 240 * 2048, devices=1, extra=LAPTOP_EVAL))
     return Experiment(
         f"pretrain-{model}", "pretrain",
