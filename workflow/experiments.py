@@ -46,11 +46,10 @@ what the performance model prices), accumulating ``global_batch / tiles`` of the
 Strong scaling keeps one global batch of 12288 sequences (50M tokens: one sequence per tile at
 12288 tiles, 32 accumulated micro-batches per tile at 384) for 20 steps, ep 32 everywhere.
 
-Laptop proxies: the tiny presets (``<name>@laptop``), one CPU process (multi-process training
-is not wired in yet). The laptop DAG (``dag("laptop")``, what `make reproduce` trains) holds
+Laptop proxies: the tiny presets (``<name>@laptop``), one CPU process each. The laptop DAG (``dag("laptop")``, what `make reproduce` trains) holds
 every pretraining run: the two 4T proxies, 240 steps each (1.5-2.5 min on one core), and the
-three scale-up proxies, LAPTOP_SCALEUP_STEPS steps each, sized to add about two minutes to
-`make reproduce` on 2 cores (the README gives the measured times). Their presets keep the paper's order in
+three scale-up proxies, LAPTOP_SCALEUP_STEPS steps each, small enough for `make reproduce` on
+2 cores (the README gives its measured time). Their presets keep the paper's order in
 total and active parameters (optimus_core/presets.py); they train on the same corpus and batch
 as the 4T proxies, 32 steps to their 240 (the paper's runs: a fortieth of the tokens), with the
 warmup cut to match, and are evaluated on held-out loss only, on fewer batches (``scaleup_eval``
