@@ -34,6 +34,7 @@ distributed-<suites>-<device>.jsonl, and (where the store imports) run
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import traceback
@@ -60,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="the laptop preset on CPU ranks (gloo): a smoke check")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--store", default=str(ROOT / "results" / "store.zarr"))
+    p.add_argument("--trace", default=None,
+                   help="every rank of every point also writes a two-step timeline here (bench/trace_gaps.py)")
     p.add_argument("--ingest", default=None, help="write an existing JSONL file to the store and exit")
     return p.parse_args(argv)
 
@@ -176,6 +179,8 @@ def main(argv=None) -> None:
     cols = ("step_s", "compute_s", "a2a_s", "grad_sync_s", "optimizer_s", "idle_s")
     print(f"{'point':>34} {'tokens/s':>9} " + " ".join(f"{c[:-2]:>9}" for c in cols) + " (ms)")
     for p in plan(args, n_gpus):
+        if args.trace:  # read by optimus_core/train/measure.py in the launched ranks: a folder per point
+            os.environ["OPTIMUS_TRACE_DIR"] = str(Path(args.trace).resolve() / p["label"])
         try:
             r = measure(p, args, device_type)
         except Exception as e:  # keep the other points: an OOM or a crash is recorded, not fatal

@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
 """Where a training step's GPU time goes, kernel by kernel (not a test).
 
-    python bench/profile_step.py [--variant 7b8l-triton+compile] [--steps 3]
+    python bench/profile_step.py [--variant 7b8l-triton+compile] [--steps 3] [--trace DIR]
 
 The same step as bench/train_step.py (its VARIANTS: model, experts backend, compile, overrides),
 warmed up, then ``--steps`` steps under torch.profiler. Device kernels are put in categories by
 name (expert GEMMs, dense GEMMs, attention, permute / SwiGLU, AdamW, norms, compiled fusions,
 copies and casts, ...) and reported as ms per step, with the 25 most expensive kernels. Output: a
 table, and one JSON line (categories + top kernels) in bench/results/profile-<device>.jsonl.
+With ``--trace DIR`` the host is profiled too and the timeline is written to
+DIR/trace-<variant>.json.gz, for bench/trace_gaps.py (where the device idles, and why).
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -54,6 +58,7 @@ def main(argv=None) -> None:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--trace", default=None, help="also profile the host and write the timeline to this folder")
     args = p.parse_args(argv)
 
     import torch
@@ -85,10 +90,22 @@ def main(argv=None) -> None:
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    if args.trace:
+        activities.append(torch.profiler.ProfilerActivity.CPU)
+    with torch.profiler.profile(activities=activities) as prof:
         for _ in range(args.steps):
-            step()
+            with torch.profiler.record_function("optimus.step"):
+                step()
         torch.cuda.synchronize()
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
+        trace = Path(args.trace) / f"trace-{args.variant.replace('+', '-')}.json"
+        prof.export_chrome_trace(str(trace))
+        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        trace.unlink()
+        print(f"wrote {trace}.gz")
     kernels: dict[str, float] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:

@@ -16,11 +16,20 @@ all-reduce and parameter all-gather, ``optimizer`` grad norm + AdamW; ``idle_s``
 time of the step left over (host overhead, waiting for other ranks). Each is the median over
 the timed steps on each rank, then the mean over ranks; ``step_s`` is the slowest rank's median;
 ``peak_memory_bytes`` the most any rank allocated during the timed steps.
+
+With ``OPTIMUS_TRACE_DIR`` set in the environment (bench/distributed.py --trace sets it for the
+processes it launches), every rank runs two more steps after the timed ones under torch.profiler
+and writes their timeline, host and device, to ``trace-<world>r-ep<ep>-rank<rank>.json.gz`` there
+(bench/trace_gaps.py reads it: where the device waits, and on what).
 """
 from __future__ import annotations
 
+import gzip
+import os
+import shutil
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -106,6 +115,10 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
         samples["step"].append(wall)
         samples["idle"].append(max(0.0, wall - sum(phases.get(n, 0.0) for n in PHASES)))
         losses.append(stats.loss)
+    if os.environ.get("OPTIMUS_TRACE_DIR"):
+        _trace(Path(os.environ["OPTIMUS_TRACE_DIR"]), mesh, lambda: float(train_step(
+            model, optimizer, batch_BS1, micro_batch=cfg.train.micro_batch, grad_clip=cfg.optim.grad_clip,
+            lr=cfg.optim.lr, dtype=cfg.train.dtype, mesh=mesh, fused_lm_loss=cfg.train.fused_lm_loss).grad_norm))
     local = {f"{name}_s": statistics.median(values) for name, values in samples.items()}
     local["peak_memory_bytes"] = _peak_memory(device)
     ranks = [local]
@@ -119,3 +132,28 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
     point.update(tokens_per_step=tokens, tokens_per_s=tokens / point["step_s"], loss=losses[-1],
                  devices=mesh.world_size, ep=mesh.ep, steps=steps, warmup=warmup)
     return point
+
+
+def _trace(out_dir: Path, mesh: Mesh, step, steps: int = 2) -> Path:
+    """Run ``step`` ``steps`` times under torch.profiler (host + device) and write the timeline."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if mesh.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    elif mesh.device.type == "xpu":
+        activities.append(ProfilerActivity.XPU)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"trace-{mesh.world_size}r-ep{mesh.ep}-rank{mesh.rank}.json"
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            _sync(mesh.device)
+            mesh.barrier()
+            with torch.profiler.record_function("optimus.step"):
+                step()
+            _sync(mesh.device)
+    prof.export_chrome_trace(str(path))
+    with open(path, "rb") as src, gzip.open(f"{path}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    path.unlink()
+    return Path(f"{path}.gz")

@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Where the device waits in a training step, and on what: read a torch.profiler timeline.
+
+    python bench/trace_gaps.py TRACE.json[.gz] [--min-gap-us 20] [--top 25]
+
+A trace comes from ``bench/profile_step.py --trace DIR`` (one GPU) or ``bench/distributed.py
+--trace DIR`` (every rank of a multi-process point; optimus_core/train/measure.py writes it). For
+each ``optimus.step`` range the device's busy time is the union of its kernels, copies and
+fills on all streams (and apart, without the collectives' kernels); the rest of the step's
+device window is idle. Each idle gap is charged to the kernel that ends it: to the host op that
+launched that kernel (the innermost ``cpu_op`` around the launch call) and to the last call that
+made the host wait for the device before it (a stream / event / device synchronize or a
+device-to-host copy), if any happened since the gap began: a gap that starts while the host sits
+in such a wait is the sync's; one whose ending kernel was launched late, with no wait, is host
+overhead. Output: a per-step table and the gaps summed by cause, largest first.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+WAIT_CALL = re.compile(r"Synchronize|cudaMemcpy(?!Peer)|MemcpyDtoH|hipMemcpy|urEnqueueMemBufferRead|urEventWait")
+LAUNCH_CALL = re.compile(r"Launch|cuLaunch|Memcpy|Memset|urEnqueue")
+
+
+def load(path: str | Path) -> list[dict]:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+
+
+def union_length(intervals: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
+    """Total covered length and the merged intervals, sorted."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return sum(e - s for s, e in merged), [(s, e) for s, e in merged]
+
+
+def analyze(events: list[dict], min_gap_us: float = 20.0) -> dict:
+    """Per step: device window, busy (all / without collectives), idle; gaps by cause (µs)."""
+    device = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver", "xpu_runtime")]
+    launches = {e["args"]["correlation"]: e for e in runtime if "correlation" in e.get("args", {})}
+    waits = sorted((e for e in runtime if WAIT_CALL.search(e["name"])), key=lambda e: e["ts"])
+    wait_ends = [w["ts"] + w["dur"] for w in waits]
+    ops_by_thread: dict = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            ops_by_thread[e["tid"]].append(e)
+    for ops in ops_by_thread.values():
+        ops.sort(key=lambda e: e["ts"])
+    steps = sorted((e for e in events if e.get("name") == "optimus.step" and e.get("cat") == "user_annotation"),
+                   key=lambda e: e["ts"])
+    if not steps:  # a trace without our annotation: the whole timeline as one step
+        steps = [{"ts": min(e["ts"] for e in events), "dur": max(e["ts"] + e["dur"] for e in events)}]
+        steps[0]["dur"] -= steps[0]["ts"]
+
+    def innermost_op(launch: dict) -> str:
+        best = None
+        for op in ops_by_thread.get(launch["tid"], []):
+            if op["ts"] > launch["ts"]:
+                break
+            if op["ts"] + op["dur"] >= launch["ts"] + launch["dur"]:
+                best = op  # later-starting enclosing ops are nested deeper
+        return best["name"] if best else "?"
+
+    out = {"steps": [], "causes": defaultdict(float), "gaps": []}
+    starts = [s["ts"] for s in steps] + [float("inf")]
+    for i, step in enumerate(steps):
+        mine = [e for e in device if starts[i] <= e["ts"] < starts[i + 1]]
+        if not mine:
+            continue
+        begin, end = mine[0]["ts"], max(e["ts"] + e["dur"] for e in mine)
+        busy, merged = union_length([(e["ts"], e["ts"] + e["dur"]) for e in mine])
+        busy_compute, _ = union_length([(e["ts"], e["ts"] + e["dur"]) for e in mine
+                                        if "nccl" not in e["name"].lower()])
+        by_start = sorted(mine, key=lambda e: e["ts"])
+        kernel_starts = [e["ts"] for e in by_start]
+        for (_, gap_start), (gap_end, _) in zip(merged, merged[1:]):
+            gap = gap_end - gap_start
+            if gap < min_gap_us:
+                continue
+            nxt = by_start[bisect.bisect_left(kernel_starts, gap_end)]
+            launch = launches.get(nxt.get("args", {}).get("correlation"))
+            op = innermost_op(launch) if launch else "?"
+            # the last host wait that ended inside the gap: the host was held until then
+            j = bisect.bisect_right(wait_ends, gap_end) - 1
+            wait = waits[j] if j >= 0 and wait_ends[j] >= gap_start else None
+            cause = f"after {wait['name']}" if wait else "host launch late"
+            key = f"{cause} -> {op}"
+            out["causes"][key] += gap
+            out["gaps"].append({"step": i, "us": gap, "cause": cause, "op": op, "next_kernel": nxt["name"][:80]})
+        out["steps"].append({"step": i, "window_us": end - begin, "busy_us": busy,
+                             "busy_no_collectives_us": busy_compute, "idle_us": end - begin - busy})
+    out["causes"] = dict(sorted(out["causes"].items(), key=lambda kv: -kv[1]))
+    out["gaps"].sort(key=lambda g: -g["us"])
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("traces", nargs="+")
+    p.add_argument("--min-gap-us", type=float, default=20.0)
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args(argv)
+    for path in args.traces:
+        result = analyze(load(path), args.min_gap_us)
+        n = max(1, len(result["steps"]))
+        print(f"== {path}")
+        print(f"{'step':>4} {'window ms':>10} {'busy ms':>9} {'no-coll ms':>10} {'idle ms':>8}")
+        for s in result["steps"]:
+            print(f"{s['step']:>4} {s['window_us'] / 1e3:10.2f} {s['busy_us'] / 1e3:9.2f} "
+                  f"{s['busy_no_collectives_us'] / 1e3:10.2f} {s['idle_us'] / 1e3:8.2f}")
+        print(f"idle gaps >= {args.min_gap_us:g} us by cause (ms per step):")
+        for key, us in list(result["causes"].items())[:args.top]:
+            print(f"  {us / 1e3 / n:8.2f}  {key[:150]}")
+        print("largest gaps:")
+        for g in result["gaps"][:args.top]:
+            print(f"  {g['us'] / 1e3:7.2f} ms  step {g['step']}  {g['cause']} -> {g['op'][:60]}  next: {g['next_kernel']}")
+
+
+if __name__ == "__main__":
+    main()

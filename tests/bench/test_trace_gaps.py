@@ -1,0 +1,54 @@
+"""bench/trace_gaps.py on a hand-made timeline: busy time, idle gaps and what they are charged to."""
+import gzip
+import json
+
+from bench.trace_gaps import analyze, load, main
+
+
+def _x(name, cat, ts, dur, tid=1, **args):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": tid, "args": args}
+
+
+def _timeline():
+    # One step: kernel A [100, 200); the host waits in cudaStreamSynchronize until 210, then its
+    # op "aten::item"... launches kernel B late (correlation 2) at 300; kernel C (an NCCL kernel
+    # on another stream) overlaps B; kernel D is launched by "optimus::permute" while the device
+    # is idle, with no wait: host overhead.
+    return [
+        _x("optimus.step", "user_annotation", 0, 1000),
+        _x("aten::mm", "cpu_op", 10, 20),
+        _x("cudaLaunchKernel", "cuda_runtime", 15, 5, correlation=1),
+        _x("cudaStreamSynchronize", "cuda_runtime", 40, 170),
+        _x("aten::add", "cpu_op", 280, 40),
+        _x("cudaLaunchKernel", "cuda_runtime", 290, 5, correlation=2),
+        _x("optimus::permute", "cpu_op", 500, 100),
+        _x("aten::index", "cpu_op", 540, 30),  # nested inside permute: the innermost op
+        _x("cudaLaunchKernel", "cuda_runtime", 550, 5, correlation=4),
+        _x("A", "kernel", 100, 100, tid=7, correlation=1),
+        _x("B", "kernel", 300, 100, tid=7, correlation=2),
+        _x("ncclDevKernel_Reduce", "kernel", 350, 100, tid=8, correlation=3),
+        _x("D", "kernel", 560, 40, tid=7, correlation=4),
+    ]
+
+
+def test_busy_idle_and_causes():
+    result = analyze(_timeline(), min_gap_us=20)
+    (step,) = result["steps"]
+    assert step["window_us"] == 500  # 100 .. 600
+    assert step["busy_us"] == 100 + 150 + 40  # A, B with the overlapping collective, D
+    assert step["busy_no_collectives_us"] == 240
+    assert step["idle_us"] == 210
+    gaps = {(g["cause"], g["op"]): g["us"] for g in result["gaps"]}
+    assert gaps == {("after cudaStreamSynchronize", "aten::add"): 100,
+                    ("host launch late", "aten::index"): 110}
+
+
+def test_small_gaps_are_ignored_and_the_cli_reads_gzip(tmp_path, capsys):
+    assert analyze(_timeline(), min_gap_us=200)["gaps"] == []
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": _timeline()}, f)
+    assert len(load(path)) == len(_timeline())
+    main([str(path)])
+    out = capsys.readouterr().out
+    assert "host launch late -> aten::index" in out and "0.21" in out
