@@ -179,3 +179,19 @@ def test_activation_checkpointing_gives_the_same_gradients():
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_router_counts_need_no_host_sync_and_trace_as_one_graph():
+    """The routing counts equal bincount's, but come from a fixed-size scatter: bincount sizes its
+    output from the data, which on a GPU waits for the device and splits torch.compile's graph
+    (measured: the forward of every layer left host-bound). fullgraph=True fails on any break."""
+    from optimus_core.model.router import TopKRouter
+    cfg = MoEConfig(n_experts=8, top_k=3, d_expert=8)
+    router = TopKRouter(16, cfg)
+    x = torch.randn(37, 16, generator=torch.Generator().manual_seed(0))
+    routing = router(x)
+    assert routing.tokens_per_expert_E.tolist() == torch.bincount(routing.topk_idx_TK.flatten(),
+                                                                  minlength=8).tolist()
+    torch._dynamo.reset()
+    compiled = torch.compile(router, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x).tokens_per_expert_E, routing.tokens_per_expert_E)
