@@ -108,7 +108,9 @@ def main(argv=None) -> None:
         print(f"wrote {trace}.gz")
     kernels: dict[str, float] = {}
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        # (record_function ranges show up on the device too: not kernels)
+        if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False) \
+                and event.name != "optimus.step" and not event.name.startswith("Optimizer.step"):
             ms = event.time_range.elapsed_us() / 1e3 / args.steps  # per step
             kernels[event.name] = kernels.get(event.name, 0.0) + ms
     by_category: dict[str, float] = {}

@@ -9,8 +9,8 @@ each ``optimus.step`` range the device's busy time is the union of its kernels, 
 fills on all streams (and apart, without the collectives' kernels); the rest of the step's
 device window is idle. Each idle gap is charged to the kernel that ends it: to the host op that
 launched that kernel (the innermost ``cpu_op`` around the launch call) and to the last call that
-made the host wait for the device before it (a stream / event / device synchronize or a
-device-to-host copy), if any happened since the gap began: a gap that starts while the host sits
+made the host wait for the device before it (a stream / event / device synchronize, or a
+copy whose device side is device-to-host), if any happened since the gap began: a gap that starts while the host sits
 in such a wait is the sync's; one whose ending kernel was launched late, with no wait, is host
 overhead. Output: a per-step table and the gaps summed by cause, largest first.
 """
@@ -25,8 +25,8 @@ from collections import defaultdict
 from pathlib import Path
 
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
-WAIT_CALL = re.compile(r"Synchronize|cudaMemcpy(?!Peer)|MemcpyDtoH|hipMemcpy|urEnqueueMemBufferRead|urEventWait")
-LAUNCH_CALL = re.compile(r"Launch|cuLaunch|Memcpy|Memset|urEnqueue")
+WAIT_CALL = re.compile(r"Synchronize|urEventWait")  # calls that block the host until the device is done
+COPY_CALL = re.compile(r"Memcpy")  # block only when the copy goes device -> host (seen on its device event)
 
 
 def load(path: str | Path) -> list[dict]:
@@ -53,7 +53,11 @@ def analyze(events: list[dict], min_gap_us: float = 20.0) -> dict:
     device = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
     runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver", "xpu_runtime")]
     launches = {e["args"]["correlation"]: e for e in runtime if "correlation" in e.get("args", {})}
-    waits = sorted((e for e in runtime if WAIT_CALL.search(e["name"])), key=lambda e: e["ts"])
+    to_host = {e["args"].get("correlation") for e in events
+               if e.get("cat") == "gpu_memcpy" and re.search(r"DtoH|Device -> Host", e["name"])}
+    waits = sorted((e for e in runtime if WAIT_CALL.search(e["name"])
+                    or (COPY_CALL.search(e["name"]) and e.get("args", {}).get("correlation") in to_host)),
+                   key=lambda e: e["ts"])
     wait_ends = [w["ts"] + w["dur"] for w in waits]
     ops_by_thread: dict = defaultdict(list)
     for e in events:

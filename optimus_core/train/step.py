@@ -101,12 +101,13 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
             sums_4 = mesh.all_reduce_sum_(sums_4) / mesh.world_size
             if load_LE is not None:
                 mesh.all_reduce_sum_(load_LE)
-    loss_sum, aux_sum, lb_sum, z_sum = sums_4.tolist()  # the step's one host sync
     nan = float("nan")
-    if accept is not None and not accept(loss_sum):
-        optimizer.zero_grad(set_to_none=True)
-        return StepStats(loss_sum, aux_sum, lb_sum if moe_layers else nan, z_sum if moe_layers else nan,
-                         nan, load_LE, skipped=True)
+    if accept is not None:  # the guard needs the loss before the update: the host waits here
+        loss_sum, aux_sum, lb_sum, z_sum = sums_4.tolist()
+        if not accept(loss_sum):
+            optimizer.zero_grad(set_to_none=True)
+            return StepStats(loss_sum, aux_sum, lb_sum if moe_layers else nan, z_sum if moe_layers else nan,
+                             nan, load_LE, skipped=True)
     for group in optimizer.param_groups:
         group["lr"] = lr
     if getattr(optimizer, "syncs_gradients", False):
@@ -117,5 +118,7 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
     optimizer.zero_grad(set_to_none=True)
     for layer, load_E in zip(moe_layers, load_LE if load_LE is not None else []):
         layer.router.update_balance_bias(load_E)
+    if accept is None:  # read once the update is queued, so the device does not idle before it
+        loss_sum, aux_sum, lb_sum, z_sum = sums_4.tolist()
     return StepStats(loss_sum, aux_sum, lb_sum if moe_layers else nan, z_sum if moe_layers else nan,
                      grad_norm, load_LE)

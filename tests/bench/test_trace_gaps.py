@@ -52,3 +52,21 @@ def test_small_gaps_are_ignored_and_the_cli_reads_gzip(tmp_path, capsys):
     main([str(path)])
     out = capsys.readouterr().out
     assert "host launch late -> aten::index" in out and "0.21" in out
+
+
+def test_a_device_to_host_copy_is_a_wait_an_async_device_copy_is_not():
+    events = [
+        _x("optimus.step", "user_annotation", 0, 1000),
+        _x("cudaMemcpyAsync", "cuda_runtime", 20, 5, correlation=9),  # device -> device: no wait
+        _x("cudaLaunchKernel", "cuda_runtime", 30, 5, correlation=1),
+        _x("cudaMemcpyAsync", "cuda_runtime", 210, 90, correlation=5),  # device -> host: waits
+        _x("cudaLaunchKernel", "cuda_runtime", 320, 5, correlation=2),
+        _x("cudaMemcpyAsync", "cuda_runtime", 430, 5, correlation=8),  # device -> device, late
+        _x("A", "kernel", 100, 100, tid=7, correlation=1),
+        _x("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 95, 4, tid=7, correlation=9),
+        _x("Memcpy DtoH (Device -> Pageable)", "gpu_memcpy", 205, 3, tid=7, correlation=5),
+        _x("B", "kernel", 340, 60, tid=7, correlation=2),
+        _x("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 500, 4, tid=7, correlation=8),
+    ]
+    gaps = {g["cause"]: g["us"] for g in analyze(events, min_gap_us=20)["gaps"]}
+    assert gaps == {"after cudaMemcpyAsync": 132, "host launch late": 100}
