@@ -339,6 +339,13 @@ class TrainConfig(_Validated):
     # OLMoE-size layers, triton experts + compile on an H200: 74.8 -> 55.9 GiB peak), one more
     # cast pass per layer in backward (bench/NOTES.md).
     recast_expert_weights: bool = False
+    # Under bf16 (without recast_expert_weights): keep a bf16 copy of the experts' float32
+    # weights that the optimizer writes with each update (the Triton AdamW in the same pass, 2
+    # more bytes per parameter; torch's AdamW and the sharded optimizer's all-gather by a cast
+    # after), so the forward reads it instead of casting the weights every step. About the same
+    # peak memory: the forward otherwise keeps such a copy for the backward (optimus_core.model.
+    # experts; bench/train_step.py's "-casts" variants turn it off).
+    expert_weight_casts: bool = True
     # The LM head and the cross-entropy fused, a few thousand tokens at a time
     # (optimus_core.model.linear_cross_entropy): the same loss and gradients without the
     # micro-batch's full logits in bf16 and float32 and their gradients (several GB at 8192
@@ -346,6 +353,10 @@ class TrainConfig(_Validated):
     # then F.cross_entropy, as evaluation does.
     fused_lm_loss: bool = True
     compile: bool = False
+    # torch.compile's mode for each block: "reduce-overhead" replays the block's kernels as a
+    # CUDA graph (no per-kernel launch cost on the host, which leaves the forward host-bound on
+    # an H200: bench/NOTES.md), at the price of a static memory pool.
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
     # A step whose loss is not finite, or above loss_spike_factor x the median of recent good
     # losses (None: only non-finite), is skipped; max_bad_steps in a row roll the run back to
     # its last checkpoint and skip the data seen since.

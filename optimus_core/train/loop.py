@@ -87,7 +87,7 @@ def build_model(cfg: RunConfig, device: torch.device | str = "cpu") -> Transform
     if cfg.train.compile:
         # Per block, in place: parameter names (and so checkpoints) stay those of the eager model.
         for block in model.blocks:
-            block.compile()
+            block.compile(mode=cfg.train.compile_mode)
     return model
 
 

@@ -55,7 +55,7 @@ def build_on_device(cfg: RunConfig, device: torch.device) -> Transformer:
     model.set_recast_expert_weights(cfg.train.recast_expert_weights)
     if cfg.train.compile:
         for block in model.blocks:
-            block.compile()
+            block.compile(mode=cfg.train.compile_mode)
     return model
 
 

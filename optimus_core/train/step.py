@@ -82,6 +82,9 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
             weight = chunk.shape[0] * (chunk.shape[1] - 1) / n_tokens  # token share of this chunk
             if i == len(chunks) - 1 and hasattr(optimizer, "arm_grad_sync"):
                 optimizer.arm_grad_sync()  # the last backward: reduce gradients as they are done
+            # A new forward: blocks compiled as CUDA graphs (train.compile_mode) may reuse the
+            # memory of the previous micro-batch's outputs (a no-op for any other mode).
+            torch.compiler.cudagraph_mark_step_begin()
             ce = micro_batch_loss(model, chunk, dtype=dtype, fused=fused_lm_loss, chunk_rows=lm_loss_chunk_rows)
             aux = model.aux_loss()
             objective = ce + aux if aux is not None else ce
