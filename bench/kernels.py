@@ -12,14 +12,18 @@ e chosen with weight 1/(e+1)^1.2, top-8 without replacement, Gumbel top-k). Each
 kernels.grouped_mm (loop, torch, triton: those that run here) is timed forward and backward
 (dx and dw) separately, beside torch._grouped_mm called bare ("torch_raw": the "torch" backend
 also zeroes the rows past offsets[-1], one extra pass) and a dense torch.mm of the same FLOPs
-(the ceiling). Beside "triton" (the default kernels), its A/B variants (kernels.grouped_mm's
-TRITON_KERNELS choices), each labelled with the kernel that really ran ("fallback" names the
-reason where the TMA kernel could not):
-  triton-dxT      dx over a contiguous copy of w^T (the copy timed in), forward as triton (bwd only)
-  triton-tma      forward and dx through the persistent tensor-descriptor (TMA) kernel
-  triton-tma-flat the same with its loop over tiles fused with the K loop (tl.range flatten)
-  triton-tma-dxT  dx over the copy of w^T through the TMA kernel (bwd only)
+(the ceiling). Beside "triton" (the default kernels: TMA forward, dx and dw where they run;
+its rows record the choices in effect), its A/B variants (kernels.grouped_mm's TRITON_KERNELS
+choices, the others left at their defaults), each labelled with the kernel that really ran
+("fallback" names the reason where the TMA kernels could not):
+  triton-dxT        dx over a contiguous copy of w^T (the copy timed in), forward pointer (bwd only)
+  triton-tma        forward and dx through the persistent tensor-descriptor (TMA) kernel
+  triton-tma-flat   the same with its loop over tiles fused with the K loop (tl.range flatten)
+  triton-tma-dxT    dx over the copy of w^T through the TMA kernel (bwd only)
+  triton-dw-pointer dw through the pointer kernel instead of the TMA dW kernel (bwd and dw)
   TFLOP/s = 2*M*K*N (fwd) or 4*M*K*N (bwd) / median time,  M = T*8.
+The "dw" pass (triton and triton-dw-pointer rows) times the dW op alone, 2*M*K*N, written in
+float32 as for the training's float32 master weights (the bwd pass's dw is in w's bf16).
 permute+unpermute (forward pair, backward pair) is reported in GB/s of minimal traffic (each
 input read once, each output written once) beside a plain copy (clone) of the (T*8, 2048)
 sorted activations: fwd 2*(T + T*8)*D*2 bytes, bwd (3*T*8 + 2*T)*D*2 bytes, copy 2*T*8*D*2.
@@ -49,17 +53,18 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere in the checkout
 
 from bench.common import write_jsonl  # noqa: E402
 from kernels import available_backends, grouped_mm, permute, unpermute  # noqa: E402
-from kernels.grouped_mm import triton_kernels  # noqa: E402
+from kernels.grouped_mm import TRITON_KERNELS, triton_kernels  # noqa: E402
 from kernels.grouped_mm_tma import tma_unsupported  # noqa: E402
 
 OLMOE = dict(experts=64, top_k=8, d_model=2048, hidden=1024)
 TINY = dict(experts=4, top_k=2, d_model=32, hidden=16)  # the interpreter smoke check
-# name: (kernel choices, passes timed); the default "triton" is forward pointer, dx strided
+# name: (kernel choices, passes timed); "triton" runs the defaults (TRITON_KERNELS) for fwd, bwd, dw
 TRITON_VARIANTS = {
     "triton-dxT": (dict(forward="pointer", dx="copy"), ("bwd",)),
     "triton-tma": (dict(forward="tma", dx="tma"), ("fwd", "bwd")),
     "triton-tma-flat": (dict(forward="tma", dx="tma", tma_flatten=True), ("fwd", "bwd")),
     "triton-tma-dxT": (dict(forward="tma", dx="copy"), ("bwd",)),
+    "triton-dw-pointer": (dict(dw="pointer"), ("bwd", "dw")),
 }
 OPS = ("up", "down", "permute")
 
@@ -159,26 +164,31 @@ def bench_gemms(rec, timer, device, dtype, T, routing, topk_idx, shape, backends
         if "dense" in backends:
             runs["dense"] = lambda: x @ w2d
         for name, fwd in runs.items():
-            choices, timed = TRITON_VARIANTS.get(name, ({}, ("fwd", "bwd")))
+            default_passes = ("fwd", "bwd", "dw") if name == "triton" else ("fwd", "bwd")
+            choices, timed = TRITON_VARIANTS.get(name, ({}, default_passes))
             extra = {}
-            if "tma" in name:  # say so where the TMA kernel falls back to the pointer kernel
-                reason = tma_unsupported(x, w, dy)  # dy stands in for y: same shape, dtype, strides
-                extra = {"kernels": choices, "fallback": reason} if reason else {"kernels": choices}
+            if name == "triton":
+                extra = {"kernels": dict(TRITON_KERNELS)}
             elif choices:
                 extra = {"kernels": choices}
+            if "tma" in {**TRITON_KERNELS, **choices}.values() and name.startswith("triton"):
+                # say so where a TMA kernel falls back to the pointer kernel
+                reason = tma_unsupported(x, w, dy)  # dy stands in for y: same shape, dtype, strides
+                extra.update({"fallback": reason} if reason else {})
             try:
                 with triton_kernels(**choices):
                     y = fwd()
                     params = (x, w2d) if name == "dense" else (x, w)
                     backward = lambda y=y, params=params: torch.autograd.grad(y, params, dy, retain_graph=True)  # noqa: E731
-                    passes = {"fwd": (fwd, flop), "bwd": (backward, 2 * flop)}
+                    dw_alone = lambda: torch.ops.optimus.grouped_mm_dw(x.detach(), dy, offsets, True)  # noqa: E731
+                    passes = {"fwd": (fwd, flop), "bwd": (backward, 2 * flop), "dw": (dw_alone, flop)}
                     for pass_ in timed:
                         fn, f = passes[pass_]
                         ms = timer(fn)
                         rec(op=gemm, pass_=pass_, backend=name, tokens=T, routing=routing, ms=ms,
                             tflops=f / ms / 1e9, flop=f, M=M, K=K, N=N, experts=E,
                             max_over_mean_load=(load.max() / load.mean()).item(), **extra)
-                del y, backward, passes  # free this row's graph before the next row's forward
+                del y, backward, dw_alone, passes  # free this row's graph before the next row's forward
             except Exception as e:  # an untried variant that fails (e.g. to compile) costs its row only
                 if name not in TRITON_VARIANTS:
                     raise
@@ -262,10 +272,10 @@ def main(argv=None) -> None:
             return
         rate = f"{line['tflops']:8.1f} TFLOP/s" if "tflops" in line else f"{line['gbps']:8.1f} GB/s   "
         note = f"  (fell back: {line['fallback']})" if line.get("fallback") else ""
-        print(f"{line['op']:>18} {pass_:>4} {line['backend']:>14} {line['tokens']:>6} "
+        print(f"{line['op']:>18} {pass_:>4} {line['backend']:>17} {line['tokens']:>6} "
               f"{line['routing']:>8} {line['ms']:9.3f} ms {rate}{note}", flush=True)
 
-    print(f"{'op':>18} {'pass':>4} {'backend':>14} {'tokens':>6} {'routing':>8} {'median':>12} {'rate':>14}")
+    print(f"{'op':>18} {'pass':>4} {'backend':>17} {'tokens':>6} {'routing':>8} {'median':>12} {'rate':>14}")
     gen = torch.Generator().manual_seed(0)
     for T in tokens:
         for routing in routings:

@@ -1,6 +1,6 @@
 """Grouped matrix multiply: the experts' GEMM of an MoE layer.
 
-    grouped_mm(x_MK, w_GKN, offsets_G, *, backend="triton", keep_cast=False) -> y_MN
+    grouped_mm(x_MK, w_GKN, offsets_G, *, backend="triton", keep_cast=False, w_cast=None) -> y_MN
     grouped_mm_reference(x_MK, w_GKN, offsets_G) -> y_MN
     torch_grouped_mm_unsupported(x_MK, w_GKN) -> str | None
 
@@ -13,6 +13,9 @@ N out-features, G groups (experts).
   ``keep_cast`` (triton backend) chooses memory or time: False casts again in the backward, so
   no half-precision copy of the weights is kept alive between them (for 8 OLMoE layers, 6 GiB);
   True keeps the forward's copy for the backward (one cast per step instead of two).
+  ``w_cast`` (any backend): a copy of w in x's dtype that someone keeps current (the optimizer
+  writes it with each update: optimus_core.model.experts), not requiring grad. The forward and
+  dx read it instead of casting w; dw comes back for w, in w's dtype (float32, no cast after).
 - offsets_G: int32 (G,), cumulative group ends as torch._grouped_mm takes them: group g owns rows
   offsets[g-1] .. offsets[g] (group 0 starts at row 0), G >= 1. Groups may be empty; rows past
   offsets[-1] belong to no group: their outputs are zero and they get zero gradient.
@@ -29,10 +32,12 @@ Backends:
   float32 inputs multiply in full fp32 ("ieee", not tf32), as torch.mm does by default. Which
   kernels run is TRITON_KERNELS (below; `with triton_kernels(forward="pointer", dx="copy"):
   ...` for an A/B): the forward by pointer loads or by the Hopper TMA kernel (grouped_mm_tma.py),
-  dx reading w^T through strides, from a contiguous copy of it, or transposed by the TMA kernel.
-  The default is the TMA kernel for both (measured faster on an H200 at every shape of
-  bench/kernels.py, bench/NOTES.md); where it cannot run (no sm90, Intel XPU, float32, the
-  interpreter) the pointer kernels run instead, chosen per call.
+  dx reading w^T through strides, from a contiguous copy of it, or transposed by the TMA kernel,
+  dw by pointer loads or by the TMA dW kernel (grouped_mm_tma.py). The default is the TMA
+  kernels for all three (forward and dx measured faster on an H200 at every shape of
+  bench/kernels.py, bench/NOTES.md; dw's A/B is bench/kernels.py's triton-dw-pointer row);
+  where they cannot run (no sm90, Intel XPU, float32 on a GPU, unaligned rows) the pointer
+  kernels run instead, chosen per call.
 """
 
 from __future__ import annotations
@@ -44,24 +49,28 @@ from torch import Tensor
 
 from ._triton import INTERPRET, autotuned, bucket, check_launchable, device_guard, jit, tile_configs, tl, triton
 from .grouped_mm_tiles import locate_tile, segment_tiles
-from .grouped_mm_tma import launch_grouped_mm_tma, tma_unsupported
+from .grouped_mm_tma import launch_grouped_mm_dw_tma, launch_grouped_mm_tma, tma_unsupported
 
 BACKENDS = ("loop", "torch", "triton")
 
 # The triton backend's kernel choices, read at every launch (so a benchmark can time both
 # sides of each in one process: see triton_kernels):
-#   forward  "pointer": one program per output tile, pointer loads (the measured default);
-#            "tma": grouped_mm_tma's persistent tensor-descriptor kernel, where it can run
-#            (Triton 3.4+, NVIDIA sm90+, 16-bit, aligned rows), else "pointer".
-#   dx       "strided": the forward's kernel reading w^T through transposed strides (default);
+#   forward  "pointer": one program per output tile, pointer loads;
+#            "tma" (default): grouped_mm_tma's persistent tensor-descriptor kernel, where it
+#            can run (Triton 3.4+, NVIDIA sm90+, 16-bit, aligned rows), else "pointer".
+#   dx       "strided": the forward's kernel reading w^T through transposed strides;
 #            "copy": w^T made contiguous per group first ((G, N, K) by a tiled transpose that
 #            also casts, a temporary of w's size freed after the kernel), then the forward
 #            kernel chosen above over it;
-#            "tma": the TMA kernel reading w as stored and transposing tiles in shared memory
-#            (no copy), where it can run, else "strided".
-#   tma_flatten  False / True: the TMA kernel's loop over work items fused with its K loop.
-TRITON_KERNELS = {"forward": "tma", "dx": "tma", "tma_flatten": False}
-KERNEL_CHOICES = {"forward": ("pointer", "tma"), "dx": ("strided", "copy", "tma"), "tma_flatten": (False, True)}
+#            "tma" (default): the TMA kernel reading w as stored and transposing tiles in
+#            shared memory (no copy), where it can run, else "strided".
+#   dw       "pointer": one program per (group, K tile, N tile), pointer loads;
+#            "tma" (default): grouped_mm_tma's persistent dW kernel (per-group descriptors),
+#            where it can run (as the forward's "tma"), else "pointer".
+#   tma_flatten  False / True: the forward / dx TMA kernel's loop over work items fused with its K loop.
+TRITON_KERNELS = {"forward": "tma", "dx": "tma", "dw": "tma", "tma_flatten": False}
+KERNEL_CHOICES = {"forward": ("pointer", "tma"), "dx": ("strided", "copy", "tma"), "dw": ("pointer", "tma"),
+                  "tma_flatten": (False, True)}
 
 
 @contextlib.contextmanager
@@ -111,10 +120,17 @@ def torch_grouped_mm_unsupported(x: Tensor, w: Tensor) -> str | None:
 
 
 def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, backend: str = "triton",
-               keep_cast: bool = False) -> Tensor:
-    """y[rows of g] = x[rows of g] @ w[g]; see the module docstring for shapes, backends and
-    ``keep_cast``."""
+               keep_cast: bool = False, w_cast: Tensor | None = None) -> Tensor:
+    """y[rows of g] = x[rows of g] @ w[g]; see the module docstring for shapes, backends,
+    ``keep_cast`` and ``w_cast``."""
     _check_args(x, w, offsets)
+    if w_cast is not None:
+        _check_cast(x, w, w_cast)
+        if backend == "triton":
+            check_launchable("grouped_mm", x, w, w_cast, offsets)
+            return torch.ops.optimus.grouped_mm_cast(x, w, w_cast, offsets)
+        if backend in ("loop", "torch"):  # the copy stands in for w.to(x.dtype), gradient and all
+            w = _AsCast.apply(w, w_cast)
     if backend == "loop":
         return grouped_mm_reference(x, w.to(x.dtype), offsets)
     if backend == "torch":
@@ -362,11 +378,14 @@ def _launch_grouped_mm_dx(dy: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
 
 def _launch_grouped_mm_dw(x: Tensor, dy: Tensor, offsets: Tensor, float32_out: bool = False) -> Tensor:
     """dw[g] = x[rows of g]^T @ dy[rows of g], accumulated in float32 and stored in x's dtype or,
-    with ``float32_out``, as float32 (the gradient of float32 master weights, no cast after)."""
+    with ``float32_out``, as float32 (the gradient of float32 master weights, no cast after);
+    TRITON_KERNELS["dw"] picks the kernel."""
     (M, K), N, G = x.shape, dy.shape[1], offsets.shape[0]
     dw = x.new_empty(G, K, N, dtype=torch.float32 if float32_out else x.dtype)
     if dw.numel() == 0:
         return dw
+    if TRITON_KERNELS["dw"] == "tma" and tma_unsupported(x, dw, dy) is None:
+        return launch_grouped_mm_dw_tma(x, dy, offsets, dw)
 
     def grid(meta):
         return (G * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]),)
@@ -454,3 +473,51 @@ def _keep_cast_backward(ctx, dy, _):
 
 
 _grouped_mm_keep_cast_op.register_autograd(_keep_cast_backward, setup_context=_keep_cast_setup)
+
+
+# w_cast: a half-precision copy of w kept current outside (the optimizer writes it), read by the
+# forward and dx in place of a cast; dw is written for w, in w's dtype.
+@torch.library.custom_op("optimus::grouped_mm_cast", mutates_args=())
+def _grouped_mm_cast_op(x: Tensor, w: Tensor, w_cast: Tensor, offsets: Tensor) -> Tensor:
+    return _launch_grouped_mm(x, w_cast, offsets)  # w is an input only to receive its gradient
+
+
+@_grouped_mm_cast_op.register_fake
+def _(x, w, w_cast, offsets):
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+def _cast_setup(ctx, inputs, output):
+    x, w, w_cast, offsets = inputs
+    ctx.float32_dw = w.dtype != x.dtype
+    ctx.save_for_backward(x, w_cast, offsets)
+
+
+def _cast_backward(ctx, dy):
+    x, w_cast, offsets = ctx.saved_tensors
+    return (*_grads(ctx, x, w_cast, offsets, dy, ctx.float32_dw), None)
+
+
+_grouped_mm_cast_op.register_autograd(_cast_backward, setup_context=_cast_setup)
+
+
+class _AsCast(torch.autograd.Function):
+    """w_cast in the forward, the gradient back to w in w's dtype: w.to(w_cast.dtype) without
+    the cast (the "loop" and "torch" backends, which take w in x's dtype)."""
+
+    @staticmethod
+    def forward(ctx, w, w_cast):
+        ctx.w_dtype = w.dtype
+        return w_cast.view_as(w_cast)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.w_dtype), None
+
+
+def _check_cast(x: Tensor, w: Tensor, w_cast: Tensor) -> None:
+    if w_cast.shape != w.shape or w_cast.dtype != x.dtype or w_cast.device != w.device:
+        raise ValueError(f"grouped_mm: w_cast must be w's shape {tuple(w.shape)} on {w.device} in x's dtype "
+                         f"{x.dtype}, got {tuple(w_cast.shape)} {w_cast.dtype} on {w_cast.device}")
+    if w_cast.requires_grad:
+        raise ValueError("grouped_mm: w_cast must not require grad (the gradient goes to w)")

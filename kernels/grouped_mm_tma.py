@@ -1,19 +1,21 @@
-"""The grouped GEMM's Hopper kernel: tensor descriptors (TMA) and a persistent grid.
+"""The grouped GEMM's Hopper kernels: tensor descriptors (TMA) and a persistent grid.
 
     launch_grouped_mm_tma(x_MK, w, offsets_G, y_MN, *, trans_w=False, dx=False, flatten=False)
+    launch_grouped_mm_dw_tma(x_MK, dy_MN, offsets_G, dw_GKN, *, config=None)
     tma_unsupported(x_MK, w, y_MN) -> str | None     # why it cannot run these tensors, or None
 
 y[rows of g] = x[rows of g] @ B_g with B_g = w[g] for w (G, K, N), or, with trans_w, B_g = w[g]^T
 for w (G, N, K): that is dx = dy @ w[g]^T read straight from the forward's weight, transposed in
-shared memory instead of copied. Same contract as grouped_mm.py's pointer kernel (rows past
-offsets[-1] come out zero, empty groups, any sizes); kernels/grouped_mm.py chooses between them.
+shared memory instead of copied. And dw[g] = x[rows of g]^T @ dy[rows of g], the weight
+gradient. Same contracts as grouped_mm.py's pointer kernels (rows past offsets[-1] come out zero
+or add nothing, empty groups, any sizes); kernels/grouped_mm.py chooses between them.
 
-One program per SM loops over the (row tile, column tile) work items, numbered from offsets on
-the device (grouped_mm_tiles), so there is no host sync and no idle tail of tiny programs.
-Descriptors: x as (M, K), w as one (G*K, N) (or (G*N, K)) matrix, y as (M, N), made once per
-program on the device (tl.make_tensor_descriptor; the descriptors live in a small scratch buffer
-from the allocator set with triton.set_allocator). Loads past a descriptor's shape read zeros,
-stores past it are dropped; that is all the clipping TMA does, so:
+Forward and dx: one program per SM loops over the (row tile, column tile) work items, numbered
+from offsets on the device (grouped_mm_tiles), so there is no host sync and no idle tail of tiny
+programs. Descriptors: x as (M, K), w as one (G*K, N) (or (G*N, K)) matrix, y as (M, N), made
+once per program on the device (tl.make_tensor_descriptor; the descriptors live in a small
+scratch buffer from the allocator set with triton.set_allocator). Loads past a descriptor's
+shape read zeros, stores past it are dropped; that is all the clipping TMA does, so:
 - x's rows past a group's end belong to the next group: they feed only output rows that are
   never stored (rows are independent in a matmul).
 - w's rows of a K block running past K belong to group g + 1: the last partial K block is
@@ -21,6 +23,18 @@ stores past it are dropped; that is all the clipping TMA does, so:
   Transposed, they land in output columns >= N, which the store drops.
 - A row tile that ends inside its group (the partial last tile) is stored with masked pointer
   stores: a TMA store would write into the next group's rows, which another program owns.
+
+dW: one program per SM loops over (group, K tile, N tile) items, the groups largest first
+(grouped_mm_tiles.groups_by_size), so that the programs running at one time share a group's
+rows of x and dy in L2 and the round-robin deal stays balanced under skewed routing. Each item
+reduces over its group's rows, BLOCK_R at a time, acc_KN += x_blk^T @ dy_blk, through
+descriptors made per item for that group alone: x[rows of g] as (rows, K), dy[rows of g] as
+(rows, N), dw[g] as (K, N). So TMA's clipping is the whole of the masking: the last partial
+row block reads zeros past the group's end (both operands: rows past offsets[-1] may hold NaN,
+and 0 * NaN is NaN), and a K or N tile past dw[g]'s edge is dropped, not written into
+dw[g + 1]. An empty group's tiles are stored as zeros (dw is new_empty). The float32 store's
+shared-memory staging tile is large (128 KB for a 128 x 256 tile, beside 48 KB per pipeline
+stage), so configs with SPLIT_N = 2 store the tile as two BLOCK_K x BLOCK_N/2 halves.
 
 Needs Triton with device-side descriptors (3.4+), an NVIDIA sm90+ GPU, 16-bit inputs with
 16-byte aligned rows (K, N multiples of 8), or the interpreter (float32, any TMA-legal shape).
@@ -34,11 +48,12 @@ import torch
 from torch import Tensor
 
 from ._triton import INTERPRET, autotuned, bucket, device_guard, jit, tile_configs, tl, triton
-from .grouped_mm_tiles import locate_tile, segment_tiles
+from .grouped_mm_tiles import group_of_rank, groups_by_size, locate_tile, segment_tiles
 
 
 def tma_unsupported(x: Tensor, w: Tensor, y: Tensor) -> str | None:
-    """Why the TMA kernel cannot run on these tensors (w as the kernel reads it), or None."""
+    """Why the TMA kernels cannot run on these tensors (w as the kernel reads it), or None; for
+    dW: tma_unsupported(x, dw, dy)."""
     if triton is None or not hasattr(tl, "make_tensor_descriptor") or not hasattr(triton, "set_allocator"):
         return f"Triton {getattr(triton, '__version__', None)} has no device-side tensor descriptors"
     if not INTERPRET:
@@ -167,3 +182,93 @@ def launch_grouped_mm_tma(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *,
             x, w, y, offsets, M, N, K, G, x.stride(0), y.stride(0), bucket(M), int(dx),
             SEGMENTS=triton.next_power_of_2(G + 1), TRANS_W=trans_w, FLATTEN=flatten)
     return y
+
+
+def _dw_tma_configs(device_type: str, dtype: torch.dtype):
+    """(BLOCK_R, BLOCK_K, BLOCK_N, warps, stages, SPLIT_N): a BLOCK_K x BLOCK_N tile of dw[g],
+    BLOCK_R rows per reduction step. Shared memory per stage is BLOCK_R * (BLOCK_K + BLOCK_N) * 2
+    bytes, plus the store's staging tile, BLOCK_K * BLOCK_N / SPLIT_N * 4 bytes for float32:
+    64 x 128 x 256 with 3 stages and a split store is 144 + 64 = 208 KB of the H200's 227 KB.
+    Output tiles 128+ wide in K, as the pointer kernel measured best (bench/NOTES.md). Each
+    compiles for sm90 within shared memory and without register spills (Triton 3.6 and 3.9,
+    compiled offline); the GPU test test_every_dw_tma_config_compiles_and_matches runs them."""
+    if INTERPRET:
+        shapes = [(16, 16, 16, 1, 1, 2)]
+    else:
+        shapes = [(64, 128, 256, 8, 3, 2), (64, 256, 128, 8, 3, 2), (64, 128, 128, 8, 4, 1),
+                  (64, 128, 128, 4, 4, 1), (32, 128, 256, 8, 5, 2), (128, 128, 128, 8, 2, 1)]
+    return [triton.Config({"BLOCK_R": r, "BLOCK_K": k, "BLOCK_N": n, "SPLIT_N": split},
+                          num_warps=w, num_stages=st) for r, k, n, w, st, split in shapes]
+
+
+@jit
+def _grouped_mm_dw_tma_kernel(
+    x_ptr, dy_ptr, dw_ptr, offsets_ptr,
+    M, N, K, G, stride_xm, stride_dym,
+    M_BUCKET,  # autotune key only: the row count's bucket
+    SEGMENTS: tl.constexpr, CHUNK: tl.constexpr,  # powers of two, SEGMENTS >= G, CHUNK <= SEGMENTS
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_N: tl.constexpr,  # 1, or 2: store the tile as two column halves (half the staging)
+):
+    """dw[g] = x[rows of g]^T @ dy[rows of g], one (group, K tile, N tile) item at a time."""
+    seg, starts, ends, rank = groups_by_size(offsets_ptr, M, G, SEGMENTS, CHUNK)
+    num_n = tl.cdiv(N, BLOCK_N)
+    tiles = tl.cdiv(K, BLOCK_K) * num_n  # per group
+    for item in tl.range(tl.program_id(0), G * tiles, tl.num_programs(0)):
+        g, row_start, row_end = group_of_rank(item // tiles, seg, starts, ends, rank)
+        k0 = item % tiles // num_n * BLOCK_K
+        n0 = item % num_n * BLOCK_N
+        rows = row_end - row_start
+        # This group's rows only: TMA reads zeros past them. A descriptor needs a row, so an
+        # empty group gets one, never read (the loop below does not run).
+        x_desc = tl.make_tensor_descriptor(x_ptr + row_start.to(tl.int64) * stride_xm,
+                                           shape=[tl.maximum(rows, 1), K], strides=[stride_xm, 1],
+                                           block_shape=[BLOCK_R, BLOCK_K])
+        dy_desc = tl.make_tensor_descriptor(dy_ptr + row_start.to(tl.int64) * stride_dym,
+                                            shape=[tl.maximum(rows, 1), N], strides=[stride_dym, 1],
+                                            block_shape=[BLOCK_R, BLOCK_N])
+        dw_desc = tl.make_tensor_descriptor(dw_ptr + g.to(tl.int64) * K * N, shape=[K, N], strides=[N, 1],
+                                            block_shape=[BLOCK_K, BLOCK_N // SPLIT_N])
+        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        for r in range(0, rows, BLOCK_R):
+            a = x_desc.load([r, k0])
+            b = dy_desc.load([r, n0])
+            acc = tl.dot(tl.trans(a), b, acc, input_precision="ieee")
+        out = acc.to(dw_ptr.dtype.element_ty)
+        if SPLIT_N == 2:  # columns n0 .. n0 + BLOCK_N/2 and the rest, as Triton's persistent matmul
+            left, right = tl.split(tl.permute(tl.reshape(out, (BLOCK_K, 2, BLOCK_N // 2)), (0, 2, 1)))
+            dw_desc.store([k0, n0], left)
+            dw_desc.store([k0, n0 + BLOCK_N // 2], right)
+        else:
+            dw_desc.store([k0, n0], out)
+
+
+_grouped_mm_dw_tma_tuned = autotuned(_dw_tma_configs, key=["N", "K", "M_BUCKET"])(_grouped_mm_dw_tma_kernel)
+
+
+def launch_grouped_mm_dw_tma(x: Tensor, dy: Tensor, offsets: Tensor, dw: Tensor, *,
+                             config: dict | None = None) -> Tensor:
+    """Fill dw (G, K, N), contiguous, in any float dtype (the float32 accumulator is stored in
+    it), with dw[g] = x[rows of g]^T @ dy[rows of g]. The caller checks tma_unsupported(x, dw, dy)
+    first. config: fixed meta-parameters instead of autotuning, e.g. {"BLOCK_R": 16, "BLOCK_K":
+    16, "BLOCK_N": 32, "SPLIT_N": 1, "num_warps": 1, "num_stages": 1} (tests of each store)."""
+    (M, K), (G, _, N) = x.shape, dw.shape
+    if dw.numel() == 0:
+        return dw
+    if M == 0:  # no rows at all: nothing for a descriptor to address
+        return dw.zero_()
+    programs = _num_programs(x.device)
+
+    def grid(meta):
+        return (min(programs, G * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+
+    segments = triton.next_power_of_2(G)
+    args = (x, dy, dw, offsets, M, N, K, G, x.stride(0), dy.stride(0), bucket(M))
+    triton.set_allocator(_scratch(x.device))  # per launch: see launch_grouped_mm_tma
+    with device_guard(x):
+        if config is None:
+            _grouped_mm_dw_tma_tuned(x.device.type, x.dtype)[grid](
+                *args, SEGMENTS=segments, CHUNK=min(segments, 32))
+        else:
+            _grouped_mm_dw_tma_kernel[grid](*args, SEGMENTS=segments, CHUNK=min(segments, 32), **config)
+    return dw

@@ -1,6 +1,7 @@
 """grouped_mm's alternative triton kernels (kernels.grouped_mm.TRITON_KERNELS) against the loop:
 the TMA forward (kernels/grouped_mm_tma.py: tensor descriptors, persistent grid), dx from a
-contiguous copy of w^T, and dx through the TMA kernel with w transposed in shared memory.
+contiguous copy of w^T, dx through the TMA kernel with w transposed in shared memory, and dW
+through the TMA dW kernel (per-group descriptors, groups dealt largest first).
 
 The interpreter runs tensor descriptors (Triton 3.9), so the TMA kernel itself runs in CI, with
 3 persistent programs so that each loops over several tiles. Shapes keep rows 16-byte aligned in
@@ -15,6 +16,8 @@ import torch
 
 import kernels.grouped_mm_tma as gm_tma
 from kernels import grouped_mm
+from kernels._triton import jit, tl
+from kernels.grouped_mm_tiles import group_of_rank, groups_by_size
 from test_grouped_mm import GPU_CASES, forward_backward, make
 
 gm = importlib.import_module("kernels.grouped_mm")  # the module: the package's `grouped_mm` is the function
@@ -29,21 +32,28 @@ CASES = {
     "all rows past the end": ([0, 0], 12, 16, 16),
     "no rows": ([0, 0, 0], 0, 8, 8),
 }
-# (forward, dx, tma_flatten)
-CHOICES = [("pointer", "copy", False), ("tma", "strided", False), ("tma", "copy", False),
-           ("tma", "tma", False), ("tma", "tma", True), ("tma", "copy", True)]
+# (forward, dx, tma_flatten, dw)
+CHOICES = [("pointer", "copy", False, "pointer"), ("tma", "strided", False, "tma"),
+           ("tma", "copy", False, "pointer"), ("tma", "tma", False, "tma"), ("tma", "tma", True, "pointer"),
+           ("tma", "copy", True, "tma"), ("pointer", "strided", False, "tma")]
 
 
 @pytest.fixture
 def tma_calls(monkeypatch):
-    """The TMA launches of a test, as (x shape, trans_w) pairs."""
+    """The TMA launches of a test: (x shape, trans_w) for the forward / dx kernel, ("dw", x shape,
+    dw dtype) for the dW kernel."""
     calls = []
 
     def spy(x, w, offsets, y, **kw):
         calls.append((tuple(x.shape), kw.get("trans_w", False)))
         return gm_tma.launch_grouped_mm_tma(x, w, offsets, y, **kw)
 
+    def spy_dw(x, dy, offsets, dw, **kw):
+        calls.append(("dw", tuple(x.shape), dw.dtype))
+        return gm_tma.launch_grouped_mm_dw_tma(x, dy, offsets, dw, **kw)
+
     monkeypatch.setattr(gm, "launch_grouped_mm_tma", spy)
+    monkeypatch.setattr(gm, "launch_grouped_mm_dw_tma", spy_dw)
     return calls
 
 
@@ -59,22 +69,24 @@ def check_against_loop(x, w, offsets, dy, what):
     return got
 
 
-@pytest.mark.parametrize("forward,dx,flatten", CHOICES)
+@pytest.mark.parametrize("forward,dx,flatten,dw", CHOICES)
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_choices_match_loop(case, forward, dx, flatten, triton_device, tma_calls):
+def test_kernel_choices_match_loop(case, forward, dx, flatten, dw, triton_device, tma_calls):
     sizes, tail, K, N = CASES[case]
     x, w, offsets, dy = make(sizes, tail, K, N, triton_device)
-    with gm.triton_kernels(forward=forward, dx=dx, tma_flatten=flatten):
-        y, dx_, _ = check_against_loop(x, w, offsets, dy, f"{forward}/{dx}")
+    with gm.triton_kernels(forward=forward, dx=dx, tma_flatten=flatten, dw=dw):
+        y, dx_, _ = check_against_loop(x, w, offsets, dy, f"{forward}/{dx}/{dw}")
     M = x.shape[0]
     assert not y[M - tail:].any() and not dx_[M - tail:].any(), "rows past offsets[-1] must be 0"
-    if not tma_runs(x, w) or M == 0:
+    if not tma_runs(x, w):
         assert tma_calls == []
         return
     # the forward through TMA when chosen; dx through it when chosen, or on the copy of w^T
-    want = [((M, K), False)] if forward == "tma" else []
-    want += {"tma": [((M, N), True)], "copy": [((M, N), False)] if forward == "tma" else []}.get(dx, [])
-    assert tma_calls == want
+    # (neither launches without rows); dw through the dW kernel when chosen (it zeroes dw then)
+    want = [((M, K), False)] if forward == "tma" and M else []
+    want += {"tma": [((M, N), True)], "copy": [((M, N), False)] if forward == "tma" else []}.get(dx, []) if M else []
+    want += [("dw", (M, K), x.dtype)] if dw == "tma" else []
+    assert sorted(tma_calls, key=str) == sorted(want, key=str)  # autograd orders dx and dw as it likes
 
 
 def test_dx_copy_runs_the_forward_kernel_on_a_contiguous_transpose(triton_device, monkeypatch):
@@ -105,14 +117,14 @@ def test_transposed_copy(shape, triton_device):
         assert wt.is_contiguous() and torch.equal(wt, w.transpose(1, 2))
 
 
-@pytest.mark.parametrize("forward,dx,flatten", CHOICES)
-def test_non_finite_weights_of_an_empty_group_never_leak(forward, dx, flatten, triton_device):
+@pytest.mark.parametrize("forward,dx,flatten,dw", CHOICES)
+def test_non_finite_weights_of_an_empty_group_never_leak(forward, dx, flatten, dw, triton_device):
     """A K block running past K reads the next group's weights (w is one (G*K, N) matrix to
     the descriptor): they must be zeroed, or an inf there turns its neighbour's outputs NaN."""
     x, w, offsets, dy = make([9, 21, 0], 1, 20, 12, triton_device)  # K = 20: a partial K block
     with torch.no_grad():
         w[2] = float("inf")
-    with gm.triton_kernels(forward=forward, dx=dx, tma_flatten=flatten):
+    with gm.triton_kernels(forward=forward, dx=dx, tma_flatten=flatten, dw=dw):
         y, dx_, dw = forward_backward(x, w, offsets, dy, backend="triton")
     want = forward_backward(x, w, offsets, dy, backend="loop")
     for name, g, r in zip(("y", "dx", "dw"), (y, dx_, dw), want):
@@ -124,7 +136,7 @@ def test_misaligned_rows_fall_back_to_the_pointer_kernel(triton_device, tma_call
     x, w, offsets, dy = make([5, 0, 9], 2, 6, 10, triton_device)  # 24- and 40-byte float32 rows
     reason = gm_tma.tma_unsupported(x, w, x.new_empty(len(x), 10))
     assert reason is not None  # 16-byte rows in the interpreter; float32 or no sm90 on a GPU
-    with gm.triton_kernels(forward="tma", dx="tma"):
+    with gm.triton_kernels(forward="tma", dx="tma", dw="tma"):
         check_against_loop(x, w, offsets, dy, "fallback")
     assert tma_calls == []
 
@@ -147,12 +159,15 @@ def test_kernel_choices_are_checked_and_restored():
     with pytest.raises(ValueError, match=r"dx must be one of \('strided', 'copy', 'tma'\), got 'cutlass'"):
         with gm.triton_kernels(dx="cutlass"):
             pass
+    with pytest.raises(ValueError, match=r"dw must be one of \('pointer', 'tma'\), got 'strided'"):
+        with gm.triton_kernels(dw="strided"):
+            pass
     with pytest.raises(ValueError, match="unknown choice 'backward'"):
         with gm.triton_kernels(backward="tma"):
             pass
     with pytest.raises(RuntimeError, match="inside"):
         with gm.triton_kernels(forward="tma", dx="copy"):
-            assert gm.TRITON_KERNELS == {"forward": "tma", "dx": "copy", "tma_flatten": False}
+            assert gm.TRITON_KERNELS == {"forward": "tma", "dx": "copy", "dw": "tma", "tma_flatten": False}
             raise RuntimeError("inside")
     assert gm.TRITON_KERNELS == before
 
@@ -184,15 +199,127 @@ def test_compiled_two_layer_product_with_the_tma_kernels(dx, triton_device):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
+# ---------------------------------------------------------------- the TMA dW kernel
+# name: (rows per group, rows past offsets[-1], K, N); K, N multiples of 4 (16-byte float32 rows)
+DW_CASES = {
+    "empty groups and a tail": ([0, 17, 0, 30], 5, 20, 36),
+    "one group takes all": ([0, 0, 45, 0, 0], 0, 32, 16),
+    "ragged, sizes off the row block": ([3, 0, 21, 1, 16, 9, 0, 40], 3, 44, 52),
+    "all rows past the end": ([0, 0], 12, 16, 16),
+    "one row": ([0, 1], 0, 8, 4),
+}
+# None: the autotuned (interpreter: split store) config; the others fix each store, row blocks
+# taller and shorter than the groups, and K / N tiles that divide neither K nor N
+DW_CONFIGS = {
+    "autotuned": None,
+    "whole store, wide tile": dict(BLOCK_R=8, BLOCK_K=32, BLOCK_N=32, SPLIT_N=1, num_warps=1, num_stages=1),
+    "tall row blocks, split store": dict(BLOCK_R=32, BLOCK_K=8, BLOCK_N=16, SPLIT_N=2, num_warps=1, num_stages=1),
+}
+
+
+def dw_reference(x, dy, offsets):
+    """dw[g] = x[rows of g]^T @ dy[rows of g] in float64, one slice per group."""
+    dw = x.new_zeros(len(offsets), x.shape[1], dy.shape[1], dtype=torch.float64)
+    start = 0
+    for g, end in enumerate(offsets.tolist()):
+        dw[g] = x[start:end].double().T @ dy[start:end].double()
+        start = end
+    return dw
+
+
+@pytest.mark.parametrize("config", DW_CONFIGS)
+@pytest.mark.parametrize("case", DW_CASES)
+def test_dw_tma_kernel_matches_reference(case, config, triton_device):
+    """Every entry written (dw starts as NaN), each group's rows only: the rows past offsets[-1]
+    (NaN in x and dy) and the next group's rows add nothing."""
+    sizes, tail, K, N = DW_CASES[case]
+    x, _, offsets, dy = make(sizes, tail, K, N, triton_device)
+    x = x.detach()
+    if not tma_runs(x, torch.empty(len(sizes), K, N)):
+        pytest.skip("the TMA kernel does not run here (no sm90 or float32 on a GPU)")
+    dw = torch.full((len(sizes), K, N), float("nan"), device=triton_device)
+    gm_tma.launch_grouped_mm_dw_tma(x, dy, offsets, dw, config=DW_CONFIGS[config])
+    torch.testing.assert_close(dw, dw_reference(x, dy, offsets).float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", DW_CONFIGS)
+def test_dw_tma_keeps_each_groups_rows_apart(config, triton_device):
+    """Group 1's rows are inf: its dw is non-finite, its neighbours', whose last row blocks end
+    inside group 1 or start inside group 0, stay finite and exact."""
+    x, _, offsets, dy = make([9, 21, 11], 1, 20, 12, triton_device)
+    x = x.detach()
+    if not tma_runs(x, torch.empty(3, 20, 12)):
+        pytest.skip("the TMA kernel does not run here (no sm90 or float32 on a GPU)")
+    x[9:30] = float("inf")
+    dw = torch.full((3, 20, 12), float("nan"), device=triton_device)
+    gm_tma.launch_grouped_mm_dw_tma(x, dy, offsets, dw, config=DW_CONFIGS[config])
+    want = dw_reference(x, dy, offsets).float()
+    assert not torch.isfinite(dw[1]).any()
+    torch.testing.assert_close(dw[[0, 2]], want[[0, 2]], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("float32_out", [False, True])
+def test_dw_tma_stores_float32_or_the_input_dtype(float32_out, triton_device, tma_calls):
+    """float16 inputs (the interpreter runs them): dw in float32 with float32_out, else float16.
+    Products of float16 values are exact in float32, so float32 dw differs from the float64
+    reference by summation order only (1e-5 as above); float16 dw adds one rounding per entry
+    (at most 2^-11 = 4.9e-4 relative), hence rtol 1e-3."""
+    x, _, offsets, dy = make([0, 13, 30, 0, 5], 3, 24, 40, triton_device)
+    x, dy = x.detach().half(), dy.half()
+    with gm.triton_kernels(dw="tma"):
+        dw = gm._launch_grouped_mm_dw(x, dy, offsets, float32_out)
+    assert dw.dtype == (torch.float32 if float32_out else torch.float16)
+    want = dw_reference(x, dy, offsets).to(dw.dtype)
+    tol = 1e-5 if float32_out else 1e-3
+    torch.testing.assert_close(dw, want, rtol=tol, atol=1e-5)
+    assert tma_calls == ([("dw", tuple(x.shape), dw.dtype)] if tma_runs(x, dw) else [])
+
+
+@pytest.mark.parametrize("dw", ["pointer", "tma"])
+@pytest.mark.parametrize("float32_out", [False, True])
+def test_dw_op_passes_opcheck(dw, float32_out, triton_device):
+    x, _, offsets, dy = make([3, 0, 9], 2, 8, 12, triton_device)
+    with gm.triton_kernels(dw=dw):
+        torch.library.opcheck(torch.ops.optimus.grouped_mm_dw, (x.detach(), dy, offsets, float32_out))
+
+
+@jit
+def _ranks_kernel(offsets_ptr, out_ptr, M, G, SEGMENTS: tl.constexpr, CHUNK: tl.constexpr):
+    seg, starts, ends, rank = groups_by_size(offsets_ptr, M, G, SEGMENTS, CHUNK)
+    for j in range(0, G):
+        g, row_start, row_end = group_of_rank(j, seg, starts, ends, rank)
+        tl.store(out_ptr + 3 * j, g)
+        tl.store(out_ptr + 3 * j + 1, row_start)
+        tl.store(out_ptr + 3 * j + 2, row_end)
+
+
+@pytest.mark.parametrize("G,chunk", [(1, 1), (5, 8), (40, 16), (64, 32)])
+def test_groups_by_size_deals_the_largest_first(G, chunk, triton_device):
+    """Ranks from row counts (ties by index; lanes past G never ranked among the groups), the
+    rows clamped to M, compared CHUNK lanes at a time; M here ends inside the groups."""
+    gen = torch.Generator().manual_seed(G)
+    sizes = torch.randint(0, 4, (G,), generator=gen) * torch.randint(0, 3, (G,), generator=gen)  # ties
+    ends = sizes.cumsum(0)
+    M = max(int(ends[-1]) - 3, 0)
+    out = torch.full((G, 3), -1, dtype=torch.int32, device=triton_device)
+    segments = 1 << (G - 1).bit_length()
+    _ranks_kernel[(1,)](ends.to(torch.int32).to(triton_device), out, M, G, SEGMENTS=segments, CHUNK=chunk)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]]).clamp(max=M)
+    ends = ends.clamp(max=M)
+    rows = (ends - starts).tolist()
+    order = sorted(range(G), key=lambda g: (-rows[g], g))
+    assert out.tolist() == [[g, int(starts[g]), int(ends[g])] for g in order]
+
+
 # ---------------------------------------------------------------- bf16 on a GPU
 # Tolerance as test_grouped_mm.py's bf16 tests: float32 accumulation, one bf16 rounding per entry.
 @pytest.mark.gpu
-@pytest.mark.parametrize("forward,dx,flatten", CHOICES)
+@pytest.mark.parametrize("forward,dx,flatten,dw", CHOICES)
 @pytest.mark.parametrize("case", GPU_CASES)
-def test_bf16_kernel_choices_on_gpu(case, forward, dx, flatten, gpu_device, rel_err, tma_calls):
+def test_bf16_kernel_choices_on_gpu(case, forward, dx, flatten, dw, gpu_device, rel_err, tma_calls):
     sizes, tail, K, N = GPU_CASES[case]
     x, w, offsets, dy = make(sizes, tail, K, N, gpu_device, torch.bfloat16)
-    with gm.triton_kernels(forward=forward, dx=dx, tma_flatten=flatten):
+    with gm.triton_kernels(forward=forward, dx=dx, tma_flatten=flatten, dw=dw):
         got = forward_backward(x, w, offsets, dy, backend="triton")
     xf, wf = (t.detach().float().requires_grad_() for t in (x, w))
     want = forward_backward(xf, wf, offsets, dy.float(), backend="loop")
@@ -201,7 +328,7 @@ def test_bf16_kernel_choices_on_gpu(case, forward, dx, flatten, gpu_device, rel_
         assert rel_err(g, r) < 5e-3, name
     M = x.shape[0]
     assert not got[0][M - tail:].any() and not got[1][M - tail:].any()
-    assert bool(tma_calls) == (tma_runs(x, w) and "tma" in (forward, dx))
+    assert bool(tma_calls) == (tma_runs(x, w) and "tma" in (forward, dx, dw))
 
 
 @pytest.mark.gpu
@@ -215,16 +342,58 @@ def test_bf16_tma_with_float32_master_weights(gpu_device, rel_err):
     """w float32: the TMA paths cast it first and compute exactly what the pointer kernel does."""
     x, w32, offsets, dy = make([5, 0, 9, 2], 3, 24, 16, gpu_device)
     x, dy = x.detach().bfloat16().requires_grad_(), dy.bfloat16()
-    want = forward_backward(x, w32, offsets, dy, backend="triton")
-    with gm.triton_kernels(forward="tma", dx="tma"):
+    with gm.triton_kernels(forward="pointer", dx="strided", dw="pointer"):
+        want = forward_backward(x, w32, offsets, dy, backend="triton")
+    with gm.triton_kernels(forward="tma", dx="tma", dw="tma"):
         got = forward_backward(x, w32, offsets, dy, backend="triton")
     assert got[2].dtype == torch.float32
     for name, g, r in zip(("y", "dx", "dw"), got, want):  # same bf16 products, other tiles
         assert rel_err(g, r) < 5e-3, name
 
 
-def test_grouped_mm_entry_point_defaults_to_the_measured_winner(triton_device):
-    """The defaults are what the H200 A/B measured fastest (bench/NOTES.md): TMA forward and dx."""
-    assert gm.TRITON_KERNELS == {"forward": "tma", "dx": "tma", "tma_flatten": False}
+def test_grouped_mm_entry_point_defaults_to_the_tma_kernels(triton_device):
+    """The defaults: TMA forward and dx (the H200 A/B measured them fastest, bench/NOTES.md) and
+    the TMA dW kernel (its A/B: bench/kernels.py's triton-dw-pointer row)."""
+    assert gm.TRITON_KERNELS == {"forward": "tma", "dx": "tma", "dw": "tma", "tma_flatten": False}
     x, w, offsets, _ = make([3, 5], 1, 8, 8, triton_device)
     torch.testing.assert_close(grouped_mm(x, w, offsets), grouped_mm(x, w, offsets, backend="loop"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("float32_out", [False, True])
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_bf16_dw_tma_on_gpu(case, float32_out, gpu_device, rel_err, tma_calls):
+    """The autotuned dW kernel against a float32 reference of the same bf16 inputs: float32 dw
+    sums exact products in another order (1e-5, as test_grouped_mm.py's float32 dw), bf16 dw
+    adds one rounding per entry (5e-3, as the bf16 tests above)."""
+    sizes, tail, K, N = GPU_CASES[case]
+    x, _, offsets, dy = make(sizes, tail, K, N, gpu_device, torch.bfloat16)
+    x = x.detach()
+    with gm.triton_kernels(dw="tma"):
+        dw = gm._launch_grouped_mm_dw(x, dy, offsets, float32_out)
+    assert dw.dtype == (torch.float32 if float32_out else torch.bfloat16)
+    assert rel_err(dw, dw_reference(x, dy, offsets)) < (1e-5 if float32_out else 5e-3)
+    assert tma_calls == ([("dw", tuple(x.shape), dw.dtype)] if tma_runs(x, dw) else [])
+
+
+@pytest.mark.gpu
+def test_every_dw_tma_config_compiles_and_matches(gpu_device, rel_err):
+    """Each of the autotuner's configs on its own (the autotuner skips one that runs out of
+    shared memory without a word): float32 dw, partial N and K tiles, empty groups, a tail."""
+    x, _, offsets, dy = make([0, 300, 1, 0, 517, 64, 129, 0], 7, 200, 392, gpu_device, torch.bfloat16)
+    x = x.detach()
+    if gm_tma.tma_unsupported(x, torch.empty(8, 200, 392, device=gpu_device), dy) is not None:
+        pytest.skip("the TMA kernel does not run on this GPU")
+    want, failures = dw_reference(x, dy, offsets), []
+    for cfg in gm_tma._dw_tma_configs(gpu_device.type, x.dtype):
+        config = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        dw = torch.full((8, 200, 392), float("nan"), device=gpu_device)
+        try:
+            gm_tma.launch_grouped_mm_dw_tma(x, dy, offsets, dw, config=config)
+            err = rel_err(dw, want)
+        except Exception as e:  # e.g. OutOfResources: drop the config from the list
+            failures.append(f"{config}: {type(e).__name__}: {e}"[:300])
+            continue
+        if not err < 1e-5:
+            failures.append(f"{config}: rel_err {err}")
+    assert not failures, "\n".join(failures)
