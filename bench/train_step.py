@@ -16,6 +16,9 @@ warm-up, then the median of timed steps, phases from device events):
                             are opaque to it)
     +recast                 train.recast_expert_weights: the float32 expert weights cast inside
                             each GEMM, no bf16 copies kept from forward to backward
+    -casts                  train.expert_weight_casts off: the forward casts the float32 expert
+                            weights itself (and keeps the copy for the backward) instead of
+                            reading the bf16 copy the optimizer writes (an A/B of the default)
     +logits+torch-adamw     the recipe before train.fused_lm_loss and optim.implementation=auto:
                             full logits then cross-entropy, torch's fused AdamW (an A/B, same call)
 
@@ -47,6 +50,8 @@ PEAK_FLOPS = 989e12  # H100 / H200 dense bf16, datasheet: the MFU convention
 MODEL_7B = dict(preset="mula-7b-a1b", overrides={"model.n_layers": 8})
 MODEL_1B = dict(preset="mula-1b", overrides={})
 RECAST = {"train.recast_expert_weights": True}
+NO_CASTS = {"train.expert_weight_casts": False}
+CUDA_GRAPHS = {"train.compile_mode": "reduce-overhead"}  # each block's kernels replayed as a CUDA graph
 # The recipe of the 2026-11-30 measurements: full logits then cross-entropy, torch's fused AdamW.
 LOGITS_TORCH_ADAMW = {"train.fused_lm_loss": False, "optim.implementation": "torch"}
 VARIANTS = {  # name -> (model, experts backend, compile, further config overrides)
@@ -55,6 +60,8 @@ VARIANTS = {  # name -> (model, experts backend, compile, further config overrid
     "7b8l-triton": (MODEL_7B, "triton", False, {}),
     "7b8l-torch+compile": (MODEL_7B, "torch", True, {}),
     "7b8l-triton+compile": (MODEL_7B, "triton", True, {}),
+    "7b8l-triton+compile-casts": (MODEL_7B, "triton", True, NO_CASTS),
+    "7b8l-triton+compile+graphs": (MODEL_7B, "triton", True, CUDA_GRAPHS),
     "7b8l-triton+compile+logits+torch-adamw": (MODEL_7B, "triton", True, LOGITS_TORCH_ADAMW),
     "7b8l-triton+recast": (MODEL_7B, "triton", False, RECAST),
     "7b8l-torch+compile+recast": (MODEL_7B, "torch", True, RECAST),
@@ -129,6 +136,7 @@ def run_variant(name: str, args, device) -> dict:
     flops = cfg.model.flops_per_token(cfg.data.seq_len)
     return {"bench": "train_step", "variant": name, "preset": preset, "overrides": model["overrides"],
             "experts_backend": backend, "compile": compiled, "recast_expert_weights": cfg.train.recast_expert_weights,
+            "expert_weight_casts": cfg.train.expert_weight_casts,
             "fused_lm_loss": cfg.train.fused_lm_loss, "optim_implementation": cfg.optim.implementation,
             "seq_len": cfg.data.seq_len, "batch": args.batch,
             "params": cfg.model.num_params(), "active_params": cfg.model.num_active_params(),

@@ -11,6 +11,18 @@ backend chosen by name:
 
 Weights are stored in the layout the grouped GEMM consumes (x @ w): w_up_EDF2 holds
 [gate | up] along its last axis, w_down_EFD maps back to d_model.
+
+Weight casts (train.expert_weight_casts): under bf16 autocast the float32 master weights would
+be cast to bf16 by every forward (3.2B expert parameters: read 4 bytes, write 2 each). Instead
+
+    experts.enable_weight_casts(torch.bfloat16)   # non-persistent buffers w_up_cast, w_down_cast
+    experts.weight_casts()                        # {w_up: w_up_cast, w_down: w_down_cast}
+    assert_weight_casts_current(model)            # tests: every copy == w.to(its dtype), bit for bit
+
+keeps a copy that every writer of the weights keeps equal to w.to(bf16): the optimizers (they
+find the copies through optimus_core.train.optim.weight_casts; TritonAdamW writes them in its
+update pass), loading a state dict (here), Transformer.init_weights. State dicts and checkpoints
+do not change. The forward reads a copy only when its dtype is autocast's.
 """
 from __future__ import annotations
 
@@ -24,12 +36,41 @@ class Experts(nn.Module):
     # Under autocast: cast the float32 weights inside each grouped GEMM instead of once per
     # forward (train.recast_expert_weights): less memory, a little more time.
     recast_weights: bool = False
+    WEIGHTS = ("w_up", "w_down")
 
     def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = "loop"):
         super().__init__()
         self.n_experts, self.backend = n_experts, backend
         self.w_up = nn.Parameter(torch.empty(n_experts, d_model, 2 * d_expert))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_expert, d_model))
+        self.enable_weight_casts(None)
+
+    def enable_weight_casts(self, dtype: torch.dtype | None) -> None:
+        """Keep a ``dtype`` copy of each weight (non-persistent buffers ``<name>_cast``), made
+        now from the weights; None drops them. Build the optimizer after this: it looks them up."""
+        for name in self.WEIGHTS:
+            copy = None if dtype is None else getattr(self, name).detach().to(dtype, copy=True)
+            self.register_buffer(f"{name}_cast", copy, persistent=False)
+
+    @property
+    def weight_cast_dtype(self) -> torch.dtype | None:
+        copy = getattr(self, "w_up_cast", None)
+        return None if copy is None else copy.dtype
+
+    def weight_casts(self) -> dict[nn.Parameter, torch.Tensor]:
+        """{weight: its copy}, empty without copies: what the optimizers keep current."""
+        pairs = ((getattr(self, name), getattr(self, f"{name}_cast", None)) for name in self.WEIGHTS)
+        return {w: copy for w, copy in pairs if copy is not None}
+
+    @torch.no_grad()
+    def refresh_weight_casts(self) -> None:
+        """Copies = weights, cast (after anything but the optimizer wrote the weights)."""
+        for w, copy in self.weight_casts().items():
+            copy.copy_(w)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.refresh_weight_casts()  # the loaded weights, cast (the copies are not in state dicts)
 
     def permute(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, n_groups: int, n_rows: int | None = None):
         """(x_sorted_MD, offsets (n_groups,) int32, sorted_idx (T * K,)); M = n_rows or T * K."""
@@ -53,10 +94,13 @@ class Experts(nn.Module):
         rows past offsets_E[-1] (tokens dropped over capacity) come out zero."""
         w_up, w_down = self.w_up, self.w_down
         keep_cast = False
+        up_cast = down_cast = None
         if torch.is_autocast_enabled(x_MD.device.type):  # the kernels compute in one dtype
             dtype = torch.get_autocast_dtype(x_MD.device.type)
             x_MD = x_MD.to(dtype)
-            if self.backend == "triton":
+            if self.weight_cast_dtype == dtype:  # the copies the optimizer keeps: no cast at all
+                up_cast, down_cast = self.w_up_cast, self.w_down_cast
+            elif self.backend == "triton":
                 # The float32 weights go in as they are: the op casts them, and writes their
                 # gradient in float32 itself (no cast pass over it); it keeps its cast copy for
                 # the backward, or with recast_weights casts again there (6 GiB less for 8
@@ -64,6 +108,27 @@ class Experts(nn.Module):
                 keep_cast = not self.recast_weights
             elif not self.recast_weights:  # cast once here; autograd keeps the copies for backward
                 w_up, w_down = w_up.to(dtype), w_down.to(dtype)
-        h_MF2 = kernels.grouped_mm(x_MD, w_up, offsets_E, backend=self.backend, keep_cast=keep_cast)
+        h_MF2 = kernels.grouped_mm(x_MD, w_up, offsets_E, backend=self.backend, keep_cast=keep_cast, w_cast=up_cast)
         h_MF = kernels.swiglu(h_MF2, backend=self.backend)
-        return kernels.grouped_mm(h_MF, w_down, offsets_E, backend=self.backend, keep_cast=keep_cast)
+        return kernels.grouped_mm(h_MF, w_down, offsets_E, backend=self.backend, keep_cast=keep_cast,
+                                  w_cast=down_cast)
+
+
+def assert_weight_casts_current(model: nn.Module) -> int:
+    """Raise AssertionError unless every expert weight copy in ``model`` equals its weight cast
+    to the copy's dtype, bit for bit; returns how many copies were checked (0: none kept)."""
+    checked = 0
+    for name, module in model.named_modules():
+        if isinstance(module, Experts):
+            for w, copy in module.weight_casts().items():
+                want = w.detach().to(copy.dtype)
+                if not torch.equal(_bits(copy), _bits(want)):  # bits: NaN copies of NaN count as equal
+                    differ = (copy != want).sum().item()
+                    raise AssertionError(f"{name or 'experts'}: {differ} of {copy.numel()} elements of a "
+                                         f"{copy.dtype} weight copy differ from the weight, cast")
+                checked += 1
+    return checked
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ModelConfig
+from ..config import ModelConfig, TrainConfig
 from .attention import Attention
 from .layers import RMSNorm, RotaryEmbedding, SwiGLU
 from .linear_cross_entropy import DEFAULT_CHUNK_ROWS, linear_cross_entropy
@@ -72,12 +72,29 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, MoEFeedForward):
                 m.router.balance_bias.zero_()
+                m.experts.refresh_weight_casts()
         self.rope.reset_parameters()
 
     def set_recast_expert_weights(self, recast: bool) -> None:
         """Cast expert weights inside each grouped GEMM (less memory) or once per forward."""
         for layer in self.moe_layers():
             layer.experts.recast_weights = recast
+
+    def set_expert_weight_casts(self, dtype: torch.dtype | None) -> None:
+        """Keep a ``dtype`` copy of every expert weight, which the forward reads under autocast
+        to ``dtype`` instead of casting and the optimizer keeps current (optimus_core.model.
+        experts); None drops them. Call it after moving the model, before building the optimizer."""
+        for layer in self.moe_layers():
+            layer.experts.enable_weight_casts(dtype)
+
+    def use_expert_weight_casts(self, train: TrainConfig) -> bool:
+        """``train.expert_weight_casts`` where it saves the forward's cast of the expert weights
+        (bf16 autocast, train.recast_expert_weights off), bf16 copies; none elsewhere. Returns
+        whether they are kept."""
+        on = bool(train.expert_weight_casts and train.dtype == "bfloat16" and not train.recast_expert_weights
+                  and self.moe_layers())
+        self.set_expert_weight_casts(torch.bfloat16 if on else None)
+        return on
 
     def moe_layers(self) -> list[MoEFeedForward]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoEFeedForward)]

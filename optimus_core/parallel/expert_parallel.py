@@ -37,6 +37,7 @@ class ExpertParallelExperts(Experts):
         local = slice(self.first, self.first + self.n_local)
         self.w_up = nn.Parameter(full.w_up.detach()[local].clone())
         self.w_down = nn.Parameter(full.w_down.detach()[local].clone())
+        self.enable_weight_casts(full.weight_cast_dtype)  # copies of this rank's slice, if kept
 
     def apply_routed(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
                      n_groups: int) -> torch.Tensor:

@@ -24,6 +24,12 @@ reduced shards over the world; a replicated (ep_unaware) expert bucket counts on
 expert-dp rank 0, so every parameter is counted exactly once. The update itself is
 torch.optim.AdamW's arithmetic on the shard tensors (torch's or TritonAdamW, optim.implementation).
 
+Weight casts (optimus_core.train.optim.weight_casts: the experts' bf16 copies under
+train.expert_weight_casts): a bucket whose parameters all have copies of one dtype gets a flat
+copy buffer ``cast_N`` in flat_N's layout, the copies becoming views of it. Where a rank's shard
+is the whole bucket (an expert-dp group of one rank, as at EP = world size, or ep_unaware) the
+update writes it in the same pass; elsewhere it is cast from flat_N after the all-gather.
+
 With ``overlap=True`` the reduction runs under the backward instead of after it
 (optimus_core.parallel.grad_sync: chunks of about ``chunk_mb`` MiB, each reduced onto its owners
 as soon as the last micro-batch's backward has produced it); ``train_step`` calls
@@ -41,7 +47,7 @@ from ..config import OptimConfig
 from .expert_parallel import expert_parameter_names
 from .grad_sync import OverlappedGradSync
 from ..timing import phase
-from ..train.optim import adamw, clip_coef_as_grad_scale, is_fused, step_with_grad_scale
+from ..train.optim import adamw, clip_coef_as_grad_scale, is_fused, refresh_casts, step_with_grad_scale, weight_casts
 from .mesh import Mesh
 
 
@@ -53,6 +59,14 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, inp, group=group)
+
+
+def _chunk(numel: int, parts: int, index: int) -> tuple[int, int]:
+    """[lo, hi) of piece ``index`` of ``numel`` elements split in ``parts`` the way torch.chunk
+    and DTensor's Shard(0) split them (pieces of ceil(numel / parts), the last ones short or empty)."""
+    size = -(-numel // parts)
+    lo = min(index * size, numel)
+    return lo, min(lo + size, numel)
 
 
 @dataclass
@@ -69,9 +83,15 @@ class Bucket:
     group_rank: int
     sharded: bool  # False: all-reduce grads, full replicated state (ep_unaware experts)
     counts_in_norm: bool  # False on replicas whose squares another rank already counts
+    cast_N: torch.Tensor | None = None  # the params' low-precision copies, flat_N's layout (or None)
+
+    @property
+    def whole_shard(self) -> bool:
+        """This rank updates the whole bucket (nothing to gather)."""
+        return not (self.sharded and self.group_size > 1)
 
     @classmethod
-    def build(cls, name, params, group, group_size, group_rank, sharded, counts_in_norm):
+    def build(cls, name, params, group, group_size, group_rank, sharded, counts_in_norm, casts=None):
         numel = sum(p.numel() for p in params)
         shards = group_size if sharded else 1
         # Shards of whole 16-element (64-byte) blocks: every shard starts aligned for the update
@@ -89,6 +109,13 @@ class Bucket:
         bucket = cls(name, params, flat_N, torch.zeros_like(flat_N), shard, group, group_size, group_rank,
                      sharded, counts_in_norm)
         bucket.attach_grads()
+        copies = [(casts or {}).get(p) for p in params]
+        if all(c is not None for c in copies) and len({c.dtype for c in copies}) == 1:
+            bucket.cast_N = flat_N.to(copies[0].dtype, copy=True)
+            offset = 0
+            for p, copy in zip(params, copies):  # the module's copies become views of cast_N
+                copy.data = bucket.cast_N[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
         return bucket
 
     def attach_grads(self) -> None:
@@ -133,6 +160,8 @@ class Bucket:
             # copy of the shard, which they may read while writing the output.
             inplace = self.flat_N.device.type == "cuda"
             _all_gather(self.flat_N, self.shard if inplace else self.shard.detach().clone(), self.group)
+            if self.cast_N is not None:  # one cast pass (an all-gather of the copies moves more)
+                self.cast_N.copy_(self.flat_N)
 
 
 def bucket_params(model: nn.Module) -> list[tuple[str, list[nn.Parameter]]]:
@@ -162,6 +191,7 @@ class ShardedAdamW:
             raise ValueError(f"parallel.grad_sync_chunk_mb = {chunk_mb}: must be > 0 (MiB)")
         self.mesh, self.mode = mesh, mode
         self.buckets: list[Bucket] = []
+        casts = weight_casts(model)
         for name, params in bucket_params(model):
             if name.startswith("dense"):
                 args = (None, mesh.world_size, mesh.rank, True, True)
@@ -169,12 +199,18 @@ class ShardedAdamW:
                 aware = mode == "ep_aware"
                 args = (mesh.expert_dp_group, mesh.expert_dp_size, mesh.expert_dp_rank, aware,
                         aware or mesh.expert_dp_rank == 0)
-            self.buckets.append(Bucket.build(name, params, *args))
+            self.buckets.append(Bucket.build(name, params, *args, casts=casts))
+        bucketed = {id(casts[p]) for b in self.buckets if b.cast_N is not None for p in b.params}
+        # Copies in a bucket of mixed copies (none so far): each refreshed after the all-gather.
+        self.loose_casts = {p: c for p, c in casts.items() if id(c) not in bucketed}
         groups = [{"params": [b.shard], "weight_decay": cfg.weight_decay if b.name.endswith(".decay") else 0.0}
                   for b in self.buckets]
         # One flat shard per group, updated in one pass: TritonAdamW or torch's fused kernel on a
         # GPU (optim.implementation); elsewhere torch's single-tensor loop. Same arithmetic.
-        self.inner = adamw(groups, cfg, self.buckets[0].flat_N.device)
+        # A shard that is its whole bucket has its copy written by the update (TritonAdamW: in
+        # the same kernel); the others are cast in publish(), after the all-gather.
+        self.inner = adamw(groups, cfg, self.buckets[0].flat_N.device,
+                           {b.shard: b.cast_N for b in self.buckets if b.cast_N is not None and b.whole_shard})
         self.param_groups = self.inner.param_groups  # the loop sets "lr" here each step
         self.grad_sync = None
         if overlap and any(b.group_size > 1 for b in self.buckets):
@@ -221,6 +257,7 @@ class ShardedAdamW:
         with phase("grad_sync"):
             for b in self.buckets:
                 b.publish()
+        refresh_casts(self.loose_casts)
         return norm
 
     def step(self) -> None:
@@ -281,11 +318,15 @@ class ShardedAdamW:
             numel = sum(p.numel() for p in b.params)
             for moment in ("exp_avg", "exp_avg_sq"):
                 local = state.get(moment, torch.zeros_like(b.shard)).detach()
-                if b.name.startswith("dense"):  # sharded over the world in torch.chunk's way
-                    lo = b.group_rank * b.shard.numel()
-                    valid = max(0, min(b.shard.numel(), numel - lo))
+                if b.name.startswith("dense"):  # sharded over the world in torch.chunk's way, whose
+                    # pieces are not the flat shards (whole 16-element blocks): cut from the gathered moment
+                    full = local
+                    if b.group_size > 1:
+                        full = torch.empty_like(b.flat_N)
+                        _all_gather(full, local.contiguous(), b.group)
+                    lo, hi = _chunk(numel, b.group_size, b.group_rank)
                     out[f"{OPTIM}{b.name}/{moment}"] = DTensor.from_local(
-                        local[:valid].clone(), world, [Shard(0)], run_check=False, shape=torch.Size((numel,)),
+                        full[lo:hi].clone(), world, [Shard(0)], run_check=False, shape=torch.Size((numel,)),
                         stride=(1,))
                     continue
                 full = local
@@ -315,9 +356,18 @@ class ShardedAdamW:
                 if f"{prefix}/step" not in state:
                     raise ValueError(f"the checkpoint has no optimizer state for bucket {b.name}: another model?")
                 mine = {}
+                numel = sum(p.numel() for p in b.params)
                 for moment in ("exp_avg", "exp_avg_sq"):
-                    if b.name.startswith("dense"):
-                        piece = local(state[f"{prefix}/{moment}"]).reshape(-1)
+                    if b.name.startswith("dense"):  # every rank's torch.chunk piece, then this flat shard
+                        piece = local(state[f"{prefix}/{moment}"]).reshape(-1).to(b.shard.device, b.shard.dtype)
+                        if b.group_size > 1:
+                            lo, hi = _chunk(numel, b.group_size, 0)
+                            padded = piece.new_zeros(hi - lo)
+                            padded[:piece.numel()] = piece
+                            piece = padded.new_empty(padded.numel() * b.group_size)
+                            _all_gather(piece, padded, b.group)
+                        lo = b.group_rank * b.shard.numel()
+                        piece = piece[lo:min(lo + b.shard.numel(), numel)]
                     else:
                         piece = torch.cat([local(state[f"{prefix}/{i}/{moment}"]).reshape(-1) for i in range(len(b.params))])
                         lo = b.group_rank * b.shard.numel() if b.sharded else 0

@@ -10,6 +10,10 @@ the unscaled gradient back) and runs through multi_tensor_apply; this kernel mov
 each flat buffer (ShardedAdamW's shards: a few tensors of hundreds of millions of elements).
 bench/optimizer.py times both; bench/NOTES.md has the numbers.
 
+``casts`` ({parameter: low-precision copy}, optimus_core.train.optim.weight_casts): copies kept
+equal to their parameter cast after every step; a bf16 copy is written by the update kernel
+itself (2 more bytes per parameter, instead of the forward's cast: read 4, write 2).
+
 The state is torch's: ``step`` (a float32 CPU tensor, so the bias corrections are computed on the
 host without a sync), ``exp_avg``, ``exp_avg_sq``; a torch AdamW state dict loads as it is (a
 step saved on the device moves to the host once, at the first update).
@@ -25,8 +29,9 @@ class TritonAdamW(torch.optim.Optimizer):
     takes_grad_scale = True  # train.optim.clip_and_step passes the clip divisor as grad_scale
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2):
+                 weight_decay: float = 1e-2, casts: dict[torch.Tensor, torch.Tensor] | None = None):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.casts = dict(casts or {})
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -50,10 +55,15 @@ class TritonAdamW(torch.optim.Optimizer):
                 if state["step"].device.type != "cpu":  # loaded from a fused / capturable AdamW
                     state["step"] = state["step"].detach().float().cpu()
                 state["step"] += 1
+                copy = self.casts.get(p)
+                fused = copy is not None and copy.dtype == torch.bfloat16 and copy.is_contiguous()
                 kernels.adamw_step_(p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1),
                                     state["exp_avg_sq"].view(-1), lr=float(group["lr"]), beta1=beta1,
                                     beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                                    step=int(state["step"]), grad_scale=grad_scale)
+                                    step=int(state["step"]), grad_scale=grad_scale,
+                                    param_bf16_N=copy.view(-1) if fused else None)
+                if copy is not None and not fused:  # another dtype or layout: a cast after
+                    copy.copy_(p)
         return loss
 
 

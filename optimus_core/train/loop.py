@@ -84,6 +84,7 @@ def build_model(cfg: RunConfig, device: torch.device | str = "cpu") -> Transform
     model.activation_checkpointing = cfg.train.activation_checkpointing
     model.set_recast_expert_weights(cfg.train.recast_expert_weights)
     model = model.to(device)
+    model.use_expert_weight_casts(cfg.train)  # before the optimizer: it looks the copies up
     if cfg.train.compile:
         # Per block, in place: parameter names (and so checkpoints) stay those of the eager model.
         for block in model.blocks:

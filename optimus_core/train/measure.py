@@ -53,6 +53,7 @@ def build_on_device(cfg: RunConfig, device: torch.device) -> Transformer:
     model.init_weights()  # the device's default generator, seeded above
     model.activation_checkpointing = cfg.train.activation_checkpointing
     model.set_recast_expert_weights(cfg.train.recast_expert_weights)
+    model.use_expert_weight_casts(cfg.train)  # before the optimizer: it looks the copies up
     if cfg.train.compile:
         for block in model.blocks:
             block.compile(mode=cfg.train.compile_mode)

@@ -1,4 +1,11 @@
-"""AdamW with OLMoE's parameter groups, and global gradient-norm clipping."""
+"""AdamW with OLMoE's parameter groups, and global gradient-norm clipping.
+
+Weight casts: a module may keep low-precision copies of its weights for the forward (Experts
+under bf16, train.expert_weight_casts) and list them as ``module.weight_casts() -> {param:
+copy}``; ``weight_casts(model)`` collects them and every optimizer built here keeps each copy
+equal to its parameter cast, bit for bit, after every step (TritonAdamW in its update kernel,
+torch's AdamW by a cast after its step).
+"""
 from __future__ import annotations
 
 import torch
@@ -29,20 +36,43 @@ def use_triton_adamw(cfg: OptimConfig, device: torch.device) -> bool:
     return available and (cfg.implementation == "triton" or device.type in ("cuda", "xpu"))
 
 
-def adamw(groups: list[dict], cfg: OptimConfig, device: torch.device) -> torch.optim.Optimizer:
-    """The AdamW of ``cfg.implementation`` over ``groups`` (parameters on ``device``)."""
+def weight_casts(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
+    """{parameter: its low-precision copy} over the modules of ``model`` that keep copies."""
+    casts = {}
+    for module in model.modules():
+        listed = getattr(module, "weight_casts", None)
+        if callable(listed):
+            casts.update(listed())
+    return casts
+
+
+@torch.no_grad()
+def refresh_casts(casts: dict[torch.Tensor, torch.Tensor]) -> None:
+    """Every copy = its parameter cast to the copy's dtype (round to nearest even)."""
+    for p, copy in casts.items():
+        copy.copy_(p)
+
+
+def adamw(groups: list[dict], cfg: OptimConfig, device: torch.device,
+          casts: dict[torch.Tensor, torch.Tensor] | None = None) -> torch.optim.Optimizer:
+    """The AdamW of ``cfg.implementation`` over ``groups`` (parameters on ``device``), keeping
+    the copies ``casts`` ({parameter of groups: copy}) current after every step."""
+    casts = dict(casts or {})
     if use_triton_adamw(cfg, device):
         from .adamw import TritonAdamW
 
-        return TritonAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        return TritonAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, casts=casts)
     # torch: the fused CUDA kernel on CUDA; its default (single-tensor or foreach) elsewhere.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=device.type == "cuda" or None)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=device.type == "cuda" or None)
+    if casts:  # a cast pass after the update (the one the forward no longer makes)
+        opt.register_step_post_hook(lambda *_: refresh_casts(casts))
+    return opt
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     devices = {p.device for p in model.parameters()}
     device = devices.pop() if len(devices) == 1 else torch.device("cpu")  # mixed: torch's default path
-    return adamw(param_groups(model, cfg.weight_decay), cfg, device)
+    return adamw(param_groups(model, cfg.weight_decay), cfg, device, weight_casts(model))
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:

@@ -1,0 +1,155 @@
+"""The experts' bf16 weight copies (train.expert_weight_casts) on the model side: the forward with
+copies computes exactly what it computes without them, state dicts do not change, and every
+writer of the weights other than the optimizer (loading a state dict, an EP slice of a full one,
+init_weights) leaves each copy equal to its weight cast, bit for bit."""
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from optimus_core.config import ModelConfig, MoEConfig, TrainConfig
+from optimus_core.model.experts import Experts, assert_weight_casts_current
+from optimus_core.model.transformer import Transformer
+from optimus_core.parallel.expert_parallel import ExpertParallelExperts
+
+MODEL = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, max_seq_len=8, pad_vocab_to=64,
+                    moe=MoEConfig(n_experts=4, top_k=2, d_expert=8))
+
+
+def _experts(seed=0, casts=True):
+    torch.manual_seed(seed)
+    experts = Experts(4, 16, 8, backend="loop")
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    if casts:
+        experts.enable_weight_casts(torch.bfloat16)
+    return experts
+
+
+def _model(seed=0):
+    model = Transformer(MODEL)
+    model.init_weights(torch.Generator().manual_seed(seed))
+    return model
+
+
+def test_the_forward_with_copies_equals_the_forward_without():
+    """Under bf16 autocast: outputs and every gradient bit-identical, and the weights' gradients
+    stay float32 (the copies get none)."""
+    plain = _experts(casts=False)
+    copied = _experts(casts=False)
+    copied.load_state_dict(plain.state_dict())
+    copied.enable_weight_casts(torch.bfloat16)
+    x = torch.randn(13, 16)
+    offsets = torch.tensor([3, 3, 9, 11], dtype=torch.int32)  # an empty expert, 2 rows past the end
+    outs = []
+    for experts in (plain, copied):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = experts(xi, offsets)
+        y.float().square().sum().backward()
+        outs.append((y, xi.grad, experts.w_up.grad, experts.w_down.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert outs[1][2].dtype == torch.float32 and copied.w_up_cast.grad is None
+
+
+def test_the_forward_reads_the_copy_not_the_weights():
+    """A copy of the autocast dtype is what the product uses (so a stale copy would show);
+    one of another dtype is ignored; outside autocast the float32 weights compute as before."""
+    experts = _experts()
+    x = torch.randn(9, 16)
+    offsets = torch.tensor([2, 4, 6, 9], dtype=torch.int32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        before = experts(x, offsets)
+        experts.w_up_cast.mul_(2)
+        assert not torch.equal(experts(x, offsets), before)
+    experts.enable_weight_casts(torch.float16)  # not autocast's dtype: the weights are cast as usual
+    experts.w_up_cast.mul_(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(experts(x, offsets), before)
+    assert experts(x, offsets).dtype == torch.float32
+
+
+def test_state_dicts_do_not_change_and_loading_recasts():
+    model = _model()
+    keys = set(model.state_dict())
+    model.set_expert_weight_casts(torch.bfloat16)
+    assert set(model.state_dict()) == keys  # the copies are non-persistent
+    assert assert_weight_casts_current(model) == 2 * len(model.moe_layers())
+    model.load_state_dict(_model(seed=1).state_dict())
+    assert assert_weight_casts_current(model) == 4
+    assert torch.equal(model.blocks[0].ffn.experts.w_up_cast, _model(seed=1).blocks[0].ffn.experts.w_up.bfloat16())
+
+
+def test_init_weights_recasts():
+    model = _model()
+    model.set_expert_weight_casts(torch.bfloat16)
+    model.init_weights(torch.Generator().manual_seed(5))
+    assert assert_weight_casts_current(model) == 4
+
+
+def test_a_stale_copy_is_caught():
+    experts = _experts()
+    with torch.no_grad():
+        experts.w_down.add_(1e-2)
+    with pytest.raises(AssertionError, match="differ from the weight"):
+        assert_weight_casts_current(experts)
+    experts.refresh_weight_casts()
+    assert assert_weight_casts_current(experts) == 2
+
+
+def test_an_ep_rank_keeps_copies_of_its_slice_and_recasts_a_full_checkpoint():
+    full = _experts()
+    mesh = SimpleNamespace(ep=2, ep_group=None, ep_rank=1)
+    local = ExpertParallelExperts(full, mesh)
+    assert local.weight_cast_dtype == torch.bfloat16
+    assert torch.equal(local.w_up_cast, full.w_up[2:].detach().bfloat16())
+    other = _experts(seed=3, casts=False)
+    local.load_state_dict(other.state_dict())  # all 4 experts: this rank takes experts 2 and 3
+    assert torch.equal(local.w_down_cast, other.w_down[2:].detach().bfloat16())
+    assert assert_weight_casts_current(local) == 2
+    assert ExpertParallelExperts(_experts(casts=False), mesh).weight_casts() == {}
+
+
+@pytest.mark.parametrize("train, on", [
+    (TrainConfig(dtype="bfloat16"), True),
+    (TrainConfig(dtype="float32"), False),  # no autocast: nothing is cast
+    (TrainConfig(dtype="bfloat16", recast_expert_weights=True), False),  # memory over time
+    (TrainConfig(dtype="bfloat16", expert_weight_casts=False), False),
+])
+def test_the_train_flag_resolves_where_it_pays(train, on):
+    model = _model()
+    assert model.use_expert_weight_casts(train) is on
+    assert {m.experts.weight_cast_dtype for m in model.moe_layers()} == {torch.bfloat16 if on else None}
+    dense = Transformer(ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=8))
+    assert dense.use_expert_weight_casts(train) is False
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+def test_triton_experts_read_the_copies_eager_and_compiled():
+    """The triton backend (float16: the interpreter runs it) through optimus::grouped_mm_cast:
+    the same outputs and gradients as its keep_cast path without copies, also under
+    torch.compile (fullgraph), which sees a copy written in place between calls."""
+    experts = _experts(casts=False)
+    experts.backend = "triton"
+    x = torch.randn(13, 16)
+    offsets = torch.tensor([3, 3, 9, 11], dtype=torch.int32)
+
+    def run(f):
+        experts.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            y = f(x, offsets)
+        y.float().square().sum().backward()
+        return y, experts.w_up.grad.clone(), experts.w_down.grad.clone()
+
+    without = run(experts)
+    experts.enable_weight_casts(torch.float16)
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
+    for got in (run(experts), run(compiled)):
+        assert all(torch.equal(a, b) for a, b in zip(got, without))
+    with torch.no_grad():
+        experts.w_up_cast.mul_(2)
+    assert not torch.equal(run(compiled)[0], without[0])
+    assert torch.equal(run(compiled)[0], run(experts)[0])
