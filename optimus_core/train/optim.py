@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..config import OptimConfig
+from .grad_norm import GradNormUnderBackward
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -61,11 +62,13 @@ def adamw(groups: list[dict], cfg: OptimConfig, device: torch.device,
     if use_triton_adamw(cfg, device):
         from .adamw import TritonAdamW
 
-        return TritonAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, casts=casts)
-    # torch: the fused CUDA kernel on CUDA; its default (single-tensor or foreach) elsewhere.
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=device.type == "cuda" or None)
-    if casts:  # a cast pass after the update (the one the forward no longer makes)
-        opt.register_step_post_hook(lambda *_: refresh_casts(casts))
+        opt = TritonAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, casts=casts)
+    else:  # torch: the fused CUDA kernel on CUDA; its default (single-tensor or foreach) elsewhere.
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=device.type == "cuda" or None)
+        if casts:  # a cast pass after the update (the one the forward no longer makes)
+            opt.register_step_post_hook(lambda *_: refresh_casts(casts))
+    if cfg.grad_norm_under_backward and cfg.grad_clip is not None and device.type in ("cuda", "xpu"):
+        opt.grad_norms = GradNormUnderBackward(p for g in groups for p in g["params"])
     return opt
 
 
@@ -111,11 +114,17 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: 
     one write of every gradient per step (bench/NOTES.md); elsewhere the gradients are clipped
     in place first.
     """
+    norms = getattr(optimizer, "grad_norms", None)  # computed under the backward, when armed
+    armed = norms is not None and norms.armed
     if max_norm is None or not is_fused(optimizer):
+        if armed:
+            norms.disarm()
         norm = clip_grad_norm(model, max_norm)
         optimizer.step()
         return norm
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads)
+    if armed:
+        norm = norms.total()
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     step_with_grad_scale(optimizer, clip_coef_as_grad_scale(norm, max_norm))
     return norm

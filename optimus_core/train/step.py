@@ -80,8 +80,11 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
     with phase("compute"):
         for i, chunk in enumerate(chunks):
             weight = chunk.shape[0] * (chunk.shape[1] - 1) / n_tokens  # token share of this chunk
-            if i == len(chunks) - 1 and hasattr(optimizer, "arm_grad_sync"):
-                optimizer.arm_grad_sync()  # the last backward: reduce gradients as they are done
+            if i == len(chunks) - 1:  # the last backward: gradients are final as they are done
+                if hasattr(optimizer, "arm_grad_sync"):
+                    optimizer.arm_grad_sync()  # reduce them as they come
+                if getattr(optimizer, "grad_norms", None) is not None:
+                    optimizer.grad_norms.arm()  # their norms for the clip, under the backward
             # A new forward: blocks compiled as CUDA graphs (train.compile_mode) may reuse the
             # memory of the previous micro-batch's outputs (a no-op for any other mode).
             torch.compiler.cudagraph_mark_step_begin()
@@ -108,6 +111,8 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
     if accept is not None:  # the guard needs the loss before the update: the host waits here
         loss_sum, aux_sum, lb_sum, z_sum = sums_4.tolist()
         if not accept(loss_sum):
+            if getattr(optimizer, "grad_norms", None) is not None:
+                optimizer.grad_norms.disarm()
             optimizer.zero_grad(set_to_none=True)
             return StepStats(loss_sum, aux_sum, lb_sum if moe_layers else nan, z_sum if moe_layers else nan,
                              nan, load_LE, skipped=True)
