@@ -82,3 +82,20 @@ def test_clipping_with_it_trains_to_the_same_parameters(max_norm):
         ref_opt.zero_grad(), opt.zero_grad()
     for p, q in zip(mine.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_a_dropped_model_is_freed_without_the_cycle_collector():
+    """The hooks must not tie the parameters into a reference cycle: a benchmark that builds
+    one model after another would otherwise hold every earlier model's weights."""
+    import gc
+    import weakref
+
+    model = _model()
+    opt_norms = GradNormUnderBackward(model.parameters())
+    weight = weakref.ref(model[0].weight)
+    gc.disable()
+    try:
+        del model, opt_norms
+        assert weight() is None
+    finally:
+        gc.enable()
