@@ -27,6 +27,11 @@ float32 as for the training's float32 master weights (the bwd pass's dw is in w'
 permute+unpermute (forward pair, backward pair) is reported in GB/s of minimal traffic (each
 input read once, each output written once) beside a plain copy (clone) of the (T*8, 2048)
 sorted activations: fwd 2*(T + T*8)*D*2 bytes, bwd (3*T*8 + 2*T)*D*2 bytes, copy 2*T*8*D*2.
+Beside "triton" (kernels.permute's default expert sort, PERMUTE_KERNELS: the counting sort),
+its A/B "triton-sort-torch" (torch.sort + searchsorted); the "expert sort" rows time the sort
+alone (ids to sorted_idx and offsets) for both, in GB/s of ids read + sorted_idx written, and
+"expert sort E+1" the same with one more (empty) group, as capacity dropping and expert
+parallelism sort (65 groups: the counting sort's wider tiles).
 
 Timing: device events around each call, warm-up (which also runs Triton's autotuning) then
 the median of --reps repeats. Output: a table on stdout, bench/results/kernels-<device>.jsonl
@@ -55,6 +60,7 @@ from bench.common import write_jsonl  # noqa: E402
 from kernels import available_backends, grouped_mm, permute, unpermute  # noqa: E402
 from kernels.grouped_mm import TRITON_KERNELS, triton_kernels  # noqa: E402
 from kernels.grouped_mm_tma import tma_unsupported  # noqa: E402
+from kernels.permute import PERMUTE_KERNELS, expert_sort, permute_kernels  # noqa: E402
 
 OLMOE = dict(experts=64, top_k=8, d_model=2048, hidden=1024)
 TINY = dict(experts=4, top_k=2, d_model=32, hidden=16)  # the interpreter smoke check
@@ -67,6 +73,8 @@ TRITON_VARIANTS = {
     "triton-dw-pointer": (dict(dw="pointer"), ("bwd", "dw")),
 }
 OPS = ("up", "down", "permute")
+# name: kernels.permute choices; "triton" runs the defaults (PERMUTE_KERNELS)
+PERMUTE_VARIANTS = {"triton-sort-torch": dict(sort="torch")}
 
 
 def parse_args(argv=None):
@@ -78,7 +86,8 @@ def parse_args(argv=None):
     p.add_argument("--only", default=",".join(OPS), help=f"comma list of ops among {','.join(OPS)}")
     p.add_argument("--backends", default="",
                    help="comma list of GEMM rows to time (default all that run here): loop, torch, "
-                        f"torch_raw, triton, {', '.join(TRITON_VARIANTS)}, dense")
+                        f"torch_raw, triton, {', '.join(TRITON_VARIANTS)}, dense; and of permute rows: "
+                        f"loop, triton, {', '.join(PERMUTE_VARIANTS)}")
     p.add_argument("--reps", type=int, default=50, help="timed repeats per measurement (median taken)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the JSON lines file")
     p.add_argument("--store", default=str(ROOT / "results" / "store.zarr"), help="results store ('' to skip)")
@@ -205,15 +214,28 @@ def bench_permute(rec, timer, device, dtype, T, routing, topk_idx, shape, backen
     b = torch.finfo(dtype).bits // 8
     fwd_bytes, bwd_bytes = 2 * (T + T * k) * D * b, (3 * T * k + 2 * T) * D * b
     for name in backends:
-        def pair(name=name):
-            x_sorted, _, sorted_idx = permute(x, topk_idx, E, backend=name)
-            return unpermute(x_sorted, sorted_idx, weights, backend=name)
-        out = pair()
-        back = lambda: torch.autograd.grad(out, (x, weights), dout, retain_graph=True)  # noqa: E731
-        for pass_, fn, nbytes in (("fwd", pair, fwd_bytes), ("bwd", back, bwd_bytes)):
-            ms = timer(fn)
-            rec(op="permute+unpermute", pass_=pass_, backend=name, tokens=T, routing=routing, ms=ms,
-                gbps=nbytes / ms / 1e6, bytes=nbytes, D=D, top_k=k)
+        backend = "triton" if name in PERMUTE_VARIANTS else name
+        choices = PERMUTE_VARIANTS.get(name, {})
+        extra = {"kernels": {**PERMUTE_KERNELS, **choices}} if backend == "triton" else {}
+
+        def pair(backend=backend):
+            x_sorted, _, sorted_idx = permute(x, topk_idx, E, backend=backend)
+            return unpermute(x_sorted, sorted_idx, weights, backend=backend)
+        with permute_kernels(**choices):
+            out = pair()
+            back = lambda: torch.autograd.grad(out, (x, weights), dout, retain_graph=True)  # noqa: E731
+            ids = topk_idx.reshape(-1)
+            sort = lambda: expert_sort(ids, E)  # noqa: E731
+            timed = [("permute+unpermute", "fwd", pair, fwd_bytes), ("permute+unpermute", "bwd", back, bwd_bytes)]
+            if backend == "triton":  # ids read, sorted_idx written, offsets written
+                timed.append(("expert sort", "fwd", sort, 2 * ids.numel() * 8 + E * 4))
+                # with a phantom group too (capacity dropping, expert parallelism): 65 groups
+                phantom = lambda: expert_sort(ids, E + 1)  # noqa: E731
+                timed.append(("expert sort E+1", "fwd", phantom, 2 * ids.numel() * 8 + (E + 1) * 4))
+            for op, pass_, fn, nbytes in timed:
+                ms = timer(fn)
+                rec(op=op, pass_=pass_, backend=name, tokens=T, routing=routing, ms=ms,
+                    gbps=nbytes / ms / 1e6, bytes=nbytes, D=D, top_k=k, **extra)
     sorted_rows = torch.randn(T * k, D, device=device, dtype=dtype, generator=gen)
     nbytes = 2 * sorted_rows.numel() * b
     ms = timer(sorted_rows.clone)
@@ -250,9 +272,11 @@ def main(argv=None) -> None:
     gemm_rows = [*backends, *(["torch_raw"] if "torch" in backends else []),
                  *(TRITON_VARIANTS if "triton" in backends else []), "dense"]
     permute_rows = [b for b in backends if b != "torch"]  # "torch" is the reference, like "loop"
+    permute_rows += list(PERMUTE_VARIANTS) if "triton" in backends else []
     if args.backends:
         wanted = args.backends.split(",")
-        unknown = sorted(set(wanted) - {"loop", "torch", "torch_raw", "triton", "dense", *TRITON_VARIANTS})
+        unknown = sorted(set(wanted) - {"loop", "torch", "torch_raw", "triton", "dense", *TRITON_VARIANTS,
+                                        *PERMUTE_VARIANTS})
         if unknown:
             sys.exit(f"--backends: unknown {unknown}; rows that run here: {gemm_rows}")
         gemm_rows = [b for b in gemm_rows if b in wanted]
@@ -307,6 +331,13 @@ def main(argv=None) -> None:
                                       ratio(r, other) for r in records
                                       if r["backend"] in TRITON_VARIANTS and "tflops" in r}
            for other in ("triton", "torch_raw")},
+        # the permute A/B: time with torch.sort over time with the default (counting) sort
+        "permute_variants": PERMUTE_VARIANTS,
+        "triton_sort_torch_ms_over_triton": {
+            f"{r['op']}/{r['pass']}/{r['tokens']}/{r['routing']}": r["ms"] / base[0]["ms"]
+            for r in records if r["backend"] == "triton-sort-torch"
+            for base in [[o for o in records if o["backend"] == "triton" and "gbps" in o
+                          and all(o[f] == r[f] for f in ("op", "pass", "tokens", "routing"))]] if base},
     }
     path = Path(args.out) / f"kernels-{name}.jsonl"
     write_jsonl(path, records + [summary])

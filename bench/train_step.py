@@ -35,6 +35,7 @@ baseline on one GPU) and, where the results store imports, run ``bench-train-ste
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
@@ -53,6 +54,8 @@ RECAST = {"train.recast_expert_weights": True}
 NO_CASTS = {"train.expert_weight_casts": False}
 CUDA_GRAPHS = {"train.compile_mode": "reduce-overhead"}  # each block's kernels replayed as a CUDA graph
 NORM_AFTER = {"optim.grad_norm_under_backward": False}  # the clip's norm in a pass after the backward
+TORCH_SORT = {"kernels.permute.sort": "torch"}  # the expert sort by torch.sort, not our counting sort
+
 # The recipe of the 2026-11-30 measurements: full logits then cross-entropy, torch's fused AdamW.
 LOGITS_TORCH_ADAMW = {"train.fused_lm_loss": False, "optim.implementation": "torch"}
 VARIANTS = {  # name -> (model, experts backend, compile, further config overrides)
@@ -64,12 +67,21 @@ VARIANTS = {  # name -> (model, experts backend, compile, further config overrid
     "7b8l-triton+compile-casts": (MODEL_7B, "triton", True, NO_CASTS),
     "7b8l-triton+compile+graphs": (MODEL_7B, "triton", True, CUDA_GRAPHS),
     "7b8l-triton+compile-normunder": (MODEL_7B, "triton", True, NORM_AFTER),
+    "7b8l-triton+compile+torchsort": (MODEL_7B, "triton", True, TORCH_SORT),
     "7b8l-triton+compile+logits+torch-adamw": (MODEL_7B, "triton", True, LOGITS_TORCH_ADAMW),
     "7b8l-triton+recast": (MODEL_7B, "triton", False, RECAST),
     "7b8l-torch+compile+recast": (MODEL_7B, "torch", True, RECAST),
     "7b8l-triton+compile+recast": (MODEL_7B, "triton", True, RECAST),
     "1b-dense+compile": (MODEL_1B, None, True, {}),
 }
+
+
+def kernel_choices(module: str, **choices):
+    """The context that sets a kernel module's choices, for variants that A/B one kernel."""
+    import kernels.grouped_mm
+    import kernels.permute
+
+    return {"grouped_mm": kernels.grouped_mm.triton_kernels, "permute": kernels.permute.permute_kernels}[module](**choices)
 
 
 def parse_args(argv=None):
@@ -115,6 +127,9 @@ def run_variant(name: str, args, device) -> dict:
     from optimus_core.train.measure import measure_steps
 
     model, backend, compiled, extra = VARIANTS[name]
+    # "kernels.<module>.<choice>" entries are kernel choices (kernel_choices), not config keys
+    choices = {k: v for k, v in extra.items() if k.startswith("kernels.")}
+    extra = {k: v for k, v in extra.items() if k not in choices}
     overrides = {**model["overrides"], "data.seq_len": args.seq, "train.global_batch": args.batch,
                  "train.micro_batch": args.batch, "train.dtype": "bfloat16", "train.compile": compiled,
                  "train.device": device.type, **extra}
@@ -134,7 +149,11 @@ def run_variant(name: str, args, device) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    point = measure_steps(cfg, Mesh.single(device), steps=args.steps, warmup=args.warmup)
+    with contextlib.ExitStack() as stack:
+        for key, value in choices.items():
+            _, module, choice = key.split(".")
+            stack.enter_context(kernel_choices(module, **{choice: value}))
+        point = measure_steps(cfg, Mesh.single(device), steps=args.steps, warmup=args.warmup)
     flops = cfg.model.flops_per_token(cfg.data.seq_len)
     return {"bench": "train_step", "variant": name, "preset": preset, "overrides": model["overrides"],
             "experts_backend": backend, "compile": compiled, "recast_expert_weights": cfg.train.recast_expert_weights,

@@ -25,18 +25,66 @@ E experts. Assignment a = t*k + j is token t's j-th choice, topk_idx[t, j].
   first n <= R sorted rows (permute's ``n_rows``): assignments sorted past them add nothing and
   get dw = 0.
 
-Backends: "loop" and "torch" both run the plain-torch reference; "triton" runs our kernels
-(the expert sort itself is torch.sort either way). Nothing here syncs with the host.
+Backends: "loop" and "torch" both run the plain-torch reference; "triton" runs our kernels.
+Nothing here syncs with the host.
+
+The triton backend's expert sort is PERMUTE_KERNELS["sort"] (`with permute_kernels(sort="torch"):
+...` for an A/B, as grouped_mm's triton_kernels):
+- "counting" (default): a counting sort in three small Triton launches, the custom op
+  optimus::expert_sort: (1) per block of assignments, its count per group, into a (groups,
+  blocks) table; (2) per group, the running sum of its row (in place); (3) per block, each
+  assignment's position: its group's start (the exclusive sum of the totals over groups) +
+  the earlier blocks' count of that group + its rank among the block's assignments to that
+  group, in token order. Program 0 of (3) also writes the offsets. The result is exactly
+  torch.sort(stable=True)'s order. Any group count up to MAX_SORT_GROUPS (the phantom group
+  included); above it, "torch" runs instead.
+- "torch": torch.sort(stable=True) of the expert ids (a radix sort: several launches) and
+  torch.searchsorted for the group ends.
+Both leave the inverse permutation to unpermute (a scatter), since unpermute takes sorted_idx.
+"counting" is the default on reasoning, not yet on measurement: at 8k-32k tokens x top-8
+(64k-256k ids) the radix sort makes several passes over 64-bit keys and values, a launch or
+more each, then searchsorted another; the counting kernels read the ids twice, write
+sorted_idx once, and their work per assignment is a few dozen instructions of one-warp
+programs (sort_geometry), spread over every SM. bench/kernels.py's "triton-sort-torch" and
+"expert sort" rows are the A/B.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
-from ._triton import autotuned, check_launchable, device_guard, jit, row_configs, tl, triton
+from ._triton import INTERPRET, autotuned, check_launchable, device_guard, jit, row_configs, tl, triton
 
 BACKENDS = ("loop", "torch", "triton")
+
+# The triton backend's expert sort, read at every call (see the module docstring).
+PERMUTE_KERNELS = {"sort": "counting"}
+KERNEL_CHOICES = {"sort": ("counting", "torch")}
+# The counting sort's limit: its work per assignment is a one-hot entry per group (groups
+# rounded up to a power of two), so it grows with the group count where a radix sort's does
+# not. 256 covers 128 experts plus the phantom group, or 256 experts without one; beyond it
+# torch.sort runs.
+MAX_SORT_GROUPS = 256
+
+
+@contextlib.contextmanager
+def permute_kernels(**choices):
+    """Run a block with another expert sort, e.g. `with permute_kernels(sort="torch"):`."""
+    for name, value in choices.items():
+        if name not in KERNEL_CHOICES:
+            raise ValueError(f"permute_kernels: unknown choice {name!r}; choices are {sorted(KERNEL_CHOICES)}")
+        if value not in KERNEL_CHOICES[name]:
+            raise ValueError(f"permute_kernels: {name} must be one of {KERNEL_CHOICES[name]}, got {value!r}")
+    saved = dict(PERMUTE_KERNELS)
+    PERMUTE_KERNELS.update(choices)
+    try:
+        yield
+    finally:
+        PERMUTE_KERNELS.clear()
+        PERMUTE_KERNELS.update(saved)
 
 
 def permute_reference(x: Tensor, topk_idx: Tensor, n_experts: int,
@@ -74,12 +122,20 @@ def permute(x: Tensor, topk_idx: Tensor, n_experts: int, *, backend: str = "trit
     if backend != "triton":
         raise ValueError(f"permute: backend must be one of {BACKENDS}, got {backend!r}")
     check_launchable("permute", x, topk_idx)
-    sorted_experts, sorted_idx = torch.sort(topk_idx.reshape(-1), stable=True)
-    # Group ends by binary search in the sorted experts: unlike bincount, no host sync.
-    experts = torch.arange(n_experts, device=x.device, dtype=sorted_experts.dtype)
-    offsets = torch.searchsorted(sorted_experts, experts, right=True, out_int32=True)
+    sorted_idx, offsets = expert_sort(topk_idx.reshape(-1), n_experts)
     n_rows = sorted_idx.numel() if n_rows is None else n_rows
     return torch.ops.optimus.permute_rows(x, sorted_idx, topk_idx.shape[1], n_rows), offsets, sorted_idx
+
+
+def expert_sort(ids: Tensor, n_groups: int) -> tuple[Tensor, Tensor]:
+    """(sorted_idx int64 (R,), offsets int32 (n_groups,)) of the group ids (R,), values in
+    [0, n_groups): the stable argsort and the cumulative group ends, by PERMUTE_KERNELS["sort"]."""
+    if PERMUTE_KERNELS["sort"] == "counting" and 1 <= n_groups <= MAX_SORT_GROUPS and ids.numel() < 2**31:
+        return torch.ops.optimus.expert_sort(ids, n_groups)
+    sorted_ids, sorted_idx = torch.sort(ids, stable=True)
+    # Group ends by binary search in the sorted ids: unlike bincount, no host sync.
+    groups = torch.arange(n_groups, device=ids.device, dtype=sorted_ids.dtype)
+    return sorted_idx, torch.searchsorted(sorted_ids, groups, right=True, out_int32=True)
 
 
 def unpermute(y_sorted: Tensor, sorted_idx: Tensor, topk_weights: Tensor, *,
@@ -98,6 +154,62 @@ def unpermute(y_sorted: Tensor, sorted_idx: Tensor, topk_weights: Tensor, *,
 
 
 # ---------------------------------------------------------------- kernels
+@jit
+def _group_count_kernel(ids_ptr, counts_ptr, R, G, NB, BLOCK,
+                        CHUNK: tl.constexpr, GP: tl.constexpr):
+    """counts[g, b] = how many of block b's assignments (b*BLOCK ... b*BLOCK + BLOCK - 1) go
+    to group g, for g < G (GP >= G counters); the table is (G, NB), a group's row contiguous
+    for the scan. Ids outside [0, G) count nowhere."""
+    b = tl.program_id(0)
+    groups = tl.arange(0, GP)
+    counts = tl.zeros((GP,), dtype=tl.int32)
+    for c in range(0, BLOCK, CHUNK):
+        a = b * BLOCK + c + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + a, mask=a < R, other=-1)
+        e = tl.where((e >= 0) & (e < G), e, -1).to(tl.int32)
+        counts += tl.sum((e[:, None] == groups[None, :]).to(tl.int32), 0)
+    tl.store(counts_ptr + groups * NB + b, counts, mask=groups < G)
+
+
+@jit
+def _group_scan_kernel(counts_ptr, NB, SCAN: tl.constexpr):
+    """Row g of the (G, NB) count table -> its inclusive prefix sums, in place: program g."""
+    row = counts_ptr + tl.program_id(0) * NB
+    carry = tl.zeros((1,), dtype=tl.int32)
+    for s in range(0, NB, SCAN):
+        cols = s + tl.arange(0, SCAN)
+        n = tl.load(row + cols, mask=cols < NB, other=0)
+        tl.store(row + cols, tl.cumsum(n, 0) + carry, mask=cols < NB)
+        carry += tl.sum(n, 0)
+
+
+@jit
+def _group_place_kernel(ids_ptr, scanned_ptr, sorted_idx_ptr, offsets_ptr, R, G, NB, BLOCK,
+                        CHUNK: tl.constexpr, GP: tl.constexpr):
+    """The counting sort's placement: block b's assignments into their sorted positions,
+    sorted_idx[pos] = a. From the scanned count table: a group's rows start after all lower
+    groups' (the exclusive scan of the totals, last column, over groups), and block b's rows
+    of a group after the earlier blocks' (column b - 1). Inside the block, assignments keep
+    token order: one (CHUNK, GP) one-hot tile per step, its column cumsum the rank in the
+    group. Program 0 also writes the offsets (the group ends)."""
+    b = tl.program_id(0)
+    groups = tl.arange(0, GP)
+    total = tl.load(scanned_ptr + groups * NB + NB - 1, mask=groups < G, other=0)
+    before = tl.load(scanned_ptr + groups * NB + b - 1, mask=groups < tl.where(b > 0, G, 0), other=0)
+    ends = tl.cumsum(total, 0)
+    tl.store(offsets_ptr + groups, ends, mask=groups < tl.where(b == 0, G, 0))  # program 0 only
+    next_pos = ends - total + before  # where block b's next row of each group goes
+    for c in range(0, BLOCK, CHUNK):
+        a = b * BLOCK + c + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + a, mask=a < R, other=-1)
+        valid = (e >= 0) & (e < G) & (a < R)
+        hit = (tl.where(valid, e, -1).to(tl.int32)[:, None] == groups[None, :])
+        rank = tl.cumsum(hit.to(tl.int32), 0)  # 1, 2, ... down each group's column: token order
+        pos = tl.sum(tl.where(hit, next_pos[None, :] + rank - 1, 0), 1)
+        tl.store(sorted_idx_ptr + pos, a.to(tl.int64), mask=valid)
+        next_pos += tl.sum(hit.to(tl.int32), 0)
+
+
 @autotuned(row_configs, key=["D"])
 @jit
 def _permute_kernel(x_ptr, sorted_idx_ptr, out_ptr, R, D, stride_x, stride_out,
@@ -166,6 +278,53 @@ def _rows_grid(n_rows: int, D: int):
     return lambda meta: (triton.cdiv(n_rows, meta["BLOCK_R"]), triton.cdiv(D, meta["BLOCK_D"]))
 
 
+def sort_geometry(R: int, G: int, block: int | None = None, chunk: int | None = None) -> dict:
+    """The counting sort's launch shape for R assignments over G groups:
+    GP     counters per program: G's power-of-two ceiling, >= 16;
+    CHUNK  assignments per one-hot (CHUNK, GP) tile, about 4k entries: with one warp (WARPS,
+           more for the largest GP) the tile's column scan stays inside the warp, several
+           times fewer instructions per assignment than across warps (SASS counts for sm90);
+    BLOCK  assignments per count / place program, a multiple of CHUNK: one chunk up to
+           4096 programs, longer past that so that the table to scan stays (G, <= 4096);
+    NB     count / place programs (blocks); SCAN entries per step of the per-group scan.
+    ``chunk`` (a power of two) and ``block`` (a multiple of CHUNK) override them, for tests.
+    The interpreter runs programs and loop steps one by one but each tile op at numpy speed,
+    so it gets the same chunks, at most 4 blocks and short scan steps.
+
+        >>> sort_geometry(8 * 8192, 65)  # on a GPU: 8k tokens, top-8, 64 experts + a phantom group
+        {'GP': 128, 'CHUNK': 32, 'WARPS': 1, 'BLOCK': 32, 'NB': 2048, 'SCAN': 4096}
+    """
+    GP = max(16, triton.next_power_of_2(G))
+    chunk = chunk or min(128, max(16, 4096 // GP))
+    if chunk & (chunk - 1):
+        raise ValueError(f"sort_geometry: chunk = {chunk} must be a power of two")
+    nb_max, scan = (4, 8) if INTERPRET else (4096, 4096)  # on a GPU the scan is one step
+    if block is None:
+        block = chunk * max(1, triton.cdiv(triton.cdiv(R, nb_max), chunk))
+    elif block <= 0 or block % chunk:
+        raise ValueError(f"sort_geometry: block = {block} must be a positive multiple of the chunk {chunk}")
+    return dict(GP=GP, CHUNK=chunk, WARPS=max(1, GP * chunk // 4096), BLOCK=block,
+                NB=triton.cdiv(R, block), SCAN=scan)
+
+
+def _launch_expert_sort(ids: Tensor, n_groups: int, block: int | None = None,
+                        chunk: int | None = None) -> tuple[Tensor, Tensor]:
+    ids = ids.contiguous()
+    R, G = ids.numel(), n_groups
+    sorted_idx = torch.empty(R, device=ids.device, dtype=torch.int64)
+    if R == 0:
+        return sorted_idx, torch.zeros(G, device=ids.device, dtype=torch.int32)
+    offsets = torch.empty(G, device=ids.device, dtype=torch.int32)
+    g = sort_geometry(R, G, block, chunk)
+    NB, BLOCK, tile = g["NB"], g["BLOCK"], dict(CHUNK=g["CHUNK"], GP=g["GP"], num_warps=g["WARPS"])
+    counts = torch.empty(G, NB, device=ids.device, dtype=torch.int32)  # every entry written
+    with device_guard(ids):
+        _group_count_kernel[(NB,)](ids, counts, R, G, NB, BLOCK, **tile)
+        _group_scan_kernel[(G,)](counts, NB, SCAN=g["SCAN"], num_warps=8)
+        _group_place_kernel[(NB,)](ids, counts, sorted_idx, offsets, R, G, NB, BLOCK, **tile)
+    return sorted_idx, offsets
+
+
 def _launch_permute(x: Tensor, sorted_idx: Tensor, k: int, n_rows: int) -> Tensor:
     x, sorted_idx = x.contiguous(), sorted_idx.contiguous()  # no-ops when already contiguous
     R, D = n_rows, x.shape[1]  # the first n_rows sorted rows
@@ -209,6 +368,17 @@ def _launch_unpermute_bwd(dout: Tensor, y_sorted: Tensor, sorted_idx: Tensor,
 
 # ---------------------------------------------------------------- torch custom ops
 # register_autograd plays the role of a torch.autograd.Function, and torch.compile traces it.
+@torch.library.custom_op("optimus::expert_sort", mutates_args=())
+def _expert_sort_op(ids: Tensor, n_groups: int) -> tuple[Tensor, Tensor]:
+    """The counting sort: (sorted_idx int64, offsets int32); integer outputs, no autograd."""
+    return _launch_expert_sort(ids, n_groups)
+
+
+@_expert_sort_op.register_fake
+def _(ids, n_groups):
+    return ids.new_empty(ids.numel(), dtype=torch.int64), ids.new_empty(n_groups, dtype=torch.int32)
+
+
 @torch.library.custom_op("optimus::permute_rows", mutates_args=())
 def _permute_rows_op(x: Tensor, sorted_idx: Tensor, k: int, n_rows: int) -> Tensor:
     return _launch_permute(x, sorted_idx, k, n_rows)

@@ -7,10 +7,15 @@ order, within about n * 6e-8 * (sum of |terms|) for n <= 37 terms of size O(1): 
 1e-5 is a safe bound.
 """
 
+import importlib
+
 import pytest
 import torch
 
 from kernels import permute, permute_reference, unpermute, unpermute_reference
+from kernels.permute import MAX_SORT_GROUPS, expert_sort, permute_kernels, sort_geometry
+
+permute_module = importlib.import_module("kernels.permute")  # the package's `permute` is the function
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -30,6 +35,7 @@ CASES = {
     "one expert takes all": (20, 5, 1, 16, [2]),
     "one token": (1, 8, 8, 16, None),
     "no tokens": (0, 4, 2, 8, None),
+    "many sort blocks": (300, 7, 2, 9, None),  # 600 assignments: 3 programs of 2 chunks (interpreter)
 }
 
 
@@ -62,11 +68,13 @@ def test_references_are_the_definitions():
     torch.testing.assert_close(unpermute_reference(y_sorted, sorted_idx, weights), want, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("sort", ["counting", "torch"])
 @pytest.mark.parametrize("case", CASES)
-def test_permute_triton_matches_reference(case, triton_device):
+def test_permute_triton_matches_reference(case, sort, triton_device):
     E, topk_idx, x, _, _, grad, _ = make(case, triton_device)
     x.requires_grad_()
-    got = permute(x, topk_idx, E, backend="triton")
+    with permute_kernels(sort=sort):
+        got = permute(x, topk_idx, E, backend="triton")
     want = permute(x, topk_idx, E, backend="loop")
     assert torch.equal(got[0], want[0]), "rows are copies: exact"
     assert got[1].dtype == torch.int32 and torch.equal(got[1], want[1])
@@ -129,6 +137,112 @@ def test_only_the_real_assignments_rows(backend, triton_device):
         permute(x, topk_idx, E, backend=backend, n_rows=topk_idx.numel() + 1)
 
 
+def torch_sorted(ids, G):
+    """What the counting sort must equal: torch's stable sort and the group ends."""
+    sorted_ids, sorted_idx = torch.sort(ids.cpu(), stable=True)
+    return sorted_idx, torch.searchsorted(sorted_ids, torch.arange(G), right=True, out_int32=True)
+
+
+# name: (R assignments, G groups, how the ids are drawn, (BLOCK, CHUNK) or None for the default)
+SORTS = {
+    "uniform": (70, 5, "uniform", None),
+    "one program, several chunks": (70, 5, "uniform", (72, 4)),
+    "block = one chunk (18 blocks: a 3-step scan)": (70, 5, "uniform", (4, 4)),
+    "blocks off the grid": (101, 9, "uniform", (12, 4)),
+    "one scan step exactly (8 blocks)": (64, 3, "uniform", (8, 8)),
+    "one group takes all": (40, 6, "one", (8, 4)),
+    "most groups empty": (90, 20, "few", (16, 8)),
+    "skewed, phantom group last": (120, 65, "phantom", (8, 4)),  # 64 experts + dropped assignments
+    "one group": (33, 1, "uniform", (8, 2)),
+    "group count not a power of two": (64, 17, "uniform", (16, 16)),
+    "most groups the counting sort takes": (50, MAX_SORT_GROUPS, "uniform", None),
+    "one assignment": (1, 3, "uniform", None),
+    "no assignments": (0, 4, "uniform", None),
+}
+
+
+def draw(R, G, how, gen):
+    if how == "one":
+        return torch.full((R,), G // 2)
+    if how == "few":
+        return torch.tensor([3, 11, 12])[torch.randint(0, 3, (R,), generator=gen)]
+    if how == "phantom":  # Zipf-like over the experts, a quarter of the ids in group G - 1
+        ids = torch.multinomial(1 / torch.arange(1, G).double(), R, replacement=True, generator=gen)
+        return torch.where(torch.rand(R, generator=gen) < 0.25, G - 1, ids)
+    return torch.randint(0, G, (R,), generator=gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("case", SORTS)
+def test_counting_sort_is_torchs_stable_sort(case, dtype, triton_device):
+    """The counting sort's sorted_idx and offsets equal torch.sort(stable=True)'s and the
+    searchsorted group ends exactly, at the default geometry and at blocks that put one chunk,
+    several chunks or a partial chunk in a program."""
+    R, G, how, shape = SORTS[case]
+    block, chunk = shape or (None, None)
+    ids = draw(R, G, how, torch.Generator().manual_seed(R + G)).to(triton_device, dtype)
+    sorted_idx, offsets = permute_module._launch_expert_sort(ids, G, block, chunk)
+    want_idx, want_offsets = torch_sorted(ids, G)
+    assert sorted_idx.dtype == torch.int64 and torch.equal(sorted_idx.cpu(), want_idx)
+    assert offsets.dtype == torch.int32 and torch.equal(offsets.cpu(), want_offsets)
+
+
+def test_sort_geometry():
+    """Blocks are whole chunks and cover every assignment; overrides are checked. (The
+    interpreter's scan steps are 8 entries, so the SORTS cases with 9+ blocks scan in steps.)"""
+    for R in (1, 5, 100, 65536, 262144):
+        for G in (1, 64, 65, 257, MAX_SORT_GROUPS):
+            g = sort_geometry(R, G)
+            assert g["GP"] >= max(G, 16) and g["GP"] & (g["GP"] - 1) == 0
+            assert g["BLOCK"] % g["CHUNK"] == 0 and (g["NB"] - 1) * g["BLOCK"] < R <= g["NB"] * g["BLOCK"]
+            assert g["WARPS"] >= 1 and g["SCAN"] & (g["SCAN"] - 1) == 0
+    assert sort_geometry(0, 4)["NB"] == 0
+    g = sort_geometry(100, 9, block=12, chunk=4)
+    assert (g["GP"], g["CHUNK"], g["BLOCK"], g["NB"]) == (16, 4, 12, 9)
+    with pytest.raises(ValueError, match="multiple of the chunk"):
+        sort_geometry(100, 9, block=10, chunk=4)
+    with pytest.raises(ValueError, match="power of two"):
+        sort_geometry(100, 9, chunk=12)
+
+
+@pytest.mark.parametrize("sort, groups, counting_runs", [
+    ("counting", 5, True),
+    ("counting", MAX_SORT_GROUPS, True),
+    ("counting", MAX_SORT_GROUPS + 1, False),  # past the counting sort's limit: torch.sort
+    ("torch", 5, False),
+])
+def test_sort_choice(sort, groups, counting_runs, monkeypatch, triton_device):
+    """PERMUTE_KERNELS["sort"] picks the sort; past MAX_SORT_GROUPS torch.sort runs instead.
+    Either way the result is the stable sort."""
+    calls = []
+    launch = permute_module._launch_expert_sort
+    monkeypatch.setattr(permute_module, "_launch_expert_sort", lambda *a: calls.append(1) or launch(*a))
+    ids = draw(45, groups, "uniform", torch.Generator().manual_seed(1)).to(triton_device)
+    with permute_kernels(sort=sort):
+        assert permute_module.PERMUTE_KERNELS["sort"] == sort
+        sorted_idx, offsets = expert_sort(ids, groups)
+    assert permute_module.PERMUTE_KERNELS["sort"] == "counting", "the default comes back"
+    assert bool(calls) == counting_runs
+    want_idx, want_offsets = torch_sorted(ids, groups)
+    assert torch.equal(sorted_idx.cpu(), want_idx) and torch.equal(offsets.cpu(), want_offsets)
+
+
+def test_expert_sort_opcheck(triton_device):
+    """The counting sort's custom op: schema, fake tensors (torch.compile), AOT dispatch."""
+    ids = draw(37, 6, "uniform", torch.Generator().manual_seed(2)).to(triton_device)
+    torch.library.opcheck(torch.ops.optimus.expert_sort, (ids, 6))
+    torch.library.opcheck(torch.ops.optimus.expert_sort, (ids[:0], 6))
+
+
+def test_permute_kernels_checks():
+    with pytest.raises(ValueError, match="unknown choice 'order'"):
+        with permute_kernels(order="torch"):
+            pass
+    with pytest.raises(ValueError, match="sort must be one of"):
+        with permute_kernels(sort="radix"):
+            pass
+
+
 def test_argument_checks():
     E, topk_idx, x, y_sorted, weights, _, _ = make("top-2", "cpu")
     with pytest.raises(ValueError, match="backend must be one of"):
@@ -165,3 +279,15 @@ def test_bf16_on_gpu(gpu_device, rel_err):
     assert out.dtype == torch.bfloat16 and rel_err(out, out_ref) < 5e-3
     assert rel_err(dx, dx_ref) < 5e-3
     assert dweights.dtype == torch.float32 and rel_err(dweights, dw_ref) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [8192, 32768])
+@pytest.mark.parametrize("groups", [64, 65, 257])
+def test_counting_sort_on_gpu(tokens, groups, gpu_device):
+    """The compiled counting sort at the benchmark's sizes (top-8, its default geometry: many
+    programs, full chunks) equals torch's stable sort, Zipf-skewed with a phantom group."""
+    ids = draw(tokens * 8, groups, "phantom", torch.Generator().manual_seed(groups)).to(gpu_device)
+    sorted_idx, offsets = permute_module._launch_expert_sort(ids, groups)
+    want_idx, want_offsets = torch_sorted(ids, groups)
+    assert torch.equal(sorted_idx.cpu(), want_idx) and torch.equal(offsets.cpu(), want_offsets)
