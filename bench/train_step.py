@@ -76,12 +76,15 @@ VARIANTS = {  # name -> (model, experts backend, compile, further config overrid
 }
 
 
+DEFAULT_VARIANT = "7b8l-triton+compile"  # what a run gets without overrides
+
+
 def kernel_choices(module: str, **choices):
     """The context that sets a kernel module's choices, for variants that A/B one kernel."""
-    import kernels.grouped_mm
-    import kernels.permute
+    from kernels.grouped_mm import triton_kernels  # (kernels.grouped_mm is also the function)
+    from kernels.permute import permute_kernels
 
-    return {"grouped_mm": kernels.grouped_mm.triton_kernels, "permute": kernels.permute.permute_kernels}[module](**choices)
+    return {"grouped_mm": triton_kernels, "permute": permute_kernels}[module](**choices)
 
 
 def parse_args(argv=None):
@@ -98,6 +101,8 @@ def parse_args(argv=None):
     p.add_argument("--ingest", default=None, help="write an existing JSONL file to the store and exit")
     p.add_argument("--summarize-only", action="store_true",
                    help="measure nothing: rewrite the summary of the existing results file (with --olmo-core-jsonl)")
+    p.add_argument("--results", default=None,
+                   help="with --summarize-only: this results file (any machine) instead of this device's")
     return p.parse_args(argv)
 
 
@@ -177,13 +182,40 @@ def summarize(records: list[dict], olmo: dict | None, dense_tflops: float | None
            "ablation_speedup": best and base and best["tokens_per_s"] / base["tokens_per_s"],
            "ablation_note": "one GPU: kernels only (the EP-aware optimizer needs >1 rank; bench/distributed.py)"}
     if olmo and best:
-        out.update(olmo_core_tokens_per_s=olmo["tokens_per_s"], olmo_core_peak_memory_gib=olmo.get("peak_mem_gib"),
-                   ratio_vs_olmo_core=best["tokens_per_s"] / olmo["tokens_per_s"],
+        # Median step against median step: our step_s is a median, OLMo-core's tokens_per_s a
+        # mean over its timed steps (its median is recorded too; older lines lack it).
+        olmo_tps = (olmo["tokens_per_step"] / (olmo["step_ms_median"] / 1e3)
+                    if olmo.get("step_ms_median") and olmo.get("tokens_per_step") else olmo["tokens_per_s"])
+        default = next((r for r in moe if r["variant"] == DEFAULT_VARIANT), None)
+        out.update(olmo_core_tokens_per_s=olmo_tps, olmo_core_tokens_per_s_mean=olmo["tokens_per_s"],
+                   olmo_core_peak_memory_gib=olmo.get("peak_mem_gib"),
+                   ratio_vs_olmo_core=best["tokens_per_s"] / olmo_tps,
+                   ratio_default_vs_olmo_core=default and default["tokens_per_s"] / olmo_tps,
                    memory_vs_olmo_core=(best["peak_memory_bytes"] / 2**30) / olmo["peak_mem_gib"]
                    if olmo.get("peak_mem_gib") else None)
     else:
         out["ratio_vs_olmo_core"] = None
     return out
+
+
+def _olmo_line(path: str | None) -> dict | None:
+    """OLMo-core's result line (its last one) from ../shared/peers/olmo_core_step.py's output."""
+    if not path or not Path(path).is_file():
+        return None
+    lines = [line for line in read_jsonl(path) if "tokens_per_s" in line]
+    return lines[-1] if lines else None
+
+
+def summarize_file(path: Path, olmo: dict | None, name: str) -> None:
+    """Rewrite the summary of an existing results file, with OLMo-core's line when given (or the
+    one already in the file)."""
+    lines = read_jsonl(path)
+    records = [line for line in lines if line.get("bench") == "train_step"]
+    olmo = olmo or next((line for line in lines if str(line.get("bench", "")).startswith("olmo_core")), None)
+    old = next((line for line in lines if line.get("bench") == "train_step_summary"), {})
+    summary = summarize(records, olmo, old.get("dense_matmul_tflops"), name)
+    write_jsonl(path, records + ([{"bench": "olmo_core", **olmo}] if olmo else []) + [summary])
+    print(json.dumps(summary, indent=1))
 
 
 def main(argv=None) -> None:
@@ -193,23 +225,19 @@ def main(argv=None) -> None:
         return
     import torch
 
+    if args.summarize_only and args.results:  # any machine: the file names its device
+        path = Path(args.results)
+        summarize_file(path, _olmo_line(args.olmo_core_jsonl), path.stem.removeprefix("train-step-"))
+        return
     if not torch.cuda.is_available() and not args.quick:
         sys.exit("bench/train_step.py measures a GPU training step and found no CUDA device; "
                  "`--quick` runs a CPU smoke check of the script")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = device_slug(device)
     path = Path(args.out) / f"train-step-{name}.jsonl"
-    olmo = None
-    if args.olmo_core_jsonl and Path(args.olmo_core_jsonl).is_file():
-        lines = [line for line in read_jsonl(args.olmo_core_jsonl) if "tokens_per_s" in line]
-        olmo = lines[-1] if lines else None
+    olmo = _olmo_line(args.olmo_core_jsonl)
     if args.summarize_only:  # OLMo-core finished after us, in the same call: add its line
-        lines = read_jsonl(path)
-        records = [line for line in lines if line.get("bench") == "train_step"]
-        old = next((line for line in lines if line.get("bench") == "train_step_summary"), {})
-        summary = summarize(records, olmo, old.get("dense_matmul_tflops"), name)
-        write_jsonl(path, records + ([{"bench": "olmo_core", **olmo}] if olmo else []) + [summary])
-        print(json.dumps(summary, indent=1))
+        summarize_file(path, olmo, name)
         return
     dense = matmul_tflops(device) if device.type == "cuda" else None
     if dense:
