@@ -55,6 +55,7 @@ NO_CASTS = {"train.expert_weight_casts": False}
 CUDA_GRAPHS = {"train.compile_mode": "reduce-overhead"}  # each block's kernels replayed as a CUDA graph
 NORM_AFTER = {"optim.grad_norm_under_backward": False}  # the clip's norm in a pass after the backward
 TORCH_SORT = {"kernels.permute.sort": "torch"}  # the expert sort by torch.sort, not our counting sort
+DW_POINTER = {"kernels.grouped_mm.dw": "pointer"}  # dW by the pointer kernel, not the TMA one
 
 # The recipe of the 2026-11-30 measurements: full logits then cross-entropy, torch's fused AdamW.
 LOGITS_TORCH_ADAMW = {"train.fused_lm_loss": False, "optim.implementation": "torch"}
@@ -68,6 +69,7 @@ VARIANTS = {  # name -> (model, experts backend, compile, further config overrid
     "7b8l-triton+compile+graphs": (MODEL_7B, "triton", True, CUDA_GRAPHS),
     "7b8l-triton+compile-normunder": (MODEL_7B, "triton", True, NORM_AFTER),
     "7b8l-triton+compile+torchsort": (MODEL_7B, "triton", True, TORCH_SORT),
+    "7b8l-triton+compile+dwpointer": (MODEL_7B, "triton", True, DW_POINTER),
     "7b8l-triton+compile+logits+torch-adamw": (MODEL_7B, "triton", True, LOGITS_TORCH_ADAMW),
     "7b8l-triton+recast": (MODEL_7B, "triton", False, RECAST),
     "7b8l-torch+compile+recast": (MODEL_7B, "torch", True, RECAST),
