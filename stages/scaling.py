@@ -6,9 +6,9 @@
     result.points    # one dict per measured layout (the contract of workflow/perfmodel.py)
 
     # a held-out design: EP=n and EP=1 at every multi-rank count, the main setting (16 sequences)
-    # fitted, two more settings whose multi-rank points the performance model must predict
+    # and micro-batches of 2 fitted, half the batch held out (its multi-rank points predicted)
     ScalingConfig(preset="mula-7b-a1b@laptop", devices=(1, 2), ep=("all", 1), global_batch=16,
-                  holdout=((8, 0), (16, 2)), rounds=2)
+                  fitted=((16, 2),), holdout=((8, 0),), rounds=2)
 
 Every point trains the same model at a fixed global batch (strong scaling) for ``warmup`` +
 ``steps`` steps on ``n`` local ranks (CPU processes with gloo, or one GPU each with nccl / xccl)
@@ -19,16 +19,26 @@ all-gather, optimizer and idle (optimus_core.train.measure) with
 
 ``ep``: one EP rule or several, each measured at every multi-rank count: ``"all"`` splits the
 experts over every rank of the point (ep = n), an integer keeps that degree (it must divide
-every n swept). ``global_batch`` / ``micro_batch`` are the main setting; ``holdout`` adds
-settings (global batch, micro-batch; 0 = the preset's / the whole local batch) measured at every
-device count too. With ``holdout``, every point carries a ``role``: the multi-rank points of a
-held-out setting are "held-out" (the performance model is calibrated without them and must
-predict them: workflow/scaling_study.py), the rest "fitted" -- chosen before anything is timed.
+every n swept). ``global_batch`` / ``micro_batch`` are the main setting; ``fitted`` and
+``holdout`` add settings (global batch, micro-batch; 0 = the preset's / the whole local batch)
+measured at every device count too. With ``holdout``, every point carries a ``role``: the
+multi-rank points of a held-out setting are "held-out" (the performance model is calibrated
+without them and must predict them: workflow/scaling_study.py), the rest "fitted" -- chosen
+before anything is timed. A second fitted multi-rank setting is what lets the model tell a
+collective's per-call latency from its per-byte cost (one setting gives one equation for the
+two): micro-batches of 2 at the main batch make 4x the all-to-alls of 1/4 the size each.
 
 Timing on a shared box drifts (other work comes and goes), so the layouts are measured
 interleaved: ``rounds`` passes over all of them, each pass ``warmup`` + ``steps`` steps of each
 layout (the median step of the pass), and a point is its fastest pass (``best_point``): drift
-then hits every layout alike, and a pass slowed by other work does not count.
+then hits every layout alike, and a pass slowed by other work does not count. How much other
+work there was is measured too: ``cpu_wait`` is the share of its pass the slowest rank spent
+runnable but waiting for a core (Linux schedstat; absent elsewhere) -- 0 on an idle box, about
+1/2 when one other busy process shares the two cores of two ranks. When the pass a layout would
+keep waited more than ``max_cpu_wait`` of it, the layout is measured again, up to ``retries`` more
+passes over such layouts (other work on a shared box comes and goes: a later pass may be quiet).
+Other work can also slow a pass without taking its cores (memory bandwidth, caches): ``cpu_wait``
+does not see that, the spread over passes (``step_s_spread``) and over whole sweeps does.
 One process group per multi-rank count serves all its layouts (one mesh per EP degree), and the
 one-rank points run on rank 0 of the smallest multi-rank world while its other ranks wait at a
 barrier, so they interleave with the rest too. On the CPU each rank gets ``threads_per_rank``
@@ -75,10 +85,13 @@ class ScalingConfig:
     optimizer: str = "ep_aware"
     global_batch: int = 0  # sequences per step, fixed across the sweep (0: the preset's)
     micro_batch: int = 0  # sequences per forward/backward (0: the whole local batch)
+    fitted: tuple[tuple[int, int], ...] = ()  # extra (global_batch, micro_batch) settings, fitted (needs holdout)
     holdout: tuple[tuple[int, int], ...] = ()  # extra (global_batch, micro_batch) settings: multi-rank points held out
     steps: int = 5
     warmup: int = 2
     rounds: int = 1  # interleaved passes over every layout (module doc)
+    retries: int = 0  # more passes, at most, over layouts whose kept pass waited for a core (module doc)
+    max_cpu_wait: float = 0.1  # a pass whose ranks waited longer than this share of it for a core is loaded
     device: str = "cpu"  # cpu | cuda | xpu | auto
     threads_per_rank: int = 1  # CPU threads of each rank
     overrides: dict[str, Any] = field(default_factory=dict)  # dotted config paths
@@ -100,17 +113,28 @@ class ScalingConfig:
                 raise ConfigError(f"scaling.{name} = {getattr(self, name)}: must be >= 1")
         if self.warmup < 0:
             raise ConfigError(f"scaling.warmup = {self.warmup}: must be >= 0")
-        holdout = []
-        for setting in self.holdout:
-            if (not isinstance(setting, (list, tuple)) or len(setting) != 2
-                    or not all(isinstance(v, int) and v >= 0 for v in setting)):
-                raise ConfigError(f"scaling.holdout: {setting!r}: must be a (global_batch, micro_batch) pair "
-                                  f"of integers >= 0")
-            holdout.append(tuple(setting))
-        self.holdout = tuple(holdout)
-        if (self.global_batch, self.micro_batch) in self.holdout:
-            raise ConfigError(f"scaling.holdout: {(self.global_batch, self.micro_batch)}: is the main (fitted) "
-                              f"setting; a held-out setting must differ from it")
+        if self.retries < 0:
+            raise ConfigError(f"scaling.retries = {self.retries}: must be >= 0")
+        if not 0 < self.max_cpu_wait < 1:
+            raise ConfigError(f"scaling.max_cpu_wait = {self.max_cpu_wait}: must be in (0, 1) (a share of a pass)")
+        seen = {(self.global_batch, self.micro_batch): "the main (fitted) setting"}
+        for name in ("fitted", "holdout"):
+            settings = []
+            for setting in getattr(self, name):
+                if (not isinstance(setting, (list, tuple)) or len(setting) != 2
+                        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in setting)):
+                    raise ConfigError(f"scaling.{name}: {setting!r}: must be a (global_batch, micro_batch) pair "
+                                      f"of integers >= 0")
+                setting = tuple(setting)
+                if setting in seen:
+                    raise ConfigError(f"scaling.{name}: {setting}: is {seen[setting]}; every setting is measured "
+                                      f"once, in one role")
+                seen[setting] = f"already in scaling.{name}"
+                settings.append(setting)
+            setattr(self, name, tuple(settings))
+        if self.fitted and not self.holdout:
+            raise ConfigError(f"scaling.fitted = {list(self.fitted)}: extra fitted settings belong to a held-out "
+                              f"design; give scaling.holdout too (the settings the model must predict)")
 
     def ep_for(self, n: int, rule: EpRule | None = None) -> int:
         rule = self.ep_rules[0] if rule is None else rule
@@ -120,6 +144,7 @@ class ScalingConfig:
         """Every point of the sweep, setting by setting (the main one first), then by device
         count and EP rule; the one-rank point once per setting (EP rules coincide there)."""
         settings = [(self.global_batch, self.micro_batch, "fitted" if self.holdout else "")]
+        settings += [(gb, mb, "fitted") for gb, mb in self.fitted]
         settings += [(gb, mb, "held-out") for gb, mb in self.holdout]
         out = []
         for gb, mb, role in settings:
@@ -190,9 +215,43 @@ def best_point(samples: list[dict]) -> dict:
             "step_s_spread": max(s["step_s"] for s in samples) / best["step_s"] - 1}
 
 
-def _rank_main(jobs_json: str, steps: int, warmup: int, rounds: int, threads: int, out_path: str) -> None:
-    """One rank of one world (spawned): measure every job, ``rounds`` interleaved passes; rank 0
-    writes the points. A job is (n, config): n = the world size, or 1 (rank 0 alone)."""
+def cpu_wait_s() -> float:
+    """Seconds this thread has been runnable but waiting for a core (Linux /proc schedstat's
+    run delay); NaN where the kernel does not say."""
+    try:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def _timed(measure, world: int) -> dict:
+    """``measure()``'s point with ``cpu_wait``: the largest share of the call any rank waited for a core."""
+    import time
+
+    import torch.distributed as dist
+
+    wait0, t0 = cpu_wait_s(), time.perf_counter()
+    point = measure()
+    share = (cpu_wait_s() - wait0) / (time.perf_counter() - t0)
+    if world > 1:
+        shares = [None] * world
+        dist.all_gather_object(shares, share)
+        share = max(shares)
+    if share == share:  # NaN: not measured here
+        point["cpu_wait"] = share
+    return point
+
+
+def loaded(samples: list[dict], max_cpu_wait: float) -> bool:
+    """Whether the pass a point would keep (the fastest) waited for a core longer than ``max_cpu_wait``."""
+    return min(samples, key=lambda s: s["step_s"]).get("cpu_wait", 0.0) > max_cpu_wait
+
+
+def _rank_main(jobs_json: str, steps: int, warmup: int, rounds: int, threads: int, out_path: str,
+               retries: int = 0, max_cpu_wait: float = 0.1) -> None:
+    """One rank of one world (spawned): measure every job, ``rounds`` interleaved passes, then up
+    to ``retries`` passes over the loaded ones (``loaded``, decided by rank 0); rank 0 writes the
+    points. A job is (n, config): n = the world size, or 1 (rank 0 alone)."""
     import torch
     import torch.distributed as dist
 
@@ -213,16 +272,29 @@ def _rank_main(jobs_json: str, steps: int, warmup: int, rounds: int, threads: in
 
     owner = mesh_for(next(cfg for n, cfg in jobs if n == world))  # joins the world first
     samples: list[list[dict]] = [[] for _ in jobs]
+    def one_pass(todo: Sequence[int]) -> None:
+        for i in todo:
+            n, cfg = jobs[i]
+            if n == world:
+                mesh = mesh_for(cfg)
+                samples[i].append(_timed(lambda: measure_steps(cfg, mesh, steps=steps, warmup=warmup), world))
+                continue
+            if owner.rank == 0:  # a one-rank point: the other ranks wait, idle, at the barrier
+                single = Mesh.single(owner.device)
+                samples[i].append(_timed(lambda: measure_steps(cfg, single, steps=steps, warmup=warmup), 1))
+            if world > 1:
+                dist.barrier()
+
     try:
         for _ in range(rounds):
-            for i, (n, cfg) in enumerate(jobs):
-                if n == world:
-                    samples[i].append(measure_steps(cfg, mesh_for(cfg), steps=steps, warmup=warmup))
-                    continue
-                if owner.rank == 0:  # a one-rank point: the other ranks wait, idle, at the barrier
-                    samples[i].append(measure_steps(cfg, Mesh.single(owner.device), steps=steps, warmup=warmup))
-                if world > 1:
-                    dist.barrier()
+            one_pass(range(len(jobs)))
+        for _ in range(retries):
+            todo = [[i for i, s in enumerate(samples) if loaded(s, max_cpu_wait)] if owner.rank == 0 else None]
+            if world > 1:  # rank 0 holds every sample (one-rank jobs run there): it decides for all
+                dist.broadcast_object_list(todo, src=0)
+            if not todo[0]:
+                break
+            one_pass(todo[0])
     finally:
         shutdown(owner)
     if owner.rank == 0:
@@ -256,16 +328,16 @@ def _describe(config: ScalingConfig, layout: PointLayout, cfg: RunConfig, point:
     return point
 
 
-def parse_setting(text: str) -> tuple[int, int]:
+def parse_setting(text: str, field: str = "holdout") -> tuple[int, int]:
     """A setting as the command line writes it: "8" (global batch 8, whole local batches) or
-    "16:2" (global batch 16 in micro-batches of 2)."""
+    "16:2" (global batch 16 in micro-batches of 2); ``field`` names it in the error."""
     batch, _, micro = str(text).partition(":")
     try:
         setting = int(batch), int(micro or 0)
     except ValueError:
         setting = (-1, -1)
     if setting[0] < 1 or setting[1] < 0:
-        raise ConfigError(f"scaling.holdout = {text!r}: must be GLOBAL_BATCH or GLOBAL_BATCH:MICRO_BATCH "
+        raise ConfigError(f"scaling.{field} = {text!r}: must be GLOBAL_BATCH or GLOBAL_BATCH:MICRO_BATCH "
                           f"(integers, batch >= 1)")
     return setting
 
@@ -286,7 +358,8 @@ def measure_layouts(config: ScalingConfig, layouts: Sequence[PointLayout], progr
         with tempfile.TemporaryDirectory(prefix="optimus-scaling-") as tmp:
             out = Path(tmp) / "points.json"
             spawn_local(_rank_main, world, (jobs, config.steps, config.warmup, config.rounds,
-                                            config.threads_per_rank, str(out)))
+                                            config.threads_per_rank, str(out), config.retries,
+                                            config.max_cpu_wait))
             for i, point in zip(idx, json.loads(out.read_text())):
                 points[i] = _describe(config, layouts[i], cfgs[i], point)
                 if progress:
@@ -357,8 +430,10 @@ def run_scaling(config: ScalingConfig, outputs: ScalingOutputs, progress: bool =
 def format_table(points: list[dict]) -> str:
     cols = ("devices", "ep", "global_batch", "micro_batch", "step_s", "compute_s", "a2a_s", "grad_sync_s",
             "optimizer_s", "idle_s", "tokens_per_s", "efficiency")
-    lines = [" ".join(f"{c:>12}" for c in cols) + "  role"]
+    extra = ("step_s_spread", "cpu_wait")  # the passes' spread; how long a rank waited for a core
+    lines = [" ".join(f"{c:>12}" for c in cols + extra) + "  role"]
     for p in points:
-        lines.append(" ".join(f"{p[c]:>12.4g}" if isinstance(p[c], float) else f"{p[c]:>12}" for c in cols)
-                     + f"  {p.get('role', '')}")
+        cells = [f"{p[c]:>12.4g}" if isinstance(p[c], float) else f"{p[c]:>12}" for c in cols]
+        cells += [f"{p[c]:>12.1%}" if c in p else f"{'':>12}" for c in extra]
+        lines.append(" ".join(cells) + f"  {p.get('role', '')}")
     return "\n".join(lines)

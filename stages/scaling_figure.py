@@ -349,7 +349,7 @@ def scaling_report_markdown(measured: list[dict], predicted: list[dict], holdout
     else:
         lines += ["No measured scaling points are in the store.", ""]
     if holdout:
-        lines += _holdout_lines(holdout)
+        lines += _holdout_lines(holdout) + _design_lines(measured, predicted)
     else:
         lines += ["No held-out error: fewer than two device counts measured.", ""]
     return "\n".join(lines)
@@ -409,6 +409,45 @@ def _holdout_lines(holdout: Sequence[dict]) -> list[str]:
                      f"{h.get('optimizer', '')} | {fit} | {h['measured_s']:.4g} | {h['predicted_s']:.4g} | "
                      f"{float(h['rel_error']):+.1%} |")
     return lines + [""]
+
+
+def _design_lines(measured: Sequence[dict], predicted: Sequence[dict]) -> list[str]:
+    """Every measured point with a ``role`` (a held-out design's, or a sweep's tested on its
+    largest device count), per preset and hardware: fitted or held out, the model's step time and
+    all-to-all beside the measured ones, and how loaded the machine was (``cpu_wait``: the share
+    of its pass a rank waited for a core, stages/scaling.py)."""
+    model_of = {(r.get("run_id"), r["preset"], int(r["devices"])): r for r in predicted if r.get("run_id")}
+    families: dict[tuple, list[tuple[dict, dict]]] = defaultdict(list)
+    seen = set()
+    for r in measured:
+        model = model_of.get((r.get("run_id"), r["preset"], int(r["devices"])))
+        key = (r["preset"], r.get("device", ""), int(r["devices"]), int(r.get("ep", 1)), r.get("setting"), r["step_s"])
+        if not r.get("role") or model is None or key in seen:  # a one-rank base sits in several sweeps
+            continue
+        seen.add(key)
+        families[key[:2]].append((r, model))
+    lines = []
+    for (preset, device), rows in families.items():
+        def worst(role):
+            errs = [abs(m["step_s"] / r["step_s"] - 1) for r, m in rows if r["role"] == role]
+            return _pct(max(errs)) if errs else "none"
+
+        waits = [float(r["cpu_wait"]) for r, _ in rows if r.get("cpu_wait") is not None]
+        load = (f" While the kept passes ran, a rank waited for a core for at most {_pct(max(waits))} of its pass "
+                f"(0 on an idle machine: the rest is other work on the box)." if waits else "")
+        lines += [f"Every measured point of *{preset} on {device}*, fitted or held out (the model's step-time error: "
+                  f"fitted points at most {worst('fitted')}, held-out at most {worst('held-out')}).{load}", "",
+                  "| point | role | measured s | model s | error | all-to-all s measured / model | "
+                  "waited for a core |", "|---|---|---|---|---|---|---|"]
+        for r, m in rows:
+            ep = "" if int(r["devices"]) == 1 else f" EP={'n' if int(r['ep']) == int(r['devices']) else r['ep']}"
+            wait = _pct(float(r["cpu_wait"])) if r.get("cpu_wait") is not None else ""
+            point = f"{int(r['devices'])} rank{'s' if int(r['devices']) > 1 else ''}{ep} {r.get('setting', '')}"
+            lines.append(f"| {point.strip()} | {r['role']} | {r['step_s']:.4g} | {m['step_s']:.4g} | "
+                         f"{m['step_s'] / r['step_s'] - 1:+.1%} | {float(r.get('a2a_s') or 0):.3g} / "
+                         f"{float(m.get('a2a_s') or 0):.3g} | {wait} |")
+        lines.append("")
+    return lines
 
 
 def _designs(holdout: Sequence[dict]) -> dict[str, list[dict]]:

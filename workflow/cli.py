@@ -246,8 +246,10 @@ def cmd_scaling(args) -> None:
     eps = tuple(e if e == "all" else int(e) for e in args.ep)
     config = ScalingConfig(preset=args.preset, devices=tuple(args.devices), ep=eps if len(eps) > 1 else eps[0],
                            optimizer=args.optimizer, global_batch=args.global_batch, micro_batch=args.micro_batch,
+                           fitted=tuple(parse_setting(f, "fitted") for f in args.fitted),
                            holdout=tuple(parse_setting(h) for h in args.holdout), steps=args.steps,
-                           warmup=args.warmup, rounds=args.rounds, device=args.device, threads_per_rank=args.threads,
+                           warmup=args.warmup, rounds=args.rounds, retries=args.retries,
+                           max_cpu_wait=args.max_cpu_wait, device=args.device, threads_per_rank=args.threads,
                            overrides=_overrides(args.set), run_id=args.run_id or "")
     result = run_scaling(config, ScalingOutputs(store=args.store, jsonl=args.jsonl))
     print(f"{result.run_id}\n{format_table(result.points)}")
@@ -374,10 +376,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=0, help="sequences per forward/backward (0: all local)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per point (median taken)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--fitted", nargs="+", default=[], metavar="BATCH[:MICRO]",
+                   help="extra fitted settings of a held-out design, also swept (e.g. 16:2: tells the model's "
+                        "per-call latency from its per-byte cost)")
     p.add_argument("--holdout", nargs="+", default=[], metavar="BATCH[:MICRO]",
                    help="held-out settings, also swept: their multi-rank points are predicted, not fitted")
     p.add_argument("--rounds", type=int, default=1,
                    help="interleaved passes over every layout (the fastest kept: load only slows a step)")
+    p.add_argument("--retries", type=int, default=0,
+                   help="more passes, at most, over layouts whose kept (fastest) pass waited for a core (other work)")
+    p.add_argument("--max-cpu-wait", type=float, default=0.1,
+                   help="share of a pass its ranks may wait for a core before it counts as loaded")
     p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda", "xpu"])
     p.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")

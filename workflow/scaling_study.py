@@ -27,10 +27,15 @@ a sweep come from that same fit, so the largest points are predictions, never fi
 one device count is fitted on all its points and has no held-out error.
 
 A family (preset, overrides, device) measured with a held-out design instead (its points carry a
-``role``, chosen by `optimus scaling --holdout` before anything was timed: the laptop's 2-core
-CPU cannot add ranks, so it holds out other batches, micro-batches and EP layouts) is calibrated
-once on all its "fitted" points, across its sweeps, and tested on its "held-out" ones
-(``study_design``, scheme "role"); its holdout rows name what was fitted (``fit_points``).
+``role``, chosen by `optimus scaling --fitted/--holdout` before anything was timed: the laptop's
+2-core CPU cannot add ranks, so it holds out other batches and micro-batches, at EP = 1 and 2) is
+calibrated once on all its "fitted" points, across its sweeps, and tested on its "held-out" ones
+(``study_design``, scheme "role"); its holdout rows name what was fitted (``fit_points``). It
+needs two fitted multi-rank settings that differ in all-to-all calls per step (the laptop's: batch
+16 whole and in micro-batches of 2): with one, a collective's per-call latency and its per-byte
+cost are one equation in two unknowns, and a held-out batch extrapolates in bytes on a guess.
+Measured points keep ``step_s_spread`` and ``cpu_wait`` (how loaded the box was: stages/scaling.py)
+for the report.
 
 Everything goes to the store as run ``perfmodel`` -- tables ``measured``, ``predicted`` and
 ``holdout`` (one row per item, ``step`` = its index; the strings of row i in the run attrs
@@ -54,9 +59,14 @@ TABLES = ("measured", "predicted", "holdout")
 MACHINE_OF_DEVICE = {"cpu": "cpu", "nvidia-h200": "h200"}
 PAPER_MACHINE = "aurora"
 OVERLAP_WHATIF = "grad_sync"
+# A held-out design fits the memory bandwidth too: its fitted points time the optimizer (memory-
+# bound AdamW) at 1 and 2 ranks in several settings, and AdamW's in-place passes beat the machine
+# file's copy probe (laptop CPU design, one rank: median 33.7 ms over 24 points of six sweeps,
+# 43 ms at the probe's bandwidth). A GPU sweep's two fitted device counts are too few for one more.
+DESIGN_FIT = pm.DEFAULT_FIT + ("memory_bandwidth",)
 POINT_FIELDS = ("preset", "overrides", "device", "devices", "ep", "optimizer", "global_batch", "micro_batch",
                 "seq_len", "dtype", "experts_backend", "setting", "step_s", "compute_s", "a2a_s", "grad_sync_s",
-                "optimizer_s", "idle_s", "tokens_per_s")
+                "optimizer_s", "idle_s", "tokens_per_s", "step_s_spread", "cpu_wait")
 
 
 # ----------------------------------------------------------------------------- reading points
@@ -191,7 +201,7 @@ def study_design(name: str, points: list[dict], machine: pm.Machine) -> dict[str
     test = [p for p in unique if p.get("role") == "held-out"]
     if not test:
         raise ConfigError(f"{name}: a held-out design without held-out points")
-    fitted = pm.calibrate(train, machine)
+    fitted = pm.calibrate(train, machine, fit=DESIGN_FIT)
     counts = sorted({int(p["devices"]) for p in unique})
     fit_devices = " ".join(str(n) for n in sorted({int(p["devices"]) for p in train}))
     fit_points = ", ".join(_point_label(p) for p in train)

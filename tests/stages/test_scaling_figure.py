@@ -126,3 +126,25 @@ def test_report_names_a_held_out_design_and_the_overlap_the_model_assumes():
     text = scaling_report_markdown([], chunked, [])
     assert "overlaps what our training step overlaps (parallel.overlap_grad_sync)" in text
     assert "no overlap of communication with compute" not in text
+
+
+def test_report_lists_every_design_point_with_its_error_and_the_load():
+    def row(devices, ep, setting, role, step, **extra):
+        return {**_point(devices, step), "ep": ep, "setting": setting, "role": role,
+                "run_id": f"EP={'n' if ep == devices else ep} {setting}", **extra}
+
+    measured = [row(1, 1, "batch 16", "fitted", 1.0, cpu_wait=0.0), row(2, 2, "batch 16", "fitted", 0.6, cpu_wait=0.04),
+                row(1, 1, "batch 8", "fitted", 0.5, cpu_wait=0.01), row(2, 2, "batch 8", "held-out", 0.4, cpu_wait=0.25)]
+    measured.insert(1, {**measured[0], "run_id": "EP=1 batch 16"})  # the one-rank base repeats in every EP sweep
+    model = [{**m, "machine": "cpu", "step_s": m["step_s"] * f, "a2a_s": 0.01} for m, f in
+             zip(measured, (1.1, 1.1, 0.95, 1.0, 1.3))]
+    text = scaling_report_markdown(measured, model, HOLDOUT)
+    assert ("Every measured point of *mula-7b-a1b@laptop on cpu*, fitted or held out (the model's step-time "
+            "error: fitted points at most 10%, held-out at most 30%). While the kept passes ran, a rank waited for a core for at most 25% "
+            "of its pass") in text
+    rows = [line for line in text.splitlines() if line.startswith("| 1 rank ") or line.startswith("| 2 ranks ")]
+    assert rows == ["| 1 rank batch 16 | fitted | 1 | 1.1 | +10.0% | 0.1 / 0.01 | 0.0% |",
+                    "| 2 ranks EP=n batch 16 | fitted | 0.6 | 0.57 | -5.0% | 0.06 / 0.01 | 4.0% |",
+                    "| 1 rank batch 8 | fitted | 0.5 | 0.5 | +0.0% | 0.05 / 0.01 | 1.0% |",
+                    "| 2 ranks EP=n batch 8 | held-out | 0.4 | 0.52 | +30.0% | 0.04 / 0.01 | 25% |"]
+    assert "Every measured point" not in scaling_report_markdown(MEASURED, PREDICTED, HOLDOUT)  # no roles: none

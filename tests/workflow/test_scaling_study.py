@@ -113,15 +113,17 @@ def test_cli_prints_the_held_out_errors_and_refuses_a_missing_file(bench_file, t
     assert "--measured" in capsys.readouterr().err
 
 
-def _cpu_design(truth: pm.Machine) -> list[dict]:
-    """A held-out design as `optimus scaling` records it: two settings x (1 rank, 2 ranks EP=2 / EP=1)."""
+def _cpu_design(truth: pm.Machine, settings=((16, 0, "fitted"), (8, 0, "held-out"))) -> list[dict]:
+    """A held-out design as `optimus scaling` records it: settings (batch, micro-batch, role) x
+    (1 rank, 2 ranks EP=2 / EP=1)."""
     points = []
-    for gb, role in ((16, "fitted"), (8, "held-out")):
+    for gb, mb, role in settings:
         for n, ep in ((1, 1), (2, 2), (2, 1)):
             p = {"preset": PRESET, "overrides": {}, "device": "cpu", "devices": n, "ep": ep,
-                 "optimizer": "ep_aware" if n > 1 else "local", "global_batch": gb, "micro_batch": gb // n,
+                 "optimizer": "ep_aware" if n > 1 else "local", "global_batch": gb, "micro_batch": mb or gb // n,
                  "seq_len": 128, "dtype": "float32", "experts_backend": "loop", "overlap_grad_sync": True,
-                 "grad_sync_chunk_mb": 128.0, "setting": f"batch {gb}", "role": role if n > 1 else "fitted"}
+                 "grad_sync_chunk_mb": 128.0, "setting": f"batch {gb}" + (f" micro {mb}" if mb else ""),
+                 "role": role if n > 1 else "fitted", "cpu_wait": 0.01 * n}
             points.append({**p, **pm.predict_point(p, truth).as_dict()})
     return points
 
@@ -148,3 +150,34 @@ def test_a_held_out_design_is_fitted_on_its_fitted_points_and_tested_on_the_rest
     assert model == set(roles)
     measured, predicted, stored = read_scaling(open_store(tmp_path / "store.zarr", mode="r"))
     assert stored == result["holdout"] and {m["role"] for m in measured} == {"fitted", "held-out"}
+
+
+def test_a_second_fitted_setting_is_fitted_and_every_design_point_is_reported(tmp_path):
+    from stages.scaling_figure import scaling_report_markdown
+
+    cpu = pm.load_machine("cpu")
+    truth = pm._apply(replace(cpu, rank_skew=0.1, dispatch_passes=20.0),
+                      {"compute_efficiency": 0.3, "latency": 12.0, "a2a_bandwidth": 0.3, "compute_slots": 1.7})
+    design = ((16, 0, "fitted"), (16, 2, "fitted"), (8, 0, "held-out"), (8, 2, "held-out"))
+    write_points("scaling-laptop-cpu", _cpu_design(truth, design), ScalingOutputs(store=tmp_path / "store.zarr"),
+                 attrs={"preset": PRESET})
+    result = study.run_study(tmp_path / "store.zarr", [])
+    (sweep,) = result["sweeps"]
+    assert sweep["fitted_on"] == 8 and "2 EP=n batch 16 micro 2" in sweep["fit_points"]
+    assert sweep["knobs"]["latency"] == pytest.approx(12.0, rel=0.02)  # per call and per byte told apart
+    assert sweep["knobs"]["a2a_bandwidth"] == pytest.approx(0.3, rel=0.05)
+    assert sorted((h["devices"], h["ep"], h["setting"]) for h in result["holdout"]) == [
+        (2, 1, "batch 8"), (2, 1, "batch 8 micro 2"), (2, 2, "batch 8"), (2, 2, "batch 8 micro 2")]
+    assert all(abs(h["rel_error"]) < 0.01 for h in result["holdout"])
+
+    measured, predicted, holdout = read_scaling(open_store(tmp_path / "store.zarr", mode="r"))
+    text = scaling_report_markdown(measured, predicted, holdout)
+    table = text.split("Every measured point of *mula-7b-a1b@laptop on cpu*, fitted or held out", 1)[1]
+    assert "a rank waited for a core for at most 2.0% of its pass" in table
+    rows = [line for line in table.splitlines() if line.startswith("| 1 rank") or line.startswith("| 2 ranks")]
+    assert len(rows) == 12  # every point once: the one-rank bases are not repeated per EP sweep
+    assert "| 2 ranks EP=n batch 16 micro 2 | fitted |" in table and "| 2 ranks EP=1 batch 8 | held-out |" in table
+    for row in rows:
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        assert float(cells[3]) == pytest.approx(float(cells[2]), rel=0.01)  # the model made the points: fits all
+        assert abs(float(cells[4].rstrip("%"))) < 1 and cells[6] in ("1.0%", "2.0%")  # error; cpu_wait

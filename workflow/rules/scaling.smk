@@ -24,11 +24,12 @@ def bench_script(stem):
                      f"known file names start with {', '.join(BENCH_SCRIPTS)}")
 
 
-def holdout_flag(settings):
-    """`--holdout 8 16:2`: the held-out settings as BATCH or BATCH:MICRO (stages/scaling.parse_setting)."""
+def setting_flag(flag, settings):
+    """`--holdout 8 16:2`: settings (scaling_cpu.fitted, .holdout) as BATCH or BATCH:MICRO
+    (stages/scaling.parse_setting)."""
     if not settings:
         return ""
-    return "--holdout " + " ".join(str(h["global_batch"]) + (f":{h['micro_batch']}" if h.get("micro_batch") else "")
+    return f"--{flag} " + " ".join(str(h["global_batch"]) + (f":{h['micro_batch']}" if h.get("micro_batch") else "")
                                    for h in settings)
 
 
@@ -45,16 +46,18 @@ if SCALING_CPU:  # the paper scale measures its sweep on Aurora instead (workflo
             preset=SCALING_CPU.get("preset", ""),
             devices=" ".join(str(n) for n in SCALING_CPU.get("devices", [1, 2])),
             ep=" ".join(str(e) for e in SCALING_CPU.get("ep", ["all"])),
-            holdout=holdout_flag(SCALING_CPU.get("holdout") or []),
+            fitted=setting_flag("fitted", SCALING_CPU.get("fitted") or []),
+            holdout=setting_flag("holdout", SCALING_CPU.get("holdout") or []),
             flags=" ".join(f"--{k.replace('_', '-')} {SCALING_CPU[k]}"
-                           for k in ("global_batch", "micro_batch", "steps", "warmup", "rounds") if k in SCALING_CPU),
+                           for k in ("global_batch", "micro_batch", "steps", "warmup", "rounds", "retries", "max_cpu_wait")
+                           if k in SCALING_CPU),
         # Every core: the sweep is timed, so nothing else runs beside it (its ranks use one thread each).
         threads: max(SCALING_CPU.get("devices", [1, 2]))
         log:
             f"{RES}/logs/scaling.log",
         shell:
             "OMP_NUM_THREADS=1 optimus scaling --preset {params.preset} --devices {params.devices} --ep {params.ep}"
-            " {params.holdout} {params.flags} --device cpu --threads 1 --store " + STORE
+            " {params.fitted} {params.holdout} {params.flags} --device cpu --threads 1 --store " + STORE
             + " --jsonl {output} > {log} 2>&1"
 
 
