@@ -139,6 +139,27 @@ class Timer:
         self.mod.synchronize()
         return statistics.median(s.elapsed_time(e) for s, e in events)
 
+    def graphed(self, fn) -> float | None:
+        """Median milliseconds of fn() replayed from a CUDA graph: the device's time alone. A
+        few small kernels behind Python launchers take longer to launch than to run, so events
+        around an eager call time the host; the graph removes the launches (None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture (autotuning, first allocations)
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                fn()
+        except RuntimeError as e:  # an op that cannot be captured: the eager time stands alone
+            print(f"  (no CUDA graph: {str(e)[:200]})", flush=True)
+            return None
+        return self(graph.replay)
+
 
 def route(T: int, E: int, k: int, routing: str, gen: torch.Generator) -> torch.Tensor:
     """topk_idx (T, k), k distinct experts per token."""
@@ -221,12 +242,17 @@ def bench_permute(rec, timer, device, dtype, T, routing, topk_idx, shape, backen
         def pair(backend=backend):
             x_sorted, _, sorted_idx = permute(x, topk_idx, E, backend=backend)
             return unpermute(x_sorted, sorted_idx, weights, backend=backend)
+
+        def pair_no_grad(backend=backend):  # what a CUDA graph can capture: no autograd graph
+            with torch.no_grad():
+                return pair(backend)
         with permute_kernels(**choices):
             out = pair()
             back = lambda: torch.autograd.grad(out, (x, weights), dout, retain_graph=True)  # noqa: E731
             ids = topk_idx.reshape(-1)
             sort = lambda: expert_sort(ids, E)  # noqa: E731
             timed = [("permute+unpermute", "fwd", pair, fwd_bytes), ("permute+unpermute", "bwd", back, bwd_bytes)]
+            graphed = {"fwd": pair_no_grad}  # the backward's autograd.grad is not captured
             if backend == "triton":  # ids read, sorted_idx written, offsets written
                 timed.append(("expert sort", "fwd", sort, 2 * ids.numel() * 8 + E * 4))
                 # with a phantom group too (capacity dropping, expert parallelism): 65 groups
@@ -234,13 +260,18 @@ def bench_permute(rec, timer, device, dtype, T, routing, topk_idx, shape, backen
                 timed.append(("expert sort E+1", "fwd", phantom, 2 * ids.numel() * 8 + (E + 1) * 4))
             for op, pass_, fn, nbytes in timed:
                 ms = timer(fn)
+                capture = graphed.get(pass_) if op == "permute+unpermute" else fn  # the sorts capture as they are
+                device_ms = timer.graphed(capture) if backend == "triton" and capture is not None else None
                 rec(op=op, pass_=pass_, backend=name, tokens=T, routing=routing, ms=ms,
-                    gbps=nbytes / ms / 1e6, bytes=nbytes, D=D, top_k=k, **extra)
+                    gbps=nbytes / ms / 1e6, bytes=nbytes, D=D, top_k=k, **extra,
+                    **({"device_ms": device_ms, "device_gbps": nbytes / device_ms / 1e6} if device_ms else {}))
     sorted_rows = torch.randn(T * k, D, device=device, dtype=dtype, generator=gen)
     nbytes = 2 * sorted_rows.numel() * b
     ms = timer(sorted_rows.clone)
+    device_ms = timer.graphed(sorted_rows.clone)
     rec(op="copy", pass_="fwd", backend="clone", tokens=T, routing=routing, ms=ms,
-        gbps=nbytes / ms / 1e6, bytes=nbytes, D=D, top_k=k)
+        gbps=nbytes / ms / 1e6, bytes=nbytes, D=D, top_k=k,
+        **({"device_ms": device_ms, "device_gbps": nbytes / device_ms / 1e6} if device_ms else {}))
 
 
 def write_store(store_path: str, run_id: str, records: list[dict], summary: dict) -> bool:
@@ -296,6 +327,8 @@ def main(argv=None) -> None:
             return
         rate = f"{line['tflops']:8.1f} TFLOP/s" if "tflops" in line else f"{line['gbps']:8.1f} GB/s   "
         note = f"  (fell back: {line['fallback']})" if line.get("fallback") else ""
+        if line.get("device_ms"):
+            note += f"  device (CUDA graph) {line['device_ms']:.3f} ms {line['device_gbps']:.1f} GB/s"
         print(f"{line['op']:>18} {pass_:>4} {line['backend']:>17} {line['tokens']:>6} "
               f"{line['routing']:>8} {line['ms']:9.3f} ms {rate}{note}", flush=True)
 
