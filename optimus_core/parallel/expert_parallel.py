@@ -64,24 +64,29 @@ class ExpertParallelExperts(Experts):
             0, rank_TK.flatten(), torch.ones(T * K, dtype=torch.long, device=device))[:ep]
         send_P2 = torch.stack([need_TP.sum(0), slots_P], 1)
         recv_P2 = exchange_counts(send_P2, self.group)
+
+        # Everything that does not need the counts on the host is queued before the wait below,
+        # so that after it the host launches only the gathers and the exchanges: the device idles
+        # from the wait until the next launch. Candidate rows are every (peer, token) pair, the
+        # needed ones first in peer-major token order (a stable sort of the not-needed flags: the
+        # order nonzero gives, at a size known without the counts); the first sum(send_splits)
+        # are sent. Per candidate row, its K slots as seen by the receiving peer: a local expert
+        # id, or n_local (a phantom group: not this peer's expert) with weight 0. Ids ride in
+        # float32 next to the weights (exact below 2**24), so one differentiable exchange
+        # carries both.
+        order_N = torch.argsort((~need_TP.T).flatten().to(torch.uint8), stable=True)
+        peer_N, token_N = order_N // T, order_N % T
+        on_peer_NK = rank_TK[token_N] == peer_N[:, None]
+        local_NK = torch.where(on_peer_NK, topk_idx_TK[token_N] - peer_N[:, None] * n_local, n_local)
+        w_NK = torch.where(on_peer_NK, topk_weight_TK[token_N].float(), 0.0)
+        meta_N2K = torch.cat([w_NK, local_NK.float()], dim=1)
+
         with phase("a2a"):  # the split sizes must reach the host: the layer's one wait for the device
             counts = torch.cat([send_P2, recv_P2]).tolist()
         send_splits = [c[0] for c in counts[:ep]]
         recv_splits, n_assigned = [c[0] for c in counts[ep:]], sum(c[1] for c in counts[ep:])
-        # Rows to send, peer-major in token order. The count is known now, so nonzero_static
-        # needs no second wait (plain nonzero syncs to size its output).
-        if device.type in ("cpu", "cuda"):
-            peer_S, token_S = torch.nonzero_static(need_TP.T, size=sum(send_splits)).unbind(1)
-        else:
-            peer_S, token_S = need_TP.T.nonzero(as_tuple=True)
-
-        # Per sent row, its K slots as seen by the receiving peer: a local expert id, or n_local
-        # (a phantom group: not this peer's expert) with weight 0. Ids ride in float32 next to
-        # the weights (exact below 2**24), so one differentiable exchange carries both.
-        on_peer_SK = rank_TK[token_S] == peer_S[:, None]
-        local_SK = torch.where(on_peer_SK, topk_idx_TK[token_S] - peer_S[:, None] * n_local, n_local)
-        w_SK = torch.where(on_peer_SK, topk_weight_TK[token_S].float(), 0.0)
-        meta_S2K = torch.cat([w_SK, local_SK.float()], dim=1)
+        S = sum(send_splits)
+        token_S, meta_S2K = token_N[:S], meta_N2K[:S]  # views: no launch
         x_RD = all_to_all(x_TD.index_select(0, token_S), recv_splits, send_splits, self.group)
         meta_R2K = all_to_all(meta_S2K, recv_splits, send_splits, self.group)
         w_RK, local_RK = meta_R2K[:, :K], meta_R2K[:, K:].detach().long()
