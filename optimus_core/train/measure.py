@@ -15,7 +15,9 @@ Phases (optimus_core.timing, exclusive device seconds per step): ``compute`` for
 all-reduce and parameter all-gather, ``optimizer`` grad norm + AdamW; ``idle_s`` is the wall
 time of the step left over (host overhead, waiting for other ranks). Each is the median over
 the timed steps on each rank, then the mean over ranks; ``step_s`` is the slowest rank's median;
-``peak_memory_bytes`` the most any rank allocated during the timed steps.
+``peak_memory_bytes`` the most any rank allocated during the timed steps, ``peak_reserved_bytes``
+the most its allocator held (what the device had in use: CUDA graphs' private pools count here,
+not in the allocated figure).
 
 With ``OPTIMUS_TRACE_DIR`` set in the environment (bench/distributed.py --trace sets it for the
 processes it launches), every rank runs two more steps after the timed ones under torch.profiler
@@ -65,9 +67,10 @@ def _sync(device: torch.device) -> None:
         getattr(torch, device.type).synchronize(device)
 
 
-def _peak_memory(device: torch.device) -> float:
+def _peak_memory(device: torch.device, reserved: bool = False) -> float:
     if device.type in ("cuda", "xpu"):
-        return float(getattr(torch, device.type).max_memory_allocated(device))
+        backend = getattr(torch, device.type)
+        return float((backend.max_memory_reserved if reserved else backend.max_memory_allocated)(device))
     return float("nan")
 
 
@@ -122,6 +125,7 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
             lr=cfg.optim.lr, dtype=cfg.train.dtype, mesh=mesh, fused_lm_loss=cfg.train.fused_lm_loss).grad_norm))
     local = {f"{name}_s": statistics.median(values) for name, values in samples.items()}
     local["peak_memory_bytes"] = _peak_memory(device)
+    local["peak_reserved_bytes"] = _peak_memory(device, reserved=True)
     ranks = [local]
     if mesh.distributed:
         ranks = [None] * mesh.world_size
@@ -129,6 +133,7 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
     point = {key: statistics.fmean(r[key] for r in ranks) for key in local}
     point["step_s"] = max(r["step_s"] for r in ranks)
     point["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in ranks)
+    point["peak_reserved_bytes"] = max(r["peak_reserved_bytes"] for r in ranks)
     tokens = cfg.train.global_batch * cfg.data.seq_len
     point.update(tokens_per_step=tokens, tokens_per_s=tokens / point["step_s"], loss=losses[-1],
                  devices=mesh.world_size, ep=mesh.ep, steps=steps, warmup=warmup)
