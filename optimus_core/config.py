@@ -244,7 +244,7 @@ class OptimConfig(_Validated):
     # 28 bytes per parameter), "torch" = torch.optim.AdamW (fused on CUDA), "auto" = triton on a
     # CUDA / XPU device where Triton imports, torch elsewhere. Same arithmetic and state either way.
     implementation: Literal["auto", "torch", "triton"] = "auto"
-    # On a GPU, the clip's gradient norm computed under the last backward, each gradient's as
+    # On a CUDA GPU, the clip's gradient norm computed under the last backward, each gradient's as
     # soon as it is final, on a side stream (optimus_core.train.grad_norm), instead of one more
     # pass over every gradient after it. Same value up to float32 rounding.
     grad_norm_under_backward: bool = True
