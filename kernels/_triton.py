@@ -51,6 +51,24 @@ def autotuned(configs_for, key):
     return wrap
 
 
+@contextlib.contextmanager
+def chosen(table: dict, allowed: dict, what: str, **choices):
+    """Run a block with other values in a module's kernel-choice ``table`` (each checked against
+    ``allowed``), restored after: the body of grouped_mm.triton_kernels and permute.permute_kernels."""
+    for name, value in choices.items():
+        if name not in allowed:
+            raise ValueError(f"{what}: unknown choice {name!r}; choices are {sorted(allowed)}")
+        if value not in allowed[name]:
+            raise ValueError(f"{what}: {name} must be one of {allowed[name]}, got {value!r}")
+    saved = dict(table)
+    table.update(choices)
+    try:
+        yield
+    finally:
+        table.clear()
+        table.update(saved)
+
+
 def tile_configs(shapes, **options):
     """GEMM configs from (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) tuples; options (e.g. Intel's
     grf_mode) go to every config."""

@@ -42,12 +42,10 @@ Backends:
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import Tensor
 
-from ._triton import INTERPRET, autotuned, bucket, check_launchable, device_guard, jit, tile_configs, tl, triton
+from ._triton import INTERPRET, autotuned, bucket, check_launchable, chosen, device_guard, jit, tile_configs, tl, triton
 from .grouped_mm_tiles import locate_tile, segment_tiles
 from .grouped_mm_tma import launch_grouped_mm_dw_tma, launch_grouped_mm_tma, tma_unsupported
 
@@ -73,22 +71,10 @@ KERNEL_CHOICES = {"forward": ("pointer", "tma"), "dx": ("strided", "copy", "tma"
                   "tma_flatten": (False, True)}
 
 
-@contextlib.contextmanager
 def triton_kernels(**choices):
     """Run a block with other kernel choices, e.g. `with triton_kernels(forward="tma", dx="copy"):`
     (the backward reads them when it runs, so run it inside the block too)."""
-    for name, value in choices.items():
-        if name not in KERNEL_CHOICES:
-            raise ValueError(f"triton_kernels: unknown choice {name!r}; choices are {sorted(KERNEL_CHOICES)}")
-        if value not in KERNEL_CHOICES[name]:
-            raise ValueError(f"triton_kernels: {name} must be one of {KERNEL_CHOICES[name]}, got {value!r}")
-    saved = dict(TRITON_KERNELS)
-    TRITON_KERNELS.update(choices)
-    try:
-        yield
-    finally:
-        TRITON_KERNELS.clear()
-        TRITON_KERNELS.update(saved)
+    return chosen(TRITON_KERNELS, KERNEL_CHOICES, "triton_kernels", **choices)
 
 
 def grouped_mm_reference(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:

@@ -50,12 +50,10 @@ kernels (one-warp programs, sort_geometry) have not run there.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import Tensor
 
-from ._triton import INTERPRET, autotuned, check_launchable, device_guard, jit, row_configs, tl, triton
+from ._triton import INTERPRET, autotuned, check_launchable, chosen, device_guard, jit, row_configs, tl, triton
 
 BACKENDS = ("loop", "torch", "triton")
 
@@ -69,21 +67,9 @@ KERNEL_CHOICES = {"sort": ("counting", "torch")}
 MAX_SORT_GROUPS = 256
 
 
-@contextlib.contextmanager
 def permute_kernels(**choices):
     """Run a block with another expert sort, e.g. `with permute_kernels(sort="torch"):`."""
-    for name, value in choices.items():
-        if name not in KERNEL_CHOICES:
-            raise ValueError(f"permute_kernels: unknown choice {name!r}; choices are {sorted(KERNEL_CHOICES)}")
-        if value not in KERNEL_CHOICES[name]:
-            raise ValueError(f"permute_kernels: {name} must be one of {KERNEL_CHOICES[name]}, got {value!r}")
-    saved = dict(PERMUTE_KERNELS)
-    PERMUTE_KERNELS.update(choices)
-    try:
-        yield
-    finally:
-        PERMUTE_KERNELS.clear()
-        PERMUTE_KERNELS.update(saved)
+    return chosen(PERMUTE_KERNELS, KERNEL_CHOICES, "permute_kernels", **choices)
 
 
 def permute_reference(x: Tensor, topk_idx: Tensor, n_experts: int,
