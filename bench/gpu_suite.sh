@@ -4,6 +4,8 @@
 #   bench/gpu_suite.sh speed      # OLMo-core (last GPU) | train_step (GPU 0) | 2-GPU ablation (GPUs 1,2)
 #   bench/gpu_suite.sh scaling    # weak + strong scaling over every GPU of the host
 #   bench/gpu_suite.sh all        # both, one after the other
+#   bench/gpu_suite.sh trace      # timelines: weak-1 and weak-2 on every rank, one GPU's compiled step,
+#                                 # each read by bench/trace_gaps.py (where the devices idle, and why)
 #   VARIANTS="7b8l-loop 7b8l-triton+compile" bench/gpu_suite.sh speed    # a subset of train_step
 #
 # Needs: torch + triton (CUDA); for OLMo-core, the peers folder with its wheels in .peers/
@@ -12,7 +14,7 @@
 # peer and ours are measured in the same call on identical GPUs.
 set -u
 cd "$(dirname "$0")/.."
-part=${1:?usage: bench/gpu_suite.sh speed|scaling}
+part=${1:?usage: bench/gpu_suite.sh speed|scaling|all|trace}
 out=${OUT:-bench/results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -47,6 +49,15 @@ speed)
 scaling)
   timeout 560 python3 bench/distributed.py --suites weak strong --out "$out" --store '' >"$out/scaling.log" 2>&1
   tail -n 40 "$out/scaling.log" | cut -c1-300
+  ;;
+trace)
+  timeout 300 python3 bench/distributed.py --suites weak --only 'weak-[12]$' --trace "$out/traces" --out "$out" \
+    --store '' >"$out/trace.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/profile_step.py --trace "$out/traces" --out "$out" >>"$out/trace.log" 2>&1
+  grep -E "weak-|kernels per step" "$out/trace.log" | cut -c1-300
+  for f in "$out"/traces/*.gz "$out"/traces/*/*.gz; do
+    [ -f "$f" ] && python3 bench/trace_gaps.py "$f" --top 12 | cut -c1-200
+  done
   ;;
 *) echo "unknown part $part" >&2; exit 2 ;;
 esac
