@@ -14,10 +14,8 @@ DIR/trace-<variant>.json.gz, for bench/trace_gaps.py (where the device idles, an
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -64,7 +62,7 @@ def main(argv=None) -> None:
     import torch
 
     from optimus_core import presets
-    from optimus_core.train.measure import build_on_device
+    from optimus_core.train.measure import build_on_device, write_timeline
     from optimus_core.train.optim import build_optimizer
     from optimus_core.train.step import train_step
 
@@ -101,11 +99,7 @@ def main(argv=None) -> None:
     if args.trace:
         Path(args.trace).mkdir(parents=True, exist_ok=True)
         trace = Path(args.trace) / f"trace-{args.variant.replace('+', '-')}.json"
-        prof.export_chrome_trace(str(trace))
-        with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        trace.unlink()
-        print(f"wrote {trace}.gz")
+        print(f"wrote {write_timeline(prof, trace)}")
     kernels: dict[str, float] = {}
     for event in prof.events():
         # (record_function ranges show up on the device too: not kernels)

@@ -92,6 +92,11 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
     generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 7919 + mesh.rank)
     batch_BS1 = torch.randint(0, cfg.model.vocab_size, (local_batch, cfg.data.seq_len + 1),
                               generator=generator, device=device)
+    def step():
+        return train_step(model, optimizer, batch_BS1, micro_batch=cfg.train.micro_batch,
+                          grad_clip=cfg.optim.grad_clip, lr=cfg.optim.lr, dtype=cfg.train.dtype, mesh=mesh,
+                          fused_lm_loss=cfg.train.fused_lm_loss)
+
     timer = PhaseTimer(device)
     samples: dict[str, list[float]] = {name: [] for name in (*PHASES, "step", "idle")}
     losses = []
@@ -101,9 +106,7 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
         timer.reset()
         t0 = time.perf_counter()
         with timer.active():
-            stats = train_step(model, optimizer, batch_BS1, micro_batch=cfg.train.micro_batch,
-                               grad_clip=cfg.optim.grad_clip, lr=cfg.optim.lr, dtype=cfg.train.dtype, mesh=mesh,
-                               fused_lm_loss=cfg.train.fused_lm_loss)
+            stats = step()
         float(stats.grad_norm)  # waits for the update
         _sync(device)
         wall = time.perf_counter() - t0
@@ -120,9 +123,7 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
         samples["idle"].append(max(0.0, wall - sum(phases.get(n, 0.0) for n in PHASES)))
         losses.append(stats.loss)
     if os.environ.get("OPTIMUS_TRACE_DIR"):
-        _trace(Path(os.environ["OPTIMUS_TRACE_DIR"]), mesh, lambda: float(train_step(
-            model, optimizer, batch_BS1, micro_batch=cfg.train.micro_batch, grad_clip=cfg.optim.grad_clip,
-            lr=cfg.optim.lr, dtype=cfg.train.dtype, mesh=mesh, fused_lm_loss=cfg.train.fused_lm_loss).grad_norm))
+        _trace(Path(os.environ["OPTIMUS_TRACE_DIR"]), mesh, lambda: float(step().grad_norm))
     local = {f"{name}_s": statistics.median(values) for name, values in samples.items()}
     local["peak_memory_bytes"] = _peak_memory(device)
     local["peak_reserved_bytes"] = _peak_memory(device, reserved=True)
@@ -158,6 +159,11 @@ def _trace(out_dir: Path, mesh: Mesh, step, steps: int = 2) -> Path:
             with torch.profiler.record_function("optimus.step"):
                 step()
             _sync(mesh.device)
+    return write_timeline(prof, path)
+
+
+def write_timeline(prof, path: Path) -> Path:
+    """A finished torch.profiler's timeline as ``<path>.gz`` (Chrome trace JSON, gzipped)."""
     prof.export_chrome_trace(str(path))
     with open(path, "rb") as src, gzip.open(f"{path}.gz", "wb") as dst:
         shutil.copyfileobj(src, dst)
