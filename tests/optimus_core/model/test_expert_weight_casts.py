@@ -12,6 +12,7 @@ from optimus_core.config import ModelConfig, MoEConfig, TrainConfig
 from optimus_core.model.experts import Experts, assert_weight_casts_current
 from optimus_core.model.transformer import Transformer
 from optimus_core.parallel.expert_parallel import ExpertParallelExperts
+from test_experts_backends import bf16_outputs_and_grads
 
 MODEL = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, max_seq_len=8, pad_vocab_to=64,
                     moe=MoEConfig(n_experts=4, top_k=2, d_expert=8))
@@ -40,15 +41,7 @@ def test_the_forward_with_copies_equals_the_forward_without():
     copied = _experts(casts=False)
     copied.load_state_dict(plain.state_dict())
     copied.enable_weight_casts(torch.bfloat16)
-    x = torch.randn(13, 16)
-    offsets = torch.tensor([3, 3, 9, 11], dtype=torch.int32)  # an empty expert, 2 rows past the end
-    outs = []
-    for experts in (plain, copied):
-        xi = x.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = experts(xi, offsets)
-        y.float().square().sum().backward()
-        outs.append((y, xi.grad, experts.w_up.grad, experts.w_down.grad))
+    outs = bf16_outputs_and_grads(plain, copied)
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     assert outs[1][2].dtype == torch.float32 and copied.w_up_cast.grad is None

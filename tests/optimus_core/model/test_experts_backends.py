@@ -51,15 +51,21 @@ def test_recast_expert_weights_changes_memory_not_numbers():
     recast = Experts(4, 16, 8, backend="loop")
     recast.load_state_dict(plain.state_dict())
     recast.recast_weights = True
+    outs = bf16_outputs_and_grads(plain, recast)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert outs[1][2].dtype == torch.float32
+
+
+def bf16_outputs_and_grads(*experts_list):
+    """Per Experts module, under bf16 autocast on one input: (y, dx, dw_up, dw_down)."""
     x = torch.randn(13, 16)
     offsets = torch.tensor([3, 3, 9, 11], dtype=torch.int32)  # an empty expert, 2 rows past the end
     outs = []
-    for experts in (plain, recast):
+    for experts in experts_list:
         xi = x.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = experts(xi, offsets)
         y.float().square().sum().backward()
         outs.append((y, xi.grad, experts.w_up.grad, experts.w_down.grad))
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
-    assert outs[1][2].dtype == torch.float32
+    return outs
