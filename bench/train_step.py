@@ -19,8 +19,17 @@ warm-up, then the median of timed steps, phases from device events):
     -casts                  train.expert_weight_casts off: the forward casts the float32 expert
                             weights itself (and keeps the copy for the backward) instead of
                             reading the bf16 copy the optimizer writes (an A/B of the default)
+    -beside                 optim.update_beside_forward off: the whole AdamW update after the
+                            backward, on the forward's stream, instead of stage by stage on a side
+                            stream under the next step's forward (an A/B of the default)
     +logits+torch-adamw     the recipe before train.fused_lm_loss and optim.implementation=auto:
                             full logits then cross-entropy, torch's fused AdamW (an A/B, same call)
+
+Step time: ``step_s`` is the median of steps each followed by a host sync (phases come from
+these); ``step_back_to_back_s`` the median between step boundaries with the steps queued back to
+back, OLMo-core's own method (events at the boundaries, no sync): only it shows the update that
+runs under the next forward. Tokens/s, MFU and the ratio to OLMo-core use the back-to-back
+step where it was measured (``*_synced`` fields keep the synced one).
 
 MFU = flops_per_token (the core's analytic count, optimus_core.flops) x tokens/s / peak, with
 peak = 989 TFLOP/s (H100/H200 dense bf16 datasheet, the convention) and, beside it, the dense
@@ -56,6 +65,7 @@ CUDA_GRAPHS = {"train.compile_mode": "reduce-overhead"}  # each block's kernels 
 NORM_AFTER = {"optim.grad_norm_under_backward": False}  # the clip's norm in a pass after the backward
 TORCH_SORT = {"kernels.permute.sort": "torch"}  # the expert sort by torch.sort, not our counting sort
 DW_POINTER = {"kernels.grouped_mm.dw": "pointer"}  # dW by the pointer kernel, not the TMA one
+UPDATE_AFTER = {"optim.update_beside_forward": False}  # the whole update after the backward, one stream
 
 # The recipe of the 2026-11-30 measurements: full logits then cross-entropy, torch's fused AdamW.
 LOGITS_TORCH_ADAMW = {"train.fused_lm_loss": False, "optim.implementation": "torch"}
@@ -70,6 +80,8 @@ VARIANTS = {  # name -> (model, experts backend, compile, further config overrid
     "7b8l-triton+compile-normunder": (MODEL_7B, "triton", True, NORM_AFTER),
     "7b8l-triton+compile+torchsort": (MODEL_7B, "triton", True, TORCH_SORT),
     "7b8l-triton+compile+dwpointer": (MODEL_7B, "triton", True, DW_POINTER),
+    "7b8l-triton+compile-beside": (MODEL_7B, "triton", True, UPDATE_AFTER),
+    "7b8l-triton+compile+graphs-beside": (MODEL_7B, "triton", True, {**CUDA_GRAPHS, **UPDATE_AFTER}),
     "7b8l-triton+compile+logits+torch-adamw": (MODEL_7B, "triton", True, LOGITS_TORCH_ADAMW),
     "7b8l-triton+recast": (MODEL_7B, "triton", False, RECAST),
     "7b8l-torch+compile+recast": (MODEL_7B, "torch", True, RECAST),
@@ -168,8 +180,14 @@ def run_variant(name: str, args, device) -> dict:
             "fused_lm_loss": cfg.train.fused_lm_loss, "optim_implementation": cfg.optim.implementation,
             "seq_len": cfg.data.seq_len, "batch": args.batch,
             "params": cfg.model.num_params(), "active_params": cfg.model.num_active_params(),
-            "flops_per_token": flops, "mfu": flops * point["tokens_per_s"] / PEAK_FLOPS,
+            "flops_per_token": flops, "mfu": flops * _tokens_per_s(point) / PEAK_FLOPS,
+            "mfu_synced": flops * point["tokens_per_s"] / PEAK_FLOPS,
             "wall_s": time.perf_counter() - t0, **point}
+
+
+def _tokens_per_s(record: dict) -> float:
+    """Back to back where measured (OLMo-core's method), else between synced steps."""
+    return record.get("tokens_per_s_back_to_back") or record["tokens_per_s"]
 
 
 def _ratio(record: dict | None, key: str, olmo_gib: float | None) -> float | None:
@@ -180,25 +198,26 @@ def _ratio(record: dict | None, key: str, olmo_gib: float | None) -> float | Non
 
 def summarize(records: list[dict], olmo: dict | None, dense_tflops: float | None, device: str) -> dict:
     moe = [r for r in records if r["variant"].startswith("7b8l") and "error" not in r]  # 8-layer 7B
-    best = max(moe, key=lambda r: r["tokens_per_s"]) if moe else None
+    best = max(moe, key=_tokens_per_s) if moe else None
     base = next((r for r in moe if r["variant"] == "7b8l-loop"), None)
     out = {"bench": "train_step_summary", "device": device, "peak_flops": PEAK_FLOPS,
            "dense_matmul_tflops": dense_tflops, "best_variant": best and best["variant"],
-           "best_tokens_per_s": best and best["tokens_per_s"], "best_mfu": best and best["mfu"],
+           "best_tokens_per_s": best and _tokens_per_s(best), "best_mfu": best and best["mfu"],
            "best_mfu_vs_measured_matmul": best and dense_tflops and
-           best["flops_per_token"] * best["tokens_per_s"] / (dense_tflops * 1e12),
-           "ablation_speedup": best and base and best["tokens_per_s"] / base["tokens_per_s"],
+           best["flops_per_token"] * _tokens_per_s(best) / (dense_tflops * 1e12),
+           "ablation_speedup": best and base and _tokens_per_s(best) / _tokens_per_s(base),
            "ablation_note": "one GPU: kernels only (the EP-aware optimizer needs >1 rank; bench/distributed.py)"}
     if olmo and best:
-        # Median step against median step: our step_s is a median, OLMo-core's tokens_per_s a
-        # mean over its timed steps (its median is recorded too; older lines lack it).
+        # Median step against median step, both back to back: OLMo-core's tokens_per_s is a mean
+        # over its timed steps (its median is recorded too; older lines lack it).
         olmo_tps = (olmo["tokens_per_step"] / (olmo["step_ms_median"] / 1e3)
                     if olmo.get("step_ms_median") and olmo.get("tokens_per_step") else olmo["tokens_per_s"])
         default = next((r for r in moe if r["variant"] == DEFAULT_VARIANT), None)
         out.update(olmo_core_tokens_per_s=olmo_tps, olmo_core_tokens_per_s_mean=olmo["tokens_per_s"],
                    olmo_core_peak_memory_gib=olmo.get("peak_mem_gib"),
-                   ratio_vs_olmo_core=best["tokens_per_s"] / olmo_tps,
-                   ratio_default_vs_olmo_core=default and default["tokens_per_s"] / olmo_tps,
+                   ratio_vs_olmo_core=_tokens_per_s(best) / olmo_tps,
+                   ratio_default_vs_olmo_core=default and _tokens_per_s(default) / olmo_tps,
+                   ratio_default_synced_vs_olmo_core=default and default["tokens_per_s"] / olmo_tps,
                    # the default variant's memory (a CUDA-graph variant's allocated peak leaves out
                    # its graphs' pool: the reserved peak counts it)
                    memory_vs_olmo_core=_ratio(default, "peak_memory_bytes", olmo.get("peak_mem_gib")),
@@ -253,8 +272,8 @@ def main(argv=None) -> None:
     if dense:
         print(f"dense bf16 matmul 8192^3: {dense:.0f} TFLOP/s")
     records = []
-    print(f"{'variant':>38} {'tokens/s':>10} {'step ms':>8} {'compute':>8} {'optim':>7} {'idle':>6} "
-          f"{'MFU':>6} {'peak GiB':>8}")
+    print(f"{'variant':>38} {'tokens/s':>10} {'b2b ms':>7} {'step ms':>8} {'compute':>8} {'optim':>7} "
+          f"{'idle':>6} {'MFU':>6} {'peak GiB':>8}")
     for variant in args.variants:
         try:
             r = run_variant(variant, args, device)
@@ -264,7 +283,9 @@ def main(argv=None) -> None:
             records.append(r)
             continue
         records.append(r)
-        print(f"{variant:>38} {r['tokens_per_s']:>10,.0f} {r['step_s'] * 1e3:>8.1f} {r['compute_s'] * 1e3:>8.1f} "
+        b2b = r.get("step_back_to_back_s", float("nan"))
+        print(f"{variant:>38} {_tokens_per_s(r):>10,.0f} {b2b * 1e3:>7.1f} {r['step_s'] * 1e3:>8.1f} "
+              f"{r['compute_s'] * 1e3:>8.1f} "
               f"{r['optimizer_s'] * 1e3:>7.1f} {r['idle_s'] * 1e3:>6.1f} {r['mfu']:>6.1%} "
               f"{r['peak_memory_bytes'] / 2**30:>8.1f}", flush=True)
     publish(path, records, summarize(records, olmo, dense, name), args.store, key="variant",

@@ -248,6 +248,11 @@ class OptimConfig(_Validated):
     # soon as it is final, on a side stream (optimus_core.train.grad_norm), instead of one more
     # pass over every gradient after it. Same value up to float32 rounding.
     grad_norm_under_backward: bool = True
+    # On a CUDA GPU with the Triton AdamW on one process: the update queued on a side stream, stage
+    # by stage (embedding, each block, head) in the forward's order, each stage's next forward
+    # waiting for its own update only (optimus_core.train.update_stream). The memory-bound update
+    # runs under the next forward. Same parameters bit for bit.
+    update_beside_forward: bool = True
 
     def check(self) -> None:
         self._require(self.lr > 0, "lr", "must be > 0")

@@ -96,6 +96,14 @@ class Transformer(nn.Module):
         self.set_expert_weight_casts(torch.bfloat16 if on else None)
         return on
 
+    def compile_blocks(self, mode: str = "default") -> None:
+        """torch.compile each block's forward, in place: parameter names (and so checkpoints) stay
+        those of the eager model, and hooks on a block (the optimizer's per-stage waits,
+        optimus_core.train.update_stream) run as plain Python before its compiled code, not
+        traced into it. ``mode``: train.compile_mode."""
+        for block in self.blocks:
+            block.forward = torch.compile(block.forward, mode=mode)
+
     def moe_layers(self) -> list[MoEFeedForward]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoEFeedForward)]
 

@@ -14,6 +14,10 @@ bench/optimizer.py times both; bench/NOTES.md has the numbers.
 equal to their parameter cast after every step; a bf16 copy is written by the update kernel
 itself (2 more bytes per parameter, instead of the forward's cast: read 4, write 2).
 
+With ``beside_forward`` set (optim.update_beside_forward, optimus_core.train.update_stream),
+``step()`` queues the update on a side stream in the forward's order of the model's stages and
+returns; the next forward waits stage by stage. ``settle()`` waits for all of it.
+
 The state is torch's: ``step`` (a float32 CPU tensor, so the bias corrections are computed on the
 host without a sync), ``exp_avg``, ``exp_avg_sq``; a torch AdamW state dict loads as it is (a
 step saved on the device moves to the host once, at the first update).
@@ -32,6 +36,9 @@ class TritonAdamW(torch.optim.Optimizer):
                  weight_decay: float = 1e-2, casts: dict[torch.Tensor, torch.Tensor] | None = None):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.casts = dict(casts or {})
+        # optimus_core.train.update_stream.UpdateBesideForward, attached by build_optimizer where
+        # it applies: step() then queues the update on a side stream, stage by stage.
+        self.beside_forward = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -40,20 +47,38 @@ class TritonAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
+        if self.beside_forward is None:
+            self.update_(None, grad_scale)
+            return loss
+        for group in self.param_groups:  # the state is made here, on the current stream, once
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._state(p)
+        self.beside_forward.step(lambda params: self.update_(params, grad_scale), keep=(grad_scale,))
+        return loss
+
+    def _state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        if state["step"].device.type != "cpu":  # loaded from a fused / capturable AdamW
+            state["step"] = state["step"].detach().float().cpu()
+        return state
+
+    @torch.no_grad()
+    def update_(self, params: list[torch.Tensor] | None, grad_scale: torch.Tensor | None = None) -> None:
+        """The update of ``params`` (every parameter when None), on the current stream."""
+        only = None if params is None else {id(p) for p in params}
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if p.grad is None:
+                if p.grad is None or (only is not None and id(p) not in only):
                     continue
                 if not (p.is_contiguous() and p.grad.is_contiguous()):
                     raise ValueError("TritonAdamW: parameters and gradients must be contiguous")
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                if state["step"].device.type != "cpu":  # loaded from a fused / capturable AdamW
-                    state["step"] = state["step"].detach().float().cpu()
+                state = self._state(p)
                 state["step"] += 1
                 copy = self.casts.get(p)
                 fused = copy is not None and copy.dtype == torch.bfloat16 and copy.is_contiguous()
@@ -64,7 +89,19 @@ class TritonAdamW(torch.optim.Optimizer):
                                     param_bf16_N=copy.view(-1) if fused else None)
                 if copy is not None and not fused:  # another dtype or layout: a cast after
                     copy.copy_(p)
-        return loss
+
+    def settle(self) -> None:
+        """Wait for an update queued beside the forward (parameters and state current)."""
+        if self.beside_forward is not None:
+            self.beside_forward.settle()
+
+    def state_dict(self):
+        self.settle()  # its tensors are read later, on the current stream
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.settle()  # not over tensors an update still writes
+        super().load_state_dict(state_dict)
 
 
 def triton_adamw_available(device: torch.device) -> bool:

@@ -28,6 +28,7 @@ from .optim import build_optimizer
 from .resilience import LossGuard, Preempted, StopRequest
 from .schedule import lr_at
 from .step import train_step
+from .update_stream import settle_updates
 from .watchdog import Watchdog
 
 
@@ -86,9 +87,7 @@ def build_model(cfg: RunConfig, device: torch.device | str = "cpu") -> Transform
     model = model.to(device)
     model.use_expert_weight_casts(cfg.train)  # before the optimizer: it looks the copies up
     if cfg.train.compile:
-        # Per block, in place: parameter names (and so checkpoints) stay those of the eager model.
-        for block in model.blocks:
-            block.compile(mode=cfg.train.compile_mode)
+        model.compile_blocks(cfg.train.compile_mode)
     return model
 
 
@@ -143,6 +142,7 @@ class Trainer:
         return found.step
 
     def _load(self, found: ckpt.Checkpoint) -> None:
+        settle_updates(self.optimizer)  # no update may still be writing what is loaded over
         saved = found.meta.get("config")
         if saved is not None and saved["model"] != self.cfg.model.to_dict():
             raise ValueError(f"{found.path} was saved by a different model configuration; "
@@ -200,6 +200,7 @@ class Trainer:
         writes its own shards at once (torch.distributed.checkpoint), rank 0 the small rest, so
         nothing is gathered and the checkpoint loads on another number of ranks or ep.
         """
+        settle_updates(self.optimizer)  # the weights and state saved are those after the last update
         rng = {"torch_rng": torch.get_rng_state(),
                "device_rng": (getattr(torch, self.device.type).get_rng_state(self.device)
                               if self.device.type in ("cuda", "xpu") else None)}
@@ -250,6 +251,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ hooks around the step
     def evaluate(self) -> dict[str, float]:
+        settle_updates(self.optimizer)  # (each stage's forward would wait for its own; all at once here)
         t = self.cfg.train
         row = heldout_metrics(self.model, self.data_dir, seq_len=self.cfg.data.seq_len,
                               batch_size=self.cfg.train.micro_batch or t.global_batch,

@@ -15,6 +15,9 @@ Phases (optimus_core.timing, exclusive device seconds per step): ``compute`` for
 all-reduce and parameter all-gather, ``optimizer`` grad norm + AdamW; ``idle_s`` is the wall
 time of the step left over (host overhead, waiting for other ranks). Each is the median over
 the timed steps on each rank, then the mean over ranks; ``step_s`` is the slowest rank's median;
+``step_back_to_back_s`` (GPUs) the median time between step boundaries with no host sync between
+steps, the slowest rank's: what a run gets, where the synced ``step_s`` cannot show work that
+one step overlaps with the next; ``tokens_per_s_back_to_back`` from it.
 ``peak_memory_bytes`` the most any rank allocated during the timed steps, ``peak_reserved_bytes``
 the most its allocator held (what the device had in use: CUDA graphs' private pools count here,
 not in the allocated figure).
@@ -57,8 +60,7 @@ def build_on_device(cfg: RunConfig, device: torch.device) -> Transformer:
     model.set_recast_expert_weights(cfg.train.recast_expert_weights)
     model.use_expert_weight_casts(cfg.train)  # before the optimizer: it looks the copies up
     if cfg.train.compile:
-        for block in model.blocks:
-            block.compile(mode=cfg.train.compile_mode)
+        model.compile_blocks(cfg.train.compile_mode)
     return model
 
 
@@ -122,9 +124,12 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
         samples["step"].append(wall)
         samples["idle"].append(max(0.0, wall - sum(phases.get(n, 0.0) for n in PHASES)))
         losses.append(stats.loss)
+    back_to_back = _back_to_back(step, mesh, steps)
     if os.environ.get("OPTIMUS_TRACE_DIR"):
         _trace(Path(os.environ["OPTIMUS_TRACE_DIR"]), mesh, lambda: float(step().grad_norm))
     local = {f"{name}_s": statistics.median(values) for name, values in samples.items()}
+    if back_to_back:
+        local["step_back_to_back_s"] = statistics.median(back_to_back)
     local["peak_memory_bytes"] = _peak_memory(device)
     local["peak_reserved_bytes"] = _peak_memory(device, reserved=True)
     ranks = [local]
@@ -136,9 +141,33 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
     point["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in ranks)
     point["peak_reserved_bytes"] = max(r["peak_reserved_bytes"] for r in ranks)
     tokens = cfg.train.global_batch * cfg.data.seq_len
+    if "step_back_to_back_s" in point:
+        point["step_back_to_back_s"] = max(r["step_back_to_back_s"] for r in ranks)
+        point["tokens_per_s_back_to_back"] = tokens / point["step_back_to_back_s"]
     point.update(tokens_per_step=tokens, tokens_per_s=tokens / point["step_s"], loss=losses[-1],
                  devices=mesh.world_size, ep=mesh.ep, steps=steps, warmup=warmup)
     return point
+
+
+def _back_to_back(step, mesh: Mesh, steps: int) -> list[float]:
+    """Seconds between consecutive step boundaries with steps queued back to back, as a run
+    trains and as OLMo-core's harness times itself (../shared/peers/olmo_core_step.py): an event
+    on the device at each boundary, no host sync between steps, so what one step's work overlaps
+    with the next (the update beside the forward, optim.update_beside_forward) shows. GPUs only
+    (empty elsewhere: on a CPU the synced steps already are back to back)."""
+    device = mesh.device
+    if device.type not in ("cuda", "xpu"):
+        return []
+    backend = getattr(torch, device.type)
+    events = [backend.Event(enable_timing=True) for _ in range(steps + 1)]
+    _sync(device)
+    mesh.barrier()
+    events[0].record()
+    for event in events[1:]:
+        step()
+        event.record()
+    _sync(device)
+    return [a.elapsed_time(b) / 1e3 for a, b in zip(events, events[1:])]
 
 
 def _trace(out_dir: Path, mesh: Mesh, step, steps: int = 2) -> Path:

@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from ..config import OptimConfig
+from ..model.transformer import Transformer
 from .grad_norm import GradNormUnderBackward
+from .update_stream import UpdateBesideForward
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -74,9 +76,16 @@ def adamw(groups: list[dict], cfg: OptimConfig, device: torch.device,
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """The AdamW of ``cfg`` for a one-process ``model``; on a CUDA GPU with the Triton AdamW and a
+    Transformer, its update runs beside the next forward (optim.update_beside_forward)."""
     devices = {p.device for p in model.parameters()}
     device = devices.pop() if len(devices) == 1 else torch.device("cpu")  # mixed: torch's default path
-    return adamw(param_groups(model, cfg.weight_decay), cfg, device, weight_casts(model))
+    opt = adamw(param_groups(model, cfg.weight_decay), cfg, device, weight_casts(model))
+    # CUDA only for now, as the grad norm's side stream: untested on Intel XPU.
+    if cfg.update_beside_forward and device.type == "cuda" and hasattr(opt, "update_") \
+            and isinstance(model, Transformer):  # TritonAdamW: it updates a stage at a time
+        opt.beside_forward = UpdateBesideForward(model, (p for g in opt.param_groups for p in g["params"]))
+    return opt
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:

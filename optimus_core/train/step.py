@@ -23,7 +23,7 @@ class StepStats:
     aux_loss: float  # MoE auxiliary losses as added to the objective (0 for dense)
     lb_loss: float  # unscaled load-balancing loss, mean over MoE layers (nan for dense)
     z_loss: float  # unscaled router z-loss, mean over MoE layers (nan for dense)
-    grad_norm: float | torch.Tensor  # a 0-d tensor until read: reading it waits for the update
+    grad_norm: float | torch.Tensor  # a 0-d tensor until read: reading it waits for the backward
     tokens_per_expert_LE: torch.Tensor | None  # routing counts of the step, per MoE layer
     skipped: bool = False  # the loss was rejected: no update was made
 
