@@ -19,11 +19,19 @@ per-tensor kernels change. Stages: ``forward_stages(model)``. The fused LM loss 
 weight without calling the head, so the head's update is awaited by the final norm, whose call
 always comes right before the head's use.
 
+The update's stream has the highest priority: the chain of stage updates is the critical path
+(each stage's forward waits for its update), so where both have blocks waiting for an SM the GPU
+schedules the update's first and the forward, bound by the host's launches, fills what is left.
+With the forward's stream first instead, the update ran at half its speed and the forward waited
+for it stage after stage (bench/NOTES.md has both measured).
+
 Nothing waits on the host. What reads parameters or optimizer state outside a forward (a
 checkpoint, a state dict, a load) must ``settle()`` first: TritonAdamW's ``state_dict`` and
 ``load_state_dict`` do, and so does the training loop before evaluating, saving and loading.
-Gradients freed by ``zero_grad`` after the step are kept from reuse until the side stream has
-read them (``record_stream``). On a CPU there is no side stream: the stages update in place, in
+Gradients freed by ``zero_grad`` after the step stay referenced here until the stage's forward
+has waited for its update, and are released then, back to the step's stream: kept from reuse
+while the update reads them, without ``record_stream``, which would hold their memory from the
+next forward's activations and grow the reserved memory (7 GiB measured). On a CPU there is no side stream: the stages update in place, in
 order, which is correct and saves nothing (tests check the staging logic there).
 """
 from __future__ import annotations
@@ -45,6 +53,8 @@ def forward_stages(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]
 
 
 class UpdateBesideForward:
+    priority = -1000  # the update's stream: the highest priority there is (a large negative is clamped to it)
+
     def __init__(self, model: nn.Module, params: Iterable[nn.Parameter]):
         """Stages of ``model`` covering ``params`` (the optimizer's); ValueError if one is missing."""
         params = [p for p in params]
@@ -59,8 +69,9 @@ class UpdateBesideForward:
         device = params[0].device if params else torch.device("cpu")
         self.backend = getattr(torch, device.type) if device.type in ("cuda", "xpu") else None
         self.device = device
-        self.stream = self.backend.Stream(device=device) if self.backend else None
+        self.stream = self.backend.Stream(device=device, priority=self.priority) if self.backend else None
         self._pending: dict[int, object] = {}  # stage index -> its event, until a forward waits for it
+        self._held: dict[int, list[torch.Tensor]] = {}  # stage index -> what its update reads
         tracker = weakref.ref(self)  # the hooks must not keep the updater (and its optimizer) alive
         for index, (module, _) in enumerate(stages):
             module.register_forward_pre_hook(_waiter(tracker, index))
@@ -73,8 +84,7 @@ class UpdateBesideForward:
         """Queue ``update(stage_params)`` for every stage, in order, on the side stream.
 
         ``keep``: tensors made on the current stream that the update reads (the clip factor):
-        their memory is kept from reuse until the side stream is done with them, as the
-        gradients' is.
+        held until every stage's update has been waited for, as the gradients are.
         """
         if self.stream is None:
             for _, params in self.stages:
@@ -88,13 +98,9 @@ class UpdateBesideForward:
                 event = self.backend.Event()
                 event.record(self.stream)
                 self._pending[index] = event
-        for _, params in self.stages:
-            for p in params:
-                if p.grad is not None:  # zero_grad frees it next, while the update may still read it
-                    p.grad.record_stream(self.stream)
-        for t in keep:
-            if t is not None and t.device.type == self.device.type:
-                t.record_stream(self.stream)
+                # zero_grad drops the gradients next, while the update may still read them
+                self._held[index] = [p.grad for p in params if p.grad is not None]
+        self._held[len(self.stages) - 1] += [t for t in keep if t is not None]
 
     def wait_for(self, index: int) -> None:
         """The current stream waits for the update of stage ``index`` (and so of every stage
@@ -103,15 +109,17 @@ class UpdateBesideForward:
         if not done:
             return
         event = self._pending[max(done)]
-        for i in done:
-            del self._pending[i]
         self.backend.current_stream(self.device).wait_event(event)
+        for i in done:  # read by updates the current stream now waits for: reusable on it
+            del self._pending[i]
+            self._held.pop(i, None)
 
     def settle(self) -> None:
         """The current stream waits for every queued update: parameters and state are current."""
         if self._pending:
             self.backend.current_stream(self.device).wait_stream(self.stream)
             self._pending.clear()
+            self._held.clear()
 
 
 def _waiter(tracker: weakref.ref, index: int):

@@ -66,15 +66,17 @@ def test_each_stage_waits_for_its_own_update_and_never_twice():
     updates = UpdateBesideForward(model, model.parameters())
     updates.backend = recorder = _Recorder()
     updates._pending = {i: f"event {i}" for i in range(len(updates.stages))}  # a step was queued
+    updates._held = {i: [f"gradients of stage {i}"] for i in range(len(updates.stages))}
     model.blocks[1](*_block_inputs(model))  # block 1 is stage 2: it waits for stage 2, so for 0 and 1
     assert recorder.waits == ["event 2"] and sorted(updates._pending) == [3, 4]
+    assert sorted(updates._held) == [3, 4]  # what the waited updates read is released
     model.blocks[1](*_block_inputs(model))  # its update is done: no second wait
     assert recorder.waits == ["event 2"]
     model(torch.zeros(1, 4, dtype=torch.long))  # a whole forward: the rest, each stage once
-    assert recorder.waits == ["event 2", "event 3", "event 4"] and not updates.pending
-    updates._pending = {0: "event 0"}
+    assert recorder.waits == ["event 2", "event 3", "event 4"] and not updates.pending and not updates._held
+    updates._pending, updates._held = {0: "event 0"}, {0: ["gradients"]}
     settle_updates(type("Opt", (), {"beside_forward": updates})())
-    assert recorder.waits[-1] == "all" and not updates.pending
+    assert recorder.waits[-1] == "all" and not updates.pending and not updates._held
 
 
 def _block_inputs(model):
