@@ -100,7 +100,8 @@ class Transformer(nn.Module):
         """torch.compile each block's forward, in place: parameter names (and so checkpoints) stay
         those of the eager model, and hooks on a block (the optimizer's per-stage waits,
         optimus_core.train.update_stream) run as plain Python before its compiled code, not
-        traced into it. ``mode``: train.compile_mode."""
+        traced into it. ``mode``: train.compile_mode. (Each compiled forward is bound to its
+        block: a deep copy of a compiled model would call the original's; copy, then compile.)"""
         for block in self.blocks:
             block.forward = torch.compile(block.forward, mode=mode)
 
