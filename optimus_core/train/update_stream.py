@@ -1,10 +1,10 @@
 """The optimizer's update on a side stream, stage by stage in the forward's order, so that it runs
 under the next step's forward instead of after the backward.
 
-    updates = UpdateBesideForward(model, optimizer)   # build_optimizer attaches it where it applies
-    optimizer.step()      # queues each stage's update on the side stream and returns
+    optimizer.beside_forward = UpdateBesideForward(model, params)   # build_optimizer does, where it applies
+    optimizer.step()      # TritonAdamW: queues each stage's update on the side stream and returns
     loss = model(...)     # each stage's forward first waits for its own stage's update only
-    updates.settle()      # before anything else reads the parameters or the optimizer state
+    optimizer.settle()    # before anything else reads the parameters or the optimizer state
 
 Why: AdamW over float32 master weights and moments streams ~30 bytes per parameter (25 ms per
 step for the 8-layer mula-7b-a1b on an H200, at HBM bandwidth), while the forward is bound by
@@ -19,11 +19,11 @@ per-tensor kernels change. Stages: ``forward_stages(model)``. The fused LM loss 
 weight without calling the head, so the head's update is awaited by the final norm, whose call
 always comes right before the head's use.
 
-The update's stream has the highest priority: the chain of stage updates is the critical path
-(each stage's forward waits for its update), so where both have blocks waiting for an SM the GPU
-schedules the update's first and the forward, bound by the host's launches, fills what is left.
-With the forward's stream first instead, the update ran at half its speed and the forward waited
-for it stage after stage (bench/NOTES.md has both measured).
+The update's stream has the highest priority, since the chain of stage updates is the critical
+path (each stage's forward waits for its update). Measured on an H200 (bench/NOTES.md): 2 to 3.5
+ms less per step than the update after the backward, not the 8 to 14 predicted: beside the
+forward the update kernels run at about half their speed, whatever the streams' priorities
+(three settings within 0.2 ms) or the update's block size.
 
 Nothing waits on the host. What reads parameters or optimizer state outside a forward (a
 checkpoint, a state dict, a load) must ``settle()`` first: TritonAdamW's ``state_dict`` and
@@ -31,8 +31,9 @@ checkpoint, a state dict, a load) must ``settle()`` first: TritonAdamW's ``state
 Gradients freed by ``zero_grad`` after the step stay referenced here until the stage's forward
 has waited for its update, and are released then, back to the step's stream: kept from reuse
 while the update reads them, without ``record_stream``, which would hold their memory from the
-next forward's activations and grow the reserved memory (7 GiB measured). On a CPU there is no side stream: the stages update in place, in
-order, which is correct and saves nothing (tests check the staging logic there).
+next forward's activations and grow the reserved memory (7 GiB measured). On a CPU there is no
+side stream: the stages update in place, in order, which is correct and saves nothing (tests
+check the staging logic there).
 """
 from __future__ import annotations
 
