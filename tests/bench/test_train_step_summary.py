@@ -54,3 +54,17 @@ def test_back_to_back_steps_are_compared_where_measured(tmp_path, capsys):
     assert summary["ratio_vs_olmo_core"] == summary["ratio_default_vs_olmo_core"] == 65_536.0 / 40_960
     assert summary["ratio_default_synced_vs_olmo_core"] == 60_000.0 / 40_960
     capsys.readouterr()
+
+
+def test_the_fastest_of_several_olmo_core_runs_is_the_one_compared(tmp_path):
+    """One GPU runs OLMo-core before and after ours: the summary compares with its faster run."""
+    from bench.train_step import _olmo_line
+
+    runs = [{"bench": "olmo_core_olmoe_train_step", "tokens_per_s": 42_000.0, "step_ms_median": 195.0,
+             "tokens_per_step": 8192},
+            {"bench": "olmo_core_olmoe_train_step", "tokens_per_s": 50_000.0, "step_ms_median": 160.0,
+             "tokens_per_step": 8192}]
+    path = tmp_path / "olmo-core.jsonl"
+    path.write_text("".join(json.dumps(run) + "\n" for run in runs))
+    line = _olmo_line(str(path))
+    assert line["step_ms_median"] == 160.0 and line["olmo_core_runs_step_ms_median"] == [195.0, 160.0]
