@@ -62,11 +62,9 @@ class Experts(nn.Module):
         pairs = ((getattr(self, name), getattr(self, f"{name}_cast", None)) for name in self.WEIGHTS)
         return {w: copy for w, copy in pairs if copy is not None}
 
-    @torch.no_grad()
     def refresh_weight_casts(self) -> None:
         """Copies = weights, cast (after anything but the optimizer wrote the weights)."""
-        for w, copy in self.weight_casts().items():
-            copy.copy_(w)
+        refresh_casts(self.weight_casts())
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
@@ -112,6 +110,14 @@ class Experts(nn.Module):
         h_MF = kernels.swiglu(h_MF2, backend=self.backend)
         return kernels.grouped_mm(h_MF, w_down, offsets_E, backend=self.backend, keep_cast=keep_cast,
                                   w_cast=down_cast)
+
+
+@torch.no_grad()
+def refresh_casts(casts: dict[torch.Tensor, torch.Tensor]) -> None:
+    """Every copy = its weight cast to the copy's dtype (round to nearest even): for the weights'
+    writers other than the update kernel (loads, init, torch's AdamW, the sharded all-gather)."""
+    for w, copy in casts.items():
+        copy.copy_(w)
 
 
 def assert_weight_casts_current(model: nn.Module) -> int:

@@ -47,7 +47,8 @@ from ..config import OptimConfig
 from .expert_parallel import expert_parameter_names
 from .grad_sync import OverlappedGradSync
 from ..timing import phase
-from ..train.optim import adamw, clip_coef_as_grad_scale, is_fused, refresh_casts, step_with_grad_scale, weight_casts
+from ..model.experts import refresh_casts
+from ..train.optim import adamw, clip_coef_as_grad_scale, is_fused, step_with_grad_scale, weight_casts
 from .mesh import Mesh
 
 

@@ -109,8 +109,8 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
         t0 = time.perf_counter()
         with timer.active():
             stats = step()
-        float(stats.grad_norm)  # waits for the update
-        _sync(device)
+        float(stats.grad_norm)
+        _sync(device)  # the update too, on whatever stream it runs (optim.update_beside_forward)
         wall = time.perf_counter() - t0
         if i < warmup:
             if i == warmup - 1 and device.type in ("cuda", "xpu"):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..config import OptimConfig
+from ..model.experts import refresh_casts
 from ..model.transformer import Transformer
 from .grad_norm import GradNormUnderBackward
 from .update_stream import UpdateBesideForward
@@ -47,13 +48,6 @@ def weight_casts(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
         if callable(listed):
             casts.update(listed())
     return casts
-
-
-@torch.no_grad()
-def refresh_casts(casts: dict[torch.Tensor, torch.Tensor]) -> None:
-    """Every copy = its parameter cast to the copy's dtype (round to nearest even)."""
-    for p, copy in casts.items():
-        copy.copy_(p)
 
 
 def adamw(groups: list[dict], cfg: OptimConfig, device: torch.device,
