@@ -2,7 +2,7 @@
 """Benchmark of the expert kernels on the OLMoE expert shapes (not a test).
 
     python bench/kernels.py [--quick] [--tokens 8192,16384,32768] [--only up,down,permute]
-                            [--backends triton,triton-tma,...] [--store results/store.zarr]
+                            [--backends triton,triton-tma,...] [--dw-configs] [--store results/store.zarr]
 
 Shapes (OLMoE-1B-7B / Mula-7B-A1B): 64 experts, top-8, d_model 2048, expert hidden 1024, bf16.
   up    grouped_mm (T*8, 2048) x (64, 2048, 2048) -> gate+up   (K=2048, N=2*1024)
@@ -21,9 +21,13 @@ choices, the others left at their defaults), each labelled with the kernel that 
   triton-tma-flat   the same with its loop over tiles fused with the K loop (tl.range flatten)
   triton-tma-dxT    dx over the copy of w^T through the TMA kernel (bwd only)
   triton-dw-pointer dw through the pointer kernel instead of the TMA dW kernel (bwd and dw)
+  triton-dw-dynamic the TMA dW kernel taking items from an atomic counter, not dealt round-robin
+  triton-dense      the default triton kernels on one group (G = 1): a dense GEMM, beside cuBLAS
   TFLOP/s = 2*M*K*N (fwd) or 4*M*K*N (bwd) / median time,  M = T*8.
 The "dw" pass (triton and triton-dw-pointer rows) times the dW op alone, 2*M*K*N, written in
-float32 as for the training's float32 master weights (the bwd pass's dw is in w's bf16).
+float32 as for the training's float32 master weights (the bwd pass's dw is in w's bf16). The
+"bwd-dx" and "bwd-dw" passes split the backward: autograd asked for one gradient only, 2*M*K*N
+each, for every row but loop, so that each half is compared with torch._grouped_mm's.
 permute+unpermute (forward pair, backward pair) is reported in GB/s of minimal traffic (each
 input read once, each output written once) beside a plain copy (clone) of the (T*8, 2048)
 sorted activations: fwd 2*(T + T*8)*D*2 bytes, bwd (3*T*8 + 2*T)*D*2 bytes, copy 2*T*8*D*2.
@@ -34,7 +38,9 @@ alone (ids to sorted_idx and offsets) for both, in GB/s of ids read + sorted_idx
 parallelism sort (65 groups: the counting sort's wider tiles).
 
 Timing: device events around each call, warm-up (which also runs Triton's autotuning) then
-the median of --reps repeats. Output: a table on stdout, bench/results/kernels-<device>.jsonl
+the median of --reps repeats; the GEMM rows of one pass are timed in turns (Timer.interleaved),
+so that clock and power drift, which moved one dense GEMM by 30 % between back-to-back series,
+hits every row alike. Output: a table on stdout, bench/results/kernels-<device>.jsonl
 (one line per measurement and a summary line, written atomically) and, where the project's
 results store imports (optimus_core.store), run "bench-kernels-<device>" with one table per
 series, step = tokens. Without a GPU: exits with a message; `--quick` with TRITON_INTERPRET=1
@@ -71,7 +77,16 @@ TRITON_VARIANTS = {
     "triton-tma-flat": (dict(forward="tma", dx="tma", tma_flatten=True), ("fwd", "bwd")),
     "triton-tma-dxT": (dict(forward="tma", dx="copy"), ("bwd",)),
     "triton-dw-pointer": (dict(dw="pointer"), ("bwd", "dw")),
+    "triton-dw-dynamic": (dict(dw_schedule="dynamic"), ("bwd", "bwd-dw", "dw")),
 }
+# Passes: fwd; bwd = dx and dw; bwd-dx / bwd-dw = autograd asked for that one gradient only
+# (in the backward's own dtype, so every backend computes the same thing); dw = the triton dW
+# op alone with a float32 output, as the training's float32 master weights get it.
+SPLIT_PASSES = ("bwd-dx", "bwd-dw")
+# Rows on one group (a dense GEMM of the same M, K, N): "dense" is cuBLAS (torch.mm), the
+# ceiling; "triton-dense" our default triton kernels given G = 1, offsets = [M]: what their
+# code generation reaches without any grouping, beside cuBLAS in the same run.
+DENSE_ROWS = ("dense", "triton-dense")
 OPS = ("up", "down", "permute")
 # name: kernels.permute choices; "triton" runs the defaults (PERMUTE_KERNELS)
 PERMUTE_VARIANTS = {"triton-sort-torch": dict(sort="torch")}
@@ -88,6 +103,8 @@ def parse_args(argv=None):
                    help="comma list of GEMM rows to time (default all that run here): loop, torch, "
                         f"torch_raw, triton, {', '.join(TRITON_VARIANTS)}, dense; and of permute rows: "
                         f"loop, triton, {', '.join(PERMUTE_VARIANTS)}")
+    p.add_argument("--dw-configs", action="store_true",
+                   help="also time each config of the TMA dW kernel alone (float32 out)")
     p.add_argument("--reps", type=int, default=50, help="timed repeats per measurement (median taken)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the JSON lines file")
     p.add_argument("--store", default=str(ROOT / "results" / "store.zarr"), help="results store ('' to skip)")
@@ -139,6 +156,35 @@ class Timer:
         self.mod.synchronize()
         return statistics.median(s.elapsed_time(e) for s, e in events)
 
+    def interleaved(self, fns: dict) -> dict[str, float]:
+        """Median milliseconds of each fn, timed in turns: repeat i runs every fn once, starting
+        from a different one each time. Back-to-back repeats of one kernel and then of the next
+        drift with the GPU's clocks and power (the same dense GEMM measured 568 to 798 TFLOP/s
+        within one run, timed that way); in turns, every fn sees the same conditions."""
+        for fn in fns.values():
+            for _ in range(self.warmup):
+                fn()
+        names = list(fns)
+        times = {name: [] for name in names}
+        if self.mod is None:
+            for i in range(self.reps):
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    t0 = time.perf_counter()
+                    fns[name]()
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+            return {name: statistics.median(t) for name, t in times.items()}
+        events = {name: [(self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True))
+                         for _ in range(self.reps)] for name in names}
+        self.mod.synchronize()
+        for i in range(self.reps):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                start, end = events[name][i]
+                start.record()
+                fns[name]()
+                end.record()
+        self.mod.synchronize()
+        return {name: statistics.median(s.elapsed_time(e) for s, e in ev) for name, ev in events.items()}
+
     def graphed(self, fn) -> float | None:
         """Median milliseconds of fn() replayed from a CUDA graph: the device's time alone. A
         few small kernels behind Python launchers take longer to launch than to run, so events
@@ -171,10 +217,13 @@ def route(T: int, E: int, k: int, routing: str, gen: torch.Generator) -> torch.T
 
 
 def bench_gemms(rec, timer, device, dtype, T, routing, topk_idx, shape, backends, ops=("up", "down")):
+    """Each pass of every row timed interleaved (Timer.interleaved): the rows share the GPU's
+    clock and power state, so that their ratios hold even where the absolute numbers drift."""
     E, k, D, H = shape["experts"], shape["top_k"], shape["d_model"], shape["hidden"]
     M = T * k
     offsets = permute(torch.empty(T, 0, device=device), topk_idx, E, backend="loop")[1]
     load = offsets.diff(prepend=offsets.new_zeros(1)).float()
+    whole = torch.tensor([M], dtype=torch.int32, device=device)  # one group: triton-dense
     gen = torch.Generator(device=device).manual_seed(0)
     for gemm, K, N in (("up", D, 2 * H), ("down", H, D)):
         if gemm not in ops:
@@ -183,47 +232,91 @@ def bench_gemms(rec, timer, device, dtype, T, routing, topk_idx, shape, backends
         w = (torch.randn(E, K, N, device=device, dtype=dtype, generator=gen) * 0.02).requires_grad_()
         dy = torch.randn(M, N, device=device, dtype=dtype, generator=gen)
         w2d = w[0].detach().clone().requires_grad_()
+        w_one = w2d.detach()[None].clone().requires_grad_()
         flop = 2 * M * K * N
-        runs = {b: (lambda b=b: grouped_mm(x, w, offsets, backend=b)) for b in backends
-                if b in ("loop", "torch", "triton")}
-        for b in backends:
-            if b in TRITON_VARIANTS:
-                runs[b] = lambda: grouped_mm(x, w, offsets, backend="triton")
-        if "torch_raw" in backends:  # without the backend's zeroing of rows past offsets[-1]
-            runs["torch_raw"] = lambda: torch._grouped_mm(x, w, offs=offsets)
-        if "dense" in backends:
-            runs["dense"] = lambda: x @ w2d
-        for name, fwd in runs.items():
-            default_passes = ("fwd", "bwd", "dw") if name == "triton" else ("fwd", "bwd")
+        fields = dict(op=gemm, tokens=T, routing=routing, M=M, K=K, N=N, experts=E,
+                      max_over_mean_load=(load.max() / load.mean()).item())
+        rows = {}  # name -> (kernel choices, {pass: (fn, flop)}, record extras)
+        for name in backends:
+            if name not in ("loop", "torch", "torch_raw", "triton", *DENSE_ROWS, *TRITON_VARIANTS):
+                continue
+            ours = name.startswith("triton")
+            weight, offs = {"dense": (w2d, None), "triton-dense": (w_one, whole)}.get(name, (w, offsets))
+            if name == "torch_raw":  # without the backend's zeroing of rows past offsets[-1]
+                fwd = lambda: torch._grouped_mm(x, w, offs=offsets)  # noqa: E731
+            elif name == "dense":
+                fwd = lambda: x @ w2d  # noqa: E731
+            else:
+                fwd = (lambda b, wt, o: lambda: grouped_mm(x, wt, o, backend=b))(
+                    "triton" if ours else name, weight, offs)
+            default_passes = ("fwd", "bwd")
+            if name in ("torch_raw", "dense") or name in ("triton", "triton-dense"):
+                default_passes += SPLIT_PASSES  # ("torch" is an autograd.Function: both grads always)
+            default_passes += ("dw",) if name == "triton" else ()
             choices, timed = TRITON_VARIANTS.get(name, ({}, default_passes))
-            extra = {}
-            if name == "triton":
-                extra = {"kernels": dict(TRITON_KERNELS)}
-            elif choices:
-                extra = {"kernels": choices}
-            if "tma" in {**TRITON_KERNELS, **choices}.values() and name.startswith("triton"):
+            extra = {"kernels": dict(TRITON_KERNELS)} if name in ("triton", "triton-dense") else \
+                {"kernels": choices} if choices else {}
+            if ours and "tma" in {**TRITON_KERNELS, **choices}.values():
                 # say so where a TMA kernel falls back to the pointer kernel
                 reason = tma_unsupported(x, w, dy)  # dy stands in for y: same shape, dtype, strides
                 extra.update({"fallback": reason} if reason else {})
             try:
                 with triton_kernels(**choices):
-                    y = fwd()
-                    params = (x, w2d) if name == "dense" else (x, w)
-                    backward = lambda y=y, params=params: torch.autograd.grad(y, params, dy, retain_graph=True)  # noqa: E731
-                    dw_alone = lambda: torch.ops.optimus.grouped_mm_dw(x.detach(), dy, offsets, True)  # noqa: E731
-                    passes = {"fwd": (fwd, flop), "bwd": (backward, 2 * flop), "dw": (dw_alone, flop)}
-                    for pass_ in timed:
-                        fn, f = passes[pass_]
-                        ms = timer(fn)
-                        rec(op=gemm, pass_=pass_, backend=name, tokens=T, routing=routing, ms=ms,
-                            tflops=f / ms / 1e9, flop=f, M=M, K=K, N=N, experts=E,
-                            max_over_mean_load=(load.max() / load.mean()).item(), **extra)
-                del y, backward, dw_alone, passes  # free this row's graph before the next row's forward
+                    y = fwd()  # also compiles and autotunes the forward
+                params = (x, weight)
+
+                def grads(of, y=y):
+                    return lambda: torch.autograd.grad(y, of, dy, retain_graph=True)
+                passes = {"fwd": (fwd, flop), "bwd": (grads(params), 2 * flop)}
+                if ours:  # a custom op computes every gradient autograd could ask for: call each alone
+                    passes["bwd-dx"] = ((lambda wt, o: lambda: torch.ops.optimus.grouped_mm_dx(dy, wt, o))(weight, offs), flop)
+                    passes["bwd-dw"] = ((lambda o: lambda: torch.ops.optimus.grouped_mm_dw(x.detach(), dy, o, False))(offs), flop)
+                    passes["dw"] = (lambda: torch.ops.optimus.grouped_mm_dw(x.detach(), dy, offsets, True), flop)
+                else:
+                    passes["bwd-dx"], passes["bwd-dw"] = (grads(params[:1]), flop), (grads(params[1:]), flop)
+                rows[name] = (choices, {p: passes[p] for p in timed}, extra)
             except Exception as e:  # an untried variant that fails (e.g. to compile) costs its row only
                 if name not in TRITON_VARIANTS:
                     raise
                 rec(op=gemm, pass_="-", backend=name, tokens=T, routing=routing,
                     error=f"{type(e).__name__}: {e}"[:2000], **extra)
+        for pass_ in ("fwd", "bwd", *SPLIT_PASSES, "dw"):
+            fns = {name: _with_choices(choices, passes[pass_][0])
+                   for name, (choices, passes, _) in rows.items() if pass_ in passes}
+            for name, ms in timer.interleaved(fns).items():
+                f = rows[name][1][pass_][1]
+                rec(pass_=pass_, backend=name, ms=ms, tflops=f / ms / 1e9, flop=f, **fields, **rows[name][2])
+        del rows  # free the rows' graphs before the next GEMM's
+
+
+def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
+    """Each config of the TMA dW kernel's autotuning list timed alone, in turns, float32 out
+    (--dw-configs): what the autotuner chose among, and by how much."""
+    from kernels.grouped_mm_tma import _dw_tma_configs, launch_grouped_mm_dw_tma
+    E, k, D, H = shape["experts"], shape["top_k"], shape["d_model"], shape["hidden"]
+    M = T * k
+    offsets = permute(torch.empty(T, 0, device=device), topk_idx, E, backend="loop")[1]
+    gen = torch.Generator(device=device).manual_seed(0)
+    for gemm, K, N in (("up", D, 2 * H), ("down", H, D)):
+        x = torch.randn(M, K, device=device, dtype=dtype, generator=gen)
+        dy = torch.randn(M, N, device=device, dtype=dtype, generator=gen)
+        dw = torch.empty(E, K, N, device=device, dtype=torch.float32)
+        configs = {}
+        for cfg in _dw_tma_configs(device.type, dtype):
+            config = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+            configs[",".join(f"{k}={v}" for k, v in config.items())] = config
+        fns = {name: (lambda c=c: launch_grouped_mm_dw_tma(x, dy, offsets, dw, config=c)) for name, c in configs.items()}
+        for name, ms in timer.interleaved(fns).items():
+            rec(op=gemm, pass_="dw", backend="triton-dw-config", config=configs[name], tokens=T, routing=routing,
+                ms=ms, tflops=2 * M * K * N / ms / 1e9, flop=2 * M * K * N, M=M, K=K, N=N, experts=E)
+
+
+def _with_choices(choices: dict, fn):
+    """fn run with these triton kernel choices (the others at their defaults)."""
+    def call():
+        with triton_kernels(**choices):
+            return fn()
+    return call
 
 
 def bench_permute(rec, timer, device, dtype, T, routing, topk_idx, shape, backends):
@@ -283,7 +376,7 @@ def write_store(store_path: str, run_id: str, records: list[dict], summary: dict
         return False
     attrs = {k: v for k, v in summary.items() if k != "results"}
     with open_store(store_path).run_writer(run_id, attrs={**attrs, "experiment": "bench-kernels"}) as w:
-        for r in sorted((r for r in records if "error" not in r), key=lambda r: r["tokens"]):
+        for r in sorted((r for r in records if "error" not in r and "config" not in r), key=lambda r: r["tokens"]):
             table = "_".join((r["op"].replace("+", "_"), r["pass"], r["backend"], r["routing"]))
             rate = {"tflops": r["tflops"]} if "tflops" in r else {"gbps": r["gbps"]}
             w.log(table, {"step": r["tokens"], "ms": r["ms"], **rate})
@@ -301,12 +394,13 @@ def main(argv=None) -> None:
     timer = Timer(device, reps=reps, warmup=1 if interpreted else 5)
     backends = available_backends()
     gemm_rows = [*backends, *(["torch_raw"] if "torch" in backends else []),
-                 *(TRITON_VARIANTS if "triton" in backends else []), "dense"]
+                 *(TRITON_VARIANTS if "triton" in backends else []), "dense",
+                 *(["triton-dense"] if "triton" in backends else [])]
     permute_rows = [b for b in backends if b != "torch"]  # "torch" is the reference, like "loop"
     permute_rows += list(PERMUTE_VARIANTS) if "triton" in backends else []
     if args.backends:
         wanted = args.backends.split(",")
-        unknown = sorted(set(wanted) - {"loop", "torch", "torch_raw", "triton", "dense", *TRITON_VARIANTS,
+        unknown = sorted(set(wanted) - {"loop", "torch", "torch_raw", "triton", *DENSE_ROWS, *TRITON_VARIANTS,
                                         *PERMUTE_VARIANTS})
         if unknown:
             sys.exit(f"--backends: unknown {unknown}; rows that run here: {gemm_rows}")
@@ -327,17 +421,21 @@ def main(argv=None) -> None:
             return
         rate = f"{line['tflops']:8.1f} TFLOP/s" if "tflops" in line else f"{line['gbps']:8.1f} GB/s   "
         note = f"  (fell back: {line['fallback']})" if line.get("fallback") else ""
+        if line.get("config"):
+            note += "  " + " ".join(f"{k}={v}" for k, v in line["config"].items())
         if line.get("device_ms"):
             note += f"  device (CUDA graph) {line['device_ms']:.3f} ms {line['device_gbps']:.1f} GB/s"
-        print(f"{line['op']:>18} {pass_:>4} {line['backend']:>17} {line['tokens']:>6} "
+        print(f"{line['op']:>18} {pass_:>6} {line['backend']:>17} {line['tokens']:>6} "
               f"{line['routing']:>8} {line['ms']:9.3f} ms {rate}{note}", flush=True)
 
-    print(f"{'op':>18} {'pass':>4} {'backend':>17} {'tokens':>6} {'routing':>8} {'median':>12} {'rate':>14}")
+    print(f"{'op':>18} {'pass':>6} {'backend':>17} {'tokens':>6} {'routing':>8} {'median':>12} {'rate':>14}")
     gen = torch.Generator().manual_seed(0)
     for T in tokens:
         for routing in routings:
             topk_idx = route(T, shape["experts"], shape["top_k"], routing, gen).to(device)
             bench_gemms(rec, timer, device, dtype, T, routing, topk_idx, shape, gemm_rows, ops)
+            if args.dw_configs and device.type == "cuda":
+                bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape)
             if "permute" in ops:
                 bench_permute(rec, timer, device, dtype, T, routing, topk_idx, shape, permute_rows)
 
@@ -359,6 +457,9 @@ def main(argv=None) -> None:
         **{f"triton_over_{other}": {f"{r['op']}/{r['pass']}/{r['tokens']}/{r['routing']}": ratio(r, other)
                                     for r in records if r["backend"] == "triton" and "tflops" in r}
            for other in ("torch_raw", "dense")},
+        # our code generation without grouping against cuBLAS: the ceiling the kernels can reach
+        "triton_dense_over_dense": {f"{r['op']}/{r['pass']}/{r['tokens']}/{r['routing']}": ratio(r, "dense")
+                                    for r in records if r["backend"] == "triton-dense" and "tflops" in r},
         # the A/B: each variant beside the default kernels and beside the bare torch._grouped_mm
         **{f"variants_over_{other}": {f"{r['backend']}/{r['op']}/{r['pass']}/{r['tokens']}/{r['routing']}":
                                       ratio(r, other) for r in records

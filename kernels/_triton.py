@@ -36,15 +36,16 @@ def jit(fn=None, **options):
     return triton.jit(fn, **options) if triton is not None else fn
 
 
-def autotuned(configs_for, key):
+def autotuned(configs_for, key, **options):
     """Decorate a jitted kernel so that `kernel(*variant)` is its autotuner over the configs
     `configs_for(*variant)`, e.g. variant = (device type,): CUDA and Intel XPU want different
-    config lists. One autotuner per variant, each caching its choice per `key`."""
+    config lists. One autotuner per variant, each caching its choice per `key`; options go to
+    triton.autotune (e.g. reset_to_zero for a buffer that each timed launch consumes)."""
 
     def wrap(kernel):
         @functools.cache
         def for_variant(*variant):
-            return triton.autotune(configs=configs_for(*variant), key=key)(kernel)
+            return triton.autotune(configs=configs_for(*variant), key=key, **options)(kernel)
 
         return for_variant
 

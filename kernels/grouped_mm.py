@@ -66,9 +66,13 @@ BACKENDS = ("loop", "torch", "triton")
 #            "tma" (default): grouped_mm_tma's persistent dW kernel (per-group descriptors),
 #            where it can run (as the forward's "tma"), else "pointer".
 #   tma_flatten  False / True: the forward / dx TMA kernel's loop over work items fused with its K loop.
-TRITON_KERNELS = {"forward": "tma", "dx": "tma", "dw": "tma", "tma_flatten": False}
+#   dw_schedule  "static": the TMA dW kernel deals its items round-robin to the programs;
+#                "dynamic": each program takes the next item from an atomic counter (greedy,
+#                largest group first, for even loads under skewed routing; same result bit for
+#                bit; measured 0.96-1.07x the static deal on an H200, bench/NOTES.md).
+TRITON_KERNELS = {"forward": "tma", "dx": "tma", "dw": "tma", "tma_flatten": False, "dw_schedule": "static"}
 KERNEL_CHOICES = {"forward": ("pointer", "tma"), "dx": ("strided", "copy", "tma"), "dw": ("pointer", "tma"),
-                  "tma_flatten": (False, True)}
+                  "tma_flatten": (False, True), "dw_schedule": ("static", "dynamic")}
 
 
 def triton_kernels(**choices):
@@ -371,7 +375,7 @@ def _launch_grouped_mm_dw(x: Tensor, dy: Tensor, offsets: Tensor, float32_out: b
     if dw.numel() == 0:
         return dw
     if TRITON_KERNELS["dw"] == "tma" and tma_unsupported(x, dw, dy) is None:
-        return launch_grouped_mm_dw_tma(x, dy, offsets, dw)
+        return launch_grouped_mm_dw_tma(x, dy, offsets, dw, dynamic=TRITON_KERNELS["dw_schedule"] == "dynamic")
 
     def grid(meta):
         return (G * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]),)

@@ -189,7 +189,12 @@ def _dw_tma_configs(device_type: str, dtype: torch.dtype):
     BLOCK_R rows per reduction step. Shared memory per stage is BLOCK_R * (BLOCK_K + BLOCK_N) * 2
     bytes, plus the store's staging tile, BLOCK_K * BLOCK_N / SPLIT_N * 4 bytes for float32:
     64 x 128 x 256 with 3 stages and a split store is 144 + 64 = 208 KB of the H200's 227 KB.
-    Output tiles 128+ wide in K, as the pointer kernel measured best (bench/NOTES.md). Each
+    Output tiles 128+ wide in K, as the pointer kernel measured best (bench/NOTES.md). Each item
+    also pays its pipeline's fill and its tile's store with the tensor cores idle (Triton does
+    not specialize warps on Hopper): as long as 300-400 rows of products, fitted from the
+    measured rates, so about a quarter of an item at 1024 rows per expert; two programs per SM
+    with half the shared memory each, to hide one's store under the other's products, measured
+    slower (bench/NOTES.md). Each
     compiles for sm90 within shared memory and without register spills (Triton 3.6 and 3.9,
     compiled offline); the GPU test test_every_dw_tma_config_compiles_and_matches runs them."""
     if INTERPRET:
@@ -202,56 +207,81 @@ def _dw_tma_configs(device_type: str, dtype: torch.dtype):
 
 
 @jit
+def _dw_item(item, x_ptr, dy_ptr, dw_ptr, N, K, stride_xm, stride_dym, seg, starts, ends, rank,
+             BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr):
+    """One work item of the dW kernel: a BLOCK_K x BLOCK_N tile of dw[g], g the group ranked
+    item // tiles, reduced over all of g's rows."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    tiles = tl.cdiv(K, BLOCK_K) * num_n  # per group
+    g, row_start, row_end = group_of_rank(item // tiles, seg, starts, ends, rank)
+    k0 = item % tiles // num_n * BLOCK_K
+    n0 = item % num_n * BLOCK_N
+    rows = row_end - row_start
+    # This group's rows only: TMA reads zeros past them. A descriptor needs a row, so an
+    # empty group gets one, never read (the loop below does not run).
+    x_desc = tl.make_tensor_descriptor(x_ptr + row_start.to(tl.int64) * stride_xm,
+                                       shape=[tl.maximum(rows, 1), K], strides=[stride_xm, 1],
+                                       block_shape=[BLOCK_R, BLOCK_K])
+    dy_desc = tl.make_tensor_descriptor(dy_ptr + row_start.to(tl.int64) * stride_dym,
+                                        shape=[tl.maximum(rows, 1), N], strides=[stride_dym, 1],
+                                        block_shape=[BLOCK_R, BLOCK_N])
+    dw_desc = tl.make_tensor_descriptor(dw_ptr + g.to(tl.int64) * K * N, shape=[K, N], strides=[N, 1],
+                                        block_shape=[BLOCK_K, BLOCK_N // SPLIT_N])
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for r in range(0, rows, BLOCK_R):
+        a = x_desc.load([r, k0])
+        b = dy_desc.load([r, n0])
+        acc = tl.dot(tl.trans(a), b, acc, input_precision="ieee")
+    out = acc.to(dw_ptr.dtype.element_ty)
+    if SPLIT_N == 2:  # columns n0 .. n0 + BLOCK_N/2 and the rest, as Triton's persistent matmul
+        left, right = tl.split(tl.permute(tl.reshape(out, (BLOCK_K, 2, BLOCK_N // 2)), (0, 2, 1)))
+        dw_desc.store([k0, n0], left)
+        dw_desc.store([k0, n0 + BLOCK_N // 2], right)
+    else:
+        dw_desc.store([k0, n0], out)
+
+
+@jit
 def _grouped_mm_dw_tma_kernel(
-    x_ptr, dy_ptr, dw_ptr, offsets_ptr,
+    x_ptr, dy_ptr, dw_ptr, offsets_ptr, counter_ptr,
     M, N, K, G, stride_xm, stride_dym,
     M_BUCKET,  # autotune key only: the row count's bucket
     SEGMENTS: tl.constexpr, CHUNK: tl.constexpr,  # powers of two, SEGMENTS >= G, CHUNK <= SEGMENTS
+    DYNAMIC: tl.constexpr,  # items taken from counter_ptr (one int32, zero) instead of dealt out
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_N: tl.constexpr,  # 1, or 2: store the tile as two column halves (half the staging)
 ):
     """dw[g] = x[rows of g]^T @ dy[rows of g], one (group, K tile, N tile) item at a time."""
     seg, starts, ends, rank = groups_by_size(offsets_ptr, M, G, SEGMENTS, CHUNK)
-    num_n = tl.cdiv(N, BLOCK_N)
-    tiles = tl.cdiv(K, BLOCK_K) * num_n  # per group
-    for item in tl.range(tl.program_id(0), G * tiles, tl.num_programs(0)):
-        g, row_start, row_end = group_of_rank(item // tiles, seg, starts, ends, rank)
-        k0 = item % tiles // num_n * BLOCK_K
-        n0 = item % num_n * BLOCK_N
-        rows = row_end - row_start
-        # This group's rows only: TMA reads zeros past them. A descriptor needs a row, so an
-        # empty group gets one, never read (the loop below does not run).
-        x_desc = tl.make_tensor_descriptor(x_ptr + row_start.to(tl.int64) * stride_xm,
-                                           shape=[tl.maximum(rows, 1), K], strides=[stride_xm, 1],
-                                           block_shape=[BLOCK_R, BLOCK_K])
-        dy_desc = tl.make_tensor_descriptor(dy_ptr + row_start.to(tl.int64) * stride_dym,
-                                            shape=[tl.maximum(rows, 1), N], strides=[stride_dym, 1],
-                                            block_shape=[BLOCK_R, BLOCK_N])
-        dw_desc = tl.make_tensor_descriptor(dw_ptr + g.to(tl.int64) * K * N, shape=[K, N], strides=[N, 1],
-                                            block_shape=[BLOCK_K, BLOCK_N // SPLIT_N])
-        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-        for r in range(0, rows, BLOCK_R):
-            a = x_desc.load([r, k0])
-            b = dy_desc.load([r, n0])
-            acc = tl.dot(tl.trans(a), b, acc, input_precision="ieee")
-        out = acc.to(dw_ptr.dtype.element_ty)
-        if SPLIT_N == 2:  # columns n0 .. n0 + BLOCK_N/2 and the rest, as Triton's persistent matmul
-            left, right = tl.split(tl.permute(tl.reshape(out, (BLOCK_K, 2, BLOCK_N // 2)), (0, 2, 1)))
-            dw_desc.store([k0, n0], left)
-            dw_desc.store([k0, n0 + BLOCK_N // 2], right)
-        else:
-            dw_desc.store([k0, n0], out)
+    items = G * tl.cdiv(K, BLOCK_K) * tl.cdiv(N, BLOCK_N)
+    if DYNAMIC:  # the next item in rank order to whichever program is free: greedy, largest first
+        item = tl.atomic_add(counter_ptr, 1)
+        while item < items:
+            _dw_item(item, x_ptr, dy_ptr, dw_ptr, N, K, stride_xm, stride_dym, seg, starts, ends, rank,
+                     BLOCK_R, BLOCK_K, BLOCK_N, SPLIT_N)
+            item = tl.atomic_add(counter_ptr, 1)
+    else:
+        for item in tl.range(tl.program_id(0), items, tl.num_programs(0)):
+            _dw_item(item, x_ptr, dy_ptr, dw_ptr, N, K, stride_xm, stride_dym, seg, starts, ends, rank,
+                     BLOCK_R, BLOCK_K, BLOCK_N, SPLIT_N)
 
 
-_grouped_mm_dw_tma_tuned = autotuned(_dw_tma_configs, key=["N", "K", "M_BUCKET"])(_grouped_mm_dw_tma_kernel)
+# The dynamic schedule's counter is consumed by each launch: zeroed before each timed one.
+_grouped_mm_dw_tma_tuned = autotuned(_dw_tma_configs, key=["N", "K", "M_BUCKET"],
+                                     reset_to_zero=["counter_ptr"])(_grouped_mm_dw_tma_kernel)
 
 
 def launch_grouped_mm_dw_tma(x: Tensor, dy: Tensor, offsets: Tensor, dw: Tensor, *,
-                             config: dict | None = None) -> Tensor:
+                             config: dict | None = None, dynamic: bool = False) -> Tensor:
     """Fill dw (G, K, N), contiguous, in any float dtype (the float32 accumulator is stored in
     it), with dw[g] = x[rows of g]^T @ dy[rows of g]. The caller checks tma_unsupported(x, dw, dy)
     first. config: fixed meta-parameters instead of autotuning, e.g. {"BLOCK_R": 16, "BLOCK_K":
-    16, "BLOCK_N": 32, "SPLIT_N": 1, "num_warps": 1, "num_stages": 1} (tests of each store)."""
+    16, "BLOCK_N": 32, "SPLIT_N": 1, "num_warps": 1, "num_stages": 1} (tests of each store).
+    dynamic: each program takes its next item from an atomic counter (one int32 zeroed per
+    launch) instead of every num_programs-th: under skewed routing the round-robin deal gives
+    some programs more rows than others (a group of 8x the mean rows lands its tiles on the
+    programs of one residue), the greedy take evens them out. Same items, same sums: the
+    result does not depend on the schedule."""
     (M, K), (G, _, N) = x.shape, dw.shape
     if dw.numel() == 0:
         return dw
@@ -263,12 +293,14 @@ def launch_grouped_mm_dw_tma(x: Tensor, dy: Tensor, offsets: Tensor, dw: Tensor,
         return (min(programs, G * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
     segments = triton.next_power_of_2(G)
-    args = (x, dy, dw, offsets, M, N, K, G, x.stride(0), dy.stride(0), bucket(M))
+    counter = torch.zeros(1, dtype=torch.int32, device=x.device)
+    args = (x, dy, dw, offsets, counter, M, N, K, G, x.stride(0), dy.stride(0), bucket(M))
     triton.set_allocator(_scratch(x.device))  # per launch: see launch_grouped_mm_tma
     with device_guard(x):
         if config is None:
             _grouped_mm_dw_tma_tuned(x.device.type, x.dtype)[grid](
-                *args, SEGMENTS=segments, CHUNK=min(segments, 32))
+                *args, SEGMENTS=segments, CHUNK=min(segments, 32), DYNAMIC=dynamic)
         else:
-            _grouped_mm_dw_tma_kernel[grid](*args, SEGMENTS=segments, CHUNK=min(segments, 32), **config)
+            _grouped_mm_dw_tma_kernel[grid](*args, SEGMENTS=segments, CHUNK=min(segments, 32),
+                                            DYNAMIC=dynamic, **config)
     return dw

@@ -167,7 +167,8 @@ def test_kernel_choices_are_checked_and_restored():
             pass
     with pytest.raises(RuntimeError, match="inside"):
         with gm.triton_kernels(forward="tma", dx="copy"):
-            assert gm.TRITON_KERNELS == {"forward": "tma", "dx": "copy", "dw": "tma", "tma_flatten": False}
+            assert gm.TRITON_KERNELS == {"forward": "tma", "dx": "copy", "dw": "tma", "tma_flatten": False,
+                                        "dw_schedule": "static"}
             raise RuntimeError("inside")
     assert gm.TRITON_KERNELS == before
 
@@ -240,6 +241,23 @@ def test_dw_tma_kernel_matches_reference(case, config, triton_device):
     dw = torch.full((len(sizes), K, N), float("nan"), device=triton_device)
     gm_tma.launch_grouped_mm_dw_tma(x, dy, offsets, dw, config=DW_CONFIGS[config])
     torch.testing.assert_close(dw, dw_reference(x, dy, offsets).float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", DW_CASES)
+def test_dw_tma_dynamic_schedule_matches_the_static_one(case, triton_device):
+    """Items taken from an atomic counter instead of dealt round-robin: every item once (dw
+    starts as NaN), each summed as before, so the same bits as the static deal."""
+    sizes, tail, K, N = DW_CASES[case]
+    x, _, offsets, dy = make(sizes, tail, K, N, triton_device)
+    x = x.detach()
+    if not tma_runs(x, torch.empty(len(sizes), K, N)):
+        pytest.skip("the TMA kernel does not run here (no sm90 or float32 on a GPU)")
+    config = next(iter(DW_CONFIGS.values()))
+    static, dynamic = (torch.full((len(sizes), K, N), float("nan"), device=triton_device) for _ in range(2))
+    gm_tma.launch_grouped_mm_dw_tma(x, dy, offsets, static, config=config)
+    gm_tma.launch_grouped_mm_dw_tma(x, dy, offsets, dynamic, config=config, dynamic=True)
+    assert torch.equal(dynamic, static)
+    torch.testing.assert_close(dynamic, dw_reference(x, dy, offsets).float(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("config", DW_CONFIGS)
@@ -353,8 +371,10 @@ def test_bf16_tma_with_float32_master_weights(gpu_device, rel_err):
 
 def test_grouped_mm_entry_point_defaults_to_the_tma_kernels(triton_device):
     """The defaults: TMA forward and dx (the H200 A/B measured them fastest, bench/NOTES.md) and
-    the TMA dW kernel (its A/B: bench/kernels.py's triton-dw-pointer row)."""
-    assert gm.TRITON_KERNELS == {"forward": "tma", "dx": "tma", "dw": "tma", "tma_flatten": False}
+    the TMA dW kernel (its A/B: bench/kernels.py's triton-dw-pointer row), dealing its items
+    round-robin (the dynamic schedule's A/B: triton-dw-dynamic)."""
+    assert gm.TRITON_KERNELS == {"forward": "tma", "dx": "tma", "dw": "tma", "tma_flatten": False,
+                                 "dw_schedule": "static"}
     x, w, offsets, _ = make([3, 5], 1, 8, 8, triton_device)
     torch.testing.assert_close(grouped_mm(x, w, offsets), grouped_mm(x, w, offsets, backend="loop"))
 
@@ -374,6 +394,25 @@ def test_bf16_dw_tma_on_gpu(case, float32_out, gpu_device, rel_err, tma_calls):
     assert dw.dtype == (torch.float32 if float32_out else torch.bfloat16)
     assert rel_err(dw, dw_reference(x, dy, offsets)) < (1e-5 if float32_out else 5e-3)
     assert tma_calls == ([("dw", tuple(x.shape), dw.dtype)] if tma_runs(x, dw) else [])
+
+
+@pytest.mark.gpu
+def test_autotuned_dynamic_dw_matches_static_on_gpu(gpu_device):
+    """The autotuner times each config on the same counter, zeroed before each launch
+    (reset_to_zero) and once more before the chosen config's run: a counter left consumed
+    would leave dw unwritten (NaN here). Skewed sizes, as under Zipf routing."""
+    sizes = [2000, 0, 37, 700, 5, 1300, 64, 129] * 2
+    x, _, offsets, dy = make(sizes, 7, 256, 384, gpu_device, torch.bfloat16)
+    x = x.detach()
+    if gm_tma.tma_unsupported(x, torch.empty(16, 256, 384, device=gpu_device), dy) is not None:
+        pytest.skip("the TMA kernel does not run on this GPU")
+    results = {}
+    for schedule in ("static", "dynamic"):
+        with gm.triton_kernels(dw="tma", dw_schedule=schedule):
+            for _ in range(2):  # the first call tunes, the second runs the cached choice
+                results[schedule] = gm._launch_grouped_mm_dw(x, dy, offsets, True)
+    assert torch.isfinite(results["dynamic"]).all()
+    assert torch.equal(results["dynamic"], results["static"])
 
 
 @pytest.mark.gpu
