@@ -152,6 +152,13 @@ def _num_programs(device: torch.device) -> int:
     return 3
 
 
+@functools.cache
+def _unused_counter(device: torch.device) -> Tensor:
+    """The dW kernel's counter argument where the static deal leaves it unread (the autotuner
+    may zero it: reset_to_zero)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
 def _scratch(device: torch.device):
     def allocate(size: int, alignment: int, stream):  # the descriptors' device-side scratch
         return torch.empty(size, dtype=torch.int8, device=device)
@@ -293,7 +300,8 @@ def launch_grouped_mm_dw_tma(x: Tensor, dy: Tensor, offsets: Tensor, dw: Tensor,
         return (min(programs, G * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
     segments = triton.next_power_of_2(G)
-    counter = torch.zeros(1, dtype=torch.int32, device=x.device)
+    # The static deal never reads the counter: it gets a shared placeholder (no memset launch).
+    counter = torch.zeros(1, dtype=torch.int32, device=x.device) if dynamic else _unused_counter(x.device)
     args = (x, dy, dw, offsets, counter, M, N, K, G, x.stride(0), dy.stride(0), bucket(M))
     triton.set_allocator(_scratch(x.device))  # per launch: see launch_grouped_mm_tma
     with device_guard(x):
