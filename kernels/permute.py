@@ -4,6 +4,7 @@ top-k combine back.
     permute(x_TD, topk_idx_Tk, n_experts, *, backend="triton", n_rows=None)
         -> (x_sorted_RD, offsets_E, sorted_idx_R)
     unpermute(y_sorted_RD, sorted_idx_R, topk_weights_Tk, *, backend="triton") -> out_TD
+    unpermute(y_sorted_RD, sorted_idx_R, None, top_k=k, *, backend="triton") -> out_TD  # unweighted
     permute_reference(...), unpermute_reference(...): the same in plain torch.
 
 Shape suffixes: T tokens, k experts per token (top-k), R = T*k assignments, D features,
@@ -24,6 +25,9 @@ E experts. Assignment a = t*k + j is token t's j-th choice, topk_idx[t, j].
   (dw[a] = <dout[a // k], y_sorted[i]>, in topk_weights' dtype). y_sorted may hold only the
   first n <= R sorted rows (permute's ``n_rows``): assignments sorted past them add nothing and
   get dw = 0.
+  With topk_weights None (and top_k given): the plain sum over each token's k rows, for rows
+  that carry their routing weights already (optimus_core.model.experts applies them in the
+  SwiGLU); its backward is a gather of dout (permute's kernel) and keeps only sorted_idx.
 
 Backends: "loop" and "torch" both run the plain-torch reference; "triton" runs our kernels.
 Nothing here syncs with the host.
@@ -84,7 +88,10 @@ def permute_reference(x: Tensor, topk_idx: Tensor, n_experts: int,
     return x[sorted_idx[:n_rows] // k], offsets, sorted_idx
 
 
-def unpermute_reference(y_sorted: Tensor, sorted_idx: Tensor, topk_weights: Tensor) -> Tensor:
+def unpermute_reference(y_sorted: Tensor, sorted_idx: Tensor, topk_weights: Tensor | None,
+                        top_k: int | None = None) -> Tensor:
+    if topk_weights is None:  # unweighted: unit weights, not differentiated
+        topk_weights = y_sorted.new_ones(len(sorted_idx) // top_k, top_k, dtype=torch.float32)
     T, k = topk_weights.shape
     missing = len(sorted_idx) - len(y_sorted)  # rows not made (permute's n_rows) count as zeros
     y_sorted = torch.cat([y_sorted, y_sorted.new_zeros(missing, y_sorted.shape[1])]) if missing else y_sorted
@@ -124,17 +131,29 @@ def expert_sort(ids: Tensor, n_groups: int) -> tuple[Tensor, Tensor]:
     return sorted_idx, torch.searchsorted(sorted_ids, groups, right=True, out_int32=True)
 
 
-def unpermute(y_sorted: Tensor, sorted_idx: Tensor, topk_weights: Tensor, *,
-              backend: str = "triton") -> Tensor:
-    """Weighted top-k combine back to token order; see the module docstring."""
-    R = topk_weights.numel()
-    if y_sorted.dim() != 2 or topk_weights.dim() != 2 or sorted_idx.shape != (R,) or len(y_sorted) > R:
+def unpermute(y_sorted: Tensor, sorted_idx: Tensor, topk_weights: Tensor | None, *,
+              top_k: int | None = None, backend: str = "triton") -> Tensor:
+    """Weighted (or, with topk_weights None and top_k, plain) top-k combine back to token
+    order; see the module docstring."""
+    if topk_weights is None:
+        if top_k is None or top_k < 1 or sorted_idx.dim() != 1 or len(sorted_idx) % top_k:
+            raise ValueError(f"unpermute: without topk_weights, top_k must be given and divide "
+                             f"len(sorted_idx) = {len(sorted_idx)}; got top_k = {top_k}")
+        shape = (len(sorted_idx) // top_k, top_k)
+    else:
+        shape = tuple(topk_weights.shape)
+    R = sorted_idx.numel()
+    if y_sorted.dim() != 2 or len(shape) != 2 or shape[0] * shape[1] != R or sorted_idx.dim() != 1 \
+            or len(y_sorted) > R:
         raise ValueError(f"unpermute: need y_sorted (n <= T*k, D), sorted_idx (T*k,), topk_weights (T, k); "
-                         f"got {tuple(y_sorted.shape)}, {tuple(sorted_idx.shape)}, {tuple(topk_weights.shape)}")
+                         f"got {tuple(y_sorted.shape)}, {tuple(sorted_idx.shape)}, {shape}")
     if backend in ("loop", "torch"):
-        return unpermute_reference(y_sorted, sorted_idx, topk_weights)
+        return unpermute_reference(y_sorted, sorted_idx, topk_weights, top_k)
     if backend != "triton":
         raise ValueError(f"unpermute: backend must be one of {BACKENDS}, got {backend!r}")
+    if topk_weights is None:
+        check_launchable("unpermute", y_sorted, sorted_idx)
+        return torch.ops.optimus.unpermute_sum(y_sorted, sorted_idx, top_k)
     check_launchable("unpermute", y_sorted, sorted_idx, topk_weights)
     return torch.ops.optimus.unpermute(y_sorted, sorted_idx, topk_weights)
 
@@ -212,9 +231,10 @@ def _permute_kernel(x_ptr, sorted_idx_ptr, out_ptr, R, D, stride_x, stride_out,
 @autotuned(row_configs, key=["D"])
 @jit
 def _combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, T, D, N_Y, stride_y, stride_out,
-                    TOPK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[t] = sum_j w[t, j] * y[inv[t*TOPK + j]]: each token gathers its k rows, so the sum
-    needs no atomics and is deterministic. Rows at or past N_Y (not made) add nothing."""
+                    TOPK: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t] = sum_j w[t, j] * y[inv[t*TOPK + j]] (w = 1 without HAS_WEIGHT): each token
+    gathers its k rows, so the sum needs no atomics and is deterministic. Rows at or past N_Y
+    (not made) add nothing."""
     tokens = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     t_ok = tokens < T
@@ -224,9 +244,12 @@ def _combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, T, D, N_Y, stride_y, stride_
         a = tokens.to(tl.int64) * TOPK + j
         pos = tl.load(inv_ptr + a, mask=t_ok, other=0)
         made = t_ok & (pos < N_Y)
-        weight = tl.load(w_ptr + a, mask=made, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + pos[:, None] * stride_y + cols[None, :], mask=mask & made[:, None], other=0.0)
-        acc += weight[:, None] * y.to(tl.float32)
+        if HAS_WEIGHT:
+            weight = tl.load(w_ptr + a, mask=made, other=0.0).to(tl.float32)
+            acc += weight[:, None] * y.to(tl.float32)
+        else:
+            acc += y.to(tl.float32)
     tl.store(out_ptr + tokens[:, None].to(tl.int64) * stride_out + cols[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -322,9 +345,13 @@ def _launch_permute(x: Tensor, sorted_idx: Tensor, k: int, n_rows: int) -> Tenso
     return out
 
 
-def _launch_unpermute(y_sorted: Tensor, sorted_idx: Tensor, weights: Tensor) -> Tensor:
-    y_sorted, sorted_idx, weights = y_sorted.contiguous(), sorted_idx.contiguous(), weights.contiguous()
-    (T, k), D = weights.shape, y_sorted.shape[1]
+def _launch_unpermute(y_sorted: Tensor, sorted_idx: Tensor, weights: Tensor | None, k: int | None = None) -> Tensor:
+    """The combine, weighted by weights (T, k), or a plain sum over k rows with weights None."""
+    y_sorted, sorted_idx = y_sorted.contiguous(), sorted_idx.contiguous()
+    if weights is not None:
+        weights = weights.contiguous()
+        k = weights.shape[1]
+    T, D = len(sorted_idx) // k, y_sorted.shape[1]
     # inv[a] = the sorted row of assignment a: a scatter, so no sort and no host sync
     positions = torch.arange(len(sorted_idx), device=sorted_idx.device)
     inv = torch.empty_like(sorted_idx).scatter_(0, sorted_idx, positions)
@@ -332,7 +359,8 @@ def _launch_unpermute(y_sorted: Tensor, sorted_idx: Tensor, weights: Tensor) -> 
     if out.numel():
         with device_guard(y_sorted):
             _combine_kernel(y_sorted.device.type)[_rows_grid(T, D)](
-                y_sorted, inv, weights, out, T, D, y_sorted.shape[0], y_sorted.stride(0), out.stride(0), TOPK=k)
+                y_sorted, inv, y_sorted if weights is None else weights, out, T, D, y_sorted.shape[0],
+                y_sorted.stride(0), out.stride(0), TOPK=k, HAS_WEIGHT=weights is not None)
     return out
 
 
@@ -383,9 +411,8 @@ def _permute_setup(ctx, inputs, output):
 
 def _permute_backward(ctx, dx_sorted):
     (sorted_idx,) = ctx.saved_tensors
-    # dx[t] = sum of its k copies' gradients: the combine with unit weights.
-    ones = torch.ones(ctx.shape, device=dx_sorted.device, dtype=torch.float32)
-    return _unpermute_op(dx_sorted, sorted_idx, ones), None, None, None
+    # dx[t] = sum of its k copies' gradients: the unweighted combine.
+    return _unpermute_sum_op(dx_sorted, sorted_idx, ctx.shape[1]), None, None, None
 
 
 _permute_rows_op.register_autograd(_permute_backward, setup_context=_permute_setup)
@@ -423,3 +450,29 @@ def _unpermute_backward(ctx, dout):
 
 
 _unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+
+
+# The unweighted combine: rows that carry their routing weights already. Backward: each row's
+# gradient is its token's, a gather by sorted_idx // k, which is what permute's kernel does.
+@torch.library.custom_op("optimus::unpermute_sum", mutates_args=())
+def _unpermute_sum_op(y_sorted: Tensor, sorted_idx: Tensor, k: int) -> Tensor:
+    return _launch_unpermute(y_sorted, sorted_idx, None, k)
+
+
+@_unpermute_sum_op.register_fake
+def _(y_sorted, sorted_idx, k):
+    return y_sorted.new_empty(len(sorted_idx) // k, y_sorted.shape[1])
+
+
+def _unpermute_sum_setup(ctx, inputs, output):
+    y_sorted, sorted_idx, k = inputs
+    ctx.save_for_backward(sorted_idx)
+    ctx.k, ctx.n_rows = k, y_sorted.shape[0]
+
+
+def _unpermute_sum_backward(ctx, dout):
+    (sorted_idx,) = ctx.saved_tensors
+    return _permute_rows_op(dout, sorted_idx, ctx.k, ctx.n_rows), None, None
+
+
+_unpermute_sum_op.register_autograd(_unpermute_sum_backward, setup_context=_unpermute_sum_setup)

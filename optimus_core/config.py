@@ -166,6 +166,10 @@ class MoEConfig(_Validated):
     # per expert and drops the rest (their expert output is zero; the residual carries them).
     capacity_factor: Optional[float] = None
     experts_backend: Literal["loop", "torch", "triton"] = "loop"
+    # The routing weights scale each row's SwiGLU output, before the down projection, and the
+    # top-k combine is a plain sum; false: they weight the combine of the expert outputs, which
+    # then keeps those outputs for its backward (R x d_model per layer; optimus_core.model.experts).
+    weights_before_down: bool = True
 
     def check(self) -> None:
         self._require(self.n_experts >= 1, "n_experts", "must be >= 1")

@@ -12,6 +12,16 @@ backend chosen by name:
 Weights are stored in the layout the grouped GEMM consumes (x @ w): w_up_EDF2 holds
 [gate | up] along its last axis, w_down_EFD maps back to d_model.
 
+Routing weights (model.moe.weights_before_down, on by default): each row's routing weight
+scales its SwiGLU output, before the down projection, and the combine is a plain sum. The down
+projection is linear, so the output is the same up to rounding; what changes is the backward's
+memory: the weighted combine must keep the experts' output rows (R x D) to differentiate its
+weights, the weighted SwiGLU gets that gradient from what it keeps anyway (kernels/swiglu.py).
+For OLMoE's shapes, 256 MiB per layer at 8192 tokens (bench/saved_activations.py). The step's
+peak on an H200 did not move: it is at the optimizer's update, not in the backward
+(bench/NOTES.md). ``combine_sorted`` is the one place both orders live, for this module's
+``apply_routed`` and expert parallelism's.
+
 Weight casts (train.expert_weight_casts): under bf16 autocast the float32 master weights would
 be cast to bf16 by every forward (3.2B expert parameters: read 4 bytes, write 2 each). Instead
 
@@ -38,9 +48,10 @@ class Experts(nn.Module):
     recast_weights: bool = False
     WEIGHTS = ("w_up", "w_down")
 
-    def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = "loop"):
+    def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = "loop",
+                 weights_before_down: bool = True):
         super().__init__()
-        self.n_experts, self.backend = n_experts, backend
+        self.n_experts, self.backend, self.weights_before_down = n_experts, backend, weights_before_down
         self.w_up = nn.Parameter(torch.empty(n_experts, d_model, 2 * d_expert))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_expert, d_model))
         self.enable_weight_casts(None)
@@ -74,8 +85,10 @@ class Experts(nn.Module):
         """(x_sorted_MD, offsets (n_groups,) int32, sorted_idx (T * K,)); M = n_rows or T * K."""
         return kernels.permute(x_TD, topk_idx_TK, n_groups, backend=self.backend, n_rows=n_rows)
 
-    def unpermute(self, y_MD: torch.Tensor, sorted_idx: torch.Tensor, topk_weight_TK: torch.Tensor):
-        return kernels.unpermute(y_MD, sorted_idx, topk_weight_TK, backend=self.backend)
+    def unpermute(self, y_MD: torch.Tensor, sorted_idx: torch.Tensor, topk_weight_TK: torch.Tensor | None,
+                  top_k: int | None = None):
+        """The top-k combine, weighted, or a plain sum over top_k rows with topk_weight_TK None."""
+        return kernels.unpermute(y_MD, sorted_idx, topk_weight_TK, top_k=top_k, backend=self.backend)
 
     def apply_routed(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
                      n_groups: int) -> torch.Tensor:
@@ -84,12 +97,24 @@ class Experts(nn.Module):
         capacity) get no expert and must carry weight 0. Expert parallelism replaces this one
         method (optimus_core.parallel.expert_parallel): the seam where tokens may leave the rank."""
         x_sorted_MD, offsets, sorted_idx = self.permute(x_TD, topk_idx_TK, n_groups)
-        y_sorted_MD = self(x_sorted_MD, offsets[:self.n_experts])
-        return self.unpermute(y_sorted_MD, sorted_idx, topk_weight_TK)
+        return self.combine_sorted(x_sorted_MD, offsets[:self.n_experts], sorted_idx, topk_weight_TK)
 
-    def forward(self, x_MD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    def combine_sorted(self, x_sorted_MD: torch.Tensor, offsets_E: torch.Tensor, sorted_idx: torch.Tensor,
+                       topk_weight_TK: torch.Tensor) -> torch.Tensor:
+        """out_TD: the experts on permute's sorted rows (M <= T * K of them; offsets_E one per
+        expert), each row weighted by its routing weight and summed per token, in the order that
+        weights_before_down picks (module docstring)."""
+        if not self.weights_before_down:
+            return self.unpermute(self(x_sorted_MD, offsets_E), sorted_idx, topk_weight_TK)
+        # the routing weight of each sorted row (assignment sorted_idx[i]); rows not made get none
+        row_weight_M = topk_weight_TK.reshape(-1)[sorted_idx[:x_sorted_MD.shape[0]]]
+        y_sorted_MD = self(x_sorted_MD, offsets_E, row_weight_M)
+        return self.unpermute(y_sorted_MD, sorted_idx, None, top_k=topk_weight_TK.shape[1])
+
+    def forward(self, x_MD: torch.Tensor, offsets_E: torch.Tensor, row_weight_M: torch.Tensor | None = None) -> torch.Tensor:
         """x_MD expert-sorted rows, offsets_E int32 cumulative group ends (one per expert);
-        rows past offsets_E[-1] (tokens dropped over capacity) come out zero."""
+        rows past offsets_E[-1] (tokens dropped over capacity) come out zero. row_weight_M: a
+        weight per row, applied to its SwiGLU output (the routing weights, combine_sorted)."""
         w_up, w_down = self.w_up, self.w_down
         keep_cast = False
         up_cast = down_cast = None
@@ -107,7 +132,7 @@ class Experts(nn.Module):
             elif not self.recast_weights:  # cast once here; autograd keeps the copies for backward
                 w_up, w_down = w_up.to(dtype), w_down.to(dtype)
         h_MF2 = kernels.grouped_mm(x_MD, w_up, offsets_E, backend=self.backend, keep_cast=keep_cast, w_cast=up_cast)
-        h_MF = kernels.swiglu(h_MF2, backend=self.backend)
+        h_MF = kernels.swiglu(h_MF2, row_weight=row_weight_M, backend=self.backend)
         return kernels.grouped_mm(h_MF, w_down, offsets_E, backend=self.backend, keep_cast=keep_cast,
                                   w_cast=down_cast)
 

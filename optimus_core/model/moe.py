@@ -33,7 +33,7 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.router = TopKRouter(d_model, cfg)
-        self.experts = Experts(cfg.n_experts, d_model, cfg.d_expert, cfg.experts_backend)
+        self.experts = Experts(cfg.n_experts, d_model, cfg.d_expert, cfg.experts_backend, cfg.weights_before_down)
         self.aux_loss = self.last_lb_loss = self.last_z_loss = self.last_tokens_per_expert_E = None
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ class ExpertParallelExperts(Experts):
     def __init__(self, full: Experts, mesh: Mesh):
         nn.Module.__init__(self)
         self.n_experts, self.backend, self.recast_weights = full.n_experts, full.backend, full.recast_weights
+        self.weights_before_down = full.weights_before_down
         self.ep, self.group = mesh.ep, mesh.ep_group
         self.n_local = full.n_experts // mesh.ep
         self.first = mesh.ep_rank * self.n_local
@@ -93,16 +94,15 @@ class ExpertParallelExperts(Experts):
 
         # The slots of other ranks' experts sort last (phantom group n_local): no rows for them.
         x_sorted_MD, offsets, sorted_idx = self.permute(x_RD, local_RK, n_local + 1, n_rows=n_assigned)
-        y_sorted_MD = self(x_sorted_MD, offsets[:n_local])
-        partial_RD = self.unpermute(y_sorted_MD, sorted_idx, w_RK)
+        partial_RD = self.combine_sorted(x_sorted_MD, offsets[:n_local], sorted_idx, w_RK)
         partial_SD = all_to_all(partial_RD, send_splits, recv_splits, self.group)
         # At most ep partials per token: summed in float32, like the single-rank combine.
         out_TD = x_TD.new_zeros(T, x_TD.shape[1], dtype=torch.float32).index_add(0, token_S, partial_SD.float())
         return out_TD.to(partial_SD.dtype)
 
-    def forward(self, x_MD: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_MD: torch.Tensor, offsets_E: torch.Tensor, row_weight_M: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's experts on rows already sorted by local expert (the kernels, no exchange)."""
-        return Experts.forward(self, x_MD, offsets_E)
+        return Experts.forward(self, x_MD, offsets_E, row_weight_M)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # A full (unsharded) checkpoint loads onto any EP rank: take this rank's experts.

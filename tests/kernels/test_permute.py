@@ -98,6 +98,41 @@ def test_unpermute_triton_matches_reference(case, triton_device):
         torch.testing.assert_close(g, r, **TOL, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_unweighted_unpermute_is_the_combine_with_unit_weights(case, triton_device):
+    """topk_weights None: the plain sum over each token's k rows, and dy_sorted the gather of
+    dout; the same as unit weights (without their gradient), by either backend; also with only
+    the first rows made (permute's n_rows)."""
+    E, topk_idx, _, y_sorted, _, _, grad_out = make(case, triton_device)
+    _, _, sorted_idx = permute_reference(torch.empty(len(topk_idx), 0), topk_idx.cpu(), E)
+    sorted_idx = sorted_idx.to(triton_device)
+    k = topk_idx.shape[1]
+    ones = torch.ones(len(topk_idx), k, device=triton_device)
+    for rows in (len(y_sorted), len(y_sorted) // 2):
+        y = y_sorted[:rows].clone().requires_grad_()
+        want = unpermute(y, sorted_idx, ones, backend="loop")
+        (dy_want,) = torch.autograd.grad(want, y, grad_out)
+        for backend in ("triton", "loop"):
+            got = unpermute(y, sorted_idx, None, top_k=k, backend=backend)
+            (dy,) = torch.autograd.grad(got, y, grad_out)
+            torch.testing.assert_close(got, want, **TOL)
+            torch.testing.assert_close(dy, dy_want, **TOL)
+
+
+def test_unweighted_unpermute_checks_top_k():
+    _, topk_idx, _, y_sorted, _, _, _ = make("top-2", "cpu")
+    with pytest.raises(ValueError, match="without topk_weights, top_k must be given"):
+        unpermute(y_sorted, topk_idx.reshape(-1), None)
+    with pytest.raises(ValueError, match="top_k must be given and divide"):
+        unpermute(y_sorted, topk_idx.reshape(-1)[:-1], None, top_k=2)
+
+
+def test_unpermute_sum_opcheck(triton_device):
+    E, topk_idx, _, y_sorted, _, _, _ = make("top-2", triton_device)
+    _, _, sorted_idx = permute_reference(torch.empty(len(topk_idx), 0), topk_idx.cpu(), E)
+    torch.library.opcheck(torch.ops.optimus.unpermute_sum, (y_sorted, sorted_idx.to(triton_device), 2))
+
+
 @pytest.mark.parametrize("backend", ["triton", "loop"])
 @pytest.mark.parametrize("case", ["top-1", "top-2", "top-8, empty experts"])
 def test_round_trip_with_weights_one_over_k(case, backend, triton_device):

@@ -12,8 +12,9 @@ needs_triton = pytest.mark.skipif("triton" not in kernels.available_backends(),
                                   reason="triton backend needs a GPU, or TRITON_INTERPRET=1 on the CPU")
 
 
-def losses(backend: str, capacity=None, steps=3):
-    moe = MoEConfig(n_experts=6, top_k=2, d_expert=8, experts_backend=backend, capacity_factor=capacity)
+def losses(backend: str, capacity=None, steps=3, weights_before_down=True):
+    moe = MoEConfig(n_experts=6, top_k=2, d_expert=8, experts_backend=backend, capacity_factor=capacity,
+                    weights_before_down=weights_before_down)
     cfg = ModelConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=2, max_seq_len=16, moe=moe)
     model = Transformer(cfg)
     model.init_weights(torch.Generator().manual_seed(0))
@@ -24,12 +25,46 @@ def losses(backend: str, capacity=None, steps=3):
 
 
 @needs_triton
+@pytest.mark.parametrize("weights_before_down", [True, False], ids=["weights-before-down", "weighted-combine"])
 @pytest.mark.parametrize("capacity", [None, 0.5], ids=["dropless", "capacity-0.5"])
-def test_triton_training_matches_loop(capacity):
+def test_triton_training_matches_loop(capacity, weights_before_down):
     # float32 both ways; sums in another order differ by ~1e-7 relative per op, far below 1e-5.
-    ref, got = losses("loop", capacity), losses("triton", capacity)
+    ref = losses("loop", capacity, weights_before_down=weights_before_down)
+    got = losses("triton", capacity, weights_before_down=weights_before_down)
     assert ref[-1] < ref[0]
     assert got == pytest.approx(ref, abs=1e-5)
+
+
+@pytest.mark.parametrize("phantom", [False, True], ids=["all rows", "first rows only"])
+def test_weights_before_down_is_the_same_function(phantom):
+    """Routing weights on the SwiGLU output (then a plain sum) or on the expert outputs (the
+    weighted combine): the same output and the same gradients for x, the routing
+    weights and both expert weights, with an empty expert, zero weights (dropped assignments)
+    and, as expert parallelism does, only the first sorted rows made (the rest a phantom group).
+    float32 (grouped_mm's widest dtype): the two orders round differently, a few ulps per entry."""
+    from optimus_core.model.experts import Experts
+
+    gen = torch.Generator().manual_seed(0)
+    T, k, E = 9, 2, 5
+    x = torch.randn(T, 16, generator=gen)
+    topk_idx = torch.stack([torch.randperm(E - 1, generator=gen)[:k] for _ in range(T)])  # expert E-1: empty
+    weights = torch.rand(T, k, generator=gen)
+    weights[0, 1] = 0.0
+    results = []
+    for before in (True, False):
+        experts = Experts(E, 16, 8, backend="loop", weights_before_down=before)
+        for p in experts.parameters():
+            torch.nn.init.normal_(p, std=0.3, generator=torch.Generator().manual_seed(1))
+        xi, wi = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        # tokens 0-2 to the phantom group E (another rank's experts): it sorts last, its rows not made
+        idx = torch.where(torch.arange(T)[:, None] < 3, E, topk_idx) if phantom else topk_idx
+        n_rows = int((idx < E).sum()) if phantom else None
+        x_sorted, offsets, sorted_idx = experts.permute(xi, idx, E + phantom, n_rows)
+        out = experts.combine_sorted(x_sorted, offsets[:E], sorted_idx, wi)
+        grads = torch.autograd.grad(out.square().sum(), (xi, wi, experts.w_up, experts.w_down))
+        results.append((out, *grads))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_torch_backend_refuses_clearly_where_unsupported():
