@@ -95,7 +95,14 @@ class Experts(nn.Module):
         """Each token through its top-k experts, the outputs summed with its routing weights:
         permute, the experts, unpermute. Assignments to group ``n_experts`` (dropped over
         capacity) get no expert and must carry weight 0. Expert parallelism replaces this one
-        method (optimus_core.parallel.expert_parallel): the seam where tokens may leave the rank."""
+        method (optimus_core.parallel.expert_parallel): the seam where tokens may leave the rank.
+        Under autocast the tokens are cast before they are copied top-k times (as expert
+        parallelism sends them), not after: the (T * K, D) copies are made and kept in bf16
+        instead of float32 then cast, and their gradients come back through one bf16 combine.
+        The forward is the same bit for bit; the tokens' gradient is summed over the top-k copies
+        in float32 and rounded to bf16 once, as every bf16 activation's gradient is."""
+        if torch.is_autocast_enabled(x_TD.device.type):
+            x_TD = x_TD.to(torch.get_autocast_dtype(x_TD.device.type))
         x_sorted_MD, offsets, sorted_idx = self.permute(x_TD, topk_idx_TK, n_groups)
         return self.combine_sorted(x_sorted_MD, offsets[:self.n_experts], sorted_idx, topk_weight_TK)
 

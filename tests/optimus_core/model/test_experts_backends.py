@@ -104,3 +104,31 @@ def bf16_outputs_and_grads(*experts_list):
         y.float().square().sum().backward()
         outs.append((y, xi.grad, experts.w_up.grad, experts.w_down.grad))
     return outs
+
+
+def test_tokens_are_cast_before_they_are_copied_top_k_times():
+    """Under bf16 autocast the permuted copies are made in bf16 (the (T * K, D) rows, not the
+    float32 tokens then a cast of k times as many rows): the forward is what permuting the
+    float32 tokens and casting them would give, bit for bit, and the tokens' gradient is the
+    float32 sum of their k copies' gradients, rounded to bf16 once."""
+    from optimus_core.model.experts import Experts
+
+    torch.manual_seed(0)
+    experts = Experts(4, 16, 8, backend="loop")
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(7, 16, requires_grad=True)
+    topk_idx = torch.tensor([[0, 1], [2, 3], [1, 2], [0, 3], [3, 1], [2, 0], [1, 3]])
+    weights = torch.rand(7, 2)
+    seen = []
+    real_permute = experts.permute
+    experts.permute = lambda x_TD, *a, **k: (seen.append(x_TD.dtype), real_permute(x_TD, *a, **k))[1]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = experts.apply_routed(x, topk_idx, weights, 4)
+        x_sorted, offsets, sorted_idx = real_permute(x, topk_idx, 4)  # float32 rows, then the cast
+        want = experts.combine_sorted(x_sorted.to(torch.bfloat16), offsets, sorted_idx, weights)
+    assert seen == [torch.bfloat16] and torch.equal(out, want)
+    (dx,) = torch.autograd.grad(out.float().sum(), x)
+    (dx_ref,) = torch.autograd.grad(want.float().sum(), x)
+    assert dx.dtype == torch.float32
+    torch.testing.assert_close(dx, dx_ref, rtol=2 ** -8, atol=1e-6)  # one bf16 rounding apart
