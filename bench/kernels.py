@@ -26,8 +26,9 @@ choices, the others left at their defaults), each labelled with the kernel that 
   TFLOP/s = 2*M*K*N (fwd) or 4*M*K*N (bwd) / median time,  M = T*8.
 The "dw" pass (triton and triton-dw-pointer rows) times the dW op alone, 2*M*K*N, written in
 float32 as for the training's float32 master weights (the bwd pass's dw is in w's bf16). The
-"bwd-dx" and "bwd-dw" passes split the backward: autograd asked for one gradient only, 2*M*K*N
-each, for every row but loop, so that each half is compared with torch._grouped_mm's.
+"bwd-dx" and "bwd-dw" passes split the backward, 2*M*K*N each, so that each half is compared
+with torch._grouped_mm's: torch_raw and dense rows ask autograd for one gradient; our rows call
+each custom op alone (a custom op computes every gradient autograd could ask of it).
 permute+unpermute (forward pair, backward pair) is reported in GB/s of minimal traffic (each
 input read once, each output written once) beside a plain copy (clone) of the (T*8, 2048)
 sorted activations: fwd 2*(T + T*8)*D*2 bytes, bwd (3*T*8 + 2*T)*D*2 bytes, copy 2*T*8*D*2.
@@ -79,9 +80,9 @@ TRITON_VARIANTS = {
     "triton-dw-pointer": (dict(dw="pointer"), ("bwd", "dw")),
     "triton-dw-dynamic": (dict(dw_schedule="dynamic"), ("bwd", "bwd-dw", "dw")),
 }
-# Passes: fwd; bwd = dx and dw; bwd-dx / bwd-dw = autograd asked for that one gradient only
-# (in the backward's own dtype, so every backend computes the same thing); dw = the triton dW
-# op alone with a float32 output, as the training's float32 master weights get it.
+# Passes: fwd; bwd = dx and dw; bwd-dx / bwd-dw = that one gradient only (in the backward's
+# own dtype, so every backend computes the same thing); dw = the triton dW op alone with a
+# float32 output, as the training's float32 master weights get it.
 SPLIT_PASSES = ("bwd-dx", "bwd-dw")
 # Rows on one group (a dense GEMM of the same M, K, N): "dense" is cuBLAS (torch.mm), the
 # ceiling; "triton-dense" our default triton kernels given G = 1, offsets = [M]: what their

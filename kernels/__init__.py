@@ -4,8 +4,8 @@
 
     permute(x_TD, topk_idx_Tk, E)              -> x_sorted_RD, offsets_E (int32), sorted_idx_R (int64)
     grouped_mm(x_MK, w_GKN, offsets_G)         -> y_MN
-    swiglu(h_M2H)                              -> out_MH
-    unpermute(y_sorted_RD, sorted_idx_R, w_Tk) -> out_TD
+    swiglu(h_M2H, row_weight=None)             -> out_MH   (row_weight (M,): each row scaled)
+    unpermute(y_sorted_RD, sorted_idx_R, w_Tk) -> out_TD   (w_Tk None, top_k=k: a plain sum)
 
 Every op takes backend="loop" | "torch" | "triton" (default "triton") and has a plain-torch
 reference (`*_reference`) in its module; shapes, dtypes and semantics are in each module's

@@ -1,7 +1,7 @@
 """SwiGLU activation of the experts' fused gate+up projection, optionally scaled per row.
 
-    swiglu(h_M2H, *, row_weight_M=None, backend="triton") -> out_MH
-    swiglu_reference(h_M2H, row_weight_M=None) -> out_MH
+    swiglu(h_M2H, *, row_weight=None, backend="triton") -> out_MH     # row_weight: (M,) or None
+    swiglu_reference(h_M2H, row_weight=None) -> out_MH
 
 Shape suffixes: M rows, H hidden features; h_M2H is (M, 2H) with gate = h[:, :H] and
 up = h[:, H:] (the up projection's output columns laid out gate first), out = silu(gate) * up,
