@@ -404,15 +404,15 @@ def _(x, sorted_idx, k, n_rows):
 
 
 def _permute_setup(ctx, inputs, output):
-    x, sorted_idx, k, _ = inputs
+    _, sorted_idx, k, _ = inputs
     ctx.save_for_backward(sorted_idx)
-    ctx.shape = (x.shape[0], k)
+    ctx.k = k
 
 
 def _permute_backward(ctx, dx_sorted):
     (sorted_idx,) = ctx.saved_tensors
     # dx[t] = sum of its k copies' gradients: the unweighted combine.
-    return _unpermute_sum_op(dx_sorted, sorted_idx, ctx.shape[1]), None, None, None
+    return _unpermute_sum_op(dx_sorted, sorted_idx, ctx.k), None, None, None
 
 
 _permute_rows_op.register_autograd(_permute_backward, setup_context=_permute_setup)

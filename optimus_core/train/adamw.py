@@ -16,7 +16,7 @@ itself (2 more bytes per parameter, instead of the forward's cast: read 4, write
 
 With ``beside_forward`` set (optim.update_beside_forward, optimus_core.train.update_stream),
 ``step()`` queues the update on a side stream in the forward's order of the model's stages and
-returns; the next forward waits stage by stage. ``settle()`` waits for all of it.
+returns; the next forward waits stage by stage. ``update_stream.settle_updates(opt)`` waits for all of it.
 
 The state is torch's: ``step`` (a float32 CPU tensor, so the bias corrections are computed on the
 host without a sync), ``exp_avg``, ``exp_avg_sq``; a torch AdamW state dict loads as it is (a
@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 
 import kernels
+
+from .update_stream import settle_updates
 
 
 class TritonAdamW(torch.optim.Optimizer):
@@ -90,17 +92,12 @@ class TritonAdamW(torch.optim.Optimizer):
                 if copy is not None and not fused:  # another dtype or layout: a cast after
                     copy.copy_(p)
 
-    def settle(self) -> None:
-        """Wait for an update queued beside the forward (parameters and state current)."""
-        if self.beside_forward is not None:
-            self.beside_forward.settle()
-
     def state_dict(self):
-        self.settle()  # its tensors are read later, on the current stream
+        settle_updates(self)  # its tensors are read later, on the current stream
         return super().state_dict()
 
     def load_state_dict(self, state_dict):
-        self.settle()  # not over tensors an update still writes
+        settle_updates(self)  # not over tensors an update still writes
         super().load_state_dict(state_dict)
 
 

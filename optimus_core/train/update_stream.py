@@ -4,7 +4,7 @@ under the next step's forward instead of after the backward.
     optimizer.beside_forward = UpdateBesideForward(model, params)   # build_optimizer does, where it applies
     optimizer.step()      # TritonAdamW: queues each stage's update on the side stream and returns
     loss = model(...)     # each stage's forward first waits for its own stage's update only
-    optimizer.settle()    # before anything else reads the parameters or the optimizer state
+    settle_updates(optimizer)  # before anything else reads the parameters or the optimizer state
 
 Why: AdamW over float32 master weights and moments streams ~30 bytes per parameter (25 ms per
 step for the 8-layer mula-7b-a1b on an H200, at HBM bandwidth), while the forward is bound by
@@ -26,7 +26,7 @@ forward the update kernels run at about half their speed, whatever the streams' 
 (three settings within 0.2 ms) or the update's block size.
 
 Nothing waits on the host. What reads parameters or optimizer state outside a forward (a
-checkpoint, a state dict, a load) must ``settle()`` first: TritonAdamW's ``state_dict`` and
+checkpoint, a state dict, a load) must ``settle_updates`` first: TritonAdamW's ``state_dict`` and
 ``load_state_dict`` do, and so does the training loop before evaluating, saving and loading.
 Gradients freed by ``zero_grad`` after the step stay referenced here until the stage's forward
 has waited for its update, and are released then, back to the step's stream: kept from reuse
