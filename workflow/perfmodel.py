@@ -81,9 +81,10 @@ WHATIFS = ("grad_sync",)  # overlaps our step does not do: priced to show what t
 # denom = v.sqrt() / bc2 + eps (three passes of r/w 8), p.addcdiv_(m, denom) (r 12, w 4): 84;
 # plus the grad-norm read (4) and the clip's in-place scale of the grad (r/w 8).
 ADAMW_BYTES_PER_ELEMENT = 84 + 4 + 8
-# Before the reduction each bucket scales its flat gradient by 1/W in place (Bucket.reduce_grad:
-# r/w 8); backward already accumulated into that buffer (the params' .grad are views of it).
-FLAT_GRAD_BYTES_PER_ELEMENT = 8
+# A bucket reduced over more than one rank keeps a flat gradient buffer that the params' .grad
+# are views of: zeroed every step (w 4) and accumulated into by backward (r 8, w 4) where a fresh
+# gradient would be written once. A bucket of one rank (experts at EP = W) keeps none.
+FLAT_GRAD_BYTES_PER_ELEMENT = 16
 MASTER_BYTES = 4  # master weights, grads and optimizer state are float32 even under bf16 autocast
 
 
@@ -463,7 +464,6 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
     n_expert_local = n_expert // L.ep
     edp = W // L.ep
     reduce_s = gather_s = sync_s = opt_elems = 0.0
-    local_elems = n_dense + n_expert_local
     # With ``overlap = "chunks"`` (parallel.overlap_grad_sync, optimus_core/parallel/grad_sync.py)
     # each chunk is reduced onto its owners (dist.reduce): every rank still sends its whole
     # gradient, n/(n-1) times a reduce-scatter's (n-1)/n share.
@@ -478,7 +478,7 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
         opt_elems = cfg.num_params()
         flat_elems = 0
     else:
-        flat_elems = local_elems
+        flat_elems = n_dense + (n_expert_local if edp > 1 else 0)
         # Dense buckets: reduce-scatter over the world, update 1/W, all-gather back.
         reduce_s += reduce(n_dense * MASTER_BYTES * share, world)
         gather_s += _collective_s("all_gather", n_dense * MASTER_BYTES * share, world, m)

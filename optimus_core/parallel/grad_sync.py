@@ -1,7 +1,7 @@
 """Gradient reduction overlapped with the backward: ShardedAdamW's buckets, reduced in chunks of
 whole parameters as soon as the last micro-batch's backward has produced them.
 
-    sync = OverlappedGradSync(buckets, order_of, chunk_bytes=128 << 20, scale=1 / world)
+    sync = OverlappedGradSync(buckets, order_of, chunk_bytes=128 << 20, global_ranks=ranks)
     sync.arm()           # before the last micro-batch's backward (earlier ones only accumulate)
     loss.backward()      # post-accumulate-grad hooks launch each finished chunk's reduction
     sync.finish()        # launches what is left and waits: every bucket's reduced_grad() is ready
@@ -12,7 +12,9 @@ use), so a chunk of parameters lies in one or two ranks' shards. Each chunk is s
 ``dist.reduce`` per owner, in place onto the owner's range of the gradient buffer (no extra
 buffer). Every rank sends the same bytes as in a reduce-scatter; at 2 ranks a chunk uses one link
 direction at a time, so the reduction takes up to twice as long, but it runs under the backward
-instead of after it. Replicated buckets (ep_unaware experts) all-reduce each chunk.
+instead of after it. Replicated buckets (ep_unaware experts) all-reduce each chunk. The chunks
+are sums: ShardedAdamW divides by the world size in its update. Local buckets (groups of one
+rank) have nothing to reduce and are not chunked.
 
 Order: NCCL needs every rank to issue its collectives in the same order, and the order in which
 autograd finishes gradients is not a contract. So chunks launch strictly in one fixed order, the
@@ -50,8 +52,8 @@ def split_into_chunks(bucket, chunk_bytes: int, order_of: dict[int, int]) -> lis
     for p in bucket.params:
         offsets.append(offset)
         offset += p.numel()
-    elem = bucket.grad_N.element_size()
-    chunks, hi, members = [], bucket.grad_N.numel(), []
+    elem = bucket.flat_N.element_size()
+    chunks, hi, members = [], bucket.flat_N.numel(), []
     for i in reversed(range(len(bucket.params))):
         members.append(i)
         lo = offsets[i]
@@ -65,22 +67,20 @@ def split_into_chunks(bucket, chunk_bytes: int, order_of: dict[int, int]) -> lis
 class OverlappedGradSync:
     """Hook-driven, in-order, asynchronous reduction of ShardedAdamW's gradient buckets."""
 
-    def __init__(self, buckets, order_of: dict[int, int], chunk_bytes: int, scale: float,
+    def __init__(self, buckets, order_of: dict[int, int], chunk_bytes: int,
                  global_ranks: dict[int, tuple[int, ...]]):
         """``order_of``: id(parameter) -> its index in model.parameters(); ``global_ranks``:
         id(bucket) -> the global rank of each rank of its group (dist.reduce's dst)."""
-        self.scale = scale
         self.global_ranks = global_ranks
         self.chunks: list[Chunk] = []
         self._chunk_of: dict[int, Chunk] = {}
         for bucket in buckets:
-            if bucket.group_size == 1:
-                continue  # nothing to reduce: finish() only scales it
+            if bucket.local:
+                continue  # nothing to reduce
             for chunk in split_into_chunks(bucket, chunk_bytes, order_of):
                 self.chunks.append(chunk)
         # Launch order: the chunk whose last-finished parameter comes latest in the model first.
         self.chunks.sort(key=lambda c: -c.first_param)
-        self._local = [b for b in buckets if b.group_size == 1]
         self._lock = threading.Lock()
         self._next = 0
         self._armed = False
@@ -123,7 +123,6 @@ class OverlappedGradSync:
     def _launch(self, chunk: Chunk) -> None:
         bucket = chunk.bucket
         grad = bucket.grad_N[chunk.lo:chunk.hi]
-        grad.mul_(self.scale)
         if not bucket.sharded:
             chunk.works.append(dist.all_reduce(grad, group=bucket.group, async_op=True))
         else:
@@ -137,12 +136,9 @@ class OverlappedGradSync:
         chunk.launched = True
 
     def finish(self) -> None:
-        """Launch every chunk not yet launched (in order), scale the buckets that need no
-        collective, and wait for all reductions."""
+        """Launch every chunk not yet launched (in order) and wait for all reductions."""
         with self._lock:
             self._launch_in_order(force=True)
-            for bucket in self._local:
-                bucket.grad_N.mul_(self.scale)
             for chunk in self.chunks:
                 for work in chunk.works:
                     work.wait()

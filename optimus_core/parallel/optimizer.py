@@ -16,13 +16,24 @@ buffer that the model's parameters are views of. Per bucket and step:
     expert, ep_unaware     grads all-reduced over the expert-dp group; full state replicated on
                            each of its ranks, every rank updates everything (the ablation).
 
-Gradients are the mean over the world's tokens: every rank's local grads are divided by W
-before the sum. That is right for experts too: an expert's local grad already sums the
-contributions of the whole EP group (the all-to-all backward brought them home), so summing
-over the expert-dp group covers all W ranks once. The global grad norm sums the squares of the
-reduced shards over the world; a replicated (ep_unaware) expert bucket counts only on
-expert-dp rank 0, so every parameter is counted exactly once. The update itself is
-torch.optim.AdamW's arithmetic on the shard tensors (torch's or TritonAdamW, optim.implementation).
+Gradients are the mean over the world's tokens: the reduced sums are divided by W. That is
+right for experts too: an expert's local grad already sums the contributions of the whole EP
+group (the all-to-all backward brought them home), so summing over the expert-dp group covers
+all W ranks once. The division rides in the update kernel's ``grad_scale`` with the clip factor
+(a fused optimizer; others get one in-place scale), not in a pass of its own over every
+gradient (3.7 ms of device time per step on an H200 at EP=2, bench/NOTES.md). The global grad
+norm sums the squares of the reduced shards over the world, divided by W; a replicated
+(ep_unaware) expert bucket counts only on expert-dp rank 0, so every parameter is counted
+exactly once. The update itself is torch.optim.AdamW's arithmetic on the shard tensors
+(torch's or TritonAdamW, optim.implementation).
+
+Local buckets (an expert-dp group of one rank, as at EP = world size, or any bucket of a
+one-rank world) reduce nothing, so they keep no flat gradient buffer: backward hands each
+parameter its gradient as a fresh tensor, as on one GPU, and TritonAdamW updates the flat shard
+a parameter's range at a time (``grad_pieces``). A flat buffer costs a zero fill and backward's
+accumulation into it (r 8, w 4 per element: 7.2 ms of device time per step at EP=2 on an H200,
+over every bucket) and its memory for the whole step (6.0 GiB per rank there for the experts).
+torch's AdamW, which takes one gradient per tensor, gets them concatenated.
 
 Weight casts (optimus_core.train.optim.weight_casts: the experts' bf16 copies under
 train.expert_weight_casts): a bucket whose parameters all have copies of one dtype gets a flat
@@ -77,7 +88,7 @@ class Bucket:
     name: str  # dense.decay | dense.no_decay | expert.decay | expert.no_decay
     params: list[nn.Parameter]
     flat_N: torch.Tensor  # padded to a multiple of group_size; the params are views of it
-    grad_N: torch.Tensor  # same layout; the params' .grad are views of it (backward adds in place)
+    grad_N: torch.Tensor | None  # same layout, the params' .grad views of it; None for a local bucket
     shard: torch.Tensor  # this rank's slice of flat_N (a view: what AdamW updates in place)
     group: object  # process group (None = the world)
     group_size: int
@@ -90,6 +101,11 @@ class Bucket:
     def whole_shard(self) -> bool:
         """This rank updates the whole bucket (nothing to gather)."""
         return not (self.sharded and self.group_size > 1)
+
+    @property
+    def local(self) -> bool:
+        """A group of one rank: nothing to reduce, so no flat gradient buffer (module doc)."""
+        return self.group_size == 1
 
     @classmethod
     def build(cls, name, params, group, group_size, group_rank, sharded, counts_in_norm, casts=None):
@@ -107,9 +123,9 @@ class Bucket:
         lo = group_rank * shard_len if sharded else 0
         # A view, not a copy: whatever writes the parameters (a checkpoint load) writes the shard.
         shard = flat_N[lo:lo + shard_len]
-        bucket = cls(name, params, flat_N, torch.zeros_like(flat_N), shard, group, group_size, group_rank,
-                     sharded, counts_in_norm)
-        bucket.attach_grads()
+        grad_N = None if group_size == 1 else torch.zeros_like(flat_N)
+        bucket = cls(name, params, flat_N, grad_N, shard, group, group_size, group_rank, sharded, counts_in_norm)
+        bucket.zero_grad()
         copies = [(casts or {}).get(p) for p in params]
         if all(c is not None for c in copies) and len({c.dtype for c in copies}) == 1:
             bucket.cast_N = flat_N.to(copies[0].dtype, copy=True)
@@ -128,30 +144,44 @@ class Bucket:
             offset += p.numel()
 
     def zero_grad(self) -> None:
+        if self.local:  # the next backward makes fresh gradients (none is accumulated into)
+            for p in self.params:
+                p.grad = None
+            return
         self.grad_N.zero_()
         base = self.grad_N.untyped_storage().data_ptr()
         if any(p.grad is None or p.grad.untyped_storage().data_ptr() != base for p in self.params):
             self.attach_grads()  # someone replaced a .grad (model.zero_grad()): views again
 
-    def reduce_grad(self, scale: float) -> torch.Tensor:
-        """This rank's reduced gradient shard (sum over the group of grad * scale)."""
-        grad_N = self.grad_N.mul_(scale)
-        if self.group_size == 1:
-            return grad_N
-        if not self.sharded:
-            dist.all_reduce(grad_N, group=self.group)
-            return grad_N
-        grad_shard = torch.empty_like(self.shard)
-        _reduce_scatter(grad_shard, grad_N, self.group)
-        return grad_shard
+    def grad_pieces(self) -> list[tuple[int, torch.Tensor]]:
+        """A local bucket's gradient as [(offset in the shard, gradient)], one per parameter
+        (zeros for a parameter the backward did not reach, as a flat buffer would hold)."""
+        pieces, offset = [], 0
+        for p in self.params:
+            pieces.append((offset, p.grad if p.grad is not None else torch.zeros_like(p)))
+            offset += p.numel()
+        return pieces
 
-    def reduced_grad(self) -> torch.Tensor:
+    def reduce_grad(self) -> list[tuple[int, torch.Tensor]]:
+        """This rank's reduced gradient shard, the sum over the group, as pieces."""
+        if self.local:
+            return self.grad_pieces()
+        if not self.sharded:
+            dist.all_reduce(self.grad_N, group=self.group)
+            return [(0, self.grad_N)]
+        grad_shard = torch.empty_like(self.shard)
+        _reduce_scatter(grad_shard, self.grad_N, self.group)
+        return [(0, grad_shard)]
+
+    def reduced_grad(self) -> list[tuple[int, torch.Tensor]]:
         """After an overlapped reduction (grad_sync.py, which reduces onto each owner's range of
-        grad_N in place): this rank's reduced shard, a view."""
-        if self.sharded and self.group_size > 1:
+        grad_N in place): this rank's reduced shard, as pieces."""
+        if self.local:
+            return self.grad_pieces()
+        if self.sharded:
             lo = self.group_rank * self.shard.numel()
-            return self.grad_N[lo:lo + self.shard.numel()]
-        return self.grad_N
+            return [(0, self.grad_N[lo:lo + self.shard.numel()])]
+        return [(0, self.grad_N)]
 
     def publish(self) -> None:
         """Bring every rank's updated shard into the flat buffer (the params see it)."""
@@ -214,12 +244,11 @@ class ShardedAdamW:
                            {b.shard: b.cast_N for b in self.buckets if b.cast_N is not None and b.whole_shard})
         self.param_groups = self.inner.param_groups  # the loop sets "lr" here each step
         self.grad_sync = None
-        if overlap and any(b.group_size > 1 for b in self.buckets):
+        if overlap and not all(b.local for b in self.buckets):
             order_of = {id(p): i for i, p in enumerate(model.parameters())}
             world = tuple(range(mesh.world_size))
             ranks = {id(b): world if b.group is None else mesh.expert_dp_ranks for b in self.buckets}
-            self.grad_sync = OverlappedGradSync(self.buckets, order_of, int(chunk_mb * 2**20),
-                                                1.0 / mesh.world_size, ranks)
+            self.grad_sync = OverlappedGradSync(self.buckets, order_of, int(chunk_mb * 2**20), ranks)
 
     def arm_grad_sync(self) -> None:
         """The next backward is the step's last: with overlap, reduce gradients as it goes."""
@@ -229,32 +258,46 @@ class ShardedAdamW:
     @torch.no_grad()
     def clip_and_step(self, max_norm: float | None) -> torch.Tensor:
         """Reduce grads, clip by the global norm (returned, before clipping), update, all-gather."""
-        scale = 1.0 / self.mesh.world_size
+        world = self.mesh.world_size
         with phase("grad_sync"):
             if self.grad_sync is not None:  # mostly done under the backward: wait for the rest
                 self.grad_sync.finish()
                 grads = [b.reduced_grad() for b in self.buckets]
             else:
-                grads = [b.reduce_grad(scale) for b in self.buckets]
+                grads = [b.reduce_grad() for b in self.buckets]
         with phase("optimizer"):
-            sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)
-            for b, g in zip(self.buckets, grads):
-                if b.counts_in_norm:  # a float32 norm per shard, squared and summed in float64
-                    sq += torch.linalg.vector_norm(g).double().square()
-            norm = self.mesh.all_reduce_sum_(sq).sqrt().float()
-            for b, g in zip(self.buckets, grads):
-                b.shard.grad = g
-            if max_norm is None:
-                self.inner.step()
-            elif is_fused(self.inner):  # the clip factor rides into the update kernel
-                step_with_grad_scale(self.inner, clip_coef_as_grad_scale(norm, max_norm))
-            else:
-                coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
-                for g in grads:
-                    g.mul_(coef)
+            # Sums over the ranks: the mean gradient is grads / world (module doc).
+            counted = [g for b, pieces in zip(self.buckets, grads) if b.counts_in_norm for _, g in pieces]
+            sq = torch.zeros((), dtype=torch.float64, device=self.buckets[0].flat_N.device)
+            if counted:  # a float32 norm per tensor, squared and summed in float64
+                sq += torch.stack(torch._foreach_norm(counted)).double().square().sum()
+            norm = (self.mesh.all_reduce_sum_(sq).sqrt() / world).float()
+            for b, pieces in zip(self.buckets, grads):
+                if len(pieces) == 1 and pieces[0][1].numel() == b.shard.numel():
+                    b.shard.grad = pieces[0][1].reshape(-1)
+                elif hasattr(self.inner, "grad_pieces"):  # TritonAdamW: a parameter's range at a time
+                    self.inner.grad_pieces[b.shard] = pieces
+                else:  # torch's AdamW, one gradient per tensor: concatenated, the padding zero
+                    end = pieces[-1][0] + pieces[-1][1].numel()
+                    b.shard.grad = torch.cat([g.reshape(-1) for _, g in pieces] + [b.shard.new_zeros(b.shard.numel() - end)])
+            if is_fused(self.inner):  # the mean and the clip factor ride into the update kernel
+                divisor = clip_coef_as_grad_scale(norm, max_norm) if max_norm is not None else None
+                if world > 1:
+                    divisor = (norm.new_ones(()) if divisor is None else divisor) * world
+                if divisor is None:
+                    self.inner.step()
+                else:
+                    step_with_grad_scale(self.inner, divisor)
+            else:  # torch's single-tensor AdamW (no GPU): every shard has its .grad, scaled in place
+                coef = norm.new_ones(()) / world
+                if max_norm is not None:  # as torch.nn.utils.clip_grad_norm_
+                    coef = coef * torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+                if world > 1 or max_norm is not None:
+                    torch._foreach_mul_([b.shard.grad for b in self.buckets], coef)
                 self.inner.step()
             for b in self.buckets:
                 b.shard.grad = None
+            getattr(self.inner, "grad_pieces", {}).clear()
         with phase("grad_sync"):
             for b in self.buckets:
                 b.publish()
@@ -266,8 +309,9 @@ class ShardedAdamW:
         self.clip_and_step(None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat gradient buffers (``set_to_none`` is accepted and ignored: the
-        parameters' .grad stay views of the buffers the next reduction reads)."""
+        """Zero the flat gradient buffers and drop the local buckets' gradients (``set_to_none``
+        is accepted and ignored: the parameters' .grad stay views of the buffers the next
+        reduction reads, and local buckets always drop theirs)."""
         if self.grad_sync is not None:  # a skipped step: reductions may be in flight on the buffers
             self.grad_sync.settle()
         for b in self.buckets:

@@ -38,6 +38,10 @@ class TritonAdamW(torch.optim.Optimizer):
                  weight_decay: float = 1e-2, casts: dict[torch.Tensor, torch.Tensor] | None = None):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.casts = dict(casts or {})
+        # {parameter: [(offset, gradient of that range)]}: a gradient in pieces instead of
+        # ``p.grad`` (ShardedAdamW's local buckets, one piece per model parameter); set before a
+        # step, cleared by the caller after it. Ranges no piece covers are not updated.
+        self.grad_pieces: dict[torch.Tensor, list[tuple[int, torch.Tensor]]] = {}
         # optimus_core.train.update_stream.UpdateBesideForward, attached by build_optimizer where
         # it applies: step() then queues the update on a side stream, stage by stage.
         self.beside_forward = None
@@ -54,7 +58,7 @@ class TritonAdamW(torch.optim.Optimizer):
             return loss
         for group in self.param_groups:  # the state is made here, on the current stream, once
             for p in group["params"]:
-                if p.grad is not None:
+                if self._gradient(p) is not None:
                     self._state(p)
         self.beside_forward.step(lambda params: self.update_(params, grad_scale), keep=(grad_scale,))
         return loss
@@ -69,6 +73,13 @@ class TritonAdamW(torch.optim.Optimizer):
             state["step"] = state["step"].detach().float().cpu()
         return state
 
+    def _gradient(self, p: torch.Tensor) -> list[tuple[int, torch.Tensor]] | None:
+        """``p``'s gradient as [(offset in p, gradient of that range)]; None: no gradient."""
+        pieces = self.grad_pieces.get(p)
+        if pieces is not None:
+            return pieces
+        return None if p.grad is None else [(0, p.grad)]
+
     @torch.no_grad()
     def update_(self, params: list[torch.Tensor] | None, grad_scale: torch.Tensor | None = None) -> None:
         """The update of ``params`` (every parameter when None), on the current stream."""
@@ -76,19 +87,23 @@ class TritonAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if p.grad is None or (only is not None and id(p) not in only):
+                pieces = self._gradient(p)
+                if pieces is None or (only is not None and id(p) not in only):
                     continue
-                if not (p.is_contiguous() and p.grad.is_contiguous()):
+                if not (p.is_contiguous() and all(g.is_contiguous() for _, g in pieces)):
                     raise ValueError("TritonAdamW: parameters and gradients must be contiguous")
                 state = self._state(p)
                 state["step"] += 1
                 copy = self.casts.get(p)
                 fused = copy is not None and copy.dtype == torch.bfloat16 and copy.is_contiguous()
-                kernels.adamw_step_(p.view(-1), p.grad.view(-1), state["exp_avg"].view(-1),
-                                    state["exp_avg_sq"].view(-1), lr=float(group["lr"]), beta1=beta1,
-                                    beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                                    step=int(state["step"]), grad_scale=grad_scale,
-                                    param_bf16_N=copy.view(-1) if fused else None)
+                flat = [t.view(-1) for t in (p, state["exp_avg"], state["exp_avg_sq"])]
+                for lo, grad in pieces:
+                    hi = lo + grad.numel()
+                    param, exp_avg, exp_avg_sq = (t[lo:hi] for t in flat)
+                    kernels.adamw_step_(param, grad.view(-1), exp_avg, exp_avg_sq, lr=float(group["lr"]),
+                                        beta1=beta1, beta2=beta2, eps=group["eps"],
+                                        weight_decay=group["weight_decay"], step=int(state["step"]),
+                                        grad_scale=grad_scale, param_bf16_N=copy.view(-1)[lo:hi] if fused else None)
                 if copy is not None and not fused:  # another dtype or layout: a cast after
                     copy.copy_(p)
 

@@ -69,6 +69,27 @@ def test_parameters_stay_views_of_the_flat_buffer():
             assert p.untyped_storage().data_ptr() == b.flat_N.untyped_storage().data_ptr()
 
 
+def test_local_buckets_take_fresh_gradients():
+    """A group of one rank reduces nothing: no flat gradient buffer; backward's gradients are
+    the parameters' own tensors, dropped by zero_grad (what one process would do)."""
+    model = _model()
+    opt = ShardedAdamW(model, Mesh.single(), OptimConfig())
+    assert all(b.local and b.grad_N is None for b in opt.buckets)
+    assert all(p.grad is None for p in model.parameters())
+    tokens = _batch(0)
+    model(tokens[:, :-1]).square().mean().backward()
+    grads = [p.grad for b in opt.buckets for p in b.params]
+    flats = {b.flat_N.untyped_storage().data_ptr() for b in opt.buckets}
+    assert all(g is not None for g in grads)
+    assert not flats & {g.untyped_storage().data_ptr() for g in grads}
+    assert len({g.untyped_storage().data_ptr() for g in grads}) == len(grads)  # stolen, not views of one buffer
+    before = [p.detach().clone() for b in opt.buckets for p in b.params]
+    opt.clip_and_step(1.0)
+    assert all(not torch.equal(p, q) for p, q in zip((p for b in opt.buckets for p in b.params), before))
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
 def _dense_and_expert_numel(model):
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     return sum(p.numel() for p in model.parameters()) - experts, experts
@@ -117,3 +138,4 @@ def test_four_ranks_ep2_match_one_process_and_shard_the_state(tmp_path, mode, ov
         assert local_experts / (world // ep) <= got["state"]["expert"] <= local_experts / (world // ep) + 16
     else:  # the baseline replicates the expert state over the expert-dp group
         assert local_experts <= got["state"]["expert"] < local_experts + 16
+
