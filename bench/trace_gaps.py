@@ -13,6 +13,12 @@ made the host wait for the device before it (a stream / event / device synchroni
 copy whose device side is device-to-host), if any happened since the gap began: a gap that starts while the host sits
 in such a wait is the sync's; one whose ending kernel was launched late, with no wait, is host
 overhead. Output: a per-step table and the gaps summed by cause, largest first.
+
+    python bench/trace_gaps.py BEFORE.json.gz AFTER.json.gz --compare [--top 25]
+
+``--compare``: device time of the last step of each trace per (host op that launched it, kernel),
+and AFTER - BEFORE, largest growth first: which work one setup adds to the other (weak-2 against
+weak-1, say).
 """
 from __future__ import annotations
 
@@ -48,6 +54,64 @@ def union_length(intervals: list[tuple[float, float]]) -> tuple[float, list[tupl
     return sum(e - s for s, e in merged), [(s, e) for s, e in merged]
 
 
+def _ops_by_thread(events: list[dict]) -> dict:
+    ops_by_thread: dict = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "cpu_op":
+            ops_by_thread[e["tid"]].append(e)
+    for ops in ops_by_thread.values():
+        ops.sort(key=lambda e: e["ts"])
+    return ops_by_thread
+
+
+def _innermost_op(ops_by_thread: dict, launch: dict) -> str:
+    """The host op around a launch call: the latest-starting one that encloses it."""
+    best = None
+    for op in ops_by_thread.get(launch["tid"], []):
+        if op["ts"] > launch["ts"]:
+            break
+        if op["ts"] + op["dur"] >= launch["ts"] + launch["dur"]:
+            best = op  # later-starting enclosing ops are nested deeper
+    return best["name"] if best else "?"
+
+
+def _steps(events: list[dict]) -> list[dict]:
+    steps = sorted((e for e in events if e.get("name") == "optimus.step" and e.get("cat") == "user_annotation"),
+                   key=lambda e: e["ts"])
+    if not steps:  # a trace without our annotation: the whole timeline as one step
+        steps = [{"ts": min(e["ts"] for e in events), "dur": max(e["ts"] + e["dur"] for e in events)}]
+        steps[0]["dur"] -= steps[0]["ts"]
+    return steps
+
+
+def device_time_by_op(events: list[dict]) -> dict[tuple[str, str], tuple[float, int]]:
+    """{(launching host op, kernel name): (µs, count)} over the device work of the last step
+    (from its annotation's start to the end of the timeline)."""
+    start = _steps(events)[-1]["ts"]
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver", "xpu_runtime")]
+    launches = {e["args"]["correlation"]: e for e in runtime if "correlation" in e.get("args", {})}
+    ops_by_thread = _ops_by_thread(events)
+    out: dict = defaultdict(lambda: [0.0, 0])
+    for e in events:
+        if e.get("cat") in DEVICE_CATS and e["ts"] >= start:
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            key = (_innermost_op(ops_by_thread, launch) if launch else "?", e["name"])
+            out[key][0] += e["dur"]
+            out[key][1] += 1
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def compare(before: list[dict], after: list[dict]) -> list[dict]:
+    """Rows (op, kernel, before µs / count, after µs / count, delta µs), largest growth first."""
+    a, b = device_time_by_op(before), device_time_by_op(after)
+    rows = [{"op": op, "kernel": kernel, "before_us": a.get((op, kernel), (0.0, 0))[0],
+             "before_n": a.get((op, kernel), (0.0, 0))[1], "after_us": b.get((op, kernel), (0.0, 0))[0],
+             "after_n": b.get((op, kernel), (0.0, 0))[1]} for op, kernel in set(a) | set(b)]
+    for r in rows:
+        r["delta_us"] = r["after_us"] - r["before_us"]
+    return sorted(rows, key=lambda r: -r["delta_us"])
+
+
 def analyze(events: list[dict], min_gap_us: float = 20.0) -> dict:
     """Per step: device window, busy (all / without collectives), idle; gaps by cause (µs)."""
     device = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
@@ -59,26 +123,11 @@ def analyze(events: list[dict], min_gap_us: float = 20.0) -> dict:
                     or (COPY_CALL.search(e["name"]) and e.get("args", {}).get("correlation") in to_host)),
                    key=lambda e: e["ts"])
     wait_ends = [w["ts"] + w["dur"] for w in waits]
-    ops_by_thread: dict = defaultdict(list)
-    for e in events:
-        if e.get("cat") == "cpu_op":
-            ops_by_thread[e["tid"]].append(e)
-    for ops in ops_by_thread.values():
-        ops.sort(key=lambda e: e["ts"])
-    steps = sorted((e for e in events if e.get("name") == "optimus.step" and e.get("cat") == "user_annotation"),
-                   key=lambda e: e["ts"])
-    if not steps:  # a trace without our annotation: the whole timeline as one step
-        steps = [{"ts": min(e["ts"] for e in events), "dur": max(e["ts"] + e["dur"] for e in events)}]
-        steps[0]["dur"] -= steps[0]["ts"]
+    ops_by_thread = _ops_by_thread(events)
+    steps = _steps(events)
 
     def innermost_op(launch: dict) -> str:
-        best = None
-        for op in ops_by_thread.get(launch["tid"], []):
-            if op["ts"] > launch["ts"]:
-                break
-            if op["ts"] + op["dur"] >= launch["ts"] + launch["dur"]:
-                best = op  # later-starting enclosing ops are nested deeper
-        return best["name"] if best else "?"
+        return _innermost_op(ops_by_thread, launch)
 
     out = {"steps": [], "causes": defaultdict(float), "gaps": []}
     starts = [s["ts"] for s in steps] + [float("inf")]
@@ -118,7 +167,20 @@ def main(argv=None) -> None:
     p.add_argument("traces", nargs="+")
     p.add_argument("--min-gap-us", type=float, default=20.0)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--compare", action="store_true", help="two traces: the second's device time per op minus the first's")
     args = p.parse_args(argv)
+    if args.compare:
+        if len(args.traces) != 2:
+            p.error("--compare takes two traces: BEFORE AFTER")
+        rows = compare(load(args.traces[0]), load(args.traces[1]))
+        total = [sum(r[k] for r in rows) / 1e3 for k in ("before_us", "after_us")]
+        print(f"last step's device time: {total[0]:.2f} ms -> {total[1]:.2f} ms ({total[1] - total[0]:+.2f})")
+        print(f"{'before ms':>9} {'n':>4} {'after ms':>9} {'n':>4} {'delta':>7}  host op -> kernel")
+        shown = rows[:args.top] + [r for r in rows[-min(args.top, 8):] if r not in rows[:args.top]]
+        for r in shown:
+            print(f"{r['before_us'] / 1e3:9.2f} {r['before_n']:4d} {r['after_us'] / 1e3:9.2f} {r['after_n']:4d} "
+                  f"{r['delta_us'] / 1e3:+7.2f}  {r['op'][:45]} -> {r['kernel'][:70]}")
+        return
     for path in args.traces:
         result = analyze(load(path), args.min_gap_us)
         n = max(1, len(result["steps"]))

@@ -70,3 +70,26 @@ def test_a_device_to_host_copy_is_a_wait_an_async_device_copy_is_not():
     ]
     gaps = {g["cause"]: g["us"] for g in analyze(events, min_gap_us=20)["gaps"]}
     assert gaps == {"after cudaMemcpyAsync": 132, "host launch late": 100}
+
+
+def test_compare_charges_device_time_to_the_launching_op(tmp_path, capsys):
+    from bench.trace_gaps import compare
+
+    before = _timeline()
+    # After: kernel D takes 40 us longer, and a new kernel E from "aten::mul_" appears.
+    after = [dict(e, dur=80) if e["name"] == "D" else e for e in _timeline()] + [
+        _x("aten::mul_", "cpu_op", 700, 20),
+        _x("cudaLaunchKernel", "cuda_runtime", 705, 5, correlation=5),
+        _x("E", "kernel", 710, 30, tid=7, correlation=5)]
+    rows = {(r["op"], r["kernel"]): r for r in compare(before, after)}
+    assert rows[("aten::mul_", "E")]["delta_us"] == 30 and rows[("aten::mul_", "E")]["before_n"] == 0
+    assert rows[("aten::index", "D")]["delta_us"] == 40  # the innermost op around D's launch
+    assert rows[("aten::mm", "A")]["delta_us"] == 0 and rows[("aten::mm", "A")]["after_n"] == 1
+    assert [r["kernel"] for r in compare(before, after)][:2] == ["D", "E"]  # largest growth first
+    paths = []
+    for name, events in (("a", before), ("b", after)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(events))
+    main([str(p) for p in paths] + ["--compare"])
+    out = capsys.readouterr().out
+    assert "0.34 ms -> 0.41 ms (+0.07)" in out and "aten::mul_ -> E" in out
