@@ -53,9 +53,10 @@ def _table_name(value: str) -> str:
 
 
 def write_store(store_path: str, run_id: str, records: list[dict], summary: dict, key: str) -> bool:
-    """One table per record (named by ``record[key]``), one row (step 0) of its numeric fields;
-    the summary's fields and each record's other fields in the run's attrs. False where the
-    store cannot be imported."""
+    """One table per record (named by ``record[key]``), one row of its numeric fields (at step
+    ``record["pass"]``, 0 without: a repeated measurement's passes are rows of one table); the
+    summary's fields and each record's other fields in the run's attrs. False where the store
+    cannot be imported."""
     try:
         from optimus_core.store import open_store
     except ImportError:
@@ -64,7 +65,7 @@ def write_store(store_path: str, run_id: str, records: list[dict], summary: dict
         kept = [r for r in records if "error" not in r]
         for r in kept:
             row = {k: v for k, v in r.items() if _is_number(v)}
-            w.log(_table_name(str(r[key])), {**row, "step": 0})
+            w.log(_table_name(str(r[key])), {**row, "step": int(r.get("pass", 0))})
         # The store's tables hold numbers only: each record's other fields (preset, optimizer,
         # dtype, overrides, ...) go to the run's attrs, by table name; failed records too.
         w.update_attrs(records={_table_name(str(r[key])): {k: v for k, v in r.items() if not _is_number(v)}

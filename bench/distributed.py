@@ -3,6 +3,7 @@
 
     python bench/distributed.py [--suites ablation weak strong] [--max-gpus 4] [--quick]
     python bench/distributed.py --suites weak ablation --only 'weak|ep1-triton'   # a subset of the points
+    python bench/distributed.py --suites weak --repeat 3     # every point 3 times, in turns
     python bench/distributed.py --ingest bench/results/distributed-ablation-nvidia-h200.jsonl
 
 Model: ``mula-7b-a1b`` full width, 8 of its 16 layers (OLMoE-1B-7B shapes), sequence 4096, bf16
@@ -25,9 +26,16 @@ Suites:
 Every point reduces gradients under the backward (``parallel.overlap_grad_sync``, the default);
 the ``-nooverlap`` points repeat "both" and weak-2 with the reduction after the backward.
 
+``--repeat N`` measures the whole plan N times in turns (pass 1 of every point, then pass 2 ...):
+2-GPU points move by about 4 % between launches, as much as the gaps being judged, so ratios are
+taken within a pass (weak-1 and weak-2 launched one after the other) and the median of the
+passes is reported, with every pass's value beside it.
+
 Summary line: ``optimizer_speedup_ep1`` = (grad_sync + optimizer) of the EP-unaware baseline over
 the EP-aware one at EP=1 (target >= 1.8), ``ablation_speedup`` per EP (both over baseline, tokens
-per s), ``weak_efficiency``, ``strong_efficiency``. Output: a table, bench/results/
+per s), ``weak_efficiency`` (synced steps) and ``weak_efficiency_back_to_back`` (steps queued
+back to back, as a run trains: what the one-GPU update beside the forward gains shows only
+there), ``strong_efficiency``. Output: a table, bench/results/
 distributed-<suites>-<device>.jsonl, and (where the store imports) run
 ``bench-distributed-<suites>-<device>``.
 """
@@ -36,6 +44,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -57,6 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=1, help="passes over every point, in turns (module doc)")
     p.add_argument("--only", default=None, help="a regular expression: measure only the points whose label it matches")
     p.add_argument("--quick", action="store_true", help="the laptop preset on CPU ranks (gloo): a smoke check")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -118,8 +128,33 @@ def measure(p: dict, args, device_type: str) -> dict:
     return {**p, **measure_point(config, p["devices"])}
 
 
+def _median_by_label(records: list[dict]) -> dict[str, dict]:
+    """One record per label: each number the median over its passes (the first pass's other fields)."""
+    by_label: dict[str, list[dict]] = {}
+    for r in records:
+        if "error" not in r:
+            by_label.setdefault(r["label"], []).append(r)
+    out = {}
+    for label, rs in by_label.items():
+        merged = dict(rs[0])
+        for key, value in rs[0].items():
+            if isinstance(value, float) and all(isinstance(r.get(key), float) for r in rs):
+                merged[key] = statistics.median(r[key] for r in rs)
+        out[label] = merged
+    return out
+
+
+def _paired(records: list[dict], a: str, b: str, key: str) -> list[float]:
+    """a's ``key`` over b's, per pass where both were measured."""
+    by_pass: dict[int, dict[str, dict]] = {}
+    for r in records:
+        if "error" not in r and key in r:
+            by_pass.setdefault(r.get("pass", 0), {})[r["label"]] = r
+    return [pts[a][key] / pts[b][key] for _, pts in sorted(by_pass.items()) if a in pts and b in pts]
+
+
 def summarize(records: list[dict], device: str) -> dict:
-    ok = {r["label"]: r for r in records if "error" not in r}
+    ok = _median_by_label(records)
 
     def after_backward(r):
         return r["grad_sync_s"] + r["optimizer_s"]
@@ -142,10 +177,13 @@ def summarize(records: list[dict], device: str) -> dict:
                 out[f"optimizer_update_speedup_ep{ep}_{backend}"] = u["optimizer_s"] / a["optimizer_s"]
     out["optimizer_speedup_ep1"] = out.get("optimizer_speedup_ep1_triton")
     out["ablation_speedup"] = out.get("ablation_speedup_ep1")
-    if "weak-1" in ok and "weak-2" in ok:
-        out["weak_efficiency"] = ok["weak-1"]["step_s"] / ok["weak-2"]["step_s"]
-    if "weak-1" in ok and "weak-2-nooverlap" in ok:
-        out["weak_efficiency_nooverlap"] = ok["weak-1"]["step_s"] / ok["weak-2-nooverlap"]["step_s"]
+    for suffix, two in (("", "weak-2"), ("_nooverlap", "weak-2-nooverlap")):
+        for key, name in (("step_s", ""), ("step_back_to_back_s", "_back_to_back")):
+            ratios = _paired(records, "weak-1", two, key)  # T(1) / T(2), within each pass
+            if ratios:
+                out[f"weak_efficiency{suffix}{name}"] = statistics.median(ratios)
+                if len(ratios) > 1:
+                    out[f"weak_efficiency{suffix}{name}_passes"] = ratios
     for ep in (1, 2):  # what running the gradient reduction under the backward saves per step
         on, off = ok.get(f"ablation-ep{ep}-triton-ep_aware"), ok.get(f"ablation-ep{ep}-triton-ep_aware-nooverlap")
         if on and off:
@@ -178,7 +216,11 @@ def main(argv=None) -> None:
     records = []
     cols = ("step_s", "compute_s", "a2a_s", "grad_sync_s", "optimizer_s", "idle_s")
     print(f"{'point':>34} {'tokens/s':>9} " + " ".join(f"{c[:-2]:>9}" for c in cols) + " (ms)")
-    for p in plan(args, n_gpus):
+    if args.repeat < 1:
+        sys.exit(f"--repeat {args.repeat}: must be >= 1")
+    points = plan(args, n_gpus)
+    for i, p in enumerate(points * args.repeat):
+        p = {**p, "pass": i // len(points)}
         if args.trace:  # read by optimus_core/train/measure.py in the launched ranks: a folder per point
             os.environ["OPTIMUS_TRACE_DIR"] = str(Path(args.trace).resolve() / p["label"])
         try:

@@ -6,7 +6,8 @@
 #   bench/gpu_suite.sh scaling    # weak + strong scaling over every GPU of the host
 #   bench/gpu_suite.sh all        # both, one after the other
 #   bench/gpu_suite.sh trace      # timelines: weak-1 and weak-2 on every rank, one GPU's compiled step,
-#                                 # each read by bench/trace_gaps.py (where the devices idle, and why)
+#                                 # each read by bench/trace_gaps.py (where the devices idle, and why),
+#                                 # and weak-2's device time against weak-1's (trace_gaps.py --compare)
 #   VARIANTS="7b8l-loop 7b8l-triton+compile" bench/gpu_suite.sh speed    # a subset of train_step
 #
 # Needs: torch + triton (CUDA); for OLMo-core, the peers folder with its wheels in .peers/
@@ -68,6 +69,10 @@ trace)
   for f in "$out"/traces/*.gz "$out"/traces/*/*.gz; do
     [ -f "$f" ] && python3 bench/trace_gaps.py "$f" --top 12 | cut -c1-200
   done
+  # what the second GPU adds, per launching op and kernel (rank 0 of each)
+  one=$(ls "$out"/traces/weak-1/*rank0*.gz 2>/dev/null | head -1)
+  two=$(ls "$out"/traces/weak-2/*rank0*.gz 2>/dev/null | head -1)
+  [ -n "$one" ] && [ -n "$two" ] && python3 bench/trace_gaps.py "$one" "$two" --compare --top 16 | cut -c1-200
   ;;
 *) echo "unknown part $part" >&2; exit 2 ;;
 esac
