@@ -37,18 +37,18 @@ def _params(model):
 TRITON_ON_CPU = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
 
-@pytest.mark.parametrize("clip", [None, 1e-2])
+@pytest.mark.parametrize("clip, micro_batch", [(None, 0), (1e-2, 0), (1e-2, 4)])  # 4: two micro-batches
 @pytest.mark.parametrize("mode, implementation", [("ep_aware", "torch"), ("ep_unaware", "torch"),
                                                   pytest.param("ep_aware", "triton", marks=TRITON_ON_CPU)])
-def test_one_process_equals_torch_adamw(clip, mode, implementation):
+def test_one_process_equals_torch_adamw(clip, micro_batch, mode, implementation):
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1, grad_clip=clip, implementation=implementation)
     ref, mine = _model(), _model()
     ref_opt = build_optimizer(ref, dataclasses.replace(cfg, implementation="torch"))
     opt = ShardedAdamW(mine, Mesh.single(), cfg, mode=mode)
     norms = []
     for step in range(STEPS):
-        a = train_step(ref, ref_opt, _batch(step), micro_batch=0, grad_clip=clip, lr=cfg.lr, dtype="float32")
-        b = train_step(mine, opt, _batch(step), micro_batch=0, grad_clip=clip, lr=cfg.lr, dtype="float32")
+        a = train_step(ref, ref_opt, _batch(step), micro_batch=micro_batch, grad_clip=clip, lr=cfg.lr, dtype="float32")
+        b = train_step(mine, opt, _batch(step), micro_batch=micro_batch, grad_clip=clip, lr=cfg.lr, dtype="float32")
         norms.append((a.grad_norm, b.grad_norm))
     if clip is not None:
         assert all(n > clip for n, _ in norms)  # the clip really cut every step
