@@ -4,6 +4,7 @@
     python bench/distributed.py [--suites ablation weak strong] [--max-gpus 4] [--quick]
     python bench/distributed.py --suites weak ablation --only 'weak|ep1-triton'   # a subset of the points
     python bench/distributed.py --suites weak --repeat 3     # every point 3 times, in turns
+    python bench/distributed.py --suites weak --compile      # blocks under torch.compile (train.compile)
     python bench/distributed.py --ingest bench/results/distributed-ablation-nvidia-h200.jsonl
 
 Model: ``mula-7b-a1b`` full width, 8 of its 16 layers (OLMoE-1B-7B shapes), sequence 4096, bf16
@@ -67,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeat", type=int, default=1, help="passes over every point, in turns (module doc)")
+    p.add_argument("--compile", action="store_true",
+                   help="every point with its blocks compiled (train.compile; one GPU's fastest setting)")
     p.add_argument("--only", default=None, help="a regular expression: measure only the points whose label it matches")
     p.add_argument("--quick", action="store_true", help="the laptop preset on CPU ranks (gloo): a smoke check")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -117,11 +120,12 @@ def measure(p: dict, args, device_type: str) -> dict:
     from stages.scaling import ScalingConfig, measure_point
 
     overlap = {"parallel.overlap_grad_sync": p.get("overlap", True)}
-    overrides = {**MODEL, "model.moe.experts_backend": p["backend"], **overlap}
+    overrides = {**MODEL, "model.moe.experts_backend": p["backend"], **overlap, "train.compile": args.compile}
     preset = "mula-7b-a1b"
     if args.quick:
         preset += "@laptop"
-        overrides = {**QUICK, "model.moe.experts_backend": "loop", **overlap}  # the CPU has no fast grouped GEMM
+        overrides = {**QUICK, "model.moe.experts_backend": "loop", **overlap,  # the CPU has no fast grouped GEMM
+                     "train.compile": args.compile}
     config = ScalingConfig(preset=preset, devices=(p["devices"],), ep=p["ep"], optimizer=p["optimizer"],
                            global_batch=p["global_batch"], micro_batch=min(args.micro_batch, p["global_batch"]),
                            steps=args.steps, warmup=args.warmup, device=device_type, overrides=overrides)
@@ -212,7 +216,8 @@ def main(argv=None) -> None:
     else:
         sys.exit("bench/distributed.py needs CUDA GPUs; `--quick` runs a CPU smoke check of the script")
     name = device_slug(device_type)
-    path = Path(args.out) / f"distributed-{'-'.join(sorted(args.suites))}-{name}.jsonl"  # one file per suite set
+    suites = "-".join(sorted(args.suites)) + ("-compile" if args.compile else "")
+    path = Path(args.out) / f"distributed-{suites}-{name}.jsonl"  # one file per suite set
     records = []
     cols = ("step_s", "compute_s", "a2a_s", "grad_sync_s", "optimizer_s", "idle_s")
     print(f"{'point':>34} {'tokens/s':>9} " + " ".join(f"{c[:-2]:>9}" for c in cols) + " (ms)")

@@ -5,6 +5,7 @@
 #                                 # on one GPU: OLMo-core, train_step, OLMo-core again
 #   bench/gpu_suite.sh scaling    # weak + strong scaling over every GPU of the host
 #   bench/gpu_suite.sh all        # both, one after the other
+#   bench/gpu_suite.sh weak       # weak-1 and weak-2 only: eager in two passes, then compiled
 #   bench/gpu_suite.sh trace      # timelines: weak-1 and weak-2 on every rank, one GPU's compiled step,
 #                                 # each read by bench/trace_gaps.py (where the devices idle, and why),
 #                                 # and weak-2's device time against weak-1's (trace_gaps.py --compare)
@@ -16,7 +17,7 @@
 # peer and ours are measured in the same call on identical GPUs.
 set -u
 cd "$(dirname "$0")/.."
-part=${1:?usage: bench/gpu_suite.sh speed|scaling|all|trace}
+part=${1:?usage: bench/gpu_suite.sh speed|scaling|all|trace|weak}
 out=${OUT:-bench/results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -60,6 +61,15 @@ speed)
 scaling)
   timeout 560 python3 bench/distributed.py --suites weak strong --out "$out" --store '' >"$out/scaling.log" 2>&1
   tail -n 40 "$out/scaling.log" | cut -c1-300
+  ;;
+weak)
+  # Eager in turns (the points move ~4 % between launches), then with compiled blocks, which the
+  # one-GPU benchmark uses and the EP dispatch's host waits break into pieces.
+  timeout 300 python3 bench/distributed.py --suites weak --only 'weak-[12]$' --repeat 2 --out "$out" --store '' \
+    >"$out/weak.log" 2>&1
+  timeout 280 python3 bench/distributed.py --suites weak --only 'weak-[12]$' --compile --out "$out" --store '' \
+    >>"$out/weak.log" 2>&1
+  grep -E "^ +weak-|weak_efficiency" "$out/weak.log" | cut -c1-200
   ;;
 trace)
   timeout 300 python3 bench/distributed.py --suites weak --only 'weak-[12]$' --trace "$out/traces" --out "$out" \
