@@ -77,7 +77,7 @@ trace)
   CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/profile_step.py --trace "$out/traces" --out "$out" >>"$out/trace.log" 2>&1
   grep -E "weak-|kernels per step" "$out/trace.log" | cut -c1-300
   for f in "$out"/traces/*.gz "$out"/traces/*/*.gz; do
-    [ -f "$f" ] && python3 bench/trace_gaps.py "$f" --top 12 | cut -c1-200
+    [ -f "$f" ] && python3 bench/trace_gaps.py "$f" --top 12 --skip 1 | cut -c1-200
   done
   # what the second GPU adds, per launching op and kernel (rank 0 of each)
   one=$(ls "$out"/traces/weak-1/*rank0*.gz 2>/dev/null | head -1)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where the device waits in a training step, and on what: read a torch.profiler timeline.
 
-    python bench/trace_gaps.py TRACE.json[.gz] [--min-gap-us 20] [--top 25]
+    python bench/trace_gaps.py TRACE.json[.gz] [--min-gap-us 20] [--top 25] [--skip 1]
 
 A trace comes from ``bench/profile_step.py --trace DIR`` (one GPU) or ``bench/distributed.py
 --trace DIR`` (every rank of a multi-process point; optimus_core/train/measure.py writes it). For
@@ -112,8 +112,10 @@ def compare(before: list[dict], after: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: -r["delta_us"])
 
 
-def analyze(events: list[dict], min_gap_us: float = 20.0) -> dict:
-    """Per step: device window, busy (all / without collectives), idle; gaps by cause (µs)."""
+def analyze(events: list[dict], min_gap_us: float = 20.0, skip: int = 0) -> dict:
+    """Per step: device window, busy (all / without collectives), idle; gaps by cause (µs).
+    ``skip``: the first steps are left out of the causes and the gaps (a warm-up, a one-time
+    autotuning), not of the per-step table."""
     device = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
     runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver", "xpu_runtime")]
     launches = {e["args"]["correlation"]: e for e in runtime if "correlation" in e.get("args", {})}
@@ -153,6 +155,8 @@ def analyze(events: list[dict], min_gap_us: float = 20.0) -> dict:
             wait = waits[j] if j >= 0 and wait_ends[j] >= gap_start else None
             cause = f"after {wait['name']}" if wait else "host launch late"
             key = f"{cause} -> {op}"
+            if i < skip:
+                continue
             out["causes"][key] += gap
             out["gaps"].append({"step": i, "us": gap, "cause": cause, "op": op, "next_kernel": nxt["name"][:80]})
         out["steps"].append({"step": i, "window_us": end - begin, "busy_us": busy,
@@ -167,6 +171,8 @@ def main(argv=None) -> None:
     p.add_argument("traces", nargs="+")
     p.add_argument("--min-gap-us", type=float, default=20.0)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--skip", type=int, default=0,
+                   help="leave the first N steps out of the causes and gaps (warm-up, autotuning)")
     p.add_argument("--compare", action="store_true", help="two traces: the second's device time per op minus the first's")
     args = p.parse_args(argv)
     if args.compare:
@@ -182,14 +188,14 @@ def main(argv=None) -> None:
                   f"{r['delta_us'] / 1e3:+7.2f}  {r['op'][:45]} -> {r['kernel'][:70]}")
         return
     for path in args.traces:
-        result = analyze(load(path), args.min_gap_us)
-        n = max(1, len(result["steps"]))
+        result = analyze(load(path), args.min_gap_us, args.skip)
+        n = max(1, len(result["steps"]) - args.skip)
         print(f"== {path}")
         print(f"{'step':>4} {'window ms':>10} {'busy ms':>9} {'no-coll ms':>10} {'idle ms':>8}")
         for s in result["steps"]:
             print(f"{s['step']:>4} {s['window_us'] / 1e3:10.2f} {s['busy_us'] / 1e3:9.2f} "
                   f"{s['busy_no_collectives_us'] / 1e3:10.2f} {s['idle_us'] / 1e3:8.2f}")
-        print(f"idle gaps >= {args.min_gap_us:g} us by cause (ms per step):")
+        print(f"idle gaps >= {args.min_gap_us:g} us by cause (ms per step{f', first {args.skip} left out' if args.skip else ''}):")
         for key, us in list(result["causes"].items())[:args.top]:
             print(f"  {us / 1e3 / n:8.2f}  {key[:150]}")
         print("largest gaps:")

@@ -93,3 +93,15 @@ def test_compare_charges_device_time_to_the_launching_op(tmp_path, capsys):
     main([str(p) for p in paths] + ["--compare"])
     out = capsys.readouterr().out
     assert "0.34 ms -> 0.41 ms (+0.07)" in out and "aten::mul_ -> E" in out
+
+
+def test_skip_leaves_the_first_steps_out_of_the_causes():
+    later = [dict(e, ts=e["ts"] + 2000) for e in _timeline()]  # the same step again, 2000 us later
+    for e in later:
+        if "correlation" in e.get("args", {}):
+            e["args"] = {"correlation": e["args"]["correlation"] + 100}
+    both = _timeline() + later
+    all_steps, second = analyze(both, min_gap_us=20), analyze(both, min_gap_us=20, skip=1)
+    assert len(all_steps["steps"]) == len(second["steps"]) == 2  # the table keeps every step
+    assert sum(all_steps["causes"].values()) == 2 * sum(second["causes"].values()) == 2 * 210
+    assert {g["step"] for g in second["gaps"]} == {1}
