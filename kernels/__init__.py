@@ -12,7 +12,10 @@ reference (`*_reference`) in its module; shapes, dtypes and semantics are in eac
 docstring. Suffix legend: T tokens, k top-k, R = T*k rows sorted by expert, D model features,
 E = G experts (groups), M rows, K in-features, N out-features, H hidden features.
 The triton ops are registered as torch custom ops (namespace `optimus`) so that torch.compile
-traces a layer using them. This package imports only torch and (optionally) triton.
+traces a layer using them. Beside the experts' ops, for the optimizer and the LM loss (Triton
+only, each with a plain-torch ``*_reference_``): ``adamw_step_`` (kernels.adamw) and
+``softmax_cross_entropy_`` (kernels.cross_entropy: a chunk's logits become their gradient).
+This package imports only torch and (optionally) triton.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 from ._triton import INTERPRET, triton
 from .adamw import adamw_step_, adamw_step_reference_, squared_norm, squared_norm_reference
+from .cross_entropy import softmax_cross_entropy_, softmax_cross_entropy_reference_
 from .grouped_mm import grouped_mm, grouped_mm_reference, torch_grouped_mm_unsupported
 from .permute import permute, permute_reference, unpermute, unpermute_reference
 from .swiglu import swiglu, swiglu_reference
@@ -28,7 +32,8 @@ from .swiglu import swiglu, swiglu_reference
 __all__ = [
     "adamw_step_", "adamw_step_reference_", "squared_norm", "squared_norm_reference",
     "available_backends", "grouped_mm", "grouped_mm_reference", "permute", "permute_reference",
-    "swiglu", "swiglu_reference", "torch_grouped_mm_unsupported", "unpermute", "unpermute_reference",
+    "softmax_cross_entropy_", "softmax_cross_entropy_reference_", "swiglu", "swiglu_reference",
+    "torch_grouped_mm_unsupported", "unpermute", "unpermute_reference",
 ]
 
 

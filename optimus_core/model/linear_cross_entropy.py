@@ -16,10 +16,17 @@ passes besides the matmuls (the float32 log-softmax, its exp into bf16: ~12 byte
 instead of five (to float32, log-softmax, the zero-filled loss gradient, log-softmax backward,
 back to bf16: ~36 bytes), and only one chunk's logits live at a time (~6 bytes each) instead
 of the whole micro-batch's in bf16 and float32 and their gradients.
+
+``kernel=True`` (train.lm_loss_kernel): the log-softmax, the loss and the gradient of a chunk in
+one Triton kernel that overwrites the logits with their gradient (kernels.cross_entropy): each
+logit read twice and written once in the compute dtype (6 bytes for bf16) instead of the cast,
+the float32 log-softmax and the exp (20 bytes); the same arithmetic in float32, rounded once.
 """
 from __future__ import annotations
 
 import torch
+
+import kernels.cross_entropy
 
 # Rows per chunk. Transient memory is ~6 bytes per logit of a chunk (bf16 logits + float32
 # log-probabilities): 1.2 GB at 4096 rows and V = 50,304; the logits path holds ~10 bytes
@@ -30,14 +37,16 @@ DEFAULT_CHUNK_ROWS = 4096
 
 
 def linear_cross_entropy(h_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor, *,
-                         chunk_rows: int = DEFAULT_CHUNK_ROWS, ignore_index: int = -100) -> torch.Tensor:
+                         chunk_rows: int = DEFAULT_CHUNK_ROWS, ignore_index: int = -100,
+                         kernel: bool = False) -> torch.Tensor:
     """Mean cross-entropy of ``h_ND @ weight_VD.T`` against ``targets_N`` (a float32 0-d tensor).
 
     The mean runs over the targets that are not ``ignore_index`` (NaN if there are none, as
     F.cross_entropy). Inside ``torch.autocast`` the matmuls run in the autocast dtype, as
     ``nn.Linear`` would, and the gradients come back in the inputs' own dtypes (float32 for a
     float32 master weight); outside it, in ``h_ND``'s dtype. The gradients are computed in the
-    forward: backward may run once.
+    forward: backward may run once. ``kernel``: the softmax part in one Triton kernel (module
+    doc; a CUDA / XPU device, or TRITON_INTERPRET=1 with float32).
     """
     if h_ND.ndim != 2 or weight_VD.ndim != 2 or h_ND.shape[1] != weight_VD.shape[1]:
         raise ValueError(f"h_ND {tuple(h_ND.shape)} and weight_VD {tuple(weight_VD.shape)}: need (N, D) and (V, D)")
@@ -51,12 +60,13 @@ def linear_cross_entropy(h_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N:
         compute_dtype = torch.get_autocast_dtype(device_type)
     grads = torch.is_grad_enabled()
     return _LinearCrossEntropy.apply(h_ND, weight_VD, targets_N, compute_dtype, chunk_rows, ignore_index,
-                                     grads and h_ND.requires_grad, grads and weight_VD.requires_grad)
+                                     grads and h_ND.requires_grad, grads and weight_VD.requires_grad, kernel)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_ND, weight_VD, targets_N, compute_dtype, chunk_rows, ignore_index, need_dh, need_dw):
+    def forward(ctx, h_ND, weight_VD, targets_N, compute_dtype, chunk_rows, ignore_index, need_dh, need_dw,
+                kernel):
         with torch.autocast(h_ND.device.type, enabled=False):  # the dtypes below are chosen, not cast
             w_VD = weight_VD.to(compute_dtype)  # once, not per chunk
             valid_N = targets_N != ignore_index
@@ -69,6 +79,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 rows = slice(start, start + chunk_rows)
                 h_CD, t_C1, valid_C1 = h_ND[rows].to(compute_dtype), safe_N[rows, None], valid_N[rows, None]
                 logits_CV = h_CD @ w_VD.T
+                if kernel:  # loss and gradient in one pass; ignored rows' gradient is zero
+                    nll += kernels.cross_entropy.softmax_cross_entropy_(
+                        logits_CV, safe_N[rows], valid_N[rows], grad=need_dh or need_dw).sum()
+                    if need_dh:
+                        dh_ND[rows] = logits_CV @ w_VD
+                    if need_dw:
+                        part_VD = logits_CV.T @ h_CD
+                        dw_VD = part_VD.float() if dw_VD is None else dw_VD.add_(part_VD)
+                    continue
                 # float32 log-softmax of the compute-dtype logits: F.cross_entropy(logits.float())
                 logp_CV = torch.log_softmax(logits_CV, dim=-1, dtype=torch.float32)
                 del logits_CV
@@ -110,4 +129,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # In place: these buffers are ours alone, and a second copy of dW (V x D) is 400 MB at scale.
         grad_h = dh_ND.mul_(scale) if dh_ND is not None else None
         grad_w = dw_VD.mul_(scale).to(ctx.weight_dtype) if dw_VD is not None else None
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None

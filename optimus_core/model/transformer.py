@@ -60,6 +60,7 @@ class Transformer(nn.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)  # untied
         self.activation_checkpointing = False
+        self.lm_loss_kernel = False  # train.lm_loss_kernel: lm_loss's softmax part in one Triton kernel
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
@@ -124,7 +125,7 @@ class Transformer(nn.Module):
         """
         h_BSD = self.hidden(tokens_BS)
         return linear_cross_entropy(h_BSD.flatten(0, 1), self.lm_head.weight, targets_BS.flatten(),
-                                    chunk_rows=chunk_rows)
+                                    chunk_rows=chunk_rows, kernel=self.lm_loss_kernel)
 
     def hidden(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """The final-normed hidden states h_BSD, the LM head's input."""

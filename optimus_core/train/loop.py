@@ -83,6 +83,7 @@ def build_model(cfg: RunConfig, device: torch.device | str = "cpu") -> Transform
         generator = torch.Generator().manual_seed(cfg.train.seed)
         model.init_weights(generator)
     model.activation_checkpointing = cfg.train.activation_checkpointing
+    model.lm_loss_kernel = cfg.train.lm_loss_kernel
     model.set_recast_expert_weights(cfg.train.recast_expert_weights)
     model = model.to(device)
     model.use_expert_weight_casts(cfg.train)  # before the optimizer: it looks the copies up

@@ -230,3 +230,38 @@ def test_model_lm_loss_equals_cross_entropy_of_its_logits_padded_vocab_included(
         real_only = F.cross_entropy(logits_BSV[..., :200].flatten(0, 1), targets_BS.flatten())
         assert real_only < want - 1e-3
         torch.testing.assert_close(model.lm_head(model.hidden(tokens_BS)), logits_BSV, rtol=0, atol=0)
+
+
+KERNEL_ON_CPU = pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
+                                   reason="the Triton kernel on CPU needs TRITON_INTERPRET=1 (float32 only)")
+
+
+@KERNEL_ON_CPU
+@pytest.mark.parametrize("chunk_rows", [8, 100])
+def test_the_kernel_path_matches_cross_entropy_of_the_logits(chunk_rows):
+    """train.lm_loss_kernel: loss and gradients as the logits path's, ignored rows included."""
+    h_ND, w_VD, t_N = inputs()
+    want = reference(h_ND, w_VD, t_N, bf16=False, grad_scale=0.37)
+    loss = linear_cross_entropy(h_ND, w_VD, t_N, chunk_rows=chunk_rows, kernel=True)
+    got = (loss.detach(), *torch.autograd.grad(loss * 0.37, (h_ND, w_VD)))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(h_ND, w_VD, t_N, chunk_rows=8, kernel=True), want[0],
+                                   rtol=1e-6, atol=1e-6)
+
+
+@KERNEL_ON_CPU
+def test_a_model_with_the_kernel_trains_as_without():
+    cfg = ModelConfig(vocab_size=150, d_model=16, n_layers=1, n_heads=2, max_seq_len=8, pad_vocab_to=8)
+    grads = []
+    for kernel in (False, True):
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        model.init_weights(torch.Generator().manual_seed(0))
+        model.lm_loss_kernel = kernel
+        tokens = torch.randint(0, 150, (2, 9), generator=torch.Generator().manual_seed(1))
+        micro_batch_loss(model, tokens, dtype="float32", fused=True).backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
