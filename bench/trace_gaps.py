@@ -15,7 +15,9 @@ in such a wait is the sync's; one whose ending kernel was launched late, with no
 overhead. Output: a per-step table and the gaps summed by cause, largest first.
 
     python bench/trace_gaps.py BEFORE.json.gz AFTER.json.gz --compare [--top 25]
+    python bench/trace_gaps.py TRACE.json.gz --ops [--top 25]
 
+``--ops``: the last step's device time per (host op that launched it, kernel), largest first.
 ``--compare``: device time of the last step of each trace per (host op that launched it, kernel),
 and AFTER - BEFORE, largest growth first: which work one setup adds to the other (weak-2 against
 weak-1, say).
@@ -174,7 +176,15 @@ def main(argv=None) -> None:
     p.add_argument("--skip", type=int, default=0,
                    help="leave the first N steps out of the causes and gaps (warm-up, autotuning)")
     p.add_argument("--compare", action="store_true", help="two traces: the second's device time per op minus the first's")
+    p.add_argument("--ops", action="store_true", help="the last step's device time per launching op and kernel")
     args = p.parse_args(argv)
+    if args.ops:
+        for path in args.traces:
+            rows = sorted(device_time_by_op(load(path)).items(), key=lambda kv: -kv[1][0])
+            print(f"== {path}: last step's device time {sum(us for us, _ in dict(rows).values()) / 1e3:.2f} ms")
+            for (op, kernel), (us, n) in rows[:args.top]:
+                print(f"{us / 1e3:9.2f} {n:5d}  {op[:45]} -> {kernel[:80]}")
+        return
     if args.compare:
         if len(args.traces) != 2:
             p.error("--compare takes two traces: BEFORE AFTER")

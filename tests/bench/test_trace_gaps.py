@@ -105,3 +105,14 @@ def test_skip_leaves_the_first_steps_out_of_the_causes():
     assert len(all_steps["steps"]) == len(second["steps"]) == 2  # the table keeps every step
     assert sum(all_steps["causes"].values()) == 2 * sum(second["causes"].values()) == 2 * 210
     assert {g["step"] for g in second["gaps"]} == {1}
+
+
+def test_ops_lists_the_last_steps_device_time_by_launching_op(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(_timeline()))
+    main([str(path), "--ops"])
+    out = capsys.readouterr().out
+    assert "last step's device time 0.34 ms" in out
+    lines = [line for line in out.splitlines() if "->" in line]
+    assert "aten::add -> B" in lines[0] or "aten::mm -> A" in lines[0]  # 0.10 ms each, the largest
+    assert any("aten::index -> D" in line and "0.04" in line for line in lines)
