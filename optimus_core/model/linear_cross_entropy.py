@@ -11,11 +11,12 @@ them by the incoming gradient. Every vocabulary row of W takes part in the softm
 ones included, exactly as the logits of ``Transformer.forward`` do (the padded rows are trained
 towards -inf like any never-seen token), so losses equal those of the logits path.
 
-Versus logits -> .float() -> F.cross_entropy (bf16 autocast), the logits see two elementwise
-passes besides the matmuls (the float32 log-softmax, its exp into bf16: ~12 bytes per logit)
-instead of five (to float32, log-softmax, the zero-filled loss gradient, log-softmax backward,
-back to bf16: ~36 bytes), and only one chunk's logits live at a time (~6 bytes each) instead
-of the whole micro-batch's in bf16 and float32 and their gradients.
+Versus logits -> .float() -> F.cross_entropy (bf16 autocast), the logits see three elementwise
+passes besides the matmuls (the cast to float32 that log_softmax(dtype=float32) makes on a GPU,
+the float32 log-softmax, its exp into bf16: ~20 bytes per logit) instead of five (to float32,
+log-softmax, the zero-filled loss gradient, log-softmax backward, back to bf16: ~36 bytes), and
+only one chunk's logits live at a time (~6 bytes each) instead of the whole micro-batch's in
+bf16 and float32 and their gradients.
 
 ``kernel=True`` (train.lm_loss_kernel): the log-softmax, the loss and the gradient of a chunk in
 one Triton kernel that overwrites the logits with their gradient (kernels.cross_entropy): each
