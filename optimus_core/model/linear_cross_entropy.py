@@ -80,36 +80,36 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 rows = slice(start, start + chunk_rows)
                 h_CD, t_C1, valid_C1 = h_ND[rows].to(compute_dtype), safe_N[rows, None], valid_N[rows, None]
                 logits_CV = h_CD @ w_VD.T
-                if kernel:  # loss and gradient in one pass; ignored rows' gradient is zero
-                    nll += kernels.cross_entropy.softmax_cross_entropy_(
-                        logits_CV, safe_N[rows], valid_N[rows], grad=need_dh or need_dw).sum()
-                    if need_dh:
-                        dh_ND[rows] = logits_CV @ w_VD
-                    if need_dw:
-                        part_VD = logits_CV.T @ h_CD
-                        dw_VD = part_VD.float() if dw_VD is None else dw_VD.add_(part_VD)
-                    continue
-                # float32 log-softmax of the compute-dtype logits: F.cross_entropy(logits.float())
-                logp_CV = torch.log_softmax(logits_CV, dim=-1, dtype=torch.float32)
-                del logits_CV
-                logp_C1 = logp_CV.gather(1, t_C1)
-                nll -= torch.where(valid_C1, logp_C1, 0.0).sum()
-                if not (need_dh or need_dw):
-                    continue
-                # d(sum of row losses)/d(logits) = softmax - one_hot(target): exp of the log-probs
-                # straight into the compute dtype, then the target entries, rounded from float32.
-                if compute_dtype == torch.float32:
-                    dlogits_CV = logp_CV.exp_()
+                grad = need_dh or need_dw
+                if kernel:  # loss and gradient in one pass, over the logits; ignored rows' gradient is zero
+                    nll += kernels.cross_entropy.softmax_cross_entropy_(logits_CV, safe_N[rows], valid_N[rows],
+                                                                        grad=grad).sum()
+                    dlogits_CV, keep_C1 = logits_CV, None
                 else:
-                    dlogits_CV = torch.exp(logp_CV, out=torch.empty_like(logp_CV, dtype=compute_dtype))
-                del logp_CV
-                dlogits_CV.scatter_(1, t_C1, (logp_C1.exp() - valid_C1.float()).to(compute_dtype))
-                # Ignored rows: zero in h and in dh instead of a pass over their logits.
-                keep_C1 = valid_C1.to(compute_dtype)
+                    # float32 log-softmax of the compute-dtype logits: F.cross_entropy(logits.float())
+                    logp_CV = torch.log_softmax(logits_CV, dim=-1, dtype=torch.float32)
+                    del logits_CV
+                    logp_C1 = logp_CV.gather(1, t_C1)
+                    nll -= torch.where(valid_C1, logp_C1, 0.0).sum()
+                    if grad:
+                        # d(sum of row losses)/d(logits) = softmax - one_hot(target): exp of the
+                        # log-probs straight into the compute dtype, then the target entries,
+                        # rounded from float32.
+                        if compute_dtype == torch.float32:
+                            dlogits_CV = logp_CV.exp_()
+                        else:
+                            dlogits_CV = torch.exp(logp_CV, out=torch.empty_like(logp_CV, dtype=compute_dtype))
+                        del logp_CV
+                        dlogits_CV.scatter_(1, t_C1, (logp_C1.exp() - valid_C1.float()).to(compute_dtype))
+                        # Ignored rows: zero in h and in dh instead of a pass over their logits.
+                        keep_C1 = valid_C1.to(compute_dtype)
+                if not grad:
+                    continue
                 if need_dh:
-                    dh_ND[rows] = (dlogits_CV @ w_VD) * keep_C1
+                    dh_CD = dlogits_CV @ w_VD
+                    dh_ND[rows] = dh_CD if keep_C1 is None else dh_CD * keep_C1
                 if need_dw:
-                    part_VD = dlogits_CV.T @ (h_CD * keep_C1)
+                    part_VD = dlogits_CV.T @ (h_CD if keep_C1 is None else h_CD * keep_C1)
                     # float32 accumulation over chunks: what the float32 master weight receives
                     dw_VD = part_VD.float() if dw_VD is None else dw_VD.add_(part_VD)
             loss = nll / count  # NaN when every target is ignored, as F.cross_entropy
