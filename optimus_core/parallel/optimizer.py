@@ -123,7 +123,7 @@ class Bucket:
         lo = group_rank * shard_len if sharded else 0
         # A view, not a copy: whatever writes the parameters (a checkpoint load) writes the shard.
         shard = flat_N[lo:lo + shard_len]
-        grad_N = None if group_size == 1 else torch.zeros_like(flat_N)
+        grad_N = None if group_size == 1 else torch.empty_like(flat_N)  # zeroed by zero_grad below
         bucket = cls(name, params, flat_N, grad_N, shard, group, group_size, group_rank, sharded, counts_in_norm)
         bucket.zero_grad()
         copies = [(casts or {}).get(p) for p in params]
