@@ -56,6 +56,12 @@ def union_length(intervals: list[tuple[float, float]]) -> tuple[float, list[tupl
     return sum(e - s for s, e in merged), [(s, e) for s, e in merged]
 
 
+def _runtime_calls(events: list[dict]) -> tuple[list[dict], dict]:
+    """The host's runtime / driver calls, and the call of each correlation id (its launch)."""
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver", "xpu_runtime")]
+    return runtime, {e["args"]["correlation"]: e for e in runtime if "correlation" in e.get("args", {})}
+
+
 def _ops_by_thread(events: list[dict]) -> dict:
     ops_by_thread: dict = defaultdict(list)
     for e in events:
@@ -90,8 +96,7 @@ def device_time_by_op(events: list[dict]) -> dict[tuple[str, str], tuple[float, 
     """{(launching host op, kernel name): (µs, count)} over the device work of the last step
     (from its annotation's start to the end of the timeline)."""
     start = _steps(events)[-1]["ts"]
-    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver", "xpu_runtime")]
-    launches = {e["args"]["correlation"]: e for e in runtime if "correlation" in e.get("args", {})}
+    _, launches = _runtime_calls(events)
     ops_by_thread = _ops_by_thread(events)
     out: dict = defaultdict(lambda: [0.0, 0])
     for e in events:
@@ -119,8 +124,7 @@ def analyze(events: list[dict], min_gap_us: float = 20.0, skip: int = 0) -> dict
     ``skip``: the first steps are left out of the causes and the gaps (a warm-up, a one-time
     autotuning), not of the per-step table."""
     device = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
-    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver", "xpu_runtime")]
-    launches = {e["args"]["correlation"]: e for e in runtime if "correlation" in e.get("args", {})}
+    runtime, launches = _runtime_calls(events)
     to_host = {e["args"].get("correlation") for e in events
                if e.get("cat") == "gpu_memcpy" and re.search(r"DtoH|Device -> Host", e["name"])}
     waits = sorted((e for e in runtime if WAIT_CALL.search(e["name"])
