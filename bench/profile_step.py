@@ -33,6 +33,7 @@ CATEGORIES = [  # (category, regular expression on the kernel name), first match
     ("permute / unpermute", r"permute|combine"),
     ("SwiGLU", r"swiglu"),
     ("AdamW", r"adamw|adam"),
+    ("LM-loss softmax", r"xent|SoftMax"),  # ours (kernels.cross_entropy) or torch's log-softmax
     ("norms", r"norm"),
     ("compiled fusions", r"^triton_"),
     ("copy / cast / fill", r"copy|cast|fill|elementwise|vectorized|unrolled"),

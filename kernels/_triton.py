@@ -90,6 +90,12 @@ def row_configs(device_type: str):
     return [triton.Config({"BLOCK_R": r, "BLOCK_D": d}, num_warps=w) for r, d, w in shapes]
 
 
+def launchable_on(device: torch.device) -> bool:
+    """True where Triton kernels run on ``device``'s tensors: a CUDA or XPU device with Triton,
+    or any device under TRITON_INTERPRET=1 (which the CPU tests use)."""
+    return triton is not None and (INTERPRET or torch.device(device).type in ("cuda", "xpu"))
+
+
 def check_launchable(op: str, *tensors: torch.Tensor) -> None:
     """Raise a clear error where the triton backend cannot run `tensors`."""
     if triton is None:

@@ -365,10 +365,11 @@ class TrainConfig(_Validated):
     # tokens x 50k vocabulary) and with a third of the memory passes over them. Off: logits,
     # then F.cross_entropy, as evaluation does.
     fused_lm_loss: bool = True
-    # With fused_lm_loss: each chunk's log-softmax, loss and gradient in one Triton kernel that
+    # With fused_lm_loss, each chunk's log-softmax, loss and gradient: "triton" = one kernel that
     # overwrites the logits with their gradient (kernels.cross_entropy; 6 bytes per bf16 logit
-    # instead of 20). Off by default until measured on a GPU (bench/train_step.py "+xent").
-    lm_loss_kernel: bool = False
+    # instead of torch's 20: -2 ms of a 110 ms step on an H200, bench/NOTES.md), "torch" = torch
+    # ops, "auto" = triton on a CUDA / XPU device where Triton imports, torch elsewhere.
+    lm_loss_softmax: Literal["auto", "torch", "triton"] = "auto"
     compile: bool = False
     # torch.compile's mode for each block: "reduce-overhead" replays the block's kernels as a
     # CUDA graph (no per-kernel launch cost on the host, which leaves the forward host-bound on
@@ -392,8 +393,8 @@ class TrainConfig(_Validated):
         self._require(self.steps >= 1, "steps", "must be >= 1")
         self._require(self.global_batch >= 1, "global_batch", "must be >= 1")
         self._require(self.micro_batch >= 0, "micro_batch", "must be >= 0 (0 = no accumulation)")
-        self._require(self.fused_lm_loss or not self.lm_loss_kernel, "lm_loss_kernel",
-                      "needs fused_lm_loss = true (the kernel is the fused loss's softmax part)")
+        self._require(self.fused_lm_loss or self.lm_loss_softmax != "triton", "lm_loss_softmax",
+                      "'triton' needs fused_lm_loss = true (the kernel is the fused loss's softmax part)")
         if self.micro_batch:
             self._require(self.global_batch % self.micro_batch == 0, "micro_batch",
                           f"must divide global_batch ({self.global_batch})")

@@ -60,7 +60,7 @@ class Transformer(nn.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)  # untied
         self.activation_checkpointing = False
-        self.lm_loss_kernel = False  # train.lm_loss_kernel: lm_loss's softmax part in one Triton kernel
+        self.lm_loss_kernel = False  # lm_loss's softmax part in one Triton kernel (train.lm_loss_softmax)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from ..config import RunConfig
 from ..data import BatchLoader, TokenDataset, load_manifest
 from ..device import DeviceInfo, device_info
+from ..model.linear_cross_entropy import use_softmax_kernel
 from ..model.transformer import Transformer
 from ..parallel import Mesh, ShardedAdamW, parallelize
 from . import checkpoint as ckpt
@@ -83,7 +84,7 @@ def build_model(cfg: RunConfig, device: torch.device | str = "cpu") -> Transform
         generator = torch.Generator().manual_seed(cfg.train.seed)
         model.init_weights(generator)
     model.activation_checkpointing = cfg.train.activation_checkpointing
-    model.lm_loss_kernel = cfg.train.lm_loss_kernel
+    model.lm_loss_kernel = use_softmax_kernel(cfg.train.lm_loss_softmax, device)
     model.set_recast_expert_weights(cfg.train.recast_expert_weights)
     model = model.to(device)
     model.use_expert_weight_casts(cfg.train)  # before the optimizer: it looks the copies up

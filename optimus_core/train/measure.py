@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import RunConfig
+from ..model.linear_cross_entropy import use_softmax_kernel
 from ..model.transformer import Transformer
 from ..parallel import Mesh, ShardedAdamW, parallelize
 from ..timing import PhaseTimer
@@ -57,7 +58,7 @@ def build_on_device(cfg: RunConfig, device: torch.device) -> Transformer:
     torch.manual_seed(cfg.train.seed)
     model.init_weights()  # the device's default generator, seeded above
     model.activation_checkpointing = cfg.train.activation_checkpointing
-    model.lm_loss_kernel = cfg.train.lm_loss_kernel
+    model.lm_loss_kernel = use_softmax_kernel(cfg.train.lm_loss_softmax, device)
     model.set_recast_expert_weights(cfg.train.recast_expert_weights)
     model.use_expert_weight_casts(cfg.train)  # before the optimizer: it looks the copies up
     if cfg.train.compile:

@@ -13,7 +13,9 @@ from optimus_core.config import (ConfigError, ModelConfig, MoEConfig, RunConfig,
     (lambda: TrainConfig(steps="ten"), "train.steps = 'ten': must be an integer"),
     (lambda: TrainConfig(dtype="float16"), "train.dtype = 'float16': must be one of 'float32', 'bfloat16'"),
     (lambda: TrainConfig(global_batch=16, micro_batch=5), "train.micro_batch = 5: must divide global_batch (16)"),
-    (lambda: TrainConfig(fused_lm_loss=False, lm_loss_kernel=True), "train.lm_loss_kernel = True: needs fused_lm_loss"),
+    (lambda: TrainConfig(fused_lm_loss=False, lm_loss_softmax="triton"),
+     "train.lm_loss_softmax = 'triton': 'triton' needs fused_lm_loss"),
+    (lambda: TrainConfig(lm_loss_softmax="cuda"), "train.lm_loss_softmax = 'cuda'"),
 ])
 def test_bad_values_name_the_field(build, message):
     with pytest.raises(ConfigError) as err:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from optimus_core.config import ModelConfig, MoEConfig
-from optimus_core.model.linear_cross_entropy import linear_cross_entropy
+from optimus_core.model.linear_cross_entropy import linear_cross_entropy, use_softmax_kernel
 from optimus_core.model.transformer import Transformer
 from optimus_core.train.step import micro_batch_loss
 
@@ -239,7 +239,7 @@ KERNEL_ON_CPU = pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRE
 @KERNEL_ON_CPU
 @pytest.mark.parametrize("chunk_rows", [8, 100])
 def test_the_kernel_path_matches_cross_entropy_of_the_logits(chunk_rows):
-    """train.lm_loss_kernel: loss and gradients as the logits path's, ignored rows included."""
+    """train.lm_loss_softmax = triton: loss and gradients as the logits path's, ignored rows included."""
     h_ND, w_VD, t_N = inputs()
     want = reference(h_ND, w_VD, t_N, bf16=False, grad_scale=0.37)
     loss = linear_cross_entropy(h_ND, w_VD, t_N, chunk_rows=chunk_rows, kernel=True)
@@ -265,3 +265,22 @@ def test_a_model_with_the_kernel_trains_as_without():
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_lm_loss_softmax_resolves_per_device(monkeypatch):
+    """auto: the kernel on GPUs only (never the slow interpreter on a CPU run); triton where it
+    cannot run is a clear error, not a silent fallback."""
+    import kernels._triton as kt
+
+    monkeypatch.setattr(kt, "triton", object())  # as if Triton imported
+    monkeypatch.setattr(kt, "INTERPRET", False)
+    assert use_softmax_kernel("auto", torch.device("cuda", 0)) and use_softmax_kernel("auto", "xpu")
+    assert not use_softmax_kernel("auto", "cpu") and not use_softmax_kernel("torch", "cuda")
+    with pytest.raises(ValueError, match="lm_loss_softmax = 'triton': the kernel cannot run on cpu"):
+        use_softmax_kernel("triton", "cpu")
+    monkeypatch.setattr(kt, "INTERPRET", True)
+    assert use_softmax_kernel("triton", "cpu") and not use_softmax_kernel("auto", "cpu")
+    monkeypatch.setattr(kt, "triton", None)  # no Triton: auto falls back, triton refuses
+    assert not use_softmax_kernel("auto", "cuda")
+    with pytest.raises(ValueError, match="cannot run on cuda"):
+        use_softmax_kernel("triton", "cuda")
