@@ -25,6 +25,9 @@ warm-up, then the median of timed steps, phases from device events):
     -weightsbefore          model.moe.weights_before_down off: the routing weights in the top-k
                             combine, which keeps the expert outputs for its backward, instead of
                             on the SwiGLU output (an A/B of the default)
+    -dwnorm                 optim.grad_norm_from_dw off: the clip's norm reads the expert weights'
+                            gradients beside the backward instead of taking the sums of squares
+                            the dW kernel makes as it stores them (an A/B of the default)
     -xent                   train.lm_loss_softmax = torch: the fused LM loss's log-softmax, loss
                             and gradient by torch ops instead of one Triton kernel
                             (kernels.cross_entropy; an A/B of the default)
@@ -73,6 +76,7 @@ TORCH_SORT = {"kernels.permute.sort": "torch"}  # the expert sort by torch.sort,
 DW_POINTER = {"kernels.grouped_mm.dw": "pointer"}  # dW by the pointer kernel, not the TMA one
 UPDATE_AFTER = {"optim.update_beside_forward": False}  # the whole update after the backward, one stream
 WEIGHTED_COMBINE = {"model.moe.weights_before_down": False}  # routing weights in the combine, not the SwiGLU
+NORM_READS_DW = {"optim.grad_norm_from_dw": False}  # the expert gradients read again for the clip's norm
 TORCH_XENT = {"train.lm_loss_softmax": "torch"}  # the LM loss's softmax by torch ops, not one kernel
 
 # The recipe of the 2026-11-30 measurements: full logits then cross-entropy, torch's fused AdamW.
@@ -91,6 +95,7 @@ VARIANTS = {  # name -> (model, experts backend, compile, further config overrid
     "7b8l-triton+compile-beside": (MODEL_7B, "triton", True, UPDATE_AFTER),
     "7b8l-triton+compile-weightsbefore": (MODEL_7B, "triton", True, WEIGHTED_COMBINE),
     "7b8l-triton+compile-xent": (MODEL_7B, "triton", True, TORCH_XENT),
+    "7b8l-triton+compile-dwnorm": (MODEL_7B, "triton", True, NORM_READS_DW),
     "7b8l-triton+compile+graphs-beside": (MODEL_7B, "triton", True, {**CUDA_GRAPHS, **UPDATE_AFTER}),
     "7b8l-triton+compile+logits+torch-adamw": (MODEL_7B, "triton", True, LOGITS_TORCH_ADAMW),
     "7b8l-triton+recast": (MODEL_7B, "triton", False, RECAST),

@@ -1,6 +1,7 @@
 """Grouped matrix multiply: the experts' GEMM of an MoE layer.
 
-    grouped_mm(x_MK, w_GKN, offsets_G, *, backend="triton", keep_cast=False, w_cast=None) -> y_MN
+    grouped_mm(x_MK, w_GKN, offsets_G, *, backend="triton", keep_cast=False, w_cast=None,
+               dw_square=None) -> y_MN
     grouped_mm_reference(x_MK, w_GKN, offsets_G) -> y_MN
     torch_grouped_mm_unsupported(x_MK, w_GKN) -> str | None
 
@@ -16,6 +17,11 @@ N out-features, G groups (experts).
   ``w_cast`` (any backend): a copy of w in x's dtype that someone keeps current (the optimizer
   writes it with each update: optimus_core.model.experts), not requiring grad. The forward and
   dx read it instead of casting w; dw comes back for w, in w's dtype (float32, no cast after).
+  ``dw_square`` (any backend): a 0-d float32 tensor that requires grad and is used for nothing
+  else. The backward gives it, as its gradient, sum(dw ** 2) of the dw it gives w: the triton
+  backend's dW kernel sums the squares of the values it stores (no second read of dw, 1 GiB per
+  OLMoE-size expert weight in float32), the others by a pass over dw. The clip's gradient norm
+  reads it instead of the gradient (optimus_core.train.grad_norm).
 - offsets_G: int32 (G,), cumulative group ends as torch._grouped_mm takes them: group g owns rows
   offsets[g-1] .. offsets[g] (group 0 starts at row 0), G >= 1. Groups may be empty; rows past
   offsets[-1] belong to no group: their outputs are zero and they get zero gradient.
@@ -47,7 +53,7 @@ from torch import Tensor
 
 from ._triton import INTERPRET, autotuned, bucket, check_launchable, chosen, device_guard, jit, tile_configs, tl, triton
 from .grouped_mm_tiles import locate_tile, segment_tiles
-from .grouped_mm_tma import launch_grouped_mm_dw_tma, launch_grouped_mm_tma, tma_unsupported
+from .grouped_mm_tma import _num_programs, launch_grouped_mm_dw_tma, launch_grouped_mm_tma, tma_unsupported
 
 BACKENDS = ("loop", "torch", "triton")
 
@@ -110,15 +116,20 @@ def torch_grouped_mm_unsupported(x: Tensor, w: Tensor) -> str | None:
 
 
 def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, backend: str = "triton",
-               keep_cast: bool = False, w_cast: Tensor | None = None) -> Tensor:
+               keep_cast: bool = False, w_cast: Tensor | None = None, dw_square: Tensor | None = None) -> Tensor:
     """y[rows of g] = x[rows of g] @ w[g]; see the module docstring for shapes, backends,
-    ``keep_cast`` and ``w_cast``."""
+    ``keep_cast``, ``w_cast`` and ``dw_square``."""
     _check_args(x, w, offsets)
+    if dw_square is not None:
+        _check_square(w, dw_square)
+        if backend in ("loop", "torch"):
+            w = _SquareOfGrad.apply(w, dw_square)
+            dw_square = None
     if w_cast is not None:
         _check_cast(x, w, w_cast)
         if backend == "triton":
             check_launchable("grouped_mm", x, w, w_cast, offsets)
-            return torch.ops.optimus.grouped_mm_cast(x, w, w_cast, offsets)
+            return torch.ops.optimus.grouped_mm_cast(x, w, w_cast, offsets, dw_square)
         if backend in ("loop", "torch"):  # the copy stands in for w.to(x.dtype), gradient and all
             w = _AsCast.apply(w, w_cast)
     if backend == "loop":
@@ -132,8 +143,8 @@ def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, backend: str = "triton"
     if backend == "triton":
         check_launchable("grouped_mm", x, w, offsets)
         if keep_cast and w.dtype != x.dtype:
-            return torch.ops.optimus.grouped_mm_keep_cast(x, w, offsets)[0]
-        return torch.ops.optimus.grouped_mm(x, w, offsets)
+            return torch.ops.optimus.grouped_mm_keep_cast(x, w, offsets, dw_square)[0]
+        return torch.ops.optimus.grouped_mm(x, w, offsets, dw_square)
     raise ValueError(f"grouped_mm: backend must be one of {BACKENDS}, got {backend!r}")
 
 
@@ -267,14 +278,15 @@ def _grouped_mm_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols[None, :] < N))
 
 
-@autotuned(_dw_configs, key=["N", "K", "M_BUCKET"])
+@autotuned(_dw_configs, key=["N", "K", "M_BUCKET"], reset_to_zero=["squares_ptr"])
 @jit
 def _grouped_mm_dw_kernel(
-    x_ptr, dy_ptr, dw_ptr, offsets_ptr,
+    x_ptr, dy_ptr, dw_ptr, offsets_ptr, squares_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_dym, stride_dyn, stride_wg, stride_wk, stride_wn,
     M_BUCKET,  # autotune key only
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SQUARES: tl.constexpr,  # squares_ptr[program] = the sum of the squares of the tile it stores
 ):
     """dw[g] = x[rows of g]^T @ dy[rows of g]: one program per (group, K tile, N tile), each
     reducing over its group's rows. An empty group's tiles are written as zeros."""
@@ -298,7 +310,11 @@ def _grouped_mm_dw_kernel(
                      mask=row_ok[:, None] & (cols[None, :] < N), other=0.0)
         acc = tl.dot(xt, dy, acc, input_precision="ieee")
     dw_ptrs = dw_ptr + g.to(tl.int64) * stride_wg + ks[:, None] * stride_wk + cols[None, :] * stride_wn
-    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=(ks[:, None] < K) & (cols[None, :] < N))
+    out = acc.to(dw_ptr.dtype.element_ty)
+    tl.store(dw_ptrs, out, mask=(ks[:, None] < K) & (cols[None, :] < N))
+    if SQUARES:  # masked loads left acc = 0 past K and N: the padding adds nothing
+        stored = out.to(tl.float32)
+        tl.store(squares_ptr + tl.program_id(0), tl.sum(stored * stored))
 
 
 @jit
@@ -366,36 +382,50 @@ def _launch_grouped_mm_dx(dy: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     return _launch_grouped_mm(dy, w.to(dy.dtype).transpose(1, 2), offsets, dx=True)
 
 
-def _launch_grouped_mm_dw(x: Tensor, dy: Tensor, offsets: Tensor, float32_out: bool = False) -> Tensor:
+def _launch_grouped_mm_dw(x: Tensor, dy: Tensor, offsets: Tensor, float32_out: bool = False,
+                          squares: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """dw[g] = x[rows of g]^T @ dy[rows of g], accumulated in float32 and stored in x's dtype or,
     with ``float32_out``, as float32 (the gradient of float32 master weights, no cast after);
-    TRITON_KERNELS["dw"] picks the kernel."""
+    TRITON_KERNELS["dw"] picks the kernel. With ``squares``: (dw, sum of dw's squares as a 0-d
+    float32), the sum taken by the kernel from the values it stores (per program, then added in
+    a fixed order) instead of by one more pass over dw."""
     (M, K), N, G = x.shape, dy.shape[1], offsets.shape[0]
     dw = x.new_empty(G, K, N, dtype=torch.float32 if float32_out else x.dtype)
-    if dw.numel() == 0:
-        return dw
+    if dw.numel() == 0 or (M == 0 and squares):
+        return (dw.zero_(), dw.new_zeros((), dtype=torch.float32)) if squares else dw
     if TRITON_KERNELS["dw"] == "tma" and tma_unsupported(x, dw, dy) is None:
-        return launch_grouped_mm_dw_tma(x, dy, offsets, dw, dynamic=TRITON_KERNELS["dw_schedule"] == "dynamic")
+        slots = torch.zeros(_num_programs(x.device), dtype=torch.float32, device=x.device) if squares else None
+        launch_grouped_mm_dw_tma(x, dy, offsets, dw, dynamic=TRITON_KERNELS["dw_schedule"] == "dynamic",
+                                 squares=slots)
+        return (dw, slots.sum()) if squares else dw
+
+    kernel = _grouped_mm_dw_kernel(x.device.type, x.dtype)
+    slots = None
+    if squares:  # one per program of the config with the most programs (the smallest tiles)
+        most = max(triton.cdiv(K, c.kwargs["BLOCK_K"]) * triton.cdiv(N, c.kwargs["BLOCK_N"]) for c in kernel.configs)
+        slots = torch.zeros(G * most, dtype=torch.float32, device=x.device)
 
     def grid(meta):
         return (G * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
     with device_guard(x):
-        _grouped_mm_dw_kernel(x.device.type, x.dtype)[grid](
-            x, dy, dw, offsets, M, N, K, *x.stride(), *dy.stride(), *dw.stride(), bucket(M))
-    return dw
+        kernel[grid](x, dy, dw, offsets, dw if slots is None else slots, M, N, K, *x.stride(), *dy.stride(),
+                     *dw.stride(), bucket(M), SQUARES=squares)
+    return (dw, slots.sum()) if squares else dw
 
 
 # ---------------------------------------------------------------- torch custom ops
 # Custom ops make the kernels opaque, differentiable leaves to torch.compile; register_autograd
 # plays the role of a torch.autograd.Function (and unlike one, is traced by AOTAutograd).
+# dw_square (every op that makes dw): a 0-d float32 tensor that requires grad and takes part in
+# nothing else; its gradient is the sum of dw's squares, which the dW kernel sums as it stores dw.
 @torch.library.custom_op("optimus::grouped_mm", mutates_args=())
-def _grouped_mm_op(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+def _grouped_mm_op(x: Tensor, w: Tensor, offsets: Tensor, dw_square: Tensor | None = None) -> Tensor:
     return _launch_grouped_mm(x, w.to(x.dtype), offsets)
 
 
 @_grouped_mm_op.register_fake
-def _(x, w, offsets):
+def _(x, w, offsets, dw_square=None):
     return x.new_empty(x.shape[0], w.shape[2])
 
 
@@ -409,6 +439,18 @@ def _(x, dy, offsets, float32_out=False):
     return x.new_empty(offsets.shape[0], x.shape[1], dy.shape[1], dtype=torch.float32 if float32_out else x.dtype)
 
 
+@torch.library.custom_op("optimus::grouped_mm_dw_squares", mutates_args=())
+def _grouped_mm_dw_squares_op(x: Tensor, dy: Tensor, offsets: Tensor,
+                              float32_out: bool = False) -> tuple[Tensor, Tensor]:
+    return _launch_grouped_mm_dw(x, dy, offsets, float32_out, squares=True)
+
+
+@_grouped_mm_dw_squares_op.register_fake
+def _(x, dy, offsets, float32_out=False):
+    dw = x.new_empty(offsets.shape[0], x.shape[1], dy.shape[1], dtype=torch.float32 if float32_out else x.dtype)
+    return dw, x.new_empty((), dtype=torch.float32)
+
+
 @torch.library.custom_op("optimus::grouped_mm_dx", mutates_args=())
 def _grouped_mm_dx_op(dy: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     return _launch_grouped_mm_dx(dy, w, offsets)
@@ -420,20 +462,26 @@ def _(dy, w, offsets):
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    ctx.save_for_backward(*inputs[:3])
 
 
 def _grads(ctx, x, w, offsets, dy, float32_dw: bool):
-    """(dx, dw, None) of y = x @ w[g]: dx through w as given (a float32 w is cast inside the op),
-    dw in float32 when the weight it belongs to is float32 master weights."""
+    """(dx, dw, sum of dw's squares or None) of y = x @ w[g]: dx through w as given (a float32 w
+    is cast inside the op), dw in float32 when the weight it belongs to is float32 master
+    weights; the squares when the op's last input (dw_square) wants a gradient."""
     dx = _grouped_mm_dx_op(dy, w, offsets) if ctx.needs_input_grad[0] else None
-    dw = _grouped_mm_dw_op(x, dy, offsets, float32_dw) if ctx.needs_input_grad[1] else None
-    return dx, dw, None
+    dw = square = None
+    if ctx.needs_input_grad[1] and ctx.needs_input_grad[-1]:
+        dw, square = _grouped_mm_dw_squares_op(x, dy, offsets, float32_dw)
+    elif ctx.needs_input_grad[1]:
+        dw = _grouped_mm_dw_op(x, dy, offsets, float32_dw)
+    return dx, dw, square
 
 
 def _backward(ctx, dy):
     x, w, offsets = ctx.saved_tensors  # w as given: a float32 w is cast again inside the op
-    return _grads(ctx, x, w, offsets, dy, w.dtype != x.dtype)
+    dx, dw, square = _grads(ctx, x, w, offsets, dy, w.dtype != x.dtype)
+    return dx, dw, None, square
 
 
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
@@ -442,24 +490,26 @@ _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 # keep_cast: float32 w, half-precision x. The cast copy is a second output so that setup_context
 # can keep it for the backward (an op's internals are not visible to autograd).
 @torch.library.custom_op("optimus::grouped_mm_keep_cast", mutates_args=())
-def _grouped_mm_keep_cast_op(x: Tensor, w: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
+def _grouped_mm_keep_cast_op(x: Tensor, w: Tensor, offsets: Tensor,
+                             dw_square: Tensor | None = None) -> tuple[Tensor, Tensor]:
     w_lp = w.to(x.dtype)
     return _launch_grouped_mm(x, w_lp, offsets), w_lp
 
 
 @_grouped_mm_keep_cast_op.register_fake
-def _(x, w, offsets):
+def _(x, w, offsets, dw_square=None):
     return x.new_empty(x.shape[0], w.shape[2]), w.new_empty(w.shape, dtype=x.dtype)
 
 
 def _keep_cast_setup(ctx, inputs, output):
-    x, _, offsets = inputs
+    x, _, offsets, _ = inputs
     ctx.save_for_backward(x, output[1], offsets)
 
 
 def _keep_cast_backward(ctx, dy, _):
     x, w_lp, offsets = ctx.saved_tensors  # the forward's half-precision copy; the weight is float32
-    return _grads(ctx, x, w_lp, offsets, dy, True)
+    dx, dw, square = _grads(ctx, x, w_lp, offsets, dy, True)
+    return dx, dw, None, square
 
 
 _grouped_mm_keep_cast_op.register_autograd(_keep_cast_backward, setup_context=_keep_cast_setup)
@@ -468,24 +518,26 @@ _grouped_mm_keep_cast_op.register_autograd(_keep_cast_backward, setup_context=_k
 # w_cast: a half-precision copy of w kept current outside (the optimizer writes it), read by the
 # forward and dx in place of a cast; dw is written for w, in w's dtype.
 @torch.library.custom_op("optimus::grouped_mm_cast", mutates_args=())
-def _grouped_mm_cast_op(x: Tensor, w: Tensor, w_cast: Tensor, offsets: Tensor) -> Tensor:
+def _grouped_mm_cast_op(x: Tensor, w: Tensor, w_cast: Tensor, offsets: Tensor,
+                        dw_square: Tensor | None = None) -> Tensor:
     return _launch_grouped_mm(x, w_cast, offsets)  # w is an input only to receive its gradient
 
 
 @_grouped_mm_cast_op.register_fake
-def _(x, w, w_cast, offsets):
+def _(x, w, w_cast, offsets, dw_square=None):
     return x.new_empty(x.shape[0], w.shape[2])
 
 
 def _cast_setup(ctx, inputs, output):
-    x, w, w_cast, offsets = inputs
+    x, w, w_cast, offsets, _ = inputs
     ctx.float32_dw = w.dtype != x.dtype
     ctx.save_for_backward(x, w_cast, offsets)
 
 
 def _cast_backward(ctx, dy):
     x, w_cast, offsets = ctx.saved_tensors
-    return (*_grads(ctx, x, w_cast, offsets, dy, ctx.float32_dw), None)
+    dx, dw, square = _grads(ctx, x, w_cast, offsets, dy, ctx.float32_dw)
+    return dx, dw, None, None, square
 
 
 _grouped_mm_cast_op.register_autograd(_cast_backward, setup_context=_cast_setup)
@@ -503,6 +555,29 @@ class _AsCast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.to(ctx.w_dtype), None
+
+
+class _SquareOfGrad(torch.autograd.Function):
+    """w unchanged in the forward; in the backward, w's gradient as it is, and its sum of
+    squares (float32) as the gradient of ``square``: dw_square for the loop and torch backends,
+    by one more pass over the gradient (the triton backend's dW kernel sums them as it stores)."""
+
+    @staticmethod
+    def forward(ctx, w, square):
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.float()
+        return grad, torch.dot(g.flatten(), g.flatten())
+
+
+def _check_square(w: Tensor, dw_square: Tensor) -> None:
+    if dw_square.shape != () or dw_square.dtype != torch.float32 or dw_square.device != w.device \
+            or not dw_square.requires_grad:
+        raise ValueError(f"grouped_mm: dw_square must be a 0-d float32 tensor that requires grad, on w's "
+                         f"device {w.device}; got {tuple(dw_square.shape)} {dw_square.dtype} on {dw_square.device}, "
+                         f"requires_grad={dw_square.requires_grad}")
 
 
 def _check_cast(x: Tensor, w: Tensor, w_cast: Tensor) -> None:

@@ -215,9 +215,11 @@ def _dw_tma_configs(device_type: str, dtype: torch.dtype):
 
 @jit
 def _dw_item(item, x_ptr, dy_ptr, dw_ptr, N, K, stride_xm, stride_dym, seg, starts, ends, rank,
-             BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr):
+             BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
+             SQUARES: tl.constexpr):
     """One work item of the dW kernel: a BLOCK_K x BLOCK_N tile of dw[g], g the group ranked
-    item // tiles, reduced over all of g's rows."""
+    item // tiles, reduced over all of g's rows. Returns the sum of the squares of the values
+    it stores with SQUARES (TMA zero-fills past every edge, so the tile's padding adds 0), else 0."""
     num_n = tl.cdiv(N, BLOCK_N)
     tiles = tl.cdiv(K, BLOCK_K) * num_n  # per group
     g, row_start, row_end = group_of_rank(item // tiles, seg, starts, ends, rank)
@@ -246,40 +248,51 @@ def _dw_item(item, x_ptr, dy_ptr, dw_ptr, N, K, stride_xm, stride_dym, seg, star
         dw_desc.store([k0, n0 + BLOCK_N // 2], right)
     else:
         dw_desc.store([k0, n0], out)
+    if SQUARES:
+        stored = out.to(tl.float32)
+        return tl.sum(stored * stored)
+    return 0.0
 
 
 @jit
 def _grouped_mm_dw_tma_kernel(
-    x_ptr, dy_ptr, dw_ptr, offsets_ptr, counter_ptr,
+    x_ptr, dy_ptr, dw_ptr, offsets_ptr, counter_ptr, squares_ptr,
     M, N, K, G, stride_xm, stride_dym,
     M_BUCKET,  # autotune key only: the row count's bucket
     SEGMENTS: tl.constexpr, CHUNK: tl.constexpr,  # powers of two, SEGMENTS >= G, CHUNK <= SEGMENTS
     DYNAMIC: tl.constexpr,  # items taken from counter_ptr (one int32, zero) instead of dealt out
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_N: tl.constexpr,  # 1, or 2: store the tile as two column halves (half the staging)
+    SQUARES: tl.constexpr,  # squares_ptr[program] = sum of the squares this program stored
 ):
     """dw[g] = x[rows of g]^T @ dy[rows of g], one (group, K tile, N tile) item at a time."""
     seg, starts, ends, rank = groups_by_size(offsets_ptr, M, G, SEGMENTS, CHUNK)
     items = G * tl.cdiv(K, BLOCK_K) * tl.cdiv(N, BLOCK_N)
+    squares = 0.0
     if DYNAMIC:  # the next item in rank order to whichever program is free: greedy, largest first
         item = tl.atomic_add(counter_ptr, 1)
         while item < items:
-            _dw_item(item, x_ptr, dy_ptr, dw_ptr, N, K, stride_xm, stride_dym, seg, starts, ends, rank,
-                     BLOCK_R, BLOCK_K, BLOCK_N, SPLIT_N)
+            squares += _dw_item(item, x_ptr, dy_ptr, dw_ptr, N, K, stride_xm, stride_dym, seg, starts, ends,
+                                rank, BLOCK_R, BLOCK_K, BLOCK_N, SPLIT_N, SQUARES)
             item = tl.atomic_add(counter_ptr, 1)
     else:
         for item in tl.range(tl.program_id(0), items, tl.num_programs(0)):
-            _dw_item(item, x_ptr, dy_ptr, dw_ptr, N, K, stride_xm, stride_dym, seg, starts, ends, rank,
-                     BLOCK_R, BLOCK_K, BLOCK_N, SPLIT_N)
+            squares += _dw_item(item, x_ptr, dy_ptr, dw_ptr, N, K, stride_xm, stride_dym, seg, starts, ends,
+                                rank, BLOCK_R, BLOCK_K, BLOCK_N, SPLIT_N, SQUARES)
+    if SQUARES:
+        tl.store(squares_ptr + tl.program_id(0), squares)
 
 
-# The dynamic schedule's counter is consumed by each launch: zeroed before each timed one.
+# The dynamic schedule's counter is consumed by each launch, and a launch of fewer programs than
+# the one before leaves that one's squares in the tail: both zeroed before each timed launch and
+# before the real one.
 _grouped_mm_dw_tma_tuned = autotuned(_dw_tma_configs, key=["N", "K", "M_BUCKET"],
-                                     reset_to_zero=["counter_ptr"])(_grouped_mm_dw_tma_kernel)
+                                     reset_to_zero=["counter_ptr", "squares_ptr"])(_grouped_mm_dw_tma_kernel)
 
 
 def launch_grouped_mm_dw_tma(x: Tensor, dy: Tensor, offsets: Tensor, dw: Tensor, *,
-                             config: dict | None = None, dynamic: bool = False) -> Tensor:
+                             config: dict | None = None, dynamic: bool = False,
+                             squares: Tensor | None = None) -> Tensor:
     """Fill dw (G, K, N), contiguous, in any float dtype (the float32 accumulator is stored in
     it), with dw[g] = x[rows of g]^T @ dy[rows of g]. The caller checks tma_unsupported(x, dw, dy)
     first. config: fixed meta-parameters instead of autotuning, e.g. {"BLOCK_R": 16, "BLOCK_K":
@@ -288,13 +301,18 @@ def launch_grouped_mm_dw_tma(x: Tensor, dy: Tensor, offsets: Tensor, dw: Tensor,
     launch) instead of every num_programs-th: under skewed routing the round-robin deal gives
     some programs more rows than others (a group of 8x the mean rows lands its tiles on the
     programs of one residue), the greedy take evens them out. Same items, same sums: the
-    result does not depend on the schedule."""
+    result does not depend on the schedule.
+    squares: a float32 buffer of at least _num_programs(x.device) zeros; each program adds
+    the squares of the values it stores into its own entry (the caller sums them: in a fixed
+    order, so the statically dealt result is the same from run to run)."""
     (M, K), (G, _, N) = x.shape, dw.shape
     if dw.numel() == 0:
         return dw
     if M == 0:  # no rows at all: nothing for a descriptor to address
         return dw.zero_()
     programs = _num_programs(x.device)
+    if squares is not None and (squares.dtype != torch.float32 or squares.numel() < programs):
+        raise ValueError(f"launch_grouped_mm_dw_tma: squares must be >= {programs} float32 zeros")
 
     def grid(meta):
         return (min(programs, G * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"])),)
@@ -302,13 +320,13 @@ def launch_grouped_mm_dw_tma(x: Tensor, dy: Tensor, offsets: Tensor, dw: Tensor,
     segments = triton.next_power_of_2(G)
     # The static deal never reads the counter: it gets a shared placeholder (no memset launch).
     counter = torch.zeros(1, dtype=torch.int32, device=x.device) if dynamic else _unused_counter(x.device)
-    args = (x, dy, dw, offsets, counter, M, N, K, G, x.stride(0), dy.stride(0), bucket(M))
+    args = (x, dy, dw, offsets, counter, counter if squares is None else squares,
+            M, N, K, G, x.stride(0), dy.stride(0), bucket(M))
     triton.set_allocator(_scratch(x.device))  # per launch: see launch_grouped_mm_tma
+    meta = dict(SEGMENTS=segments, CHUNK=min(segments, 32), DYNAMIC=dynamic, SQUARES=squares is not None)
     with device_guard(x):
         if config is None:
-            _grouped_mm_dw_tma_tuned(x.device.type, x.dtype)[grid](
-                *args, SEGMENTS=segments, CHUNK=min(segments, 32), DYNAMIC=dynamic)
+            _grouped_mm_dw_tma_tuned(x.device.type, x.dtype)[grid](*args, **meta)
         else:
-            _grouped_mm_dw_tma_kernel[grid](*args, SEGMENTS=segments, CHUNK=min(segments, 32),
-                                            DYNAMIC=dynamic, **config)
+            _grouped_mm_dw_tma_kernel[grid](*args, **meta, **config)
     return dw

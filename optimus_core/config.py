@@ -252,6 +252,11 @@ class OptimConfig(_Validated):
     # soon as it is final, on a side stream (optimus_core.train.grad_norm), instead of one more
     # pass over every gradient after it. Same value up to float32 rounding.
     grad_norm_under_backward: bool = True
+    # With grad_norm_under_backward and the triton experts: the expert weights' squared gradient
+    # norms summed by the dW kernel from the values it stores (kernels.grouped_mm's dw_square),
+    # instead of one more read of their gradients (12.9 GB per step for 8 OLMoE layers). Used
+    # when the last backward makes the whole gradient (no earlier micro-batch added to it).
+    grad_norm_from_dw: bool = True
     # On a CUDA GPU with the Triton AdamW on one process: the update queued on a side stream, stage
     # by stage (embedding, each block, head) in the forward's order, each stage's next forward
     # waiting for its own update only (optimus_core.train.update_stream). The memory-bound update

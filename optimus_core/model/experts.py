@@ -55,6 +55,7 @@ class Experts(nn.Module):
         self.w_up = nn.Parameter(torch.empty(n_experts, d_model, 2 * d_expert))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_expert, d_model))
         self.enable_weight_casts(None)
+        self.dw_square_of: dict[str, torch.Tensor] = {}  # weight name -> its dw_square (enable_dw_squares)
 
     def enable_weight_casts(self, dtype: torch.dtype | None) -> None:
         """Keep a ``dtype`` copy of each weight (non-persistent buffers ``<name>_cast``), made
@@ -76,6 +77,19 @@ class Experts(nn.Module):
     def refresh_weight_casts(self) -> None:
         """Copies = weights, cast (after anything but the optimizer wrote the weights)."""
         refresh_casts(self.weight_casts())
+
+    def enable_dw_squares(self) -> dict[nn.Parameter, torch.Tensor]:
+        """With the triton backend: give each weight a ``dw_square`` (kernels.grouped_mm), a 0-d
+        float32 tensor on the weight's device whose gradient each backward sets to the sum of the
+        squares of the weight's gradient, summed by the dW kernel as it stores that gradient.
+        Returns {weight: its dw_square} for the clip's norm (optimus_core.train.grad_norm),
+        empty for the other backends, where it would cost the pass over the gradient it saves.
+        Not parameters: no optimizer, state dict or checkpoint sees them."""
+        if self.backend != "triton":
+            return {}
+        self.dw_square_of = {name: torch.zeros((), device=getattr(self, name).device, requires_grad=True)
+                             for name in self.WEIGHTS}
+        return {getattr(self, name): square for name, square in self.dw_square_of.items()}
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
@@ -138,10 +152,12 @@ class Experts(nn.Module):
                 keep_cast = not self.recast_weights
             elif not self.recast_weights:  # cast once here; autograd keeps the copies for backward
                 w_up, w_down = w_up.to(dtype), w_down.to(dtype)
-        h_MF2 = kernels.grouped_mm(x_MD, w_up, offsets_E, backend=self.backend, keep_cast=keep_cast, w_cast=up_cast)
+        squares = self.dw_square_of
+        h_MF2 = kernels.grouped_mm(x_MD, w_up, offsets_E, backend=self.backend, keep_cast=keep_cast, w_cast=up_cast,
+                                   dw_square=squares.get("w_up"))
         h_MF = kernels.swiglu(h_MF2, row_weight=row_weight_M, backend=self.backend)
         return kernels.grouped_mm(h_MF, w_down, offsets_E, backend=self.backend, keep_cast=keep_cast,
-                                  w_cast=down_cast)
+                                  w_cast=down_cast, dw_square=squares.get("w_down"))
 
 
 @torch.no_grad()

@@ -13,6 +13,12 @@ finished it, so the reductions run beside the backward's remaining GEMMs (which 
 bandwidth to spare) and only the last few are left at the end. Gradients of earlier
 micro-batches are not final, hence ``arm()`` before the last backward only (train_step does it).
 
+Some kernels can do better than a read beside the backward: the triton experts' dW kernel sums
+the squares of the gradient as it stores it (kernels.grouped_mm's ``dw_square``: a 0-d tensor
+whose gradient is that sum). ``norms.take_squares_from({param: dw_square})`` uses those sums for
+the parameters whose gradient the last backward makes whole (no gradient before ``arm()``, so no
+earlier micro-batch to add); the others are read as above.
+
 The value is the same as torch.nn.utils.get_total_norm's up to float32 rounding: per-gradient
 norms, squared, summed, square root. A gradient the hooks did not see (set by hand, a skipped
 hook) is added at ``total()`` on the main stream. On a CPU there is no side stream: the hooks
@@ -30,6 +36,8 @@ class GradNormUnderBackward:
         self.params = [p for p in params if p.requires_grad]
         self.armed = False
         self._squares: dict[int, torch.Tensor] = {}  # id(param) -> its gradient's squared norm
+        self._from_kernel: set[int] = set()  # id(param) of those with a dw_square (take_squares_from)
+        self._whole: set[int] = set()  # id(param) of those without a gradient when armed
         self._streams: dict[torch.device, object] = {}
         # The hooks hold the tracker weakly: a strong reference would make a cycle (parameter ->
         # hook -> tracker -> parameter) that keeps a dropped model's weights alive until the
@@ -44,14 +52,33 @@ class GradNormUnderBackward:
         for p in self.params:
             p.register_post_accumulate_grad_hook(on_grad)
 
+    def take_squares_from(self, squares: dict[torch.Tensor, torch.Tensor]) -> None:
+        """{param: its dw_square}: each backward leaves the sum of the squares of ``param``'s
+        new gradient as ``dw_square``'s gradient (made by the kernel that made the gradient);
+        it stands for a read of the gradient where that gradient is the new one whole."""
+        tracker = weakref.ref(self)
+        for p, square in squares.items():
+            if not any(p is q for q in self.params):
+                raise ValueError("take_squares_from: a parameter this tracker does not cover")
+            self._from_kernel.add(id(p))
+
+            def on_square(square, key=id(p)):
+                alive = tracker()
+                if alive is not None:
+                    alive._on_square(key, square)
+
+            square.register_post_accumulate_grad_hook(on_square)
+
     def arm(self) -> None:
         """The next backward is the last of the step: record its gradients' norms."""
         self._squares.clear()
+        self._whole = {id(p) for p in self.params if p.grad is None and id(p) in self._from_kernel}
         self.armed = True
 
     def disarm(self) -> None:
         self.armed = False
         self._squares.clear()
+        self._whole.clear()
 
     def _side_stream(self, device: torch.device):
         if device.type not in ("cuda", "xpu"):
@@ -60,8 +87,13 @@ class GradNormUnderBackward:
             self._streams[device] = getattr(torch, device.type).Stream(device=device)
         return self._streams[device]
 
+    def _on_square(self, key: int, square: torch.Tensor) -> None:
+        sum_of_squares, square.grad = square.grad, None  # every backward's: none accumulates
+        if self.armed and key in self._whole and sum_of_squares is not None:
+            self._squares[key] = sum_of_squares
+
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self.armed or p.grad is None:
+        if not self.armed or p.grad is None or id(p) in self._whole:  # (its square comes from the kernel)
             return
         grad = p.grad
         side = self._side_stream(grad.device)

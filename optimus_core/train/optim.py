@@ -50,6 +50,17 @@ def weight_casts(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
     return casts
 
 
+def dw_squares(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
+    """{weight: its dw_square} over the modules of ``model`` whose kernels can sum their weights'
+    squared gradients in the backward (Experts.enable_dw_squares; enables them)."""
+    squares = {}
+    for module in model.modules():
+        enable = getattr(module, "enable_dw_squares", None)
+        if callable(enable):
+            squares.update(enable())
+    return squares
+
+
 def adamw(groups: list[dict], cfg: OptimConfig, device: torch.device,
           casts: dict[torch.Tensor, torch.Tensor] | None = None) -> torch.optim.Optimizer:
     """The AdamW of ``cfg.implementation`` over ``groups`` (parameters on ``device``), keeping
@@ -75,6 +86,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     devices = {p.device for p in model.parameters()}
     device = devices.pop() if len(devices) == 1 else torch.device("cpu")  # mixed: torch's default path
     opt = adamw(param_groups(model, cfg.weight_decay), cfg, device, weight_casts(model))
+    if getattr(opt, "grad_norms", None) is not None and cfg.grad_norm_from_dw:
+        opt.grad_norms.take_squares_from(dw_squares(model))
     # CUDA only for now, as the grad norm's side stream: untested on Intel XPU.
     if cfg.update_beside_forward and device.type == "cuda" and hasattr(opt, "update_") \
             and isinstance(model, Transformer):  # TritonAdamW: it updates a stage at a time

@@ -202,3 +202,33 @@ def test_mixed_dtypes_other_than_float32_master_weights_are_refused():
     x, w, offsets, _ = make([2, 3], 0, 8, 8, "cpu")
     with pytest.raises(ValueError, match="w float32 with x in half precision"):
         grouped_mm(x, w.bfloat16(), offsets, backend="loop")
+
+
+@pytest.mark.parametrize("backend", ["loop", "triton"])
+@pytest.mark.parametrize("weights", ["same dtype", "float32 master", "float32 master, w_cast", "keep_cast"])
+def test_dw_square_gets_the_squared_norm_of_ws_gradient(backend, weights, request):
+    """dw_square's gradient is sum(w.grad ** 2) of this call's w gradient, on every path that
+    makes dw (the triton backend's from its dW kernel), and gradients otherwise unchanged."""
+    device = "cpu" if backend == "loop" else request.getfixturevalue("triton_device")
+    x, w, offsets, dy = make([5, 0, 9, 2], 3, 24, 16, device)
+    kw = {}
+    if weights != "same dtype":  # half-precision activations (float16: the interpreter runs it)
+        x, dy = x.detach().half().requires_grad_(), dy.half()
+        if weights == "float32 master, w_cast":
+            kw["w_cast"] = w.detach().half()
+        kw["keep_cast"] = weights == "keep_cast"
+    square = torch.zeros((), requires_grad=True, device=device)
+    want = forward_backward(x, w, offsets, dy, backend=backend, **kw)
+    y = grouped_mm(x, w, offsets, backend=backend, dw_square=square, **kw)
+    got = (y, *torch.autograd.grad(y, (x, w, square), dy))
+    for name, g, r in zip(("y", "dx", "dw"), got, want):
+        assert torch.equal(g.nan_to_num(), r.nan_to_num()), name
+    torch.testing.assert_close(got[3].double(), got[2].double().square().sum(), rtol=1e-5, atol=1e-6)
+
+
+def test_dw_square_must_be_a_0d_float32_that_wants_a_gradient():
+    x, w, offsets, _ = make([2, 3], 0, 8, 8, "cpu")
+    for bad in (torch.zeros(()), torch.zeros(1, requires_grad=True), torch.zeros((), dtype=torch.float64,
+                                                                                  requires_grad=True)):
+        with pytest.raises(ValueError, match="dw_square must be a 0-d float32 tensor that requires grad"):
+            grouped_mm(x, w, offsets, backend="loop", dw_square=bad)

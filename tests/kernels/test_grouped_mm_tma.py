@@ -436,3 +436,45 @@ def test_every_dw_tma_config_compiles_and_matches(gpu_device, rel_err):
         if not err < 1e-5:
             failures.append(f"{config}: rel_err {err}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("dw", ["pointer", "tma"])
+@pytest.mark.parametrize("case", ["empty groups and a tail", "ragged, many tiles per program", "no rows",
+                                  "all rows past the end"])
+def test_dw_squares_are_those_of_the_stored_dw(case, dw, triton_device):
+    """squares=True: the sum of the squares of dw as stored (float16 dw here: of the rounded
+    values), summed per program by the kernel, in a fixed order: the same bits twice. The rows
+    past offsets[-1] (NaN) and each tile's padding add nothing."""
+    sizes, tail, K, N = CASES[case]
+    x, _, offsets, dy = make(sizes, tail, K, N, triton_device)
+    for dtype, float32_out in ((torch.float32, False), (torch.float16, False), (torch.float16, True)):
+        xd, dyd = x.detach().to(dtype), dy.to(dtype)
+        with gm.triton_kernels(dw=dw):
+            plain = gm._launch_grouped_mm_dw(xd, dyd, offsets, float32_out)
+            dw_, square = gm._launch_grouped_mm_dw(xd, dyd, offsets, float32_out, squares=True)
+            _, again = gm._launch_grouped_mm_dw(xd, dyd, offsets, float32_out, squares=True)
+        assert torch.equal(dw_, plain) and torch.equal(square, again)
+        assert square.shape == () and square.dtype == torch.float32
+        want = dw_.double().square().sum()
+        torch.testing.assert_close(square.double(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dw", ["pointer", "tma"])
+def test_dw_squares_op_passes_opcheck(dw, triton_device):
+    x, _, offsets, dy = make([3, 0, 9], 2, 8, 12, triton_device)
+    with gm.triton_kernels(dw=dw):
+        torch.library.opcheck(torch.ops.optimus.grouped_mm_dw_squares, (x.detach(), dy, offsets, True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_bf16_dw_squares_on_gpu(case, gpu_device, tma_calls):
+    """The autotuned TMA dW kernel (its configs tuned on the same slots, zeroed before the chosen
+    one runs): float32 dw's squares as a float64 pass over it finds them, twice the same bits."""
+    sizes, tail, K, N = GPU_CASES[case]
+    x, _, offsets, dy = make(sizes, tail, K, N, gpu_device, torch.bfloat16)
+    with gm.triton_kernels(dw="tma"):
+        results = [gm._launch_grouped_mm_dw(x.detach(), dy, offsets, True, squares=True) for _ in range(2)]
+    (dw, square), (dw2, square2) = results
+    assert torch.equal(dw, dw2) and torch.equal(square, square2)
+    torch.testing.assert_close(square.double(), dw.double().square().sum(), rtol=1e-5, atol=0)

@@ -99,3 +99,123 @@ def test_a_dropped_model_is_freed_without_the_cycle_collector():
         assert weight() is None
     finally:
         gc.enable()
+
+
+class _GroupedLayer(nn.Module):
+    """A Linear, then a grouped GEMM whose weight has a dw_square (kernels.grouped_mm, loop backend)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(7, 12)
+        self.w = nn.Parameter(torch.randn(3, 12, 5) / 12**0.5)
+        self.square = torch.zeros((), requires_grad=True)
+
+    def forward(self, x):
+        import kernels
+
+        offsets = torch.tensor([4, 4, 16], dtype=torch.int32)  # one empty group
+        return kernels.grouped_mm(self.inp(x), self.w, offsets, backend="loop", dw_square=self.square)
+
+
+def test_squares_from_the_kernel_stand_for_whole_gradients(monkeypatch):
+    """A gradient the armed backward makes whole is not read: its square comes with dw_square's
+    gradient. One with an earlier micro-batch in it is read (its kernel square covers only the
+    last part). The total is the final gradients' norm either way; dw_square keeps no gradient."""
+    import optimus_core.train.grad_norm as grad_norm
+
+    model = _GroupedLayer()
+    norms = GradNormUnderBackward(model.parameters())
+    norms.take_squares_from({model.w: model.square})
+    read = []
+    monkeypatch.setattr(grad_norm, "_square_norm", lambda g: read.append(g) or g.double().square().sum().float())
+    for earlier in (False, True):
+        model.zero_grad()
+        if earlier:
+            _loss(model, 5).backward()  # an earlier micro-batch: w's gradient is not whole after the last
+        read.clear()
+        norms.arm()
+        _loss(model, 1).backward()
+        total = norms.total()
+        assert model.square.grad is None
+        assert any(g is model.w.grad for g in read) == earlier
+        assert len(read) == 2 + earlier  # the Linear's weight and bias, and w after an earlier micro-batch
+        torch.testing.assert_close(total, _total(model), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="a parameter this tracker does not cover"):
+        GradNormUnderBackward(model.inp.parameters()).take_squares_from({model.w: model.square})
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the triton experts on CPU need TRITON_INTERPRET=1")
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_moe_models_norm_with_the_dw_kernels_squares(compiled, monkeypatch):
+    """The triton experts' dW kernels sum their gradients' squares (optimus_core.train.optim.
+    dw_squares enables them): no expert gradient is read, and the norm is the final gradients'
+    norm, eager and with compiled blocks (the squares leave the compiled backward as a gradient)."""
+    import optimus_core.train.grad_norm as grad_norm
+    from optimus_core.config import ModelConfig, MoEConfig
+    from optimus_core.model.transformer import Transformer
+    from optimus_core.train.optim import dw_squares
+    from optimus_core.train.step import micro_batch_loss
+
+    moe = MoEConfig(n_experts=4, top_k=2, d_expert=8, experts_backend="triton")
+    model = Transformer(ModelConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=2, max_seq_len=8, moe=moe))
+    model.init_weights(torch.Generator().manual_seed(0))
+    if compiled:
+        model.compile_blocks("default")
+    squares = dw_squares(model)
+    assert len(squares) == 4 and all(w.ndim == 3 for w in squares)
+    norms = GradNormUnderBackward(model.parameters())
+    norms.take_squares_from(squares)
+    read = []
+    real = grad_norm._square_norm
+    monkeypatch.setattr(grad_norm, "_square_norm", lambda g: read.append(g) or real(g))
+    tokens = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model.zero_grad()
+        read.clear()
+        norms.arm()
+        micro_batch_loss(model, tokens, dtype="float32", fused=True).backward()
+        total = norms.total()
+        assert not any(g is w.grad for g in read for w in squares)
+        assert len(read) == len([p for p in model.parameters() if p.grad is not None]) - 4
+        torch.testing.assert_close(total, _total(model), rtol=1e-5, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled, micro_batch", [(False, 0), (True, 0), (True, 2)])
+def test_training_with_the_dw_kernels_squares_on_gpu(compiled, micro_batch):
+    """build_optimizer on CUDA with the triton experts (optim.grad_norm_from_dw, the default):
+    the clip's norms and the training follow the run that reads every gradient, bf16, eager and
+    compiled; with two micro-batches the expert gradients are read (not whole in the last one)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from optimus_core.config import ModelConfig, MoEConfig, TrainConfig
+    from optimus_core.model.transformer import Transformer
+    from optimus_core.train.step import train_step
+
+    moe = MoEConfig(n_experts=4, top_k=2, d_expert=64, experts_backend="triton")
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, max_seq_len=32, pad_vocab_to=64, moe=moe)
+    runs = []
+    for from_dw in (False, True):
+        model = Transformer(cfg)
+        model.init_weights(torch.Generator().manual_seed(0))
+        model = model.cuda()
+        model.use_expert_weight_casts(TrainConfig(dtype="bfloat16"))  # the bf16 copies: the cast op
+        if compiled:
+            model.compile_blocks()
+        opt = build_optimizer(model, OptimConfig(lr=1e-2, grad_norm_from_dw=from_dw))
+        assert bool(opt.grad_norms._from_kernel) == from_dw
+        norms, losses = [], []
+        for step in range(4):
+            batch = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(step)).cuda()
+            stats = train_step(model, opt, batch, micro_batch=micro_batch, grad_clip=0.05, lr=1e-2, dtype="bfloat16")
+            norms.append(float(stats.grad_norm))
+            losses.append(stats.loss)
+        runs.append((norms, losses, [p.detach().clone() for p in model.parameters()]))
+    (n_ref, l_ref, p_ref), (n, l, p) = runs
+    # The first step's gradients are the same bits: its norms differ by summation order only.
+    # Later steps start from parameters a clip factor's rounding apart, which bf16 can amplify.
+    assert n[0] == pytest.approx(n_ref[0], rel=1e-5) and min(n_ref) > 0.05  # every step clipped
+    assert n == pytest.approx(n_ref, rel=1e-3) and l == pytest.approx(l_ref, rel=1e-3)
+    for a, b in zip(p, p_ref):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
