@@ -9,6 +9,7 @@
 #   bench/gpu_suite.sh trace      # timelines: weak-1 and weak-2 on every rank, one GPU's compiled step,
 #                                 # each read by bench/trace_gaps.py (where the devices idle, and why),
 #                                 # and weak-2's device time against weak-1's (trace_gaps.py --compare)
+#   bench/gpu_suite.sh tests      # the one-GPU tests (gpu-marked, kernels and core): ~3+ minutes on an H200
 #   VARIANTS="7b8l-loop 7b8l-triton+compile" bench/gpu_suite.sh speed    # a subset of train_step
 #
 # Needs: torch + triton (CUDA); for OLMo-core, the peers folder with its wheels in .peers/
@@ -17,7 +18,7 @@
 # peer and ours are measured in the same call on identical GPUs.
 set -u
 cd "$(dirname "$0")/.."
-part=${1:?usage: bench/gpu_suite.sh speed|scaling|all|trace|weak}
+part=${1:?usage: bench/gpu_suite.sh speed|scaling|all|trace|weak|tests}
 out=${OUT:-bench/results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -57,6 +58,10 @@ speed)
   CUDA_VISIBLE_DEVICES=0 python3 bench/train_step.py --store '' --out "$out" --summarize-only \
     --olmo-core-jsonl "$out/olmo-core.jsonl" >>"$out/train-step.log" 2>&1
   tail -n 30 "$out/train-step.log" "$out/ablation.log" "$out/olmo-core.log" 2>/dev/null | cut -c1-300
+  ;;
+tests)
+  timeout 540 python3 -m pytest -q -m "gpu and not multi_gpu" tests/kernels tests/optimus_core >"$out/gpu-tests.log" 2>&1
+  grep -E "passed|failed|FAILED|ERROR" "$out/gpu-tests.log" | tail -n 20 | cut -c1-300
   ;;
 scaling)
   timeout 560 python3 bench/distributed.py --suites weak strong --out "$out" --store '' >"$out/scaling.log" 2>&1
