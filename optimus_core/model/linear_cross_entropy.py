@@ -18,10 +18,11 @@ log-softmax, the zero-filled loss gradient, log-softmax backward, back to bf16: 
 only one chunk's logits live at a time (~6 bytes each) instead of the whole micro-batch's in
 bf16 and float32 and their gradients.
 
-``kernel=True`` (train.lm_loss_softmax, see ``use_softmax_kernel``): the log-softmax, the loss and the gradient of a chunk in
-one Triton kernel that overwrites the logits with their gradient (kernels.cross_entropy): each
-logit read twice and written once in the compute dtype (6 bytes for bf16) instead of the cast,
-the float32 log-softmax and the exp (20 bytes); the same arithmetic in float32, rounded once.
+``kernel=True`` (train.lm_loss_softmax, resolved by ``use_softmax_kernel``): the log-softmax, the
+loss and the gradient of a chunk in one Triton kernel that overwrites the logits with their
+gradient (kernels.cross_entropy): each logit read twice and written once in the compute dtype (6
+bytes for bf16) instead of the cast, the float32 log-softmax and the exp (20 bytes); the same
+arithmetic in float32, rounded once.
 """
 from __future__ import annotations
 

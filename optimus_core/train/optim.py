@@ -40,25 +40,25 @@ def use_triton_adamw(cfg: OptimConfig, device: torch.device) -> bool:
     return available and (cfg.implementation == "triton" or device.type in ("cuda", "xpu"))
 
 
+def _per_parameter(model: nn.Module, method: str) -> dict[nn.Parameter, torch.Tensor]:
+    """The union of ``module.<method>()`` ({parameter: tensor}) over the modules that have it."""
+    found = {}
+    for module in model.modules():
+        call = getattr(module, method, None)
+        if callable(call):
+            found.update(call())
+    return found
+
+
 def weight_casts(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
     """{parameter: its low-precision copy} over the modules of ``model`` that keep copies."""
-    casts = {}
-    for module in model.modules():
-        listed = getattr(module, "weight_casts", None)
-        if callable(listed):
-            casts.update(listed())
-    return casts
+    return _per_parameter(model, "weight_casts")
 
 
 def dw_squares(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
     """{weight: its dw_square} over the modules of ``model`` whose kernels can sum their weights'
     squared gradients in the backward (Experts.enable_dw_squares; enables them)."""
-    squares = {}
-    for module in model.modules():
-        enable = getattr(module, "enable_dw_squares", None)
-        if callable(enable):
-            squares.update(enable())
-    return squares
+    return _per_parameter(model, "enable_dw_squares")
 
 
 def adamw(groups: list[dict], cfg: OptimConfig, device: torch.device,

@@ -145,7 +145,8 @@ def test_squares_from_the_kernel_stand_for_whole_gradients(monkeypatch):
         GradNormUnderBackward(model.inp.parameters()).take_squares_from({model.w: model.square})
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the triton experts on CPU need TRITON_INTERPRET=1")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the triton experts on CPU need TRITON_INTERPRET=1")
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_moe_models_norm_with_the_dw_kernels_squares(compiled, monkeypatch):
     """The triton experts' dW kernels sum their gradients' squares (optimus_core.train.optim.
