@@ -39,6 +39,7 @@ class ExpertParallelExperts(Experts):
         self.w_up = nn.Parameter(full.w_up.detach()[local].clone())
         self.w_down = nn.Parameter(full.w_down.detach()[local].clone())
         self.enable_weight_casts(full.weight_cast_dtype)  # copies of this rank's slice, if kept
+        self.dw_square_of = {}  # none: the sharded optimizer reduces the gradients before their norm
 
     def apply_routed(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
                      n_groups: int) -> torch.Tensor:
