@@ -302,9 +302,9 @@ def launch_grouped_mm_dw_tma(x: Tensor, dy: Tensor, offsets: Tensor, dw: Tensor,
     some programs more rows than others (a group of 8x the mean rows lands its tiles on the
     programs of one residue), the greedy take evens them out. Same items, same sums: the
     result does not depend on the schedule.
-    squares: a float32 buffer of at least _num_programs(x.device) zeros; each program adds
-    the squares of the values it stores into its own entry (the caller sums them: in a fixed
-    order, so the statically dealt result is the same from run to run)."""
+    squares: a float32 buffer of at least _num_programs(x.device) zeros; each program writes
+    the sum of the squares of the values it stored to its own entry (the caller adds the
+    entries in a fixed order, so under the static deal the result is the same from run to run)."""
     (M, K), (G, _, N) = x.shape, dw.shape
     if dw.numel() == 0:
         return dw
