@@ -11,6 +11,7 @@
 #                                 # and weak-2's device time against weak-1's (trace_gaps.py --compare)
 #   bench/gpu_suite.sh tests      # the one-GPU tests (gpu-marked, kernels and core): ~3+ minutes on an H200
 #   VARIANTS="7b8l-loop 7b8l-triton+compile" bench/gpu_suite.sh speed    # a subset of train_step
+#   REPEAT=2 VARIANTS="..." bench/gpu_suite.sh speed                       # each variant twice, in turns
 #
 # Needs: torch + triton (CUDA); for OLMo-core, the peers folder with its wheels in .peers/
 # (../shared/peers/README.md says how to fill it). Results: bench/results/ (or $OUT if set), with
@@ -52,6 +53,7 @@ speed)
   fi
   # OLMo-core's line is needed for the ratio: ours first, then wait for it.
   CUDA_VISIBLE_DEVICES=0 timeout 480 python3 bench/train_step.py --store '' --out "$out" ${VARIANTS:+--variants $VARIANTS} \
+    --repeat "${REPEAT:-1}" \
     >"$out/train-step.log" 2>&1
   for pid in "${pids[@]}"; do wait "$pid"; done
   if [ -d .peers/.whl ] && [ "$n" -eq 1 ]; then olmo_core 0; fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Training-step speed on one GPU: tokens/s, step time by phase, peak memory, MFU (not a test).
 
-    python bench/train_step.py [--variants ...] [--olmo-core-jsonl FILE] [--quick]
+    python bench/train_step.py [--variants ...] [--repeat N] [--olmo-core-jsonl FILE] [--quick]
     python bench/train_step.py --ingest bench/results/train-step-nvidia-h200.jsonl   # into the store
 
 Model: ``mula-7b-a1b`` with its full width and 8 of its 16 layers (OLMoE-1B-7B shapes: d_model
@@ -45,9 +45,13 @@ peak = 989 TFLOP/s (H100/H200 dense bf16 datasheet, the convention) and, beside 
 bf16 matmul rate measured in the same run. OLMo-core's line (its JSON, produced in the same GPU
 call) gives ``ratio_vs_olmo_core`` = our best tokens/s / its tokens/s.
 
-Output: a table, bench/results/train-step-<device>.jsonl (one line per variant + a summary
-line with ``ratio_vs_olmo_core`` and ``ablation_speedup`` = best over the loop-experts
-baseline on one GPU) and, where the results store imports, run ``bench-train-step-<device>``
+``--repeat N`` runs the variants N times in turns (A B A B ...): a step moved 3-5 % between GPU
+calls (bench/NOTES.md), so a claim should not rest on one run. Each variant is summarized by its
+median pass, the slower middle one for even N; every pass's tokens/s is kept in the summary.
+
+Output: a table, bench/results/train-step-<device>.jsonl (one line per variant and pass, written
+as each finishes, + a summary line with ``ratio_vs_olmo_core`` and ``ablation_speedup`` = best
+over the loop-experts baseline on one GPU) and, where the results store imports, run ``bench-train-step-<device>``
 (``--ingest`` writes it from the file later, on a machine that has the store).
 """
 from __future__ import annotations
@@ -123,6 +127,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=2, help="sequences per step (one micro-batch)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="passes over the variants, in turns; each variant is summarized by its slower-median pass")
     p.add_argument("--olmo-core-jsonl", default=None, help="OLMo-core's JSON line(s) from the same GPU call")
     p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU: a smoke check, timings meaningless")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -193,6 +199,7 @@ def run_variant(name: str, args, device) -> dict:
             "experts_backend": backend, "compile": compiled, "recast_expert_weights": cfg.train.recast_expert_weights,
             "expert_weight_casts": cfg.train.expert_weight_casts,
             "fused_lm_loss": cfg.train.fused_lm_loss, "optim_implementation": cfg.optim.implementation,
+            "lm_loss_softmax": cfg.train.lm_loss_softmax, "grad_norm_from_dw": cfg.optim.grad_norm_from_dw,
             "seq_len": cfg.data.seq_len, "batch": args.batch,
             "params": cfg.model.num_params(), "active_params": cfg.model.num_active_params(),
             "flops_per_token": flops, "mfu": flops * _tokens_per_s(point) / PEAK_FLOPS,
@@ -211,8 +218,23 @@ def _ratio(record: dict | None, key: str, olmo_gib: float | None) -> float | Non
     return ours / 2**30 / olmo_gib if ours and olmo_gib and ours == ours else None
 
 
+def _median_passes(records: list[dict]) -> list[dict]:
+    """One record per variant: with several passes (--repeat), the pass of median tokens/s, the
+    slower of the two middle ones for an even count (the claim least favourable to us), with
+    every pass's tokens/s beside it (``tokens_per_s_passes``)."""
+    by_variant: dict[str, list[dict]] = {}
+    for r in records:
+        by_variant.setdefault(r["variant"], []).append(r)
+    out = []
+    for runs in by_variant.values():
+        ranked = sorted(runs, key=_tokens_per_s)
+        pick = ranked[(len(ranked) - 1) // 2]
+        out.append({**pick, "tokens_per_s_passes": [_tokens_per_s(r) for r in runs]} if len(runs) > 1 else pick)
+    return out
+
+
 def summarize(records: list[dict], olmo: dict | None, dense_tflops: float | None, device: str) -> dict:
-    moe = [r for r in records if r["variant"].startswith("7b8l") and "error" not in r]  # 8-layer 7B
+    moe = _median_passes([r for r in records if r["variant"].startswith("7b8l") and "error" not in r])  # 8-layer 7B
     best = max(moe, key=_tokens_per_s) if moe else None
     base = next((r for r in moe if r["variant"] == "7b8l-loop"), None)
     out = {"bench": "train_step_summary", "device": device, "peak_flops": PEAK_FLOPS,
@@ -221,7 +243,8 @@ def summarize(records: list[dict], olmo: dict | None, dense_tflops: float | None
            "best_mfu_vs_measured_matmul": best and dense_tflops and
            best["flops_per_token"] * _tokens_per_s(best) / (dense_tflops * 1e12),
            "ablation_speedup": best and base and _tokens_per_s(best) / _tokens_per_s(base),
-           "ablation_note": "one GPU: kernels only (the EP-aware optimizer needs >1 rank; bench/distributed.py)"}
+           "ablation_note": "one GPU: kernels only (the EP-aware optimizer needs >1 rank; bench/distributed.py)",
+           "tokens_per_s_passes": {r["variant"]: r["tokens_per_s_passes"] for r in moe if "tokens_per_s_passes" in r}}
     if olmo and best:
         olmo_tps = _olmo_tokens_per_s(olmo)
         default = next((r for r in moe if r["variant"] == DEFAULT_VARIANT), None)
@@ -296,18 +319,23 @@ def main(argv=None) -> None:
     dense = matmul_tflops(device) if device.type == "cuda" else None
     if dense:
         print(f"dense bf16 matmul 8192^3: {dense:.0f} TFLOP/s")
+    if args.repeat < 1:
+        sys.exit(f"--repeat {args.repeat}: must be >= 1")
     records = []
     print(f"{'variant':>38} {'tokens/s':>10} {'b2b ms':>7} {'step ms':>8} {'compute':>8} {'optim':>7} "
           f"{'idle':>6} {'MFU':>6} {'peak GiB':>8}")
-    for variant in args.variants:
+    for i, variant in enumerate(args.variants * args.repeat):
+        passed = {"pass": i // len(args.variants)} if args.repeat > 1 else {}
         try:
-            r = run_variant(variant, args, device)
+            r = {**run_variant(variant, args, device), **passed}
         except Exception as e:  # one variant failing (OOM, a compile error) must not lose the others
-            r = {"bench": "train_step", "variant": variant, "error": f"{type(e).__name__}: {e}"[:500]}
+            r = {"bench": "train_step", "variant": variant, **passed, "error": f"{type(e).__name__}: {e}"[:500]}
             print(f"{variant:>38} failed: {r['error']}", flush=True)
             records.append(r)
+            write_jsonl(path, records)
             continue
         records.append(r)
+        write_jsonl(path, records)  # nothing measured is lost if the call is cut short
         b2b = r.get("step_back_to_back_s", float("nan"))
         print(f"{variant:>38} {_tokens_per_s(r):>10,.0f} {b2b * 1e3:>7.1f} {r['step_s'] * 1e3:>8.1f} "
               f"{r['compute_s'] * 1e3:>8.1f} "
