@@ -96,6 +96,24 @@ def launchable_on(device: torch.device) -> bool:
     return triton is not None and (INTERPRET or torch.device(device).type in ("cuda", "xpu"))
 
 
+def use_triton(choice: str, device: torch.device, field: str, what: str) -> bool:
+    """A config field's "auto" | "torch" | "triton" resolved for tensors on ``device``: "auto" is
+    Triton on a CUDA / XPU device where it imports (never the interpreter: it is for tests) and
+    torch elsewhere; "triton" where ``what`` cannot run is an error naming ``field``, not a
+    silent fallback."""
+    device = torch.device(device)
+    if choice == "torch":
+        return False
+    if choice == "triton":
+        if not launchable_on(device):
+            raise ValueError(f"{field} = 'triton': {what} cannot run on {device.type} (needs a CUDA or XPU "
+                             "device with Triton, or TRITON_INTERPRET=1); use 'auto' or 'torch'")
+        return True
+    if choice == "auto":
+        return device.type in ("cuda", "xpu") and launchable_on(device)
+    raise ValueError(f"{field} = {choice!r}: one of 'auto', 'torch', 'triton'")
+
+
 def check_launchable(op: str, *tensors: torch.Tensor) -> None:
     """Raise a clear error where the triton backend cannot run `tensors`."""
     if triton is None:

@@ -40,21 +40,11 @@ DEFAULT_CHUNK_ROWS = 4096
 
 def use_softmax_kernel(choice: str, device: torch.device) -> bool:
     """train.lm_loss_softmax resolved for a model on ``device``: "auto" is the Triton kernel on a
-    CUDA / XPU device where Triton imports and torch elsewhere (the interpreter is for tests);
-    "triton" where it cannot run is an error, not a silent fallback."""
-    from kernels._triton import launchable_on
+    CUDA / XPU device where Triton imports and torch elsewhere; "triton" where it cannot run is
+    an error (kernels._triton.use_triton)."""
+    from kernels._triton import use_triton
 
-    device = torch.device(device)
-    if choice == "torch":
-        return False
-    if choice == "triton":
-        if not launchable_on(device):
-            raise ValueError(f"train.lm_loss_softmax = 'triton': the kernel cannot run on {device.type} (needs "
-                             "a CUDA or XPU device with Triton, or TRITON_INTERPRET=1); use 'auto' or 'torch'")
-        return True
-    if choice == "auto":
-        return device.type in ("cuda", "xpu") and launchable_on(device)
-    raise ValueError(f"train.lm_loss_softmax = {choice!r}: one of 'auto', 'torch', 'triton'")
+    return use_triton(choice, device, "train.lm_loss_softmax", "the kernel")
 
 
 def linear_cross_entropy(h_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor, *,
@@ -96,11 +86,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             nll = torch.zeros((), dtype=torch.float32, device=h_ND.device)
             dh_ND = torch.empty_like(h_ND) if need_dh else None
             dw_VD = None
+            grad = need_dh or need_dw
             for start in range(0, h_ND.shape[0], chunk_rows):
                 rows = slice(start, start + chunk_rows)
                 h_CD, t_C1, valid_C1 = h_ND[rows].to(compute_dtype), safe_N[rows, None], valid_N[rows, None]
                 logits_CV = h_CD @ w_VD.T
-                grad = need_dh or need_dw
                 if kernel:  # loss and gradient in one pass, over the logits; ignored rows' gradient is zero
                     nll += kernels.cross_entropy.softmax_cross_entropy_(logits_CV, safe_N[rows], valid_N[rows],
                                                                         grad=grad).sum()

@@ -114,11 +114,3 @@ class TritonAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         settle_updates(self)  # not over tensors an update still writes
         super().load_state_dict(state_dict)
-
-
-def triton_adamw_available(device: torch.device) -> bool:
-    """True where the kernel can run: a CUDA or XPU device with Triton (or any device under
-    TRITON_INTERPRET=1, which the tests use)."""
-    from kernels._triton import launchable_on
-
-    return launchable_on(device)

@@ -29,15 +29,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def use_triton_adamw(cfg: OptimConfig, device: torch.device) -> bool:
     """optim.implementation resolved for parameters on ``device`` (see OptimConfig)."""
-    from .adamw import triton_adamw_available
+    from kernels._triton import use_triton
 
-    if cfg.implementation == "torch":
-        return False
-    available = triton_adamw_available(device)
-    if cfg.implementation == "triton" and not available:
-        raise ValueError(f"optim.implementation = 'triton': the Triton AdamW cannot run on {device.type} "
-                         "(needs a CUDA or XPU device with Triton); use 'auto' or 'torch'")
-    return available and (cfg.implementation == "triton" or device.type in ("cuda", "xpu"))
+    return use_triton(cfg.implementation, device, "optim.implementation", "the Triton AdamW")
 
 
 def _per_parameter(model: nn.Module, method: str) -> dict[nn.Parameter, torch.Tensor]:
