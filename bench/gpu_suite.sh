@@ -9,6 +9,8 @@
 #   bench/gpu_suite.sh trace      # timelines: weak-1 and weak-2 on every rank, one GPU's compiled step,
 #                                 # each read by bench/trace_gaps.py (where the devices idle, and why),
 #                                 # and weak-2's device time against weak-1's (trace_gaps.py --compare)
+#   bench/gpu_suite.sh memory     # where the step's peak memory lies and what is allocated then
+#                                 # (bench/memory_step.py; VARIANTS="..." for others than the default)
 #   bench/gpu_suite.sh tests      # the one-GPU tests (gpu-marked, kernels and core): ~3+ minutes on an H200
 #   VARIANTS="7b8l-loop 7b8l-triton+compile" bench/gpu_suite.sh speed    # a subset of train_step
 #   REPEAT=2 VARIANTS="..." bench/gpu_suite.sh speed                       # each variant twice, in turns
@@ -19,7 +21,7 @@
 # peer and ours are measured in the same call on identical GPUs.
 set -u
 cd "$(dirname "$0")/.."
-part=${1:?usage: bench/gpu_suite.sh speed|scaling|all|trace|weak|tests}
+part=${1:?usage: bench/gpu_suite.sh speed|scaling|all|trace|weak|memory|tests}
 out=${OUT:-bench/results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -60,6 +62,13 @@ speed)
   CUDA_VISIBLE_DEVICES=0 python3 bench/train_step.py --store '' --out "$out" --summarize-only \
     --olmo-core-jsonl "$out/olmo-core.jsonl" >>"$out/train-step.log" 2>&1
   tail -n 30 "$out/train-step.log" "$out/ablation.log" "$out/olmo-core.log" 2>/dev/null | cut -c1-300
+  ;;
+memory)
+  for variant in ${VARIANTS:-7b8l-triton+compile}; do
+    CUDA_VISIBLE_DEVICES=0 timeout 300 python3 bench/memory_step.py --variant "$variant" --out "$out" \
+      >>"$out/memory.log" 2>&1
+  done
+  grep -vE "^\{" "$out/memory.log" | cut -c1-200
   ;;
 tests)
   timeout 540 python3 -m pytest -q -m "gpu and not multi_gpu" tests/kernels tests/optimus_core >"$out/gpu-tests.log" 2>&1

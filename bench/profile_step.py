@@ -49,6 +49,36 @@ def category(name: str) -> str:
     return "other"
 
 
+def build_variant_step(variant: str, seq: int, batch: int, device):
+    """(model, optimizer, step) of bench/train_step.py's ``variant`` on ``device``: ``step()`` runs
+    one training step on fixed random tokens (``batch`` sequences of ``seq``, one micro-batch)
+    and waits for its gradient norm."""
+    import torch
+
+    from optimus_core import presets
+    from optimus_core.train.measure import build_on_device
+    from optimus_core.train.optim import build_optimizer
+    from optimus_core.train.step import train_step
+
+    model_spec, backend, compiled, extra = VARIANTS[variant]
+    overrides = {**model_spec["overrides"], "data.seq_len": seq, "train.global_batch": batch,
+                 "train.micro_batch": batch, "train.dtype": "bfloat16", "train.compile": compiled,
+                 "train.device": device.type, **extra}
+    if backend:
+        overrides["model.moe.experts_backend"] = backend
+    cfg = presets.get(model_spec["preset"]).run_config(**overrides)
+    model = build_on_device(cfg, device)
+    optimizer = build_optimizer(model, cfg.optim, cfg.train)
+    batch_BS1 = torch.randint(0, cfg.model.vocab_size, (batch, seq + 1), device=device)
+
+    def step():
+        stats = train_step(model, optimizer, batch_BS1, micro_batch=batch, grad_clip=cfg.optim.grad_clip,
+                           lr=cfg.optim.lr, dtype="bfloat16", fused_lm_loss=cfg.train.fused_lm_loss)
+        float(stats.grad_norm)
+
+    return model, optimizer, step
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--variant", default="7b8l-triton+compile", choices=list(VARIANTS))
@@ -62,29 +92,12 @@ def main(argv=None) -> None:
 
     import torch
 
-    from optimus_core import presets
-    from optimus_core.train.measure import build_on_device, write_timeline
-    from optimus_core.train.optim import build_optimizer
-    from optimus_core.train.step import train_step
+    from optimus_core.train.measure import write_timeline
 
     if not torch.cuda.is_available():
         sys.exit("bench/profile_step.py profiles a GPU step and found no CUDA device")
     device = torch.device("cuda")
-    model_spec, backend, compiled, extra = VARIANTS[args.variant]
-    overrides = {**model_spec["overrides"], "data.seq_len": args.seq, "train.global_batch": args.batch,
-                 "train.micro_batch": args.batch, "train.dtype": "bfloat16", "train.compile": compiled,
-                 "train.device": "cuda", **extra}
-    if backend:
-        overrides["model.moe.experts_backend"] = backend
-    cfg = presets.get(model_spec["preset"]).run_config(**overrides)
-    model = build_on_device(cfg, device)
-    optimizer = build_optimizer(model, cfg.optim)
-    batch_BS1 = torch.randint(0, cfg.model.vocab_size, (args.batch, args.seq + 1), device=device)
-
-    def step():
-        stats = train_step(model, optimizer, batch_BS1, micro_batch=args.batch, grad_clip=cfg.optim.grad_clip,
-                           lr=cfg.optim.lr, dtype="bfloat16", fused_lm_loss=cfg.train.fused_lm_loss)
-        float(stats.grad_norm)
+    _, _, step = build_variant_step(args.variant, args.seq, args.batch, device)
 
     for _ in range(args.warmup):
         step()

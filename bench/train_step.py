@@ -28,6 +28,9 @@ warm-up, then the median of timed steps, phases from device events):
     -dwnorm                 optim.grad_norm_from_dw off: the clip's norm reads the expert weights'
                             gradients beside the backward instead of taking the sums of squares
                             the dW kernel makes as it stores them (an A/B of the default)
+    -bf16grads              train.expert_grad_dtype = float32: the dW kernel writes the expert
+                            weights' gradients in float32 on the weights instead of in bf16 on
+                            their bf16 copies (an A/B of the default)
     -xent                   train.lm_loss_softmax = torch: the fused LM loss's log-softmax, loss
                             and gradient by torch ops instead of one Triton kernel
                             (kernels.cross_entropy; an A/B of the default)
@@ -82,6 +85,7 @@ UPDATE_AFTER = {"optim.update_beside_forward": False}  # the whole update after 
 WEIGHTED_COMBINE = {"model.moe.weights_before_down": False}  # routing weights in the combine, not the SwiGLU
 NORM_READS_DW = {"optim.grad_norm_from_dw": False}  # the expert gradients read again for the clip's norm
 TORCH_XENT = {"train.lm_loss_softmax": "torch"}  # the LM loss's softmax by torch ops, not one kernel
+FLOAT32_EXPERT_GRADS = {"train.expert_grad_dtype": "float32"}  # dW in float32 on the weights, not bf16 on the copies
 
 # The recipe of the 2026-11-30 measurements: full logits then cross-entropy, torch's fused AdamW.
 LOGITS_TORCH_ADAMW = {"train.fused_lm_loss": False, "optim.implementation": "torch"}
@@ -100,6 +104,7 @@ VARIANTS = {  # name -> (model, experts backend, compile, further config overrid
     "7b8l-triton+compile-weightsbefore": (MODEL_7B, "triton", True, WEIGHTED_COMBINE),
     "7b8l-triton+compile-xent": (MODEL_7B, "triton", True, TORCH_XENT),
     "7b8l-triton+compile-dwnorm": (MODEL_7B, "triton", True, NORM_READS_DW),
+    "7b8l-triton+compile-bf16grads": (MODEL_7B, "triton", True, FLOAT32_EXPERT_GRADS),
     "7b8l-triton+compile+graphs-beside": (MODEL_7B, "triton", True, {**CUDA_GRAPHS, **UPDATE_AFTER}),
     "7b8l-triton+compile+logits+torch-adamw": (MODEL_7B, "triton", True, LOGITS_TORCH_ADAMW),
     "7b8l-triton+recast": (MODEL_7B, "triton", False, RECAST),
@@ -200,6 +205,7 @@ def run_variant(name: str, args, device) -> dict:
             "expert_weight_casts": cfg.train.expert_weight_casts,
             "fused_lm_loss": cfg.train.fused_lm_loss, "optim_implementation": cfg.optim.implementation,
             "lm_loss_softmax": cfg.train.lm_loss_softmax, "grad_norm_from_dw": cfg.optim.grad_norm_from_dw,
+            "expert_grad_dtype": cfg.train.expert_grad_dtype,
             "seq_len": cfg.data.seq_len, "batch": args.batch,
             "params": cfg.model.num_params(), "active_params": cfg.model.num_active_params(),
             "flops_per_token": flops, "mfu": flops * _tokens_per_s(point) / PEAK_FLOPS,

@@ -5,11 +5,12 @@
     adamw_step_reference_(...same...)                                 # plain torch, in place
     squared_norm(x_N) -> 0-d float64       squared_norm_reference(x_N) -> 0-d float64
 
-Suffix N: one flat 1-D contiguous buffer (ShardedAdamW's per-bucket shards). param, grad and
-the two moments are float32 of equal length (any length); the update is torch.optim.AdamW's
-(decoupled weight decay, maximize=False, amsgrad=False), per element:
+Suffix N: one flat 1-D contiguous buffer (ShardedAdamW's per-bucket shards). param and the two
+moments are float32, grad float32 or bfloat16 (the experts' gradients kept in bf16,
+train.expert_grad_dtype), all of equal length (any length); the update is torch.optim.AdamW's
+(decoupled weight decay, maximize=False, amsgrad=False) on float32(grad), per element:
 
-    g  = grad / grad_scale                        (grad_scale: a 0-d float32 device tensor, read
+    g  = float32(grad) / grad_scale               (grad_scale: a 0-d float32 device tensor, read
                                                    by the kernel: the clip factor, no host sync)
     p *= 1 - lr * weight_decay
     m  = beta1 * m + (1 - beta1) * g
@@ -21,7 +22,8 @@ the two moments are float32 of equal length (any length); the update is torch.op
 the bias corrections are computed on the host, so nothing waits on the device. ``grad`` is left
 untouched (torch's fused kernel writes the unscaled grad back when it has a grad_scale: 4 more
 bytes per element). Traffic: 28 bytes per element (read p, g, m, v; write p, m, v), 30 with the
-bf16 copy, which saves the forward its own cast of the weight (read 4, write 2).
+bf16 copy, which saves the forward its own cast of the weight (read 4, write 2); 2 less with a
+bf16 gradient.
 
 The kernel uses nothing CUDA-specific (no inline PTX, no tl.extra.cuda: meant for Intel XPU too,
 not yet compiled there), 64-bit offsets (buffers past 2^31 elements), IEEE division and square
@@ -49,6 +51,7 @@ from ._triton import INTERPRET, check_launchable, device_guard, jit, tl, triton
 
 TUNE_MAX = 1 << 24  # elements of the scratch buffers a config is timed on
 TUNE_MIN = 1 << 16  # below this, no timing: the first config
+GRAD_DTYPES = (torch.float32, torch.bfloat16)  # what adamw_step_ takes as the gradient
 
 
 # ---------------------------------------------------------------- argument checks
@@ -73,9 +76,12 @@ def _check_buffers(param_N, grad_N, exp_avg_N, exp_avg_sq_N, grad_scale, param_b
     for name, t in named.items():
         if not isinstance(t, Tensor):
             raise TypeError(f"adamw_step_: {name} must be a tensor, got {type(t).__name__}")
-        if t.dtype != torch.float32 or t.dim() != 1 or not t.is_contiguous():
-            raise ValueError(f"adamw_step_: {name} must be a 1-D contiguous float32 tensor, got "
-                             f"{t.dtype} of shape {tuple(t.shape)}{'' if t.is_contiguous() else ' (strided)'}")
+        dtypes = GRAD_DTYPES if name == "grad_N" else (torch.float32,)
+        if t.dtype not in dtypes or t.dim() != 1 or not t.is_contiguous():
+            names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise ValueError(f"adamw_step_: {name} must be a 1-D contiguous {names} "
+                             f"tensor, got {t.dtype} of shape {tuple(t.shape)}"
+                             f"{'' if t.is_contiguous() else ' (strided)'}")
     if param_bf16_N is not None:
         if param_bf16_N.dtype != torch.bfloat16 or param_bf16_N.dim() != 1 or not param_bf16_N.is_contiguous():
             raise ValueError(f"adamw_step_: param_bf16_N must be a 1-D contiguous bfloat16 tensor, got "
@@ -106,7 +112,7 @@ def adamw_step_reference_(param_N: Tensor, grad_N: Tensor, exp_avg_N: Tensor, ex
     torch.optim.AdamW's single-tensor path (foreach=False, fused=False), which it equals."""
     _check_hyper(lr, beta1, beta2, eps, weight_decay, step)
     _check_buffers(param_N, grad_N, exp_avg_N, exp_avg_sq_N, grad_scale, param_bf16_N)
-    grad = grad_N if grad_scale is None else grad_N / grad_scale
+    grad = grad_N.float() if grad_scale is None else grad_N.float() / grad_scale
     param_N.mul_(1 - lr * weight_decay)
     exp_avg_N.lerp_(grad, 1 - beta1)
     exp_avg_sq_N.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -130,7 +136,7 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, p16_ptr, scale_ptr, start, N,
     offs = start + tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     p = tl.load(p_ptr + offs, mask=mask)
-    g = tl.load(g_ptr + offs, mask=mask)
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)  # a bf16 gradient: exactly
     m = tl.load(m_ptr + offs, mask=mask)
     v = tl.load(v_ptr + offs, mask=mask)
     if HAS_SCALE:
@@ -184,8 +190,9 @@ def _best_config(kernel: str, device: str, variant: tuple, size: int) -> tuple[i
         return configs[0]
     dev = torch.device(device)
     if kernel == "adamw":
-        has_scale, has_bf16 = variant
+        has_scale, has_bf16, grad_dtype = variant
         bufs = [torch.rand(size, device=dev) for _ in range(4)]
+        bufs[1] = bufs[1].to(grad_dtype)
         scale = torch.ones((), device=dev) if has_scale else None
         p16 = torch.empty(size, dtype=torch.bfloat16, device=dev) if has_bf16 else None
 
@@ -251,8 +258,8 @@ def adamw_step_(param_N: Tensor, grad_N: Tensor, exp_avg_N: Tensor, exp_avg_sq_N
     # Host float64 arithmetic, passed to the kernel as float32 scalars.
     scalars = (1.0 - lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2,
                lr / (1.0 - beta1 ** step), (1.0 - beta2 ** step) ** 0.5, eps)
-    cfg = _best_config("adamw", str(param_N.device), (grad_scale is not None, param_bf16_N is not None),
-                       _tune_size(n))
+    cfg = _best_config("adamw", str(param_N.device), (grad_scale is not None, param_bf16_N is not None,
+                                                      grad_N.dtype), _tune_size(n))
     with device_guard(param_N):
         _launch_adamw(param_N, grad_N, exp_avg_N, exp_avg_sq_N, grad_scale, param_bf16_N, scalars, cfg)
 

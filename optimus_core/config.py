@@ -364,6 +364,14 @@ class TrainConfig(_Validated):
     # peak memory: the forward otherwise keeps such a copy for the backward (optimus_core.model.
     # experts; bench/train_step.py's "-casts" variants turn it off).
     expert_weight_casts: bool = True
+    # The expert weights' gradients: "bfloat16" keeps them on those bf16 copies, as the bf16 dW
+    # GEMM makes them (torch's autocast makes the same values, then widens them into a float32
+    # .grad), and the Triton AdamW widens them as it reads: 6 GiB less where an 8-layer
+    # mula-7b-a1b step peaks, and 2 bytes less per expert parameter to write and read (bench/
+    # NOTES.md). Needs the copies (above, under bf16), the Triton AdamW, one process and one
+    # micro-batch per step (micro-batches would add up in bf16). "auto": bfloat16 where all that
+    # holds, else float32 (the dW kernel writes float32 gradients on the weights).
+    expert_grad_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # The LM head and the cross-entropy fused, a few thousand tokens at a time
     # (optimus_core.model.linear_cross_entropy): the same loss and gradients without the
     # micro-batch's full logits in bf16 and float32 and their gradients (several GB at 8192
@@ -398,6 +406,10 @@ class TrainConfig(_Validated):
         self._require(self.steps >= 1, "steps", "must be >= 1")
         self._require(self.global_batch >= 1, "global_batch", "must be >= 1")
         self._require(self.micro_batch >= 0, "micro_batch", "must be >= 0 (0 = no accumulation)")
+        self._require(self.expert_grad_dtype != "bfloat16" or (
+            self.dtype == "bfloat16" and self.expert_weight_casts and not self.recast_expert_weights),
+            "expert_grad_dtype", "'bfloat16' needs the experts' bf16 weight copies: dtype = bfloat16, "
+            "expert_weight_casts = true, recast_expert_weights = false")
         self._require(self.fused_lm_loss or self.lm_loss_softmax != "triton", "lm_loss_softmax",
                       "'triton' needs fused_lm_loss = true (the kernel is the fused loss's softmax part)")
         if self.micro_batch:

@@ -33,6 +33,17 @@ keeps a copy that every writer of the weights keeps equal to w.to(bf16): the opt
 find the copies through optimus_core.train.optim.weight_casts; TritonAdamW writes them in its
 update pass), loading a state dict (here), Transformer.init_weights. State dicts and checkpoints
 do not change. The forward reads a copy only when its dtype is autocast's.
+
+Gradients on the copies (train.expert_grad_dtype = bfloat16, the default where it applies):
+
+    experts.keep_grads_on_casts(True)             # the copies require grad
+
+makes the copies the weights the forward multiplies by, so the dW kernel stores each weight's
+gradient in bf16 as the copy's ``.grad``, and TritonAdamW applies it to the float32 weight
+(optimus_core.train.adamw). It is the gradient torch's autocast recipe makes (the bf16 GEMM's dW,
+rounded to bf16, then widened into a float32 ``.grad``) without the float32 tensor: 6 GiB less at
+the end of the backward for 8 OLMoE layers, where the step's memory peaks (bench/NOTES.md).
+Micro-batches would add up in bf16, so one micro-batch per step only (optimus_core.train.optim).
 """
 from __future__ import annotations
 
@@ -63,6 +74,21 @@ class Experts(nn.Module):
         for name in self.WEIGHTS:
             copy = None if dtype is None else getattr(self, name).detach().to(dtype, copy=True)
             self.register_buffer(f"{name}_cast", copy, persistent=False)
+
+    def keep_grads_on_casts(self, on: bool) -> None:
+        """The weights' gradients on their copies, in the copies' dtype (module docstring), or
+        back on the weights (``on`` False). ValueError without copies."""
+        casts = self.weight_casts()
+        if on and not casts:
+            raise ValueError("keep_grads_on_casts: these experts keep no weight copies (enable_weight_casts)")
+        for copy in casts.values():
+            copy.grad = None
+            copy.requires_grad_(on)
+
+    @property
+    def grads_on_casts(self) -> bool:
+        copy = getattr(self, "w_up_cast", None)
+        return copy is not None and copy.requires_grad
 
     @property
     def weight_cast_dtype(self) -> torch.dtype | None:
@@ -142,7 +168,9 @@ class Experts(nn.Module):
         if torch.is_autocast_enabled(x_MD.device.type):  # the kernels compute in one dtype
             dtype = torch.get_autocast_dtype(x_MD.device.type)
             x_MD = x_MD.to(dtype)
-            if self.weight_cast_dtype == dtype:  # the copies the optimizer keeps: no cast at all
+            if self.weight_cast_dtype == dtype and self.grads_on_casts:  # the copies are the weights
+                w_up, w_down = self.w_up_cast, self.w_down_cast  # (their gradients: bf16, on them)
+            elif self.weight_cast_dtype == dtype:  # the copies the optimizer keeps: no cast at all
                 up_cast, down_cast = self.w_up_cast, self.w_down_cast
             elif self.backend == "triton":
                 # The float32 weights go in as they are: the op casts them, and writes their
@@ -158,6 +186,13 @@ class Experts(nn.Module):
         h_MF = kernels.swiglu(h_MF2, row_weight=row_weight_M, backend=self.backend)
         return kernels.grouped_mm(h_MF, w_down, offsets_E, backend=self.backend, keep_cast=keep_cast,
                                   w_cast=down_cast, dw_square=squares.get("w_down"))
+
+
+def grad_holder(w: torch.Tensor, casts: dict[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The tensor whose ``.grad`` is ``w``'s gradient: its copy in ``casts`` ({weight: copy})
+    where the gradients stay on the copies (Experts.keep_grads_on_casts), else ``w``."""
+    copy = casts.get(w)
+    return copy if copy is not None and copy.requires_grad else w
 
 
 @torch.no_grad()

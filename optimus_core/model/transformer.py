@@ -88,6 +88,13 @@ class Transformer(nn.Module):
         for layer in self.moe_layers():
             layer.experts.enable_weight_casts(dtype)
 
+    def keep_expert_grads_on_casts(self, on: bool) -> None:
+        """The expert weights' gradients on their bf16 copies (optimus_core.model.experts); call
+        after set_expert_weight_casts, before building the optimizer. optimus_core.train.optim.
+        build_optimizer does it where train.expert_grad_dtype resolves to bfloat16."""
+        for layer in self.moe_layers():
+            layer.experts.keep_grads_on_casts(on)
+
     def use_expert_weight_casts(self, train: TrainConfig) -> bool:
         """``train.expert_weight_casts`` where it saves the forward's cast of the expert weights
         (bf16 autocast, train.recast_expert_weights off), bf16 copies; none elsewhere. Returns

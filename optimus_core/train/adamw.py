@@ -12,7 +12,9 @@ bench/optimizer.py times both; bench/NOTES.md has the numbers.
 
 ``casts`` ({parameter: low-precision copy}, optimus_core.train.optim.weight_casts): copies kept
 equal to their parameter cast after every step; a bf16 copy is written by the update kernel
-itself (2 more bytes per parameter, instead of the forward's cast: read 4, write 2).
+itself (2 more bytes per parameter, instead of the forward's cast: read 4, write 2). Where a
+copy requires grad, it holds its weight's gradient, in bf16 (train.expert_grad_dtype): the update
+reads that, and ``zero_grad`` clears it with the parameters' (model.experts.grad_holder).
 
 With ``beside_forward`` set (optim.update_beside_forward, optimus_core.train.update_stream),
 ``step()`` queues the update on a side stream in the forward's order of the model's stages and
@@ -28,6 +30,7 @@ import torch
 
 import kernels
 
+from ..model.experts import grad_holder
 from .update_stream import settle_updates
 
 
@@ -60,8 +63,18 @@ class TritonAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if self._gradient(p) is not None:
                     self._state(p)
-        self.beside_forward.step(lambda params: self.update_(params, grad_scale), keep=(grad_scale,))
+        self.beside_forward.step(lambda params: self.update_(params, grad_scale), keep=(grad_scale,),
+                                 gradients=lambda p: [g for _, g in self._gradient(p) or ()])
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for copy in self.casts.values():  # the gradients kept on bf16 copies, where they are
+            if copy.grad is not None:
+                if set_to_none:
+                    copy.grad = None
+                else:
+                    copy.grad.zero_()
 
     def _state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -78,7 +91,8 @@ class TritonAdamW(torch.optim.Optimizer):
         pieces = self.grad_pieces.get(p)
         if pieces is not None:
             return pieces
-        return None if p.grad is None else [(0, p.grad)]
+        grad = grad_holder(p, self.casts).grad
+        return None if grad is None else [(0, grad)]
 
     @torch.no_grad()
     def update_(self, params: list[torch.Tensor] | None, grad_scale: torch.Tensor | None = None) -> None:

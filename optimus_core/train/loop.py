@@ -25,7 +25,7 @@ from ..model.transformer import Transformer
 from ..parallel import Mesh, ShardedAdamW, parallelize
 from . import checkpoint as ckpt
 from .evaluate import heldout_metrics
-from .optim import build_optimizer
+from .optim import build_optimizer, use_bf16_expert_grads
 from .resilience import LossGuard, Preempted, StopRequest
 from .schedule import lr_at
 from .step import train_step
@@ -116,12 +116,14 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg, self.device)  # the same full model on every rank (same seed)
         if self.mesh.distributed:
+            # float32 expert gradients there (the sharded optimizer's buffers); "bfloat16" raises
+            use_bf16_expert_grads(self.model, cfg.train, cfg.optim, self.device, ranks=self.mesh.world_size)
             self.model = parallelize(self.model, self.mesh)
             self.optimizer = ShardedAdamW(self.model, self.mesh, cfg.optim, mode=cfg.parallel.optimizer,
                                          overlap=cfg.parallel.overlap_grad_sync,
                                          chunk_mb=cfg.parallel.grad_sync_chunk_mb)
         else:
-            self.optimizer = build_optimizer(self.model, cfg.optim)
+            self.optimizer = build_optimizer(self.model, cfg.optim, cfg.train)
         dataset = TokenDataset(self.data_dir, split="train", seq_len=cfg.data.seq_len)
         self.loader = BatchLoader(dataset, cfg.train.global_batch, seed=cfg.data.seed,
                                   rank=self.mesh.rank, world_size=self.mesh.world_size)

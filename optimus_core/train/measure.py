@@ -44,7 +44,7 @@ from ..model.linear_cross_entropy import use_softmax_kernel
 from ..model.transformer import Transformer
 from ..parallel import Mesh, ShardedAdamW, parallelize
 from ..timing import PhaseTimer
-from .optim import build_optimizer
+from .optim import build_optimizer, use_bf16_expert_grads
 from .step import train_step
 
 PHASES = ("compute", "a2a", "grad_sync", "optimizer")
@@ -86,12 +86,15 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
         raise ValueError(f"train.global_batch = {cfg.train.global_batch} sequences does not split over "
                          f"{mesh.world_size} ranks")
     device = mesh.device
-    model = parallelize(build_on_device(cfg, device), mesh)
+    model = build_on_device(cfg, device)
+    if mesh.distributed:
+        use_bf16_expert_grads(model, cfg.train, cfg.optim, device, ranks=mesh.world_size)  # "bfloat16" raises
+    model = parallelize(model, mesh)
     if mesh.distributed:
         optimizer = ShardedAdamW(model, mesh, cfg.optim, mode=cfg.parallel.optimizer,
                                    overlap=cfg.parallel.overlap_grad_sync, chunk_mb=cfg.parallel.grad_sync_chunk_mb)
     else:
-        optimizer = build_optimizer(model, cfg.optim)
+        optimizer = build_optimizer(model, cfg.optim, cfg.train)
     local_batch = cfg.train.global_batch // mesh.world_size
     generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 7919 + mesh.rank)
     batch_BS1 = torch.randint(0, cfg.model.vocab_size, (local_batch, cfg.data.seq_len + 1),

@@ -4,15 +4,18 @@ Weight casts: a module may keep low-precision copies of its weights for the forw
 under bf16, train.expert_weight_casts) and list them as ``module.weight_casts() -> {param:
 copy}``; ``weight_casts(model)`` collects them and every optimizer built here keeps each copy
 equal to its parameter cast, bit for bit, after every step (TritonAdamW in its update kernel,
-torch's AdamW by a cast after its step).
+torch's AdamW by a cast after its step). Where train.expert_grad_dtype resolves to bfloat16
+(``use_bf16_expert_grads``), the copies also hold their weights' gradients, in bf16, and
+TritonAdamW applies those: ``grad_holder(w, casts)`` is where a weight's gradient is, and
+``gradients(model, optimizer)`` lists every gradient a step applies.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..config import OptimConfig
-from ..model.experts import refresh_casts
+from ..config import OptimConfig, TrainConfig
+from ..model.experts import grad_holder, refresh_casts
 from ..model.transformer import Transformer
 from .grad_norm import GradNormUnderBackward
 from .update_stream import UpdateBesideForward
@@ -55,6 +58,31 @@ def dw_squares(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
     return _per_parameter(model, "enable_dw_squares")
 
 
+def use_bf16_expert_grads(model: nn.Module, train: TrainConfig, cfg: OptimConfig, device: torch.device,
+                          ranks: int = 1) -> bool:
+    """train.expert_grad_dtype resolved for ``model`` (its weight copies already made:
+    Transformer.use_expert_weight_casts) trained by ``ranks`` processes with ``cfg``'s AdamW on
+    ``device``: whether the expert weights' gradients stay in bf16 on their copies. "bfloat16"
+    where that cannot work is a ValueError that says what is missing; "auto" falls back to float32."""
+    if train.expert_grad_dtype == "float32":
+        return False
+    missing = []
+    copies = weight_casts(model).values()
+    if not copies or any(c.dtype != torch.bfloat16 for c in copies):
+        missing.append("the experts' bf16 weight copies (train.expert_weight_casts under bf16 autocast)")
+    if ranks > 1:
+        missing.append("one process (the sharded optimizer keeps float32 gradients in its buffers)")
+    elif not use_triton_adamw(cfg, device):
+        missing.append("the Triton AdamW (optim.implementation; torch's takes float32 gradients)")
+    per_rank = train.global_batch // max(1, ranks)
+    if 0 < train.micro_batch < per_rank:
+        missing.append(f"one micro-batch per step (train.micro_batch = {train.micro_batch} of {per_rank} "
+                       "sequences per rank: micro-batches would add up in bf16)")
+    if missing and train.expert_grad_dtype == "bfloat16":
+        raise ValueError("train.expert_grad_dtype = 'bfloat16' needs " + "; ".join(missing))
+    return not missing
+
+
 def adamw(groups: list[dict], cfg: OptimConfig, device: torch.device,
           casts: dict[torch.Tensor, torch.Tensor] | None = None) -> torch.optim.Optimizer:
     """The AdamW of ``cfg.implementation`` over ``groups`` (parameters on ``device``), keeping
@@ -70,18 +98,23 @@ def adamw(groups: list[dict], cfg: OptimConfig, device: torch.device,
             opt.register_step_post_hook(lambda *_: refresh_casts(casts))
     # CUDA only for now: the side stream and record_stream are untested on Intel XPU.
     if cfg.grad_norm_under_backward and cfg.grad_clip is not None and device.type == "cuda":
-        opt.grad_norms = GradNormUnderBackward(p for g in groups for p in g["params"])
+        opt.grad_norms = GradNormUnderBackward(grad_holder(p, casts) for g in groups for p in g["params"])
     return opt
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: OptimConfig, train: TrainConfig | None = None) -> torch.optim.Optimizer:
     """The AdamW of ``cfg`` for a one-process ``model``; on a CUDA GPU with the Triton AdamW and a
-    Transformer, its update runs beside the next forward (optim.update_beside_forward)."""
+    Transformer, its update runs beside the next forward (optim.update_beside_forward). With
+    ``train``, the expert weights' gradients stay in bf16 on their copies where
+    train.expert_grad_dtype resolves so (use_bf16_expert_grads); without, they are float32."""
     devices = {p.device for p in model.parameters()}
     device = devices.pop() if len(devices) == 1 else torch.device("cpu")  # mixed: torch's default path
-    opt = adamw(param_groups(model, cfg.weight_decay), cfg, device, weight_casts(model))
+    if isinstance(model, Transformer):
+        model.keep_expert_grads_on_casts(train is not None and use_bf16_expert_grads(model, train, cfg, device))
+    casts = weight_casts(model)
+    opt = adamw(param_groups(model, cfg.weight_decay), cfg, device, casts)
     if getattr(opt, "grad_norms", None) is not None and cfg.grad_norm_from_dw:
-        opt.grad_norms.take_squares_from(dw_squares(model))
+        opt.grad_norms.take_squares_from({grad_holder(p, casts): square for p, square in dw_squares(model).items()})
     # CUDA only for now, as the grad norm's side stream: untested on Intel XPU.
     if cfg.update_beside_forward and device.type == "cuda" and hasattr(opt, "update_") \
             and isinstance(model, Transformer):  # TritonAdamW: it updates a stage at a time
@@ -89,12 +122,28 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     return opt
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
-    """Global L2 norm of all gradients (returned before clipping); clip when max_norm is set."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    if max_norm is None:
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+def gradients(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The gradient of every parameter of ``model`` that has one, where ``optimizer`` takes it
+    from: the parameter's ``.grad``, or its bf16 copy's (grad_holder)."""
+    casts = getattr(optimizer, "casts", {})
+    return [g for p in model.parameters() if (g := grad_holder(p, casts).grad) is not None]
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The global L2 norm of ``grads`` (one device), as torch.nn.utils.get_total_norm takes it but
+    with each tensor's norm in float32 whatever its dtype (get_total_norm's would round a bf16
+    gradient's norm to bf16)."""
+    if not grads:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+
+
+def clip_grad_norm(grads: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    """Global L2 norm of ``grads`` (returned before clipping); clip them in place when max_norm is set."""
+    norm = total_norm(grads)
+    if max_norm is not None:  # torch.nn.utils.clip_grad_norm_'s factor, on gradients rather than parameters
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
 
 
 def is_fused(optimizer: torch.optim.Optimizer) -> bool:
@@ -130,12 +179,12 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: 
     if max_norm is None or not is_fused(optimizer):
         if armed:
             norms.disarm()
-        norm = clip_grad_norm(model, max_norm)
+        norm = clip_grad_norm(gradients(model, optimizer), max_norm)
         optimizer.step()
         return norm
     if armed:
         norm = norms.total()
     else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        norm = total_norm(gradients(model, optimizer))
     step_with_grad_scale(optimizer, clip_coef_as_grad_scale(norm, max_norm))
     return norm

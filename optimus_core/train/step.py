@@ -71,6 +71,10 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
     """
     model.train()
     chunks = batch_BS1.split(micro_batch) if micro_batch else (batch_BS1,)
+    if len(chunks) > 1 and any(c.requires_grad for c in getattr(optimizer, "casts", {}).values()):
+        raise ValueError(f"train_step: {len(chunks)} micro-batches, but the expert gradients are kept in bf16 "
+                         "(train.expert_grad_dtype), where they would add up in bf16: use one micro-batch "
+                         "per step or expert_grad_dtype = 'float32'")
     n_tokens = batch_BS1.shape[0] * (batch_BS1.shape[1] - 1)
     moe_layers = model.moe_layers()
     # ce, aux, lb, z: summed as device tensors and read once per step, so the micro-batches

@@ -81,12 +81,17 @@ class UpdateBesideForward:
     def pending(self) -> bool:
         return bool(self._pending)
 
-    def step(self, update: Callable[[list[nn.Parameter]], None], keep: Iterable[torch.Tensor | None] = ()) -> None:
+    def step(self, update: Callable[[list[nn.Parameter]], None], keep: Iterable[torch.Tensor | None] = (),
+             gradients: Callable[[nn.Parameter], list[torch.Tensor]] | None = None) -> None:
         """Queue ``update(stage_params)`` for every stage, in order, on the side stream.
 
         ``keep``: tensors made on the current stream that the update reads (the clip factor):
         held until every stage's update has been waited for, as the gradients are.
+        ``gradients(p)``: the tensors ``p``'s update reads as its gradient (default: ``p.grad``;
+        the optimizer's own where they are elsewhere: bf16 copies, pieces), held per stage.
         """
+        if gradients is None:
+            gradients = _own_grad
         if self.stream is None:
             for _, params in self.stages:
                 update(params)
@@ -100,7 +105,7 @@ class UpdateBesideForward:
                 event.record(self.stream)
                 self._pending[index] = event
                 # zero_grad drops the gradients next, while the update may still read them
-                self._held[index] = [p.grad for p in params if p.grad is not None]
+                self._held[index] = [g for p in params for g in gradients(p)]
         self._held[len(self.stages) - 1] += [t for t in keep if t is not None]
 
     def wait_for(self, index: int) -> None:
@@ -121,6 +126,10 @@ class UpdateBesideForward:
             self.backend.current_stream(self.device).wait_stream(self.stream)
             self._pending.clear()
             self._held.clear()
+
+
+def _own_grad(p: nn.Parameter) -> list[torch.Tensor]:
+    return [] if p.grad is None else [p.grad]
 
 
 def _waiter(tracker: weakref.ref, index: int):

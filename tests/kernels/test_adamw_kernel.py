@@ -87,6 +87,22 @@ def test_bf16_copy_is_the_rounded_param(n, triton_device):
         assert torch.equal(p16.view(torch.int16), param.to(torch.bfloat16).view(torch.int16))
 
 
+@pytest.mark.parametrize("n", LENGTHS)
+def test_bf16_gradient_is_read_as_float32(n, triton_device):
+    """A bf16 gradient (the experts', train.expert_grad_dtype) updates exactly as its float32
+    value does: the kernel widens it on load, with and without a clip factor."""
+    p0, grads = make(n, triton_device, seed=5)
+    grads16 = [g.to(torch.bfloat16) for g in grads]
+    scales = [torch.tensor(1.0 + i, device=triton_device) for i in range(10)]
+    for fn in (adamw_step_, adamw_step_reference_):
+        for s in (None, scales):
+            got = run_ours(fn, p0, grads16, 0.1, s, bf16=True)
+            want = run_ours(fn, p0, [g.float() for g in grads16], 0.1, s, bf16=True)
+            for a, b in zip(got[:3], want[:3]):
+                assert torch.equal(a, b)
+            assert torch.equal(got[3][-1][1], want[3][-1][1])
+
+
 def test_bf16_rounding_ties_and_specials(triton_device):
     """Round to nearest even on the exact tie values and past the largest finite bf16, where a
     truncating cast differs: lr = weight_decay = 0 and a zero grad leave p as it was."""
@@ -172,7 +188,8 @@ ARGS = dict(**HYPER, weight_decay=0.1, step=1)
 BAD_BUFFERS = [
     (dict(grad_N=torch.zeros(9)), "equal lengths"),
     (dict(exp_avg_N=torch.zeros(8, dtype=torch.float64)), "exp_avg_N must be a 1-D contiguous float32"),
-    (dict(param_N=torch.zeros(8, dtype=torch.bfloat16)), "param_N must be a 1-D contiguous float32"),
+    (dict(param_N=torch.zeros(8, dtype=torch.bfloat16)), "param_N must be a 1-D contiguous float32 tensor"),
+    (dict(grad_N=torch.zeros(8, dtype=torch.float16)), "grad_N must be a 1-D contiguous float32 or bfloat16"),
     (dict(exp_avg_sq_N=torch.zeros(2, 4)), r"exp_avg_sq_N must be a 1-D .* shape \(2, 4\)"),
     (dict(grad_N=torch.zeros(16)[::2]), r"grad_N must be a 1-D contiguous float32 .* \(strided\)"),
     (dict(grad_N=[0.0] * 8), "grad_N must be a tensor"),

@@ -16,6 +16,10 @@ from optimus_core.config import (ConfigError, ModelConfig, MoEConfig, RunConfig,
     (lambda: TrainConfig(fused_lm_loss=False, lm_loss_softmax="triton"),
      "train.lm_loss_softmax = 'triton': 'triton' needs fused_lm_loss"),
     (lambda: TrainConfig(lm_loss_softmax="cuda"), "train.lm_loss_softmax = 'cuda'"),
+    (lambda: TrainConfig(expert_grad_dtype="bfloat16"), "train.expert_grad_dtype = 'bfloat16': 'bfloat16' needs"),
+    (lambda: TrainConfig(dtype="bfloat16", expert_grad_dtype="bfloat16", recast_expert_weights=True),
+     "needs the experts' bf16 weight copies"),
+    (lambda: TrainConfig(expert_grad_dtype="float16"), "train.expert_grad_dtype = 'float16'"),
 ])
 def test_bad_values_name_the_field(build, message):
     with pytest.raises(ConfigError) as err:
