@@ -113,15 +113,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
                         dlogits_CV.scatter_(1, t_C1, (logp_C1.exp() - valid_C1.float()).to(compute_dtype))
                         # Ignored rows: zero in h and in dh instead of a pass over their logits.
                         keep_C1 = valid_C1.to(compute_dtype)
-                if not grad:
-                    continue
-                if need_dh:
+                if grad and need_dh:
                     dh_CD = dlogits_CV @ w_VD
                     dh_ND[rows] = dh_CD if keep_C1 is None else dh_CD * keep_C1
-                if need_dw:
+                if grad and need_dw:
                     part_VD = dlogits_CV.T @ (h_CD if keep_C1 is None else h_CD * keep_C1)
                     # float32 accumulation over chunks: what the float32 master weight receives
                     dw_VD = part_VD.float() if dw_VD is None else dw_VD.add_(part_VD)
+                # This chunk's logits and dW part go before the next chunk's are made: held over,
+                # they were 0.58 GiB on top of the forward's activations, where the step peaked
+                # (bench/NOTES.md).
+                logits_CV = dlogits_CV = part_VD = None
             loss = nll / count  # NaN when every target is ignored, as F.cross_entropy
             inv_count = 1.0 / count.clamp(min=1).float()
         ctx.save_for_backward(dh_ND, dw_VD, inv_count)

@@ -117,6 +117,7 @@ def test_on_gpu_with_the_triton_experts(compiled):
         opt = build_optimizer(model, OptimConfig(lr=1e-2),
                               TrainConfig(dtype="bfloat16", global_batch=4, expert_grad_dtype=grad_dtype))
         assert opt.beside_forward is not None and len(opt.grad_norms._from_kernel) == 4
+        before = [p.detach().clone() for p in model.parameters()]
         batch = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(9)).cuda()
         micro_batch_loss(model, batch, dtype="bfloat16", fused=True).backward()
         grads = {name: grad_holder(p, opt.casts).grad.clone() for name, p in model.named_parameters()
@@ -129,12 +130,18 @@ def test_on_gpu_with_the_triton_experts(compiled):
             stats = train_step(model, opt, batch, micro_batch=0, grad_clip=0.05, lr=1e-2, dtype="bfloat16")
             norms.append(float(stats.grad_norm))
             losses.append(stats.loss)
-        runs.append((grads, norms, losses, [p.detach().clone() for p in model.parameters()]))
-    (g_ref, n_ref, l_ref, p_ref), (g, n, l, p) = runs
+        runs.append((grads, norms, losses, [p.detach().clone() for p in model.parameters()], before))
+    (g_ref, n_ref, l_ref, p_ref, before), (g, n, l, p, _) = runs
+    assert min((a - b).abs().max() for a, b in zip(p, before)) > 5e-3  # every weight moved, by ~4 lr
     for name in g_ref:
         torch.testing.assert_close(g[name].float(), g_ref[name].to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-7,
                                    msg=lambda m: f"{name}: {m}")
     assert min(n_ref) > 0.05  # every step clipped
-    assert n == pytest.approx(n_ref, rel=1e-3) and l == pytest.approx(l_ref, rel=1e-3)
+    # The first step's gradients differ by their rounding to bf16 only; later steps start from
+    # parameters that rounding moved apart, which bf16 training amplifies (measured on an H200:
+    # 0.2 % in the fourth step's norm). An update that missed the experts would differ by the
+    # whole of their 4 x 1e-2 movement.
+    assert n[0] == pytest.approx(n_ref[0], rel=1e-3)
+    assert n == pytest.approx(n_ref, rel=1e-2) and l == pytest.approx(l_ref, rel=1e-2)
     for a, b in zip(p, p_ref):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
