@@ -42,7 +42,7 @@ makes the copies the weights the forward multiplies by, so the dW kernel stores 
 gradient in bf16 as the copy's ``.grad``, and TritonAdamW applies it to the float32 weight
 (optimus_core.train.adamw). It is the gradient torch's autocast recipe makes (the bf16 GEMM's dW,
 rounded to bf16, then widened into a float32 ``.grad``) without the float32 tensor: 6 GiB less at
-the end of the backward for 8 OLMoE layers, where the step's memory peaks (bench/NOTES.md).
+the end of the backward for 8 OLMoE layers, where the step's memory peaked (bench/NOTES.md).
 Micro-batches would add up in bf16, so one micro-batch per step only (optimus_core.train.optim).
 """
 from __future__ import annotations
