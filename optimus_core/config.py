@@ -368,9 +368,10 @@ class TrainConfig(_Validated):
     # GEMM makes them (torch's autocast makes the same values, then widens them into a float32
     # .grad), and the Triton AdamW widens them as it reads: 6 GiB less at the end of the
     # backward, where an 8-layer mula-7b-a1b step peaked (59.4 -> 55.7 GiB on an H200), and 2
-    # bytes less per expert parameter to write and read (-2.6 ms of 105; bench/NOTES.md). Needs the copies (above, under bf16), the Triton AdamW, one process and one
-    # micro-batch per step (micro-batches would add up in bf16). "auto": bfloat16 where all that
-    # holds, else float32 (the dW kernel writes float32 gradients on the weights).
+    # bytes less per expert parameter to write and read (-2.6 ms of 105; bench/NOTES.md). Needs
+    # the copies (above, under bf16), the Triton AdamW, one process and one micro-batch per step
+    # (micro-batches would add up in bf16). "auto": bfloat16 where all that holds, else float32
+    # (the dW kernel writes float32 gradients on the weights).
     expert_grad_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # The LM head and the cross-entropy fused, a few thousand tokens at a time
     # (optimus_core.model.linear_cross_entropy): the same loss and gradients without the
