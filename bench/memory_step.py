@@ -23,7 +23,6 @@ appended to bench/results/memory-<device>.jsonl.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import Counter
@@ -152,31 +151,18 @@ def known_blocks(model, optimizer) -> dict[int, tuple[int, str]]:
 
 
 def main(argv=None) -> None:
-    from bench.train_step import VARIANTS
+    from bench.profile_step import variant_arguments, warmed_up_step
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--variant", default="7b8l-triton+compile", choices=list(VARIANTS))
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=2)
+    p = variant_arguments(__doc__.split("\n")[0])
     p.add_argument("--top", type=int, default=20)
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
 
     import torch
 
-    from bench.profile_step import build_variant_step
-
-    if not torch.cuda.is_available():
-        sys.exit("bench/memory_step.py records a GPU step and found no CUDA device")
+    model, optimizer, step = warmed_up_step(args, "bench/memory_step.py")
     device = torch.device("cuda")
-    model, optimizer, step = build_variant_step(args.variant, args.seq, args.batch, device)
-    for _ in range(args.warmup):
-        step()
-    torch.cuda.synchronize()
-    named = known_blocks(model, optimizer)
+    before = known_blocks(model, optimizer)
     base = torch.cuda.memory_allocated()
-    before = {addr: v for addr, v in named.items()}
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python")
     step()

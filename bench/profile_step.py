@@ -79,14 +79,34 @@ def build_variant_step(variant: str, seq: int, batch: int, device):
     return model, optimizer, step
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def variant_arguments(description: str) -> argparse.ArgumentParser:
+    """The arguments of a tool that looks into one warmed-up step of a bench/train_step.py variant."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--variant", default="7b8l-triton+compile", choices=list(VARIANTS))
-    p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    return p
+
+
+def warmed_up_step(args, tool: str):
+    """(model, optimizer, step) of ``args.variant`` on the GPU, after ``args.warmup`` steps (the
+    autotuning and compilation done); exits with a message where there is no CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit(f"{tool} needs a CUDA device and found none")
+    model, optimizer, step = build_variant_step(args.variant, args.seq, args.batch, torch.device("cuda"))
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    return model, optimizer, step
+
+
+def main(argv=None) -> None:
+    p = variant_arguments(__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=3)
     p.add_argument("--trace", default=None, help="also profile the host and write the timeline to this folder")
     args = p.parse_args(argv)
 
@@ -94,14 +114,8 @@ def main(argv=None) -> None:
 
     from optimus_core.train.measure import write_timeline
 
-    if not torch.cuda.is_available():
-        sys.exit("bench/profile_step.py profiles a GPU step and found no CUDA device")
+    _, _, step = warmed_up_step(args, "bench/profile_step.py")
     device = torch.device("cuda")
-    _, _, step = build_variant_step(args.variant, args.seq, args.batch, device)
-
-    for _ in range(args.warmup):
-        step()
-    torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CUDA]
     if args.trace:
         activities.append(torch.profiler.ProfilerActivity.CPU)
