@@ -132,9 +132,8 @@ def known_blocks(model, optimizer) -> dict[int, tuple[int, str]]:
         if isinstance(t, torch.Tensor) and t.is_cuda and t.untyped_storage().data_ptr() not in named:
             named[t.untyped_storage().data_ptr()] = (nbytes(t), what)
 
-    experts = {id(p) for p in getattr(optimizer, "casts", {})}
-    for p in model.parameters():
-        add(p, "parameters (float32, experts)" if id(p) in experts else "parameters (float32, dense)")
+    for name, p in model.named_parameters():
+        add(p, "parameters (float32, experts)" if ".experts." in name else "parameters (float32, dense)")
     for state in optimizer.state.values():
         for key in ("exp_avg", "exp_avg_sq"):
             add(state.get(key), "AdamW moments")
