@@ -132,6 +132,7 @@ def test_a_resumed_bf16_run_with_a_skipped_step_is_the_same_run(tokens_dir, tmp_
     assert resumed.losses() == straight.losses()[3:]
     assert assert_weight_casts_current(trainer.model) == 2
 
+
 # ---------------------------------------------------------------- train.expert_grad_dtype
 # Where it resolves to bfloat16, the expert weights' gradients stay on their bf16 copies and
 # TritonAdamW applies them; the run is the float32-gradient run, since both take the same bf16 dW
