@@ -64,7 +64,9 @@ speed)
   tail -n 30 "$out/train-step.log" "$out/ablation.log" "$out/olmo-core.log" 2>/dev/null | cut -c1-300
   ;;
 memory)
-  rm -f "$out/memory-"*.jsonl  # this call's variants only
+  # this call's variants only: the file of this device (not the named results kept beside it)
+  rm -f "$out/memory-$(python3 -c 'from bench.common import device_slug; print(device_slug("cuda"))').jsonl"
+  : >"$out/memory.log"
   for variant in ${VARIANTS:-7b8l-triton+compile}; do
     CUDA_VISIBLE_DEVICES=0 timeout 300 python3 bench/memory_step.py --variant "$variant" --out "$out" \
       >>"$out/memory.log" 2>&1
