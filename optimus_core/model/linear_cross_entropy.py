@@ -113,10 +113,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                         dlogits_CV.scatter_(1, t_C1, (logp_C1.exp() - valid_C1.float()).to(compute_dtype))
                         # Ignored rows: zero in h and in dh instead of a pass over their logits.
                         keep_C1 = valid_C1.to(compute_dtype)
-                if grad and need_dh:
+                if need_dh:
                     dh_CD = dlogits_CV @ w_VD
                     dh_ND[rows] = dh_CD if keep_C1 is None else dh_CD * keep_C1
-                if grad and need_dw:
+                if need_dw:
                     part_VD = dlogits_CV.T @ (h_CD if keep_C1 is None else h_CD * keep_C1)
                     # float32 accumulation over chunks: what the float32 master weight receives
                     dw_VD = part_VD.float() if dw_VD is None else dw_VD.add_(part_VD)
