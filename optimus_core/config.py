@@ -136,6 +136,7 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
     if not isinstance(data, dict):
         _fail(path or cls.__name__, data, f"must be a mapping for {cls.__name__}")
     known = {f.name for f in fields(cls)}
+    data = {k: v for k, v in data.items() if k not in getattr(cls, "_retired", ())}
     unknown = sorted(set(data) - known)
     if unknown:
         where = f"{path}." if path else ""
@@ -307,24 +308,27 @@ class ParallelConfig(_Validated):
     """Rank layout. ``dp`` is the world size / (tp * pp); experts split over ``ep`` ranks."""
 
     _section: typing.ClassVar[str] = "parallel"
+    # fields of the ZeRO-1 optimizer's gradient buckets, which run configs written before full
+    # sharding hold: read and dropped, so those runs still evaluate and export
+    _retired: typing.ClassVar[frozenset] = frozenset({"grad_sync_chunk_mb", "overlap_grad_sync"})
 
     ep: int = 1
     tp: int = 1  # reserved: tensor parallelism is not implemented yet (must be 1)
     pp: int = 1  # reserved: pipeline parallelism is not implemented yet (must be 1)
+    # The experts' weights, gradients and AdamW state: "ep_aware" shards them over the ranks that
+    # hold the same experts (the expert-dp group), as the dense ones are over the world;
+    # "ep_unaware" (the paper's baseline) keeps them whole on each of those ranks and all-reduces
+    # their gradients (optimus_core.parallel.sharding, optimus_core.train.sharded_adamw).
     optimizer: Literal["ep_aware", "ep_unaware"] = "ep_aware"
     # Every collective (and the rendezvous) fails after this many seconds instead of waiting
     # forever for a dead or stuck rank (torch.distributed.init_process_group's timeout).
     collective_timeout_s: float = 1800.0
-    # ShardedAdamW reduces gradients in chunks of about this many MiB (whole parameters, in
-    # backward order), each onto the ranks whose shards it covers (optimus_core/parallel/grad_sync.py).
-    grad_sync_chunk_mb: float = 128.0
-    # Start a chunk's reduction as soon as the last micro-batch's backward has produced it, so
-    # the gradient traffic runs under the rest of the backward (off: all of it after backward).
-    overlap_grad_sync: bool = True
+    # The dtype gradients are reduce-scattered in (each unit's, under the backward): float32
+    # sums the bf16 gradients of a bf16 run without rounding them first; bfloat16 halves the traffic.
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def check(self) -> None:
         self._require(self.ep >= 1, "ep", "must be >= 1")
-        self._require(self.grad_sync_chunk_mb > 0, "grad_sync_chunk_mb", "must be > 0 (MiB)")
         self._require(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0 (seconds)")
         self._require(self.tp == 1, "tp", "must be 1 (tensor parallelism is not implemented yet)")
         self._require(self.pp == 1, "pp", "must be 1 (pipeline parallelism is not implemented yet)")
@@ -351,7 +355,13 @@ class TrainConfig(_Validated):
     # Write checkpoints in the background from a CPU copy (training goes on meanwhile); the
     # newest is published (``latest``) when the next one starts or the run ends.
     async_checkpoint: bool = False
-    activation_checkpointing: bool = False
+    # What the backward recomputes instead of keeping from the forward: "none"; "full": every
+    # ``activation_checkpointing_every``-th block whole (its input is all it keeps); "moe": the
+    # experts' GEMMs and SwiGLU only (the routed rows in, not the dispatch: no all-to-all is
+    # repeated); "auto": the least recomputation that fits the device's memory budget
+    # (optimus_core.memory; "none" where the budget is unknown, as on a CPU).
+    activation_checkpointing: Literal["auto", "none", "full", "moe"] = "auto"
+    activation_checkpointing_every: int = 1
     # Under bf16: cast the experts' float32 weights inside each grouped GEMM (forward, and again
     # in backward) instead of keeping bf16 copies from forward to backward. Less memory (8
     # OLMoE-size layers, triton experts + compile on an H200: 74.8 -> 55.9 GiB peak), one more
@@ -403,8 +413,15 @@ class TrainConfig(_Validated):
     # writes at scale. 0 = off.
     watchdog_timeout_s: float = 1800.0
 
+    def __post_init__(self) -> None:
+        if isinstance(self.activation_checkpointing, bool):  # configs written before the modes
+            object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
+        super().__post_init__()
+
     def check(self) -> None:
         self._require(self.steps >= 1, "steps", "must be >= 1")
+        self._require(self.activation_checkpointing_every >= 1, "activation_checkpointing_every",
+                      "must be >= 1 (1: every block)")
         self._require(self.global_batch >= 1, "global_batch", "must be >= 1")
         self._require(self.micro_batch >= 0, "micro_batch", "must be >= 0 (0 = no accumulation)")
         self._require(self.expert_grad_dtype != "bfloat16" or (
@@ -445,6 +462,8 @@ class RunConfig(_Validated):
             _fail("data.seq_len", self.data.seq_len, f"must be <= model.max_seq_len ({self.model.max_seq_len})")
         if self.model.moe is not None and self.model.moe.n_experts % self.parallel.ep:
             _fail("parallel.ep", self.parallel.ep, f"must divide model.moe.n_experts ({self.model.moe.n_experts})")
+        if self.model.moe is None and self.train.activation_checkpointing == "moe":
+            _fail("train.activation_checkpointing", "moe", "needs an MoE model (model.moe); use 'full' or 'none'")
 
     @property
     def tokens_per_step(self) -> int:

@@ -11,8 +11,9 @@ Which Hugging Face architecture (``hf_architecture``):
   RMSNorm (float32 statistics), QK-norm over the whole q / k projection before the head split
   (q_norm dim = d_model, k_norm dim = kv_heads * head_dim), rotate-half RoPE, router
   softmax(float32) -> top-k -> optional renormalisation (``norm_topk_prob``), experts
-  down(silu(gate(x)) * up(x)), untied lm_head. Our ``w_up`` (E, D, 2F) = [gate | up] becomes
-  ``experts.{e}.gate_proj.weight`` (F, D) and ``up_proj`` (F, D); ``w_down`` (E, F, D) becomes
+  down(silu(gate(x)) * up(x)), untied lm_head. Our ``w_up`` (E * D, 2F) rows, seen as (E, D,
+  2F) = [gate | up], becomes ``experts.{e}.gate_proj.weight`` (F, D) and ``up_proj`` (F, D);
+  ``w_down`` (E * F, D), seen as (E, F, D), becomes
   ``down_proj.weight`` (D, F): the per-expert layout of the released OLMoE checkpoints, which
   transformers 4.x loads as is and 5.x fuses on load.
 - Dense presets with QK-norm (all Mula presets) -> ``OlmoeForCausalLM`` with one expert and
@@ -174,7 +175,9 @@ def to_hf_state(cfg: ModelConfig, state: dict, arch: str) -> dict[str, torch.Ten
                 out[f"{hf}mlp.experts.0.{proj}_proj.weight"] = state[f"{ours}ffn.w_{proj}.weight"]
         else:
             F = cfg.moe.d_expert
-            w_up, w_down = state[ours + "ffn.experts.w_up"], state[ours + "ffn.experts.w_down"]
+            E = cfg.moe.n_experts  # the stored rows as (E, rows, cols): optimus_core.model.experts
+            w_up, w_down = (state[ours + f"ffn.experts.{n}"].reshape(E, -1, state[ours + f"ffn.experts.{n}"].shape[-1])
+                            for n in ("w_up", "w_down"))
             out[hf + "mlp.gate.weight"] = state[ours + "ffn.router.gate.weight"]
             for e in range(cfg.moe.n_experts):
                 out[f"{hf}mlp.experts.{e}.gate_proj.weight"] = w_up[e, :, :F].T
@@ -220,8 +223,9 @@ def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor], arch: str) -> d
         else:
             out[ours + "ffn.router.gate.weight"] = take(p + "mlp.gate.weight")
             out[ours + "ffn.router.balance_bias"] = torch.zeros(moe.n_experts)
-            out[ours + "ffn.experts.w_up"] = torch.cat([gates, ups], dim=1).transpose(1, 2)
-            out[ours + "ffn.experts.w_down"] = downs.transpose(1, 2)
+            # (E, D, 2F) and (E, F, D), stored as rows (optimus_core.model.experts)
+            out[ours + "ffn.experts.w_up"] = torch.cat([gates, ups], dim=1).transpose(1, 2).reshape(-1, 2 * moe.d_expert)
+            out[ours + "ffn.experts.w_down"] = downs.transpose(1, 2).reshape(-1, cfg.d_model)
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 

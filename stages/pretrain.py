@@ -13,7 +13,7 @@ stage on the same directory resumes from the newest valid checkpoint.
 
 A new run starts from the seeded initialisation, or from the weights of a Hugging Face export
 (``optimus export-hf``) with ``train.init_from`` (``--set train.init_from=DIR``; the preset's
-architecture must match the export's, optimus_core.train.loop.build_model checks it). A run
+architecture must match the export's, optimus_core.train.build checks it). A run
 that resumes loads its checkpoint instead.
 """
 from __future__ import annotations

@@ -9,8 +9,14 @@ backend chosen by name:
     torch   torch._grouped_mm (bf16 on sm90+ CUDA GPUs)
     triton  our Triton kernels (CUDA, XPU, or the CPU under TRITON_INTERPRET=1)
 
-Weights are stored in the layout the grouped GEMM consumes (x @ w): w_up_EDF2 holds
-[gate | up] along its last axis, w_down_EFD maps back to d_model.
+Weights are stored as matrices of rows, expert after expert: ``w_up`` is (E * D, 2F), expert
+e's rows [e * D, (e + 1) * D) holding [gate | up] along the last axis, ``w_down`` is (E * F, D).
+The forward views them as the grouped GEMM's (E, D, 2F) and (E, F, D) (x @ w), which costs
+nothing. Rows, not a leading expert axis, so that any share of a parameter a rank holds is a
+range of whole rows, however few experts and however many ranks: expert parallelism gives a
+rank whole experts, sharding a range of rows within them (optimus_core.parallel.layout), and the
+seeded init draws rows (optimus_core.model.init). State dicts of the earlier (E, D, 2F) layout
+load as they are (``_load_from_state_dict`` reshapes them).
 
 Routing weights (model.moe.weights_before_down, on by default): each row's routing weight
 scales its SwiGLU output, before the down projection, and the combine is a plain sum. The down
@@ -49,6 +55,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import kernels
 
@@ -57,14 +64,17 @@ class Experts(nn.Module):
     # Under autocast: cast the float32 weights inside each grouped GEMM instead of once per
     # forward (train.recast_expert_weights): less memory, a little more time.
     recast_weights: bool = False
+    # The backward recomputes the GEMMs and SwiGLU from the sorted rows instead of keeping their
+    # intermediates (train.activation_checkpointing = "moe"); the dispatch is not repeated.
+    checkpoint_compute: bool = False
     WEIGHTS = ("w_up", "w_down")
 
     def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = "loop",
                  weights_before_down: bool = True):
         super().__init__()
         self.n_experts, self.backend, self.weights_before_down = n_experts, backend, weights_before_down
-        self.w_up = nn.Parameter(torch.empty(n_experts, d_model, 2 * d_expert))
-        self.w_down = nn.Parameter(torch.empty(n_experts, d_expert, d_model))
+        self.w_up = nn.Parameter(torch.empty(n_experts * d_model, 2 * d_expert))  # module doc: rows (e, D)
+        self.w_down = nn.Parameter(torch.empty(n_experts * d_expert, d_model))  # rows (e, F)
         self.enable_weight_casts(None)
         self.dw_square_of: dict[str, torch.Tensor] = {}  # weight name -> its dw_square (enable_dw_squares)
 
@@ -117,8 +127,17 @@ class Experts(nn.Module):
                              for name in self.WEIGHTS}
         return {getattr(self, name): square for name, square in self.dw_square_of.items()}
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        super()._load_from_state_dict(*args, **kwargs)
+    @property
+    def n_held(self) -> int:
+        """Experts whose weights this module holds (all of them here; expert parallelism: its share)."""
+        return self.n_experts
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name in self.WEIGHTS:  # the earlier (E, rows, cols) layout: the same values in rows
+            value = state_dict.get(prefix + name)
+            if value is not None and value.ndim == 3:
+                state_dict[prefix + name] = value.reshape(-1, value.shape[-1])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self.refresh_weight_casts()  # the loaded weights, cast (the copies are not in state dicts)
 
     def permute(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, n_groups: int, n_rows: int | None = None):
@@ -152,10 +171,17 @@ class Experts(nn.Module):
         expert), each row weighted by its routing weight and summed per token, in the order that
         weights_before_down picks (module docstring)."""
         if not self.weights_before_down:
-            return self.unpermute(self(x_sorted_MD, offsets_E), sorted_idx, topk_weight_TK)
+            if self.checkpoint_compute and torch.is_grad_enabled():
+                y_sorted_MD = checkpoint(self, x_sorted_MD, offsets_E, use_reentrant=False)
+            else:
+                y_sorted_MD = self(x_sorted_MD, offsets_E)
+            return self.unpermute(y_sorted_MD, sorted_idx, topk_weight_TK)
         # the routing weight of each sorted row (assignment sorted_idx[i]); rows not made get none
         row_weight_M = topk_weight_TK.reshape(-1)[sorted_idx[:x_sorted_MD.shape[0]]]
-        y_sorted_MD = self(x_sorted_MD, offsets_E, row_weight_M)
+        if self.checkpoint_compute and torch.is_grad_enabled():
+            y_sorted_MD = checkpoint(self, x_sorted_MD, offsets_E, row_weight_M, use_reentrant=False)
+        else:
+            y_sorted_MD = self(x_sorted_MD, offsets_E, row_weight_M)
         return self.unpermute(y_sorted_MD, sorted_idx, None, top_k=topk_weight_TK.shape[1])
 
     def forward(self, x_MD: torch.Tensor, offsets_E: torch.Tensor, row_weight_M: torch.Tensor | None = None) -> torch.Tensor:
@@ -180,11 +206,13 @@ class Experts(nn.Module):
                 keep_cast = not self.recast_weights
             elif not self.recast_weights:  # cast once here; autograd keeps the copies for backward
                 w_up, w_down = w_up.to(dtype), w_down.to(dtype)
-        squares = self.dw_square_of
-        h_MF2 = kernels.grouped_mm(x_MD, w_up, offsets_E, backend=self.backend, keep_cast=keep_cast, w_cast=up_cast,
-                                   dw_square=squares.get("w_up"))
+        squares, E = self.dw_square_of, self.n_held
+        w_up_EDF2, w_down_EFD, up_cast, down_cast = (None if w is None else w.view(E, -1, w.shape[-1])
+                                                     for w in (w_up, w_down, up_cast, down_cast))
+        h_MF2 = kernels.grouped_mm(x_MD, w_up_EDF2, offsets_E, backend=self.backend, keep_cast=keep_cast,
+                                   w_cast=up_cast, dw_square=squares.get("w_up"))
         h_MF = kernels.swiglu(h_MF2, row_weight=row_weight_M, backend=self.backend)
-        return kernels.grouped_mm(h_MF, w_down, offsets_E, backend=self.backend, keep_cast=keep_cast,
+        return kernels.grouped_mm(h_MF, w_down_EFD, offsets_E, backend=self.backend, keep_cast=keep_cast,
                                   w_cast=down_cast, dw_square=squares.get("w_down"))
 
 

@@ -1,6 +1,6 @@
 """The Mula decoder-only transformer (dense or MoE), built from a ModelConfig.
 
-    model = Transformer(cfg); model.init_weights()
+    model = Transformer(cfg); model.init_weights(seed=0)
     logits_BSV = model(tokens_BS)          # V = cfg.padded_vocab_size
     aux = model.aux_loss()                 # MoE: summed lb/z losses of the last forward
     h_BSD = model.hidden(tokens_BS)        # final-normed hidden states: logits = lm_head(h)
@@ -16,25 +16,10 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig, TrainConfig
 from .attention import Attention
+from .init import init_parameter_
 from .layers import RMSNorm, RotaryEmbedding, SwiGLU
 from .linear_cross_entropy import DEFAULT_CHUNK_ROWS, linear_cross_entropy
 from .moe import MoEFeedForward
-
-
-@torch.no_grad()
-def truncated_normal_(p: torch.Tensor, std: float, generator: torch.Generator | None = None) -> None:
-    """Fill with N(0, std) truncated at 3 std, by redrawing the 0.27% of values outside.
-
-    Rejection gives exactly the truncated distribution and is ~10x faster on CPU than
-    nn.init.trunc_normal_ (inverse-CDF), which matters for billion-parameter inits.
-    """
-    p.normal_(0.0, std, generator=generator)
-    flat = p.view(-1)
-    redraw = (flat.abs() > 3 * std).nonzero().squeeze(1)
-    while redraw.numel():  # only the rejected values are drawn again, never a full pass
-        fresh = torch.empty(redraw.numel(), dtype=p.dtype, device=p.device).normal_(0.0, std, generator=generator)
-        flat[redraw] = fresh
-        redraw = redraw[fresh.abs() > 3 * std]
 
 
 class Block(nn.Module):
@@ -59,22 +44,43 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)  # untied
-        self.activation_checkpointing = False
+        self.checkpoint_blocks = set()  # indices of the blocks the backward recomputes (set_activation_checkpointing)
         self.lm_loss_kernel = False  # lm_loss's softmax part in one Triton kernel (train.lm_loss_softmax)
 
     @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """OLMoE init: every matrix N(0, init_std) truncated at 3 sigma; norm scales 1."""
-        for p in self.parameters():
-            if p.ndim >= 2:
-                truncated_normal_(p, self.cfg.init_std, generator)
-            else:
-                nn.init.ones_(p)
-        for m in self.modules():
-            if isinstance(m, MoEFeedForward):
-                m.router.balance_bias.zero_()
-                m.experts.refresh_weight_casts()
+    def init_weights(self, seed: int = 0) -> None:
+        """OLMoE init: every matrix N(0, init_std) truncated at 3 sigma, norm scales 1, drawn per
+        parameter name and row block (optimus_core.model.init), so that a rank holding some rows
+        of a parameter can draw exactly those; then the buffers (reset_buffers)."""
+        for name, p in self.named_parameters():
+            init_parameter_(p, name, seed=seed, std=self.cfg.init_std)
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """The buffers' initial values (no balancing bias, RoPE's frequencies) and the expert
+        weights' copies from the weights: after the parameters are set by anything but the optimizer."""
+        for m in self.moe_layers():
+            m.router.balance_bias.zero_()
+        self.refresh_weight_casts()
         self.rope.reset_parameters()
+
+    def refresh_weight_casts(self) -> None:
+        """The expert weights' copies (if kept) from the weights, after anything but the
+        optimizer wrote the weights in place (a checkpoint load)."""
+        for m in self.moe_layers():
+            m.experts.refresh_weight_casts()
+
+    def set_activation_checkpointing(self, mode: str, every: int = 1) -> None:
+        """What the backward recomputes (train.activation_checkpointing, resolved: "none", "full"
+        with every ``every``-th block, or "moe": the experts' computation of every MoE layer)."""
+        if mode not in ("none", "full", "moe"):
+            raise ValueError(f"activation checkpointing {mode!r}: must be 'none', 'full' or 'moe'")
+        if mode == "moe" and not self.moe_layers():
+            raise ValueError("activation checkpointing 'moe' needs MoE layers; this model is dense")
+        self.checkpoint_blocks = set(range(every - 1, len(self.blocks), every)) if mode == "full" else set()
+        for layer in self.moe_layers():
+            layer.experts.checkpoint_compute = mode == "moe"
 
     def set_recast_expert_weights(self, recast: bool) -> None:
         """Cast expert weights inside each grouped GEMM (less memory) or once per forward."""
@@ -141,8 +147,8 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {S} exceeds model.max_seq_len {self.cfg.max_seq_len}")
         cos_SDh, sin_SDh = self.rope(S)
         x_BSD = self.embed(tokens_BS)
-        for block in self.blocks:
-            if self.activation_checkpointing and self.training:
+        for i, block in enumerate(self.blocks):
+            if i in self.checkpoint_blocks and self.training:
                 x_BSD = checkpoint(block, x_BSD, cos_SDh, sin_SDh, use_reentrant=False)
             else:
                 x_BSD = block(x_BSD, cos_SDh, sin_SDh)

@@ -1,23 +1,27 @@
-"""Parallelism: process groups (dp, ep, expert-dp), token dispatch, the EP-aware sharded optimizer.
+"""Parallelism: process groups and device meshes (dp, ep, expert-dp), token dispatch, expert
+parallelism, full sharding (FSDP2, EP-aware) and where each rank's share of a parameter lies.
 
-    from optimus_core.parallel import init_distributed, parallelize, ShardedAdamW
+    from optimus_core.parallel import init_distributed, parallelize
+    from optimus_core.parallel.sharding import shard_model, materialize
     mesh = init_distributed(cfg.parallel, n_experts=cfg.model.moe.n_experts)
-    model = parallelize(build_model(cfg), mesh)
-    opt = ShardedAdamW(model, mesh, cfg.optim, mode=cfg.parallel.optimizer)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    shard_model(parallelize(model, mesh), mesh, dtype="bfloat16")
+    materialize(model, mesh, mesh.device, seed=0, std=0.02)
 
-The trainer does all of this when it runs on more than one rank. Launching:
+The trainer does all of this through optimus_core.train.build when it runs on more than one
+rank; the optimizer over the shares is optimus_core.train.sharded_adamw. Launching:
 
     optimus pretrain ... --nproc 4 --ep 2                               # 4 local ranks
     torchrun --nproc-per-node 4 -m workflow.cli pretrain ... --ep 2
     mpiexec -n 24 --ppn 12 optimus pretrain ... --ep 12    # in a PBS job: rank 0's host from
                                                            # $PBS_NODEFILE; else export MASTER_ADDR/PORT
 
-Modules: mesh (launcher env, groups), dispatch (all-to-all), expert_parallel (parallelize),
-optimizer (ShardedAdamW), launch (local ranks).
+Modules: mesh (launcher env, groups, device meshes), dispatch (all-to-all), expert_parallel
+(parallelize), sharding (FSDP2 units, materialize), layout (each rank's rows), launch (local ranks).
 """
-from .expert_parallel import ExpertParallelExperts, expert_parameter_names, full_model_state, parallelize
+from .expert_parallel import ExpertParallelExperts, expert_parameter_names, parallelize
 from .mesh import LaunchEnv, Mesh, group_layout, init_distributed, read_launch_env, shutdown
-from .optimizer import ShardedAdamW
 
-__all__ = ["ExpertParallelExperts", "LaunchEnv", "Mesh", "ShardedAdamW", "expert_parameter_names",
-           "full_model_state", "group_layout", "init_distributed", "parallelize", "read_launch_env", "shutdown"]
+__all__ = ["ExpertParallelExperts", "LaunchEnv", "Mesh", "expert_parameter_names", "group_layout",
+           "init_distributed", "parallelize", "read_launch_env", "shutdown"]

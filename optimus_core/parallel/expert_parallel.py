@@ -1,21 +1,22 @@
 """Expert parallelism without touching the model: ``parallelize(model, mesh)``.
 
-    model = build_model(cfg)                 # identical on every rank (same seed)
-    model = parallelize(model, mesh)         # each EP rank keeps n_experts / ep experts
-    full = full_model_state(model, mesh)     # collective; the unsharded state dict (checkpoints)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)       # nothing allocated
+    model = parallelize(model, mesh)         # each EP rank holds n_experts / ep experts' rows
 
 The MoE layer routes its tokens and hands them to ``self.experts.apply_routed(x, topk_idx,
 topk_weight)``; ``parallelize`` swaps that ``Experts`` for an ``ExpertParallelExperts`` holding
-only this rank's slice of the weights, whose ``apply_routed`` sends each token once to every EP
+only this rank's experts (their rows of the weights), whose ``apply_routed`` sends each token once to every EP
 rank holding one of its experts (all-to-all, counts exchanged first), runs the local experts
 there with the same kernels, combines their outputs per token with the routing weights on that
 rank, and sends one partial sum per (token, rank) back to be added up. The model's code does not
-change; parameter names stay those of the plain model.
+change; parameter names stay those of the plain model. A model on the meta device stays there
+(nothing is allocated: optimus_core.parallel.layout materialises each rank's rows); a model with
+weights gives each rank a copy of its experts' rows.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..model.experts import Experts
@@ -35,11 +36,21 @@ class ExpertParallelExperts(Experts):
         self.ep, self.group = mesh.ep, mesh.ep_group
         self.n_local = full.n_experts // mesh.ep
         self.first = mesh.ep_rank * self.n_local
-        local = slice(self.first, self.first + self.n_local)
-        self.w_up = nn.Parameter(full.w_up.detach()[local].clone())
-        self.w_down = nn.Parameter(full.w_down.detach()[local].clone())
-        self.enable_weight_casts(full.weight_cast_dtype)  # copies of this rank's slice, if kept
+        for name in self.WEIGHTS:  # rows [first * r, (first + n_local) * r) of (n_experts * r, cols)
+            w = getattr(full, name)
+            rows = w.shape[0] // self.n_experts
+            local = w.detach()[self.first * rows:(self.first + self.n_local) * rows]
+            setattr(self, name, nn.Parameter(local if w.is_meta else local.clone()))
+        self.enable_weight_casts(full.weight_cast_dtype)  # copies of this rank's experts, if kept
         self.dw_square_of = {}  # none: the sharded optimizer reduces the gradients before their norm
+
+    @property
+    def n_held(self) -> int:
+        return self.n_local
+
+    def first_row(self, name: str) -> int:
+        """The row of the whole (n_experts * rows, cols) weight ``name`` where this rank's rows begin."""
+        return self.first * (getattr(self, name).shape[0] // self.n_local)
 
     def apply_routed(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
                      n_groups: int) -> torch.Tensor:
@@ -106,12 +117,18 @@ class ExpertParallelExperts(Experts):
         return Experts.forward(self, x_MD, offsets_E, row_weight_M)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # A full (unsharded) checkpoint loads onto any EP rank: take this rank's experts.
-        for name in ("w_up", "w_down"):
+        # A whole (unsharded) state dict loads onto any EP rank: take this rank's experts' rows.
+        for name in self.WEIGHTS:
             value = state_dict.get(prefix + name)
-            if value is not None and value.shape[0] == self.n_experts != self.n_local:
-                state_dict[prefix + name] = value[self.first:self.first + self.n_local]
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+            if value is not None and value.ndim == 3:  # the earlier (E, rows, cols) layout
+                value = value.reshape(-1, value.shape[-1])
+            if value is not None and value.shape[0] != getattr(self, name).shape[0]:
+                rows = value.shape[0] // self.n_experts
+                value = value[self.first * rows:(self.first + self.n_local) * rows]
+            if value is not None:
+                state_dict[prefix + name] = value
+        nn.Module._load_from_state_dict(self, state_dict, prefix, *args, **kwargs)
+        self.refresh_weight_casts()
 
 
 def parallelize(model: nn.Module, mesh: Mesh) -> nn.Module:
@@ -129,21 +146,3 @@ def expert_parameter_names(model: nn.Module) -> set[str]:
     return {f"{mod_name}.{p_name}" if mod_name else p_name
             for mod_name, module in model.named_modules() if isinstance(module, Experts)
             for p_name, _ in module.named_parameters(recurse=False)}
-
-
-def full_model_state(model: nn.Module, mesh: Mesh) -> dict[str, torch.Tensor]:
-    """The unsharded state dict, on every rank (collective over each EP group when ep > 1).
-
-    Gathering to every rank is fine at laptop scale; paper-scale checkpoints will be written
-    sharded with torch.distributed.checkpoint instead (issue 6).
-    """
-    state = model.state_dict()
-    for name, module in model.named_modules():
-        if isinstance(module, ExpertParallelExperts):
-            for p_name in ("w_up", "w_down"):
-                key = f"{name}.{p_name}"
-                local = state[key].contiguous()
-                parts = [torch.empty_like(local) for _ in range(mesh.ep)]
-                dist.all_gather(parts, local, group=mesh.ep_group)
-                state[key] = torch.cat(parts)
-    return state

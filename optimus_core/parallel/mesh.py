@@ -4,6 +4,7 @@
     mesh.rank, mesh.world_size, mesh.ep_rank, mesh.expert_dp_rank
     mesh.ep_group          # the ``ep`` consecutive ranks that split the experts between them
     mesh.expert_dp_group   # the world/ep ranks that hold the same experts (one per EP group)
+    world, grid = mesh.device_meshes()   # torch DeviceMeshes: 1-D over the world; (ep, expert_dp)
 
 Rank, world size and local rank come from torchrun (RANK, WORLD_SIZE, LOCAL_RANK), Open MPI
 (OMPI_COMM_WORLD_*), or PMI / PALS (PMI_RANK, PMI_SIZE, PALS_LOCAL_RANKID or PMI_LOCAL_RANK) as
@@ -20,7 +21,7 @@ from __future__ import annotations
 import datetime
 import os
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -143,6 +144,7 @@ class Mesh:
     ep_ranks: tuple[int, ...] = (0,)
     expert_dp_ranks: tuple[int, ...] = (0,)
     owns_process_group: bool = False  # init_distributed created it, so shutdown destroys it
+    _device_meshes: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> "Mesh":
@@ -175,6 +177,25 @@ class Mesh:
         if self.distributed:
             dist.all_reduce(t)
         return t
+
+    def device_meshes(self):
+        """(world, grid): torch DeviceMeshes over the same ranks as this mesh's groups, made once
+        (collective: every rank calls it, in the same order). ``world`` is 1-D over every rank
+        (the dense parameters' sharding); ``grid`` is (ep, expert_dp) with ``grid[i, j]`` = rank
+        ``j * ep + i``, so ``grid["ep"]`` is this rank's EP group and ``grid["expert_dp"]`` its
+        expert-dp group. Placements (Shard(0), Shard(0)) on ``grid`` cut dim 0 into EP blocks
+        first, then each block over expert-dp: how an expert weight's rows are laid out
+        (optimus_core.parallel.layout)."""
+        if self._device_meshes is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            ranks = torch.arange(self.world_size)
+            world = DeviceMesh.from_group(dist.group.WORLD, self.device.type, mesh_dim_names=("world",))
+            grid = DeviceMesh.from_group([self.ep_group, self.expert_dp_group], self.device.type,
+                                         mesh=ranks.reshape(self.world_size // self.ep, self.ep).T.contiguous(),
+                                         mesh_dim_names=("ep", "expert_dp"))
+            self._device_meshes = (world, grid)
+        return self._device_meshes
 
 
 def init_distributed(parallel: ParallelConfig, n_experts: int | None = None, device: str = "auto",

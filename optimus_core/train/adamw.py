@@ -31,6 +31,7 @@ import torch
 import kernels
 
 from ..model.experts import grad_holder
+from ..parallel.layout import local_tensor
 from .update_stream import settle_updates
 
 
@@ -78,10 +79,11 @@ class TritonAdamW(torch.optim.Optimizer):
 
     def _state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
-        if not state:
+        if not state:  # a sharded parameter's moments are plain tensors of its local share
+            local = local_tensor(p)
             state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            state["exp_avg"] = torch.zeros_like(local, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(local, memory_format=torch.contiguous_format)
         if state["step"].device.type != "cpu":  # loaded from a fused / capturable AdamW
             state["step"] = state["step"].detach().float().cpu()
         return state
@@ -92,7 +94,7 @@ class TritonAdamW(torch.optim.Optimizer):
         if pieces is not None:
             return pieces
         grad = grad_holder(p, self.casts).grad
-        return None if grad is None else [(0, grad)]
+        return None if grad is None else [(0, local_tensor(grad))]
 
     @torch.no_grad()
     def update_(self, params: list[torch.Tensor] | None, grad_scale: torch.Tensor | None = None) -> None:
@@ -104,11 +106,14 @@ class TritonAdamW(torch.optim.Optimizer):
                 pieces = self._gradient(p)
                 if pieces is None or (only is not None and id(p) not in only):
                     continue
+                state = self._state(p)
+                state["step"] += 1  # on every rank, an empty share too: the step is the parameter's
+                copy = self.casts.get(p)
+                p = local_tensor(p)  # a sharded parameter: its local share (fetched each step: FSDP2 may re-pad it)
+                if not p.numel():
+                    continue
                 if not (p.is_contiguous() and all(g.is_contiguous() for _, g in pieces)):
                     raise ValueError("TritonAdamW: parameters and gradients must be contiguous")
-                state = self._state(p)
-                state["step"] += 1
-                copy = self.casts.get(p)
                 fused = copy is not None and copy.dtype == torch.bfloat16 and copy.is_contiguous()
                 flat = [t.view(-1) for t in (p, state["exp_avg"], state["exp_avg_sq"])]
                 for lo, grad in pieces:

@@ -1,23 +1,29 @@
 """Checkpoints: one directory per step, checksummed, published atomically, ``latest`` written last.
 
-    run_dir/checkpoints/step_000120/   model.pt  optim.pt  state.pt  meta.json           (1 process)
-    run_dir/checkpoints/step_000120/   __0_0.distcp __1_0.distcp .metadata state.pt meta.json   (N ranks)
+    run_dir/checkpoints/step_000120/   __0_0.distcp [__1_0.distcp ...] .metadata state.pt meta.json
     run_dir/checkpoints/latest         "step_000120"
 
-``meta.json`` holds the resolved config, step, tokens seen, the data-loader position, the format
-("torch" or "dcp") and the sha256 of every file; ``state.pt`` the loader position and the RNG
-states of every rank. A step directory appears only complete (optimus_core.atomic.atomic_dir),
-and ``latest`` moves only after it, so a crash mid-save never leaves a ``latest`` pointing at a
-partial checkpoint. On load, a checkpoint whose files are missing or fail their checksum is
-skipped with a warning and the previous one is used.
+Every layout writes the same format (torch.distributed.checkpoint): each rank writes the rows it
+holds (optimus_core.parallel.layout), nothing is gathered and nothing is cloned, under keys that
+name whole parameters, so a checkpoint of any world size, EP degree, optimizer mode or one
+process loads on any other:
 
-A run of several ranks writes its checkpoint sharded with torch.distributed.checkpoint: every
-rank writes its own shards at once (expert weights split over EP, optimizer moments split as the
-sharded optimizer holds them), nothing is gathered to one rank. Keys are layout-free (``model/<
-parameter>``: the full logical tensor; ``optim/...``: see ShardedAdamW.state_dict), so a
-checkpoint of W ranks with ep e loads on W' ranks with ep e': each rank reads the pieces it needs.
-``Checkpoint.load_model_state`` reads the full model of either format on one process (export,
-evaluation).
+    model/<parameter>               the whole parameter (its rows: expert weights as (E * rows, cols))
+    model/<buffer>                  persistent buffers (the routers' balancing bias), replicated
+    optim/<parameter>/exp_avg       AdamW's moments, laid out as the parameter
+    optim/<parameter>/exp_avg_sq
+    optim/<parameter>/step          the parameter's AdamW step count (replicated)
+    rng/torch, rng/device           every rank's RNG states, one row per rank
+
+``meta.json`` holds the resolved config, step, tokens seen, the data-loader position, the format
+and the sha256 of every file; ``state.pt`` the loader position. A step directory appears only
+complete (optimus_core.atomic.atomic_dir), and ``latest`` moves only after it, so a crash
+mid-save never leaves a ``latest`` pointing at a partial checkpoint. On load, a checkpoint whose
+files are missing or fail their checksum is skipped with a warning and the previous one is used.
+
+Checkpoints of earlier versions still evaluate and export (``Checkpoint.load_model_state``):
+the one-process format (model.pt, optim.pt, state.pt) also resumes on one process; the first
+sharded format (its optimizer state kept per ZeRO-1 bucket) no longer resumes.
 """
 from __future__ import annotations
 
@@ -36,9 +42,10 @@ import torch
 from ..atomic import atomic_dir, atomic_write
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
-FILES = ("model.pt", "optim.pt", "state.pt")  # format "torch"
-SHARDED_FILES = (".metadata", "state.pt")  # format "dcp", besides one or more *.distcp
-MODEL, OPTIM = "model/", "optim/"  # key prefixes of a sharded checkpoint
+FORMAT, VERSION = "dcp", 2  # meta.json's "format" and "version" of what save_checkpoint writes
+REQUIRED_FILES = {"torch": ("model.pt", "optim.pt", "state.pt"), "dcp": (".metadata", "state.pt")}
+MODEL, OPTIM, RNG = "model/", "optim/", "rng/"  # key prefixes (module doc)
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _sha256(path: Path) -> str:
@@ -59,20 +66,23 @@ class Checkpoint:
         return int(self.meta["step"])
 
     @property
-    def sharded(self) -> bool:
-        return self.meta.get("format", "torch") == "dcp"
+    def format(self) -> str:
+        return self.meta.get("format", "torch")
+
+    @property
+    def resumable_here(self) -> str | None:
+        """None if a run can resume from it; else why not."""
+        if self.format == FORMAT and self.meta.get("version", 1) < VERSION:
+            return (f"{self.path} was written by an earlier Optimus (its optimizer state is kept per ZeRO-1 "
+                    f"bucket): it still evaluates and exports, but a run cannot resume from it; start a new "
+                    f"run directory (or `--set train.init_from=` an `optimus export-hf` of it)")
+        return None
 
     def load_model_state(self, map_location="cpu") -> dict:
-        """The full (unsharded) model state dict, whatever the format, read by this process alone."""
-        if self.sharded:
+        """The whole (unsharded) model state dict, whatever the format, read by this process alone."""
+        if self.format == FORMAT:
             return {k[len(MODEL):]: v.to(map_location) for k, v in read_full(self.path, MODEL).items()}
         return torch.load(self.path / "model.pt", map_location=map_location, weights_only=True)
-
-    def load_optim_state(self, map_location="cpu") -> dict:
-        if self.sharded:
-            raise ValueError(f"{self.path} is a sharded checkpoint: its optimizer state loads through "
-                             f"load_sharded() on the ranks of a distributed run")
-        return torch.load(self.path / "optim.pt", map_location=map_location, weights_only=True)
 
     def load_state(self) -> dict:
         return torch.load(self.path / "state.pt", map_location="cpu", weights_only=False)
@@ -80,25 +90,6 @@ class Checkpoint:
 
 def checkpoints_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
-
-
-def save_checkpoint(run_dir: Path, step: int, *, model_state: dict, optim_state: dict, state: dict,
-                    meta: dict, keep: int = 2, keep_every: int = 0) -> Path:
-    """Write checkpoint ``step`` and point ``latest`` at it; keep the newest ``keep`` and, for
-    the evaluation curves of a long run, every step that is a multiple of ``keep_every``."""
-    root = checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    _sweep(root)
-    final = root / f"step_{step:06d}"
-    with atomic_dir(final) as tmp:
-        torch.save(model_state, tmp / "model.pt")
-        torch.save(optim_state, tmp / "optim.pt")
-        torch.save(state, tmp / "state.pt")
-        full_meta = dict(meta, step=step, files={name: _sha256(tmp / name) for name in FILES})
-        (tmp / "meta.json").write_text(json.dumps(full_meta, indent=2, sort_keys=True))
-    atomic_write(root / "latest", final.name)
-    _prune(run_dir, keep, keep_every)
-    return final
 
 
 def _sweep(root: Path) -> None:
@@ -109,6 +100,8 @@ def _sweep(root: Path) -> None:
 
 
 def _prune(run_dir: Path, keep: int, keep_every: int) -> None:
+    """Keep the newest ``keep`` and, for the evaluation curves of a long run, every step that is
+    a multiple of ``keep_every``."""
     for old in list_step_dirs(run_dir)[:-keep]:
         if not (keep_every and int(STEP_DIR.match(old.name).group(1)) % keep_every == 0):
             shutil.rmtree(old, ignore_errors=True)
@@ -130,7 +123,7 @@ def validate(path: Path) -> dict:
         raise ValueError(f"{path}: no meta.json (incomplete checkpoint)")
     meta = json.loads(meta_path.read_text())
     listed = meta.get("files", {})
-    required = SHARDED_FILES if meta.get("format", "torch") == "dcp" else FILES
+    required = REQUIRED_FILES.get(meta.get("format", "torch"), ())
     for name in sorted(set(required) | set(listed)):
         expected = listed.get(name)
         if not (path / name).is_file():
@@ -154,49 +147,91 @@ def latest_valid(run_dir: Path) -> Checkpoint | None:
     return None
 
 
-# ----------------------------------------------------------------------------- sharded (several ranks)
+# ----------------------------------------------------------------------------- what is saved
 
-def dcp_meshes(mesh):
-    """(world, grid) DeviceMeshes of a distributed Mesh, made once (collective, every rank):
-    ``world`` 1-D over all ranks; ``grid`` (expert-dp, ep), whose rows are the EP groups."""
-    from torch.distributed.device_mesh import DeviceMesh
+def _adamw_state(optimizer, p: torch.Tensor) -> dict:
+    """``p``'s AdamW state in ``optimizer`` (torch's or TritonAdamW, or one wrapping either as
+    ``inner``), made (zeros, step 0) where the optimizer has not made it yet, so that a load can
+    fill it before the first update."""
+    from ..parallel.layout import local_tensor
 
-    cached = getattr(mesh, "_dcp_meshes", None)
-    if cached is None:
-        ranks = torch.arange(mesh.world_size)
-        cached = (DeviceMesh(mesh.device.type, ranks),
-                  DeviceMesh(mesh.device.type, ranks.reshape(mesh.world_size // mesh.ep, mesh.ep),
-                             mesh_dim_names=("expert_dp", "ep")))
-        mesh._dcp_meshes = cached
-    return cached
+    inner = getattr(optimizer, "inner", optimizer)
+    state = inner.state[p]
+    if not state:
+        if hasattr(inner, "_state"):  # TritonAdamW: its own layout (moments of the local share)
+            return inner._state(p)
+        group = next(g for g in inner.param_groups if any(q is p for q in g["params"]))
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        state["step"] = torch.zeros((), dtype=torch.float32, device=local_tensor(p).device if on_device else "cpu")
+        for moment in MOMENTS:
+            state[moment] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
 
 
-def sharded_model_state(model, mesh) -> dict:
-    """``model/<name>`` -> this rank's part: expert weights as DTensors of their full (n_experts,
-    ...) shape split over EP and replicated over expert-dp, everything else as plain (replicated)
-    tensors. Copies, so it can be filled by ``load_sharded`` and then applied."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+def training_tensors(model, optimizer, mesh) -> dict:
+    """This rank's part of the checkpoint's tensors (module doc): views of the parameters, the
+    moments and the buffers (nothing copied), DTensors of the whole shapes where sharded. The
+    same dict, filled by ``load_tensors_``, loads them in place."""
+    from ..parallel.layout import local_tensor, shares
 
-    from ..parallel import expert_parallel
-
-    _, grid = dcp_meshes(mesh)
-    experts = expert_parallel.expert_parameter_names(model)
     out = {}
-    for name, value in model.state_dict().items():
-        value = value.detach().clone()
-        if name in experts:
-            shape = (value.shape[0] * mesh.ep, *value.shape[1:])
-            value = DTensor.from_local(value, grid, [Replicate(), Shard(0)], run_check=False, shape=torch.Size(shape),
-                                       stride=torch.empty(shape, device="meta").stride())
-        out[MODEL + name] = value
+    by_name = dict(model.named_parameters())
+    for name, share in shares(model, mesh).items():
+        out[MODEL + name] = share.dtensor()
+        state = _adamw_state(optimizer, by_name[name])
+        for moment in MOMENTS:
+            out[f"{OPTIM}{name}/{moment}"] = share.like(local_tensor(state[moment])).dtensor()
+        step = state["step"]
+        if not torch.is_tensor(step):  # a plain number: made a tensor the load can fill
+            state["step"] = step = torch.tensor(float(step), dtype=torch.float32)
+        out[f"{OPTIM}{name}/step"] = step
+    for name, buf in model.named_buffers(remove_duplicate=True):
+        if _persistent(model, name):
+            out[MODEL + name] = buf
+    out.update(_rng_tensors(mesh))
     return out
 
 
-def local_model_state(sharded: dict) -> dict:
-    """The model part of a sharded state dict as this rank's ``model.load_state_dict`` input."""
-    return {k[len(MODEL):]: (v.to_local() if hasattr(v, "to_local") else v)
-            for k, v in sharded.items() if k.startswith(MODEL)}
+def _persistent(model, name: str) -> bool:
+    module_name, _, buf = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    return buf not in module._non_persistent_buffers_set
 
+
+def _rng_tensors(mesh) -> dict:
+    """Every rank's CPU (and device) RNG state: one row per rank of a (world, bytes) tensor."""
+    from ..parallel.layout import Share
+
+    states = {"torch": torch.get_rng_state()}
+    device = mesh.device
+    if device.type in ("cuda", "xpu"):
+        states["device"] = getattr(torch, device.type).get_rng_state(device)
+    out = {}
+    for key, state in states.items():
+        row = state.reshape(1, -1).clone()
+        if mesh.distributed:
+            from torch.distributed.tensor import Shard
+
+            world, _ = mesh.device_meshes()
+            share = Share(key, row, mesh.rank, (mesh.world_size, row.shape[1]), world, (Shard(0),))
+            out[RNG + key] = share.dtensor()
+        else:
+            out[RNG + key] = row
+    return out
+
+
+def restore_rng(tensors: dict, mesh) -> None:
+    """Set this rank's RNG states from filled ``training_tensors`` (``load_tensors_``)."""
+    from ..parallel.layout import local_tensor
+
+    if RNG + "torch" in tensors:
+        torch.set_rng_state(local_tensor(tensors[RNG + "torch"]).reshape(-1).clone())
+    if RNG + "device" in tensors and mesh.device.type in ("cuda", "xpu"):
+        getattr(torch, mesh.device.type).set_rng_state(local_tensor(tensors[RNG + "device"]).reshape(-1).clone(),
+                                                        mesh.device)
+
+
+# ----------------------------------------------------------------------------- writing
 
 class PendingSave:
     """A checkpoint still being written in the background. ``wait()`` (every rank) finishes it:
@@ -230,8 +265,9 @@ def finished_on_exit(finish):
 
 
 def checkpoint_group(mesh, timeout=None):
-    """A gloo group for background checkpoint writes, made once (collective): their collectives
-    must not interleave with the training's on the default group. ``timeout``: a timedelta."""
+    """A gloo group for checkpoint writes, made once (collective): DCP's planning runs its
+    collectives there (on the host), and background writes must not interleave with the
+    training's on the default group. ``timeout``: a timedelta."""
     import torch.distributed as dist
 
     if getattr(mesh, "_checkpoint_group", None) is None:
@@ -251,40 +287,15 @@ def _cpu_copy(tree):
     return tree
 
 
-def save_checkpoint_async(run_dir: Path, step: int, *, model_state: dict, optim_state: dict, state: dict,
-                          meta: dict, keep: int = 2, keep_every: int = 0) -> PendingSave:
-    """``save_checkpoint`` in a background thread, from a CPU copy taken now."""
-    import threading
-
-    staged = _cpu_copy({"model_state": model_state, "optim_state": optim_state, "state": state})
-    outcome: dict = {}
-
-    def write():
-        try:
-            outcome["path"] = save_checkpoint(run_dir, step, meta=meta, keep=keep, keep_every=keep_every, **staged)
-        except BaseException as e:  # re-raised by wait(), in the training thread
-            outcome["error"] = e
-
-    thread = threading.Thread(target=write, name=f"checkpoint-{step}", daemon=False)
-    thread.start()
-
-    def finish():
-        thread.join()
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["path"]
-
-    return PendingSave(finish)
-
-
-def save_sharded_checkpoint(run_dir: Path, step: int, *, sharded_state: dict, state: dict, meta: dict, rank: int,
-                            keep: int = 2, keep_every: int = 0, process_group=None,
-                            asynchronous: bool = False) -> Path | None | PendingSave:
-    """Collective: every rank writes its shards of ``sharded_state`` into one step directory;
-    rank 0 adds ``state.pt`` and ``meta.json`` (checksums of every file), publishes the directory
-    whole, then moves ``latest``. Returns the path on rank 0, None elsewhere; with
-    ``asynchronous`` the shards are copied to the CPU now, written in the background (over
-    ``process_group``: see checkpoint_group) and a PendingSave is returned."""
+def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, meta: dict, rank: int = 0,
+                    distributed: bool = False, keep: int = 2, keep_every: int = 0, process_group=None,
+                    asynchronous: bool = False) -> Path | None | PendingSave:
+    """Write checkpoint ``step`` (collective when ``distributed``: every rank calls it). Every
+    rank writes its part of ``tensors`` (``training_tensors``) into one step directory; rank 0
+    adds ``state.pt`` and ``meta.json`` (checksums of every file), publishes the directory
+    whole, moves ``latest`` and prunes. Returns the path on rank 0, None elsewhere. With
+    ``asynchronous`` the tensors are copied to the host now and written in the background
+    (distributed: over ``process_group``, see checkpoint_group) and a PendingSave is returned."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -296,16 +307,17 @@ def save_sharded_checkpoint(run_dir: Path, step: int, *, sharded_state: dict, st
         root.mkdir(parents=True, exist_ok=True)
         _sweep(root)
         tmp = stack.enter_context(atomic_dir(final))
-    where = [str(tmp) if tmp is not None else None]
-    dist.broadcast_object_list(where, src=0)
-    tmp = Path(where[0])
+    if distributed:
+        where = [str(tmp) if tmp is not None else None]
+        dist.broadcast_object_list(where, src=0)
+        tmp = Path(where[0])
 
     def publish() -> Path | None:
         with stack:  # on an exception the temporary directory goes, the previous checkpoints stay
             if rank == 0:
                 torch.save(state, tmp / "state.pt")
                 files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-                full_meta = dict(meta, step=step, format="dcp", files=files)
+                full_meta = dict(meta, step=step, format=FORMAT, version=VERSION, files=files)
                 (tmp / "meta.json").write_text(json.dumps(full_meta, indent=2, sort_keys=True))
         if rank != 0:
             return None
@@ -315,11 +327,15 @@ def save_sharded_checkpoint(run_dir: Path, step: int, *, sharded_state: dict, st
 
     writer = dcp.FileSystemWriter(tmp)
     try:
-        if asynchronous:
-            future = dcp.async_save(sharded_state, storage_writer=writer, process_group=process_group)
+        if asynchronous and distributed:
+            future = dcp.async_save(tensors, storage_writer=writer, process_group=process_group)
             future = getattr(future, "upload_completion", future)  # an AsyncSaveResponse or a Future
+        elif asynchronous:  # one process: a host copy, written by a thread
+            future = _write_in_thread(_cpu_copy(tensors), writer, step)
         else:
-            dcp.save(sharded_state, storage_writer=writer, process_group=process_group)
+            with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+                warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+                dcp.save(tensors, storage_writer=writer, process_group=process_group, no_dist=not distributed)
     except BaseException:
         stack.__exit__(*sys.exc_info())
         raise
@@ -337,12 +353,44 @@ def save_sharded_checkpoint(run_dir: Path, step: int, *, sharded_state: dict, st
     return PendingSave(finish)
 
 
-def load_sharded(path: Path, target: dict) -> None:
-    """Fill ``target`` (a sharded state dict of this run's layout) in place from ``path``, each
-    rank reading the pieces it holds (collective when distributed)."""
+def _write_in_thread(tensors: dict, writer, step: int):
+    """dcp.save of one process's (host) tensors in a background thread, as a Future."""
+    import concurrent.futures
+
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(target, storage_reader=dcp.FileSystemReader(path))
+    def save():
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.save(tensors, storage_writer=writer, no_dist=True)
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"checkpoint-{step}")
+    future = pool.submit(save)
+    pool.shutdown(wait=False)
+    return future
+
+
+# ----------------------------------------------------------------------------- reading
+
+def load_tensors_(found: Checkpoint, tensors: dict, distributed: bool) -> None:
+    """Fill ``tensors`` (``training_tensors`` of this run's layout) in place from ``found``, each
+    rank reading the rows it holds (collective when ``distributed``). A checkpoint of another
+    world size has no RNG rows for this layout: those are left as they are."""
+    import torch.distributed.checkpoint as dcp
+
+    why = found.resumable_here
+    if why:
+        raise ValueError(why)
+    if found.meta.get("world_size", 1) != _world_of(tensors):
+        tensors = {k: v for k, v in tensors.items() if not k.startswith(RNG)}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load(tensors, storage_reader=dcp.FileSystemReader(found.path), no_dist=not distributed)
+
+
+def _world_of(tensors: dict) -> int:
+    rng = tensors.get(RNG + "torch")
+    return 1 if rng is None else int(rng.shape[0])
 
 
 def read_full(path: Path, prefix: str) -> dict:
@@ -362,27 +410,13 @@ def read_full(path: Path, prefix: str) -> dict:
     return full
 
 
-def load_plain_optimizer(path: Path, model, optimizer: torch.optim.Optimizer) -> None:
-    """Set a one-process torch AdamW's state (``model``: the whole model) from a sharded
-    checkpoint's layout-free optimizer keys: a run of N ranks continues on one."""
-    from ..parallel.optimizer import bucket_params
-
-    full = read_full(path, OPTIM)
-    on_device = bool(optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"))
-    for name, params in bucket_params(model):
-        kind = name.split(".")[0]
-        bucket = f"{OPTIM}{name}"
-        if f"{bucket}/step" not in full:
-            raise ValueError(f"{path} has no optimizer state for {name}: another model?")
-        step = full[f"{bucket}/step"].to(torch.float32).reshape(())
-        offset = 0
-        for i, p in enumerate(params):
-            state = {"step": step.clone().to(p.device) if on_device else step.clone()}
-            for moment in ("exp_avg", "exp_avg_sq"):
-                if kind == "dense":  # one flat tensor for the bucket, parameters in order
-                    value = full[f"{bucket}/{moment}"][offset:offset + p.numel()].view_as(p)
-                else:
-                    value = full[f"{bucket}/{i}/{moment}"]
-                state[moment] = value.to(p.device, p.dtype).clone()
-            offset += p.numel()
-            optimizer.state[p] = state
+def load_torch_format_(found: Checkpoint, model, optimizer) -> None:
+    """Resume one process from a checkpoint of the earlier one-process format (model.pt, optim.pt):
+    the weights, then the optimizer state (expert moments reshaped to the weights' rows)."""
+    model.load_state_dict(torch.load(found.path / "model.pt", map_location="cpu", weights_only=True))
+    optimizer.load_state_dict(torch.load(found.path / "optim.pt", map_location="cpu", weights_only=True))
+    inner = getattr(optimizer, "inner", optimizer)
+    for p, state in inner.state.items():
+        for moment in MOMENTS:
+            if moment in state and state[moment].shape != p.shape:
+                state[moment] = state[moment].reshape(p.shape)

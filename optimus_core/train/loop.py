@@ -20,12 +20,11 @@ from tqdm.auto import tqdm
 from ..config import RunConfig
 from ..data import BatchLoader, TokenDataset, load_manifest
 from ..device import DeviceInfo, device_info
-from ..model.linear_cross_entropy import use_softmax_kernel
 from ..model.transformer import Transformer
-from ..parallel import Mesh, ShardedAdamW, parallelize
+from ..parallel import Mesh
 from . import checkpoint as ckpt
+from .build import build_model, build_run_optimizer
 from .evaluate import heldout_metrics
-from .optim import build_optimizer, use_bf16_expert_grads
 from .resilience import LossGuard, Preempted, StopRequest
 from .schedule import lr_at
 from .step import train_step
@@ -52,47 +51,6 @@ class TrainSummary:
     wall_time_s: float
 
 
-def build_model(cfg: RunConfig, device: torch.device | str = "cpu") -> Transformer:
-    """The model of ``cfg``, initialised deterministically from ``cfg.train.seed``, or, with
-    ``cfg.train.init_from`` (a Hugging Face export, optimus_core.hf), with its weights; its
-    architecture must be ``cfg.model``'s (ValueError listing the fields that differ). A resumed
-    run loads its checkpoint over these weights (the export is read all the same: keep it)."""
-    model = Transformer(cfg.model)
-    if cfg.train.init_from:
-        from ..hf import ExportError, import_hf  # safetensors: only when asked
-
-        where = f"train.init_from = {cfg.train.init_from!r}"
-        try:
-            source, source_cfg = import_hf(cfg.train.init_from)
-        except (ExportError, FileNotFoundError) as e:
-            raise ValueError(f"{where}: {e}") from None
-
-        def arch(m) -> dict:  # what fixes the weights' shapes and the function they compute
-            moe = m.moe
-            return {"padded vocab_size": m.padded_vocab_size, "d_model": m.d_model, "n_layers": m.n_layers,
-                    "n_heads": m.n_heads, "kv heads": m.kv_heads, "qk_norm": m.qk_norm, "rope_theta": m.rope_theta,
-                    "norm_eps": m.norm_eps, "d_ff": None if moe else m.d_ff, "moe": moe is not None,
-                    "moe.n_experts": moe and moe.n_experts, "moe.top_k": moe and moe.top_k,
-                    "moe.d_expert": moe and moe.d_expert, "moe.norm_topk_probs": moe and moe.norm_topk_probs}
-        ours, theirs = arch(cfg.model), arch(source_cfg)
-        differ = [f"{k} {ours[k]} here, {theirs[k]} there" for k in ours if ours[k] != theirs[k]]
-        if differ:
-            raise ValueError(f"{where}: its model does not match model ({cfg.preset or 'this run'}): "
-                             f"{'; '.join(differ)}. Use the preset the export was trained with")
-        model.load_state_dict(source.state_dict(), strict=True)
-    else:
-        generator = torch.Generator().manual_seed(cfg.train.seed)
-        model.init_weights(generator)
-    model.activation_checkpointing = cfg.train.activation_checkpointing
-    model.lm_loss_kernel = use_softmax_kernel(cfg.train.lm_loss_softmax, device)
-    model.set_recast_expert_weights(cfg.train.recast_expert_weights)
-    model = model.to(device)
-    model.use_expert_weight_casts(cfg.train)  # before the optimizer: it looks the copies up
-    if cfg.train.compile:
-        model.compile_blocks(cfg.train.compile_mode)
-    return model
-
-
 def check_data_matches_model(cfg: RunConfig, data_dir: Path) -> None:
     manifest = load_manifest(data_dir)
     if manifest.vocab_size > cfg.model.vocab_size:
@@ -104,7 +62,7 @@ def check_data_matches_model(cfg: RunConfig, data_dir: Path) -> None:
 class Trainer:
     def __init__(self, cfg: RunConfig, data_dir: str | Path, run_dir: str | Path,
                  writer: MetricsSink | None = None, progress: bool = True, device: DeviceInfo | None = None,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, checkpointing: tuple[str, int] | None = None):
         self.cfg, self.data_dir, self.run_dir = cfg, Path(data_dir), Path(run_dir)
         self.device_info = device or device_info(cfg.train.device)
         self.device = torch.device(self.device_info.type)
@@ -114,16 +72,9 @@ class Trainer:
         self.writer, self.progress = (writer, progress) if self.is_lead else (None, False)
         check_data_matches_model(cfg, self.data_dir)
         torch.manual_seed(cfg.train.seed)
-        self.model = build_model(cfg, self.device)  # the same full model on every rank (same seed)
-        if self.mesh.distributed:
-            # float32 expert gradients there (the sharded optimizer's buffers); "bfloat16" raises
-            use_bf16_expert_grads(self.model, cfg.train, cfg.optim, self.device, ranks=self.mesh.world_size)
-            self.model = parallelize(self.model, self.mesh)
-            self.optimizer = ShardedAdamW(self.model, self.mesh, cfg.optim, mode=cfg.parallel.optimizer,
-                                         overlap=cfg.parallel.overlap_grad_sync,
-                                         chunk_mb=cfg.parallel.grad_sync_chunk_mb)
-        else:
-            self.optimizer = build_optimizer(self.model, cfg.optim, cfg.train)
+        # this rank's share of the model, never the whole of it (optimus_core.train.build)
+        self.model: Transformer = build_model(cfg, self.mesh, checkpointing=checkpointing)
+        self.optimizer = build_run_optimizer(self.model, cfg, self.mesh)
         dataset = TokenDataset(self.data_dir, split="train", seq_len=cfg.data.seq_len)
         self.loader = BatchLoader(dataset, cfg.train.global_batch, seed=cfg.data.seed,
                                   rank=self.mesh.rank, world_size=self.mesh.world_size)
@@ -151,24 +102,19 @@ class Trainer:
         if saved is not None and saved["model"] != self.cfg.model.to_dict():
             raise ValueError(f"{found.path} was saved by a different model configuration; "
                              f"use a new run directory or the same preset")
-        if found.sharded and not self.mesh.distributed:  # a run of N ranks continues on one process
-            self.model.load_state_dict(found.load_model_state(self.device))
-            ckpt.load_plain_optimizer(found.path, self.model, self.optimizer)
-        elif found.sharded:  # any layout: each rank reads its own pieces of the layout-free keys
-            target = {**ckpt.sharded_model_state(self.model, self.mesh), **self.optimizer.state_dict(sharded=True)}
-            ckpt.load_sharded(found.path, target)
-            self.model.load_state_dict(ckpt.local_model_state(target))
-            self.optimizer.load_state_dict({k: v for k, v in target.items() if not k.startswith(ckpt.MODEL)})
-        else:
-            self.model.load_state_dict(found.load_model_state(self.device))
-            self.optimizer.load_state_dict(found.load_optim_state(self.device))
-        state = found.load_state()
+        if found.format == "torch":  # the earlier one-process format
+            if self.mesh.distributed:
+                raise ValueError(f"{found.path} is in the earlier one-process format: resume it on one process")
+            ckpt.load_torch_format_(found, self.model, self.optimizer)
+            state = found.load_state()
+            torch.set_rng_state(state["torch_rng"])
+        else:  # any layout: each rank reads the rows it holds
+            tensors = ckpt.training_tensors(self.model, self.optimizer, self.mesh)
+            ckpt.load_tensors_(found, tensors, self.mesh.distributed)
+            ckpt.restore_rng(tensors, self.mesh)
+            self.model.refresh_weight_casts()
+            state = found.load_state()
         self.loader.load_state_dict(state["loader"])
-        per_rank = state.get("rng_per_rank")  # every rank's own; rank 0's on another world size
-        rng = per_rank[self.mesh.rank] if per_rank and len(per_rank) == self.mesh.world_size else state
-        torch.set_rng_state(rng["torch_rng"])
-        if rng.get("device_rng") is not None and self.device.type in ("cuda", "xpu"):
-            getattr(torch, self.device.type).set_rng_state(rng["device_rng"], self.device)
         self.step = found.step
 
     def _roll_back(self, bad_steps: int) -> None:
@@ -200,43 +146,30 @@ class Trainer:
     def save(self) -> Path | None:
         """Write a checkpoint (a collective when distributed: every rank calls it).
 
-        One process: one file per part (model, optimizer, state). Several ranks: every rank
-        writes its own shards at once (torch.distributed.checkpoint), rank 0 the small rest, so
-        nothing is gathered and the checkpoint loads on another number of ranks or ep.
+        Every rank writes the rows it holds at once (torch.distributed.checkpoint), rank 0 the
+        small rest; nothing is gathered or cloned, and the checkpoint loads on any other number
+        of ranks, EP degree or one process (optimus_core.train.checkpoint).
         """
         settle_updates(self.optimizer)  # the weights and state saved are those after the last update
-        rng = {"torch_rng": torch.get_rng_state(),
-               "device_rng": (getattr(torch, self.device.type).get_rng_state(self.device)
-                              if self.device.type in ("cuda", "xpu") else None)}
-        per_rank = [rng]
-        if self.mesh.distributed:
-            per_rank = [None] * self.mesh.world_size
-            torch.distributed.all_gather_object(per_rank, rng)
-        state = {"loader": self.loader.state_dict(), **rng, "rng_per_rank": per_rank}
+        state = {"loader": self.loader.state_dict()}
         meta = {"config": self.cfg.to_dict(), "tokens": self.tokens, "data_position": self.loader.state_dict(),
                 "world_size": self.mesh.world_size, "ep": self.mesh.ep}
         if self.is_lead and self.writer is not None:
             self.writer.flush()  # metrics up to a checkpoint survive a kill, as the weights do
-        keep = {"keep": self.cfg.train.keep_checkpoints, "keep_every": self.cfg.train.keep_every}
         self.publish_checkpoint()  # one background write at a time
         # The last checkpoint of a run is written in the foreground: the run's outputs follow it.
         background = self.cfg.train.async_checkpoint and self.step < self.cfg.train.steps
+        group = None
         if self.mesh.distributed:
-            sharded = {**ckpt.sharded_model_state(self.model, self.mesh), **self.optimizer.state_dict(sharded=True)}
-            path = ckpt.save_sharded_checkpoint(self.run_dir, self.step, sharded_state=sharded, state=state, meta=meta,
-                                                rank=self.mesh.rank, process_group=ckpt.checkpoint_group(
-                                                    self.mesh, timedelta(seconds=self.cfg.parallel.collective_timeout_s)),
-                                                asynchronous=background, **keep)
-        elif background:
-            path = ckpt.save_checkpoint_async(self.run_dir, self.step, model_state=self.model.state_dict(),
-                                              optim_state=self.optimizer.state_dict(), state=state, meta=meta, **keep)
-        else:
-            return ckpt.save_checkpoint(self.run_dir, self.step, model_state=self.model.state_dict(),
-                                        optim_state=self.optimizer.state_dict(), state=state, meta=meta, **keep)
+            group = ckpt.checkpoint_group(self.mesh, timedelta(seconds=self.cfg.parallel.collective_timeout_s))
+        path = ckpt.save_checkpoint(self.run_dir, self.step, state=state, meta=meta, rank=self.mesh.rank,
+                                    tensors=ckpt.training_tensors(self.model, self.optimizer, self.mesh),
+                                    distributed=self.mesh.distributed, process_group=group, asynchronous=background,
+                                    keep=self.cfg.train.keep_checkpoints, keep_every=self.cfg.train.keep_every)
         if isinstance(path, ckpt.PendingSave):
             self._pending_save = path
             return None
-        torch.distributed.barrier()  # nobody reads or resumes before rank 0 has published it
+        self.mesh.barrier()  # nobody reads or resumes before rank 0 has published it
         return path
 
     def publish_checkpoint(self) -> Path | None:

@@ -5,14 +5,15 @@
     point["step_s"], point["compute_s"], point["a2a_s"], point["grad_sync_s"], point["optimizer_s"]
 
 What is timed is the training step itself (optimus_core.train.step.train_step) on the model and
-optimizer a real run of ``cfg`` builds (ShardedAdamW with ``cfg.parallel.optimizer`` when
-distributed); only the data differ: uniform random tokens from a seeded generator, so no
-dataset is needed, and the model is materialised directly on its device (a 3.6B-parameter
-init on the host would take longer than the measurement).
+optimizer a real run of ``cfg`` builds (optimus_core.train.build: fully sharded with
+ShardedAdamW in ``cfg.parallel.optimizer``'s mode when distributed); only the data differ:
+uniform random tokens from a seeded generator, so no dataset is needed.
 
 Phases (optimus_core.timing, exclusive device seconds per step): ``compute`` forward + backward,
-``a2a`` the experts' all-to-alls and count exchanges, ``grad_sync`` gradient reduce-scatter /
-all-reduce and parameter all-gather, ``optimizer`` grad norm + AdamW; ``idle_s`` is the wall
+``a2a`` the experts' all-to-alls and count exchanges, ``grad_sync`` what the host waits for of
+the gradient synchronisation after the backward (the EP-unaware experts' all-reduce, the
+losses' and routing counts' all-reduces; FSDP2's per-unit all-gathers and reduce-scatters run
+inside the forward and backward and count there), ``optimizer`` grad norm + AdamW; ``idle_s`` is the wall
 time of the step left over (host overhead, waiting for other ranks). Each is the median over
 the timed steps on each rank, then the mean over ranks; ``step_s`` is the slowest rank's median;
 ``step_back_to_back_s`` (GPUs) the median time between step boundaries with no host sync between
@@ -40,30 +41,12 @@ import torch
 import torch.distributed as dist
 
 from ..config import RunConfig
-from ..model.linear_cross_entropy import use_softmax_kernel
-from ..model.transformer import Transformer
-from ..parallel import Mesh, ShardedAdamW, parallelize
+from ..parallel import Mesh
 from ..timing import PhaseTimer
-from .optim import build_optimizer, use_bf16_expert_grads
+from .build import build_model, build_run_optimizer
 from .step import train_step
 
 PHASES = ("compute", "a2a", "grad_sync", "optimizer")
-
-
-def build_on_device(cfg: RunConfig, device: torch.device) -> Transformer:
-    """The model of ``cfg``, built on the meta device and initialised where it will run."""
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    model.to_empty(device=device)
-    torch.manual_seed(cfg.train.seed)
-    model.init_weights()  # the device's default generator, seeded above
-    model.activation_checkpointing = cfg.train.activation_checkpointing
-    model.lm_loss_kernel = use_softmax_kernel(cfg.train.lm_loss_softmax, device)
-    model.set_recast_expert_weights(cfg.train.recast_expert_weights)
-    model.use_expert_weight_casts(cfg.train)  # before the optimizer: it looks the copies up
-    if cfg.train.compile:
-        model.compile_blocks(cfg.train.compile_mode)
-    return model
 
 
 def _sync(device: torch.device) -> None:
@@ -86,15 +69,8 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
         raise ValueError(f"train.global_batch = {cfg.train.global_batch} sequences does not split over "
                          f"{mesh.world_size} ranks")
     device = mesh.device
-    model = build_on_device(cfg, device)
-    if mesh.distributed:
-        use_bf16_expert_grads(model, cfg.train, cfg.optim, device, ranks=mesh.world_size)  # "bfloat16" raises
-    model = parallelize(model, mesh)
-    if mesh.distributed:
-        optimizer = ShardedAdamW(model, mesh, cfg.optim, mode=cfg.parallel.optimizer,
-                                   overlap=cfg.parallel.overlap_grad_sync, chunk_mb=cfg.parallel.grad_sync_chunk_mb)
-    else:
-        optimizer = build_optimizer(model, cfg.optim, cfg.train)
+    model = build_model(cfg, mesh)
+    optimizer = build_run_optimizer(model, cfg, mesh)
     local_batch = cfg.train.global_batch // mesh.world_size
     generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 7919 + mesh.rank)
     batch_BS1 = torch.randint(0, cfg.model.vocab_size, (local_batch, cfg.data.seq_len + 1),

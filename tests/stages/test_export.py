@@ -118,7 +118,7 @@ def test_dense_without_qk_norm_maps_to_llama_exactly():
     with pytest.raises(ExportError, match="always applies it"):
         hf_architecture(cfg, "olmoe")
     ours = Transformer(cfg)
-    ours.init_weights(torch.Generator().manual_seed(0))
+    ours.init_weights(seed=0)
     hf_cfg = transformers.LlamaConfig(**{k: v for k, v in to_hf_config(cfg, "llama").items()
                                          if k not in ("architectures", "model_type", "torch_dtype")})
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
@@ -140,7 +140,7 @@ def test_fused_expert_layout_imports_like_the_per_expert_one():
     cfg = ModelConfig(vocab_size=200, d_model=32, n_layers=1, n_heads=2, max_seq_len=16,
                       moe=MoEConfig(n_experts=4, top_k=2, d_expert=24))
     model = Transformer(cfg)
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(seed=0)
     per_expert = to_hf_state(cfg, model.state_dict(), "olmoe")
     fused = {k: v for k, v in per_expert.items() if ".experts." not in k}
     p = "model.layers.0.mlp.experts."

@@ -19,7 +19,7 @@ def losses(backend: str, capacity=None, steps=3, weights_before_down=True):
                     weights_before_down=weights_before_down)
     cfg = ModelConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=2, max_seq_len=16, moe=moe)
     model = Transformer(cfg)
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(seed=0)
     opt = build_optimizer(model, OptimConfig(lr=1e-2))
     batch = torch.randint(0, 40, (4, 10), generator=torch.Generator().manual_seed(1))
     return [train_step(model, opt, batch, micro_batch=0, grad_clip=1.0, lr=1e-2, dtype="float32").loss

@@ -180,7 +180,7 @@ def small_model(**overrides):
     cfg = ModelConfig(**{**dict(vocab_size=200, pad_vocab_to=128, d_model=32, n_layers=2, n_heads=4, max_seq_len=16,
                                 moe=MoEConfig(n_experts=4, top_k=2, d_expert=16)), **overrides})
     model = Transformer(cfg)
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(seed=0)
     return model
 
 
@@ -211,7 +211,7 @@ def test_activation_checkpointing_gives_the_same_grads():
     model = small_model()
     batch_BS1 = torch.randint(0, 200, (2, 17), generator=torch.Generator().manual_seed(2))
     _, want = param_grads(model, batch_BS1, dtype="float32", fused=False)
-    model.activation_checkpointing = True
+    model.set_activation_checkpointing("full")
     model.train()
     _, got = param_grads(model, batch_BS1, dtype="float32", fused=True, chunk_rows=7)
     for name in want:
@@ -258,7 +258,7 @@ def test_a_model_with_the_kernel_trains_as_without():
     for kernel in (False, True):
         torch.manual_seed(0)
         model = Transformer(cfg)
-        model.init_weights(torch.Generator().manual_seed(0))
+        model.init_weights(seed=0)
         model.lm_loss_kernel = kernel
         tokens = torch.randint(0, 150, (2, 9), generator=torch.Generator().manual_seed(1))
         micro_batch_loss(model, tokens, dtype="float32", fused=True).backward()

@@ -57,12 +57,15 @@ def reference_forward(model: Transformer, tokens):
                 x = x + (torch.nn.functional.silu(gate) * up) @ p("ffn.w_down.weight").T
             else:
                 probs = (h @ p("ffn.router.gate.weight").T).softmax(-1)
+                E = cfg.moe.n_experts  # the weights' rows, expert after expert: (E, D, 2F) and (E, F, D)
+                w_up = raw[f"blocks.{i}.ffn.experts.w_up"].view(E, cfg.d_model, -1)
+                w_down = raw[f"blocks.{i}.ffn.experts.w_down"].view(E, -1, cfg.d_model)
                 y = torch.zeros_like(x)
                 for t in range(S):
                     top = probs[t].topk(cfg.moe.top_k)
                     for weight, e in zip(top.values, top.indices):
-                        gate, up = (h[t] @ raw[f"blocks.{i}.ffn.experts.w_up"][e].double()).chunk(2)
-                        y[t] += weight * (torch.nn.functional.silu(gate) * up) @ raw[f"blocks.{i}.ffn.experts.w_down"][e].double()
+                        gate, up = (h[t] @ w_up[e].double()).chunk(2)
+                        y[t] += weight * (torch.nn.functional.silu(gate) * up) @ w_down[e].double()
                 x = x + y
         outs.append(rms(x, sd["final_norm.weight"], cfg.norm_eps) @ sd["lm_head.weight"].T)
     return torch.stack(outs)
@@ -70,7 +73,7 @@ def reference_forward(model: Transformer, tokens):
 
 def build(cfg, seed=0):
     model = Transformer(cfg)
-    model.init_weights(torch.Generator().manual_seed(seed))
+    model.init_weights(seed=seed)
     return model
 
 
@@ -107,6 +110,23 @@ def test_init_is_truncated_normal_and_deterministic():
             assert p.abs().max() <= 3 * cfg.init_std + 1e-7, name
     w = a.blocks[0].ffn.experts.w_up
     assert abs(w.std().item() - 0.02 * 0.9866) < 0.0005  # std of N(0, .02) truncated at 3 sigma
+    assert not torch.equal(build(cfg, seed=4).embed.weight, a.embed.weight)
+
+
+def test_init_of_any_rows_is_the_init_of_the_whole():
+    """A rank holding rows [lo, hi) of a parameter draws exactly the whole init's rows there,
+    however the range falls on the draw blocks, and another name draws other values."""
+    from optimus_core.model.init import ROWS_PER_DRAW, draw_rows, init_parameter_
+
+    whole = torch.empty(5 * ROWS_PER_DRAW + 7, 13)
+    init_parameter_(whole, "blocks.0.ffn.experts.w_up", seed=2, std=0.02)
+    for lo, hi in ((0, 1), (3, ROWS_PER_DRAW + 5), (ROWS_PER_DRAW, 2 * ROWS_PER_DRAW), (200, whole.shape[0])):
+        part = torch.empty(hi - lo, 13)
+        init_parameter_(part, "blocks.0.ffn.experts.w_up", first_row=lo, seed=2, std=0.02)
+        assert torch.equal(part, whole[lo:hi]), (lo, hi)
+    other = draw_rows("blocks.1.ffn.experts.w_up", 0, 10, 13, seed=2, std=0.02)
+    assert not torch.equal(other, whole[:10])
+    assert whole.abs().max() <= 3 * 0.02
 
 
 def test_moe_aux_losses_match_hand_computed_values():
@@ -168,17 +188,32 @@ def test_aux_loss_free_bias_balances_a_skewed_router():
     assert start > 3 and end < 1.5
 
 
-def test_activation_checkpointing_gives_the_same_gradients():
+@pytest.mark.parametrize("mode, every", [("full", 1), ("full", 2), ("moe", 1)])
+def test_activation_checkpointing_gives_the_same_gradients(mode, every):
     cfg = presets.get("mula-7b-a1b@laptop").model
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    grads = []
-    for ac in (False, True):
+    grads, saved = [], []
+    for m in ("none", mode):
         model = build(cfg)
-        model.activation_checkpointing = ac
-        model(tokens).float().pow(2).mean().add(model.aux_loss()).backward()
+        model.set_activation_checkpointing(m, every)
+        count = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: count.append(t.numel()) or t, lambda t: t):
+            loss = model(tokens).float().pow(2).mean().add(model.aux_loss())
+        loss.backward()
         grads.append([p.grad.clone() for p in model.parameters()])
+        saved.append(sum(count))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert saved[1] < saved[0]  # it keeps less for the backward
+    if mode == "full":
+        assert model.checkpoint_blocks == set(range(every - 1, cfg.n_layers, every))
+
+
+def test_activation_checkpointing_modes_are_checked():
+    with pytest.raises(ValueError, match="'moe' needs MoE layers"):
+        build(presets.get("mula-1b@laptop").model).set_activation_checkpointing("moe")
+    with pytest.raises(ValueError, match="must be 'none', 'full' or 'moe'"):
+        build(presets.get("mula-7b-a1b@laptop").model).set_activation_checkpointing("selective")
 
 
 def test_router_counts_need_no_host_sync_and_trace_as_one_graph():

@@ -1,6 +1,7 @@
-"""Data + expert parallel training: 2 and 4 ranks (gloo, EP=2) follow the 1-process run of the
-same model, data and global batch step for step; a distributed run resumes from its checkpoint;
-``optimus pretrain --nproc 2`` runs the ranks itself."""
+"""Data + expert parallel training, fully sharded: 2 and 4 ranks (gloo, EP 1 and 2, EP-aware and
+unaware) follow the 1-process run of the same model, data and global batch step for step; a
+distributed run resumes from its checkpoint, and checkpoints move between one process and 4
+ranks; ``optimus pretrain --nproc 2`` runs the ranks itself."""
 import json
 import subprocess
 import sys
@@ -110,11 +111,21 @@ def test_distributed_run_resumes_from_its_checkpoint(tokens_dir, tmp_path):
     assert max(abs(a - b) for a, b in zip(first["loss"] + rest["loss"], ref["loss"])) < 1e-5
 
 
-def test_resuming_on_another_layout_is_a_clear_error(tokens_dir, tmp_path):
+def test_a_one_process_checkpoint_continues_on_four_ranks_and_back(tokens_dir, tmp_path):
+    """Steps 1-5 on one process, 6-10 on 4 ranks with ep 2 (fully sharded, EP-aware), 11-15 on
+    one process again, from each other's checkpoints: the losses of the uninterrupted run."""
+    sink = ListSink()
+    Trainer(_cfg(schedule="constant"), tokens_dir, tmp_path / "single", writer=sink, progress=False).fit()
+    ref = _rows(sink)
     run_dir = tmp_path / "run"
-    Trainer(_cfg(steps=2), tokens_dir, run_dir, progress=False).fit()  # 1 process, plain AdamW
-    with pytest.raises(Exception, match="resume with the same number of ranks"):
-        _distributed(2, _cfg(ep=2, steps=4), tokens_dir, run_dir, tmp_path / "x.json")
+    first = ListSink()
+    Trainer(_cfg(steps=5, schedule="constant"), tokens_dir, run_dir, writer=first, progress=False).fit()
+    middle = _distributed(4, _cfg(ep=2, steps=10, schedule="constant"), tokens_dir, run_dir, tmp_path / "m.json")
+    last = ListSink()
+    Trainer(_cfg(schedule="constant"), tokens_dir, run_dir, writer=last, progress=False).fit()
+    assert middle["steps"] == list(range(6, 11)) and _rows(last)["steps"] == list(range(11, STEPS + 1))
+    losses = _rows(first)["loss"] + middle["loss"] + _rows(last)["loss"]
+    assert max(abs(a - b) for a, b in zip(losses, ref["loss"])) < 1e-5
 
 
 def test_cli_nproc_2_starts_the_ranks(tokens_dir, tmp_path):

@@ -1,9 +1,12 @@
-"""Checkpoint retention and publication, without a model: tiny state dicts."""
+"""Checkpoint retention and publication, without a model: tiny tensors."""
+import torch
+
 from optimus_core.train import checkpoint as ckpt
 
 
 def save(run_dir, step, **kw):
-    return ckpt.save_checkpoint(run_dir, step, model_state={"w": step}, optim_state={}, state={}, meta={}, **kw)
+    return ckpt.save_checkpoint(run_dir, step, tensors={"model/w": torch.full((3,), float(step))}, state={},
+                                meta={}, **kw)
 
 
 def steps(run_dir):
@@ -28,3 +31,10 @@ def test_temporary_directories_are_never_taken_for_checkpoints(tmp_path):
     save(tmp_path, 1)
     (tmp_path / "checkpoints" / ".step_000002.tmp-abc").mkdir()  # a save killed mid-way
     assert steps(tmp_path) == [1] and ckpt.latest_valid(tmp_path).step == 1
+
+
+def test_a_checkpoint_reads_back_whole(tmp_path):
+    save(tmp_path, 7)
+    found = ckpt.latest_valid(tmp_path)
+    assert found.format == "dcp" and found.meta["version"] == ckpt.VERSION
+    assert torch.equal(found.load_model_state()["w"], torch.full((3,), 7.0))

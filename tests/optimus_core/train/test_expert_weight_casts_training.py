@@ -30,7 +30,7 @@ TRITON_ON_CPU = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", re
 
 def _model(casts: bool):
     model = Transformer(MODEL)
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(seed=0)
     if casts:
         model.set_expert_weight_casts(torch.bfloat16)
     return model
@@ -91,8 +91,8 @@ def test_a_resumed_bf16_run_with_a_skipped_step_is_the_same_run(tokens_dir, tmp_
         "train.dtype": "bfloat16", "schedule.warmup_steps": 2, "model.n_layers": 1})
     real_build = loop_module.build_model
 
-    def build_with_copies(cfg, device="cpu"):  # what the loop's build_model does with the flag on
-        model = real_build(cfg, device)
+    def build_with_copies(cfg, mesh=None, **kw):  # what the loop's build_model does with the flag on
+        model = real_build(cfg, mesh, **kw)
         assert model.use_expert_weight_casts(cfg.train)
         return model
 
@@ -220,7 +220,7 @@ def test_on_gpu_with_the_triton_experts(compiled):
     for grad_dtype in ("float32", "auto"):
         torch.compiler.reset()
         model = Transformer(cfg)
-        model.init_weights(torch.Generator().manual_seed(0))
+        model.init_weights(seed=0)
         model = model.cuda()
         model.use_expert_weight_casts(TrainConfig(dtype="bfloat16"))
         if compiled:

@@ -8,7 +8,8 @@ from optimus_core import load_model, presets
 from optimus_core.config import ConfigError, DataConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
 from optimus_core.train import checkpoint as ckpt
 from optimus_core.train import loop as loop_module
-from optimus_core.train.loop import Trainer, build_model
+from optimus_core.train.build import build_model
+from optimus_core.train.loop import Trainer
 from optimus_core.train.optim import build_optimizer
 from optimus_core.train.step import train_step
 from sinks import ListSink
@@ -98,7 +99,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tokens_dir, tmp_pa
     Trainer(cfg, tokens_dir, tmp_path / "run", progress=False).fit()
     newest = ckpt.latest_valid(tmp_path / "run")
     assert newest.step == 4
-    with open(newest.path / "model.pt", "r+b") as f:
+    with open(next(newest.path.glob("*.distcp")), "r+b") as f:
         f.seek(100)
         f.write(b"garbage")
     with pytest.warns(UserWarning, match="fails its sha256"):

@@ -21,7 +21,7 @@ TRITON_ON_CPU = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", re
 
 def _model(device="cpu", cfg=MODEL):
     model = Transformer(cfg)
-    model.init_weights(torch.Generator().manual_seed(0))
+    model.init_weights(seed=0)
     return model.to(device)
 
 

@@ -1,0 +1,337 @@
+"""Memory per rank: what one rank of a training run allocates at its peak, term by term, the
+activation checkpointing that fits a budget, and the error that says what to change.
+
+    est = estimate(presets.get("mula-220b-a10b").model,
+                   MemoryLayout(world=3072, ep=32, micro_batch=1, seq_len=4096, checkpointing="full"))
+    est.peak_gib, est.terms                       # {"weights": bytes, "activations": bytes, ...}
+    mode, every = fit_checkpointing(model_cfg, layout, budget_bytes)   # or raise MemoryBudgetError
+
+Torch-free arithmetic (it runs on a login node and in a Snakemake dry run), from the parameter
+shapes (``parameter_table``, tested against the model) and what the code keeps:
+
+- ``weights``, ``gradients``, ``optimizer``: float32 shares of every parameter and their AdamW
+  moments (8 bytes). Several ranks (optimus_core.parallel.sharding): dense rows over the world,
+  the rank's experts' rows over its expert-dp group (EP-aware) or whole (EP-unaware), each share
+  padded as FSDP2 pads it (ceil(rows / ranks) rows). One process: whole; the experts' gradients
+  in bf16 where train.expert_grad_dtype resolves so.
+- ``weight copies``: one process under bf16, the experts' bf16 copies (train.expert_weight_casts);
+  EP-unaware experts, the bf16 copy each grouped GEMM keeps for its backward.
+- ``gathered``: FSDP2's unsharded units in the gather dtype (bf16 under bf16): the root (final
+  norm + LM head) for the whole step, and at the forward's end two blocks and one block's
+  experts (the next block is prefetched).
+- ``activations``: what the forward keeps for the backward, per token and block (counted from
+  the tensors autograd saves: bench/saved_activations.py; tests check the count against it on
+  fake tensors), by checkpointing mode; one process under bf16 also keeps the autocast copies of
+  each block's dense weights.
+- ``lm loss``: the fused LM loss keeps the head's float32 dW and dh from the forward.
+- ``transient``: the largest short-lived buffer: an LM-loss chunk's logits, the EP dispatch's
+  row buffers, or one block's recomputation.
+
+The peak is the larger of the forward's end (everything the backward needs at once) and the
+backward's (the gradients and the units being reduced, with little of the activations left).
+Device memory outside the allocator (runtime context, collective buffers) and the allocator's
+fragmentation are what ``USABLE_FRACTION`` leaves out of a device's memory.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Iterable
+
+from .config import ConfigError, ModelConfig
+
+GIB = 2 ** 30
+# The share of a device's memory a run may plan to allocate: the rest is the runtime's context,
+# the collective library's buffers and the caching allocator's fragmentation (what it reserves
+# beyond what is allocated). bench/NOTES.md has the measured reserved / allocated ratios.
+USABLE_FRACTION = 0.90
+CHECKPOINTING = ("none", "moe", "full")
+LM_LOSS_CHUNK_ROWS = 4096  # optimus_core.model.linear_cross_entropy.DEFAULT_CHUNK_ROWS
+
+
+class MemoryBudgetError(ConfigError):
+    """A layout does not fit its device; the message names the run, the GiB, the budget and the knob."""
+
+
+@dataclass(frozen=True)
+class MemoryLayout:
+    """How one run is laid out and trained, as far as memory goes."""
+
+    world: int = 1  # ranks
+    ep: int = 1
+    micro_batch: int = 1  # sequences per forward on one rank
+    accumulation: int = 1  # micro-batches per step on one rank
+    seq_len: int = 4096
+    dtype: str = "bfloat16"  # train.dtype
+    optimizer: str = "ep_aware"  # parallel.optimizer
+    checkpointing: str = "none"  # resolved train.activation_checkpointing: none | full | moe
+    every: int = 1  # full: every k-th block
+    fused_lm_loss: bool = True
+    lm_loss_kernel: bool = True  # train.lm_loss_softmax resolved (the Triton kernel on a GPU)
+    expert_weight_casts: bool = True  # one process under bf16 (train.expert_weight_casts)
+    bf16_expert_grads: bool = False  # one process: train.expert_grad_dtype resolved
+
+    def __post_init__(self):
+        if self.world < 1 or self.ep < 1 or self.world % self.ep:
+            raise ConfigError(f"memory layout: world {self.world}, ep {self.ep}: ep must divide the world")
+        if self.checkpointing not in CHECKPOINTING:
+            raise ConfigError(f"train.activation_checkpointing = {self.checkpointing!r}: must be one of "
+                              f"{', '.join(map(repr, CHECKPOINTING))} (or 'auto')")
+        if self.every < 1 or self.micro_batch < 1 or self.accumulation < 1:
+            raise ConfigError("memory layout: every, micro_batch and accumulation must be >= 1")
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one forward on one rank."""
+        return self.micro_batch * self.seq_len
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per rank at the peak, by term (module doc)."""
+
+    terms: dict[str, float] = field(default_factory=dict)
+    at: str = ""  # "forward end" | "backward"
+
+    @property
+    def peak_bytes(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in self.terms.items() if v >= 0.05 * GIB)
+        return f"{self.peak_gib:.1f} GiB at the {self.at} ({parts})"
+
+
+# ----------------------------------------------------------------------------- parameters
+
+@dataclass(frozen=True)
+class ParamShape:
+    name: str
+    rows: int  # dim 0 as stored (experts: n_experts * rows per expert); vectors: their length
+    cols: int  # the rest (1 for a vector)
+    expert: bool = False
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+def parameter_table(cfg: ModelConfig) -> list[ParamShape]:
+    """Every parameter of ``Transformer(cfg)`` with its stored 2-D shape, in registration order."""
+    D, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
+    V = cfg.padded_vocab_size
+    out = [ParamShape("embed.weight", V, D)]
+    for i in range(cfg.n_layers):
+        b = f"blocks.{i}."
+        out += [ParamShape(b + "attn_norm.weight", D, 1), ParamShape(b + "attn.w_q.weight", D, D),
+                ParamShape(b + "attn.w_k.weight", kv, D), ParamShape(b + "attn.w_v.weight", kv, D),
+                ParamShape(b + "attn.w_o.weight", D, D)]
+        if cfg.qk_norm:
+            out += [ParamShape(b + "attn.q_norm.weight", D, 1), ParamShape(b + "attn.k_norm.weight", kv, 1)]
+        out.append(ParamShape(b + "ffn_norm.weight", D, 1))
+        if cfg.moe is None:
+            out += [ParamShape(b + "ffn.w_gate.weight", cfg.d_ff, D), ParamShape(b + "ffn.w_up.weight", cfg.d_ff, D),
+                    ParamShape(b + "ffn.w_down.weight", D, cfg.d_ff)]
+        else:
+            E, F = cfg.moe.n_experts, cfg.moe.d_expert
+            out += [ParamShape(b + "ffn.router.gate.weight", E, D),
+                    ParamShape(b + "ffn.experts.w_up", E * D, 2 * F, expert=True),
+                    ParamShape(b + "ffn.experts.w_down", E * F, D, expert=True)]
+    return out + [ParamShape("final_norm.weight", D, 1), ParamShape("lm_head.weight", V, D)]
+
+
+def _share_elements(p: ParamShape, L: MemoryLayout) -> int:
+    """Elements of ``p`` one rank holds (padded as FSDP2 pads: whole rows of ceil(rows / ranks))."""
+    rows = p.rows
+    if p.expert:
+        rows //= L.ep  # this rank's experts
+        if L.optimizer == "ep_unaware" or L.world == 1:
+            return rows * p.cols
+        return math.ceil(rows / (L.world // L.ep)) * p.cols
+    return (math.ceil(rows / L.world) if L.world > 1 else rows) * p.cols
+
+
+# ----------------------------------------------------------------------------- activations
+
+def block_activation_bytes(cfg: ModelConfig, tokens: int, checkpointed: bool = False, experts_only: bool = False) -> float:
+    """Bytes one block keeps for its backward over ``tokens`` tokens (eager, Triton experts, bf16
+    autocast, the residual stream in float32), counted from the tensors autograd saves:
+
+        attention and norms   8 float32 and 7 bf16 (tokens x d_model) tensors, the
+                              attention's log-sum-exp (float32 per head)
+        MoE feed-forward      the bf16 input, router logits and probabilities (float32 x E),
+                              routing ids and weights (20 bytes per slot), and per routed row
+                              (top_k per token) its bf16 input (D), up projection (2F) and
+                              SwiGLU output (F)
+        dense feed-forward    2 bf16 (tokens x d_model), 4 bf16 (tokens x d_ff)
+
+    ``checkpointed``: the block recomputes everything, keeping its float32 input; ``experts_only``
+    (the "moe" mode): the routed rows' up projection and SwiGLU output are recomputed.
+    """
+    D, H = cfg.d_model, cfg.n_heads
+    if checkpointed:
+        return 4.0 * D * tokens
+    attn = 46 * D + 4 * H
+    if cfg.moe is None:
+        ffn = 4 * D + 8 * cfg.d_ff
+    else:
+        E, K, F = cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.d_expert
+        rows = 2 * K * D + (0 if experts_only else 2 * K * 3 * F)
+        ffn = 2 * D + 8 * E + 20 * K + rows
+    return float(attn + ffn) * tokens
+
+
+def _dense_block_params(cfg: ModelConfig) -> int:
+    return sum(p.numel for p in parameter_table(cfg.replace(n_layers=1)) if p.name.startswith("blocks.0.")
+               and not p.expert)
+
+
+def _expert_block_params(cfg: ModelConfig) -> int:
+    return 0 if cfg.moe is None else 3 * cfg.moe.n_experts * cfg.d_model * cfg.moe.d_expert
+
+
+def expected_ranks_visited(ep: int, top_k: int) -> float:
+    """EP ranks a token's top-k experts lie on, in expectation under uniform routing."""
+    return ep * (1 - (1 - 1 / ep) ** top_k) if ep > 1 else 1.0
+
+
+# ----------------------------------------------------------------------------- the estimate
+
+def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
+    """Bytes per rank at the peak of a step of ``cfg`` laid out as ``L`` (module doc)."""
+    if cfg.moe is not None and cfg.moe.n_experts % L.ep:
+        raise ConfigError(f"parallel.ep = {L.ep}: must divide model.moe.n_experts ({cfg.moe.n_experts})")
+    if cfg.moe is None and L.checkpointing == "moe":
+        raise ConfigError("train.activation_checkpointing = 'moe': needs an MoE model")
+    table = parameter_table(cfg)
+    bf16 = L.dtype == "bfloat16"
+    sharded = L.world > 1
+    dense = sum(_share_elements(p, L) for p in table if not p.expert)
+    experts = sum(_share_elements(p, L) for p in table if p.expert)
+    T, D, V = L.tokens, cfg.d_model, cfg.padded_vocab_size
+    n_moe = cfg.n_layers if cfg.moe is not None else 0
+    local_expert_params = _expert_block_params(cfg) // L.ep  # one layer's, this rank's experts
+
+    weights = 4.0 * (dense + experts)
+    expert_grad_bytes = 2 if (not sharded and L.bf16_expert_grads) else 4
+    gradients = 4.0 * dense + expert_grad_bytes * experts
+    optimizer = 8.0 * (dense + experts)
+    copies = 0.0
+    if bf16 and not sharded and L.expert_weight_casts:
+        copies = 2.0 * experts
+    elif bf16 and sharded and L.optimizer == "ep_unaware":
+        copies = 2.0 * local_expert_params * n_moe  # each GEMM keeps its bf16 cast for the backward
+
+    # activations: blocks recomputed keep their input; the rest what autograd saves
+    full = set(range(L.every - 1, cfg.n_layers, L.every)) if L.checkpointing == "full" else set()
+    acts = sum(block_activation_bytes(cfg, T, checkpointed=i in full, experts_only=L.checkpointing == "moe")
+               for i in range(cfg.n_layers))
+    if bf16 and not sharded:  # autocast's bf16 copies of each kept block's dense weights
+        acts += 2.0 * _dense_block_params(cfg) * (cfg.n_layers - len(full))
+
+    lm_loss = (4.0 * V * D + 4.0 * T * D) if L.fused_lm_loss else (10.0 * T * V)
+    lm_chunk = min(LM_LOSS_CHUNK_ROWS, T) * V * (2.0 if L.lm_loss_kernel else 6.0) if L.fused_lm_loss else 0.0
+    recompute = 0.0
+    if L.checkpointing == "full":
+        recompute = block_activation_bytes(cfg, T)
+    elif L.checkpointing == "moe":
+        recompute = 2.0 * T * cfg.moe.top_k * 3 * cfg.moe.d_expert
+    dispatch = 0.0
+    if cfg.moe is not None and L.ep > 1:
+        rows = T * expected_ranks_visited(L.ep, cfg.moe.top_k)
+        dispatch = 4 * rows * D * (2.0 if bf16 else 4.0) + 4.0 * T * D
+    transient = max(lm_chunk, recompute, dispatch)
+
+    gathered_fwd = gathered_bwd = 0.0
+    if sharded:
+        g = 2.0 if bf16 else 4.0
+        dense_block = _dense_block_params(cfg)
+        expert_unit = local_expert_params if (cfg.moe is not None and L.optimizer == "ep_aware") else 0
+        root = g * (V * D + D)
+        gathered_fwd = root + g * (2 * dense_block + expert_unit)
+        reduce_bytes = 2.0 + (4.0 if bf16 else 0.0)  # the unsharded gradient, and its float32 copy to reduce
+        biggest_unit = max(dense_block, expert_unit)
+        gathered_bwd = root + g * 2 * (dense_block + expert_unit) + reduce_bytes * biggest_unit
+        gathered_bwd = max(gathered_bwd, root + 8.0 * V * D)  # the embedding's float32 unit and gradient
+
+    accumulating = L.accumulation > 1
+    static = {"weights": weights, "optimizer": optimizer, "weight copies": copies}
+    forward_end = dict(static, gradients=gradients if accumulating else 0.0, gathered=gathered_fwd,
+                       activations=acts, **{"lm loss": lm_loss}, transient=transient)
+    one_block = max(block_activation_bytes(cfg, T, checkpointed=0 in full), 0.0)
+    backward = dict(static, gradients=gradients, gathered=gathered_bwd, activations=one_block,
+                    **{"lm loss": 0.0}, transient=max(recompute, dispatch))
+    if sum(forward_end.values()) >= sum(backward.values()):
+        return MemoryEstimate(forward_end, "forward end")
+    return MemoryEstimate(backward, "backward")
+
+
+def recompute_fraction(cfg: ModelConfig, checkpointing: str, every: int = 1) -> float:
+    """The share of one forward's FLOPs a checkpointing mode repeats in the backward (what it costs)."""
+    if checkpointing == "none":
+        return 0.0
+    if checkpointing == "full":
+        return len(range(every - 1, cfg.n_layers, every)) / cfg.n_layers
+    from .flops import active_matmul_params
+
+    moe = cfg.moe  # "moe": the experts' GEMMs of every layer, a share of the matmul FLOPs
+    return 3 * cfg.d_model * moe.d_expert * moe.top_k * cfg.n_layers / active_matmul_params(cfg)
+
+
+def checkpointing_candidates(cfg: ModelConfig) -> list[tuple[str, int]]:
+    """(mode, every) from the least recomputation to the most."""
+    out = [("none", 1)] + ([("moe", 1)] if cfg.moe is not None else [])
+    out += [("full", k) for k in (4, 2) if k <= cfg.n_layers] + [("full", 1)]
+    return sorted(out, key=lambda c: recompute_fraction(cfg, *c))
+
+
+def fit_checkpointing(cfg: ModelConfig, L: MemoryLayout, budget_bytes: float | None, *,
+                      run: str = "this run") -> tuple[str, int]:
+    """The (mode, every) of least recomputation whose estimate fits ``budget_bytes`` (None: no
+    budget known: "none"); MemoryBudgetError when even full checkpointing does not fit."""
+    if budget_bytes is None:
+        return "none", 1
+    for mode, every in checkpointing_candidates(cfg):
+        if estimate(cfg, replace(L, checkpointing=mode, every=every)).peak_bytes <= budget_bytes:
+            return mode, every
+    raise over_budget(cfg, replace(L, checkpointing="full", every=1), budget_bytes, run)
+
+
+def check_fits(cfg: ModelConfig, L: MemoryLayout, budget_bytes: float | None, *, run: str = "this run") -> MemoryEstimate:
+    """The estimate of ``L``; MemoryBudgetError if it exceeds ``budget_bytes`` (None: unchecked)."""
+    est = estimate(cfg, L)
+    if budget_bytes is not None and est.peak_bytes > budget_bytes:
+        raise over_budget(cfg, L, budget_bytes, run)
+    return est
+
+
+def over_budget(cfg: ModelConfig, L: MemoryLayout, budget_bytes: float, run: str) -> MemoryBudgetError:
+    """The error for a layout over its budget: the run, the GiB, the budget and what would help."""
+    est = estimate(cfg, L)
+    hints = []
+    if L.checkpointing != "full" or L.every != 1:
+        hints.append("train.activation_checkpointing=full (or auto)")
+    if L.micro_batch > 1:
+        hints.append("a smaller train.micro_batch")
+    if cfg.moe is not None and L.optimizer == "ep_unaware":
+        hints.append("parallel.optimizer=ep_aware")
+    if cfg.moe is not None:
+        bigger = [e for e in _divisors(cfg.moe.n_experts) if e > L.ep and L.world % e == 0]
+        if bigger:
+            hints.append(f"a larger parallel.ep ({bigger[0]})")
+    hints.append("more ranks (tiles)")
+    return MemoryBudgetError(f"{run}: {est.describe()} per rank is over the budget of {budget_bytes / GIB:.1f} GiB "
+                             f"per device; try {', or '.join(hints)}")
+
+
+def _divisors(n: int) -> Iterable[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def device_budget(total_bytes: float | None) -> float | None:
+    """The bytes a run may plan to allocate on a device of ``total_bytes`` (None: unknown)."""
+    return None if total_bytes is None else total_bytes * USABLE_FRACTION

@@ -1,0 +1,110 @@
+"""Fully sharded data parallelism, EP-aware: torch's FSDP2 on the dense and the expert meshes.
+
+    with torch.device("meta"):
+        model = Transformer(cfg.model)                        # nothing allocated
+    model = parallelize(model, mesh)                          # EP: this rank's experts (meta)
+    shard_model(model, mesh, dtype="bfloat16", experts_sharded=True)
+    materialize(model, mesh, device, seed=cfg.train.seed)     # each rank allocates and draws its rows
+
+What each rank keeps between uses (ZeRO-3 semantics): its rows of every parameter in float32,
+their gradients and (optimus_core.train.sharded_adamw) their AdamW moments:
+
+    dense parameters      sharded over the world (1/W each)
+    expert parameters     EP-aware: sharded over the rank's expert-dp group (1/(W/ep) of the
+                          rank's n_experts/ep experts); EP-unaware (``experts_sharded=False``,
+                          the paper's baseline): the rank's experts whole, their gradients
+                          all-reduced over the expert-dp group by the optimizer
+
+Units, each all-gathered just before use and freed after (FSDP2's ``fully_shard``):
+
+    model.embed                  float32 all-gather: the residual stream stays float32, as on
+                                 one process under autocast
+    each block                   its attention, norms and router, over the world
+    each block's experts         over the expert-dp group (its own unit when ep > 1)
+    the root                     final norm + LM head, kept from the forward through the backward
+                                 (the fused LM loss reads the head's weight without calling it)
+
+Under bf16 the units are gathered in bf16 (the weight copies the forward multiplies by) and
+their gradients reduce-scattered in ``reduce_dtype`` (float32 by default) onto the float32
+shards. Each block's forward prefetches its experts and the next block; the backward prefetches
+in reverse order (FSDP2's default). Gradients are reduce-scattered as each unit's backward ends,
+in every micro-batch, so the synchronisation runs under the backward throughout.
+
+Gradient means: every rank's loss is the mean over its own tokens, and FSDP2 divides a unit's
+summed gradient by its mesh's size. That is the world mean for dense units; an expert's
+gradient already sums the contributions of its whole EP group (the all-to-all brings them
+home), so its sum over the expert-dp group covers all W ranks once, and FSDP2's mean over the
+W / ep ranks of that group is ep times the world mean: the optimizer divides the experts'
+(sharded) gradients by ep (optimus_core.train.sharded_adamw). Not FSDP2's own divide factor: it
+needs NCCL's PREMUL_SUM, which gloo lacks (and xccl is not known to have), or two more passes.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..model.experts import Experts
+from ..model.init import init_parameter_
+from ..model.moe import MoEFeedForward
+from .layout import shares
+from .mesh import Mesh
+
+REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def shard_model(model: nn.Module, mesh: Mesh, *, dtype: str = "float32", experts_sharded: bool = True,
+                reduce_dtype: str = "float32") -> nn.Module:
+    """Apply FSDP2 in place (module doc) to an EP-parallelized Transformer of ``mesh.world_size``
+    > 1 ranks; returns ``model``. ``dtype``: train.dtype (bf16 gathers under "bfloat16");
+    ``experts_sharded``: EP-aware (True) or the EP-unaware baseline."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise ValueError(f"parallel.reduce_dtype = {reduce_dtype!r}: must be one of {', '.join(REDUCE_DTYPES)}")
+    world, grid = mesh.device_meshes()
+    if dtype == "bfloat16":
+        gathered = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=REDUCE_DTYPES[reduce_dtype])
+    else:
+        gathered = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[reduce_dtype])
+    as_stored = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[reduce_dtype])
+    blocks = list(model.blocks)
+    expert_units = []
+    for block in blocks:
+        experts = block.ffn.experts if isinstance(block.ffn, MoEFeedForward) else None
+        ignored = None
+        if experts is not None and not experts_sharded:
+            ignored = set(experts.parameters())  # replicated over expert-dp: the optimizer syncs them
+        elif experts is not None and mesh.ep > 1:  # its own unit on the expert-dp mesh
+            fully_shard(experts, mesh=grid["expert_dp"], mp_policy=gathered)
+            expert_units.append(experts)
+        fully_shard(block, mesh=world, mp_policy=gathered, ignored_params=ignored)
+    fully_shard(model.embed, mesh=world, mp_policy=as_stored)
+    fully_shard(model, mesh=world, mp_policy=gathered, reshard_after_forward=False)
+    for method in ("lm_loss", "hidden"):  # the training and evaluation entries besides forward
+        register_fsdp_forward_method(model, method)
+    by_block = {id(b.ffn.experts): b for b in blocks if isinstance(b.ffn, MoEFeedForward)}
+    for i, block in enumerate(blocks):
+        ahead = [m for m in expert_units if by_block.get(id(m)) is block]
+        ahead += blocks[i + 1:i + 2]
+        if ahead:
+            block.set_modules_to_forward_prefetch(ahead)
+    model.experts_sharded = experts_sharded
+    return model
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, mesh: Mesh, device: torch.device | str, *, seed: int, std: float) -> nn.Module:
+    """Allocate a meta-built (EP-parallelized, perhaps sharded) model's local shares on ``device``
+    and fill them with the seeded init of the rows they hold (optimus_core.model.init): the
+    whole weights gathered from any layout equal the one-process init of ``seed``, bit for bit.
+    Then the buffers (Transformer.reset_buffers)."""
+    model.to_empty(device=device)
+    for name, share in shares(model, mesh).items():
+        if share.local.numel():
+            init_parameter_(share.local, name, share.first_row, seed=seed, std=std)
+    model.reset_buffers()
+    return model
+
+
+def expert_modules(model: nn.Module) -> list[Experts]:
+    return [m for m in model.modules() if isinstance(m, Experts)]

@@ -1,0 +1,131 @@
+"""AdamW on each rank's shares of a fully sharded model (optimus_core.parallel.sharding), EP-aware
+or EP-unaware, with the clip's global norm.
+
+    model = shard_model(parallelize(meta_model, mesh), mesh, experts_sharded=mode == "ep_aware")
+    opt = ShardedAdamW(model, mesh, cfg.optim, mode="ep_aware")     # or "ep_unaware" (the ablation)
+    loss.backward()                                 # FSDP2 reduce-scatters the gradients as it goes
+    grad_norm = opt.clip_and_step(max_norm=1.0)     # norm, clip, update the local shares
+    opt.zero_grad()
+
+Each rank updates what it holds, so the AdamW state is sharded exactly as the weights are:
+
+    dense, both modes      1/W of every dense parameter (the gradient is FSDP2's reduce-scatter)
+    expert, ep_aware       1/(W/ep) of the rank's experts (FSDP2 on the expert-dp mesh)
+    expert, ep_unaware     the rank's experts whole, their gradients all-reduced over the
+                           expert-dp group here, every rank of the group updating all of them
+                           (the paper's baseline: state replicated W/ep times)
+
+The global gradient norm: every element of every parameter lies on exactly one rank (replicated
+experts count on expert-dp rank 0 only), so it is the square root of one all-reduce of each
+rank's sum of squares. The clip factor rides into the update kernel (TritonAdamW's grad_scale)
+or scales the local gradients once (torch's AdamW). The update is torch.optim.AdamW's arithmetic
+(optim.implementation: TritonAdamW on a GPU, on each share's local tensor).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import OptimConfig
+from ..parallel.expert_parallel import expert_parameter_names
+from ..parallel.layout import local_tensor
+from ..parallel.mesh import Mesh
+from ..timing import phase
+from .optim import clip_coef_as_grad_scale, param_groups, use_triton_adamw
+
+MODES = ("ep_aware", "ep_unaware")
+
+
+class ShardedAdamW:
+    """AdamW over the local shares of a sharded model (module doc)."""
+
+    syncs_gradients = True  # train_step: call clip_and_step instead of clipping itself
+
+    def __init__(self, model: nn.Module, mesh: Mesh, cfg: OptimConfig, mode: str = "ep_aware"):
+        if mode not in MODES:
+            raise ValueError(f"parallel.optimizer = {mode!r}: must be one of {', '.join(map(repr, MODES))}")
+        self.mesh, self.mode, self.model = mesh, mode, model
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        # EP-unaware experts: plain tensors inside the sharded model (FSDP2 ignores them)
+        self.replicated = [p for p in params if not isinstance(p, DTensor)] if mesh.distributed else []
+        # EP-aware experts at ep > 1: FSDP2's mean over the expert-dp group is ep x the world mean
+        # (optimus_core.parallel.sharding), set right before the norm
+        experts = expert_parameter_names(model)
+        self.ep_scaled = [p for n, p in model.named_parameters()
+                          if n in experts and isinstance(p, DTensor) and mesh.ep > 1]
+        self.counts_in_norm = {id(p): mesh.expert_dp_rank == 0 for p in self.replicated}
+        groups = param_groups(model, cfg.weight_decay)
+        device = mesh.device
+        if use_triton_adamw(cfg, device):
+            from .adamw import TritonAdamW
+
+            self.inner = TritonAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        else:  # one tensor at a time: the shares of one step live on several meshes
+            self.inner = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
+        self.param_groups = self.inner.param_groups  # the loop sets "lr" here each step
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    @torch.no_grad()
+    def clip_and_step(self, max_norm: float | None) -> torch.Tensor:
+        """Sync the replicated experts' gradients, take the global norm (returned, before
+        clipping), clip and update."""
+        world = self.mesh.world_size
+        with phase("grad_sync"):
+            for p in self.replicated:  # sums over the expert-dp group: all W ranks' contributions
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                if self.mesh.expert_dp_size > 1:
+                    dist.all_reduce(p.grad, group=self.mesh.expert_dp_group)
+                p.grad.div_(world)  # FSDP2's units arrive as means; these as sums
+            scaled = [local_tensor(p.grad) for p in self.ep_scaled if p.grad is not None]
+            if scaled:
+                torch._foreach_mul_(scaled, 1.0 / self.mesh.ep)
+        with phase("optimizer"):
+            grads, counted = [], []
+            for group in self.inner.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    g = local_tensor(p.grad)
+                    grads.append(g)
+                    if self.counts_in_norm.get(id(p), True) and g.numel():
+                        counted.append(g)
+            sq = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+            if counted:  # a float32 norm per tensor, squared and summed in float64
+                sq += torch.stack(torch._foreach_norm(counted, 2, dtype=torch.float32)).double().square().sum()
+            norm = self.mesh.all_reduce_sum_(sq).sqrt().float()
+            if getattr(self.inner, "takes_grad_scale", False) and max_norm is not None:
+                self.inner.grad_scale = clip_coef_as_grad_scale(norm, max_norm)
+                try:
+                    self.inner.step()
+                finally:
+                    del self.inner.grad_scale
+            else:
+                if max_norm is not None and grads:  # as torch.nn.utils.clip_grad_norm_
+                    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+                self.inner.step()
+        return norm
+
+    def step(self) -> None:
+        """torch.optim-style step without clipping."""
+        self.clip_and_step(None)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.inner.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    def state_numel(self) -> dict[str, int]:
+        """Elements of AdamW state (exp_avg) this rank holds, per kind (dense / expert)."""
+        experts = {id(p) for n, p in self.model.named_parameters() if n in expert_parameter_names(self.model)}
+        out = {"dense": 0, "expert": 0}
+        for p, state in self.inner.state.items():
+            if "exp_avg" in state:
+                out["expert" if id(p) in experts else "dense"] += local_tensor(state["exp_avg"]).numel()
+        return out
