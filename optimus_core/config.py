@@ -323,12 +323,19 @@ class ParallelConfig(_Validated):
     # Every collective (and the rendezvous) fails after this many seconds instead of waiting
     # forever for a dead or stuck rank (torch.distributed.init_process_group's timeout).
     collective_timeout_s: float = 1800.0
+    # Ranks that shard the parameters between them, blocks of consecutive ranks (a multiple of ep
+    # dividing the world); the blocks replicate each other and all-reduce the gradients once a
+    # step (hybrid sharding: a layer's collectives span dp_shard ranks, not the world). 0: shard
+    # over the whole world.
+    dp_shard: int = 0
     # The dtype gradients are reduce-scattered in (each unit's, under the backward): float32
     # sums the bf16 gradients of a bf16 run without rounding them first; bfloat16 halves the traffic.
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def check(self) -> None:
         self._require(self.ep >= 1, "ep", "must be >= 1")
+        self._require(self.dp_shard >= 0 and self.dp_shard % self.ep == 0, "dp_shard",
+                      f"must be 0 (the whole world) or a multiple of ep ({self.ep})")
         self._require(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0 (seconds)")
         self._require(self.tp == 1, "tp", "must be 1 (tensor parallelism is not implemented yet)")
         self._require(self.pp == 1, "pp", "must be 1 (pipeline parallelism is not implemented yet)")

@@ -85,6 +85,28 @@ class MemoryLayout:
         """Tokens of one forward on one rank."""
         return self.micro_batch * self.seq_len
 
+    @classmethod
+    def of_run(cls, cfg, world: int, checkpointing: tuple[str, int], device_type: str = "xpu",
+               micro_batches: int | None = None) -> "MemoryLayout":
+        """The layout of ``cfg`` (a RunConfig) on ``world`` ranks of ``device_type``, with
+        ``checkpointing`` resolved; ``micro_batches`` caps the micro-batches per step (a rehearsal's)."""
+        per_rank = cfg.train.global_batch // world
+        if per_rank < 1:
+            raise ConfigError(f"train.global_batch = {cfg.train.global_batch}: fewer sequences than ranks ({world})")
+        micro = cfg.train.micro_batch or per_rank
+        accumulation = max(1, per_rank // micro)
+        if micro_batches is not None:
+            accumulation = min(accumulation, micro_batches)
+        gpu = device_type in ("cuda", "xpu")
+        one_process = world == 1
+        return cls(world=world, ep=cfg.parallel.ep, micro_batch=micro, accumulation=accumulation,
+                   seq_len=cfg.data.seq_len, dtype=cfg.train.dtype, optimizer=cfg.parallel.optimizer,
+                   checkpointing=checkpointing[0], every=checkpointing[1], fused_lm_loss=cfg.train.fused_lm_loss,
+                   lm_loss_kernel=gpu and cfg.train.lm_loss_softmax != "torch",
+                   expert_weight_casts=cfg.train.expert_weight_casts and not cfg.train.recast_expert_weights,
+                   bf16_expert_grads=one_process and gpu and cfg.train.expert_grad_dtype != "float32"
+                   and cfg.train.dtype == "bfloat16" and accumulation == 1)
+
 
 @dataclass
 class MemoryEstimate:
@@ -201,25 +223,30 @@ def expected_ranks_visited(ep: int, top_k: int) -> float:
 
 # ----------------------------------------------------------------------------- the estimate
 
+def static_bytes(cfg: ModelConfig, L: MemoryLayout) -> dict[str, float]:
+    """The float32 weights, gradients and AdamW moments one rank holds (module doc)."""
+    table = parameter_table(cfg)
+    dense = sum(_share_elements(p, L) for p in table if not p.expert)
+    experts = sum(_share_elements(p, L) for p in table if p.expert)
+    expert_grad_bytes = 2 if (L.world == 1 and L.bf16_expert_grads) else 4
+    return {"weights": 4.0 * (dense + experts), "gradients": 4.0 * dense + expert_grad_bytes * experts,
+            "optimizer": 8.0 * (dense + experts)}
+
+
 def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
     """Bytes per rank at the peak of a step of ``cfg`` laid out as ``L`` (module doc)."""
     if cfg.moe is not None and cfg.moe.n_experts % L.ep:
         raise ConfigError(f"parallel.ep = {L.ep}: must divide model.moe.n_experts ({cfg.moe.n_experts})")
     if cfg.moe is None and L.checkpointing == "moe":
         raise ConfigError("train.activation_checkpointing = 'moe': needs an MoE model")
-    table = parameter_table(cfg)
     bf16 = L.dtype == "bfloat16"
     sharded = L.world > 1
-    dense = sum(_share_elements(p, L) for p in table if not p.expert)
-    experts = sum(_share_elements(p, L) for p in table if p.expert)
     T, D, V = L.tokens, cfg.d_model, cfg.padded_vocab_size
     n_moe = cfg.n_layers if cfg.moe is not None else 0
     local_expert_params = _expert_block_params(cfg) // L.ep  # one layer's, this rank's experts
-
-    weights = 4.0 * (dense + experts)
-    expert_grad_bytes = 2 if (not sharded and L.bf16_expert_grads) else 4
-    gradients = 4.0 * dense + expert_grad_bytes * experts
-    optimizer = 8.0 * (dense + experts)
+    held = static_bytes(cfg, L)
+    weights, gradients, optimizer = held["weights"], held["gradients"], held["optimizer"]
+    experts = sum(_share_elements(p, L) for p in parameter_table(cfg) if p.expert)
     copies = 0.0
     if bf16 and not sharded and L.expert_weight_casts:
         copies = 2.0 * experts

@@ -22,24 +22,29 @@ and therefore what this module adds up, per rank:
    token and EP rank holding one of its experts: ``ranks_visited``), their routing metadata and
    the weighted partial outputs back, the same three reversed backward; of each buffer (ep-1)/ep
    leaves the rank.
-3. gradient sync (ShardedAdamW): dense grads reduce-scatter over the world then the updated
-   shards all-gather back; expert grads over the expert-dp group (world/ep strided ranks):
-   reduce-scatter + all-gather (ep_aware) or all-reduce (ep_unaware); plus the step's two small
-   all-reduces of losses and routing counts (train_step times them as grad_sync).
+3. gradient sync. Full sharding (what the code does, ``overlap = "layers"``; optimus_core/
+   parallel/sharding.py): per micro-batch every unit (a block's dense part; its experts, over the
+   expert-dp group, when ep > 1; the embedding; the root: final norm + LM head) is all-gathered
+   in the gather dtype before its forward and again before its backward, and its gradient
+   reduce-scattered after its backward, all on a side stream one unit ahead of the compute: what
+   the compute of the other units cannot cover is exposed (``exposed_sync_s``, part of
+   ``compute_s``: the passes wait for it, and that is where a measurement sees it); after the
+   backward the EP-unaware experts' all-reduce and the step's two small all-reduces of losses and
+   routing counts (grad_sync_s). The ZeRO-1 optimizer of earlier measured points (``"none"`` /
+   ``"chunks"``): dense grads reduce-scatter over the world then the updated shards all-gather
+   back; expert grads over the expert-dp group: reduce-scatter + all-gather (ep_aware) or
+   all-reduce (ep_unaware).
 4. optimizer: the squared-grad-norm all-reduce, then AdamW on this rank's shard, memory-bound:
    bytes touched / memory bandwidth.
 5. idle: a fixed per-step overhead (host work outside the phases above).
 
-Overlap (``Layout.overlap``): ``"none"``, the plain sum of the phases; ``"chunks"``, what our
-step does with ``parallel.overlap_grad_sync`` (optimus_core/parallel/grad_sync.py): gradient
-chunks of ``chunk_mb`` are reduced onto their owners while the last micro-batch's backward runs,
-so only what that backward (2/3 of its compute) cannot cover shows, and at least the last chunk
--- a bucket smaller than a chunk is one chunk, reduced after the backward (the laptop models).
-The all-to-alls block inside each MoE layer and the parameter all-gather follows the optimizer
-in both. The what-if ``"grad_sync"`` (WHATIFS) hides the whole gradient sync behind one
-micro-batch's forward + backward; it prices a step we do not have, to show what that would buy.
-Measured points use what they ran (their ``overlap_grad_sync``), the paper sweep and node-hour
-estimates what the registry's run configuration does.
+Overlap (``Layout.overlap``): ``"layers"``, the code's full sharding (above); for the ZeRO-1
+points, ``"none"``, the plain sum of the phases, and ``"chunks"``: gradient chunks of
+``chunk_mb`` reduced onto their owners while the last micro-batch's backward runs, so only what
+that backward (2/3 of its compute) cannot cover shows, and at least the last chunk. The what-if
+``"grad_sync"`` (WHATIFS) is full sharding with every unit's collectives hidden; it prices a
+step we do not have, to show what that would buy. Measured points use what they ran (their
+``sharding`` or ``overlap_grad_sync``), the paper sweep and node-hour estimates full sharding.
 
 Rank skew (``overhead.skew``, calibrated): ranks do not finish their compute together, and the
 first collective after it waits for the slowest -- an all-to-all inside each MoE layer with EP,
@@ -72,7 +77,7 @@ KINDS = ("all_to_all", "reduce_scatter", "all_gather", "all_reduce")
 DTYPES = ("float32", "bfloat16")
 OPTIMIZERS = ("ep_aware", "ep_unaware", "local")
 PHASES = ("compute_s", "a2a_s", "grad_sync_s", "optimizer_s", "idle_s")
-OVERLAPS = ("none", "chunks", "grad_sync")
+OVERLAPS = ("none", "chunks", "layers", "grad_sync")
 HOLDOUT_SCHEMES = ("largest", "role", "leave_one_out")
 WHATIFS = ("grad_sync",)  # overlaps our step does not do: priced to show what they would buy
 
@@ -252,8 +257,12 @@ class Layout:
     seq_len: int = 4096
     optimizer: str = "ep_aware"  # ep_aware | ep_unaware | local (one rank: plain AdamW)
     dtype: str = "bfloat16"
-    overlap: str = "none"  # none | chunks (parallel.overlap_grad_sync) | grad_sync (what-if: module doc)
-    chunk_mb: float = 128.0  # parallel.grad_sync_chunk_mb (overlap "chunks")
+    # layers: full sharding, what the code does (optimus_core.parallel.sharding); none | chunks: the
+    # ZeRO-1 optimizer of earlier measured points, without / with overlapped gradient chunks;
+    # grad_sync: a what-if, full sharding with every collective hidden (module doc)
+    overlap: str = "layers"
+    chunk_mb: float = 128.0  # the ZeRO-1 points' parallel.grad_sync_chunk_mb (overlap "chunks")
+    reduce_bytes: int = 4  # parallel.reduce_dtype's bytes (overlap "layers")
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -298,6 +307,9 @@ class Prediction:
     grad_sync_s: float
     optimizer_s: float
     idle_s: float
+    # overlap "layers": the per-unit all-gathers and reduce-scatters the forward and backward wait
+    # for (part of compute_s, where a measurement sees them: the step blocks inside its passes)
+    exposed_sync_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -458,8 +470,20 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
         per_layer += _collective_s("all_to_all", L.ep * 2 * 8, ep_groups, m)
         a2a_s = per_layer * cfg.n_layers * L.micro_batches
 
-    # Gradient sync and optimizer (ShardedAdamW buckets; float32 grads and state).
     n_expert = _expert_params(cfg)
+    if L.overlap in ("layers", "grad_sync") and W > 1 and L.optimizer != "local":
+        sync_s, optimizer_s, exposed_s = _fully_sharded(cfg, L, m, compute_s, share, world, edp_groups=rank_groups(W, L.ep)[1])
+        compute_s += exposed_s  # the forward and the backward wait for it (where measurements count it)
+        if W > 1:
+            wait_s = m.rank_skew * compute_s
+            if a2a_s > 0:
+                a2a_s += wait_s
+            else:
+                sync_s += wait_s
+        idle_s = m.step_overhead
+        return Prediction(compute_s + a2a_s + sync_s + optimizer_s + idle_s, compute_s, a2a_s, sync_s, optimizer_s,
+                          idle_s, exposed_s)
+    # Gradient sync and optimizer of the ZeRO-1 points (ShardedAdamW buckets; float32 grads and state).
     n_dense = cfg.num_params() - n_expert
     n_expert_local = n_expert // L.ep
     edp = W // L.ep
@@ -509,8 +533,6 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
     if W > 1 and L.optimizer != "local":
         optimizer_s += _collective_s("all_reduce", 8, world, m)  # the squared grad norm (one float64)
 
-    if L.overlap == "grad_sync":  # what-if: only what one micro-batch's compute cannot hide shows
-        sync_s = max(0.0, sync_s - compute_s / L.micro_batches)
     if W > 1:
         # Ranks do not finish their compute together (routing, the host, a shared CPU): the
         # first collective after it waits for the slowest. With EP that is an all-to-all inside
@@ -523,6 +545,61 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
     idle_s = m.step_overhead
     step_s = compute_s + a2a_s + sync_s + optimizer_s + idle_s  # phases in sequence (module doc)
     return Prediction(step_s, compute_s, a2a_s, sync_s, optimizer_s, idle_s)
+
+
+def _fully_sharded(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, share: float, world: np.ndarray,
+                   edp_groups: np.ndarray) -> tuple[float, float, float]:
+    """(grad_sync_s, optimizer_s, exposed_sync_s) of a fully sharded step (optimus_core.parallel.
+    sharding): per micro-batch every unit is all-gathered in the gather dtype before its forward
+    and again before its backward (the root, final norm + LM head, once), and its gradient
+    reduce-scattered in ``reduce_bytes`` after its backward; dense units over the world, the
+    experts' over the expert-dp group (their own unit when ep > 1, else in their block's). They
+    run beside the compute, one unit ahead: of each pass what the compute of the other units
+    cannot cover shows, and at least one unit's share (the first gather, the last reduction).
+    After the backward: the EP-unaware experts' all-reduce, the losses' and routing counts'
+    all-reduces (grad_sync_s), the norm's all-reduce and AdamW on the shares (optimizer_s)."""
+    W, edp = L.devices, L.devices // L.ep
+    g = 2 if L.dtype == "bfloat16" else 4
+    V, D = cfg.padded_vocab_size, cfg.d_model
+    n_expert_layer = (_expert_params(cfg) // cfg.n_layers // L.ep) if cfg.moe is not None else 0
+    dense_layer = (cfg.num_params() - _expert_params(cfg) - 2 * V * D - D) // cfg.n_layers
+    experts_apart = cfg.moe is not None and L.ep > 1 and L.optimizer == "ep_aware"
+    block = dense_layer + (n_expert_layer if (cfg.moe is not None and not experts_apart and L.optimizer == "ep_aware")
+                           else 0)
+
+    def gather(elems, groups, nbytes=g):
+        return _collective_s("all_gather", elems * nbytes * share, groups, m)
+
+    def reduce(elems, groups):
+        return _collective_s("reduce_scatter", elems * L.reduce_bytes * share, groups, m)
+
+    layer_fwd = gather(block, world) + (gather(n_expert_layer, edp_groups) if experts_apart else 0.0)
+    layer_bwd = layer_fwd + reduce(block, world) + (reduce(n_expert_layer, edp_groups) if experts_apart else 0.0)
+    ends_fwd = gather(V * D, world, 4) + gather(V * D + D, world)  # the embedding (float32) and the root
+    ends_bwd = ends_fwd - gather(V * D + D, world) + 2 * reduce(V * D, world)  # the root stays gathered
+    units = cfg.n_layers + 2
+    per_mb = compute_s / L.micro_batches
+    exposed = 0.0
+    for comm, work in ((cfg.n_layers * layer_fwd + ends_fwd, per_mb / 3), (cfg.n_layers * layer_bwd + ends_bwd, 2 * per_mb / 3)):
+        exposed += max(comm - work * (units - 1) / units, comm / units)
+    exposed *= L.micro_batches
+    if L.overlap == "grad_sync":  # the what-if: every unit's collectives hidden
+        exposed = 0.0
+
+    sync_s = _collective_s("all_reduce", 4 * 8, world, m)  # train_step's loss sums and routing counts
+    if cfg.moe is not None:
+        sync_s += _collective_s("all_reduce", cfg.n_layers * cfg.moe.n_experts * 8, world, m)
+    n_dense = cfg.num_params() - _expert_params(cfg)
+    n_expert_local = _expert_params(cfg) // L.ep
+    opt_elems = n_dense / W
+    if cfg.moe is not None and L.optimizer == "ep_unaware":
+        sync_s += _collective_s("all_reduce", n_expert_local * MASTER_BYTES * share, edp_groups, m)
+        opt_elems += n_expert_local
+    elif cfg.moe is not None:
+        opt_elems += n_expert_local / edp
+    optimizer_s = opt_elems * ADAMW_BYTES_PER_ELEMENT / m.memory_bandwidth * share
+    optimizer_s += _collective_s("all_reduce", 8, world, m)  # the squared grad norm (one float64)
+    return sync_s, optimizer_s, exposed
 
 
 # ----------------------------------------------------------------------------- measured points
@@ -538,8 +615,17 @@ def point_layout(point: dict) -> Layout:
     return Layout(devices=int(point["devices"]), ep=int(point.get("ep", 1)), global_batch=int(point["global_batch"]),
                   micro_batch=int(point.get("micro_batch") or 0), seq_len=int(point["seq_len"]),
                   optimizer=point.get("optimizer", "ep_aware") if int(point["devices"]) > 1 else "local",
-                  dtype=point.get("dtype", "float32"), overlap="chunks" if point.get("overlap_grad_sync") else "none",
-                  chunk_mb=float(point.get("grad_sync_chunk_mb") or 128.0))
+                  dtype=point.get("dtype", "float32"), overlap=point_overlap(point),
+                  chunk_mb=float(point.get("grad_sync_chunk_mb") or 128.0),
+                  reduce_bytes=4 if point.get("reduce_dtype", "float32") == "float32" else 2)
+
+
+def point_overlap(point: dict) -> str:
+    """What a measured point's step overlapped: "layers" for points of the fully sharded code
+    (they record ``sharding``), else the ZeRO-1 optimizer they ran, with or without its chunks."""
+    if point.get("sharding") == "full":
+        return "layers"
+    return "chunks" if point.get("overlap_grad_sync") else "none"
 
 
 def predict_point(point: dict, machine: Machine) -> Prediction:
@@ -775,8 +861,8 @@ def predict_sweep(preset: str, tiles_list: Sequence[int], machine: Machine, *, g
 
 
 def code_overlap(parallel) -> str:
-    """The overlap our step does under a ParallelConfig: "chunks" with parallel.overlap_grad_sync."""
-    return "chunks" if getattr(parallel, "overlap_grad_sync", False) else "none"
+    """The overlap our step does on several ranks: full sharding's per-unit collectives."""
+    return "layers"
 
 
 def paper_sweep(machine: Machine, overlap: Optional[str] = None) -> list[dict]:
@@ -789,8 +875,7 @@ def paper_sweep(machine: Machine, overlap: Optional[str] = None) -> list[dict]:
     run = ex.get(f"scaling-mula-220b-a10b-{ex.SCALING_TILES[0]}").paper
     cfg = run.run_config()
     return predict_sweep(run.preset, ex.SCALING_TILES, machine, global_batch=ex.SCALING_BATCH, ep=run.ep,
-                         micro_batch=1, dtype=cfg.train.dtype, overlap=overlap or code_overlap(cfg.parallel),
-                         chunk_mb=cfg.parallel.grad_sync_chunk_mb)
+                         micro_batch=1, dtype=cfg.train.dtype, overlap=overlap or code_overlap(cfg.parallel))
 
 
 def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> dict[str, Any]:
@@ -805,7 +890,7 @@ def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> di
     layout = Layout(devices=run_scale.devices, ep=cfg.parallel.ep, global_batch=cfg.train.global_batch,
                     micro_batch=mb, seq_len=cfg.data.seq_len,
                     optimizer=cfg.parallel.optimizer if run_scale.devices > 1 else "local", dtype=cfg.train.dtype,
-                    overlap=code_overlap(cfg.parallel), chunk_mb=cfg.parallel.grad_sync_chunk_mb)
+                    overlap=code_overlap(cfg.parallel))
     pred = predict(cfg.model, layout, machine)
     hours = run_scale.steps * pred.step_s / 3600
     nodes = math.ceil(run_scale.devices / machine.devices_per_node)

@@ -9,9 +9,11 @@
 Every parameter is sharded along its rows only (dim 0; optimus_core.model.experts stores the
 experts' weights as rows for this), so a rank's share is always one contiguous range of rows:
 
-    dense (every layout of several ranks)   rows split over the world (FSDP2, Shard(0))
+    dense (every layout of several ranks)   rows split over the world, or a block of dp_shard
+                                            ranks and replicated over the blocks (FSDP2)
     expert, EP-aware                        the EP rank's experts, a block of rows, split
-                                            again over its expert-dp group (FSDP2 on that mesh)
+                                            again over its expert-dp group, or its block's
+                                            share of that group (FSDP2 on that mesh)
     expert, EP-unaware                      the EP rank's experts, whole on every rank of its
                                             expert-dp group (replicated)
     one process                             everything, whole
@@ -88,7 +90,7 @@ def shares(model: nn.Module, mesh: Mesh) -> dict[str, Share]:
 
     experts = {f"{mod_name}.{p_name}": module for mod_name, module in model.named_modules()
                if isinstance(module, Experts) for p_name, _ in module.named_parameters(recurse=False)}
-    world, grid = mesh.device_meshes() if mesh.distributed else (None, None)
+    meshes = mesh.device_meshes() if mesh.distributed else {}
     out = {}
     for name, p in model.named_parameters():
         local, first = local_tensor(p), _fsdp_first_row(p)
@@ -98,13 +100,14 @@ def shares(model: nn.Module, mesh: Mesh) -> dict[str, Share]:
             rows = local_rows_of(owner, p_name)
             shape = (owner.n_experts * rows, *p.shape[1:])
             first += owner.first_row(p_name)
-            placements = (Shard(0), Shard(0) if isinstance(p, DTensor) else Replicate())
-            out[name] = Share(name, local, first, shape, grid, placements)
+            # EP blocks of rows first, then FSDP2's placements within (its mesh's dims after "ep")
+            within = tuple(p.placements) if isinstance(p, DTensor) else (Replicate(),) * (meshes["experts"].ndim - 1)
+            out[name] = Share(name, local, first, shape, meshes["experts"], (Shard(0), *within))
         elif mesh.distributed:
-            if isinstance(p, DTensor):  # FSDP over the world (dense, or experts at ep 1)
-                out[name] = Share(name, local, first, tuple(p.shape), world, (Shard(0),))
+            if isinstance(p, DTensor):  # FSDP2's own layout is whole-shaped (dense, or experts at ep 1)
+                out[name] = Share(name, local, first, tuple(p.shape), p.device_mesh, tuple(p.placements))
             else:  # EP-unaware experts at ep 1: whole and replicated on every rank
-                out[name] = Share(name, local, 0, tuple(p.shape), world, (Replicate(),))
+                out[name] = Share(name, local, 0, tuple(p.shape), meshes["world"], (Replicate(),))
         else:
             out[name] = Share(name, local, 0, tuple(p.shape))
     return out

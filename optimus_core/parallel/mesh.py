@@ -4,7 +4,7 @@
     mesh.rank, mesh.world_size, mesh.ep_rank, mesh.expert_dp_rank
     mesh.ep_group          # the ``ep`` consecutive ranks that split the experts between them
     mesh.expert_dp_group   # the world/ep ranks that hold the same experts (one per EP group)
-    world, grid = mesh.device_meshes()   # torch DeviceMeshes: 1-D over the world; (ep, expert_dp)
+    meshes = mesh.device_meshes()   # torch DeviceMeshes: "world", "grid" (ep, expert_dp), "dense", "experts"
 
 Rank, world size and local rank come from torchrun (RANK, WORLD_SIZE, LOCAL_RANK), Open MPI
 (OMPI_COMM_WORLD_*), or PMI / PALS (PMI_RANK, PMI_SIZE, PALS_LOCAL_RANKID or PMI_LOCAL_RANK) as
@@ -15,6 +15,10 @@ every rank, so a bad launch is an error everywhere instead of a hang.
 
 Layout: EP groups are blocks of consecutive ranks (on one node when ep <= ranks per node, where
 the all-to-all is cheapest); expert-dp group ``j`` is the ranks ``j, j + ep, j + 2 ep, ...``.
+Sharding (parallel.dp_shard = S, 0 = the whole world): the parameters are sharded over blocks of
+S consecutive ranks and replicated over the W / S blocks (hybrid sharding, HSDP: a collective
+per layer spans S ranks, not the world; one all-reduce per step over the replicas); within a
+block, the S / ep ranks of one EP rank shard that rank's experts.
 """
 from __future__ import annotations
 
@@ -112,7 +116,8 @@ def check_rendezvous(launch: LaunchEnv) -> None:
             f"MASTER_ADDR=<rank 0's hostname> and MASTER_PORT=<a free port> before mpiexec")
 
 
-def group_layout(world_size: int, ep: int, n_experts: int | None) -> tuple[list[list[int]], list[list[int]]]:
+def group_layout(world_size: int, ep: int, n_experts: int | None,
+                 dp_shard: int = 0) -> tuple[list[list[int]], list[list[int]]]:
     """(ep_groups, expert_dp_groups) as rank lists; validates the layout (pure logic).
 
     >>> group_layout(4, 2, 8)
@@ -124,9 +129,30 @@ def group_layout(world_size: int, ep: int, n_experts: int | None) -> tuple[list[
         raise ConfigError(f"parallel.ep = {ep}: more expert-parallel ranks than experts ({n_experts})")
     if n_experts is not None and n_experts % ep:
         raise ConfigError(f"parallel.ep = {ep}: must divide model.moe.n_experts ({n_experts})")
+    shard = dp_shard or world_size
+    if shard < 1 or world_size % shard or shard % ep:
+        raise ConfigError(f"parallel.dp_shard = {dp_shard}: must divide the world size ({world_size} ranks) and be "
+                          f"a multiple of parallel.ep ({ep}), or 0 (shard over the whole world)")
     ep_groups = [list(range(start, start + ep)) for start in range(0, world_size, ep)]
     expert_dp_groups = [list(range(j, world_size, ep)) for j in range(ep)]
     return ep_groups, expert_dp_groups
+
+
+def sharding_layout(world_size: int, ep: int, dp_shard: int = 0) -> dict[str, list[list[int]]]:
+    """The sharding groups as rank lists (module doc): ``shard`` (blocks of S consecutive ranks),
+    ``replicate`` (the same place in every block: dense units and experts alike) and
+    ``expert_shard`` (a block's ranks of one EP rank).
+
+    >>> sharding_layout(8, 2, 4)["expert_shard"]
+    [[0, 2], [1, 3], [4, 6], [5, 7]]
+    """
+    S = dp_shard or world_size
+    blocks = world_size // S
+    return {
+        "shard": [list(range(b * S, (b + 1) * S)) for b in range(blocks)],
+        "replicate": [list(range(i, world_size, S)) for i in range(S)],
+        "expert_shard": [list(range(b * S + i, (b + 1) * S, ep)) for b in range(blocks) for i in range(ep)],
+    }
 
 
 @dataclass
@@ -143,6 +169,8 @@ class Mesh:
     expert_dp_group: Any = None
     ep_ranks: tuple[int, ...] = (0,)
     expert_dp_ranks: tuple[int, ...] = (0,)
+    dp_shard: int = 0  # ranks a parameter is sharded over (parallel.dp_shard; 0 = the world)
+    groups: dict = field(default_factory=dict, repr=False)  # this rank's sharding groups (sharding_layout)
     owns_process_group: bool = False  # init_distributed created it, so shutdown destroys it
     _device_meshes: Any = field(default=None, repr=False, compare=False)
 
@@ -168,6 +196,16 @@ class Mesh:
     def expert_dp_rank(self) -> int:
         return self.rank // self.ep
 
+    @property
+    def shard_size(self) -> int:
+        """Ranks one parameter's rows are sharded over (S of the module doc)."""
+        return self.dp_shard or self.world_size
+
+    @property
+    def replicas(self) -> int:
+        """Blocks of ``shard_size`` ranks that each hold the whole (sharded) model."""
+        return self.world_size // self.shard_size
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
@@ -189,12 +227,25 @@ class Mesh:
         if self._device_meshes is None:
             from torch.distributed.device_mesh import DeviceMesh
 
-            ranks = torch.arange(self.world_size)
+            W, S, ep = self.world_size, self.shard_size, self.ep
+            ranks = torch.arange(W)
             world = DeviceMesh.from_group(dist.group.WORLD, self.device.type, mesh_dim_names=("world",))
             grid = DeviceMesh.from_group([self.ep_group, self.expert_dp_group], self.device.type,
-                                         mesh=ranks.reshape(self.world_size // self.ep, self.ep).T.contiguous(),
+                                         mesh=ranks.reshape(W // ep, ep).T.contiguous(),
                                          mesh_dim_names=("ep", "expert_dp"))
-            self._device_meshes = (world, grid)
+            meshes = {"world": world, "grid": grid}
+            if self.replicas > 1:  # hybrid: (replicate, shard) for the dense units, (ep, replicate, shard) for experts
+                g = self.groups
+                meshes["dense"] = DeviceMesh.from_group([g["replicate"], g["shard"]], self.device.type,
+                                                        mesh=ranks.reshape(W // S, S),
+                                                        mesh_dim_names=("replicate", "shard"))
+                meshes["experts"] = DeviceMesh.from_group(
+                    [self.ep_group, g["replicate"], g["expert_shard"]], self.device.type,
+                    mesh=ranks.reshape(W // S, S // ep, ep).permute(2, 0, 1).contiguous(),
+                    mesh_dim_names=("ep", "replicate", "shard"))
+            else:
+                meshes["dense"], meshes["experts"] = world, grid
+            self._device_meshes = meshes
         return self._device_meshes
 
 
@@ -202,7 +253,7 @@ def init_distributed(parallel: ParallelConfig, n_experts: int | None = None, dev
                      env: Mapping[str, str] | None = None) -> Mesh:
     """Read the launcher, validate, join the world and build the groups (every rank, same order)."""
     launch = read_launch_env(env)
-    group_layout(launch.world_size, parallel.ep, n_experts)  # raises on every rank, before any collective
+    group_layout(launch.world_size, parallel.ep, n_experts, parallel.dp_shard)  # raises on every rank, before any collective
     check_rendezvous(launch)
     device_type = resolve_device_type(device)
     if device_type == "cpu":
@@ -214,7 +265,7 @@ def init_distributed(parallel: ParallelConfig, n_experts: int | None = None, dev
         return Mesh.single(dev)
     backend = collective_backend(device_type)
     import_vendor_extensions(device_type, backend)
-    mesh = Mesh(launch.rank, launch.world_size, launch.local_rank, parallel.ep, dev, backend)
+    mesh = Mesh(launch.rank, launch.world_size, launch.local_rank, parallel.ep, dev, backend, dp_shard=parallel.dp_shard)
     timeout = datetime.timedelta(seconds=parallel.collective_timeout_s)
     if not dist.is_initialized():
         mesh.owns_process_group = True
@@ -229,11 +280,12 @@ def init_distributed(parallel: ParallelConfig, n_experts: int | None = None, dev
 
 
 def build_groups(mesh: Mesh, timeout: datetime.timedelta | None = None) -> Mesh:
-    """Create every EP and expert-dp group on every rank, in one order (new_group is collective).
+    """Create every EP, expert-dp and (with replicas) sharding group on every rank, in one order
+    (new_group is collective).
 
     ``timeout``: of every collective in these groups (a subgroup does not inherit the world's:
     without it torch uses its own default)."""
-    ep_groups, expert_dp_groups = group_layout(mesh.world_size, mesh.ep, None)
+    ep_groups, expert_dp_groups = group_layout(mesh.world_size, mesh.ep, None, mesh.dp_shard)
     for ranks in ep_groups:
         group = dist.new_group(ranks, timeout=timeout)
         if mesh.rank in ranks:
@@ -242,6 +294,12 @@ def build_groups(mesh: Mesh, timeout: datetime.timedelta | None = None) -> Mesh:
         group = dist.new_group(ranks, timeout=timeout)
         if mesh.rank in ranks:
             mesh.expert_dp_group, mesh.expert_dp_ranks = group, tuple(ranks)
+    if mesh.replicas > 1:
+        for kind, layout in sharding_layout(mesh.world_size, mesh.ep, mesh.dp_shard).items():
+            for ranks in layout:
+                group = dist.new_group(ranks, timeout=timeout)
+                if mesh.rank in ranks:
+                    mesh.groups[kind] = group
     return mesh
 
 

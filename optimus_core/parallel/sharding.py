@@ -9,11 +9,17 @@
 What each rank keeps between uses (ZeRO-3 semantics): its rows of every parameter in float32,
 their gradients and (optimus_core.train.sharded_adamw) their AdamW moments:
 
-    dense parameters      sharded over the world (1/W each)
+    dense parameters      sharded over the world (1/W each), or with parallel.dp_shard = S over
+                          the rank's block of S ranks, replicated over the W / S blocks (HSDP)
     expert parameters     EP-aware: sharded over the rank's expert-dp group (1/(W/ep) of the
-                          rank's n_experts/ep experts); EP-unaware (``experts_sharded=False``,
-                          the paper's baseline): the rank's experts whole, their gradients
-                          all-reduced over the expert-dp group by the optimizer
+                          rank's n_experts/ep experts), or over its block's S / ep of them;
+                          EP-unaware (``experts_sharded=False``, the paper's baseline): the
+                          rank's experts whole, their gradients all-reduced over the expert-dp
+                          group by the optimizer
+
+With replicas, FSDP2 reduce-scatters each unit's gradient within the block and all-reduces the
+shard over the replicas; with several micro-batches the all-reduce waits for the last one
+(ShardedAdamW.before_micro_batch).
 
 Units, each all-gathered just before use and freed after (FSDP2's ``fully_shard``):
 
@@ -61,7 +67,9 @@ def shard_model(model: nn.Module, mesh: Mesh, *, dtype: str = "float32", experts
 
     if reduce_dtype not in REDUCE_DTYPES:
         raise ValueError(f"parallel.reduce_dtype = {reduce_dtype!r}: must be one of {', '.join(REDUCE_DTYPES)}")
-    world, grid = mesh.device_meshes()
+    meshes = mesh.device_meshes()
+    dense_mesh = meshes["dense"]
+    expert_mesh = meshes["experts"]["replicate", "shard"] if mesh.replicas > 1 else meshes["grid"]["expert_dp"]
     if dtype == "bfloat16":
         gathered = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=REDUCE_DTYPES[reduce_dtype])
     else:
@@ -75,11 +83,11 @@ def shard_model(model: nn.Module, mesh: Mesh, *, dtype: str = "float32", experts
         if experts is not None and not experts_sharded:
             ignored = set(experts.parameters())  # replicated over expert-dp: the optimizer syncs them
         elif experts is not None and mesh.ep > 1:  # its own unit on the expert-dp mesh
-            fully_shard(experts, mesh=grid["expert_dp"], mp_policy=gathered)
+            fully_shard(experts, mesh=expert_mesh, mp_policy=gathered)
             expert_units.append(experts)
-        fully_shard(block, mesh=world, mp_policy=gathered, ignored_params=ignored)
-    fully_shard(model.embed, mesh=world, mp_policy=as_stored)
-    fully_shard(model, mesh=world, mp_policy=gathered, reshard_after_forward=False)
+        fully_shard(block, mesh=dense_mesh, mp_policy=gathered, ignored_params=ignored)
+    fully_shard(model.embed, mesh=dense_mesh, mp_policy=as_stored)
+    fully_shard(model, mesh=dense_mesh, mp_policy=gathered, reshard_after_forward=False)
     for method in ("lm_loss", "hidden"):  # the training and evaluation entries besides forward
         register_fsdp_forward_method(model, method)
     by_block = {id(b.ffn.experts): b for b in blocks if isinstance(b.ffn, MoEFeedForward)}
@@ -100,7 +108,7 @@ def materialize(model: nn.Module, mesh: Mesh, device: torch.device | str, *, see
     Then the buffers (Transformer.reset_buffers)."""
     model.to_empty(device=device)
     for name, share in shares(model, mesh).items():
-        if share.local.numel():
+        if share.local.numel() and not share.local.is_meta:
             init_parameter_(share.local, name, share.first_row, seed=seed, std=std)
     model.reset_buffers()
     return model

@@ -29,11 +29,12 @@ def build_model(cfg: RunConfig, mesh: Mesh | None = None, device: torch.device |
                 checkpointing: tuple[str, int] | None = None) -> Transformer:
     """The model of ``cfg`` on this rank of ``mesh`` (a world of one on ``device`` by default),
     initialised from ``cfg.train.seed`` or, with ``cfg.train.init_from`` (a Hugging Face export,
-    optimus_core.hf), from its weights. ``checkpointing``: the resolved (mode, every) of
-    train.activation_checkpointing (optimus_core.memory.resolve_checkpointing); by default the
+    optimus_core.hf), from its weights. ``device``: where the shares are allocated (default: the
+    mesh's; "meta": nowhere, the shapes only). ``checkpointing``: the resolved (mode, every) of
+    train.activation_checkpointing (optimus_core.memory.fit_checkpointing); by default the
     configured mode, "auto" meaning "none"."""
     mesh = mesh or Mesh.single(device or "cpu")
-    device = mesh.device
+    device = torch.device(device) if device is not None else mesh.device
     with torch.device("meta"):
         model = Transformer(cfg.model)
     if checkpointing is None:
@@ -47,6 +48,8 @@ def build_model(cfg: RunConfig, mesh: Mesh | None = None, device: torch.device |
         shard_model(model, mesh, dtype=cfg.train.dtype, experts_sharded=cfg.parallel.optimizer == "ep_aware",
                     reduce_dtype=cfg.parallel.reduce_dtype)
     materialize(model, mesh, device, seed=cfg.train.seed, std=cfg.model.init_std)
+    if device.type == "meta":
+        return model
     if cfg.train.init_from:
         load_whole_weights_(model, mesh, _import_weights(cfg))
     if not mesh.distributed:  # sharded units are gathered in bf16: they need no copies

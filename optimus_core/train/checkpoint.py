@@ -212,7 +212,7 @@ def _rng_tensors(mesh) -> dict:
         if mesh.distributed:
             from torch.distributed.tensor import Shard
 
-            world, _ = mesh.device_meshes()
+            world = mesh.device_meshes()["world"]
             share = Share(key, row, mesh.rank, (mesh.world_size, row.shape[1]), world, (Shard(0),))
             out[RNG + key] = share.dtensor()
         else:

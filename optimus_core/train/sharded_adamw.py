@@ -71,6 +71,12 @@ class ShardedAdamW:
     def state(self):
         return self.inner.state
 
+    def before_micro_batch(self, last: bool) -> None:
+        """With replicas (parallel.dp_shard), the gradients are all-reduced over them in the last
+        micro-batch's backward only: the earlier ones reduce-scatter within the block and add up."""
+        if self.mesh.replicas > 1 and hasattr(self.model, "set_requires_all_reduce"):
+            self.model.set_requires_all_reduce(last)
+
     @torch.no_grad()
     def clip_and_step(self, max_norm: float | None) -> torch.Tensor:
         """Sync the replicated experts' gradients, take the global norm (returned, before

@@ -84,9 +84,10 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
     with phase("compute"):
         for i, chunk in enumerate(chunks):
             weight = chunk.shape[0] * (chunk.shape[1] - 1) / n_tokens  # token share of this chunk
-            if i == len(chunks) - 1:  # the last backward: gradients are final as they are done
-                if hasattr(optimizer, "arm_grad_sync"):
-                    optimizer.arm_grad_sync()  # reduce them as they come
+            last = i == len(chunks) - 1
+            if hasattr(optimizer, "before_micro_batch"):
+                optimizer.before_micro_batch(last)  # ShardedAdamW: the replicas' all-reduce on the last only
+            if last:  # the last backward: gradients are final as they are done
                 if getattr(optimizer, "grad_norms", None) is not None:
                     optimizer.grad_norms.arm()  # their norms for the clip, under the backward
             # A new forward: blocks compiled as CUDA graphs (train.compile_mode) may reuse the

@@ -20,7 +20,7 @@ from sinks import ListSink
 STEPS = 15
 
 
-def _cfg(ep=1, optimizer="ep_aware", steps=STEPS, checkpoint_every=0, schedule="cosine"):
+def _cfg(ep=1, optimizer="ep_aware", steps=STEPS, checkpoint_every=0, schedule="cosine", dp_shard=0):
     # micro_batch 2 everywhere: the load-balancing loss is a per-forward statistic, so the
     # 1-process run must see the same 2-sequence forwards as the ranks do (global batch 8).
     return RunConfig(
@@ -29,7 +29,7 @@ def _cfg(ep=1, optimizer="ep_aware", steps=STEPS, checkpoint_every=0, schedule="
         train=TrainConfig(steps=steps, global_batch=8, micro_batch=2, device="cpu", eval_batches=1,
                           checkpoint_every=checkpoint_every),
         data=DataConfig(seq_len=32), schedule=ScheduleConfig(kind=schedule, warmup_steps=3),
-        parallel=ParallelConfig(ep=ep, optimizer=optimizer))
+        parallel=ParallelConfig(ep=ep, optimizer=optimizer, dp_shard=dp_shard))
 
 
 def _rows(sink):
@@ -66,11 +66,15 @@ def single(tokens_dir, tmp_path_factory):
     return _rows(sink), run_dir
 
 
-@pytest.mark.parametrize("nproc, ep, optimizer", [(2, 2, "ep_aware"), (4, 2, "ep_aware"), (4, 2, "ep_unaware"),
-                                                  (2, 1, "ep_aware")])  # ep 1: experts replicated, state sharded
-def test_ranks_follow_the_one_process_run(single, tokens_dir, tmp_path, nproc, ep, optimizer):
+@pytest.mark.parametrize("nproc, ep, optimizer, dp_shard", [
+    (2, 2, "ep_aware", 0), (4, 2, "ep_aware", 0), (4, 2, "ep_unaware", 0),
+    (2, 1, "ep_aware", 0),  # ep 1: every rank's experts sharded over the world with the dense weights
+    (4, 2, "ep_aware", 2), (4, 1, "ep_unaware", 2),  # hybrid: sharded in blocks of 2, replicated twice
+])
+def test_ranks_follow_the_one_process_run(single, tokens_dir, tmp_path, nproc, ep, optimizer, dp_shard):
     ref, ref_dir = single
-    got = _distributed(nproc, _cfg(ep=ep, optimizer=optimizer), tokens_dir, tmp_path / "run", tmp_path / "rows.json")
+    got = _distributed(nproc, _cfg(ep=ep, optimizer=optimizer, dp_shard=dp_shard), tokens_dir, tmp_path / "run",
+                       tmp_path / "rows.json")
     assert got["steps"] == list(range(1, STEPS + 1))
     assert max(abs(a - b) for a, b in zip(got["loss"], ref["loss"])) < 1e-5
     assert max(abs(a - b) for a, b in zip(got["eval"], ref["eval"])) < 1e-5
@@ -81,6 +85,72 @@ def test_ranks_follow_the_one_process_run(single, tokens_dir, tmp_path, nproc, e
     assert mine.keys() == theirs.keys()
     for name in theirs:
         torch.testing.assert_close(mine[name], theirs[name], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("ep, dp_shard, checkpointing", [(2, 0, "full"), (1, 1, "moe")])
+def test_accumulated_micro_batches_with_activation_checkpointing_follow_the_one_process_run(
+        single, tokens_dir, tmp_path, ep, dp_shard, checkpointing):
+    """2 ranks, 2 micro-batches each: sharded (ep 2), or replicated (dp_shard 1: each rank its
+    own shard block, the all-reduce over replicas deferred to the last micro-batch); the backward
+    recomputing every block, or the experts' computation."""
+    ref, _ = single
+    cfg = _cfg(ep=ep, dp_shard=dp_shard)
+    cfg = cfg.replace(train=cfg.train.replace(activation_checkpointing=checkpointing))
+    got = _distributed(2, cfg, tokens_dir, tmp_path / "run", tmp_path / "rows.json")
+    assert max(abs(a - b) for a, b in zip(got["loss"], ref["loss"])) < 1e-5
+
+
+def test_each_rank_holds_its_share_of_weights_and_state(tokens_dir, tmp_path):
+    """4 ranks, ep 2, fully sharded: 1/4 of every dense parameter, 1/2 of its EP rank's experts
+    (1/4 of the experts), the AdamW moments alike; EP-unaware: the experts whole (1/2 of them)."""
+    spawn_local(_shares_worker, 4, (_cfg(ep=2).to_json(), str(tokens_dir), str(tmp_path)), start_method="fork")
+    for rank in range(4):
+        got = json.loads((tmp_path / f"shares{rank}.json").read_text())
+        assert got["dense"] == pytest.approx(got["dense_total"] / 4, abs=got["dense_params"] * 32)  # padding: < 1 row each
+        assert got["expert"] == got["expert_total"] / 4 and got["state"]["expert"] == got["expert"]
+        assert got["state"]["dense"] == got["dense"]
+        assert got["unaware_expert"] == got["expert_total"] / 2
+
+
+def _shares_worker(cfg_json, tokens_dir, out_dir):
+    from pathlib import Path
+
+    from optimus_core.parallel.expert_parallel import expert_parameter_names
+    from optimus_core.parallel.layout import local_tensor
+    from optimus_core.train.build import build_model, build_run_optimizer
+
+    torch.set_num_threads(1)
+    cfg = RunConfig.from_json(cfg_json)
+    mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts, device="cpu")
+    try:
+        def held(model):
+            experts = expert_parameter_names(model)
+            out = {"dense": 0, "expert": 0}
+            for n, p in model.named_parameters():
+                out["expert" if n in experts else "dense"] += local_tensor(p).numel()
+            return out
+        model = build_model(cfg, mesh)
+        opt = build_run_optimizer(model, cfg, mesh)
+        batch = torch.randint(0, 64, (2, cfg.data.seq_len + 1))
+        from optimus_core.train.step import train_step
+        train_step(model, opt, batch, micro_batch=2, grad_clip=1.0, lr=1e-3, dtype="float32", mesh=mesh)
+        whole = cfg.model.num_params()
+        expert_total = sum(p.numel() for n, p in _whole_experts(cfg))
+        unaware = cfg.replace(parallel=cfg.parallel.replace(optimizer="ep_unaware"))
+        record = {**held(model), "state": opt.state_numel(), "expert_total": expert_total,
+                  "dense_total": whole - expert_total, "dense_params": sum(1 for _ in model.parameters()),
+                  "unaware_expert": held(build_model(unaware, mesh))["expert"]}
+        Path(out_dir, f"shares{mesh.rank}.json").write_text(json.dumps(record))
+    finally:
+        shutdown(mesh)
+
+
+def _whole_experts(cfg):
+    from optimus_core.model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    return [(n, p) for n, p in model.named_parameters() if ".experts." in n]
 
 
 @pytest.mark.slow

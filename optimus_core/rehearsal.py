@@ -1,0 +1,205 @@
+"""One rank of a real layout, rehearsed on the local device: the peak memory it allocates, beside
+the memory model's estimate.
+
+    record = rehearse(cfg, world=12288, rank=0, steps=2, device="cuda")   # cfg: the job's RunConfig
+    record["peak_allocated_gib"], record["model_gib"], record["terms"]
+    record = rehearse(cfg, world=12288, device="meta")   # no device: the shares' sizes only
+
+torch's fake process group stands in for the other ranks (torch.testing._internal.distributed.
+fake_pg: every collective completes at once and moves nothing), so the rank builds its real
+share of the real model (EP, FSDP2 units, the sharded AdamW: optimus_core.train.build) and runs
+real steps of its share of the global batch (random tokens) with the real kernels and sizes.
+Collectives return what they would if every rank held what this one holds ("loopback"): an
+all-gather repeats this rank's shard (with a little noise, so that the routers' gathered rows
+differ and tokens spread over the experts as they do in training), a reduce-scatter keeps this
+rank's part, an all-reduce sums the group's identical copies, an all-to-all hands each rank back
+what it sent. Counts and buffer sizes are then
+those of balanced routing, and the values stay finite.
+
+On the meta device nothing is allocated or run: the rank's shares are built and their sizes
+compared with the memory model's static terms (weights, gradients, optimizer state), which is
+what CI checks for every paper run.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from .config import RunConfig
+from .memory import GIB, MemoryLayout, estimate, static_bytes
+from .parallel.mesh import Mesh, build_groups
+
+LOOPBACK_NOISE = 1e-3  # added to all-gathered weights: breaks the ties of repeated router rows
+
+
+# ----------------------------------------------------------------------------- the loopback world
+
+def _loopback_collectives(rank_of):
+    """{name: replacement} for torch.distributed's data collectives (module doc). ``rank_of(group)``
+    is this rank's index in a group."""
+    def gather(real):
+        def all_gather(output, input, group=None, async_op=False):
+            work = real(output, input, group=group, async_op=async_op)
+            with torch.no_grad():
+                output.view(-1, input.numel()).copy_(input.reshape(1, -1).clone())  # input may be a view of output
+                if output.is_floating_point():
+                    output.add_(torch.randn_like(output), alpha=LOOPBACK_NOISE)
+            return work
+        return all_gather
+
+    def scatter(real):
+        def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            work = real(output, input, op=op, group=group, async_op=async_op)
+            with torch.no_grad():
+                output.copy_(input.view(-1, output.numel())[rank_of(group)].view_as(output).clone())
+            return work
+        return reduce_scatter
+
+    def exchange(real):
+        def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                              async_op=False):
+            work = real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+            with torch.no_grad():
+                output.copy_(input)  # the counts were exchanged the same way: the sizes agree
+            return work
+        return all_to_all_single
+
+    def reduce(real):
+        def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            work = real(tensor, op=op, group=group, async_op=async_op)
+            if op == dist.ReduceOp.SUM:
+                with torch.no_grad():
+                    tensor.mul_(dist.get_world_size(group))
+            return work
+        return all_reduce
+
+    out = {"all_reduce": reduce(dist.all_reduce)}
+    for name in ("all_gather_into_tensor", "all_gather_single"):
+        if hasattr(dist, name):
+            out[name] = gather(getattr(dist, name))
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+        if hasattr(dist, name):
+            out[name] = scatter(getattr(dist, name))
+    out["all_to_all_single"] = exchange(dist.all_to_all_single)
+    return out
+
+
+@contextlib.contextmanager
+def loopback_world(cfg: RunConfig, world: int, rank: int, device: torch.device):
+    """A Mesh for rank ``rank`` of ``world`` on the fake process group, with loopback collectives
+    (module doc); torch.distributed is restored on exit."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401  (registers "fake")
+
+    if dist.is_initialized():
+        raise RuntimeError("rehearse: a process group already exists in this process")
+    if not 0 <= rank < world:
+        raise ValueError(f"--rank {rank}: must be in [0, {world})")
+    from .parallel.mesh import group_layout
+
+    group_layout(world, cfg.parallel.ep, cfg.model.moe.n_experts if cfg.model.moe else None,
+                 cfg.parallel.dp_shard)  # clear errors first
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    patches = _loopback_collectives(lambda group: dist.get_rank(group))
+    saved = {name: getattr(dist, name) for name in patches}
+    try:
+        for name, fn in patches.items():
+            setattr(dist, name, fn)
+        mesh = build_groups(Mesh(rank, world, 0, cfg.parallel.ep, device, "fake", dp_shard=cfg.parallel.dp_shard))
+        yield mesh
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- the rehearsal
+
+def static_terms(model) -> dict[str, float]:
+    """Bytes of this rank's float32 shares, their gradients and AdamW moments, from the built model."""
+    from .parallel.layout import local_tensor
+
+    elements = sum(local_tensor(p).numel() for p in model.parameters())
+    return {"weights": 4.0 * elements, "gradients": 4.0 * elements, "optimizer": 8.0 * elements}
+
+
+def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, device: str = "cuda",
+             micro_batches: int | None = None, checkpointing: tuple[str, int] | None = None) -> dict:
+    """Rehearse rank ``rank`` of ``cfg`` on ``world`` ranks (module doc). ``micro_batches``: at most
+    this many of the rank's micro-batches per step (the peak is reached by the second: the
+    gradients exist from the first on); ``checkpointing``: the resolved (mode, every) (default:
+    the configured mode, "auto" resolved by the memory model on the device's budget)."""
+    from .memory import device_budget, fit_checkpointing
+    from .train.build import build_model, build_run_optimizer
+    from .train.step import train_step
+
+    if steps < 1:
+        raise ValueError(f"--steps {steps}: must be >= 1")
+    if cfg.train.global_batch % world:
+        raise ValueError(f"train.global_batch = {cfg.train.global_batch} does not split over {world} ranks")
+    dev = torch.device(device)
+    if checkpointing is None:
+        mode, every = cfg.train.activation_checkpointing, cfg.train.activation_checkpointing_every
+        if mode == "auto":
+            total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
+            mode, every = fit_checkpointing(cfg.model, MemoryLayout.of_run(cfg, world, ("none", 1), dev.type),
+                                            device_budget(total))
+        checkpointing = (mode, every)
+    layout = MemoryLayout.of_run(cfg, world, checkpointing, dev.type if dev.type != "meta" else "cuda", micro_batches)
+    predicted = estimate(cfg.model, layout)
+    record = {"preset": cfg.preset, "world": world, "rank": rank, "ep": cfg.parallel.ep,
+              "optimizer": cfg.parallel.optimizer, "dtype": cfg.train.dtype, "seq_len": cfg.data.seq_len,
+              "micro_batch": layout.micro_batch, "accumulation": layout.accumulation,
+              "checkpointing": f"{checkpointing[0]}" + (f"/{checkpointing[1]}" if checkpointing[0] == "full" else ""),
+              "experts_backend": cfg.model.moe.experts_backend if cfg.model.moe else "",
+              "model_gib": predicted.peak_gib, "model_at": predicted.at,
+              "terms_gib": {k: v / GIB for k, v in predicted.terms.items()}, "device": dev.type,
+              "torch": torch.__version__}
+    # the meta rehearsal's mesh is the CPU's (torch has no meta process groups); its shares stay meta
+    with loopback_world(cfg, world, rank, torch.device("cpu") if dev.type == "meta" else dev) as mesh:
+        model = build_model(cfg, mesh, device=dev, checkpointing=checkpointing)
+        optimizer = build_run_optimizer(model, cfg, mesh)
+        record["shares_gib"] = {k: v / GIB for k, v in static_terms(model).items()}
+        record["model_shares_gib"] = {k: v / GIB for k, v in static_bytes(cfg.model, layout).items()}
+        if dev.type == "meta":
+            return record
+        gpu = getattr(torch, dev.type) if dev.type in ("cuda", "xpu") else None
+        per_step = layout.micro_batch * layout.accumulation
+        generator = torch.Generator(device=dev).manual_seed(cfg.train.seed * 7919 + rank)
+        times = []
+        if gpu is not None:
+            gpu.reset_peak_memory_stats(dev)
+        for _ in range(steps):
+            batch_BS1 = torch.randint(0, cfg.model.vocab_size, (per_step, cfg.data.seq_len + 1), generator=generator,
+                                      device=dev)
+            t0 = time.perf_counter()
+            stats = train_step(model, optimizer, batch_BS1, micro_batch=layout.micro_batch,
+                               grad_clip=cfg.optim.grad_clip, lr=cfg.optim.lr, dtype=cfg.train.dtype, mesh=mesh,
+                               fused_lm_loss=cfg.train.fused_lm_loss)
+            record.setdefault("grad_norms", []).append(float(stats.grad_norm))
+            if gpu is not None:
+                gpu.synchronize(dev)
+            times.append(time.perf_counter() - t0)
+        record.update(steps=steps, step_s=times, loss=float(stats.loss))
+        if gpu is not None:  # the caching allocator's peaks: what the device had to hold
+            record.update(peak_allocated_gib=gpu.max_memory_allocated(dev) / GIB,
+                          peak_reserved_gib=gpu.max_memory_reserved(dev) / GIB,
+                          device_name=gpu.get_device_name(dev),
+                          device_total_gib=gpu.get_device_properties(dev).total_memory / GIB)
+            record["model_error"] = record["model_gib"] / record["peak_allocated_gib"] - 1
+    return record
+
+
+def fmt(record: dict) -> str:
+    """One line of a rehearsal record."""
+    head = (f"{record['preset']} on {record['world']} ranks (ep {record['ep']}, {record['checkpointing']}, "
+            f"rank {record['rank']}):")
+    if "peak_allocated_gib" not in record:
+        shares = ", ".join(f"{k} {v:.3f}" for k, v in record["shares_gib"].items())
+        ran = f"; {record['steps']} steps, loss {record['loss']:.3f}" if "steps" in record else ""
+        return f"{head} shares {shares} GiB; model {record['model_gib']:.1f} GiB{ran}"
+    return (f"{head} allocated {record['peak_allocated_gib']:.2f} GiB, reserved {record['peak_reserved_gib']:.2f}, "
+            f"model {record['model_gib']:.2f} ({record['model_error']:+.1%})")
+
