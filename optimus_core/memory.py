@@ -10,9 +10,10 @@ Torch-free arithmetic (it runs on a login node and in a Snakemake dry run), from
 shapes (``parameter_table``, tested against the model) and what the code keeps:
 
 - ``weights``, ``gradients``, ``optimizer``: float32 shares of every parameter and their AdamW
-  moments (8 bytes). Several ranks (optimus_core.parallel.sharding): dense rows over the world,
-  the rank's experts' rows over its expert-dp group (EP-aware) or whole (EP-unaware), each share
-  padded as FSDP2 pads it (ceil(rows / ranks) rows). One process: whole; the experts' gradients
+  moments (8 bytes). Several ranks (optimus_core.parallel.sharding): dense rows over the world
+  (or the rank's block of parallel.dp_shard ranks), the rank's experts' rows over its expert-dp
+  group (or its block's part of it) (EP-aware) or whole (EP-unaware), each share padded as FSDP2
+  pads it (ceil(rows / ranks) rows). One process: whole; the experts' gradients
   in bf16 where train.expert_grad_dtype resolves so.
 - ``weight copies``: one process under bf16, the experts' bf16 copies (train.expert_weight_casts);
   EP-unaware experts, the bf16 copy each grouped GEMM keeps for its backward.
@@ -59,6 +60,7 @@ class MemoryLayout:
 
     world: int = 1  # ranks
     ep: int = 1
+    dp_shard: int = 0  # ranks a parameter is sharded over (parallel.dp_shard; 0 = the world)
     micro_batch: int = 1  # sequences per forward on one rank
     accumulation: int = 1  # micro-batches per step on one rank
     seq_len: int = 4096
@@ -74,6 +76,9 @@ class MemoryLayout:
     def __post_init__(self):
         if self.world < 1 or self.ep < 1 or self.world % self.ep:
             raise ConfigError(f"memory layout: world {self.world}, ep {self.ep}: ep must divide the world")
+        if self.world % self.shard or self.shard % self.ep:
+            raise ConfigError(f"parallel.dp_shard = {self.dp_shard}: must divide the world ({self.world}) and be a "
+                              f"multiple of ep ({self.ep})")
         if self.checkpointing not in CHECKPOINTING:
             raise ConfigError(f"train.activation_checkpointing = {self.checkpointing!r}: must be one of "
                               f"{', '.join(map(repr, CHECKPOINTING))} (or 'auto')")
@@ -84,6 +89,11 @@ class MemoryLayout:
     def tokens(self) -> int:
         """Tokens of one forward on one rank."""
         return self.micro_batch * self.seq_len
+
+    @property
+    def shard(self) -> int:
+        """Ranks one parameter's rows are sharded over."""
+        return self.dp_shard or self.world
 
     @classmethod
     def of_run(cls, cfg, world: int, checkpointing: tuple[str, int], device_type: str = "xpu",
@@ -99,7 +109,8 @@ class MemoryLayout:
             accumulation = min(accumulation, micro_batches)
         gpu = device_type in ("cuda", "xpu")
         one_process = world == 1
-        return cls(world=world, ep=cfg.parallel.ep, micro_batch=micro, accumulation=accumulation,
+        return cls(world=world, ep=cfg.parallel.ep, dp_shard=cfg.parallel.dp_shard if world > 1 else 0,
+                   micro_batch=micro, accumulation=accumulation,
                    seq_len=cfg.data.seq_len, dtype=cfg.train.dtype, optimizer=cfg.parallel.optimizer,
                    checkpointing=checkpointing[0], every=checkpointing[1], fused_lm_loss=cfg.train.fused_lm_loss,
                    lm_loss_kernel=gpu and cfg.train.lm_loss_softmax != "torch",
@@ -173,8 +184,8 @@ def _share_elements(p: ParamShape, L: MemoryLayout) -> int:
         rows //= L.ep  # this rank's experts
         if L.optimizer == "ep_unaware" or L.world == 1:
             return rows * p.cols
-        return math.ceil(rows / (L.world // L.ep)) * p.cols
-    return (math.ceil(rows / L.world) if L.world > 1 else rows) * p.cols
+        return math.ceil(rows / (L.shard // L.ep)) * p.cols
+    return (math.ceil(rows / L.shard) if L.world > 1 else rows) * p.cols
 
 
 # ----------------------------------------------------------------------------- activations

@@ -126,11 +126,15 @@ def static_terms(model) -> dict[str, float]:
 
 
 def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, device: str = "cuda",
-             micro_batches: int | None = None, checkpointing: tuple[str, int] | None = None) -> dict:
+             micro_batches: int | None = None, checkpointing: tuple[str, int] | None = None,
+             save_dir: str | None = None) -> dict:
     """Rehearse rank ``rank`` of ``cfg`` on ``world`` ranks (module doc). ``micro_batches``: at most
     this many of the rank's micro-batches per step (the peak is reached by the second: the
     gradients exist from the first on); ``checkpointing``: the resolved (mode, every) (default:
-    the configured mode, "auto" resolved by the memory model on the device's budget)."""
+    the configured mode, "auto" resolved by the memory model on the device's budget);
+    ``save_dir``: after the steps, write this rank's part of a checkpoint there (its rows of every
+    parameter and moment, as a run's save writes them, without the collectives of the planning)
+    and record the device's peak during the save (``save_peak_allocated_gib``)."""
     from .memory import device_budget, fit_checkpointing
     from .train.build import build_model, build_run_optimizer
     from .train.step import train_step
@@ -183,6 +187,8 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
                 gpu.synchronize(dev)
             times.append(time.perf_counter() - t0)
         record.update(steps=steps, step_s=times, loss=float(stats.loss))
+        if save_dir is not None:
+            record.update(_rehearse_save(model, optimizer, mesh, save_dir, gpu))
         if gpu is not None:  # the caching allocator's peaks: what the device had to hold
             record.update(peak_allocated_gib=gpu.max_memory_allocated(dev) / GIB,
                           peak_reserved_gib=gpu.max_memory_reserved(dev) / GIB,
@@ -190,6 +196,31 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
                           device_total_gib=gpu.get_device_properties(dev).total_memory / GIB)
             record["model_error"] = record["model_gib"] / record["peak_allocated_gib"] - 1
     return record
+
+
+def _rehearse_save(model, optimizer, mesh, save_dir: str, gpu) -> dict:
+    """This rank's checkpoint write (optimus_core.train.checkpoint.training_tensors: views, no
+    copies), timed, with the device's peak during it."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from .train import checkpoint as ckpt
+
+    dev = mesh.device
+    if gpu is not None:
+        gpu.synchronize(dev)
+        before = gpu.memory_allocated(dev)
+        gpu.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.save(ckpt.training_tensors(model, optimizer, mesh), storage_writer=dcp.FileSystemWriter(save_dir),
+                 no_dist=True)  # the loopback world has no planning collectives: this rank's part alone
+    out = {"save_s": time.perf_counter() - t0}
+    if gpu is not None:
+        out.update(save_peak_allocated_gib=gpu.max_memory_allocated(dev) / GIB, before_save_allocated_gib=before / GIB)
+    return out
 
 
 def fmt(record: dict) -> str:
@@ -200,6 +231,7 @@ def fmt(record: dict) -> str:
         shares = ", ".join(f"{k} {v:.3f}" for k, v in record["shares_gib"].items())
         ran = f"; {record['steps']} steps, loss {record['loss']:.3f}" if "steps" in record else ""
         return f"{head} shares {shares} GiB; model {record['model_gib']:.1f} GiB{ran}"
+    save = f"; save peak {record['save_peak_allocated_gib']:.2f} GiB" if "save_peak_allocated_gib" in record else ""
     return (f"{head} allocated {record['peak_allocated_gib']:.2f} GiB, reserved {record['peak_reserved_gib']:.2f}, "
-            f"model {record['model_gib']:.2f} ({record['model_error']:+.1%})")
+            f"model {record['model_gib']:.2f} ({record['model_error']:+.1%}){save}")
 

@@ -118,6 +118,11 @@ def _run_rank(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainO
     # Built before anything is written: a run directory whose checkpoints belong to another model
     # (or any other refusal) leaves its meta.json and its store run as they were.
     trainer = Trainer(cfg, inputs.data_dir, run_dir, writer=None, progress=config.progress, device=info, mesh=mesh)
+    mode, every = trainer.memory.checkpointing  # what "auto" resolved to, and the memory it plans
+    budget = trainer.memory.budget_bytes
+    attrs["memory"] = meta["memory"] = {
+        "activation_checkpointing": mode, "activation_checkpointing_every": every,
+        "model_gib_per_rank": trainer.memory.estimate.peak_gib, "budget_gib": budget / 2**30 if budget else None}
     atomic_write(run_dir / "meta.json", json.dumps(dict(meta, status="running", started=utc_now()), indent=2))
 
     store = open_store(outputs.store) if outputs.store else None

@@ -319,9 +319,8 @@ def _describe(config: ScalingConfig, layout: PointLayout, cfg: RunConfig, point:
                  optimizer=config.optimizer if n > 1 else "local", global_batch=cfg.train.global_batch,
                  micro_batch=cfg.train.micro_batch or cfg.train.global_batch // n, seq_len=cfg.data.seq_len,
                  dtype=cfg.train.dtype, experts_backend=moe.experts_backend if moe else "none",
-                 overlap_grad_sync=bool(cfg.parallel.overlap_grad_sync),
-                 grad_sync_chunk_mb=float(cfg.parallel.grad_sync_chunk_mb),
-                 threads_per_rank=config.threads_per_rank)
+                 sharding="full" if n > 1 else "none", dp_shard=cfg.parallel.dp_shard,
+                 reduce_dtype=cfg.parallel.reduce_dtype, threads_per_rank=config.threads_per_rank)
     point["setting"] = setting_label(cfg.train.global_batch, layout.micro_batch)
     if layout.role:
         point["role"] = layout.role

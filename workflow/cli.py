@@ -134,7 +134,8 @@ def cmd_pretrain(args) -> None:
         from optimus_core.parallel.mesh import group_layout
 
         # A bad layout fails here, before any rank starts (the ranks check again themselves).
-        group_layout(args.nproc, cfg.parallel.ep, cfg.model.moe.n_experts if cfg.model.moe else None)
+        group_layout(args.nproc, cfg.parallel.ep, cfg.model.moe.n_experts if cfg.model.moe else None,
+                     cfg.parallel.dp_shard)
         # No launcher around us: start the ranks here; each re-enters this function as one rank.
         spawn_local(cmd_pretrain, args.nproc, (args,))
         return
@@ -238,6 +239,43 @@ def cmd_plan(args) -> None:
     if args.pbs:
         for exp, job in zip(experiments, plans):
             print(f"\n# {exp.name}\n" + "\n".join(job.pbs_lines()) + f"\n{job.launcher} optimus pretrain ...")
+
+
+def rehearsal_jobs(names, tiles, site):
+    """The registry's paper runs (``names``; default every run of the paper DAG) as rehearsals,
+    each at its own tile count or at each of ``tiles``, its checkpointing resolved for the site's
+    machine as `optimus plan` resolves it (workflow.plan.plan_memory)."""
+    from stages.rehearse import Rehearsal
+    from workflow.experiments import dag, get as get_experiment
+    from workflow.plan import plan_memory
+
+    experiments = [get_experiment(n) for n in names] if names else dag("paper")
+    jobs = []
+    for exp in experiments:
+        for n in tiles or [exp.paper.devices]:
+            run = exp.paper.at_tiles(n)
+            gib, budget, checkpointing = plan_memory(run, site, n)  # MemoryBudgetError: over the budget
+            cfg = run.run_config()
+            mode, _, every = (checkpointing or "none").partition("/")
+            jobs.append(Rehearsal(exp.name, cfg, n, (mode, int(every or 1)), budget if budget == budget else None))
+    return jobs
+
+
+def cmd_rehearse(args) -> None:
+    from stages.rehearse import RehearseConfig, RehearseOutputs, ingest, run_rehearse
+    from workflow.sites import load_site
+
+    if args.ingest:
+        if not args.store:
+            raise ConfigError("--ingest needs --store")
+        print(ingest(args.ingest, args.store))
+        return
+    jobs = rehearsal_jobs(args.experiment, args.tiles, load_site(args.site, account=args.site_account))
+    result = run_rehearse(RehearseConfig(jobs, rank=args.rank, steps=args.steps, device=args.device,
+                                         micro_batches=args.micro_batches or None, save=not args.no_save),
+                          RehearseOutputs(jsonl=args.jsonl, store=args.store))
+    if args.store:
+        print(f"wrote run {result.run_id} to {args.store}")
 
 
 def cmd_scaling(args) -> None:
@@ -403,6 +441,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON-lines files of measured points (the strong suite of bench/distributed.py)")
     p.add_argument("--out", type=Path, default=None, help="also write the study here as JSON")
     p.set_defaults(func=cmd_perfmodel)
+
+    p = sub.add_parser("rehearse", help="one rank of a paper layout on this machine's device (the other ranks "
+                                        "stood in for by torch's fake process group): its peak memory beside the model's")
+    p.add_argument("--experiment", nargs="*", default=[], help="registry runs (default: every paper-scale run)")
+    p.add_argument("--tiles", type=int, nargs="*", default=[],
+                   help="rehearse each run at these tile counts instead of its own (its batch raised to a "
+                        "sequence per tile where needed, sharded in blocks of at most 384 tiles)")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--micro-batches", type=int, default=2,
+                   help="of each rank's micro-batches per step (0: all; the peak is reached by the second)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "xpu", "cpu", "meta"],
+                   help="meta: no device, the shares' sizes only (checked against the memory model)")
+    p.add_argument("--site", default="aurora", help="whose machine's memory budget the layouts are planned for")
+    p.add_argument("--no-save", action="store_true", help="skip the checkpoint write after the steps")
+    p.add_argument("--site-account", default="rehearsal", help=argparse.SUPPRESS)
+    p.add_argument("--jsonl", type=Path, default=None, help="write the records here (bench/results/rehearsal-*.jsonl)")
+    p.add_argument("--store", type=Path, default=None)
+    p.add_argument("--ingest", type=Path, default=None, help="put a rehearsal file into --store and exit")
+    p.set_defaults(func=cmd_rehearse)
 
     p = sub.add_parser("experiments", help="the registry of runs")
     p.set_defaults(func=cmd_experiments)

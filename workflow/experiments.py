@@ -43,6 +43,15 @@ Every paper-scale run trains in micro-batches of one sequence per tile (``train.
 what the performance model prices), accumulating ``global_batch / tiles`` of them per step, so
 ``global_batch`` must be a multiple of ``tiles x micro_batch``; RunScale checks it for every run.
 
+Every paper-scale run of more than 384 tiles shards its parameters in blocks of 384 tiles (32
+nodes: ``parallel.dp_shard``, the strong-scaling sweep's smallest job) and replicates them over
+the blocks (hybrid sharding): a layer's all-gathers and reduce-scatters then span at most 32
+nodes, not up to 1024 (whose ring latency workflow/perfmodel.py puts at 61% efficiency at
+12288 tiles, against 95% in blocks), and the per-tile state stays within the tile's memory
+(optimus_core/memory.py: at most 1/12 of an EP rank's experts per tile). Activation
+checkpointing is ``auto`` everywhere: the least recomputation that fits a 64 GiB tile, resolved
+by `optimus plan` (its GiB/tile column) and again by each run on its device.
+
 Strong scaling keeps one global batch of 12288 sequences (50M tokens: one sequence per tile at
 12288 tiles, 32 accumulated micro-batches per tile at 384) for 20 steps, ep 32 everywhere.
 
@@ -92,6 +101,7 @@ class RunScale:
     extra: dict[str, Any] = field(default_factory=dict)  # further --set overrides
     ep: int = 1
     global_batch: int = 0
+    dp_shard: int = 0  # shard block in ranks (parallel.dp_shard); 0 or >= devices: the whole job
 
     def __post_init__(self):
         presets.get(self.preset)  # unknown preset names fail at import, not at submit time
@@ -136,10 +146,23 @@ class RunScale:
             out["train.global_batch"] = self.global_batch
         if self.ep != 1:
             out["parallel.ep"] = self.ep
+        if self.dp_shard and self.dp_shard < self.devices:
+            out["parallel.dp_shard"] = self.dp_shard
         return {**out, **self.extra}
 
     def run_config(self):
         return presets.get(self.preset).run_config(**self.overrides())
+
+    def at_tiles(self, tiles: int) -> "RunScale":
+        """This run's layout on ``tiles`` tiles (a rehearsal of it there): the global batch raised
+        to a multiple of tiles x micro-batch where it is short, the shard block capped at ``tiles``."""
+        if tiles == self.devices:
+            return self
+        micro = self.run_config().train.micro_batch or 1
+        batch = self.batch if self.batch % (tiles * micro) == 0 else -(-self.batch // (tiles * micro)) * tiles * micro
+        return RunScale.for_steps(self.preset, self.steps, tiles, walltime_h=self.walltime_h, extra=self.extra,
+                                  ep=self.ep, global_batch=batch,
+                                  dp_shard=self.dp_shard if 0 < self.dp_shard < tiles else 0)
 
     def flops(self) -> float:
         """Training FLOPs of the whole run (the model's FLOP-per-token count x tokens)."""
@@ -190,6 +213,10 @@ LAPTOP_SCALEUP_TRAIN = {"train.eval_every": 8, "train.eval_batches": 4, "train.l
 # One sequence per tile per forward / backward, accumulated up to the global batch (module doc).
 PAPER_TRAIN = {"train.dtype": "bfloat16", "train.checkpoint_every": 500, "train.micro_batch": 1}
 PAPER_TIMED = {"train.dtype": "bfloat16", "train.eval_every": 0, "train.eval_batches": 1, "train.micro_batch": 1}
+# The MoE runs' experts on our Triton kernels (the paper's): the layout whose memory
+# optimus_core/memory.py models and `optimus rehearse` measures; the ablation sets its own.
+PAPER_KERNELS = {"model.moe.experts_backend": "triton"}
+SHARD_BLOCK = 384  # tiles (32 nodes) a parameter is sharded over (parallel.dp_shard; module doc)
 PAPER_4T_BATCH = 3072  # sequences: one per tile on 3072 tiles (our choice; module doc)
 SCALING_TILES = (384, 768, 1536, 3072, 6144, 12288)
 SCALING_STEPS, SCALING_BATCH = 20, 12288
@@ -213,7 +240,8 @@ def _pretrain(model: str, tokens: int, tiles: int, walltime_h: float, ep: int = 
     return Experiment(
         f"pretrain-{model}", "pretrain",
         paper=RunScale(model, tokens, devices=tiles, walltime_h=walltime_h, ep=ep, global_batch=batch,
-                       extra=PAPER_TRAIN),
+                       extra={**PAPER_TRAIN, **(PAPER_KERNELS if presets.get(model).model.moe else {})},
+                       dp_shard=SHARD_BLOCK),
         laptop=laptop, description=description, laptop_dag=True, scaleup=scaleup,
     )
 
@@ -222,7 +250,8 @@ def _scaling(tiles: int) -> Experiment:
     return Experiment(
         f"scaling-mula-220b-a10b-{tiles}", "scaling",
         paper=RunScale.for_steps("mula-220b-a10b", SCALING_STEPS, tiles, walltime_h=1, ep=32,
-                                 global_batch=SCALING_BATCH, extra=PAPER_TIMED),
+                                 global_batch=SCALING_BATCH, extra={**PAPER_TIMED, **PAPER_KERNELS},
+                                 dp_shard=SHARD_BLOCK),
         laptop=RunScale.for_steps("mula-220b-a10b@laptop", LAPTOP_TIMED_STEPS, 1, extra=LAPTOP_SHORT),
         description=f"strong scaling of Mula-220B-A10B: {tiles} tiles, {SCALING_STEPS} steps of "
                     f"{SCALING_BATCH} x 4096 tokens",

@@ -130,6 +130,8 @@ class Machine:
     dispatch_passes: float = 0.0  # EP dispatch: memory passes over the dispatched rows, per MoE layer and micro-batch
     rank_skew: float = 0.0  # the slowest rank's compute over the mean, minus 1: the others wait that long
     moe_imbalance: float = 1.0  # slowest EP rank's expert tokens / the mean (1 = balanced routing)
+    memory_bytes: float = 0.0  # one device's memory (0 = unknown): the memory model's budget
+    device_kind: str = "cuda"  # the torch device type a rank runs on
 
     @property
     def slots(self) -> int:
@@ -186,7 +188,7 @@ def machine_from_dict(data: Any, name: str = "") -> Machine:
     top = ("name", "device", "devices_per_node", "compute_slots_per_node", "network", "overhead")
     data = _mapping(name, "machine", data, top, ("device", "devices_per_node", "network"))
     dev = _mapping(name, "device", data["device"], ("matmul_flops", "peak_flops", "compute_efficiency",
-                                                    "memory_bandwidth"),
+                                                    "memory_bandwidth", "memory_gib", "kind"),
                    ("matmul_flops", "compute_efficiency", "memory_bandwidth"))
     rates = _mapping(name, "device.matmul_flops", dev["matmul_flops"], DTYPES, ())
     if not rates:
@@ -228,7 +230,15 @@ def machine_from_dict(data: Any, name: str = "") -> Machine:
         dispatch_passes=_number(name, "overhead.dispatch", over.get("dispatch", 0.0), positive=False),
         rank_skew=_number(name, "overhead.skew", over.get("skew", 0.0), positive=False),
         moe_imbalance=imb,
+        memory_bytes=_number(name, "device.memory_gib", dev.get("memory_gib", 0), positive=False) * 2 ** 30,
+        device_kind=_kind(name, dev.get("kind", "cuda")),
     )
+
+
+def _kind(machine: str, value: Any) -> str:
+    if value not in ("cpu", "cuda", "xpu"):
+        raise _bad(machine, "device.kind", value, "must be one of 'cpu', 'cuda', 'xpu'")
+    return value
 
 
 def load_machine(name_or_path: str | Path) -> Machine:
@@ -260,9 +270,10 @@ class Layout:
     # layers: full sharding, what the code does (optimus_core.parallel.sharding); none | chunks: the
     # ZeRO-1 optimizer of earlier measured points, without / with overlapped gradient chunks;
     # grad_sync: a what-if, full sharding with every collective hidden (module doc)
-    overlap: str = "layers"
+    overlap: str = "none"
     chunk_mb: float = 128.0  # the ZeRO-1 points' parallel.grad_sync_chunk_mb (overlap "chunks")
     reduce_bytes: int = 4  # parallel.reduce_dtype's bytes (overlap "layers")
+    dp_shard: int = 0  # parallel.dp_shard: ranks a parameter is sharded over (0 = every rank)
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -285,6 +296,9 @@ class Layout:
             bad("overlap", f"must be one of {', '.join(repr(o) for o in OVERLAPS)}")
         if not self.chunk_mb > 0:
             bad("chunk_mb", "must be > 0 (MiB)")
+        shard = self.dp_shard or self.devices
+        if self.dp_shard < 0 or self.devices % shard or shard % self.ep:
+            bad("dp_shard", f"must be 0 or divide devices ({self.devices}) and be a multiple of ep ({self.ep})")
 
     @property
     def local_batch(self) -> int:
@@ -472,7 +486,7 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
 
     n_expert = _expert_params(cfg)
     if L.overlap in ("layers", "grad_sync") and W > 1 and L.optimizer != "local":
-        sync_s, optimizer_s, exposed_s = _fully_sharded(cfg, L, m, compute_s, share, world, edp_groups=rank_groups(W, L.ep)[1])
+        sync_s, optimizer_s, exposed_s = _fully_sharded(cfg, L, m, compute_s, share)
         compute_s += exposed_s  # the forward and the backward wait for it (where measurements count it)
         if W > 1:
             wait_s = m.rank_skew * compute_s
@@ -547,18 +561,33 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
     return Prediction(step_s, compute_s, a2a_s, sync_s, optimizer_s, idle_s)
 
 
-def _fully_sharded(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, share: float, world: np.ndarray,
-                   edp_groups: np.ndarray) -> tuple[float, float, float]:
+def sharding_groups(world: int, ep: int, dp_shard: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(shard, expert_shard, replicate) groups as rank arrays, laid out as mesh.sharding_layout
+    does: blocks of S consecutive ranks shard the dense units; within a block, the ranks of one
+    EP rank shard its experts; the same place in every block replicates."""
+    S = dp_shard or world
+    ranks = np.arange(world)
+    blocks = ranks.reshape(world // S, S)
+    experts = ranks.reshape(world // S, S // ep, ep).transpose(0, 2, 1).reshape(-1, S // ep)
+    return blocks, experts, blocks.T.copy()
+
+
+def _fully_sharded(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, share: float) -> tuple[float, float, float]:
     """(grad_sync_s, optimizer_s, exposed_sync_s) of a fully sharded step (optimus_core.parallel.
     sharding): per micro-batch every unit is all-gathered in the gather dtype before its forward
     and again before its backward (the root, final norm + LM head, once), and its gradient
-    reduce-scattered in ``reduce_bytes`` after its backward; dense units over the world, the
-    experts' over the expert-dp group (their own unit when ep > 1, else in their block's). They
-    run beside the compute, one unit ahead: of each pass what the compute of the other units
-    cannot cover shows, and at least one unit's share (the first gather, the last reduction).
-    After the backward: the EP-unaware experts' all-reduce, the losses' and routing counts'
-    all-reduces (grad_sync_s), the norm's all-reduce and AdamW on the shares (optimizer_s)."""
-    W, edp = L.devices, L.devices // L.ep
+    reduce-scattered in ``reduce_bytes`` after its backward; dense units over the rank's block of
+    ``dp_shard`` ranks (the world by default), the experts' over that block's ranks of its EP rank
+    (their own unit when ep > 1, else in their block's); with replicas, each unit's reduced shard
+    is all-reduced over them in the last micro-batch's backward. They run beside the compute, one
+    unit ahead: of each pass what the compute of the other units cannot cover shows, and at least
+    one unit's share (the first gather, the last reduction). After the backward: the EP-unaware
+    experts' all-reduce, the losses' and routing counts' all-reduces (grad_sync_s), the norm's
+    all-reduce and AdamW on the shares (optimizer_s)."""
+    W, S = L.devices, L.dp_shard or L.devices
+    blocks, expert_blocks, replicas = sharding_groups(W, L.ep, L.dp_shard)
+    _, edp_groups = rank_groups(W, L.ep)
+    world = np.arange(W)[None, :]
     g = 2 if L.dtype == "bfloat16" else 4
     V, D = cfg.padded_vocab_size, cfg.d_model
     n_expert_layer = (_expert_params(cfg) // cfg.n_layers // L.ep) if cfg.moe is not None else 0
@@ -573,16 +602,25 @@ def _fully_sharded(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, sh
     def reduce(elems, groups):
         return _collective_s("reduce_scatter", elems * L.reduce_bytes * share, groups, m)
 
-    layer_fwd = gather(block, world) + (gather(n_expert_layer, edp_groups) if experts_apart else 0.0)
-    layer_bwd = layer_fwd + reduce(block, world) + (reduce(n_expert_layer, edp_groups) if experts_apart else 0.0)
-    ends_fwd = gather(V * D, world, 4) + gather(V * D + D, world)  # the embedding (float32) and the root
-    ends_bwd = ends_fwd - gather(V * D + D, world) + 2 * reduce(V * D, world)  # the root stays gathered
+    def across(elems, ranks):  # the replicas' all-reduce of a unit's reduced shard
+        return _collective_s("all_reduce", elems / ranks * L.reduce_bytes * share, replicas, m) if W > S else 0.0
+
+    layer_fwd = gather(block, blocks) + (gather(n_expert_layer, expert_blocks) if experts_apart else 0.0)
+    layer_bwd = layer_fwd + reduce(block, blocks) + (reduce(n_expert_layer, expert_blocks) if experts_apart else 0.0)
+    layer_ar = across(block, S) + (across(n_expert_layer, S // L.ep) if experts_apart else 0.0)
+    ends_fwd = gather(V * D, blocks, 4) + gather(V * D + D, blocks)  # the embedding (float32) and the root
+    ends_bwd = ends_fwd - gather(V * D + D, blocks) + 2 * reduce(V * D, blocks)  # the root stays gathered
+    ends_ar = 2 * across(V * D, S)
     units = cfg.n_layers + 2
     per_mb = compute_s / L.micro_batches
-    exposed = 0.0
-    for comm, work in ((cfg.n_layers * layer_fwd + ends_fwd, per_mb / 3), (cfg.n_layers * layer_bwd + ends_bwd, 2 * per_mb / 3)):
-        exposed += max(comm - work * (units - 1) / units, comm / units)
-    exposed *= L.micro_batches
+
+    def exposed_pass(comm: float, work: float) -> float:
+        return max(comm - work * (units - 1) / units, comm / units)
+
+    fwd = exposed_pass(cfg.n_layers * layer_fwd + ends_fwd, per_mb / 3)
+    bwd_comm = cfg.n_layers * layer_bwd + ends_bwd
+    exposed = (L.micro_batches - 1) * (fwd + exposed_pass(bwd_comm, 2 * per_mb / 3)) + fwd + exposed_pass(
+        bwd_comm + cfg.n_layers * layer_ar + ends_ar, 2 * per_mb / 3)
     if L.overlap == "grad_sync":  # the what-if: every unit's collectives hidden
         exposed = 0.0
 
@@ -591,12 +629,12 @@ def _fully_sharded(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, sh
         sync_s += _collective_s("all_reduce", cfg.n_layers * cfg.moe.n_experts * 8, world, m)
     n_dense = cfg.num_params() - _expert_params(cfg)
     n_expert_local = _expert_params(cfg) // L.ep
-    opt_elems = n_dense / W
+    opt_elems = n_dense / S
     if cfg.moe is not None and L.optimizer == "ep_unaware":
         sync_s += _collective_s("all_reduce", n_expert_local * MASTER_BYTES * share, edp_groups, m)
         opt_elems += n_expert_local
     elif cfg.moe is not None:
-        opt_elems += n_expert_local / edp
+        opt_elems += n_expert_local / (S // L.ep)
     optimizer_s = opt_elems * ADAMW_BYTES_PER_ELEMENT / m.memory_bandwidth * share
     optimizer_s += _collective_s("all_reduce", 8, world, m)  # the squared grad norm (one float64)
     return sync_s, optimizer_s, exposed
@@ -617,7 +655,8 @@ def point_layout(point: dict) -> Layout:
                   optimizer=point.get("optimizer", "ep_aware") if int(point["devices"]) > 1 else "local",
                   dtype=point.get("dtype", "float32"), overlap=point_overlap(point),
                   chunk_mb=float(point.get("grad_sync_chunk_mb") or 128.0),
-                  reduce_bytes=4 if point.get("reduce_dtype", "float32") == "float32" else 2)
+                  reduce_bytes=4 if point.get("reduce_dtype", "float32") == "float32" else 2,
+                  dp_shard=int(point.get("dp_shard") or 0))
 
 
 def point_overlap(point: dict) -> str:
@@ -836,10 +875,11 @@ def efficiency(devices: Sequence[int], step_s: Sequence[float]) -> list[float]:
 
 def predict_sweep(preset: str, tiles_list: Sequence[int], machine: Machine, *, global_batch: int,
                   ep: int, micro_batch: int = 1, seq_len: int = 0, dtype: str = "bfloat16",
-                  optimizer: str = "ep_aware", overrides: Optional[dict] = None, overlap: str = "none",
-                  chunk_mb: float = 128.0) -> list[dict]:
+                  optimizer: str = "ep_aware", overrides: Optional[dict] = None, overlap: str = "layers",
+                  chunk_mb: float = 128.0, dp_shard: int = 0) -> list[dict]:
     """One row per tile count: the layout (``overlap`` included), each phase, tokens/s and
-    efficiency within the sweep. A what-if ``overlap`` (WHATIFS: one our step does not do) marks
+    efficiency within the sweep. ``dp_shard``: the shard block (parallel.dp_shard), capped at
+    each point's tile count. A what-if ``overlap`` (WHATIFS: one our step does not do) marks
     its rows with ``scenario`` so they never mix with the plain sweep."""
     p = presets.get(preset)
     cfg = p.run_config(**overrides).model if overrides else p.model
@@ -848,9 +888,10 @@ def predict_sweep(preset: str, tiles_list: Sequence[int], machine: Machine, *, g
     for tiles in tiles_list:
         layout = Layout(devices=tiles, ep=ep, global_batch=global_batch, micro_batch=micro_batch,
                         seq_len=seq_len, optimizer=optimizer if tiles > 1 else "local", dtype=dtype, overlap=overlap,
-                        chunk_mb=chunk_mb)
+                        chunk_mb=chunk_mb, dp_shard=dp_shard if 0 < dp_shard < tiles else 0)
         pred = predict(cfg, layout, machine)
         rows.append({"preset": preset, "machine": machine.name, "devices": tiles, "ep": ep, "overlap": overlap,
+                     "dp_shard": layout.dp_shard,
                      **({"scenario": f"overlap {overlap}"} if overlap in WHATIFS else {}),
                      "nodes": math.ceil(tiles / machine.devices_per_node), "global_batch": global_batch,
                      "micro_batch": micro_batch, "seq_len": seq_len, "dtype": dtype, "optimizer": layout.optimizer,
@@ -875,7 +916,8 @@ def paper_sweep(machine: Machine, overlap: Optional[str] = None) -> list[dict]:
     run = ex.get(f"scaling-mula-220b-a10b-{ex.SCALING_TILES[0]}").paper
     cfg = run.run_config()
     return predict_sweep(run.preset, ex.SCALING_TILES, machine, global_batch=ex.SCALING_BATCH, ep=run.ep,
-                         micro_batch=1, dtype=cfg.train.dtype, overlap=overlap or code_overlap(cfg.parallel))
+                         micro_batch=1, dtype=cfg.train.dtype, overlap=overlap or code_overlap(cfg.parallel),
+                         dp_shard=ex.get(f"scaling-mula-220b-a10b-{ex.SCALING_TILES[-1]}").paper.run_config().parallel.dp_shard)
 
 
 def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> dict[str, Any]:
@@ -890,7 +932,8 @@ def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> di
     layout = Layout(devices=run_scale.devices, ep=cfg.parallel.ep, global_batch=cfg.train.global_batch,
                     micro_batch=mb, seq_len=cfg.data.seq_len,
                     optimizer=cfg.parallel.optimizer if run_scale.devices > 1 else "local", dtype=cfg.train.dtype,
-                    overlap=code_overlap(cfg.parallel))
+                    overlap=code_overlap(cfg.parallel), dp_shard=cfg.parallel.dp_shard,
+                    reduce_bytes=4 if cfg.parallel.reduce_dtype == "float32" else 2)
     pred = predict(cfg.model, layout, machine)
     hours = run_scale.steps * pred.step_s / 3600
     nodes = math.ceil(run_scale.devices / machine.devices_per_node)

@@ -12,9 +12,12 @@
 
 ``plan(run, site)`` turns a registry run (or a bare rank count) into a ``JobPlan`` -- nodes,
 queue, walltime, the ``#PBS`` lines, the mpiexec prefix, the environment, an estimate of the
-run's hours and node-hours -- and raises ``ConfigError`` at planning time for a missing
-account or queue, more nodes than the queue allows, a walltime over its limit, or a tile count
-that is not a multiple of the tiles per node. ``plan_table(experiments, site)`` plans many runs
+run's hours and node-hours, its memory per tile -- and raises ``ConfigError`` at planning time
+for a missing account or queue, more nodes than the queue allows, a walltime over its limit, a
+tile count that is not a multiple of the tiles per node, or a run whose memory per tile
+(optimus_core/memory.py, activation checkpointing resolved as the run will) is over the
+usable share of the machine's device memory (``MemoryBudgetError``: the GiB, the budget and the
+knob that would help). ``plan_table(experiments, site)`` plans many runs
 and prints them as a table with the node-hour total (`optimus plan`, `snakemake -n`). The site
 (``SiteConfig``) is workflow/sites.py; the Parsl ``Config`` for a plan is workflow/parsl_sites.py.
 
@@ -56,6 +59,9 @@ class JobPlan:
     jobs: int  # PBS jobs the run spans (each resumes from the last checkpoint)
     est_source: str = "throughput"  # "perfmodel:<machine>" | "throughput" | "" (no run to estimate)
     gpu_affinity: str = ""  # per-rank prefix after mpiexec: each rank sees only its GPU / tile ('' = none)
+    memory_gib: float = float("nan")  # per tile, the memory model's (optimus_core.memory); nan: no run or machine
+    budget_gib: float = float("nan")  # per tile: the usable share of the machine's device memory
+    checkpointing: str = ""  # train.activation_checkpointing as resolved for the job
 
     @property
     def launcher(self) -> str:
@@ -122,6 +128,7 @@ def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
     if walltime_h <= 0:
         raise ConfigError(f"walltime_h = {walltime_h}: must be > 0")
     nodes = ranks // ppn
+    memory = plan_memory(run, site, ranks)
     est, source = estimate_hours(run, site, ranks)
     jobs = max(1, math.ceil(est / walltime_h)) if est == est else 1
     queue = account = None
@@ -139,7 +146,33 @@ def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
     mpiexec = site.mpiexec.format(ranks=ranks, nodes=nodes, ppn=ppn, cpu_bind=site.cpu_bind).strip()
     affinity = site.gpu_affinity.wrapper() if site.gpu_affinity is not None else ""
     return JobPlan(site.name, ranks, nodes, ppn, queue, account, walltime_h, "\n".join(sched), select, mpiexec,
-                   dict(site.env), est, jobs, source, affinity)
+                   dict(site.env), est, jobs, source, affinity, *memory)
+
+
+def plan_memory(run, site: SiteConfig, ranks: int) -> tuple[float, float, str]:
+    """(GiB per tile, budget GiB, checkpointing) of ``run`` on ``site.machine``'s devices, with
+    train.activation_checkpointing resolved as the run will resolve it on such a device
+    (optimus_core.memory); MemoryBudgetError -- the run, the GiB, the budget and the knob that
+    would help -- when it cannot fit. nan without a run or a machine with a memory size."""
+    from dataclasses import replace
+
+    from optimus_core.memory import GIB, MemoryLayout, check_fits, device_budget, fit_checkpointing
+
+    nan = float("nan")
+    if run is None or not site.machine:
+        return nan, nan, ""
+    machine = _machine(site.machine)
+    cfg = run.run_config()
+    budget = device_budget(machine.memory_bytes) if machine.memory_bytes else None
+    layout = MemoryLayout.of_run(cfg, ranks, ("none", 1), machine.device_kind)
+    name = f"{cfg.preset} on {ranks} tiles"
+    if cfg.train.activation_checkpointing == "auto":
+        checkpointing = fit_checkpointing(cfg.model, layout, budget, run=name)
+    else:
+        checkpointing = (cfg.train.activation_checkpointing, cfg.train.activation_checkpointing_every)
+    est = check_fits(cfg.model, replace(layout, checkpointing=checkpointing[0], every=checkpointing[1]), budget, run=name)
+    mode, every = checkpointing
+    return est.peak_gib, budget / GIB if budget else nan, mode + (f"/{every}" if mode == "full" and every > 1 else "")
 
 
 def estimate_hours(run, site: SiteConfig, ranks: int) -> tuple[float, str]:
@@ -175,7 +208,7 @@ def plan_table(experiments, site: SiteConfig) -> tuple[str, list[JobPlan]]:
     """The paper-scale jobs of ``experiments`` as a table, with the node-hour total last."""
     rows, plans = [], []
     head = (f"{'run':30s} {'tiles':>6s} {'nodes':>5s} {'queue':>13s} {'walltime':>9s} {'jobs':>4s} "
-            f"{'est. hours':>10s} {'node-hours':>11s}  {'estimate':s}")
+            f"{'GiB/tile':>8s} {'act. ckpt':>9s} {'est. hours':>10s} {'node-hours':>11s}  {'estimate':s}")
     for exp in experiments:
         try:
             p = plan(exp.paper, site)
@@ -183,7 +216,8 @@ def plan_table(experiments, site: SiteConfig) -> tuple[str, list[JobPlan]]:
             raise ConfigError(f"{exp.name}: {e}") from None
         plans.append(p)
         rows.append(f"{exp.name:30s} {p.ranks:6d} {p.nodes:5d} {p.queue or '-':>13s} {p.walltime:>9s} {p.jobs:4d} "
-                    f"{p.est_hours:10.2f} {p.node_hours:11,.1f}  {p.est_source}")
+                    f"{p.memory_gib:8.1f} {p.checkpointing or '-':>9s} {p.est_hours:10.2f} {p.node_hours:11,.1f}  "
+                    f"{p.est_source}")
     total = sum(p.node_hours for p in plans)
     modelled = sum(p.est_source.startswith("perfmodel") for p in plans)
     assumed = f"assumed {site.peak_tflops_per_tile:g} TFLOP/s per tile at {site.mfu:.0%} MFU"
@@ -193,4 +227,8 @@ def plan_table(experiments, site: SiteConfig) -> tuple[str, list[JobPlan]]:
                 f"{site.machine} for {modelled} jobs{rest})")
     else:
         foot = f"TOTAL {len(plans)} jobs, {total:,.0f} node-hours ({assumed})"
+    budgets = {round(p.budget_gib, 1) for p in plans if p.budget_gib == p.budget_gib}
+    if budgets:
+        foot += (f"; memory per tile from optimus_core/memory.py, every job within the "
+                 f"{', '.join(f'{b:g}' for b in sorted(budgets))} GiB budget per tile")
     return "\n".join([head, "-" * len(head), *rows, foot]), plans

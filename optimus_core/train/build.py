@@ -13,9 +13,12 @@ layout. The trainer, the scaling sweep and the rehearsal all build through here.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
 from ..config import RunConfig
+from ..memory import GIB, MemoryEstimate, MemoryLayout, check_fits, device_budget, fit_checkpointing
 from ..model.linear_cross_entropy import use_softmax_kernel
 from ..model.transformer import Transformer
 from ..parallel import Mesh, parallelize
@@ -31,8 +34,8 @@ def build_model(cfg: RunConfig, mesh: Mesh | None = None, device: torch.device |
     initialised from ``cfg.train.seed`` or, with ``cfg.train.init_from`` (a Hugging Face export,
     optimus_core.hf), from its weights. ``device``: where the shares are allocated (default: the
     mesh's; "meta": nowhere, the shapes only). ``checkpointing``: the resolved (mode, every) of
-    train.activation_checkpointing (optimus_core.memory.fit_checkpointing); by default the
-    configured mode, "auto" meaning "none"."""
+    train.activation_checkpointing (``plan_memory``); by default the configured mode, "auto"
+    meaning "none"."""
     mesh = mesh or Mesh.single(device or "cpu")
     device = torch.device(device) if device is not None else mesh.device
     with torch.device("meta"):
@@ -57,6 +60,46 @@ def build_model(cfg: RunConfig, mesh: Mesh | None = None, device: torch.device |
     if cfg.train.compile:
         model.compile_blocks(cfg.train.compile_mode)
     return model
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How a run of ``cfg`` on a mesh fits its device: the checkpointing it resolves to, the
+    memory model's estimate per rank and the budget it was checked against (None: unknown)."""
+
+    checkpointing: tuple[str, int]
+    estimate: MemoryEstimate
+    budget_bytes: float | None
+
+    def describe(self) -> str:
+        mode, every = self.checkpointing
+        ac = mode + (f" (every {every})" if mode == "full" and every > 1 else "")
+        budget = f" of a {self.budget_bytes / GIB:.1f} GiB budget" if self.budget_bytes else " (no budget known)"
+        return f"activation checkpointing {ac}; memory per rank {self.estimate.describe()}{budget}"
+
+
+def device_memory_bytes(device: torch.device) -> float | None:
+    """The device's total memory, or None where the allocator does not say (a CPU)."""
+    if device.type in ("cuda", "xpu"):
+        return float(getattr(torch, device.type).get_device_properties(device).total_memory)
+    return None
+
+
+def plan_memory(cfg: RunConfig, mesh: Mesh, budget_bytes: float | None | str = "device") -> MemoryPlan:
+    """Resolve train.activation_checkpointing ("auto": the least recomputation that fits) and
+    check that the run fits ``budget_bytes`` (default: the usable share of this rank's device,
+    optimus_core.memory.device_budget; None: no check). MemoryBudgetError, naming the run, the
+    GiB, the budget and what would help, before anything is allocated."""
+    if budget_bytes == "device":
+        budget_bytes = device_budget(device_memory_bytes(mesh.device))
+    layout = MemoryLayout.of_run(cfg, mesh.world_size, ("none", 1), mesh.device.type)
+    run = cfg.preset or "this run"
+    if cfg.train.activation_checkpointing == "auto":
+        checkpointing = fit_checkpointing(cfg.model, layout, budget_bytes, run=run)
+    else:
+        checkpointing = (cfg.train.activation_checkpointing, cfg.train.activation_checkpointing_every)
+    layout = replace(layout, checkpointing=checkpointing[0], every=checkpointing[1])
+    return MemoryPlan(checkpointing, check_fits(cfg.model, layout, budget_bytes, run=run), budget_bytes)
 
 
 def build_run_optimizer(model: Transformer, cfg: RunConfig, mesh: Mesh):

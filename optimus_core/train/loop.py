@@ -23,7 +23,7 @@ from ..device import DeviceInfo, device_info
 from ..model.transformer import Transformer
 from ..parallel import Mesh
 from . import checkpoint as ckpt
-from .build import build_model, build_run_optimizer
+from .build import build_model, build_run_optimizer, plan_memory
 from .evaluate import heldout_metrics
 from .resilience import LossGuard, Preempted, StopRequest
 from .schedule import lr_at
@@ -62,7 +62,7 @@ def check_data_matches_model(cfg: RunConfig, data_dir: Path) -> None:
 class Trainer:
     def __init__(self, cfg: RunConfig, data_dir: str | Path, run_dir: str | Path,
                  writer: MetricsSink | None = None, progress: bool = True, device: DeviceInfo | None = None,
-                 mesh: Mesh | None = None, checkpointing: tuple[str, int] | None = None):
+                 mesh: Mesh | None = None):
         self.cfg, self.data_dir, self.run_dir = cfg, Path(data_dir), Path(run_dir)
         self.device_info = device or device_info(cfg.train.device)
         self.device = torch.device(self.device_info.type)
@@ -72,8 +72,12 @@ class Trainer:
         self.writer, self.progress = (writer, progress) if self.is_lead else (None, False)
         check_data_matches_model(cfg, self.data_dir)
         torch.manual_seed(cfg.train.seed)
+        # checked against the device before anything is allocated (MemoryBudgetError: what to change)
+        self.memory = plan_memory(cfg, self.mesh)
+        if self.is_lead and progress:
+            tqdm.write(f"[{cfg.preset or 'train'}] {self.memory.describe()}")
         # this rank's share of the model, never the whole of it (optimus_core.train.build)
-        self.model: Transformer = build_model(cfg, self.mesh, checkpointing=checkpointing)
+        self.model: Transformer = build_model(cfg, self.mesh, checkpointing=self.memory.checkpointing)
         self.optimizer = build_run_optimizer(self.model, cfg, self.mesh)
         dataset = TokenDataset(self.data_dir, split="train", seq_len=cfg.data.seq_len)
         self.loader = BatchLoader(dataset, cfg.train.global_batch, seed=cfg.data.seed,

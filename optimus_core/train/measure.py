@@ -43,7 +43,7 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..parallel import Mesh
 from ..timing import PhaseTimer
-from .build import build_model, build_run_optimizer
+from .build import build_model, build_run_optimizer, plan_memory
 from .step import train_step
 
 PHASES = ("compute", "a2a", "grad_sync", "optimizer")
@@ -69,7 +69,7 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
         raise ValueError(f"train.global_batch = {cfg.train.global_batch} sequences does not split over "
                          f"{mesh.world_size} ranks")
     device = mesh.device
-    model = build_model(cfg, mesh)
+    model = build_model(cfg, mesh, checkpointing=plan_memory(cfg, mesh).checkpointing)
     optimizer = build_run_optimizer(model, cfg, mesh)
     local_batch = cfg.train.global_batch // mesh.world_size
     generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 7919 + mesh.rank)

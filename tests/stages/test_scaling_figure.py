@@ -124,8 +124,12 @@ def test_report_names_a_held_out_design_and_the_overlap_the_model_assumes():
     assert "max 10%, mean 7.5% over 2 points, within the 15% target" in text
     chunked = [{**r, "overlap": "chunks"} for r in PREDICTED[:6]]
     text = scaling_report_markdown([], chunked, [])
-    assert "overlaps what our training step overlaps (parallel.overlap_grad_sync)" in text
+    assert "overlaps what the ZeRO-1 step overlapped (parallel.overlap_grad_sync)" in text
     assert "no overlap of communication with compute" not in text
+    sharded = [{**r, "overlap": "layers", "dp_shard": 384} for r in PREDICTED[:6]]
+    text = scaling_report_markdown([], sharded, [])
+    assert ("prices what our training step does: every layer's weights sharded in blocks of 384 tiles, "
+            "replicated over the blocks") in text
 
 
 def test_report_lists_every_design_point_with_its_error_and_the_load():

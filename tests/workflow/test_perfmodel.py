@@ -109,19 +109,40 @@ def test_ep_aware_moves_and_updates_less_than_ep_unaware():
     assert aware.compute_s == unaware.compute_s and aware.a2a_s == unaware.a2a_s
 
 
-def test_overlap_what_if_hides_grad_sync_behind_one_micro_batch():
+def test_full_sharding_exposes_what_the_compute_cannot_cover():
+    """Every unit gathered before its forward and its backward, reduced after it, beside the other
+    units' compute: with plenty of compute only one unit's share shows; with none, all of it."""
+    m = _machine()
+    kw = dict(devices=8, ep=2, global_batch=16, micro_batch=1, seq_len=32, overlap="layers")
+    sharded = pm.predict(MOE, pm.Layout(**kw), m)
+    assert sharded.exposed_sync_s > 0 and sharded.compute_s > sharded.exposed_sync_s
+    assert sharded.step_s == pytest.approx(sum(getattr(sharded, p) for p in pm.PHASES))
+    slow = pm.predict(MOE, pm.Layout(**kw), replace(m, matmul_flops={"float32": 1e6, "bfloat16": 1e6}))
+    units = MOE.n_layers + 2
+    comm_only = pm.predict(MOE, pm.Layout(**kw), replace(m, matmul_flops={"float32": 1e30, "bfloat16": 1e30}))
+    assert slow.exposed_sync_s == pytest.approx(comm_only.exposed_sync_s / units)  # one unit's, per pass
+    # hybrid: blocks of 4 ranks, replicated twice; a unit's collectives span 4 ranks, plus the replicas' all-reduce
+    hybrid = pm.predict(MOE, pm.Layout(**kw, dp_shard=4), m)
+    assert hybrid.exposed_sync_s != sharded.exposed_sync_s
+    with pytest.raises(ConfigError, match=r"layout.dp_shard = 3: must be 0 or divide devices \(8\)"):
+        pm.Layout(**kw, dp_shard=3)
+
+
+def test_overlap_what_if_hides_every_units_collectives():
     m = _machine()
     kw = dict(devices=8, ep=2, global_batch=16, micro_batch=1, seq_len=32)
-    plain = pm.predict(MOE, pm.Layout(**kw), m)
+    plain = pm.predict(MOE, pm.Layout(**kw, overlap="layers"), m)
     hidden = pm.predict(MOE, pm.Layout(**kw, overlap="grad_sync"), m)
-    assert hidden.grad_sync_s == pytest.approx(max(0.0, plain.grad_sync_s - plain.compute_s / 2))
-    assert hidden.step_s < plain.step_s and hidden.compute_s == plain.compute_s
-    with pytest.raises(ConfigError, match=r"layout.overlap = 'a2a': must be one of 'none', 'chunks', 'grad_sync'"):
+    assert hidden.exposed_sync_s == 0 and plain.exposed_sync_s > 0
+    assert hidden.step_s == pytest.approx(plain.step_s - plain.exposed_sync_s)
+    with pytest.raises(ConfigError, match=r"layout.overlap = 'a2a': must be one of 'none', 'chunks', 'layers', "
+                                          r"'grad_sync'"):
         pm.Layout(devices=2, global_batch=2, overlap="a2a")
     rows = pm.paper_sweep(pm.load_machine("aurora"), overlap="grad_sync")
     assert {r["scenario"] for r in rows} == {"overlap grad_sync"}
     plain_rows = pm.paper_sweep(pm.load_machine("aurora"))
-    assert rows[-1]["efficiency"] > plain_rows[-1]["efficiency"] and "scenario" not in plain_rows[0]
+    assert rows[-1]["efficiency"] >= plain_rows[-1]["efficiency"] and "scenario" not in plain_rows[0]
+    assert {r["overlap"] for r in plain_rows} == {"layers"} and plain_rows[-1]["dp_shard"] == 384
 
 
 def test_compute_slots_time_share_cpu_cores():
@@ -141,7 +162,8 @@ def _synthetic_points(truth: pm.Machine, noise: float, seed: int = 0) -> list[di
                          devices=devices, ep=ep, optimizer="ep_aware" if devices > 1 else "local",
                          global_batch=8, micro_batch=mb, seq_len=64, dtype="float32")
                 pred = pm.predict_point(p, truth)
-                p.update({k: v * float(np.exp(rng.normal(0, noise))) for k, v in pred.as_dict().items()})
+                p.update({k: v * float(np.exp(rng.normal(0, noise))) for k, v in pred.as_dict().items()
+                          if k in ("step_s", *pm.PHASES)})
                 points.append(p)
     return points
 
@@ -234,7 +256,7 @@ def test_node_hours_from_the_model_and_the_site_fallback(monkeypatch, tmp_path):
     est = pm.estimate_node_hours(run, aurora)
     step = pm.predict(presets.get("mula-220b-a10b").model,
                       pm.Layout(devices=768, ep=32, global_batch=12288, micro_batch=1, seq_len=4096,
-                                overlap="chunks"), aurora)  # what the run's config does (overlap_grad_sync)
+                                overlap="layers", dp_shard=384), aurora)  # what the run does: sharded in blocks
     assert est["step_s"] == pytest.approx(step.step_s) and est["nodes"] == 64
     assert est["node_hours"] == pytest.approx(run.steps * step.step_s / 3600 * 64)
     site = sites.load_site("aurora", account="A", machine="aurora")
@@ -247,13 +269,15 @@ def test_node_hours_from_the_model_and_the_site_fallback(monkeypatch, tmp_path):
     (tmp_path / "bf16-only.yaml").write_text(yaml.safe_dump(machine))
     bf16_only = sites.load_site("aurora", account="A", machine=str(tmp_path / "bf16-only.yaml"))
     fp32 = Experiment("fp32-run", "scaling", laptop=run, paper=RunScale.for_steps(
-        "mula-220b-a10b", 20, 768, walltime_h=1, ep=32, global_batch=12288, extra={"train.dtype": "float32"}))
+        "mula-220b-a10b", 20, 768, walltime_h=1, ep=32, global_batch=12288,
+        extra={"train.dtype": "float32", "train.micro_batch": 1}))
     fallback = plan(fp32.paper, bf16_only)
     assert fallback.est_source == "throughput"
     table, plans = plan_table([get("scaling-mula-220b-a10b-768"), fp32], bf16_only)
     assert [p.est_source for p in plans] == ["perfmodel:aurora", "throughput"]  # the file's machine name
     assert table.splitlines()[-1].endswith(
-        "for 1 jobs; assumed 419 TFLOP/s per tile at 25% MFU for the other 1)")
+        "for 1 jobs; assumed 419 TFLOP/s per tile at 25% MFU for the other 1); memory per tile from "
+        "optimus_core/memory.py, every job within the 57.6 GiB budget per tile")
     assert all(p.est_source.startswith("perfmodel") for p in plan_table(dag("paper"), site)[1])
     assert sites.load_site("aurora", account="A").machine == "aurora"  # the site file's default
     plain = plan(run, sites.load_site("aurora", account="A", machine=""))
