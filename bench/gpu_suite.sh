@@ -12,6 +12,8 @@
 #   bench/gpu_suite.sh memory     # where the step's peak memory lies and what is allocated then
 #                                 # (bench/memory_step.py; VARIANTS="..." for others than the default)
 #   bench/gpu_suite.sh tests      # the one-GPU tests (gpu-marked, kernels and core): ~3+ minutes on an H200
+#   bench/gpu_suite.sh rehearse   # one rank of every paper layout (optimus rehearse): the five models at 384
+#                                 # and 12288 tiles, then the registry's own layouts; RUNS="..." TILES="..." for others
 #   VARIANTS="7b8l-loop 7b8l-triton+compile" bench/gpu_suite.sh speed    # a subset of train_step
 #   REPEAT=2 VARIANTS="..." bench/gpu_suite.sh speed                       # each variant twice, in turns
 #
@@ -21,7 +23,7 @@
 # peer and ours are measured in the same call on identical GPUs.
 set -u
 cd "$(dirname "$0")/.."
-part=${1:?usage: bench/gpu_suite.sh speed|scaling|all|trace|weak|memory|tests}
+part=${1:?usage: bench/gpu_suite.sh speed|scaling|all|trace|weak|memory|tests|rehearse}
 out=${OUT:-bench/results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -29,6 +31,14 @@ n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 echo "host: $n GPU(s); torch $(python3 -c 'import torch, triton; print(torch.__version__, "triton", triton.__version__)')"
 
 case $part in
+rehearse)
+  slug=$(python3 -c 'import torch, re; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-"))')
+  runs=${RUNS:-pretrain-mula-1b pretrain-mula-7b-a1b pretrain-mula-20b-a2b pretrain-mula-100b-a7b pretrain-mula-220b-a10b}
+  python3 -m workflow.cli rehearse --experiment $runs --tiles ${TILES:-384 12288} --jsonl "$out/rehearsal-$slug.jsonl" \
+    2>&1 | tee "$out/rehearsal.log"
+  [ -n "${TILES:-}" ] || python3 -m workflow.cli rehearse --experiment $runs --jsonl "$out/rehearsal-$slug.jsonl" \
+    2>&1 | tee -a "$out/rehearsal.log"
+  ;;
 all)
   bash "$0" speed && bash "$0" scaling
   ;;

@@ -74,6 +74,7 @@ from bench.common import device_slug, ingest, publish, read_jsonl, write_jsonl  
 
 PEAK_FLOPS = 989e12  # H100 / H200 dense bf16, datasheet: the MFU convention
 MODEL_7B = dict(preset="mula-7b-a1b", overrides={"model.n_layers": 8})
+MODEL_7B_WHOLE = dict(preset="mula-7b-a1b", overrides={})  # all 16 layers: OLMoE-1B-7B itself
 MODEL_1B = dict(preset="mula-1b", overrides={})
 RECAST = {"train.recast_expert_weights": True}
 NO_CASTS = {"train.expert_weight_casts": False}
@@ -110,6 +111,7 @@ VARIANTS = {  # name -> (model, experts backend, compile, further config overrid
     "7b8l-triton+recast": (MODEL_7B, "triton", False, RECAST),
     "7b8l-torch+compile+recast": (MODEL_7B, "torch", True, RECAST),
     "7b8l-triton+compile+recast": (MODEL_7B, "triton", True, RECAST),
+    "7b16l-triton+compile": (MODEL_7B_WHOLE, "triton", True, {}),
     "1b-dense+compile": (MODEL_1B, None, True, {}),
 }
 
