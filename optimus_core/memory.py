@@ -26,10 +26,12 @@ shapes (``parameter_table``, tested against the model) and what the code keeps:
   each block's dense weights.
 - ``lm loss``: the fused LM loss keeps the head's float32 dW and dh from the forward.
 - ``transient``: the largest short-lived buffer: an LM-loss chunk's logits, the EP dispatch's
-  row buffers, or one block's recomputation.
+  row buffers, or one block's recomputation; at the backward's start also one layer's expert dW.
 
 The peak is the larger of the forward's end (everything the backward needs at once) and the
-backward's (the gradients and the units being reduced, with little of the activations left).
+backward's start (the same activations, with the last units gathered again and their gradients
+being made and reduced). Each term was checked against the allocator's record of a rehearsed
+rank (bench/memory_rehearsal.py; bench/NOTES.md).
 Device memory outside the allocator (runtime context, collective buffers) and the allocator's
 fragmentation are what ``USABLE_FRACTION`` leaves out of a device's memory.
 """
@@ -272,7 +274,8 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
         acts += 2.0 * _dense_block_params(cfg) * (cfg.n_layers - len(full))
 
     lm_loss = (4.0 * V * D + 4.0 * T * D) if L.fused_lm_loss else (10.0 * T * V)
-    lm_chunk = min(LM_LOSS_CHUNK_ROWS, T) * V * (2.0 if L.lm_loss_kernel else 6.0) if L.fused_lm_loss else 0.0
+    # a chunk's logits, and two more buffers of its size at the loss's peak (measured on an H200)
+    lm_chunk = 3 * min(LM_LOSS_CHUNK_ROWS, T) * V * 2.0 if L.fused_lm_loss else 0.0
     recompute = 0.0
     if L.checkpointing == "full":
         recompute = block_activation_bytes(cfg, T)
@@ -294,18 +297,20 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
         reduce_bytes = 2.0 + (4.0 if bf16 else 0.0)  # the unsharded gradient, and its float32 copy to reduce
         biggest_unit = max(dense_block, expert_unit)
         gathered_bwd = root + g * 2 * (dense_block + expert_unit) + reduce_bytes * biggest_unit
-        gathered_bwd = max(gathered_bwd, root + 8.0 * V * D)  # the embedding's float32 unit and gradient
 
     accumulating = L.accumulation > 1
-    static = {"weights": weights, "optimizer": optimizer, "weight copies": copies}
-    forward_end = dict(static, gradients=gradients if accumulating else 0.0, gathered=gathered_fwd,
-                       activations=acts, **{"lm loss": lm_loss}, transient=transient)
-    one_block = max(block_activation_bytes(cfg, T, checkpointed=0 in full), 0.0)
-    backward = dict(static, gradients=gradients, gathered=gathered_bwd, activations=one_block,
-                    **{"lm loss": 0.0}, transient=max(recompute, dispatch))
+    static = {"weights": weights, "optimizer": optimizer, "weight copies": copies,
+              "gradients": gradients if accumulating else 0.0}
+    forward_end = dict(static, gathered=gathered_fwd, activations=acts, **{"lm loss": lm_loss}, transient=transient)
+    # The backward's start: every activation still held, the LM loss's dW, the last units
+    # gathered again with their gradients being made and reduced (FSDP2's buffers), one layer's
+    # expert dW in bf16 (the grouped GEMM's output), the recomputation or the dispatch's buffers.
+    expert_dw = 2.0 * local_expert_params if cfg.moe is not None else 0.0
+    backward = dict(static, gathered=gathered_bwd, activations=acts, **{"lm loss": 4.0 * V * D},
+                    transient=max(recompute, dispatch) + expert_dw)
     if sum(forward_end.values()) >= sum(backward.values()):
         return MemoryEstimate(forward_end, "forward end")
-    return MemoryEstimate(backward, "backward")
+    return MemoryEstimate(backward, "backward start")
 
 
 def recompute_fraction(cfg: ModelConfig, checkpointing: str, every: int = 1) -> float:

@@ -45,8 +45,11 @@ def _loopback_collectives(rank_of):
             work = real(output, input, group=group, async_op=async_op)
             with torch.no_grad():
                 output.view(-1, input.numel()).copy_(input.reshape(1, -1).clone())  # input may be a view of output
-                if output.is_floating_point():
-                    output.add_(torch.randn_like(output), alpha=LOOPBACK_NOISE)
+                if output.is_floating_point():  # the same noise at every gather of a unit: a recomputed
+                    # forward (activation checkpointing) must see the weights its forward saw
+                    noise = torch.Generator(device=output.device).manual_seed(output.numel())
+                    output.add_(torch.randn(output.shape, generator=noise, device=output.device, dtype=output.dtype),
+                                alpha=LOOPBACK_NOISE)
             return work
         return all_gather
 
@@ -187,14 +190,14 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
                 gpu.synchronize(dev)
             times.append(time.perf_counter() - t0)
         record.update(steps=steps, step_s=times, loss=float(stats.loss))
-        if save_dir is not None:
-            record.update(_rehearse_save(model, optimizer, mesh, save_dir, gpu))
-        if gpu is not None:  # the caching allocator's peaks: what the device had to hold
+        if gpu is not None:  # the caching allocator's peaks over the steps: what the device had to hold
             record.update(peak_allocated_gib=gpu.max_memory_allocated(dev) / GIB,
                           peak_reserved_gib=gpu.max_memory_reserved(dev) / GIB,
                           device_name=gpu.get_device_name(dev),
                           device_total_gib=gpu.get_device_properties(dev).total_memory / GIB)
             record["model_error"] = record["model_gib"] / record["peak_allocated_gib"] - 1
+        if save_dir is not None:  # after the steps' peak is read: the save resets the counters
+            record.update(_rehearse_save(model, optimizer, mesh, save_dir, gpu))
     return record
 
 

@@ -109,8 +109,7 @@ class ExpertParallelExperts(Experts):
         partial_RD = self.combine_sorted(x_sorted_MD, offsets[:n_local], sorted_idx, w_RK)
         partial_SD = all_to_all(partial_RD, send_splits, recv_splits, self.group)
         # At most ep partials per token: summed in float32, like the single-rank combine.
-        out_TD = x_TD.new_zeros(T, x_TD.shape[1], dtype=torch.float32).index_add(0, token_S, partial_SD.float())
-        return out_TD.to(partial_SD.dtype)
+        return _SumPartials.apply(partial_SD, token_S, T)
 
     def forward(self, x_MD: torch.Tensor, offsets_E: torch.Tensor, row_weight_M: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's experts on rows already sorted by local expert (the kernels, no exchange)."""
@@ -129,6 +128,25 @@ class ExpertParallelExperts(Experts):
                 state_dict[prefix + name] = value
         nn.Module._load_from_state_dict(self, state_dict, prefix, *args, **kwargs)
         self.refresh_weight_casts()
+
+
+class _SumPartials(torch.autograd.Function):
+    """out_TD[t] = the sum, in float32, of the rows partial_SD[s] with token_S[s] == t, returned
+    in the partials' dtype; the backward hands each row its token's gradient. It keeps only the
+    index: index_add's own backward keeps its float32 source (for an expand_as), rows x d_model x
+    4 bytes per MoE layer from the forward to the backward (13.3 of the 62.9 GiB a rank of
+    mula-100b-a7b held at 12288 tiles, bench/NOTES.md)."""
+
+    @staticmethod
+    def forward(ctx, partial_SD: torch.Tensor, token_S: torch.Tensor, T: int) -> torch.Tensor:
+        ctx.save_for_backward(token_S)
+        out_TD = partial_SD.new_zeros(T, partial_SD.shape[1], dtype=torch.float32)
+        return out_TD.index_add_(0, token_S, partial_SD.float()).to(partial_SD.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_TD: torch.Tensor):
+        token_S, = ctx.saved_tensors
+        return grad_TD.index_select(0, token_S), None, None
 
 
 def parallelize(model: nn.Module, mesh: Mesh) -> nn.Module:

@@ -70,11 +70,16 @@ def shard_model(model: nn.Module, mesh: Mesh, *, dtype: str = "float32", experts
     meshes = mesh.device_meshes()
     dense_mesh = meshes["dense"]
     expert_mesh = meshes["experts"]["replicate", "shard"] if mesh.replicas > 1 else meshes["grid"]["expert_dp"]
+    # The units' inputs are left as they come (cast_forward_inputs=False): the residual stream
+    # stays float32, as on one process, and autocast casts what each matmul reads. (Cast, an
+    # activation-checkpointed block would also recompute from other inputs than it ran on:
+    # FSDP2 does not cast again in the backward.)
+    reduce = REDUCE_DTYPES[reduce_dtype]
     if dtype == "bfloat16":
-        gathered = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=REDUCE_DTYPES[reduce_dtype])
+        gathered = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce, cast_forward_inputs=False)
     else:
-        gathered = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[reduce_dtype])
-    as_stored = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[reduce_dtype])
+        gathered = MixedPrecisionPolicy(reduce_dtype=reduce, cast_forward_inputs=False)
+    as_stored = MixedPrecisionPolicy(reduce_dtype=reduce, cast_forward_inputs=False)
     blocks = list(model.blocks)
     expert_units = []
     for block in blocks:
