@@ -369,6 +369,10 @@ class TrainConfig(_Validated):
     # (optimus_core.memory; "none" where the budget is unknown, as on a CPU).
     activation_checkpointing: Literal["auto", "none", "full", "moe"] = "auto"
     activation_checkpointing_every: int = 1
+    # GiB one rank may plan to allocate on its device (optimus_core.memory: the run is checked
+    # against it before anything is allocated, and "auto" checkpointing fits it); None: the
+    # usable share of the device's memory (none known on a CPU: unchecked).
+    memory_budget_gib: Optional[float] = None
     # Under bf16: cast the experts' float32 weights inside each grouped GEMM (forward, and again
     # in backward) instead of keeping bf16 copies from forward to backward. Less memory (8
     # OLMoE-size layers, triton experts + compile on an H200: 74.8 -> 55.9 GiB peak), one more
@@ -429,6 +433,8 @@ class TrainConfig(_Validated):
         self._require(self.steps >= 1, "steps", "must be >= 1")
         self._require(self.activation_checkpointing_every >= 1, "activation_checkpointing_every",
                       "must be >= 1 (1: every block)")
+        self._require(self.memory_budget_gib is None or self.memory_budget_gib > 0, "memory_budget_gib",
+                      "must be null (the device's) or > 0 GiB")
         self._require(self.global_batch >= 1, "global_batch", "must be >= 1")
         self._require(self.micro_batch >= 0, "micro_batch", "must be >= 0 (0 = no accumulation)")
         self._require(self.expert_grad_dtype != "bfloat16" or (

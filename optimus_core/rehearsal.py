@@ -142,10 +142,14 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
     from .train.build import build_model, build_run_optimizer
     from .train.step import train_step
 
+    from .config import ConfigError
+    from .parallel.mesh import group_layout
+
     if steps < 1:
         raise ValueError(f"--steps {steps}: must be >= 1")
+    group_layout(world, cfg.parallel.ep, cfg.model.moe.n_experts if cfg.model.moe else None, cfg.parallel.dp_shard)
     if cfg.train.global_batch % world:
-        raise ValueError(f"train.global_batch = {cfg.train.global_batch} does not split over {world} ranks")
+        raise ConfigError(f"train.global_batch = {cfg.train.global_batch}: must be a multiple of the {world} ranks")
     dev = torch.device(device)
     if checkpointing is None:
         mode, every = cfg.train.activation_checkpointing, cfg.train.activation_checkpointing_every

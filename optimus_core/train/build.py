@@ -87,11 +87,12 @@ def device_memory_bytes(device: torch.device) -> float | None:
 
 def plan_memory(cfg: RunConfig, mesh: Mesh, budget_bytes: float | None | str = "device") -> MemoryPlan:
     """Resolve train.activation_checkpointing ("auto": the least recomputation that fits) and
-    check that the run fits ``budget_bytes`` (default: the usable share of this rank's device,
-    optimus_core.memory.device_budget; None: no check). MemoryBudgetError, naming the run, the
+    check that the run fits ``budget_bytes`` (default: train.memory_budget_gib, else the usable
+    share of this rank's device, optimus_core.memory.device_budget; None: no check). MemoryBudgetError, naming the run, the
     GiB, the budget and what would help, before anything is allocated."""
     if budget_bytes == "device":
-        budget_bytes = device_budget(device_memory_bytes(mesh.device))
+        chosen = cfg.train.memory_budget_gib
+        budget_bytes = chosen * GIB if chosen is not None else device_budget(device_memory_bytes(mesh.device))
     layout = MemoryLayout.of_run(cfg, mesh.world_size, ("none", 1), mesh.device.type)
     run = cfg.preset or "this run"
     if cfg.train.activation_checkpointing == "auto":

@@ -15,9 +15,10 @@ Each rank updates what it holds, so the AdamW state is sharded exactly as the we
                            expert-dp group here, every rank of the group updating all of them
                            (the paper's baseline: state replicated W/ep times)
 
-The global gradient norm: every element of every parameter lies on exactly one rank (replicated
-experts count on expert-dp rank 0 only), so it is the square root of one all-reduce of each
-rank's sum of squares. The clip factor rides into the update kernel (TritonAdamW's grad_scale)
+The global gradient norm: every element of every parameter lies on exactly one rank of each
+block of parallel.dp_shard ranks (the blocks are replicas: only the first block's ranks count;
+replicated experts count on expert-dp rank 0 only), so it is the square root of one all-reduce
+of each rank's sum of squares. The clip factor rides into the update kernel (TritonAdamW's grad_scale)
 or scales the local gradients once (torch's AdamW). The update is torch.optim.AdamW's arithmetic
 (optim.implementation: TritonAdamW on a GPU, on each share's local tensor).
 """
@@ -56,7 +57,11 @@ class ShardedAdamW:
         experts = expert_parameter_names(model)
         self.ep_scaled = [p for n, p in model.named_parameters()
                           if n in experts and isinstance(p, DTensor) and mesh.ep > 1]
-        self.counts_in_norm = {id(p): mesh.expert_dp_rank == 0 for p in self.replicated}
+        # Each element counts once in the norm: a replicated expert on expert-dp rank 0 only, a
+        # sharded share on the ranks of the first block only (parallel.dp_shard: the blocks are replicas)
+        first_block = mesh.rank < mesh.shard_size
+        self.counts_in_norm = {id(p): first_block for p in params}
+        self.counts_in_norm.update({id(p): mesh.expert_dp_rank == 0 for p in self.replicated})
         groups = param_groups(model, cfg.weight_decay)
         device = mesh.device
         if use_triton_adamw(cfg, device):

@@ -34,6 +34,7 @@ def _cfg(ep=1, optimizer="ep_aware", steps=STEPS, checkpoint_every=0, schedule="
 
 def _rows(sink):
     return {"loss": [r["loss"] for r in sink.rows["train"]], "steps": [r["step"] for r in sink.rows["train"]],
+            "grad_norm": [r["grad_norm"] for r in sink.rows["train"]],
             "eval": [r["loss"] for r in sink.rows.get("eval", [])],
             "load": [r["expert_load"].tolist() for r in sink.rows["train"]]}
 
@@ -78,6 +79,8 @@ def test_ranks_follow_the_one_process_run(single, tokens_dir, tmp_path, nproc, e
     assert got["steps"] == list(range(1, STEPS + 1))
     assert max(abs(a - b) for a, b in zip(got["loss"], ref["loss"])) < 1e-5
     assert max(abs(a - b) for a, b in zip(got["eval"], ref["eval"])) < 1e-5
+    # the clip's norm is the global one: each element counted once, whatever the replicas
+    torch.testing.assert_close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"]), rtol=1e-4, atol=0)
     torch.testing.assert_close(torch.tensor(got["load"]), torch.tensor(ref["load"]))  # global routing counts
     # rank 0's checkpoint holds the full model (experts gathered), equal to the 1-process model
     mine = ckpt.latest_valid(tmp_path / "run").load_model_state()
@@ -98,6 +101,37 @@ def test_accumulated_micro_batches_with_activation_checkpointing_follow_the_one_
     cfg = cfg.replace(train=cfg.train.replace(activation_checkpointing=checkpointing))
     got = _distributed(2, cfg, tokens_dir, tmp_path / "run", tmp_path / "rows.json")
     assert max(abs(a - b) for a, b in zip(got["loss"], ref["loss"])) < 1e-5
+
+
+@pytest.mark.parametrize("ep, dp_shard", [(2, 0), (2, 2), (1, 0)])
+def test_initial_weights_do_not_depend_on_the_layout(tmp_path, ep, dp_shard):
+    """Each of 4 ranks draws only its rows and writes them (a checkpoint: nothing gathered); read
+    back whole they are the one-process initialisation of the same seed, bit for bit."""
+    from optimus_core.train.build import build_model
+
+    cfg = _cfg(ep=ep, dp_shard=dp_shard)
+    spawn_local(_init_worker, 4, (cfg.to_json(), str(tmp_path)), start_method="fork")
+    whole = ckpt.latest_valid(tmp_path).load_model_state()
+    one = build_model(cfg).state_dict()
+    assert whole.keys() == one.keys()
+    for name in one:
+        assert torch.equal(whole[name], one[name]), name
+    assert not torch.equal(one["embed.weight"], build_model(cfg.replace(train=cfg.train.replace(seed=1)))
+                           .state_dict()["embed.weight"])
+
+
+def _init_worker(cfg_json, run_dir):
+    from optimus_core.train.build import build_model, build_run_optimizer
+
+    cfg = RunConfig.from_json(cfg_json)
+    mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts, device="cpu")
+    try:
+        model = build_model(cfg, mesh)
+        optimizer = build_run_optimizer(model, cfg, mesh)
+        ckpt.save_checkpoint(run_dir, 0, tensors=ckpt.training_tensors(model, optimizer, mesh), state={}, meta={},
+                             rank=mesh.rank, distributed=True)
+    finally:
+        shutdown(mesh)
 
 
 def test_each_rank_holds_its_share_of_weights_and_state(tokens_dir, tmp_path):

@@ -151,11 +151,13 @@ def _copy_at_step(run_dir: Path, to: Path, step: int) -> None:
 
 
 def test_a_sharded_checkpoint_resumes_on_another_world_size_and_ep(tokens_dir, tmp_path):
-    """Saved by 2 ranks with ep 2 at step 6; resumed by 2 ranks with ep 1, by 4 ranks with ep 4 and
-    by one process: the rest of the loss curve is the uninterrupted one (the reduction order
-    differs: 1e-5)."""
+    """Saved by 4 ranks with ep 2, sharded in blocks of 2 and replicated twice, at step 6; resumed
+    by 2 ranks with ep 1, by 4 ranks with ep 4 and by one process: the rest of the loss curve is
+    the uninterrupted one (the reduction order differs: 1e-5)."""
     saved = tmp_path / "saved"
-    _launch(2, _reshard_cfg(ep=2, checkpoint_every=6).to_json(), tokens_dir, saved / "run", saved / "store.zarr")
+    cfg = _reshard_cfg(ep=2, checkpoint_every=6)
+    cfg = cfg.replace(parallel=cfg.parallel.replace(dp_shard=2))
+    _launch(4, cfg.to_json(), tokens_dir, saved / "run", saved / "store.zarr")
     reference = _losses(saved / "store.zarr")
     assert ckpt.latest_valid(saved / "run").format == "dcp"
     for nproc, ep in ((2, 1), (4, 4), (1, 1)):

@@ -1,0 +1,128 @@
+"""The memory model: its parameter table is the model's, its activation count is what autograd
+saves (fake tensors: no memory, no compute), its terms move the right way, the fit picks the
+least recomputation that fits, and an over-budget layout is one clear error."""
+import math
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.checkpoint import checkpoint
+
+from optimus_core import presets
+from optimus_core.config import ConfigError, ModelConfig, MoEConfig
+from optimus_core.memory import (GIB, MemoryBudgetError, MemoryLayout, block_activation_bytes, check_fits,
+                                 checkpointing_candidates, estimate, fit_checkpointing, parameter_table, static_bytes)
+from optimus_core.model.transformer import Transformer
+
+MOE = ModelConfig(vocab_size=97, d_model=96, n_layers=3, n_heads=6,
+                  moe=MoEConfig(n_experts=6, top_k=2, d_expert=40, experts_backend="triton"))
+WIDE = ModelConfig(vocab_size=97, d_model=160, n_layers=2, n_heads=5,
+                   moe=MoEConfig(n_experts=16, top_k=4, d_expert=48, experts_backend="triton"))
+DENSE = ModelConfig(vocab_size=97, d_model=96, n_layers=2, n_heads=6, d_ff=200)
+
+
+@pytest.mark.parametrize("cfg", [MOE, DENSE, DENSE.replace(n_kv_heads=2, qk_norm=False)], ids=["moe", "dense", "gqa"])
+def test_parameter_table_is_the_models(cfg):
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    got = [(p.name, p.rows, p.cols) for p in parameter_table(cfg)]
+    want = [(n, p.shape[0], math.prod(p.shape[1:])) for n, p in model.named_parameters()]
+    assert got == want
+    assert sum(p.numel for p in parameter_table(cfg)) == cfg.num_params()
+
+
+def saved_activation_bytes(cfg: ModelConfig, batch: int, seq: int, mode: str = "none") -> int:
+    """What one block keeps for its backward, counted from autograd's saved tensors on fake
+    tensors: the weights in bf16 (as FSDP2 gathers them under bf16), the residual in float32,
+    bf16 autocast, weights and buffers apart."""
+    records = {}
+
+    def pack(t):
+        records.setdefault(t.untyped_storage()._cdata, t)
+        return t
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = Transformer(cfg.replace(n_layers=1))
+        finally:
+            torch.set_default_dtype(torch.float32)
+        model.set_activation_checkpointing("moe" if mode == "moe" else "none")
+        block, (cos, sin) = model.blocks[0], model.rope(seq)
+        x = torch.randn(batch, seq, cfg.d_model, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if mode == "full":  # as Transformer.hidden checkpoints a block
+                checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                block(x, cos, sin)
+        weights = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.untyped_storage().nbytes() for key, t in records.items() if key not in weights)
+
+
+@pytest.mark.parametrize("cfg, mode", [(MOE, "none"), (MOE, "moe"), (MOE, "full"), (WIDE, "none"), (WIDE, "moe"),
+                                       (DENSE, "none"), (DENSE, "full")])
+def test_block_activations_are_what_autograd_saves(cfg, mode):
+    """Within 3%: the count leaves out the RoPE tables and the norms' statistics (a few bytes per
+    token), which the checkpointed block keeps beside its input."""
+    batch, seq = 2, 64
+    want = saved_activation_bytes(cfg, batch, seq, mode)
+    got = block_activation_bytes(cfg, batch * seq, checkpointed=mode == "full", experts_only=mode == "moe")
+    assert got == pytest.approx(want, rel=0.03 if mode != "full" else 0.2)
+    if mode == "full":  # its float32 input, and the tables it will recompute from
+        assert got == 4 * cfg.d_model * batch * seq
+
+
+def test_terms_move_the_right_way():
+    cfg = presets.get("mula-220b-a10b").model
+    base = MemoryLayout(world=384, ep=32, micro_batch=1, accumulation=2, seq_len=4096)
+    more_ranks = estimate(cfg, MemoryLayout(world=3072, ep=32, micro_batch=1, accumulation=2, seq_len=4096))
+    assert more_ranks.terms["weights"] < estimate(cfg, base).terms["weights"]  # sharded further
+    # hybrid blocks of 384 hold what 384 ranks hold, however many replicas
+    hybrid = MemoryLayout(world=3072, ep=32, dp_shard=384, micro_batch=1, accumulation=2, seq_len=4096)
+    assert static_bytes(cfg, hybrid) == static_bytes(cfg, base)
+    peaks = [estimate(cfg, MemoryLayout(**{**base.__dict__, "checkpointing": m, "every": k})).peak_bytes
+             for m, k in (("none", 1), ("full", 2), ("full", 1))]
+    assert peaks[0] > peaks[1] > peaks[2]
+    unaware = MemoryLayout(**{**base.__dict__, "optimizer": "ep_unaware"})
+    assert estimate(cfg, unaware).terms["optimizer"] > 10 * estimate(cfg, base).terms["optimizer"]
+    one = estimate(presets.get("mula-7b-a1b").model.replace(n_layers=8),
+                   MemoryLayout(micro_batch=2, seq_len=4096, bf16_expert_grads=True))
+    assert one.terms["weight copies"] > 0 and one.terms["gathered"] == 0  # one process: whole, with bf16 copies
+
+
+def test_the_fit_takes_the_least_recomputation_that_fits():
+    cfg = presets.get("mula-220b-a10b").model
+    layout = MemoryLayout(world=3072, ep=32, dp_shard=384, micro_batch=1, accumulation=2, seq_len=4096)
+    order = checkpointing_candidates(cfg)
+    assert order[0] == ("none", 1) and order[-1] == ("full", 1)
+    peaks = {c: estimate(cfg, MemoryLayout(**{**layout.__dict__, "checkpointing": c[0], "every": c[1]})).peak_bytes
+             for c in order}
+    budget = 57.6 * GIB
+    chosen = fit_checkpointing(cfg, layout, budget)
+    assert peaks[chosen] <= budget
+    assert all(peaks[c] > budget for c in order[:order.index(chosen)])
+    assert fit_checkpointing(cfg, layout, None) == ("none", 1)  # no budget known: nothing recomputed
+
+
+def test_over_budget_is_one_error_naming_the_run_the_gib_the_budget_and_the_knobs():
+    cfg = presets.get("mula-220b-a10b").model
+    layout = MemoryLayout(world=384, ep=32, micro_batch=1, accumulation=2, seq_len=4096)
+    with pytest.raises(MemoryBudgetError, match=r"^scaling 384: \d+\.\d GiB at the (forward end|backward start) \(.*activations.*\) "
+                                                r"per rank is over the budget of 57.6 GiB per device; try "
+                                                r"train.activation_checkpointing=full \(or auto\), or a larger "
+                                                r"parallel.ep \(64\), or more ranks"):
+        check_fits(cfg, layout, 57.6 * GIB, run="scaling 384")
+    assert isinstance(MemoryBudgetError("x"), ConfigError)  # the command line's exit status 2
+    with pytest.raises(MemoryBudgetError, match="over the budget of 1.0 GiB"):
+        fit_checkpointing(cfg, layout, 1.0 * GIB)
+
+
+def test_bad_layouts_are_clear_errors():
+    with pytest.raises(ConfigError, match=r"activation_checkpointing = 'selective': must be one of"):
+        MemoryLayout(checkpointing="selective")
+    with pytest.raises(ConfigError, match=r"parallel.dp_shard = 48: must divide the world \(384\)"):
+        MemoryLayout(world=384, ep=32, dp_shard=48)
+    with pytest.raises(ConfigError, match="needs an MoE model"):
+        estimate(DENSE, MemoryLayout(seq_len=64, checkpointing="moe"))
+    with pytest.raises(ConfigError, match=r"parallel.ep = 4: must divide model.moe.n_experts \(6\)"):
+        estimate(MOE, MemoryLayout(world=8, ep=4, seq_len=64))

@@ -1,0 +1,36 @@
+"""`optimus rehearse` on the meta device (what CI can run): every paper run's rank builds its
+share of the real model, FSDP2 and all, and its size is the memory model's to the byte; the
+records go to a JSON-lines file and into the store."""
+import json
+
+import pytest
+
+from optimus_core.memory import GIB
+from workflow.cli import main, rehearsal_jobs
+from workflow.experiments import dag
+from workflow.sites import load_site
+
+
+def test_every_paper_runs_share_is_the_memory_models(tmp_path, capsys):
+    out = tmp_path / "rehearsal-meta.jsonl"
+    assert main(["rehearse", "--device", "meta", "--jsonl", str(out), "--store", str(tmp_path / "store.zarr")]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    runs = [r for r in records if "name" in r]
+    assert [r["name"] for r in runs] == [e.name for e in dag("paper")]
+    for r in runs:
+        assert r["shares_gib"] == pytest.approx(r["model_shares_gib"], rel=1e-12), r["name"]
+        assert r["model_gib"] <= r["budget_gib"], r["name"]  # the plan's layouts fit their tiles
+    assert records[-1]["bench"] == "rehearsal_summary" and records[-1]["all_within_budget"]
+    from optimus_core.store import open_store
+
+    assert "rehearsal-meta" in set(open_store(tmp_path / "store.zarr", mode="r").runs()["run_id"])
+
+
+def test_a_run_at_another_tile_count_keeps_its_layout():
+    site = load_site("aurora", account="x")
+    job, = rehearsal_jobs(["pretrain-mula-7b-a1b"], [12288], site)
+    assert job.world == 12288 and job.run.train.global_batch == 12288  # a sequence per tile at least
+    assert job.run.parallel.dp_shard == 384 and job.budget_gib == pytest.approx(64 * 0.9)
+    small, = rehearsal_jobs(["scaling-mula-220b-a10b-768"], [384], site)
+    assert small.run.parallel.dp_shard == 0 and small.checkpointing[0] == "full"  # 384 tiles: one block
+    assert small.budget_gib * GIB > 0
