@@ -82,6 +82,7 @@ def run_report(config: ReportConfig, inputs: ReportInputs, outputs: ReportOutput
         lines += _evaluation(store, run_ids, inputs.figures_dir, outputs.report.parent)
         lines += _scaleup(store, run_ids, attrs, inputs.figures_dir, outputs.report.parent)
     lines += _scaling(store, inputs.figures_dir, outputs.report.parent)
+    lines += _memory(store)
     lines += _figures(inputs.figures_dir, outputs.report.parent)
     for run_id in run_ids:
         lines += _run_section(store, run_id, attrs[run_id])
@@ -161,6 +162,40 @@ def _scaling(store: ResultsStore, figures_dir: Path, report_dir: Path) -> list[s
     text = scaling_report_markdown(measured, predicted, holdout)
     return [*text.rstrip("\n").split("\n"), "", *[line for name in SCALING_FIGURES
                                                   for line in _figure(figures_dir, report_dir, name)]]
+
+
+def _memory(store: ResultsStore) -> list[str]:
+    """"Memory per tile": each rehearsed paper layout (`optimus rehearse`, a ``rehearsal-*`` run
+    of the store): the memory model's GiB per tile beside the allocator's peak on the rehearsing
+    device, and the tile's budget. Nothing when no rehearsal is in the store."""
+    runs = [r for r in store.runs()["run_id"] if str(r).startswith("rehearsal-")] if len(store.runs()) else []
+    lines = []
+    for run_id in runs:
+        records = store.attrs(run_id).get("records", {})
+        rows = [["run", "tiles", "act. ckpt", "model GiB", "rehearsal GiB (allocated)", "reserved", "budget",
+                 "model error", "checkpoint write GiB"]]
+        found = []
+        for table in store.tables(run_id):
+            frame = _table(store, run_id, table)
+            if len(frame):
+                found.append((records.get(table, {}), frame.iloc[-1], table))
+        for info, row, table in sorted(found, key=lambda f: (f[0].get("name", f[2]), float(f[1].get("world", 0)))):
+            rows.append([info.get("name", table), _int(row.get("world")), info.get("checkpointing", DASH),
+                         _num(row.get("model_gib"), ".1f"), _num(row.get("peak_allocated_gib"), ".1f"),
+                         _num(row.get("peak_reserved_gib"), ".1f"), _num(row.get("budget_gib"), ".1f"),
+                         DASH if _missing(row.get("model_error")) else f"{float(row['model_error']):+.1%}",
+                         _num(row.get("save_peak_allocated_gib"), ".1f")])
+        if len(rows) == 1:
+            continue
+        device = run_id.removeprefix("rehearsal-")
+        lines += ["## Memory per tile", "",
+                  f"One rank of each paper layout rehearsed on one {device} (`optimus rehearse`: torch's fake process "
+                  "group stands in for the other ranks; real kernels, sizes and steps): the memory model's bytes per "
+                  "tile (optimus_core/memory.py, with the activation checkpointing the plan resolves) beside the "
+                  "allocator's peak, the tile's budget (the usable share of a 64 GiB Aurora tile) and the device's "
+                  "peak while the rank wrote its part of a checkpoint.", "",
+                  *_markdown_table(rows, "lrlrrrrrr"), ""]
+    return lines
 
 
 def _figures(figures_dir: Path, report_dir: Path) -> list[str]:

@@ -13,7 +13,8 @@ PERFMODEL_JSON = f"{RES}/perfmodel.json"
 BENCH_RESULTS = {Path(p).stem: p for p in config.get("bench_results", [])}
 BENCH_MARKERS = [f"{RES}/bench/{stem}.ingested" for stem in BENCH_RESULTS]
 # A results file is ingested by the benchmark that wrote it (its name starts with the script's).
-BENCH_SCRIPTS = {"distributed-": "bench/distributed.py", "train-step-": "bench/train_step.py"}
+BENCH_SCRIPTS = {"distributed-": "bench/distributed.py", "train-step-": "bench/train_step.py",
+                 "rehearsal-": "-m workflow.cli rehearse"}
 
 
 def bench_script(stem):

@@ -1,0 +1,48 @@
+"""Memory per tile before anything runs: `optimus plan` prints it and refuses a job over the
+tile's budget; `optimus pretrain` refuses a run over its budget before allocating."""
+import pytest
+
+from optimus_core.config import ConfigError
+from optimus_core.memory import MemoryBudgetError
+from workflow.experiments import Experiment, RunScale, dag, get
+from workflow.plan import plan, plan_table
+from workflow.sites import load_site
+
+
+@pytest.fixture
+def aurora():
+    return load_site("aurora", account="A")
+
+
+def test_every_paper_job_has_its_memory_per_tile_within_the_budget(aurora):
+    table, plans = plan_table(dag("paper"), aurora)
+    assert "GiB/tile" in table.splitlines()[0] and "act. ckpt" in table.splitlines()[0]
+    assert all(0 < p.memory_gib <= p.budget_gib == pytest.approx(57.6) for p in plans)
+    assert table.splitlines()[-1].endswith("every job within the 57.6 GiB budget per tile")
+    big = plan(get("pretrain-mula-220b-a10b").paper, aurora)
+    assert big.checkpointing == "full/2"  # what "auto" resolves to on a 64 GiB tile
+
+
+def test_a_job_over_the_tile_is_refused_at_planning_time(aurora):
+    base = get("scaling-mula-220b-a10b-384").paper
+    run = RunScale.for_steps(base.preset, 2, 384, walltime_h=1, ep=32, global_batch=12288,
+                             extra={**base.extra, "train.activation_checkpointing": "none"})
+    with pytest.raises(MemoryBudgetError, match=r"mula-220b-a10b on 384 tiles: \d+\.\d GiB at the .* per rank is over "
+                                                r"the budget of 57.6 GiB per device; try "
+                                                r"train.activation_checkpointing=full \(or auto\)"):
+        plan(run, aurora)
+    exp = Experiment("too-big", "scaling", paper=run, laptop=base)
+    with pytest.raises(ConfigError, match="over the budget"):
+        plan_table([exp], aurora)
+
+
+def test_pretrain_refuses_a_run_over_its_budget_before_writing_anything(tokens_dir, tmp_path, capsys):
+    from workflow.cli import main
+
+    out = tmp_path / "run"
+    code = main(["pretrain", "--preset", "mula-7b-a1b@laptop", "--data", str(tokens_dir), "--out", str(out),
+                 "--steps", "1", "--set", "train.memory_budget_gib=0.001", "--set", "train.device=cpu"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "configuration error: mula-7b-a1b@laptop:" in err and "over the budget of 0.0 GiB per device" in err
+    assert not (out / "meta.json").exists() and not (out / "checkpoints").exists()
