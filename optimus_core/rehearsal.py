@@ -13,8 +13,9 @@ Collectives return what they would if every rank held what this one holds ("loop
 all-gather repeats this rank's shard (with a little noise, so that the routers' gathered rows
 differ and tokens spread over the experts as they do in training), a reduce-scatter keeps this
 rank's part, an all-reduce sums the group's identical copies, an all-to-all hands each rank back
-what it sent. Counts and buffer sizes are then
-those of balanced routing, and the values stay finite.
+what it sent. Counts and buffer sizes are then those of balanced routing, and the values stay
+finite; the losses and norms are not the job's (a rank outside the first shard block counts
+nothing towards the clip's norm, as in the job, but here no other rank adds the rest).
 
 On the meta device nothing is allocated or run: the rank's shares are built and their sizes
 compared with the memory model's static terms (weights, gradients, optimizer state), which is

@@ -97,7 +97,7 @@ def shares(model: nn.Module, mesh: Mesh) -> dict[str, Share]:
         owner = experts.get(name)
         if isinstance(owner, ExpertParallelExperts):  # EP: this rank's experts' rows, then FSDP's within
             p_name = name.rsplit(".", 1)[1]
-            rows = local_rows_of(owner, p_name)
+            rows = p.shape[0] // owner.n_local  # per expert (D for w_up, F for w_down); DTensor: its global rows
             shape = (owner.n_experts * rows, *p.shape[1:])
             first += owner.first_row(p_name)
             # EP blocks of rows first, then FSDP2's placements within (its mesh's dims after "ep")
@@ -111,9 +111,3 @@ def shares(model: nn.Module, mesh: Mesh) -> dict[str, Share]:
         else:
             out[name] = Share(name, local, 0, tuple(p.shape))
     return out
-
-
-def local_rows_of(experts: ExpertParallelExperts, p_name: str) -> int:
-    """Rows per expert of an EP experts module's weight ``p_name`` (D for w_up, F for w_down)."""
-    p = getattr(experts, p_name)
-    return p.shape[0] // experts.n_local

@@ -49,7 +49,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..model.experts import Experts
 from ..model.init import init_parameter_
 from ..model.moe import MoEFeedForward
 from .layout import shares
@@ -81,27 +80,24 @@ def shard_model(model: nn.Module, mesh: Mesh, *, dtype: str = "float32", experts
         gathered = MixedPrecisionPolicy(reduce_dtype=reduce, cast_forward_inputs=False)
     as_stored = MixedPrecisionPolicy(reduce_dtype=reduce, cast_forward_inputs=False)
     blocks = list(model.blocks)
-    expert_units = []
-    for block in blocks:
+    expert_unit = {}  # block index -> its experts, where they are a unit of their own
+    for i, block in enumerate(blocks):
         experts = block.ffn.experts if isinstance(block.ffn, MoEFeedForward) else None
         ignored = None
         if experts is not None and not experts_sharded:
             ignored = set(experts.parameters())  # replicated over expert-dp: the optimizer syncs them
         elif experts is not None and mesh.ep > 1:  # its own unit on the expert-dp mesh
             fully_shard(experts, mesh=expert_mesh, mp_policy=gathered)
-            expert_units.append(experts)
+            expert_unit[i] = experts
         fully_shard(block, mesh=dense_mesh, mp_policy=gathered, ignored_params=ignored)
     fully_shard(model.embed, mesh=dense_mesh, mp_policy=as_stored)
     fully_shard(model, mesh=dense_mesh, mp_policy=gathered, reshard_after_forward=False)
     for method in ("lm_loss", "hidden"):  # the training and evaluation entries besides forward
         register_fsdp_forward_method(model, method)
-    by_block = {id(b.ffn.experts): b for b in blocks if isinstance(b.ffn, MoEFeedForward)}
-    for i, block in enumerate(blocks):
-        ahead = [m for m in expert_units if by_block.get(id(m)) is block]
-        ahead += blocks[i + 1:i + 2]
+    for i, block in enumerate(blocks):  # each block's forward gathers its experts and the next block
+        ahead = ([expert_unit[i]] if i in expert_unit else []) + blocks[i + 1:i + 2]
         if ahead:
             block.set_modules_to_forward_prefetch(ahead)
-    model.experts_sharded = experts_sharded
     return model
 
 
@@ -118,6 +114,3 @@ def materialize(model: nn.Module, mesh: Mesh, device: torch.device | str, *, see
     model.reset_buffers()
     return model
 
-
-def expert_modules(model: nn.Module) -> list[Experts]:
-    return [m for m in model.modules() if isinstance(m, Experts)]

@@ -30,6 +30,7 @@ rule figure:
 rule report:
     input:
         FIGURES,
+        MEMORY_MARKERS,  # the rehearsals in the store: the "Memory per tile" table
     output:
         REPORT,
     log:
