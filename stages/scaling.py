@@ -61,7 +61,7 @@ from optimus_core.config import ConfigError, RunConfig
 
 TABLE = "scaling"
 STRING_FIELDS = ("preset", "device", "optimizer", "experts_backend", "dtype")
-POINT_STRINGS = ("role", "setting")  # per point: in the run attrs, one list entry per row
+POINT_STRINGS = ("role", "setting", "sharding")  # per point: in the run attrs, one list entry per row
 ROLES = ("fitted", "held-out")
 EpRule = Union[int, str]
 

@@ -330,8 +330,11 @@ def scaling_report_markdown(measured: list[dict], predicted: list[dict], holdout
             *_phase_table(paper, where_col=False), "",
             "What drives the difference (from the predicted phases):", "",
             *[f"- {s}" for s in drivers(paper)],
-            *[f"- What-if, {sc}: the same model with that phase fully hidden (our step hides only what "
-              f"runs under the last micro-batch's backward) predicts "
+            *([f"- Of the compute, the layers' all-gathers and reduce-scatters that the compute does not cover: "
+               f"{float(first['exposed_sync_s']):.3g} s at {first['devices']} and {float(last['exposed_sync_s']):.3g} s "
+               f"at {last['devices']} tiles."] if last.get("exposed_sync_s") is not None else []),
+            *[f"- What-if, {sc}: the same model with every layer's collectives hidden (our step hides what "
+              f"the other layers' compute covers) predicts "
               f"{_pct(_efficiencies(rows)[-1])} at {rows[-1]['devices']} tiles."
               for sc, rows in _whatifs(predicted)],
             _overlap_note(last),
@@ -359,7 +362,7 @@ def _overlap_note(row: dict) -> str:
     """What the paper sweep assumes about overlap (its rows' ``overlap``: what the run's
     configuration does, workflow/perfmodel.py)."""
     if row.get("overlap") == "layers":
-        block = f" in blocks of {row['dp_shard']} tiles, replicated over the blocks" if row.get("dp_shard") else ""
+        block = f" in blocks of {int(row['dp_shard'])} tiles, replicated over the blocks" if row.get("dp_shard") else ""
         return ("- The model prices what our training step does: every layer's weights sharded" + block + ", "
                 "all-gathered in bf16 before its forward and again before its backward, its gradients "
                 "reduce-scattered after it, each beside the compute of the other layers; what the compute cannot "

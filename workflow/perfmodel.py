@@ -581,7 +581,8 @@ def _fully_sharded(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, sh
     (their own unit when ep > 1, else in their block's); with replicas, each unit's reduced shard
     is all-reduced over them in the last micro-batch's backward. They run beside the compute, one
     unit ahead: of each pass what the compute of the other units cannot cover shows, and at least
-    one unit's share (the first gather, the last reduction). After the backward: the EP-unaware
+    one unit's share (the first gather, the last reduction); on a CPU whose cores all run ranks,
+    nothing hides. After the backward: the EP-unaware
     experts' all-reduce, the losses' and routing counts' all-reduces (grad_sync_s), the norm's
     all-reduce and AdamW on the shares (optimizer_s)."""
     W, S = L.devices, L.dp_shard or L.devices
@@ -613,9 +614,12 @@ def _fully_sharded(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, sh
     ends_ar = 2 * across(V * D, S)
     units = cfg.n_layers + 2
     per_mb = compute_s / L.micro_batches
+    # On a CPU every core runs a rank once the ranks fill the cores: the collectives' copies and
+    # sums (gloo) take the same cores as the compute, and nothing hides behind it.
+    hides = 0.0 if m.device_kind == "cpu" and min(W, m.devices_per_node) >= m.slots else 1.0
 
     def exposed_pass(comm: float, work: float) -> float:
-        return max(comm - work * (units - 1) / units, comm / units)
+        return max(comm - hides * work * (units - 1) / units, comm / units)
 
     fwd = exposed_pass(cfg.n_layers * layer_fwd + ends_fwd, per_mb / 3)
     bwd_comm = cfg.n_layers * layer_bwd + ends_bwd

@@ -65,8 +65,8 @@ OVERLAP_WHATIF = "grad_sync"
 # 43 ms at the probe's bandwidth). A GPU sweep's two fitted device counts are too few for one more.
 DESIGN_FIT = pm.DEFAULT_FIT + ("memory_bandwidth",)
 POINT_FIELDS = ("preset", "overrides", "device", "devices", "ep", "optimizer", "global_batch", "micro_batch",
-                "seq_len", "dtype", "experts_backend", "setting", "step_s", "compute_s", "a2a_s", "grad_sync_s",
-                "optimizer_s", "idle_s", "tokens_per_s", "step_s_spread", "cpu_wait")
+                "seq_len", "dtype", "experts_backend", "setting", "sharding", "dp_shard", "step_s", "compute_s",
+                "a2a_s", "grad_sync_s", "optimizer_s", "idle_s", "tokens_per_s", "step_s_spread", "cpu_wait")
 
 
 # ----------------------------------------------------------------------------- reading points

@@ -65,8 +65,8 @@ def test_report_section_puts_the_model_beside_the_paper_and_names_the_drivers():
     assert "What-if" not in text
     whatif = scaling_report_markdown(MEASURED, PREDICTED + WHATIF, HOLDOUT)
     eff_whatif = 198.0 * 384 / (7.0 * 12288)
-    assert (f"- What-if, overlap grad_sync: the same model with that phase fully hidden (our step hides only "
-            f"what runs under the last micro-batch's backward) predicts {eff_whatif:.0%} at 12288 tiles.") in whatif
+    assert (f"- What-if, overlap grad_sync: the same model with every layer's collectives hidden (our step hides "
+            f"what the other layers' compute covers) predicts {eff_whatif:.0%} at 12288 tiles.") in whatif
     assert f"predicts **{eff:.0%}**" in whatif  # the headline stays the plain model's
     bad = scaling_report_markdown([], [], [{**HOLDOUT[0], "rel_error": -0.2, "predicted_s": 0.32}])
     assert "outside the 15% target" in bad and "No model prediction of the paper's sweep" in bad
