@@ -24,8 +24,10 @@ Suites:
     strong    a fixed 8 sequences per step on 1, 2, 4 ... --max-gpus GPUs (triton, ep_aware,
               EP = n and EP = 1): efficiency = T(1) / (n T(n)).
 
-Every point reduces gradients under the backward (``parallel.overlap_grad_sync``, the default);
-the ``-nooverlap`` points repeat "both" and weak-2 with the reduction after the backward.
+Every point of several ranks trains fully sharded (optimus_core.parallel.sharding): each layer
+gathered before its forward and backward, its gradients reduced under the backward. (Results
+files from before 2026-12-01's eighth session hold ZeRO-1 points, with ``-nooverlap`` A/Bs of
+its chunked reduction.)
 
 ``--repeat N`` measures the whole plan N times in turns (pass 1 of every point, then pass 2 ...):
 2-GPU points move by about 4 % between launches, as much as the gaps being judged, so ratios are
@@ -90,17 +92,10 @@ def plan(args, n_gpus: int) -> list[dict]:
                 for optimizer in ("ep_unaware", "ep_aware"):
                     points.append(dict(label=f"ablation-ep{ep}-{backend}-{optimizer}", suite="ablation", devices=2,
                                        ep=ep, backend=backend, optimizer=optimizer, global_batch=2 * mb))
-        # the same "both" points with the gradient reduction after the backward instead of under it
-        for ep in (1, 2):
-            points.append(dict(label=f"ablation-ep{ep}-triton-ep_aware-nooverlap", suite="ablation", devices=2,
-                               ep=ep, backend="triton", optimizer="ep_aware", global_batch=2 * mb, overlap=False))
     if "weak" in args.suites:
         for n in (1, 2) if n_gpus >= 2 else (1,):
             points.append(dict(label=f"weak-{n}", suite="weak", devices=n, ep=n, backend="triton",
                                optimizer="ep_aware", global_batch=n * mb))
-        if n_gpus >= 2:
-            points.append(dict(label="weak-2-nooverlap", suite="weak", devices=2, ep=2, backend="triton",
-                               optimizer="ep_aware", global_batch=2 * mb, overlap=False))
     if "strong" in args.suites:
         top = min(args.max_gpus or n_gpus, n_gpus)
         counts = [n for n in (1, 2, 4, 8) if n <= top]
@@ -119,12 +114,11 @@ def plan(args, n_gpus: int) -> list[dict]:
 def measure(p: dict, args, device_type: str) -> dict:
     from stages.scaling import ScalingConfig, measure_point
 
-    overlap = {"parallel.overlap_grad_sync": p.get("overlap", True)}
-    overrides = {**MODEL, "model.moe.experts_backend": p["backend"], **overlap, "train.compile": args.compile}
+    overrides = {**MODEL, "model.moe.experts_backend": p["backend"], "train.compile": args.compile}
     preset = "mula-7b-a1b"
     if args.quick:
         preset += "@laptop"
-        overrides = {**QUICK, "model.moe.experts_backend": "loop", **overlap,  # the CPU has no fast grouped GEMM
+        overrides = {**QUICK, "model.moe.experts_backend": "loop",  # the CPU has no fast grouped GEMM
                      "train.compile": args.compile}
     config = ScalingConfig(preset=preset, devices=(p["devices"],), ep=p["ep"], optimizer=p["optimizer"],
                            global_batch=p["global_batch"], micro_batch=min(args.micro_batch, p["global_batch"]),
@@ -181,17 +175,12 @@ def summarize(records: list[dict], device: str) -> dict:
                 out[f"optimizer_update_speedup_ep{ep}_{backend}"] = u["optimizer_s"] / a["optimizer_s"]
     out["optimizer_speedup_ep1"] = out.get("optimizer_speedup_ep1_triton")
     out["ablation_speedup"] = out.get("ablation_speedup_ep1")
-    for suffix, two in (("", "weak-2"), ("_nooverlap", "weak-2-nooverlap")):
-        for key, name in (("step_s", ""), ("step_back_to_back_s", "_back_to_back")):
-            ratios = _paired(records, "weak-1", two, key)  # T(1) / T(2), within each pass
-            if ratios:
-                out[f"weak_efficiency{suffix}{name}"] = statistics.median(ratios)
-                if len(ratios) > 1:
-                    out[f"weak_efficiency{suffix}{name}_passes"] = ratios
-    for ep in (1, 2):  # what running the gradient reduction under the backward saves per step
-        on, off = ok.get(f"ablation-ep{ep}-triton-ep_aware"), ok.get(f"ablation-ep{ep}-triton-ep_aware-nooverlap")
-        if on and off:
-            out[f"overlap_speedup_ep{ep}"] = off["step_s"] / on["step_s"]
+    for key, name in (("step_s", ""), ("step_back_to_back_s", "_back_to_back")):
+        ratios = _paired(records, "weak-1", "weak-2", key)  # T(1) / T(2), within each pass
+        if ratios:
+            out[f"weak_efficiency{name}"] = statistics.median(ratios)
+            if len(ratios) > 1:
+                out[f"weak_efficiency{name}_passes"] = ratios
     strong = {}
     for rule in ("all", "1"):
         pts = sorted([r for r in records if r.get("suite") == "strong" and "error" not in r

@@ -11,9 +11,9 @@ call of the optimizer's pass over all N parameters (``/s`` = with grad_scale, th
 the training step passes it; lr 4e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1):
 
     copy                     dst.copy_(src) of one float32 buffer: the bandwidth a stream reaches
-    norm-torch               torch.linalg.vector_norm of the flat gradient (ShardedAdamW today)
+    norm-torch               torch.linalg.vector_norm of the flat gradient (the ZeRO-1 optimizer's, until 2026-12-01)
     norm-triton              kernels.squared_norm of it (float32 per block, float64 sum)
-    adamw-torch-flat[/s]     torch.optim.AdamW(fused=True) on one flat tensor (ShardedAdamW today)
+    adamw-torch-flat[/s]     torch.optim.AdamW(fused=True) on one flat tensor (the ZeRO-1 optimizer's layout)
     adamw-torch-list/s       the same on the model's 91 parameter tensors (1-D, in proportion,
                              when --numel shrinks N)
     adamw-triton[/s]         kernels.adamw_step_ on the flat buffers
@@ -124,7 +124,7 @@ def torch_adamw(params, grads, device, exp_avgs=None, exp_avg_sqs=None):
 
 
 def flat_cases(numel: int, device: torch.device, triton_ok: bool, measure) -> None:
-    """The one-flat-buffer cases (ShardedAdamW's layout): measure(case, tensors, bytes per
+    """The one-flat-buffer cases (the ZeRO-1 optimizer's layout): measure(case, tensors, bytes per
     element, fn) for each. The buffers live until this returns."""
     from kernels import adamw_step_, squared_norm
 

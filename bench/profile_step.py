@@ -56,8 +56,8 @@ def build_variant_step(variant: str, seq: int, batch: int, device):
     import torch
 
     from optimus_core import presets
-    from optimus_core.train.measure import build_on_device
-    from optimus_core.train.optim import build_optimizer
+    from optimus_core.parallel import Mesh
+    from optimus_core.train.build import build_model, build_run_optimizer
     from optimus_core.train.step import train_step
 
     model_spec, backend, compiled, extra = VARIANTS[variant]
@@ -67,8 +67,9 @@ def build_variant_step(variant: str, seq: int, batch: int, device):
     if backend:
         overrides["model.moe.experts_backend"] = backend
     cfg = presets.get(model_spec["preset"]).run_config(**overrides)
-    model = build_on_device(cfg, device)
-    optimizer = build_optimizer(model, cfg.optim, cfg.train)
+    mesh = Mesh.single(device)
+    model = build_model(cfg, mesh)
+    optimizer = build_run_optimizer(model, cfg, mesh)
     batch_BS1 = torch.randint(0, cfg.model.vocab_size, (batch, seq + 1), device=device)
 
     def step():

@@ -5,7 +5,7 @@
     adamw_step_reference_(...same...)                                 # plain torch, in place
     squared_norm(x_N) -> 0-d float64       squared_norm_reference(x_N) -> 0-d float64
 
-Suffix N: one flat 1-D contiguous buffer (ShardedAdamW's per-bucket shards). param and the two
+Suffix N: one flat 1-D contiguous buffer (a parameter, or its local share, viewed flat). param and the two
 moments are float32, grad float32 or bfloat16 (the experts' gradients kept in bf16,
 train.expert_grad_dtype), all of equal length (any length); the update is torch.optim.AdamW's
 (decoupled weight decay, maximize=False, amsgrad=False) on float32(grad), per element:
@@ -123,8 +123,8 @@ def adamw_step_reference_(param_N: Tensor, grad_N: Tensor, exp_avg_N: Tensor, ex
 
 
 def squared_norm_reference(x_N: Tensor) -> Tensor:
-    """sum(x^2) as a 0-d float64 tensor: torch's float32 norm, squared in float64 (what
-    ShardedAdamW sums over its buckets)."""
+    """sum(x^2) as a 0-d float64 tensor: torch's float32 norm, squared in float64 (what the
+    optimizers sum over their tensors)."""
     return torch.linalg.vector_norm(x_N).double().square()
 
 

@@ -497,12 +497,12 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
         idle_s = m.step_overhead
         return Prediction(compute_s + a2a_s + sync_s + optimizer_s + idle_s, compute_s, a2a_s, sync_s, optimizer_s,
                           idle_s, exposed_s)
-    # Gradient sync and optimizer of the ZeRO-1 points (ShardedAdamW buckets; float32 grads and state).
+    # Gradient sync and optimizer of the ZeRO-1 points (its flat buckets; float32 grads and state).
     n_dense = cfg.num_params() - n_expert
     n_expert_local = n_expert // L.ep
     edp = W // L.ep
     reduce_s = gather_s = sync_s = opt_elems = 0.0
-    # With ``overlap = "chunks"`` (parallel.overlap_grad_sync, optimus_core/parallel/grad_sync.py)
+    # With ``overlap = "chunks"`` (the ZeRO-1 optimizer's parallel.overlap_grad_sync, before full sharding)
     # each chunk is reduced onto its owners (dist.reduce): every rank still sends its whole
     # gradient, n/(n-1) times a reduce-scatter's (n-1)/n share.
     chunked = L.overlap == "chunks"

@@ -7,7 +7,8 @@ torch.optim.AdamW's arithmetic, parameter groups and state layout.
 
 Why: torch's fused AdamW moves 32 bytes per parameter when it is given a grad_scale (it writes
 the unscaled gradient back) and runs through multi_tensor_apply; this kernel moves 28 and streams
-each flat buffer (ShardedAdamW's shards: a few tensors of hundreds of millions of elements).
+each tensor. A sharded parameter (a DTensor: optimus_core.parallel.sharding) is updated on its
+local share, its moments plain tensors of the share's shape.
 bench/optimizer.py times both; bench/NOTES.md has the numbers.
 
 ``casts`` ({parameter: low-precision copy}, optimus_core.train.optim.weight_casts): copies kept
@@ -42,10 +43,6 @@ class TritonAdamW(torch.optim.Optimizer):
                  weight_decay: float = 1e-2, casts: dict[torch.Tensor, torch.Tensor] | None = None):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.casts = dict(casts or {})
-        # {parameter: [(offset, gradient of that range)]}: a gradient in pieces instead of
-        # ``p.grad`` (ShardedAdamW's local buckets, one piece per model parameter); set before a
-        # step, cleared by the caller after it. Ranges no piece covers are not updated.
-        self.grad_pieces: dict[torch.Tensor, list[tuple[int, torch.Tensor]]] = {}
         # optimus_core.train.update_stream.UpdateBesideForward, attached by build_optimizer where
         # it applies: step() then queues the update on a side stream, stage by stage.
         self.beside_forward = None
@@ -65,7 +62,7 @@ class TritonAdamW(torch.optim.Optimizer):
                 if self._gradient(p) is not None:
                     self._state(p)
         self.beside_forward.step(lambda params: self.update_(params, grad_scale), keep=(grad_scale,),
-                                 gradients=lambda p: [g for _, g in self._gradient(p) or ()])
+                                 gradients=lambda p: [g] if (g := self._gradient(p)) is not None else [])
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -88,13 +85,11 @@ class TritonAdamW(torch.optim.Optimizer):
             state["step"] = state["step"].detach().float().cpu()
         return state
 
-    def _gradient(self, p: torch.Tensor) -> list[tuple[int, torch.Tensor]] | None:
-        """``p``'s gradient as [(offset in p, gradient of that range)]; None: no gradient."""
-        pieces = self.grad_pieces.get(p)
-        if pieces is not None:
-            return pieces
+    def _gradient(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s gradient where this optimizer takes it (its bf16 copy's, where kept there), as
+        the plain local tensor of a sharded parameter's gradient; None: no gradient."""
         grad = grad_holder(p, self.casts).grad
-        return None if grad is None else [(0, local_tensor(grad))]
+        return None if grad is None else local_tensor(grad)
 
     @torch.no_grad()
     def update_(self, params: list[torch.Tensor] | None, grad_scale: torch.Tensor | None = None) -> None:
@@ -103,8 +98,8 @@ class TritonAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                pieces = self._gradient(p)
-                if pieces is None or (only is not None and id(p) not in only):
+                grad = self._gradient(p)
+                if grad is None or (only is not None and id(p) not in only):
                     continue
                 state = self._state(p)
                 state["step"] += 1  # on every rank, an empty share too: the step is the parameter's
@@ -112,17 +107,13 @@ class TritonAdamW(torch.optim.Optimizer):
                 p = local_tensor(p)  # a sharded parameter: its local share (fetched each step: FSDP2 may re-pad it)
                 if not p.numel():
                     continue
-                if not (p.is_contiguous() and all(g.is_contiguous() for _, g in pieces)):
+                if not (p.is_contiguous() and grad.is_contiguous()):
                     raise ValueError("TritonAdamW: parameters and gradients must be contiguous")
                 fused = copy is not None and copy.dtype == torch.bfloat16 and copy.is_contiguous()
-                flat = [t.view(-1) for t in (p, state["exp_avg"], state["exp_avg_sq"])]
-                for lo, grad in pieces:
-                    hi = lo + grad.numel()
-                    param, exp_avg, exp_avg_sq = (t[lo:hi] for t in flat)
-                    kernels.adamw_step_(param, grad.view(-1), exp_avg, exp_avg_sq, lr=float(group["lr"]),
-                                        beta1=beta1, beta2=beta2, eps=group["eps"],
-                                        weight_decay=group["weight_decay"], step=int(state["step"]),
-                                        grad_scale=grad_scale, param_bf16_N=copy.view(-1)[lo:hi] if fused else None)
+                kernels.adamw_step_(p.view(-1), grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
+                                    lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                                    weight_decay=group["weight_decay"], step=int(state["step"]),
+                                    grad_scale=grad_scale, param_bf16_N=copy.view(-1) if fused else None)
                 if copy is not None and not fused:  # another dtype or layout: a cast after
                     copy.copy_(p)
 

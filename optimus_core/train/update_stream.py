@@ -88,7 +88,7 @@ class UpdateBesideForward:
         ``keep``: tensors made on the current stream that the update reads (the clip factor):
         held until every stage's update has been waited for, as the gradients are.
         ``gradients(p)``: the tensors ``p``'s update reads as its gradient (default: ``p.grad``;
-        the optimizer's own where they are elsewhere: bf16 copies, pieces), held per stage.
+        the optimizer's own where they are elsewhere: bf16 copies), held per stage.
         """
         if gradients is None:
             gradients = _own_grad

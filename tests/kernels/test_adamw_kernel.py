@@ -150,7 +150,7 @@ def test_launch_ranges_split_off_the_ragged_tail():
 
 @pytest.mark.parametrize("n", [1, 1000, 4097])
 def test_writes_stay_inside_the_buffers(n, triton_device):
-    """Buffers that are views into larger ones (ShardedAdamW's shards): nothing past n changes."""
+    """Buffers that are views into larger ones (a sharded parameter's padded local share): nothing past n changes."""
     big = [torch.full((n + 300,), 7.0, device=triton_device) for _ in range(4)]
     big16 = torch.full((n + 300,), 7.0, device=triton_device, dtype=torch.bfloat16)
     p, g, m, v = (b[:n] for b in big)

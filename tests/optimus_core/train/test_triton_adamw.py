@@ -71,27 +71,3 @@ def test_implementation_choice():
     assert not use_triton_adamw(OptimConfig(implementation="torch"), cuda)
     assert use_triton_adamw(OptimConfig(implementation="triton"), cpu)  # the interpreter: tests only
     assert type(build_optimizer(_model(), OptimConfig())).__name__ == "AdamW"
-
-
-def test_a_gradient_in_pieces_updates_as_the_flat_gradient():
-    """grad_pieces (ShardedAdamW's local buckets): the same step as the concatenated gradient,
-    the bf16 copy included; a range no piece covers (a shard's padding) is left alone."""
-    from optimus_core.train.adamw import TritonAdamW
-
-    g = torch.Generator().manual_seed(3)
-    start = torch.randn(37, generator=g)
-    pieces = [(0, torch.randn(5, 3, generator=g)), (15, torch.randn(19, generator=g))]  # 34..36 uncovered
-    flat_grad = torch.cat([pieces[0][1].reshape(-1), pieces[1][1], torch.zeros(3)])
-    whole, split = nn.Parameter(start.clone()), nn.Parameter(start.clone())
-    copies = {whole: start.to(torch.bfloat16), split: start.to(torch.bfloat16)}
-    opts = [TritonAdamW([p], lr=1e-2, weight_decay=0.1, casts={p: copies[p]}) for p in (whole, split)]
-    for _ in range(3):
-        whole.grad = flat_grad.clone()
-        opts[0].step()
-        opts[1].grad_pieces[split] = pieces
-        opts[1].step()
-        opts[1].grad_pieces.clear()
-    torch.testing.assert_close(split[:34], whole[:34], rtol=0, atol=0)
-    torch.testing.assert_close(copies[split][:34], copies[whole][:34], rtol=0, atol=0)
-    assert torch.equal(split[34:], start[34:])  # not updated: no piece covers it
-    assert int(opts[1].state[split]["step"]) == 3
