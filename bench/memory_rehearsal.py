@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import device_slug, read_jsonl, write_jsonl  # noqa: E402
-from bench.memory_step import GIB, replay  # noqa: E402
+from bench.memory_step import GIB, record_step  # noqa: E402
 
 
 def known_blocks(model, optimizer) -> dict[int, tuple[int, str]]:
@@ -80,17 +80,7 @@ def main(argv=None) -> None:
 
         step()
         torch.cuda.synchronize()
-        before = known_blocks(model, optimizer)
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python")
-        step()
-        torch.cuda.synchronize()
-        snapshot = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
-        measured = torch.cuda.max_memory_allocated()
-    events = snapshot["device_traces"][device.index or 0]
-    result = replay(events, before, base - sum(size for size, _ in before.values()))
+        result, measured = record_step(step, known_blocks(model, optimizer))
     model_terms = {k: v / GIB for k, v in estimate(cfg.model, layout).terms.items()}
     print(f"{job.name} at {job.world} tiles ({job.checkpointing}): peak {result['peak_bytes'] / GIB:.2f} GiB in the "
           f"{result['peak_phase']} (max_memory_allocated {measured / GIB:.2f}); model {sum(model_terms.values()):.2f}: "

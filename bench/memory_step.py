@@ -149,6 +149,23 @@ def known_blocks(model, optimizer) -> dict[int, tuple[int, str]]:
     return named
 
 
+def record_step(step, before: dict[int, tuple[int, str]]) -> tuple[dict, int]:
+    """(replay's result, torch.cuda.max_memory_allocated) of one call of ``step()`` recorded by
+    the CUDA caching allocator; ``before``: known_blocks of what the step starts from."""
+    import torch
+
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python")
+    step()
+    torch.cuda.synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    measured = torch.cuda.max_memory_allocated()
+    events = snapshot["device_traces"][torch.cuda.current_device()]
+    return replay(events, before, base - sum(size for size, _ in before.values())), measured
+
+
 def main(argv=None) -> None:
     from bench.profile_step import variant_arguments, warmed_up_step
 
@@ -160,17 +177,7 @@ def main(argv=None) -> None:
 
     model, optimizer, step = warmed_up_step(args, "bench/memory_step.py")
     device = torch.device("cuda")
-    before = known_blocks(model, optimizer)
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python")
-    step()
-    torch.cuda.synchronize()
-    snapshot = torch.cuda.memory._snapshot()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    measured = torch.cuda.max_memory_allocated()
-    events = snapshot["device_traces"][device.index or 0]
-    result = replay(events, before, base - sum(size for size, _ in before.values()))
+    result, measured = record_step(step, known_blocks(model, optimizer))
 
     if abs(result["peak_bytes"] - measured) > 16 * 2 ** 20:
         print(f"warning: the replayed peak ({result['peak_bytes'] / GIB:.2f} GiB) is not the allocator's "

@@ -484,20 +484,31 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
         per_layer += _collective_s("all_to_all", L.ep * 2 * 8, ep_groups, m)
         a2a_s = per_layer * cfg.n_layers * L.micro_batches
 
-    n_expert = _expert_params(cfg)
+    exposed_s = 0.0
     if L.overlap in ("layers", "grad_sync") and W > 1 and L.optimizer != "local":
         sync_s, optimizer_s, exposed_s = _fully_sharded(cfg, L, m, compute_s, share)
         compute_s += exposed_s  # the forward and the backward wait for it (where measurements count it)
-        if W > 1:
-            wait_s = m.rank_skew * compute_s
-            if a2a_s > 0:
-                a2a_s += wait_s
-            else:
-                sync_s += wait_s
-        idle_s = m.step_overhead
-        return Prediction(compute_s + a2a_s + sync_s + optimizer_s + idle_s, compute_s, a2a_s, sync_s, optimizer_s,
-                          idle_s, exposed_s)
-    # Gradient sync and optimizer of the ZeRO-1 points (its flat buckets; float32 grads and state).
+    else:
+        sync_s, optimizer_s = _zero1(cfg, L, m, compute_s, share, world, edp_groups)
+    if W > 1:
+        # Ranks do not finish their compute together (routing, the host, a shared CPU): the
+        # first collective after it waits for the slowest. With EP that is an all-to-all inside
+        # every MoE layer; without, the gradient sync after the backward.
+        wait_s = m.rank_skew * compute_s
+        if a2a_s > 0:
+            a2a_s += wait_s
+        else:
+            sync_s += wait_s
+    idle_s = m.step_overhead
+    step_s = compute_s + a2a_s + sync_s + optimizer_s + idle_s  # phases in sequence (module doc)
+    return Prediction(step_s, compute_s, a2a_s, sync_s, optimizer_s, idle_s, exposed_s)
+
+
+def _zero1(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, share: float, world: np.ndarray,
+           edp_groups: np.ndarray) -> tuple[float, float]:
+    """(grad_sync_s, optimizer_s) of the ZeRO-1 optimizer of earlier measured points (overlap
+    "none" or "chunks"; module doc): its flat buckets, float32 gradients and state."""
+    W, n_expert = L.devices, _expert_params(cfg)
     n_dense = cfg.num_params() - n_expert
     n_expert_local = n_expert // L.ep
     edp = W // L.ep
@@ -546,19 +557,7 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
     optimizer_s = opt_elems * ADAMW_BYTES_PER_ELEMENT / m.memory_bandwidth * share
     if W > 1 and L.optimizer != "local":
         optimizer_s += _collective_s("all_reduce", 8, world, m)  # the squared grad norm (one float64)
-
-    if W > 1:
-        # Ranks do not finish their compute together (routing, the host, a shared CPU): the
-        # first collective after it waits for the slowest. With EP that is an all-to-all inside
-        # every MoE layer; without, the gradient sync after the backward.
-        wait_s = m.rank_skew * compute_s
-        if a2a_s > 0:
-            a2a_s += wait_s
-        else:
-            sync_s += wait_s
-    idle_s = m.step_overhead
-    step_s = compute_s + a2a_s + sync_s + optimizer_s + idle_s  # phases in sequence (module doc)
-    return Prediction(step_s, compute_s, a2a_s, sync_s, optimizer_s, idle_s)
+    return sync_s, optimizer_s
 
 
 def sharding_groups(world: int, ep: int, dp_shard: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
