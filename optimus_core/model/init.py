@@ -22,7 +22,7 @@ import hashlib
 import torch
 
 ROWS_PER_DRAW = 64  # rows per generator: a shard wastes at most two partial blocks of draws
-STAGE_ELEMENTS = 1 << 22  # values drawn on the host before one copy to the device (16 MiB)
+STAGE_ELEMENTS = 1 << 22  # values drawn at a time (16 MiB of float32), then copied into the parameter
 
 
 def block_seed(seed: int, name: str, block: int) -> int:

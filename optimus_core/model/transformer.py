@@ -49,9 +49,10 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """OLMoE init: every matrix N(0, init_std) truncated at 3 sigma, norm scales 1, drawn per
-        parameter name and row block (optimus_core.model.init), so that a rank holding some rows
-        of a parameter can draw exactly those; then the buffers (reset_buffers)."""
+        """OLMoE init of a whole (unsharded) model: every matrix N(0, init_std) truncated at 3
+        sigma, norm scales 1, drawn per parameter name and row block (optimus_core.model.init),
+        so that a rank holding some rows of a parameter draws exactly those
+        (optimus_core.parallel.sharding.materialize); then the buffers (reset_buffers)."""
         for name, p in self.named_parameters():
             init_parameter_(p, name, seed=seed, std=self.cfg.init_std)
         self.reset_buffers()
