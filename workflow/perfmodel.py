@@ -490,6 +490,12 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
         compute_s += exposed_s  # the forward and the backward wait for it (where measurements count it)
     else:
         sync_s, optimizer_s = _zero1(cfg, L, m, compute_s, share, world, edp_groups)
+    if W > 1 and L.optimizer != "local":  # what every layout of several ranks adds to a step:
+        # train_step's all-reduces of the 4 loss sums and (MoE) the routing counts per layer and expert
+        sync_s += _collective_s("all_reduce", 4 * 8, world, m)
+        if cfg.moe is not None:
+            sync_s += _collective_s("all_reduce", cfg.n_layers * cfg.moe.n_experts * 8, world, m)
+        optimizer_s += _collective_s("all_reduce", 8, world, m)  # the clip's squared norm (one float64)
     if W > 1:
         # Ranks do not finish their compute together (routing, the host, a shared CPU): the
         # first collective after it waits for the slowest. With EP that is an all-to-all inside
@@ -507,7 +513,8 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
 def _zero1(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, share: float, world: np.ndarray,
            edp_groups: np.ndarray) -> tuple[float, float]:
     """(grad_sync_s, optimizer_s) of the ZeRO-1 optimizer of earlier measured points (overlap
-    "none" or "chunks"; module doc): its flat buckets, float32 gradients and state."""
+    "none" or "chunks"; module doc): its flat buckets, float32 gradients and state (the step's
+    small all-reduces are predict's)."""
     W, n_expert = L.devices, _expert_params(cfg)
     n_dense = cfg.num_params() - n_expert
     n_expert_local = n_expert // L.ep
@@ -549,14 +556,8 @@ def _zero1(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, share: flo
             backward_s = 2 / 3 * compute_s / L.micro_batches
             reduce_s = max(f * reduce_s, reduce_s - backward_s * (1 - f))
         sync_s = reduce_s + gather_s
-        # train_step's all-reduces of the 4 loss sums and (MoE) the routing counts per layer and expert
-        sync_s += _collective_s("all_reduce", 4 * 8, world, m)
-        if cfg.moe is not None:
-            sync_s += _collective_s("all_reduce", cfg.n_layers * cfg.moe.n_experts * 8, world, m)
     sync_s += flat_elems * FLAT_GRAD_BYTES_PER_ELEMENT / m.memory_bandwidth * share
     optimizer_s = opt_elems * ADAMW_BYTES_PER_ELEMENT / m.memory_bandwidth * share
-    if W > 1 and L.optimizer != "local":
-        optimizer_s += _collective_s("all_reduce", 8, world, m)  # the squared grad norm (one float64)
     return sync_s, optimizer_s
 
 
@@ -581,13 +582,11 @@ def _fully_sharded(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, sh
     is all-reduced over them in the last micro-batch's backward. They run beside the compute, one
     unit ahead: of each pass what the compute of the other units cannot cover shows, and at least
     one unit's share (the first gather, the last reduction); on a CPU whose cores all run ranks,
-    nothing hides. After the backward: the EP-unaware
-    experts' all-reduce, the losses' and routing counts' all-reduces (grad_sync_s), the norm's
-    all-reduce and AdamW on the shares (optimizer_s)."""
+    nothing hides. After the backward: the EP-unaware experts' all-reduce (grad_sync_s) and AdamW
+    on the shares (optimizer_s); the step's small all-reduces are predict's, as for every layout."""
     W, S = L.devices, L.dp_shard or L.devices
     blocks, expert_blocks, replicas = sharding_groups(W, L.ep, L.dp_shard)
     _, edp_groups = rank_groups(W, L.ep)
-    world = np.arange(W)[None, :]
     g = 2 if L.dtype == "bfloat16" else 4
     V, D = cfg.padded_vocab_size, cfg.d_model
     n_expert_layer = (_expert_params(cfg) // cfg.n_layers // L.ep) if cfg.moe is not None else 0
@@ -627,9 +626,7 @@ def _fully_sharded(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, sh
     if L.overlap == "grad_sync":  # the what-if: every unit's collectives hidden
         exposed = 0.0
 
-    sync_s = _collective_s("all_reduce", 4 * 8, world, m)  # train_step's loss sums and routing counts
-    if cfg.moe is not None:
-        sync_s += _collective_s("all_reduce", cfg.n_layers * cfg.moe.n_experts * 8, world, m)
+    sync_s = 0.0
     n_dense = cfg.num_params() - _expert_params(cfg)
     n_expert_local = _expert_params(cfg) // L.ep
     opt_elems = n_dense / S
@@ -639,7 +636,6 @@ def _fully_sharded(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, sh
     elif cfg.moe is not None:
         opt_elems += n_expert_local / (S // L.ep)
     optimizer_s = opt_elems * ADAMW_BYTES_PER_ELEMENT / m.memory_bandwidth * share
-    optimizer_s += _collective_s("all_reduce", 8, world, m)  # the squared grad norm (one float64)
     return sync_s, optimizer_s, exposed
 
 
