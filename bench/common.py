@@ -13,16 +13,7 @@ import re
 import tempfile
 from pathlib import Path
 
-
-def device_slug(device) -> str:
-    """"cpu", or the accelerator's name as a file-name slug ("nvidia-h200")."""
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cpu":
-        return "cpu"
-    name = getattr(torch, device.type).get_device_name(device)
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+from optimus_core.device import device_slug  # noqa: F401  (the benchmarks' results are named by it)
 
 
 def write_jsonl(path: str | Path, lines: list[dict]) -> None:

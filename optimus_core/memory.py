@@ -192,6 +192,12 @@ def _share_elements(p: ParamShape, L: MemoryLayout) -> int:
 
 # ----------------------------------------------------------------------------- activations
 
+def checkpointed_blocks(n_layers: int, mode: str, every: int = 1) -> set[int]:
+    """The blocks the backward recomputes whole: under "full", every ``every``-th from the
+    ``every``-th on; none otherwise. The model's rule (Transformer.set_activation_checkpointing)."""
+    return set(range(every - 1, n_layers, every)) if mode == "full" else set()
+
+
 def block_activation_bytes(cfg: ModelConfig, tokens: int, checkpointed: bool = False, experts_only: bool = False) -> float:
     """Bytes one block keeps for its backward over ``tokens`` tokens (eager, Triton experts, bf16
     autocast, the residual stream in float32), counted from the tensors autograd saves:
@@ -236,11 +242,16 @@ def expected_ranks_visited(ep: int, top_k: int) -> float:
 
 # ----------------------------------------------------------------------------- the estimate
 
+def _held_elements(cfg: ModelConfig, L: MemoryLayout) -> tuple[int, int]:
+    """(dense, expert) parameter elements one rank holds."""
+    table = parameter_table(cfg)
+    return (sum(_share_elements(p, L) for p in table if not p.expert),
+            sum(_share_elements(p, L) for p in table if p.expert))
+
+
 def static_bytes(cfg: ModelConfig, L: MemoryLayout) -> dict[str, float]:
     """The float32 weights, gradients and AdamW moments one rank holds (module doc)."""
-    table = parameter_table(cfg)
-    dense = sum(_share_elements(p, L) for p in table if not p.expert)
-    experts = sum(_share_elements(p, L) for p in table if p.expert)
+    dense, experts = _held_elements(cfg, L)
     expert_grad_bytes = 2 if (L.world == 1 and L.bf16_expert_grads) else 4
     return {"weights": 4.0 * (dense + experts), "gradients": 4.0 * dense + expert_grad_bytes * experts,
             "optimizer": 8.0 * (dense + experts)}
@@ -259,7 +270,7 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
     local_expert_params = _expert_block_params(cfg) // L.ep  # one layer's, this rank's experts
     held = static_bytes(cfg, L)
     weights, gradients, optimizer = held["weights"], held["gradients"], held["optimizer"]
-    experts = sum(_share_elements(p, L) for p in parameter_table(cfg) if p.expert)
+    experts = _held_elements(cfg, L)[1]
     copies = 0.0
     if bf16 and not sharded and L.expert_weight_casts:
         copies = 2.0 * experts
@@ -267,7 +278,7 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
         copies = 2.0 * local_expert_params * n_moe  # each GEMM keeps its bf16 cast for the backward
 
     # activations: blocks recomputed keep their input; the rest what autograd saves
-    full = set(range(L.every - 1, cfg.n_layers, L.every)) if L.checkpointing == "full" else set()
+    full = checkpointed_blocks(cfg.n_layers, L.checkpointing, L.every)
     acts = sum(block_activation_bytes(cfg, T, checkpointed=i in full, experts_only=L.checkpointing == "moe")
                for i in range(cfg.n_layers))
     if bf16 and not sharded:  # autocast's bf16 copies of each kept block's dense weights
@@ -318,7 +329,7 @@ def recompute_fraction(cfg: ModelConfig, checkpointing: str, every: int = 1) -> 
     if checkpointing == "none":
         return 0.0
     if checkpointing == "full":
-        return len(range(every - 1, cfg.n_layers, every)) / cfg.n_layers
+        return len(checkpointed_blocks(cfg.n_layers, "full", every)) / cfg.n_layers
     from .flops import active_matmul_params
 
     moe = cfg.moe  # "moe": the experts' GEMMs of every layer, a share of the matmul FLOPs
@@ -342,6 +353,26 @@ def fit_checkpointing(cfg: ModelConfig, L: MemoryLayout, budget_bytes: float | N
         if estimate(cfg, replace(L, checkpointing=mode, every=every)).peak_bytes <= budget_bytes:
             return mode, every
     raise over_budget(cfg, replace(L, checkpointing="full", every=1), budget_bytes, run)
+
+
+def resolve_checkpointing(cfg, world: int, device_type: str, budget_bytes: float | None, *,
+                          run: str = "this run") -> tuple[str, int]:
+    """train.activation_checkpointing of ``cfg`` (a RunConfig) as (mode, every): the configured
+    mode, or for "auto" the least recomputation that fits ``budget_bytes`` on ``world`` ranks of
+    ``device_type`` (fit_checkpointing: MemoryBudgetError when nothing fits)."""
+    if cfg.train.activation_checkpointing != "auto":
+        return cfg.train.activation_checkpointing, cfg.train.activation_checkpointing_every
+    return fit_checkpointing(cfg.model, MemoryLayout.of_run(cfg, world, ("none", 1), device_type), budget_bytes,
+                             run=run)
+
+
+def check_run(cfg, world: int, device_type: str, budget_bytes: float | None, *,
+              run: str = "this run") -> tuple[tuple[str, int], MemoryEstimate]:
+    """(checkpointing, estimate) of ``cfg`` (a RunConfig) on ``world`` ranks of ``device_type``,
+    checkpointing resolved (resolve_checkpointing); MemoryBudgetError if over ``budget_bytes``."""
+    checkpointing = resolve_checkpointing(cfg, world, device_type, budget_bytes, run=run)
+    layout = MemoryLayout.of_run(cfg, world, checkpointing, device_type)
+    return checkpointing, check_fits(cfg.model, layout, budget_bytes, run=run)
 
 
 def check_fits(cfg: ModelConfig, L: MemoryLayout, budget_bytes: float | None, *, run: str = "this run") -> MemoryEstimate:

@@ -139,8 +139,8 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
     ``save_dir``: after the steps, write this rank's part of a checkpoint there (its rows of every
     parameter and moment, as a run's save writes them, without the collectives of the planning)
     and record the device's peak during the save (``save_peak_allocated_gib``)."""
-    from .memory import device_budget, fit_checkpointing
-    from .train.build import build_model, build_run_optimizer
+    from .memory import device_budget, resolve_checkpointing
+    from .train.build import build_model, build_run_optimizer, device_memory_bytes
     from .train.step import train_step
 
     from .config import ConfigError
@@ -153,12 +153,7 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
         raise ConfigError(f"train.global_batch = {cfg.train.global_batch}: must be a multiple of the {world} ranks")
     dev = torch.device(device)
     if checkpointing is None:
-        mode, every = cfg.train.activation_checkpointing, cfg.train.activation_checkpointing_every
-        if mode == "auto":
-            total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
-            mode, every = fit_checkpointing(cfg.model, MemoryLayout.of_run(cfg, world, ("none", 1), dev.type),
-                                            device_budget(total))
-        checkpointing = (mode, every)
+        checkpointing = resolve_checkpointing(cfg, world, dev.type, device_budget(device_memory_bytes(dev)))
     layout = MemoryLayout.of_run(cfg, world, checkpointing, dev.type if dev.type != "meta" else "cuda", micro_batches)
     predicted = estimate(cfg.model, layout)
     record = {"preset": cfg.preset, "world": world, "rank": rank, "ep": cfg.parallel.ep,

@@ -26,6 +26,7 @@ from typing import Sequence
 
 from optimus_core.atomic import atomic_write
 from optimus_core.config import RunConfig
+from optimus_core.device import device_slug
 from optimus_core.rehearsal import fmt, rehearse
 
 
@@ -137,17 +138,6 @@ def ingest(path: Path, store: Path) -> str:
     run_id = f"rehearsal-{Path(path).stem.removeprefix('rehearsal-')}"
     write_store(store, run_id, records, summary(records, run_id))
     return f"wrote run {run_id} ({len(records)} records) to {store}"
-
-
-def device_slug(device) -> str:
-    """"cpu" / "meta", or the accelerator's name as a file-name slug ("nvidia-h200")."""
-    import torch
-
-    device = torch.device(device)
-    if device.type in ("cpu", "meta"):
-        return device.type
-    name = getattr(torch, device.type).get_device_name(device)
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
 def _table(key: str) -> str:

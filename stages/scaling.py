@@ -195,16 +195,6 @@ class ScalingResult:
     points: list[dict]
 
 
-def device_slug(requested: str) -> str:
-    """"cpu", or the accelerator's name as a file-name slug ("nvidia-h200")."""
-    import re
-
-    from optimus_core.device import device_info
-
-    info = device_info(requested)
-    return "cpu" if info.type == "cpu" else re.sub(r"[^a-z0-9]+", "-", info.name.lower()).strip("-")
-
-
 def best_point(samples: list[dict]) -> dict:
     """One point from its interleaved passes: the pass with the shortest step, whole (its phases
     add up to its step). Other work on a shared box only ever slows a step down, so the fastest
@@ -313,6 +303,8 @@ def _worlds(layouts: Sequence[PointLayout]) -> dict[int, list[int]]:
 
 
 def _describe(config: ScalingConfig, layout: PointLayout, cfg: RunConfig, point: dict) -> dict:
+    from optimus_core.device import device_slug
+
     moe = cfg.model.moe
     n = layout.devices
     point.update(preset=config.preset, overrides=dict(config.overrides), device=device_slug(config.device),
@@ -409,7 +401,7 @@ def write_points(run_id: str, points: list[dict], outputs: ScalingOutputs, attrs
 def run_scaling(config: ScalingConfig, outputs: ScalingOutputs, progress: bool = True) -> ScalingResult:
     import torch
 
-    from optimus_core.device import resolve_device_type
+    from optimus_core.device import device_slug, resolve_device_type
 
     layouts = config.layouts()
     for lay in layouts:  # every layout is checked before the first point runs

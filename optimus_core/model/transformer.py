@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig, TrainConfig
+from ..memory import checkpointed_blocks
 from .attention import Attention
 from .init import init_parameter_
 from .layers import RMSNorm, RotaryEmbedding, SwiGLU
@@ -79,7 +80,7 @@ class Transformer(nn.Module):
             raise ValueError(f"activation checkpointing {mode!r}: must be 'none', 'full' or 'moe'")
         if mode == "moe" and not self.moe_layers():
             raise ValueError("activation checkpointing 'moe' needs MoE layers; this model is dense")
-        self.checkpoint_blocks = set(range(every - 1, len(self.blocks), every)) if mode == "full" else set()
+        self.checkpoint_blocks = checkpointed_blocks(len(self.blocks), mode, every)
         for layer in self.moe_layers():
             layer.experts.checkpoint_compute = mode == "moe"
 

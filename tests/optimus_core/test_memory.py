@@ -10,8 +10,9 @@ from torch.utils.checkpoint import checkpoint
 
 from optimus_core import presets
 from optimus_core.config import ConfigError, ModelConfig, MoEConfig
-from optimus_core.memory import (GIB, MemoryBudgetError, MemoryLayout, block_activation_bytes, check_fits,
-                                 checkpointing_candidates, estimate, fit_checkpointing, parameter_table, static_bytes)
+from optimus_core.memory import (GIB, LM_LOSS_CHUNK_ROWS, MemoryBudgetError, MemoryLayout, block_activation_bytes,
+                                 check_fits, checkpointed_blocks, checkpointing_candidates, estimate, fit_checkpointing,
+                                 parameter_table, static_bytes)
 from optimus_core.model.transformer import Transformer
 
 MOE = ModelConfig(vocab_size=97, d_model=96, n_layers=3, n_heads=6,
@@ -102,6 +103,16 @@ def test_the_fit_takes_the_least_recomputation_that_fits():
     assert peaks[chosen] <= budget
     assert all(peaks[c] > budget for c in order[:order.index(chosen)])
     assert fit_checkpointing(cfg, layout, None) == ("none", 1)  # no budget known: nothing recomputed
+
+
+def test_the_estimate_counts_what_the_model_does():
+    from optimus_core.model.linear_cross_entropy import DEFAULT_CHUNK_ROWS
+
+    assert LM_LOSS_CHUNK_ROWS == DEFAULT_CHUNK_ROWS  # the torch-free twin of the loss's chunk
+    model = Transformer(MOE.replace(n_layers=5))
+    for mode, every, blocks in [("full", 2, {1, 3}), ("full", 1, {0, 1, 2, 3, 4}), ("moe", 1, set()), ("none", 1, set())]:
+        model.set_activation_checkpointing(mode, every)
+        assert model.checkpoint_blocks == checkpointed_blocks(5, mode, every) == blocks
 
 
 def test_over_budget_is_one_error_naming_the_run_the_gib_the_budget_and_the_knobs():
