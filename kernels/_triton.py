@@ -96,11 +96,14 @@ def launchable_on(device: torch.device) -> bool:
     return triton is not None and (INTERPRET or torch.device(device).type in ("cuda", "xpu"))
 
 
-def use_triton(choice: str, device: torch.device, field: str, what: str) -> bool:
+def use_triton(choice: str, device: torch.device, field: str, what: str, kernel: str) -> bool:
     """A config field's "auto" | "torch" | "triton" resolved for tensors on ``device``: "auto" is
     Triton on a CUDA / XPU device where it imports (never the interpreter: it is for tests) and
     torch elsewhere; "triton" where ``what`` cannot run is an error naming ``field``, not a
-    silent fallback."""
+    silent fallback. Either way Triton only where ``kernel`` passed its self-check on the
+    device (kernels.selfcheck: a failure warns once, naming it, and the torch path runs)."""
+    from .selfcheck import validated
+
     device = torch.device(device)
     if choice == "torch":
         return False
@@ -108,9 +111,9 @@ def use_triton(choice: str, device: torch.device, field: str, what: str) -> bool
         if not launchable_on(device):
             raise ValueError(f"{field} = 'triton': {what} cannot run on {device.type} (needs a CUDA or XPU "
                              "device with Triton, or TRITON_INTERPRET=1); use 'auto' or 'torch'")
-        return True
+        return validated(kernel, device)
     if choice == "auto":
-        return device.type in ("cuda", "xpu") and launchable_on(device)
+        return device.type in ("cuda", "xpu") and launchable_on(device) and validated(kernel, device)
     raise ValueError(f"{field} = {choice!r}: one of 'auto', 'torch', 'triton'")
 
 

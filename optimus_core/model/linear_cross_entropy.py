@@ -44,7 +44,7 @@ def use_softmax_kernel(choice: str, device: torch.device) -> bool:
     an error (kernels._triton.use_triton)."""
     from kernels._triton import use_triton
 
-    return use_triton(choice, device, "train.lm_loss_softmax", "the kernel")
+    return use_triton(choice, device, "train.lm_loss_softmax", "the kernel", "cross_entropy")
 
 
 def linear_cross_entropy(h_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor, *,

@@ -34,7 +34,7 @@ def use_triton_adamw(cfg: OptimConfig, device: torch.device) -> bool:
     """optim.implementation resolved for parameters on ``device`` (see OptimConfig)."""
     from kernels._triton import use_triton
 
-    return use_triton(cfg.implementation, device, "optim.implementation", "the Triton AdamW")
+    return use_triton(cfg.implementation, device, "optim.implementation", "the Triton AdamW", "adamw")
 
 
 def _per_parameter(model: nn.Module, method: str) -> dict[nn.Parameter, torch.Tensor]:
