@@ -22,18 +22,18 @@ from torch import nn
 from ..model.experts import Experts
 from ..model.moe import MoEFeedForward
 from ..timing import phase
-from .dispatch import all_to_all, exchange_counts
+from .dispatch import all_to_all, exchange_counts, gather_counts, gather_exchange
 from .mesh import Mesh
 
 
 class ExpertParallelExperts(Experts):
     """This EP rank's experts ``[first, first + n_local)`` of ``n_experts`` plus the token exchange."""
 
-    def __init__(self, full: Experts, mesh: Mesh):
+    def __init__(self, full: Experts, mesh: Mesh, dispatch: str = "all_to_all"):
         nn.Module.__init__(self)
         self.n_experts, self.backend, self.recast_weights = full.n_experts, full.backend, full.recast_weights
         self.weights_before_down = full.weights_before_down
-        self.ep, self.group = mesh.ep, mesh.ep_group
+        self.ep, self.group, self.ep_rank, self.dispatch = mesh.ep, mesh.ep_group, mesh.ep_rank, dispatch
         self.n_local = full.n_experts // mesh.ep
         self.first = mesh.ep_rank * self.n_local
         for name in self.WEIGHTS:  # rows [first * r, (first + n_local) * r) of (n_experts * r, cols)
@@ -76,7 +76,10 @@ class ExpertParallelExperts(Experts):
         slots_P = torch.zeros(ep + 1, dtype=torch.long, device=device).scatter_add_(
             0, rank_TK.flatten(), torch.ones(T * K, dtype=torch.long, device=device))[:ep]
         send_P2 = torch.stack([need_TP.sum(0), slots_P], 1)
-        recv_P2 = exchange_counts(send_P2, self.group)
+        if self.dispatch == "all_gather":
+            counts_PP2 = gather_counts(send_P2, self.group)  # every rank's [rows, slots] per peer
+        else:
+            recv_P2 = exchange_counts(send_P2, self.group)
 
         # Everything that does not need the counts on the host is queued before the wait below,
         # so that after it the host launches only the gathers and the exchanges: the device idles
@@ -95,19 +98,31 @@ class ExpertParallelExperts(Experts):
         meta_N2K = torch.cat([w_NK, local_NK.float()], dim=1)
 
         with phase("a2a"):  # the split sizes must reach the host: the layer's one wait for the device
-            counts = torch.cat([send_P2, recv_P2]).tolist()
+            if self.dispatch == "all_gather":
+                matrix = counts_PP2.tolist()
+                counts = [*matrix[self.ep_rank], *(row[self.ep_rank] for row in matrix)]
+            else:
+                counts = torch.cat([send_P2, recv_P2]).tolist()
         send_splits = [c[0] for c in counts[:ep]]
         recv_splits, n_assigned = [c[0] for c in counts[ep:]], sum(c[1] for c in counts[ep:])
+        if self.dispatch == "all_gather":
+            splits = [[c[0] for c in row] for row in matrix]
+            back = [list(col) for col in zip(*splits)]
+            there = lambda x_MD: gather_exchange(x_MD, splits, self.ep_rank, self.group)  # noqa: E731
+            home = lambda x_MD: gather_exchange(x_MD, back, self.ep_rank, self.group)  # noqa: E731
+        else:
+            there = lambda x_MD: all_to_all(x_MD, recv_splits, send_splits, self.group)  # noqa: E731
+            home = lambda x_MD: all_to_all(x_MD, send_splits, recv_splits, self.group)  # noqa: E731
         S = sum(send_splits)
         token_S, meta_S2K = token_N[:S], meta_N2K[:S]  # views: no launch
-        x_RD = all_to_all(x_TD.index_select(0, token_S), recv_splits, send_splits, self.group)
-        meta_R2K = all_to_all(meta_S2K, recv_splits, send_splits, self.group)
+        x_RD = there(x_TD.index_select(0, token_S))
+        meta_R2K = there(meta_S2K)
         w_RK, local_RK = meta_R2K[:, :K], meta_R2K[:, K:].detach().long()
 
         # The slots of other ranks' experts sort last (phantom group n_local): no rows for them.
         x_sorted_MD, offsets, sorted_idx = self.permute(x_RD, local_RK, n_local + 1, n_rows=n_assigned)
         partial_RD = self.combine_sorted(x_sorted_MD, offsets[:n_local], sorted_idx, w_RK)
-        partial_SD = all_to_all(partial_RD, send_splits, recv_splits, self.group)
+        partial_SD = home(partial_RD)
         # At most ep partials per token: summed in float32, like the single-rank combine.
         return _SumPartials.apply(partial_SD, token_S, T)
 
@@ -149,13 +164,17 @@ class _SumPartials(torch.autograd.Function):
         return grad_TD.index_select(0, token_S), None, None
 
 
-def parallelize(model: nn.Module, mesh: Mesh) -> nn.Module:
-    """Apply expert parallelism in place (a no-op for ep == 1 or a dense model); returns ``model``."""
+def parallelize(model: nn.Module, mesh: Mesh, dispatch: str = "all_to_all") -> nn.Module:
+    """Apply expert parallelism in place (a no-op for ep == 1 or a dense model); returns ``model``.
+    ``dispatch``: the token exchange's collective, ``all_to_all`` or ``all_gather``
+    (parallel.dispatch; optimus_core.parallel.dispatch)."""
+    if dispatch not in ("all_to_all", "all_gather"):
+        raise ValueError(f"dispatch = {dispatch!r}: must be all_to_all or all_gather")
     if mesh.ep == 1:
         return model
     for module in model.modules():
         if isinstance(module, MoEFeedForward) and not isinstance(module.experts, ExpertParallelExperts):
-            module.experts = ExpertParallelExperts(module.experts, mesh)
+            module.experts = ExpertParallelExperts(module.experts, mesh, dispatch)
     return model
 
 

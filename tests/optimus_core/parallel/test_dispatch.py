@@ -33,10 +33,10 @@ class _Holder(nn.Module):  # parallelize walks a model; any module holding the l
         self.layer = layer
 
 
-def _check_layer(mesh, capacity, skew, backend="loop"):
+def _check_layer(mesh, capacity, skew, backend="loop", dispatch="all_to_all"):
     cfg = MoEConfig(n_experts=E, top_k=2, d_expert=8, capacity_factor=capacity, experts_backend=backend)
     ref = _layer(cfg, skew)
-    ep_model = parallelize(_Holder(copy.deepcopy(ref)), mesh)
+    ep_model = parallelize(_Holder(copy.deepcopy(ref)), mesh, dispatch)
     g = torch.Generator().manual_seed(1)
     x_all = torch.randn(mesh.world_size * ROWS_PER_RANK, SEQ, D, generator=g)
     x_all = x_all.abs() if skew else x_all
@@ -72,14 +72,43 @@ def _check_layer(mesh, capacity, skew, backend="loop"):
         torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
 
 
-def _worker(ep, backend="loop"):
+def _worker(ep, backend="loop", dispatch="all_to_all"):
     torch.set_num_threads(1)
     mesh = init_distributed(ParallelConfig(ep=ep), n_experts=E, device="cpu")
     try:
         for capacity, skew in ((None, False), (None, True), (1.0, False), (0.5, True)):
-            _check_layer(mesh, capacity, skew, backend)
+            _check_layer(mesh, capacity, skew, backend, dispatch)
     finally:
         shutdown(mesh)
+
+
+def _same_results_either_dispatch(ep):
+    """all_gather's outputs and gradients are all_to_all's, bit for bit (skewed and dropped routing)."""
+    torch.set_num_threads(1)
+    mesh = init_distributed(ParallelConfig(ep=ep), n_experts=E, device="cpu")
+    try:
+        for capacity, skew in ((None, True), (0.5, False)):
+            cfg = MoEConfig(n_experts=E, top_k=2, d_expert=8, capacity_factor=capacity)
+            ref = _layer(cfg, skew)
+            g = torch.Generator().manual_seed(2 + mesh.rank)
+            x0 = torch.randn(ROWS_PER_RANK, SEQ, D, generator=g)
+            x0 = x0.abs() if skew else x0
+            got = []
+            for dispatch in ("all_to_all", "all_gather"):
+                model = parallelize(_Holder(copy.deepcopy(ref)), mesh, dispatch)
+                x = x0.clone().requires_grad_()
+                out = model.layer(x)
+                (out * out).sum().backward()
+                got.append((out.detach(), x.grad, model.layer.experts.w_up.grad))
+            for a, b in zip(*got):
+                assert torch.equal(a, b)
+    finally:
+        shutdown(mesh)
+
+
+def test_all_gather_dispatch_matches_single_process_and_all_to_all_4_ranks_ep4():
+    spawn_local(_worker, 4, (4, "loop", "all_gather"), start_method="fork")
+    spawn_local(_same_results_either_dispatch, 4, (4,), start_method="fork")
 
 
 def test_ep_layer_matches_single_process_4_ranks_ep2():
