@@ -331,6 +331,10 @@ class ParallelConfig(_Validated):
     # The dtype gradients are reduce-scattered in (each unit's, under the backward): float32
     # sums the bf16 gradients of a bf16 run without rounding them first; bfloat16 halves the traffic.
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    # The EP token exchange's collective: all_to_all (variable splits: the least traffic), or
+    # all_gather (every rank gathers every send buffer: ep times the bytes) for collective stacks
+    # whose all-to-all is missing or hangs (reported for some xccl builds). Same results.
+    dispatch: Literal["all_to_all", "all_gather"] = "all_to_all"
 
     def check(self) -> None:
         self._require(self.ep >= 1, "ep", "must be >= 1")
@@ -357,6 +361,9 @@ class TrainConfig(_Validated):
     eval_every: int = 0  # 0 = only at the start and the end
     eval_batches: int = 8  # batches of held-out sequences per source per evaluation
     checkpoint_every: int = 0  # 0 = only at the end
+    # ... and when this many minutes have passed since the last checkpoint (or the job's start):
+    # large jobs see interrupts about hourly (ALCF), so a site sets 15-60 (0: by steps only)
+    checkpoint_every_minutes: float = 0.0
     keep_checkpoints: int = 2  # the newest N checkpoints are kept ...
     keep_every: int = 0  # ... and every one at a multiple of this step (0: none)
     # Write checkpoints in the background from a CPU copy (training goes on meanwhile); the
@@ -450,6 +457,7 @@ class TrainConfig(_Validated):
             self._require(getattr(self, name) >= 1, name, "must be >= 1")
         for name in ("eval_every", "eval_batches", "checkpoint_every"):
             self._require(getattr(self, name) >= 0, name, "must be >= 0")
+        self._require(self.checkpoint_every_minutes >= 0, "checkpoint_every_minutes", "must be >= 0 (0 = by steps only)")
         self._require(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
         self._require(self.keep_every >= 0, "keep_every", "must be >= 0 (0 = keep only the newest)")
         self._require(self.loss_spike_factor is None or self.loss_spike_factor > 1, "loss_spike_factor",

@@ -7,7 +7,10 @@ missing; nothing requires them.
 from __future__ import annotations
 
 import importlib.util
+import re
+import socket
 from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 import torch
 
@@ -90,6 +93,16 @@ def device_name(device_type: str, index: int = 0) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+def device_slug(device: str | torch.device = "auto") -> str:
+    """The machine as results files and run ids name it: "cpu" / "meta", or the accelerator's
+    name as a file-name slug ("nvidia-h200"). ``device``: "auto" (resolve_device_type), a type
+    or a torch.device."""
+    device = torch.device(resolve_device_type() if device == "auto" else device)
+    if device.type in ("cpu", "meta"):
+        return device.type
+    return re.sub(r"[^a-z0-9]+", "-", device_name(device.type, device.index or 0).lower()).strip("-")
+
+
 def peak_flops_for(name: str) -> float | None:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
@@ -98,3 +111,63 @@ def device_info(requested: str = "auto", index: int = 0) -> DeviceInfo:
     dtype = resolve_device_type(requested)
     name = device_name(dtype, index)
     return DeviceInfo(dtype, name, collective_backend(dtype), None if dtype == "cpu" else peak_flops_for(name))
+
+
+# The variables that narrow what a process sees of a node's accelerators.
+VISIBILITY_ENV = {"xpu": ("ZE_AFFINITY_MASK", "ZE_FLAT_DEVICE_HIERARCHY", "ONEAPI_DEVICE_SELECTOR"),
+                  "cuda": ("CUDA_VISIBLE_DEVICES",)}
+# ... and those of them that a launcher sets per rank (ONEAPI_DEVICE_SELECTOR is the module's, for all)
+RANK_MASK_ENV = {"xpu": ("ZE_AFFINITY_MASK",), "cuda": ("CUDA_VISIBLE_DEVICES",)}
+
+
+class DeviceBindingError(RuntimeError):
+    """A rank does not see the one device it should (no device, too few for the ranks of its node,
+    or another than asked for). The message names the host, the rank, the visibility variables
+    and the devices the rank sees."""
+
+
+def binding_index(device_type: str, local_rank: int, local_world: int | None, names: Sequence[str], *,
+                  rank: int = 0, env: Mapping[str, str] | None = None, host: str | None = None) -> int:
+    """The device index local rank ``local_rank`` of ``local_world`` ranks on its node trains on,
+    given the devices it sees (``names``, one per index), or DeviceBindingError.
+
+    One visible device under a per-rank mask (ZE_AFFINITY_MASK, CUDA_VISIBLE_DEVICES), or with
+    one rank on the node: it is this rank's own, index 0. Otherwise the node's devices are shared
+    out by local rank, as ALCF's PyTorch page does under ZE_FLAT_DEVICE_HIERARCHY=FLAT (each tile
+    a device): index ``local_rank``, which must exist, and there must be a device for every rank
+    of the node (two ranks on one device would run, slowly, until the memory runs out).
+    ``local_world`` None: the launcher did not say, so only the local rank is checked.
+
+    >>> binding_index("xpu", 5, 12, [f"tile {i}" for i in range(12)])
+    5
+    >>> binding_index("xpu", 5, 12, ["tile 5"], env={"ZE_AFFINITY_MASK": "5"})
+    0
+    """
+    env = {} if env is None else env
+    n = len(names)
+    masked = any(v in env for v in RANK_MASK_ENV.get(device_type, ()))
+    if n == 1 and (masked or local_world in (None, 1)):
+        return 0
+    if n > 1 and n > local_rank and (local_world is None or n >= local_world):
+        return local_rank
+    shown = ", ".join(f"{v}={env[v]}" for v in VISIBILITY_ENV.get(device_type, ()) if v in env) or "no mask set"
+    seen = "; ".join(f"{i}: {name}" for i, name in enumerate(names)) or "none"
+    if n == 0:
+        why = f"it sees no {device_type} device"
+    elif local_world is not None and n < local_world:
+        why = f"{local_world} ranks on this node share {n} visible {device_type} devices"
+    else:
+        why = f"local rank {local_rank} has no device of its own ({n} visible)"
+    raise DeviceBindingError(
+        f"host {host or socket.gethostname()}, rank {rank} (local rank {local_rank} of {local_world or '?'}): {why}; "
+        f"{shown}; devices seen: {seen}. Each rank needs its own device: one rank per device (tile) of the "
+        f"node, and no mask that hides the rank's device (under ZE_FLAT_DEVICE_HIERARCHY=FLAT a mask is a flat "
+        f"index such as ZE_AFFINITY_MASK=<local rank>, not <gpu>.<tile>)")
+
+
+def visible_devices(device_type: str) -> list[str]:
+    """The names of the ``device_type`` devices this process sees, by index."""
+    if device_type == "cpu":
+        return []
+    module = getattr(torch, device_type)
+    return [module.get_device_name(i) for i in range(module.device_count())]

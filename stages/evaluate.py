@@ -24,6 +24,13 @@ one ``heldout`` row each with its ``step`` and ``tokens``: eval-vs-tokens curves
 ``checkpoints`` in ``eval.json``); downstream tasks run on the newest checkpoint only, or on
 each as well with ``downstream_all_checkpoints``. A rerun rewrites the same rows (the store
 replaces rows from a re-logged step on), so it is idempotent.
+
+Sharded: started as several ranks (mpiexec, torchrun, `optimus evaluate --nproc N`, or a site's
+compute job through `--launcher parsl`), the held-out metrics run on the model sharded as the
+trainer shards it (FSDP2, the run's EP degree), each rank loading only the rows it holds from the
+checkpoint, on ``device``: how a paper-scale model that no one process can hold is evaluated.
+Every rank runs the same batches; rank 0 writes the store and ``eval.json``. Downstream tasks
+(lm-eval) need the whole model in one process and are refused there.
 """
 from __future__ import annotations
 
@@ -55,6 +62,7 @@ class EvaluateConfig:
     n_items: int = 200  # continuation: items per source; docstring: items at most
     all_checkpoints: bool = False  # held-out metrics of every valid checkpoint, not only the newest
     downstream_all_checkpoints: bool = False  # with all_checkpoints: downstream tasks on each too
+    device: str = "auto"  # sharded (several ranks): each rank's device type; one process: the CPU
 
     def __post_init__(self):
         self.tasks = tuple(self.tasks)
@@ -109,6 +117,10 @@ def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
     found = _checkpoints(run_dir, config.all_checkpoints)
     newest = found[-1]
     data_dir = Path(inputs.data_dir or newest.cfg.data.path)
+    from optimus_core.parallel.mesh import read_launch_env
+
+    if read_launch_env().world_size > 1:
+        return _run_sharded(config, outputs, run_id, found, data_dir)
     heldout_rows: list[dict] = []  # oldest first: the store's rows stay in step order
     down_rows: list[dict] = []
     scores: dict = {}
@@ -148,6 +160,66 @@ def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
     down_row = {k: v for k, v in (down_rows[-1] if down_rows else {}).items() if k not in base}
     return EvaluateResult(run_id, newest.step, {**metrics, **down_row},
                           checkpoints=[r["step"] for r in heldout_rows or down_rows])
+
+
+def _run_sharded(config: EvaluateConfig, outputs: EvaluateOutputs, run_id: str, found: list["_Point"],
+                 data_dir: Path) -> EvaluateResult:
+    """Held-out metrics of each checkpoint on the model sharded over this job's ranks (module doc)."""
+    from optimus_core.config import ConfigError
+    from optimus_core.parallel import init_distributed, shutdown
+
+    if config.downstream:
+        raise ConfigError(f"tasks = {list(config.tasks)}: a sharded evaluation runs 'heldout' only (lm-eval's "
+                          f"tasks need the whole model in one process)")
+    cfg = _eval_layout(found[-1].cfg)
+    mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts if cfg.model.moe else None, config.device)
+    rows = []
+    try:
+        for point in found:
+            model = _load_sharded(point, mesh)
+            rows.append({"step": point.step, "tokens": point.tokens, **heldout_metrics(
+                model, data_dir, seq_len=point.cfg.data.seq_len, batch_size=config.batch_size,
+                max_batches=config.max_batches, dtype=config.dtype, device=mesh.device)})
+            del model
+    finally:
+        shutdown(mesh)
+    newest = rows[-1]
+    metrics = {k: v for k, v in newest.items() if k not in ("step", "tokens")}
+    if mesh.rank == 0:
+        if outputs.store:
+            with open_store(outputs.store).run_writer(run_id) as writer:
+                for row in rows:
+                    writer.log("heldout", row)
+                writer.update_attrs(evaluated=utc_now())
+        doc = {"run_id": run_id, "data_dir": str(data_dir), "step": newest["step"], "tokens": newest["tokens"],
+               **metrics, "ranks": mesh.world_size}
+        if config.all_checkpoints:
+            doc["checkpoints"] = rows
+        atomic_write(outputs.eval_json, json.dumps(doc, indent=2))
+    return EvaluateResult(run_id, newest["step"], metrics, checkpoints=[r["step"] for r in rows])
+
+
+def _eval_layout(cfg: RunConfig) -> RunConfig:
+    """The run's layout on this job's ranks: its EP degree, its shard block where it divides the
+    world (else the whole world), no HF import (the checkpoint's weights replace it)."""
+    from optimus_core.parallel.mesh import read_launch_env
+
+    world = read_launch_env().world_size
+    block = cfg.parallel.dp_shard if cfg.parallel.dp_shard and world % cfg.parallel.dp_shard == 0 else 0
+    return cfg.replace(parallel=cfg.parallel.replace(dp_shard=block), train=cfg.train.replace(init_from=None))
+
+
+def _load_sharded(point: "_Point", mesh) -> Transformer:
+    """``point``'s model sharded over ``mesh``, each rank reading its rows of the checkpoint."""
+    from optimus_core.train import checkpoint as ckpt
+    from optimus_core.train.build import build_model
+
+    if point.found.format == "torch":
+        raise ValueError(f"{point.found.path} is in the earlier one-process format: evaluate it on one process")
+    model = build_model(_eval_layout(point.cfg), mesh)
+    ckpt.load_tensors_(point.found, ckpt.model_tensors(model, mesh), mesh.distributed)
+    model.refresh_weight_casts()
+    return model.eval()
 
 
 @dataclass

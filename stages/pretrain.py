@@ -27,7 +27,7 @@ from optimus_core.atomic import atomic_write
 from optimus_core.config import RunConfig
 from optimus_core.device import device_info
 from optimus_core.parallel import init_distributed, shutdown
-from optimus_core.provenance import describe, utc_now
+from optimus_core.provenance import describe, software, utc_now
 from optimus_core.store import open_store
 from optimus_core.train.loop import Trainer
 from optimus_core.train.resilience import Preempted
@@ -114,7 +114,9 @@ def _run_rank(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainO
         "tokens_per_step": cfg.tokens_per_step, "device": info.type, "world_size": mesh.world_size,
         **describe(info.name),
     }
-    meta = {k: attrs[k] for k in ("run_id", "experiment", "preset", "config")}
+    attrs["software"] = software(info.type, mesh.backend if mesh.distributed else info.backend)
+    attrs["launch"] = {"world_size": mesh.world_size, "local_rank": mesh.local_rank, "device": str(mesh.device)}
+    meta = {k: attrs[k] for k in ("run_id", "experiment", "preset", "config", "software", "launch")}
     # Built before anything is written: a run directory whose checkpoints belong to another model
     # (or any other refusal) leaves its meta.json and its store run as they were.
     trainer = Trainer(cfg, inputs.data_dir, run_dir, writer=None, progress=config.progress, device=info, mesh=mesh)

@@ -155,17 +155,37 @@ def cmd_pretrain(args) -> None:
 
 
 def cmd_evaluate(args) -> None:
+    if args.launcher == "parsl":  # the same command as a compute job of the site (workflow/launch.py)
+        from workflow.launch import evaluate_on_site
+
+        done = evaluate_on_site(vars(args))
+        print(done.last_line() or f"{args.run}: evaluated on site {args.site}")
+        return
     from stages.evaluate import EvaluateConfig, EvaluateInputs, EvaluateOutputs, run_evaluate
 
+    from optimus_core.parallel.launch import spawn_local
+    from optimus_core.parallel.mesh import read_launch_env
+
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc = {args.nproc}: must be >= 1")
+    launch = read_launch_env()
+    if args.nproc > 1 and launch.world_size == 1:
+        if set(args.tasks) != {"heldout"}:  # before any rank starts
+            raise ConfigError(f"--tasks {' '.join(args.tasks)} with --nproc {args.nproc}: a sharded evaluation runs "
+                              f"'heldout' only (lm-eval's tasks need the whole model in one process)")
+        spawn_local(cmd_evaluate, args.nproc, (args,))  # each rank re-enters here
+        return
     config = EvaluateConfig(tasks=tuple(args.tasks), max_batches=args.max_batches,
                             task_dirs=tuple(args.task_dir or ()), limit=args.limit, n_items=args.items,
                             all_checkpoints=args.all_checkpoints or args.downstream_all_checkpoints,
-                            downstream_all_checkpoints=args.downstream_all_checkpoints)
+                            downstream_all_checkpoints=args.downstream_all_checkpoints, dtype=args.dtype,
+                            device=args.device)
     out = args.out or Path(args.run) / "eval.json"
     result = run_evaluate(config, EvaluateInputs(run_dir=args.run, data_dir=args.data),
                           EvaluateOutputs(eval_json=out, store=args.store))
-    print(json.dumps({"run_id": result.run_id, "step": result.step, "checkpoints": result.checkpoints,
-                      **result.metrics}, indent=2))
+    if launch.rank == 0:
+        print(json.dumps({"run_id": result.run_id, "step": result.step, "checkpoints": result.checkpoints,
+                          **result.metrics}, indent=2))
 
 
 def cmd_export_hf(args) -> None:
@@ -254,10 +274,9 @@ def rehearsal_jobs(names, tiles, site):
     for exp in experiments:
         for n in tiles or [exp.paper.devices]:
             run = exp.paper.at_tiles(n)
-            gib, budget, checkpointing = plan_memory(run, site, n)  # MemoryBudgetError: over the budget
-            cfg = run.run_config()
-            mode, _, every = (checkpointing or "none").partition("/")
-            jobs.append(Rehearsal(exp.name, cfg, n, (mode, int(every or 1)), budget if budget == budget else None))
+            _, budget, checkpointing = plan_memory(run, site, n)  # MemoryBudgetError: over the budget
+            jobs.append(Rehearsal(exp.name, run.run_config(), n, checkpointing or ("none", 1),
+                                  budget if budget == budget else None))
     return jobs
 
 
@@ -378,6 +397,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batches", type=int, default=64)
     p.add_argument("--store", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None, help="default: RUN/eval.json")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="ranks: > 1 evaluates held-out metrics on the model sharded over them (as trained)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "xpu"],
+                   help="the ranks' device when sharded (one process evaluates on the CPU)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--launcher", choices=("local", "parsl"), default="local",
+                   help="parsl: a compute job of --nproc ranks (default: the run's) on --site")
+    p.add_argument("--site", default=None, help="with --launcher parsl: local, aurora, or a YAML file with a site: block")
     p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("export-hf", help="a run's newest checkpoint as a Hugging Face transformers directory")

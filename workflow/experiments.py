@@ -22,14 +22,12 @@ The runs
 - ablation (kind ``ablation``): mula-20b-a2b on 384 tiles, baseline / +kernels / +optimizer /
   both, a fixed number of steps.
 
-Tile counts of the scale-up runs (the paper gives its scaling range, not each run's size; we
-pick them in its spirit): tiles grow with the active FLOPs per token so that each 100B-token run
-takes a comparable, under-a-day time at a fixed per-tile throughput, and each is a power-of-two
-multiple of the 384-tile (32-node) unit of the scaling sweep: 20B-A2B (12.7 GFLOP/token) on 768
-tiles, 100B-A7B (59 GFLOP/token) on 1536, 220B-A10B (79 GFLOP/token) on 3072, the size the two
-4T runs use. EP degrees keep 8-16 experts per tile (ep 8, 16, 32) and every EP group count
-(tiles / ep = 96) equal, so expert-data-parallel replicas are alike across the three runs. The
-global batch is a whole number of sequences per rank (2, 2, 1 x 4096 tokens).
+Tile counts of the scale-up runs (the paper gives its scaling range, not each run's size): all
+three on 3072 tiles (256 nodes), the smallest job Aurora's production queue takes (ALCF's queue
+table in workflow/config/aurora.yaml: prod's tiers start at 256 nodes; below it only the
+one-hour debug queues, one job per user, or capacity's 16 nodes), and the size the two 4T runs
+use. EP degrees keep 8-16 experts per tile (ep 8, 16, 32 for 20B-A2B, 100B-A7B, 220B-A10B). The
+global batch is the 4T runs' 3072 sequences, one per tile.
 
 The global batch of the two 4T runs is OUR choice, not the paper's (its text is not available to
 us): 3072 sequences x 4096 tokens (12.6M tokens per step), one sequence per tile on 3072 tiles.
@@ -53,7 +51,9 @@ checkpointing is ``auto`` everywhere: the least recomputation that fits a 64 GiB
 by `optimus plan` (its GiB/tile column) and again by each run on its device.
 
 Strong scaling keeps one global batch of 12288 sequences (50M tokens: one sequence per tile at
-12288 tiles, 32 accumulated micro-batches per tile at 384) for 20 steps, ep 32 everywhere.
+12288 tiles, 32 accumulated micro-batches per tile at 384) for 8 steps, ep 32 everywhere: a
+timed run fits one job with room (workflow/plan.py), and the 384-tile point must fit the
+one-hour debug-scaling queue (32 nodes is below prod's smallest tier).
 
 Laptop proxies: the tiny presets (``<name>@laptop``), one CPU process each. The laptop DAG (``dag("laptop")``, what `make reproduce` trains) holds
 every pretraining run: the two 4T proxies, 240 steps each (1.5-2.5 min on one core), and the
@@ -97,11 +97,12 @@ class RunScale:
     preset: str
     tokens: int  # training token budget
     devices: int  # GPU tiles (paper) or CPU processes (laptop)
-    walltime_h: float = 0.0  # per PBS job (paper scale)
+    walltime_h: float = 0.0  # per PBS job (paper scale); 0: the longest its queue allows (timed: what it needs)
     extra: dict[str, Any] = field(default_factory=dict)  # further --set overrides
     ep: int = 1
     global_batch: int = 0
     dp_shard: int = 0  # shard block in ranks (parallel.dp_shard); 0 or >= devices: the whole job
+    timed: bool = False  # measured, not trained to a result (scaling, ablation): one job with room, never resumed
 
     def __post_init__(self):
         presets.get(self.preset)  # unknown preset names fail at import, not at submit time
@@ -161,7 +162,7 @@ class RunScale:
         micro = self.run_config().train.micro_batch or 1
         batch = self.batch if self.batch % (tiles * micro) == 0 else -(-self.batch // (tiles * micro)) * tiles * micro
         return RunScale.for_steps(self.preset, self.steps, tiles, walltime_h=self.walltime_h, extra=self.extra,
-                                  ep=self.ep, global_batch=batch,
+                                  ep=self.ep, global_batch=batch, timed=self.timed,
                                   dp_shard=self.dp_shard if 0 < self.dp_shard < tiles else 0)
 
     def flops(self) -> float:
@@ -219,7 +220,7 @@ PAPER_KERNELS = {"model.moe.experts_backend": "triton"}
 SHARD_BLOCK = 384  # tiles (32 nodes) a parameter is sharded over (parallel.dp_shard; module doc)
 PAPER_4T_BATCH = 3072  # sequences: one per tile on 3072 tiles (our choice; module doc)
 SCALING_TILES = (384, 768, 1536, 3072, 6144, 12288)
-SCALING_STEPS, SCALING_BATCH = 20, 12288
+SCALING_STEPS, SCALING_BATCH = 8, 12288
 ABLATION_STEPS, LAPTOP_TIMED_STEPS = 20, 20
 # baseline / +kernels / +optimizer / both: (experts backend, optimizer)
 # The baseline's experts are the loop over experts (kernels/ "loop"), as in bench/distributed.py:
@@ -233,13 +234,13 @@ ABLATION_VARIANTS = {
 }
 
 
-def _pretrain(model: str, tokens: int, tiles: int, walltime_h: float, ep: int = 1, batch: int = 0,
+def _pretrain(model: str, tokens: int, tiles: int, ep: int = 1, batch: int = 0,
               scaleup: bool = False, description: str = "") -> Experiment:
     laptop = (RunScale.for_steps(f"{model}@laptop", LAPTOP_SCALEUP_STEPS, 1, extra=LAPTOP_SCALEUP_TRAIN) if scaleup
               else RunScale(f"{model}@laptop", 240 * 2048, devices=1, extra=LAPTOP_EVAL))
     return Experiment(
         f"pretrain-{model}", "pretrain",
-        paper=RunScale(model, tokens, devices=tiles, walltime_h=walltime_h, ep=ep, global_batch=batch,
+        paper=RunScale(model, tokens, devices=tiles, ep=ep, global_batch=batch,
                        extra={**PAPER_TRAIN, **(PAPER_KERNELS if presets.get(model).model.moe else {})},
                        dp_shard=SHARD_BLOCK),
         laptop=laptop, description=description, laptop_dag=True, scaleup=scaleup,
@@ -249,7 +250,7 @@ def _pretrain(model: str, tokens: int, tiles: int, walltime_h: float, ep: int = 
 def _scaling(tiles: int) -> Experiment:
     return Experiment(
         f"scaling-mula-220b-a10b-{tiles}", "scaling",
-        paper=RunScale.for_steps("mula-220b-a10b", SCALING_STEPS, tiles, walltime_h=1, ep=32,
+        paper=RunScale.for_steps("mula-220b-a10b", SCALING_STEPS, tiles, timed=True, ep=32,
                                  global_batch=SCALING_BATCH, extra={**PAPER_TIMED, **PAPER_KERNELS},
                                  dp_shard=SHARD_BLOCK),
         laptop=RunScale.for_steps("mula-220b-a10b@laptop", LAPTOP_TIMED_STEPS, 1, extra=LAPTOP_SHORT),
@@ -263,7 +264,7 @@ def _ablation(variant: str) -> Experiment:
     sets = {"model.moe.experts_backend": backend, "parallel.optimizer": optimizer}
     return Experiment(
         f"ablation-mula-20b-a2b-{variant}", "ablation",
-        paper=RunScale.for_steps("mula-20b-a2b", ABLATION_STEPS, 384, walltime_h=1, ep=32, global_batch=1536,
+        paper=RunScale.for_steps("mula-20b-a2b", ABLATION_STEPS, 384, timed=True, ep=32, global_batch=1536,
                                  extra={**PAPER_TIMED, **sets}),
         laptop=RunScale.for_steps("mula-20b-a2b@laptop", LAPTOP_TIMED_STEPS, 1, extra={**LAPTOP_SHORT, **sets}),
         description=f"kernel / optimizer ablation on Mula-20B-A2B: {variant} (experts {backend}, {optimizer})",
@@ -271,15 +272,15 @@ def _ablation(variant: str) -> Experiment:
 
 
 _REGISTRY = [
-    _pretrain("mula-1b", 4 * T, 3072, 24, batch=PAPER_4T_BATCH,
+    _pretrain("mula-1b", 4 * T, 3072, batch=PAPER_4T_BATCH,
               description="dense Mula-1B on OLMoE-mix-0924 (4T tokens)"),
-    _pretrain("mula-7b-a1b", 4 * T, 3072, 24, batch=PAPER_4T_BATCH,
+    _pretrain("mula-7b-a1b", 4 * T, 3072, batch=PAPER_4T_BATCH,
               description="MoE Mula-7B-A1B (OLMoE-1B-7B) on OLMoE-mix-0924 (4T tokens)"),
-    _pretrain("mula-20b-a2b", 100 * B, 768, 12, ep=8, batch=1536, scaleup=True,
+    _pretrain("mula-20b-a2b", 100 * B, 3072, ep=8, batch=PAPER_4T_BATCH, scaleup=True,
               description="scale-up: MoE Mula-20B-A2B to 100B tokens"),
-    _pretrain("mula-100b-a7b", 100 * B, 1536, 12, ep=16, batch=3072, scaleup=True,
+    _pretrain("mula-100b-a7b", 100 * B, 3072, ep=16, batch=PAPER_4T_BATCH, scaleup=True,
               description="scale-up: MoE Mula-100B-A7B to 100B tokens"),
-    _pretrain("mula-220b-a10b", 100 * B, 3072, 12, ep=32, batch=3072, scaleup=True,
+    _pretrain("mula-220b-a10b", 100 * B, 3072, ep=32, batch=PAPER_4T_BATCH, scaleup=True,
               description="scale-up: MoE Mula-220B-A10B to 100B tokens"),
     *[_scaling(t) for t in SCALING_TILES],
     *[_ablation(v) for v in ABLATION_VARIANTS],

@@ -27,14 +27,21 @@ from workflow.parsl_sites import parsl_config
 from workflow.plan import JobPlan
 from workflow.sites import SiteConfig
 
-# Flags that choose *where* to run: never forwarded to the command that runs there.
-WHERE = {"launcher", "site", "nproc"}
+# Flags that choose *where* to run, or that describe this machine (its thread count): never
+# forwarded to the command that runs there (the site's env sets the compute nodes' threads).
+WHERE = {"launcher", "site", "nproc", "threads"}
+CONFIG_ERROR = 2  # the `optimus` command's status for a configuration error
 
 
 def pretrain_argv(options: dict[str, Any], optimus: str = "optimus") -> list[str]:
-    """`optimus pretrain` with ``options`` (flag name with '_' -> value): None / False dropped,
+    """`optimus pretrain` with ``options``: ``command_argv("pretrain", ...)``."""
+    return command_argv("pretrain", options, optimus)
+
+
+def command_argv(command: str, options: dict[str, Any], optimus: str = "optimus") -> list[str]:
+    """`optimus COMMAND` with ``options`` (flag name with '_' -> value): None / False dropped,
     True as a bare flag, a list repeated (``set``), the launcher forced to ``local``."""
-    argv = [*shlex.split(optimus), "pretrain"]
+    argv = [*shlex.split(optimus), command]
     for key, value in options.items():
         if key in WHERE or value is None or value is False:
             continue
@@ -75,7 +82,8 @@ class Submitted:
 def submit(site: SiteConfig, job: JobPlan, command: str, run_dir: str | Path, name: str = "optimus") -> Submitted:
     """Run ``command`` as one Parsl bash_app on ``site`` (one PBS job of ``job.nodes`` nodes) and
     wait for it. Parsl's run directory (submit scripts, logs) is ``run_dir``; the app's stdout and
-    stderr land in ``run_dir/<name>.out|.err``."""
+    stderr land in ``run_dir/<name>.out|.err`` (appended to by each attempt). Parsl does not retry
+    the task: a new attempt is a new submit, so a new job (launch_chain)."""
     import parsl
     from parsl import bash_app
 
@@ -84,7 +92,7 @@ def submit(site: SiteConfig, job: JobPlan, command: str, run_dir: str | Path, na
     out, err = run_dir / f"{name}.out", run_dir / f"{name}.err"
 
     @bash_app(executors=["optimus"])
-    def optimus_job(cmd: str, stdout: str = str(out), stderr: str = str(err)) -> str:
+    def optimus_job(cmd: str, stdout: tuple = (str(out), "a"), stderr: tuple = (str(err), "a")) -> str:
         return cmd
 
     t0 = time.time()
@@ -93,12 +101,12 @@ def submit(site: SiteConfig, job: JobPlan, command: str, run_dir: str | Path, na
         code = 0
         try:
             optimus_job(command).result()
-        except Exception as e:  # BashExitFailure carries the exit code
+        except Exception as e:  # BashExitFailure carries the exit code; a lost job (walltime, node) does not
             code = getattr(e, "exitcode", None) or 1
             with open(err, "a") as f:
                 f.write(f"\n[optimus launch] {type(e).__name__}: {e}\n")
     finally:
-        dfk.cleanup()
+        dfk.cleanup()  # ends the job (qdel), so that a next attempt gets a fresh one
         parsl.clear()
     return Submitted(code, out, err, time.time() - t0)
 
@@ -107,12 +115,42 @@ class LaunchError(ValueError):
     """A submitted job ended without success (its exit code and stderr tail in the message)."""
 
 
+def launch_chain(site: SiteConfig, job: JobPlan, command: str, run_dir: str | Path, name: str,
+                 submit_fn=None, log=print, poll_s: float = 10.0) -> Submitted:
+    """Submit ``command`` as chained jobs until one ends with success: ``job.jobs`` jobs for a run
+    longer than one walltime, each resuming from the newest checkpoint, plus ``site.retries`` for
+    failures. Every attempt is a new PBS job, so a failed node is not given back to the run in the
+    same allocation, and each holds a slot of its queue while it is queued or running
+    (workflow/queue_slots.py: the queue's jobs-per-user limit). A timed run gets no second job for
+    its length (it fits one), only the retries. A configuration error (status 2) ends the chain:
+    the next job would refuse the same command."""
+    from workflow.queue_slots import queue_slots
+
+    submit_fn = submit_fn or submit
+    attempts = job.jobs + site.retries
+    done = None
+    for attempt in range(1, attempts + 1):
+        with queue_slots(site, job.queue, wait_log=log, poll_s=poll_s):
+            log(f"[optimus launch] {name}: job {attempt} of at most {attempts} (queue {job.queue or '-'}, "
+                f"walltime {job.walltime})")
+            done = submit_fn(site, job, command, run_dir, name=name)
+        if done.returncode in (0, CONFIG_ERROR):  # success, or an error no new job fixes
+            return done
+        log(f"[optimus launch] {name}: job {attempt} ended with status {done.returncode}"
+            + ("; submitting the next, which resumes from the newest checkpoint" if attempt < attempts else ""))
+    return done
+
+
 def pretrain_on_site(options: dict[str, Any], run_id: str) -> Submitted:
     """`optimus pretrain --launcher parsl --site NAME ...`: plan the job (errors before anything is
-    submitted), submit the same command with ``--launcher local`` under the site's mpiexec, wait.
+    submitted), submit the same command with ``--launcher local`` under the site's mpiexec as
+    chained jobs (launch_chain), wait.
 
     The job's ranks are the run's tiles for ``--experiment`` (at ``--scale``), else ``--nproc``;
-    its walltime the run's per-job walltime, else the site's ``walltime_h``."""
+    its walltime the run's per-job walltime, else the site's ``walltime_h``. The site's device
+    type and checkpoint interval (``site.device``, ``site.checkpoint_every_minutes``) become
+    ``--set train.device=...`` / ``--set train.checkpoint_every_minutes=...`` ahead of the user's
+    own ``--set``s, which win."""
     from workflow.experiments import get
     from workflow.plan import plan
     from workflow.sites import load_site
@@ -129,14 +167,62 @@ def pretrain_on_site(options: dict[str, Any], run_id: str) -> Submitted:
         if forwarded.get(key) is not None:
             forwarded[key] = Path(forwarded[key]).resolve()
     forwarded["run_id"] = run_id
+    site_sets = [f"train.device={site.device}"] if site.device != "auto" else []
+    if site.checkpoint_every_minutes:
+        site_sets.append(f"train.checkpoint_every_minutes={site.checkpoint_every_minutes:g}")
+    forwarded["set"] = [*site_sets, *(forwarded.get("set") or [])]  # the user's own --set win
     argv = pretrain_argv(forwarded, optimus=site.optimus)
     if job.ranks > 1 and not job.mpiexec:  # no MPI launcher on this site: the command spawns its ranks
         argv[-2:-2] = ["--nproc", str(job.ranks)]
     command = command_line(job, argv)
     print(f"[optimus launch] site {site.name}: {job.nodes} node(s), {job.ranks} rank(s), queue {job.queue or '-'}, "
-          f"walltime {job.walltime}\n[optimus launch] {command}", flush=True)
-    done = submit(site, job, command, Path(site.run_dir).resolve() / run_id, name=run_id)
+          f"walltime {job.walltime}, up to {job.jobs} job(s)\n[optimus launch] {command}", flush=True)
+    done = launch_chain(site, job, command, Path(site.run_dir).resolve() / run_id, run_id,
+                        log=lambda m: print(m, flush=True))
     if done.returncode != 0:
         raise LaunchError(f"run {run_id}: the job on site {site.name} failed (exit {done.returncode}); "
+                          f"stderr {done.stderr}:\n{done.tail()}")
+    return done
+
+
+def evaluate_on_site(options: dict[str, Any]) -> Submitted:
+    """`optimus evaluate --launcher parsl --site NAME ...`: the held-out evaluation of a run as a
+    compute job, on the model sharded as it was trained (stages/evaluate.py), so that a model no
+    login node can hold is evaluated where it was trained. Ranks: ``--nproc`` if > 1, else the
+    world size the newest checkpoint was written by; the site's device type; walltime the
+    site's ``walltime_h``, its queue from the table."""
+    import json
+
+    from workflow.plan import plan
+    from workflow.sites import load_site
+
+    if not options.get("site"):
+        raise LaunchError("--launcher parsl needs --site NAME (local, aurora, or a YAML file with a site: block)")
+    site = load_site(options["site"])
+    run_dir = Path(options["run"]).resolve()
+    ranks = int(options.get("nproc") or 1)
+    if ranks == 1:
+        from optimus_core.train.checkpoint import latest_valid
+
+        newest = latest_valid(run_dir)
+        ranks = int(newest.meta.get("world_size", 1)) if newest else 1
+    job = plan(None, site, ranks=ranks)
+    forwarded = {k: v for k, v in options.items() if k not in ("func", "command", "nproc")}
+    for key in ("run", "data", "out", "store"):
+        if forwarded.get(key) is not None:
+            forwarded[key] = Path(forwarded[key]).resolve()
+    if site.device != "auto" and forwarded.get("device") in (None, "auto"):
+        forwarded["device"] = site.device
+    argv = command_argv("evaluate", forwarded, optimus=site.optimus)
+    if job.ranks > 1 and not job.mpiexec:
+        argv[-2:-2] = ["--nproc", str(job.ranks)]
+    command = command_line(job, argv)
+    name = f"evaluate-{json.loads((run_dir / 'meta.json').read_text())['run_id']}"
+    print(f"[optimus launch] site {site.name}: {job.nodes} node(s), {job.ranks} rank(s), queue {job.queue or '-'}, "
+          f"walltime {job.walltime}\n[optimus launch] {command}", flush=True)
+    done = launch_chain(site, job, command, Path(site.run_dir).resolve() / name, name,
+                        log=lambda m: print(m, flush=True))
+    if done.returncode != 0:
+        raise LaunchError(f"{name}: the job on site {site.name} failed (exit {done.returncode}); "
                           f"stderr {done.stderr}:\n{done.tail()}")
     return done

@@ -10,8 +10,10 @@
 
 ``parsl_config(site, job, run_dir)`` builds the Parsl ``Config`` (HighThroughputExecutor +
 LocalProvider or PBSProProvider) for one planned job (a ``JobPlan`` of workflow/plan.py): one
-block of ``job.nodes`` nodes, one worker on its head node, retries enough for a run that spans
-several jobs. ``parsl_cpu_config(site, run_dir)`` builds the site's CPU executor
+block of ``job.nodes`` nodes, one worker on its head node, no Parsl retries (a run that spans
+several jobs, or is retried, gets a new job per attempt: workflow/launch.py). The workers reach the
+interchange at ``site.address``, or at the address of ``site.address_interface`` (Aurora: hsn0).
+``parsl_cpu_config(site, run_dir)`` builds the site's CPU executor
 (``site.cpu_executor``) for many single-core Python tasks, its block planned by ``cpu_job``.
 Parsl itself is imported only inside these functions.
 """
@@ -21,6 +23,7 @@ import os
 import shlex
 from pathlib import Path
 
+from optimus_core.config import ConfigError
 from workflow.plan import JobPlan, plan
 from workflow.sites import SiteConfig
 
@@ -42,12 +45,27 @@ def parsl_config(site: SiteConfig, job: JobPlan, run_dir: str | Path, label: str
     provider = _provider(site, job, SimpleLauncher())
     executor = HighThroughputExecutor(
         label=label, max_workers_per_node=site.max_workers_per_node, provider=provider,
-        heartbeat_period=site.heartbeat_period, heartbeat_threshold=site.heartbeat_threshold,
-        **({"address": site.address} if site.address else {}),
+        heartbeat_period=site.heartbeat_period, heartbeat_threshold=site.heartbeat_threshold, **_address(site),
     )
-    # A run longer than one job needs (jobs - 1) resubmissions; each resumes from `latest`.
-    return Config(executors=[executor], retries=site.retries + job.jobs - 1, run_dir=str(run_dir),
-                  strategy="simple", usage_tracking=0)
+    # No Parsl retries, and no replacement block while the task is still outstanding (strategy
+    # "none": the initial block only): a new attempt is a new job of workflow/launch.py's chain.
+    return Config(executors=[executor], retries=0, run_dir=str(run_dir), strategy="none", usage_tracking=0)
+
+
+def _address(site: SiteConfig) -> dict:
+    """The interchange address the workers connect to: the site's, else its interface's (Aurora:
+    hsn0, the login node's high-speed network), else Parsl's guess."""
+    if site.address:
+        return {"address": site.address}
+    if site.address_interface:
+        from parsl.addresses import address_by_interface
+
+        try:
+            return {"address": address_by_interface(site.address_interface)}
+        except OSError as e:
+            raise ConfigError(f"site {site.name}: address_interface = {site.address_interface!r}: this machine "
+                              f"has no such interface ({e}); set site.address instead") from None
+    return {}
 
 
 def _provider(site: SiteConfig, job: JobPlan, launcher, max_blocks: int = 1):
@@ -91,8 +109,7 @@ def parsl_cpu_config(site: SiteConfig, run_dir: str | Path, label: str = "optimu
     workers = cpu.workers_per_node or (site.cpus_per_node if site.kind == "pbspro" else os.cpu_count() or 1)
     executor = HighThroughputExecutor(
         label=label, max_workers_per_node=workers, provider=_provider(site, job, launcher, cpu.max_blocks),
-        heartbeat_period=site.heartbeat_period, heartbeat_threshold=site.heartbeat_threshold,
-        **({"address": site.address} if site.address else {}),
+        heartbeat_period=site.heartbeat_period, heartbeat_threshold=site.heartbeat_threshold, **_address(site),
     )
     return Config(executors=[executor], retries=site.retries, run_dir=str(run_dir), strategy="simple",
                   usage_tracking=0)

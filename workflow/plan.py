@@ -8,13 +8,18 @@
     >>> job.nodes, job.queue, job.walltime
     (32, 'debug-scaling', '01:00:00')
     >>> print(job.mpiexec)          # doctest: +ELLIPSIS
-    mpiexec -n 384 --ppn 12 --cpu-bind list:1-8:...
+    mpiexec -n 384 --ppn 12 --cpu-bind list:2-8:...
 
 ``plan(run, site)`` turns a registry run (or a bare rank count) into a ``JobPlan`` -- nodes,
-queue, walltime, the ``#PBS`` lines, the mpiexec prefix, the environment, an estimate of the
-run's hours and node-hours, its memory per tile -- and raises ``ConfigError`` at planning time
-for a missing account or queue, more nodes than the queue allows, a walltime over its limit, a
-tile count that is not a multiple of the tiles per node, or a run whose memory per tile
+queue, walltime, the chained jobs it spans, the ``#PBS`` lines, the mpiexec prefix, the
+environment, an estimate of the run's hours and node-hours, its memory per tile. The queue and
+walltime come from the site's queue table (a routing queue's tier by node count): a long run
+asks for the longest walltime its tier allows and spans ``jobs`` chained jobs, each resuming
+from the newest checkpoint and each losing ``site.startup_h`` to its start; a timed run asks
+for its estimate with ``site.timed_margin`` of room plus the start and must fit one job. It
+raises ``ConfigError`` at planning time, naming the table, for a missing account or queue, a
+node count or walltime no queue takes, a timed run that fits no queue, a tile count that is not
+a multiple of the tiles per node, or a run whose memory per tile
 (optimus_core/memory.py, activation checkpointing resolved as the run will) is over the
 usable share of the machine's device memory (``MemoryBudgetError``: the GiB, the budget and the
 knob that would help). ``plan_table(experiments, site)`` plans many runs
@@ -89,31 +94,56 @@ def _fmt_h(h: float) -> str:
     return f"{h:g}h"
 
 
-def choose_queue(site: SiteConfig, nodes: int, walltime_h: float) -> str:
-    """The configured queue, checked, or (queue: auto) the first of the table that fits."""
-    if site.queue != "auto":
-        q = site.queues[site.queue]
-        if not q.min_nodes <= nodes <= q.max_nodes:
+def _table(site: SiteConfig) -> str:
+    return "; ".join(f"{n}: {q.describe()}" for n, q in site.queues.items())
+
+
+def choose_queue(site: SiteConfig, nodes: int, walltime_h: float) -> tuple[str, float]:
+    """(queue, walltime in hours) of a job of ``nodes`` nodes: the configured queue, or (queue:
+    auto) the first of the table whose tier for ``nodes`` allows ``walltime_h``. ``walltime_h`` 0:
+    as long as a queue allows, so the queue whose tier for ``nodes`` allows the longest (a long
+    run then spans the fewest jobs). ConfigError, naming the table, when no queue takes the job."""
+    names = list(site.queues) if site.queue == "auto" else [site.queue]
+    fits = [(n, site.queues[n].tier(nodes)) for n in names]
+    fits = [(n, t) for n, t in fits if t is not None]
+    if not fits:
+        if site.queue != "auto":
             raise ConfigError(f"site {site.name}: nodes = {nodes}: queue {site.queue!r} allows "
-                              f"{q.min_nodes}-{q.max_nodes} nodes")
-        if walltime_h > q.walltime_h:
-            raise ConfigError(f"site {site.name}: walltime_h = {walltime_h:g}: over queue {site.queue!r}'s "
-                              f"limit of {_fmt_h(q.walltime_h)}")
-        return site.queue
-    for name, q in site.queues.items():
-        if q.min_nodes <= nodes <= q.max_nodes and walltime_h <= q.walltime_h:
-            return name
-    table = "; ".join(f"{n}: {q.min_nodes}-{q.max_nodes} nodes, <= {_fmt_h(q.walltime_h)}" for n, q in site.queues.items())
-    raise ConfigError(f"site {site.name}: nodes = {nodes}, walltime_h = {walltime_h:g}: no queue fits; allowed: {table}")
+                              f"{site.queues[site.queue].describe()}")
+        raise ConfigError(f"site {site.name}: nodes = {nodes}: no queue takes {nodes} nodes; allowed: {_table(site)}")
+    if walltime_h == 0:
+        name, tier = max(fits, key=lambda f: f[1].walltime_h)
+        return name, tier.walltime_h
+    for name, tier in fits:
+        if walltime_h <= tier.walltime_h:
+            return name, walltime_h
+    if site.queue != "auto":
+        raise ConfigError(f"site {site.name}: walltime_h = {walltime_h:g}: over queue {site.queue!r}'s "
+                          f"limit of {_fmt_h(fits[0][1].walltime_h)} at {nodes} nodes")
+    raise ConfigError(f"site {site.name}: nodes = {nodes}, walltime_h = {walltime_h:g}: no queue fits; "
+                      f"allowed: {_table(site)}")
+
+
+def timed_walltime(site: SiteConfig, est_hours: float) -> float:
+    """The walltime a timed run (scaling point, ablation: one job, never resumed) asks for: its
+    estimated hours with ``site.timed_margin`` of room, plus the site's ``startup_h`` (module
+    load, imports, building and sharding the model), rounded up to 5 minutes."""
+    return math.ceil((est_hours * (1 + site.timed_margin) + site.startup_h) * 12) / 12
 
 
 def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
          walltime_h: float | None = None) -> JobPlan:
-    """Plan one job: ``run`` is a registry RunScale (its tiles, walltime, FLOPs), or give ``ranks``."""
+    """Plan one job: ``run`` is a registry RunScale (its tiles, walltime, FLOPs), or give ``ranks``.
+
+    The walltime is ``walltime_h``, else the run's (0: the longest its queue allows), else the
+    site's; a timed run (``run.timed``) asks for its estimate with room (``timed_walltime``) and
+    must fit one job. A run longer than its walltime spans ``jobs`` chained jobs, each resuming
+    from the last checkpoint and each losing ``site.startup_h`` to its start."""
     if site is None:
         raise ConfigError("plan: a site is needed")
     ranks = ranks if ranks is not None else run.devices
-    walltime_h = walltime_h if walltime_h is not None else (run.walltime_h if run and run.walltime_h else site.walltime_h)
+    if walltime_h is None:
+        walltime_h = run.walltime_h if run is not None else site.walltime_h
     # A local site is one machine: every rank on it, whatever tiles_per_node says.
     ppn = site.tiles_per_node if site.kind == "pbspro" else max(1, ranks)
     if site.kind == "pbspro" and not site.account:
@@ -125,17 +155,30 @@ def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
         near = [n for n in (ranks // ppn * ppn, (ranks // ppn + 1) * ppn) if n]
         raise ConfigError(f"site {site.name}: tiles = {ranks}: must be a multiple of tiles_per_node ({ppn}); "
                           f"nearest: {' or '.join(map(str, near))}")
-    if walltime_h <= 0:
-        raise ConfigError(f"walltime_h = {walltime_h}: must be > 0")
+    if walltime_h < 0 or walltime_h != walltime_h:
+        raise ConfigError(f"walltime_h = {walltime_h}: must be > 0 (or 0: the longest the queue allows)")
     nodes = ranks // ppn
-    memory = plan_memory(run, site, ranks)
+    memory_gib, budget_gib, checkpointing = plan_memory(run, site, ranks)
     est, source = estimate_hours(run, site, ranks)
-    jobs = max(1, math.ceil(est / walltime_h)) if est == est else 1
+    timed = bool(getattr(run, "timed", False))
+    if timed and est == est:
+        needed = timed_walltime(site, est)
+        if walltime_h and walltime_h < needed:
+            raise ConfigError(f"site {site.name}: walltime_h = {walltime_h:g}: a timed run needs {needed:.2f} h "
+                              f"(an estimated {est:.2f} h with {site.timed_margin:.0%} room, plus {site.startup_h:g} h "
+                              f"to start); give it more walltime, fewer steps or more tiles")
+        walltime_h = walltime_h or needed
     queue = account = None
     sched, select = [], f"#PBS -l select={nodes}"
     if site.kind == "pbspro":
         account = site.account
-        queue = choose_queue(site, nodes, walltime_h)
+        try:
+            queue, walltime_h = choose_queue(site, nodes, walltime_h)
+        except ConfigError as e:
+            if timed:
+                raise ConfigError(f"{e} (a timed run: {est:.2f} h estimated, asking {walltime_h:.2f} h with room; "
+                                  f"fewer steps or more tiles would fit)") from None
+            raise
         select = f"#PBS -l select={nodes}:ncpus={site.cpus_per_node}" + (
             f":{site.select_options.lstrip(':')}" if site.select_options else "")
         if site.filesystems:
@@ -143,36 +186,42 @@ def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
         if site.place:
             sched.append(f"#PBS -l place={site.place}")
         sched += [l if l.startswith("#PBS") else f"#PBS {l}" for l in site.scheduler_options]
+    elif walltime_h == 0:
+        walltime_h = site.walltime_h
+    useful = walltime_h - (site.startup_h if site.kind == "pbspro" else 0.0)
+    if est == est and useful <= 0:
+        raise ConfigError(f"site {site.name}: walltime_h = {walltime_h:g}: not more than startup_h = "
+                          f"{site.startup_h:g}, so no job would train")
+    jobs = 1 if timed or est != est else max(1, math.ceil(est / useful))
     mpiexec = site.mpiexec.format(ranks=ranks, nodes=nodes, ppn=ppn, cpu_bind=site.cpu_bind).strip()
     affinity = site.gpu_affinity.wrapper() if site.gpu_affinity is not None else ""
     return JobPlan(site.name, ranks, nodes, ppn, queue, account, walltime_h, "\n".join(sched), select, mpiexec,
-                   dict(site.env), est, jobs, source, affinity, *memory)
+                   dict(site.env), est, jobs, source, affinity, memory_gib, budget_gib, _label(checkpointing))
 
 
-def plan_memory(run, site: SiteConfig, ranks: int) -> tuple[float, float, str]:
-    """(GiB per tile, budget GiB, checkpointing) of ``run`` on ``site.machine``'s devices, with
+def _label(checkpointing: tuple[str, int] | None) -> str:
+    """The table's name of a resolved checkpointing: "full/2" checkpoints every 2nd block."""
+    if checkpointing is None:
+        return ""
+    mode, every = checkpointing
+    return mode + (f"/{every}" if mode == "full" and every > 1 else "")
+
+
+def plan_memory(run, site: SiteConfig, ranks: int) -> tuple[float, float, tuple[str, int] | None]:
+    """(GiB per tile, budget GiB, (mode, every)) of ``run`` on ``site.machine``'s devices, with
     train.activation_checkpointing resolved as the run will resolve it on such a device
-    (optimus_core.memory); MemoryBudgetError -- the run, the GiB, the budget and the knob that
-    would help -- when it cannot fit. nan without a run or a machine with a memory size."""
-    from dataclasses import replace
-
-    from optimus_core.memory import GIB, MemoryLayout, check_fits, device_budget, fit_checkpointing
+    (optimus_core.memory.check_run); MemoryBudgetError -- the run, the GiB, the budget and the
+    knob that would help -- when it cannot fit. (nan, nan, None) without a run or a machine."""
+    from optimus_core.memory import GIB, check_run, device_budget
 
     nan = float("nan")
     if run is None or not site.machine:
-        return nan, nan, ""
+        return nan, nan, None
     machine = _machine(site.machine)
     cfg = run.run_config()
     budget = device_budget(machine.memory_bytes) if machine.memory_bytes else None
-    layout = MemoryLayout.of_run(cfg, ranks, ("none", 1), machine.device_kind)
-    name = f"{cfg.preset} on {ranks} tiles"
-    if cfg.train.activation_checkpointing == "auto":
-        checkpointing = fit_checkpointing(cfg.model, layout, budget, run=name)
-    else:
-        checkpointing = (cfg.train.activation_checkpointing, cfg.train.activation_checkpointing_every)
-    est = check_fits(cfg.model, replace(layout, checkpointing=checkpointing[0], every=checkpointing[1]), budget, run=name)
-    mode, every = checkpointing
-    return est.peak_gib, budget / GIB if budget else nan, mode + (f"/{every}" if mode == "full" and every > 1 else "")
+    checkpointing, est = check_run(cfg, ranks, machine.device_kind, budget, run=f"{cfg.preset} on {ranks} tiles")
+    return est.peak_gib, budget / GIB if budget else nan, checkpointing
 
 
 def estimate_hours(run, site: SiteConfig, ranks: int) -> tuple[float, str]:

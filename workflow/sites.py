@@ -2,22 +2,27 @@
 
     >>> from workflow.sites import load_site
     >>> site = load_site("aurora", account="MyProject")
-    >>> site.kind, site.tiles_per_node, list(site.queues)
-    ('pbspro', 12, ['debug', 'debug-scaling', 'capacity', 'prod'])
-    >>> site.gpu_affinity.variable
-    'ZE_AFFINITY_MASK'
+    >>> site.kind, site.tiles_per_node, list(site.queues), site.device
+    ('pbspro', 12, ['debug', 'debug-scaling', 'capacity', 'prod'], 'xpu')
+    >>> site.queues["prod"].tier(300)
+    QueueTier(min_nodes=256, max_nodes=1024, walltime_h=12)
 
 A site is a validated ``SiteConfig`` read from the ``site:`` block of
 ``workflow/config/<name>.yaml`` (or any YAML file with such a block); ``local`` is built in.
 Moving to another PBS machine, account or queue is a YAML edit, never a code edit: the queue
-table, the launcher line (Aurora's PALS `mpiexec --ppn 12 --cpu-bind list:...`, or MPICH's
-`mpiexec -ppn N`), module loads, environment and throughput assumption all live there.
+table (``Queue``: node range and walltime, or a routing queue's tiers; jobs per user; copied
+from the site's documentation with its date in ``queues_source``), the launcher line (Aurora's
+PALS `mpiexec --ppn 12 --cpu-bind list:...`, or MPICH's `mpiexec -ppn N`), module loads,
+environment, the device type its ranks train on and the checkpoint interval its interrupts
+call for, and the throughput assumption all live there. Every field is checked by name and type
+when the site loads.
 
 Rank placement is site configuration too: ``cpu_bind`` binds local rank i to the i-th core set
-of its list, and ``gpu_affinity`` (a ``GpuAffinity``) becomes a small ``sh -c`` wrapper between
-mpiexec and the command that shows each rank only its own device -- on Aurora
-ZE_AFFINITY_MASK=<gpu>.<tile> from PALS_LOCAL_RANKID, one tile per rank -- so the trainer core
-never learns the node's topology (it takes device ``local_rank % device_count``, i.e. 0).
+of its list. Each rank trains on its own device of the node (optimus_core.device: the one it
+sees, or the one at its local rank, else a clear error); on Aurora, under the frameworks
+module's FLAT mode, that is tile <local rank> with no mask, as ALCF's PyTorch page binds. A site
+that wants a per-rank mask sets ``gpu_affinity`` (a ``GpuAffinity``): a small ``sh -c`` wrapper
+between mpiexec and the command (CUDA_VISIBLE_DEVICES=<local rank>, a flat ZE_AFFINITY_MASK).
 ``cpu_executor`` (a ``CpuExecutor``) describes the site's blocks for CPU fan-out work.
 
 Planning jobs on a site is workflow/plan.py; the Parsl configurations built from a site and a
@@ -38,25 +43,104 @@ CONFIG_DIR = Path(__file__).resolve().parent / "config"
 ACCOUNT_ENV = "OPTIMUS_ACCOUNT"  # fills site.account when the YAML leaves it empty
 
 
+def _check_type(where: str, value: Any, kind: type, allowed: str) -> None:
+    """YAML gives strings for quoted numbers and floats for ints: refuse both, naming the field."""
+    ok = isinstance(value, kind) and not isinstance(value, bool)
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok:
+        raise ConfigError(f"{where} = {value!r}: {allowed}")
+
+
 @dataclass(frozen=True)
-class QueueLimits:
+class QueueTier:
+    """Nodes and walltime a queue (or one execution tier of a routing queue) accepts."""
+
     min_nodes: int
     max_nodes: int
     walltime_h: float
 
-    def __post_init__(self):
+    def check(self, where: str) -> None:
+        _check_type(f"{where}.min_nodes", self.min_nodes, int, "must be an integer")
+        _check_type(f"{where}.max_nodes", self.max_nodes, int, "must be an integer")
+        _check_type(f"{where}.walltime_h", self.walltime_h, float, "must be a number of hours")
         if not (1 <= self.min_nodes <= self.max_nodes):
-            raise ConfigError(f"queue nodes = {self.min_nodes}-{self.max_nodes}: need 1 <= min_nodes <= max_nodes")
+            raise ConfigError(f"{where}: nodes = {self.min_nodes}-{self.max_nodes}: need 1 <= min_nodes <= max_nodes")
         if self.walltime_h <= 0:
-            raise ConfigError(f"queue walltime_h = {self.walltime_h}: must be > 0")
+            raise ConfigError(f"{where}.walltime_h = {self.walltime_h}: must be > 0")
+
+    def fits(self, nodes: int) -> bool:
+        return self.min_nodes <= nodes <= self.max_nodes
+
+
+@dataclass(frozen=True)
+class Queue:
+    """One queue of the site's table. An execution queue has its own ``min_nodes``,
+    ``max_nodes`` and ``walltime_h``; a routing queue (Aurora's prod) has ``tiers`` instead, and a
+    job goes to the tier of its node count, with that tier's walltime limit. ``max_jobs_per_user``:
+    how many of one user's jobs the queue takes at once, queued or running (0 = no limit)."""
+
+    min_nodes: int = 0
+    max_nodes: int = 0
+    walltime_h: float = 0.0
+    max_jobs_per_user: int = 0
+    tiers: dict[str, QueueTier] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, name: str, data: Any) -> "Queue":
+        where = f"site.queues.{name}"
+        if isinstance(data, Queue):
+            return data
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where} = {data!r}: must be a mapping (min_nodes, max_nodes, walltime_h, "
+                              f"max_jobs_per_user) or (tiers, max_jobs_per_user)")
+        known = {"min_nodes", "max_nodes", "walltime_h", "max_jobs_per_user", "tiers"}
+        if set(data) - known:
+            raise ConfigError(f"{where}.{sorted(set(data) - known)[0]}: unknown field; allowed: {', '.join(sorted(known))}")
+        tiers = data.get("tiers") or {}
+        if tiers and set(data) & {"min_nodes", "max_nodes", "walltime_h"}:
+            raise ConfigError(f"{where}: a routing queue's limits are its tiers': give tiers, or min_nodes, "
+                              f"max_nodes and walltime_h, not both")
+        if not tiers:
+            missing = [k for k in ("min_nodes", "max_nodes", "walltime_h") if k not in data]
+            if missing:
+                raise ConfigError(f"{where} = {data!r}: needs min_nodes, max_nodes, walltime_h (or tiers); "
+                                  f"missing {', '.join(missing)}")
+        parsed = {}
+        for tname, t in tiers.items():
+            if not isinstance(t, dict) or set(t) != {"min_nodes", "max_nodes", "walltime_h"}:
+                raise ConfigError(f"{where}.tiers.{tname} = {t!r}: needs exactly min_nodes, max_nodes, walltime_h")
+            parsed[tname] = QueueTier(**t)
+            parsed[tname].check(f"{where}.tiers.{tname}")
+        queue = cls(**{k: v for k, v in data.items() if k != "tiers"}, tiers=parsed)
+        if not parsed:
+            QueueTier(queue.min_nodes, queue.max_nodes, queue.walltime_h).check(where)
+        _check_type(f"{where}.max_jobs_per_user", queue.max_jobs_per_user, int, "must be an integer >= 0 (0 = no limit)")
+        if queue.max_jobs_per_user < 0:
+            raise ConfigError(f"{where}.max_jobs_per_user = {queue.max_jobs_per_user}: must be >= 0 (0 = no limit)")
+        return queue
+
+    def all_tiers(self) -> dict[str, QueueTier]:
+        return self.tiers or {"": QueueTier(self.min_nodes, self.max_nodes, self.walltime_h)}
+
+    def tier(self, nodes: int) -> QueueTier | None:
+        """The tier that takes a job of ``nodes`` nodes (the queue itself when it has none)."""
+        return next((t for t in self.all_tiers().values() if t.fits(nodes)), None)
+
+    def describe(self) -> str:
+        parts = [f"{f'{n} ' if n else ''}{t.min_nodes}-{t.max_nodes} nodes <= {t.walltime_h:g}h"
+                 for n, t in self.all_tiers().items()]
+        return ", ".join(parts)
 
 
 @dataclass(frozen=True)
 class GpuAffinity:
     """Which accelerator each rank of a node sees: local rank r (the first of ``local_rank_env``
     set by the launcher) gets ``variable`` = ``value`` with {gpu} = r // tiles_per_gpu,
-    {tile} = r % tiles_per_gpu, {local_rank} = r. Aurora: ZE_AFFINITY_MASK={gpu}.{tile}, two
-    tiles per GPU, so each of the 12 ranks of a node sees one tile as its only device."""
+    {tile} = r % tiles_per_gpu, {local_rank} = r. E.g. CUDA_VISIBLE_DEVICES={local_rank}, or on
+    Aurora a flat ZE_AFFINITY_MASK={local_rank}; a {gpu}.{tile} mask is for COMPOSITE mode only
+    (the frameworks module's FLAT mode skips it: the rank sees no device, and says so at start).
+    Aurora's site uses none: each rank binds tile <local rank> itself (optimus_core.device)."""
 
     variable: str
     value: str = "{local_rank}"
@@ -139,7 +223,12 @@ class SiteConfig:
     kind: str = "local"
     account: str = ""
     queue: str = "auto"  # a name of ``queues`` or "auto": the first queue that fits nodes and walltime
-    queues: dict[str, QueueLimits] = field(default_factory=dict)
+    queues: dict[str, Queue] = field(default_factory=dict)
+    queues_source: str = ""  # where the queue table was copied from, and when (it changes)
+    max_jobs_per_project: int = 0  # jobs of the project running at once (0 = no limit); ours never exceed it
+    slots_dir: str = ""  # where our launchers count their jobs per queue (workflow/queue_slots.py); "" = default
+    device: str = "auto"  # the trainer's device type on the compute nodes (train.device): cuda | xpu | cpu | auto
+    checkpoint_every_minutes: float = 0.0  # train.checkpoint_every_minutes of its runs: its interrupts' interval (0: the run's)
     tiles_per_node: int = 1  # ranks per node: Aurora 12 (6 PVC GPUs x 2 tiles)
     cpus_per_node: int = 1  # PBS `select=N:ncpus=C`
     select_options: str = ""  # appended to the select line, e.g. "ngpus=4"
@@ -155,7 +244,10 @@ class SiteConfig:
     optimus: str = "optimus"  # the command on the compute nodes
     retries: int = 1  # extra attempts for a failed task (beyond those a multi-job run needs)
     walltime_h: float = 1.0  # per job, for runs that do not come from the registry
-    address: str = ""  # interchange address the workers connect to; empty = Parsl's guess
+    startup_h: float = 0.0  # hours a job spends before its first step (module load, imports, building the model)
+    timed_margin: float = 0.25  # room a timed run's walltime leaves over its estimate
+    address: str = ""  # interchange address the workers connect to; empty: by address_interface, else Parsl's guess
+    address_interface: str = ""  # the submit host's network interface the workers reach (Aurora: hsn0)
     max_workers_per_node: int = 1
     heartbeat_period: int = 30  # s; a job cut by PBS is noticed after heartbeat_threshold
     heartbeat_threshold: int = 120
@@ -179,10 +271,18 @@ class SiteConfig:
             bad("retries", "must be >= 0")
         if self.walltime_h <= 0:
             bad("walltime_h", "must be > 0")
+        if self.checkpoint_every_minutes < 0:
+            bad("checkpoint_every_minutes", "must be >= 0 (0: the run's own setting)")
+        if self.startup_h < 0 or self.timed_margin < 0:
+            bad("startup_h" if self.startup_h < 0 else "timed_margin", "must be >= 0")
         if not (0 < self.mfu <= 1) or self.peak_tflops_per_tile <= 0:
             bad("mfu", "must be in (0, 1], with peak_tflops_per_tile > 0")
         if self.kind == "pbspro" and not self.queues:
-            bad("queues", "a PBS site needs its queue table (name: {min_nodes, max_nodes, walltime_h})")
+            bad("queues", "a PBS site needs its queue table (name: {min_nodes, max_nodes, walltime_h} or {tiers})")
+        if self.device not in ("auto", "cpu", "cuda", "xpu"):
+            bad("device", "must be one of auto, cpu, cuda, xpu")
+        if self.max_jobs_per_project < 0:
+            bad("max_jobs_per_project", "must be >= 0 (0 = no limit)")
         if self.queue != "auto" and self.queues and self.queue not in self.queues:
             bad("queue", f"unknown; allowed: auto, {', '.join(self.queues)}")
         if self.cpu_bind.startswith("list:") and len(self.cpu_bind[5:].split(":")) != self.tiles_per_node:
@@ -209,15 +309,16 @@ def site_from_dict(data: dict[str, Any], **overrides: Any) -> SiteConfig:
         raise ConfigError(f"site.{unknown[0]}: unknown field; allowed: {', '.join(sorted(known))}")
     if "name" not in data:
         raise ConfigError("site.name: missing")
-    queues = {}
-    for qname, q in (data.get("queues") or {}).items():
-        try:
-            queues[qname] = q if isinstance(q, QueueLimits) else QueueLimits(**q)
-        except TypeError as e:
-            raise ConfigError(f"site.queues.{qname} = {q!r}: needs min_nodes, max_nodes, walltime_h ({e})") from None
-        except ConfigError as e:
-            raise ConfigError(f"site.queues.{qname}: {e}") from None
+    if not isinstance(data.get("queues") or {}, dict):
+        raise ConfigError(f"site.queues = {data['queues']!r}: must be a mapping of queue name to its limits")
+    queues = {str(qname): Queue.from_dict(qname, q) for qname, q in (data.get("queues") or {}).items()}
     data["queues"] = queues
+    for f in fields(SiteConfig):  # a wrong type is named here, not as a TypeError later
+        kind = _FIELD_TYPES.get(str(f.type))
+        if kind is not None and f.name in data and data[f.name] is not None:
+            value = [data[f.name]] if kind is list and isinstance(data[f.name], str) else data[f.name]
+            _check_type(f"site.{f.name}", value, kind, _TYPE_WORDS[kind])
+            data[f.name] = value
     if not data.get("account"):
         data["account"] = os.environ.get(ACCOUNT_ENV, "")
     data["env"] = {str(k): str(v) for k, v in (data.get("env") or {}).items()}
@@ -240,10 +341,12 @@ def site_from_dict(data: dict[str, Any], **overrides: Any) -> SiteConfig:
     if affinity is not None and not isinstance(affinity, (dict, GpuAffinity)):
         raise ConfigError(f"site.gpu_affinity = {affinity!r}: must be a mapping (variable, value, tiles_per_gpu, "
                           "local_rank_env) or null")
-    for key in ("worker_init", "scheduler_options"):
-        if isinstance(data.get(key), str):
-            data[key] = [data[key]]
     return SiteConfig(**data)
+
+
+_FIELD_TYPES = {"int": int, "float": float, "str": str, "list[str]": list}
+_TYPE_WORDS = {int: "must be an integer", float: "must be a number", str: "must be a string",
+               list: "must be a list of strings"}
 
 
 def load_site(name_or_path: str | Path, **overrides: Any) -> SiteConfig:

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError, ParallelConfig
-from ..device import collective_backend, import_vendor_extensions, resolve_device_type
+from ..device import (binding_index, collective_backend, import_vendor_extensions, resolve_device_type,
+                      visible_devices)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class LaunchEnv:
     launcher: str  # torchrun | ompi | pmi | none
     master_addr: str | None
     master_port: str | None
+    local_world: int | None = None  # ranks on this node, where the launcher says
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -66,22 +68,24 @@ def read_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
     if "RANK" in env and "WORLD_SIZE" in env:
         launcher, rank, world = "torchrun", _int(env, "RANK"), _int(env, "WORLD_SIZE")
-        local_names = ("LOCAL_RANK",)
+        local_names, size_names = ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",)
     elif "OMPI_COMM_WORLD_RANK" in env:
         launcher, rank, world = "ompi", _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
-        local_names = ("OMPI_COMM_WORLD_LOCAL_RANK",)
+        local_names, size_names = ("OMPI_COMM_WORLD_LOCAL_RANK",), ("OMPI_COMM_WORLD_LOCAL_SIZE",)
     elif "PMI_RANK" in env:
         launcher, rank, world = "pmi", _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
         local_names = ("PALS_LOCAL_RANKID", "PMI_LOCAL_RANK", "MPI_LOCALRANKID")  # PALS, PMIx, Hydra
+        size_names = ("PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE", "MPI_LOCALNRANKS")
     else:
-        return LaunchEnv(0, 1, 0, "none", addr, port)
+        return LaunchEnv(0, 1, 0, "none", addr, port, 1)
     # A launcher that does not say the local rank runs one rank per node as far as we can tell.
     local = next((_int(env, n) for n in local_names if n in env), 0)
+    local_world = next((_int(env, n) for n in size_names if n in env), None)
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"{launcher} environment: rank {rank}, world size {world}: need 0 <= rank < world")
     if world > 1 and not addr:
         addr, port = pbs_rendezvous(env, port)
-    return LaunchEnv(rank, world, local, launcher, addr, port)
+    return LaunchEnv(rank, world, local, launcher, addr, port, local_world)
 
 
 def pbs_rendezvous(env: Mapping[str, str], port: str | None) -> tuple[str | None, str | None]:
@@ -217,13 +221,16 @@ class Mesh:
         return t
 
     def device_meshes(self):
-        """(world, grid): torch DeviceMeshes over the same ranks as this mesh's groups, made once
-        (collective: every rank calls it, in the same order). ``world`` is 1-D over every rank
-        (the dense parameters' sharding); ``grid`` is (ep, expert_dp) with ``grid[i, j]`` = rank
-        ``j * ep + i``, so ``grid["ep"]`` is this rank's EP group and ``grid["expert_dp"]`` its
-        expert-dp group. Placements (Shard(0), Shard(0)) on ``grid`` cut dim 0 into EP blocks
-        first, then each block over expert-dp: how an expert weight's rows are laid out
-        (optimus_core.parallel.layout)."""
+        """{"world", "grid", "dense", "experts"}: torch DeviceMeshes over the same ranks as this
+        mesh's groups, made once (collective: every rank calls it, in the same order). ``world``
+        is 1-D over every rank; ``grid`` is (ep, expert_dp) with ``grid[i, j]`` = rank ``j * ep +
+        i``, so ``grid["ep"]`` is this rank's EP group and ``grid["expert_dp"]`` its expert-dp
+        group. ``dense`` and ``experts`` are what the dense and the expert parameters are sharded
+        on: ``world`` and ``grid`` when one block shards over every rank; with HSDP replicas
+        (parallel.dp_shard) ``dense`` is (replicate, shard) and ``experts`` (ep, replicate,
+        shard), as sharding_layout lays the ranks out. Placements (Shard(0), Shard(0)) on
+        ``grid`` cut dim 0 into EP blocks first, then each block over expert-dp: how an expert
+        weight's rows are laid out (optimus_core.parallel.layout)."""
         if self._device_meshes is None:
             from torch.distributed.device_mesh import DeviceMesh
 
@@ -255,12 +262,8 @@ def init_distributed(parallel: ParallelConfig, n_experts: int | None = None, dev
     launch = read_launch_env(env)
     group_layout(launch.world_size, parallel.ep, n_experts, parallel.dp_shard)  # raises on every rank, before any collective
     check_rendezvous(launch)
-    device_type = resolve_device_type(device)
-    if device_type == "cpu":
-        dev = torch.device("cpu")
-    else:  # one rank per device of the node
-        dev = torch.device(device_type, launch.local_rank % getattr(torch, device_type).device_count())
-        getattr(torch, device_type).set_device(dev)
+    dev = bind_device(device, launch, env)
+    device_type = dev.type
     if launch.world_size == 1:
         return Mesh.single(dev)
     backend = collective_backend(device_type)
@@ -277,6 +280,37 @@ def init_distributed(parallel: ParallelConfig, n_experts: int | None = None, dev
                                 device_id=dev if device_type != "cpu" else None,
                                 timeout=timeout)
     return build_groups(mesh, timeout)
+
+
+def bind_device(requested: str, launch: LaunchEnv, env: Mapping[str, str] | None = None) -> torch.device:
+    """This rank's device: the CPU, or its own accelerator of the node (optimus_core.device
+    binding_index: one visible device, else the one at its local rank), made current.
+
+    A rank that does not see the device it should -- an explicit ``cuda`` / ``xpu`` that this
+    process cannot see, or too few devices for the ranks of its node -- stops with a
+    DeviceBindingError naming its host, rank, visibility variables and devices, before any
+    collective. ``auto`` with several ranks and no accelerator trains on the CPU and says so
+    (rank 0, one line): a site that has accelerators names its device type (site.device), so
+    that its jobs never fall back to the CPU."""
+    env = os.environ if env is None else env
+    if requested in ("cuda", "xpu"):
+        try:
+            device_type = resolve_device_type(requested)
+        except RuntimeError:
+            binding_index(requested, launch.local_rank, launch.local_world, [], rank=launch.rank, env=env)
+            raise
+    else:
+        device_type = resolve_device_type(requested)
+    if device_type == "cpu":
+        if requested == "auto" and launch.world_size > 1 and launch.rank == 0:
+            print(f"[optimus] device auto: no cuda or xpu device visible; {launch.world_size} ranks train on the CPU "
+                  f"(gloo)", flush=True)
+        return torch.device("cpu")
+    names = visible_devices(device_type)
+    index = binding_index(device_type, launch.local_rank, launch.local_world, names, rank=launch.rank, env=env)
+    dev = torch.device(device_type, index)
+    getattr(torch, device_type).set_device(dev)
+    return dev
 
 
 def build_groups(mesh: Mesh, timeout: datetime.timedelta | None = None) -> Mesh:

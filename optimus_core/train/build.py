@@ -13,12 +13,12 @@ layout. The trainer, the scaling sweep and the rehearsal all build through here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from ..config import RunConfig
-from ..memory import GIB, MemoryEstimate, MemoryLayout, check_fits, device_budget, fit_checkpointing
+from ..memory import GIB, MemoryEstimate, check_run, device_budget
 from ..model.linear_cross_entropy import use_softmax_kernel
 from ..model.transformer import Transformer
 from ..parallel import Mesh, parallelize
@@ -47,12 +47,13 @@ def build_model(cfg: RunConfig, mesh: Mesh | None = None, device: torch.device |
     model.lm_loss_kernel = use_softmax_kernel(cfg.train.lm_loss_softmax, device)
     model.set_recast_expert_weights(cfg.train.recast_expert_weights)
     if mesh.distributed:
-        model = parallelize(model, mesh)
+        model = parallelize(model, mesh, cfg.parallel.dispatch)
         shard_model(model, mesh, dtype=cfg.train.dtype, experts_sharded=cfg.parallel.optimizer == "ep_aware",
                     reduce_dtype=cfg.parallel.reduce_dtype)
     materialize(model, mesh, device, seed=cfg.train.seed, std=cfg.model.init_std)
     if device.type == "meta":
         return model
+    _trusted_expert_kernels(model, device)
     if cfg.train.init_from:
         load_whole_weights_(model, mesh, _import_weights(cfg))
     if not mesh.distributed:  # sharded units are gathered in bf16: they need no copies
@@ -93,14 +94,8 @@ def plan_memory(cfg: RunConfig, mesh: Mesh, budget_bytes: float | None | str = "
     if budget_bytes == "device":
         chosen = cfg.train.memory_budget_gib
         budget_bytes = chosen * GIB if chosen is not None else device_budget(device_memory_bytes(mesh.device))
-    layout = MemoryLayout.of_run(cfg, mesh.world_size, ("none", 1), mesh.device.type)
-    run = cfg.preset or "this run"
-    if cfg.train.activation_checkpointing == "auto":
-        checkpointing = fit_checkpointing(cfg.model, layout, budget_bytes, run=run)
-    else:
-        checkpointing = (cfg.train.activation_checkpointing, cfg.train.activation_checkpointing_every)
-    layout = replace(layout, checkpointing=checkpointing[0], every=checkpointing[1])
-    return MemoryPlan(checkpointing, check_fits(cfg.model, layout, budget_bytes, run=run), budget_bytes)
+    checkpointing, est = check_run(cfg, mesh.world_size, mesh.device.type, budget_bytes, run=cfg.preset or "this run")
+    return MemoryPlan(checkpointing, est, budget_bytes)
 
 
 def build_run_optimizer(model: Transformer, cfg: RunConfig, mesh: Mesh):
@@ -116,8 +111,6 @@ def build_run_optimizer(model: Transformer, cfg: RunConfig, mesh: Mesh):
 def load_whole_weights_(model: Transformer, mesh: Mesh, state: dict[str, torch.Tensor]) -> None:
     """Set every parameter's local share from ``state``, a whole (unsharded) state dict: each rank
     copies its rows. Persistent buffers are taken as they are."""
-    from ..model.experts import Experts
-
     for name, share in shares(model, mesh).items():
         whole = state[name]
         if whole.ndim == 3 and share.local.ndim == 2:  # experts in the earlier (E, rows, cols) layout
@@ -126,9 +119,7 @@ def load_whole_weights_(model: Transformer, mesh: Mesh, state: dict[str, torch.T
     for name, buf in model.named_buffers():
         if name in state:
             buf.copy_(state[name])
-    for module in model.modules():
-        if isinstance(module, Experts):
-            module.refresh_weight_casts()
+    model.refresh_weight_casts()
 
 
 def _import_weights(cfg: RunConfig) -> dict[str, torch.Tensor]:
@@ -156,3 +147,17 @@ def _import_weights(cfg: RunConfig) -> dict[str, torch.Tensor]:
         raise ValueError(f"{where}: its model does not match model ({cfg.preset or 'this run'}): "
                          f"{'; '.join(differ)}. Use the preset the export was trained with")
     return source.state_dict()
+
+
+def _trusted_expert_kernels(model, device: torch.device) -> None:
+    """The experts' Triton kernels only where they passed their self-check on this device
+    (kernels.selfcheck: the first build on a device runs it and warns once on a failure); the
+    loop over experts otherwise. The config is left as it is: only the modules' backend changes."""
+    from kernels.selfcheck import validated
+
+    from ..model.experts import Experts
+
+    experts = [m for m in model.modules() if isinstance(m, Experts) and m.backend == "triton"]
+    if experts and not validated("experts", device):
+        for m in experts:
+            m.backend = "loop"

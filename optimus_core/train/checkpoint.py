@@ -174,10 +174,9 @@ def training_tensors(model, optimizer, mesh) -> dict:
     same dict, filled by ``load_tensors_``, loads them in place."""
     from ..parallel.layout import local_tensor, shares
 
-    out = {}
+    out = model_tensors(model, mesh)
     by_name = dict(model.named_parameters())
     for name, share in shares(model, mesh).items():
-        out[MODEL + name] = share.dtensor()
         state = _adamw_state(optimizer, by_name[name])
         for moment in MOMENTS:
             out[f"{OPTIM}{name}/{moment}"] = share.like(local_tensor(state[moment])).dtensor()
@@ -185,10 +184,19 @@ def training_tensors(model, optimizer, mesh) -> dict:
         if not torch.is_tensor(step):  # a plain number: made a tensor the load can fill
             state["step"] = step = torch.tensor(float(step), dtype=torch.float32)
         out[f"{OPTIM}{name}/step"] = step
+    out.update(_rng_tensors(mesh))
+    return out
+
+
+def model_tensors(model, mesh) -> dict:
+    """The model's part of ``training_tensors`` (its parameters' shares and its buffers): what
+    an evaluation of a sharded model loads with ``load_tensors_``."""
+    from ..parallel.layout import shares
+
+    out = {MODEL + name: share.dtensor() for name, share in shares(model, mesh).items()}
     for name, buf in model.named_buffers(remove_duplicate=True):
         if _persistent(model, name):
             out[MODEL + name] = buf
-    out.update(_rng_tensors(mesh))
     return out
 
 
@@ -265,9 +273,11 @@ def finished_on_exit(finish):
 
 
 def checkpoint_group(mesh, timeout=None):
-    """A gloo group for checkpoint writes, made once (collective): DCP's planning runs its
-    collectives there (on the host), and background writes must not interleave with the
-    training's on the default group. ``timeout``: a timedelta."""
+    """A gloo group for background checkpoint writes (train.async_checkpoint), made once
+    (collective): DCP's planning runs its collectives there (on the host), and background writes
+    must not interleave with the training's on the default group. It spans the world, and a gloo
+    group connects every rank to every other: foreground writes use the default group instead.
+    ``timeout``: a timedelta."""
     import torch.distributed as dist
 
     if getattr(mesh, "_checkpoint_group", None) is None:

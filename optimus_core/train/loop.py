@@ -140,12 +140,17 @@ class Trainer:
         if self.is_lead:
             tqdm.write(f"[{self.cfg.preset or 'train'}] {event}")
 
-    def _stop_agreed(self, stop: StopRequest) -> bool:
-        """A stop signal may reach only some ranks: stop when any rank got one."""
+    def _agree(self, stop: StopRequest) -> tuple[bool, bool]:
+        """(stop, checkpoint now), the same on every rank: a stop signal may reach only some
+        ranks, and the clocks that say train.checkpoint_every_minutes have passed differ by a
+        little; either is acted on when any rank says so (one all-reduce of two flags a step)."""
+        minutes = self.cfg.train.checkpoint_every_minutes
+        due = bool(minutes) and time.monotonic() - self._last_save_time >= 60 * minutes
         if not self.mesh.distributed:
-            return stop.requested
-        flag = torch.tensor([float(stop.requested)], device=self.device)
-        return bool(self.mesh.all_reduce_sum_(flag).item() > 0)
+            return stop.requested, due
+        flags = torch.tensor([float(stop.requested), float(due)], device=self.device)
+        stop_any, due_any = (self.mesh.all_reduce_sum_(flags) > 0).tolist()
+        return stop_any, due_any
 
     def save(self) -> Path | None:
         """Write a checkpoint (a collective when distributed: every rank calls it).
@@ -154,6 +159,7 @@ class Trainer:
         small rest; nothing is gathered or cloned, and the checkpoint loads on any other number
         of ranks, EP degree or one process (optimus_core.train.checkpoint).
         """
+        self._last_save_time = time.monotonic()  # the minutes of train.checkpoint_every_minutes restart
         settle_updates(self.optimizer)  # the weights and state saved are those after the last update
         state = {"loader": self.loader.state_dict()}
         meta = {"config": self.cfg.to_dict(), "tokens": self.tokens, "data_position": self.loader.state_dict(),
@@ -163,8 +169,12 @@ class Trainer:
         self.publish_checkpoint()  # one background write at a time
         # The last checkpoint of a run is written in the foreground: the run's outputs follow it.
         background = self.cfg.train.async_checkpoint and self.step < self.cfg.train.steps
+        # Background writes plan on a gloo group of their own, away from the training's collectives;
+        # a foreground write plans on the default group, so a synchronous run (the default, and the
+        # paper's) never makes a world-spanning gloo group: at 12288 ranks every rank would open a
+        # connection to every other.
         group = None
-        if self.mesh.distributed:
+        if self.mesh.distributed and self.cfg.train.async_checkpoint:
             group = ckpt.checkpoint_group(self.mesh, timedelta(seconds=self.cfg.parallel.collective_timeout_s))
         path = ckpt.save_checkpoint(self.run_dir, self.step, state=state, meta=meta, rank=self.mesh.rank,
                                     tensors=ckpt.training_tensors(self.model, self.optimizer, self.mesh),
@@ -230,6 +240,7 @@ class Trainer:
         if self.writer is not None:
             self.writer.update_attrs(resumed_from=self.resumed_from)
         step_times: list[float] = []
+        self._last_save_time = time.monotonic()  # a job's start counts as its last checkpoint
         guard = LossGuard(t.loss_spike_factor, t.max_bad_steps)
         bar = tqdm(total=t.steps, initial=self.step, desc=self.cfg.preset or "train", unit="step",
                    disable=not self.progress, dynamic_ncols=True)
@@ -241,10 +252,13 @@ class Trainer:
             while self.step < t.steps:
                 self._one_step(guard, step_times, bar)
                 watchdog.beat(self.step)
-                if self._stop_agreed(stop):
+                stop_now, save_now = self._agree(stop)
+                if stop_now:
                     self.save()
                     bar.close()
                     raise Preempted(self.step, stop.signal_name or "a signal on another rank")
+                if save_now and self.step < t.steps:
+                    self.save()
             bar.close()
             final_eval = self.evaluate()
             self.save()

@@ -1,7 +1,7 @@
 """Device and collective-backend selection, tested without the hardware."""
 import pytest
 
-from optimus_core.device import collective_backend, peak_flops_for, resolve_device_type
+from optimus_core.device import collective_backend, device_slug, peak_flops_for, resolve_device_type
 
 
 def test_backend_per_device():
@@ -30,3 +30,61 @@ def test_peaks():
     assert peak_flops_for("NVIDIA H200") == 989e12
     assert peak_flops_for("Intel(R) Data Center GPU Max 1550") == pytest.approx(419.5e12)
     assert peak_flops_for("some cpu") is None
+
+
+def test_results_name_the_machine_by_a_slug_of_its_device_name(monkeypatch):
+    import torch
+
+    import optimus_core.device as device
+
+    assert device_slug("cpu") == "cpu" and device_slug(torch.device("meta")) == "meta"
+    monkeypatch.setattr(device, "resolve_device_type", lambda requested="auto": "cuda")
+    monkeypatch.setattr(device, "device_name", lambda kind, index=0: f"NVIDIA H200 ({kind}:{index})")
+    assert device_slug("auto") == "nvidia-h200-cuda-0"
+    assert device_slug("cuda:1") == "nvidia-h200-cuda-1"
+
+
+def test_each_rank_binds_its_own_device_or_says_why_not():
+    from optimus_core.device import DeviceBindingError, binding_index
+
+    tiles = [f"Intel(R) Data Center GPU Max 1550 tile {i}" for i in range(12)]
+    # FLAT, no mask: the node's 12 tiles shared out by local rank
+    assert [binding_index("xpu", r, 12, tiles) for r in (0, 7, 11)] == [0, 7, 11]
+    # a flat mask (or the launcher) gave the rank its one tile
+    assert binding_index("xpu", 7, 12, tiles[7:8], env={"ZE_AFFINITY_MASK": "7"}) == 0
+    assert binding_index("cuda", 1, None, ["H200 0", "H200 1"]) == 1  # local world unknown: the rank's own
+    env = {"ZE_AFFINITY_MASK": "3.1", "ZE_FLAT_DEVICE_HIERARCHY": "FLAT"}
+    with pytest.raises(DeviceBindingError) as e:  # a composite mask under FLAT: nothing visible
+        binding_index("xpu", 7, 12, [], rank=31, env=env, host="x4102c5s3b0n0")
+    for part in ("host x4102c5s3b0n0", "rank 31 (local rank 7 of 12)", "sees no xpu device",
+                 "ZE_AFFINITY_MASK=3.1", "ZE_FLAT_DEVICE_HIERARCHY=FLAT", "devices seen: none"):
+        assert part in str(e.value), part
+    with pytest.raises(DeviceBindingError, match="12 ranks on this node share 2 visible xpu devices.*1: tile b"):
+        binding_index("xpu", 1, 12, ["tile a", "tile b"])
+    with pytest.raises(DeviceBindingError, match="local rank 2 has no device of its own .2 visible.*no mask set"):
+        binding_index("cuda", 2, None, ["H200 0", "H200 1"])
+    assert binding_index("cuda", 0, 1, ["H200"]) == 0  # one rank, one device
+    with pytest.raises(DeviceBindingError, match="4 ranks on this node share 1 visible cuda devices"):
+        binding_index("cuda", 3, 4, ["H200"])  # no per-rank mask: all four would share it
+
+
+def test_a_rank_that_cannot_see_its_device_stops_before_any_collective(monkeypatch):
+    import torch
+
+    from optimus_core.device import DeviceBindingError
+    from optimus_core.parallel import mesh
+
+    launch = mesh.read_launch_env({"PMI_RANK": "13", "PMI_SIZE": "24", "PALS_LOCAL_RANKID": "1",
+                                   "PALS_LOCAL_SIZE": "12", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    assert (launch.local_rank, launch.local_world) == (1, 12)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceBindingError, match="rank 13 .local rank 1 of 12.: it sees no cuda device"):
+        mesh.bind_device("cuda", launch, env={})
+    monkeypatch.setattr(mesh, "resolve_device_type", lambda requested="auto": "cuda")
+    monkeypatch.setattr(mesh, "visible_devices", lambda kind: ["H200 0"] * 2)
+    with pytest.raises(DeviceBindingError, match="12 ranks on this node share 2"):
+        mesh.bind_device("auto", launch, env={})
+    bound = []
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    monkeypatch.setattr(mesh, "visible_devices", lambda kind: ["H200"] * 12)
+    assert mesh.bind_device("auto", launch, env={}) == torch.device("cuda", 1) == bound[0]

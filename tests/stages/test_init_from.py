@@ -4,6 +4,7 @@ A 2-step run is exported; a new run initialised from the export has, at step 0, 
 held-out loss the exported model had at the end of its own run (same data, same evaluation).
 """
 import json
+from pathlib import Path
 
 import pytest
 
@@ -42,8 +43,15 @@ def test_a_run_initialised_from_an_export_starts_at_its_loss(exported, tokens_di
     assert dst["loss.code"].iloc[0] == pytest.approx(src["loss.code"].iloc[-1], rel=1e-6)
     assert abs(dst["loss"].iloc[0] - src["loss"].iloc[0]) > 1e-3
     # the resolved path is recorded with the run's config
-    saved = json.loads((root / "dst" / "meta.json").read_text())["config"]["train"]["init_from"]
-    assert saved == str(hf_dir.resolve())
+    meta = json.loads((root / "dst" / "meta.json").read_text())
+    assert meta["config"]["train"]["init_from"] == str(hf_dir.resolve())
+    # ... and the stack it trained on (on Aurora: the frameworks module's torch, xpu, xccl)
+    import torch
+
+    assert meta["software"]["torch"] == torch.__version__ and meta["software"]["device_type"] == "cpu"
+    assert meta["software"]["backend"] == "gloo" and Path(meta["software"]["torch_path"]).is_dir()
+    assert meta["launch"]["world_size"] == 1
+    assert results.attrs("dst")["software"]["torch"] == torch.__version__
     # a resumed run loads its checkpoint over the export: more steps continue from step 1
     assert main(["pretrain", "--preset", "mula-1b@laptop", "--data", str(tokens_dir), "--out", str(root / "dst"),
                  "--steps", "2", "--run-id", "dst", *EVAL, "--set", f"train.init_from={hf_dir}"]) == 0

@@ -1,5 +1,6 @@
-"""Aurora's rank placement: one rank per tile, 12 per node, each seeing only its own tile
-(ZE_AFFINITY_MASK from its local rank) and bound to cores of that tile's socket.
+"""Aurora's rank placement: one rank per tile, 12 per node, each training on tile <local rank> of
+the 12 that FLAT mode shows (no mask) and bound to cores of that tile's socket; and the per-rank
+mask wrapper a site may still ask for (a flat ZE_AFFINITY_MASK=<local rank>, CUDA_VISIBLE_DEVICES).
 
 The generated job line is run for real under a stand-in for Aurora's PALS mpiexec that does what
 PALS does with `-n N --ppn P --cpu-bind list:...`: it starts N ranks, P per node, gives each
@@ -37,8 +38,10 @@ for rank in range(n):
                STANDIN_CORES=cores[rank % ppn])
     if subprocess.run(args, env=env).returncode: sys.exit(1)
 '''
-# Aurora's node: 2 sockets of 52 cores (0-51, 52-103), GPUs 0-2 on socket 0, GPUs 3-5 on socket 1.
+# Aurora's node: 2 sockets of 52 cores (0-51, 52-103), GPUs 0-2 on socket 0, GPUs 3-5 on socket 1;
+# in FLAT mode device t is tile t % 2 of GPU t // 2.
 SOCKET_OF_GPU = {0: 0, 1: 0, 2: 0, 3: 1, 4: 1, 5: 1}
+FLAT_TILES = [f"Intel(R) Data Center GPU Max 1550 (GPU {t // 2} tile {t % 2})" for t in range(12)]
 
 
 def socket_of_cores(cores: str) -> int:
@@ -66,35 +69,40 @@ def run_ranks(line: str, tmp_path: Path, env: dict | None = None) -> subprocess.
     return subprocess.run(["sh", "-c", line], env=env, capture_output=True, text=True, timeout=60)
 
 
-def test_two_nodes_each_rank_sees_its_own_tile_on_its_own_cores(aurora, tmp_path):
+def test_two_nodes_each_rank_binds_its_own_tile_on_its_own_cores(aurora, tmp_path):
+    from optimus_core.device import binding_index
+    from optimus_core.parallel.mesh import read_launch_env
+
     job = plan(None, aurora, ranks=24)
-    assert (job.nodes, job.ppn) == (2, 12)
-    show = ["sh", "-c", 'echo "$PALS_RANKID $PALS_NODEID $PALS_LOCAL_RANKID $ZE_AFFINITY_MASK $STANDIN_CORES"']
+    assert (job.nodes, job.ppn) == (2, 12) and job.gpu_affinity == ""
+    show = ["sh", "-c", 'echo "$PALS_RANKID $PALS_NODEID $PALS_LOCAL_RANKID ${ZE_AFFINITY_MASK:-none} $STANDIN_CORES"']
     line = command_line(job, show)
-    assert line.startswith(f"{job.mpiexec} sh -c ") and line.endswith(shlex.join(show))
+    assert line == f"{job.mpiexec} {shlex.join(show)}"
     out = run_ranks(line, tmp_path)
     assert out.returncode == 0, out.stderr
     rows = sorted((line.split() for line in out.stdout.splitlines()), key=lambda r: int(r[0]))
     assert [int(r[0]) for r in rows] == list(range(24))
-    masks = {}
+    tiles = {}
     for rank, node, local, mask, cores in rows:
         rank, node, local = int(rank), int(node), int(local)
-        assert (node, local) == divmod(rank, 12)
-        gpu, tile = map(int, mask.split("."))
-        assert (gpu, tile) == divmod(local, 2)  # local 0 -> 0.0, 1 -> 0.1, 2 -> 1.0, ..., 11 -> 5.1
+        assert (node, local) == divmod(rank, 12) and mask == "none"  # FLAT: no gpu.tile mask
+        launch = read_launch_env({"PMI_RANK": str(rank), "PMI_SIZE": "24", "PALS_LOCAL_RANKID": str(local),
+                                  "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+        tile = binding_index("xpu", launch.local_rank, launch.local_world, FLAT_TILES, rank=rank)
         assert cores == aurora.cpu_bind[5:].split(":")[local]
-        assert socket_of_cores(cores) == SOCKET_OF_GPU[gpu]  # the tile's own socket
-        masks.setdefault(node, []).append(mask)
-    # on each node, every one of the 6 GPUs x 2 tiles is seen by exactly one rank
-    expected = [f"{g}.{t}" for g in range(6) for t in range(2)]
-    assert masks == {0: expected, 1: expected}
+        assert socket_of_cores(cores) == SOCKET_OF_GPU[tile // 2]  # the tile's own socket
+        tiles.setdefault(node, []).append(tile)
+    # on each node, every one of the 6 GPUs x 2 tiles is trained on by exactly one rank
+    assert tiles == {0: list(range(12)), 1: list(range(12))}
 
 
-def test_the_wrapper_reads_the_first_local_rank_variable_that_is_set(aurora, tmp_path):
-    wrapper = aurora.gpu_affinity.wrapper()
+def test_a_flat_mask_wrapper_reads_the_first_local_rank_variable_that_is_set(aurora, tmp_path):
+    site = sites.load_site("aurora", account="A", gpu_affinity={
+        "variable": "ZE_AFFINITY_MASK", "local_rank_env": ["PALS_LOCAL_RANKID", "PMI_LOCAL_RANK", "MPI_LOCALRANKID"]})
+    wrapper = site.gpu_affinity.wrapper()
     show = f'{wrapper} sh -c "echo \\$ZE_AFFINITY_MASK"'
-    assert run_ranks(show, tmp_path, {"MPI_LOCALRANKID": "7"}).stdout == "3.1\n"  # MPICH's Hydra
-    assert run_ranks(show, tmp_path, {"PALS_LOCAL_RANKID": "4", "MPI_LOCALRANKID": "7"}).stdout == "2.0\n"
+    assert run_ranks(show, tmp_path, {"MPI_LOCALRANKID": "7"}).stdout == "7\n"  # MPICH's Hydra
+    assert run_ranks(show, tmp_path, {"PALS_LOCAL_RANKID": "4", "MPI_LOCALRANKID": "7"}).stdout == "4\n"
     missing = run_ranks(show, tmp_path)  # no launcher: the rank fails, naming what it looked for
     assert missing.returncode != 0
     assert "gpu_affinity: none of PALS_LOCAL_RANKID PMI_LOCAL_RANK MPI_LOCALRANKID is set" in missing.stderr
@@ -123,5 +131,5 @@ def test_bad_affinity_and_binding_fail_at_load_time_naming_the_field():
                                           r"of a node \(tiles_per_node = 12\), not 2"):
         sites.load_site("aurora", account="A", cpu_bind="list:1-8:9-16")
     with pytest.raises(ConfigError, match=r"site aurora: gpu_affinity = .*needs an mpiexec line"):
-        sites.load_site("aurora", account="A", mpiexec="")
+        sites.load_site("aurora", account="A", mpiexec="", gpu_affinity={"variable": "ZE_AFFINITY_MASK"})
     assert sites.load_site("aurora", account="A", gpu_affinity=None).gpu_affinity is None

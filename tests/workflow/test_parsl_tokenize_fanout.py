@@ -92,7 +92,10 @@ def test_cli_parsl_launcher_on_the_local_site_htex(corpus, tokenizer, tmp_path, 
 
 
 def test_site_cpu_executor_configs(monkeypatch, tmp_path):
+    import parsl.addresses
+
     monkeypatch.delenv(sites.ACCOUNT_ENV, raising=False)
+    monkeypatch.setattr(parsl.addresses, "address_by_interface", lambda name: "10.1.2.3")  # Aurora's hsn0
     aurora = sites.load_site("aurora", account="MyProj")
     job = cpu_job(aurora)
     assert (job.nodes, job.queue, job.walltime) == (16, "capacity", "06:00:00")
@@ -100,6 +103,7 @@ def test_site_cpu_executor_configs(monkeypatch, tmp_path):
     p = ex.provider
     assert isinstance(p, PBSProProvider) and (p.nodes_per_block, p.queue, p.account) == (16, "capacity", "MyProj")
     assert ex.max_workers_per_node == 104 and type(p.launcher).__name__ == "MpiExecLauncher"
+    assert ex.address == "10.1.2.3"
     assert (p.launcher.bind_cmd, p.launcher.overrides) == ("--cpu-bind", "--ppn 1")
     (local,) = parsl_cpu_config(sites.load_site("local"), tmp_path / "l").executors
     assert isinstance(local.provider, LocalProvider) and local.max_workers_per_node >= 1

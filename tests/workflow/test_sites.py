@@ -19,7 +19,7 @@ from workflow.parsl_sites import parsl_config
 from workflow.plan import plan, plan_table
 
 REPO = Path(__file__).resolve().parents[2]
-CPU_BIND = "list:1-8:9-16:17-24:25-32:33-40:41-48:53-60:61-68:69-76:77-84:85-92:93-100"
+CPU_BIND = "list:2-8:10-16:18-24:26-32:34-40:42-48:54-60:62-68:70-76:78-84:86-92:94-100"
 
 
 @pytest.fixture
@@ -29,10 +29,10 @@ def aurora(monkeypatch):
 
 
 @pytest.mark.parametrize("run, nodes, queue, walltime", [
-    ("scaling-mula-220b-a10b-384", 32, "debug-scaling", "01:00:00"),
-    ("scaling-mula-220b-a10b-3072", 256, "debug-scaling", "01:00:00"),
-    ("scaling-mula-220b-a10b-12288", 1024, "prod", "01:00:00"),
-    ("pretrain-mula-7b-a1b", 256, "prod", "24:00:00"),
+    ("scaling-mula-220b-a10b-384", 32, "debug-scaling", "01:00:00"),   # a timed run: its estimate + room
+    ("scaling-mula-220b-a10b-3072", 256, "debug-scaling", "00:25:00"),
+    ("scaling-mula-220b-a10b-12288", 1024, "prod", "00:20:00"),
+    ("pretrain-mula-7b-a1b", 256, "prod", "12:00:00"),                  # the longest prod's small tier allows
 ])
 def test_aurora_job_pbs_lines_and_mpiexec(aurora, run, nodes, queue, walltime):
     job = plan(get(run).paper, aurora)
@@ -43,16 +43,67 @@ def test_aurora_job_pbs_lines_and_mpiexec(aurora, run, nodes, queue, walltime):
     ]
     assert job.scheduler_options == "#PBS -l filesystems=home:flare\n#PBS -l place=scatter"
     assert job.mpiexec == f"mpiexec -n {nodes * 12} --ppn 12 --cpu-bind {CPU_BIND}"
-    assert job.env == {"CCL_PROCESS_LAUNCHER": "pmix", "CCL_ATL_TRANSPORT": "mpi", "CCL_KVS_MODE": "mpi",
-                       "FI_MR_CACHE_MONITOR": "userfaultfd"}
+    assert job.gpu_affinity == ""  # FLAT: each rank binds tile <local rank> itself, no mask
+    minimal = {"CCL_PROCESS_LAUNCHER": "pmix", "CCL_ATL_TRANSPORT": "mpi", "CCL_KVS_MODE": "mpi",
+               "FI_MR_CACHE_MONITOR": "userfaultfd"}
+    scale = {"CCL_ALLREDUCE_SCALEOUT": "direct:0-1048576;rabenseifner:1048577-max",
+             "CCL_KVS_CONNECTION_TIMEOUT": "600", "CCL_ZE_CACHE_OPEN_IPC_HANDLES_THRESHOLD": "1024",
+             "CCL_ATL_SYNC_COLL": "1", "CCL_OP_SYNC": "1"}
+    assert job.env.items() >= {**minimal, **scale}.items()
 
 
-@pytest.mark.parametrize("nodes, walltime_h, queue", [
-    (1, 1, "debug"), (2, 0.5, "debug"), (3, 1, "debug-scaling"), (256, 1, "debug-scaling"),
-    (8, 48, "capacity"), (16, 168, "capacity"), (17, 2, "prod"), (257, 1, "prod"), (1024, 24, "prod"),
+def test_cpu_binding_leaves_each_rank_a_core_for_oneccl_and_the_os_its_own(aurora):
+    sets = [range(int(a), int(b) + 1) for a, b in (c.split("-") for c in aurora.cpu_bind[5:].split(":"))]
+    workers = [int(c) for c in aurora.env["CCL_WORKER_AFFINITY"].split(",")]
+    cores = [c for s in sets for c in s]
+    assert len(sets) == len(workers) == 12 and len(set(cores)) == len(cores)
+    assert not set(workers) & set(cores) and not {0, 52} & set(cores + workers)
+    assert all(w == s.start - 1 for w, s in zip(workers, sets))  # each rank's worker beside its cores
+    assert int(aurora.env["OMP_NUM_THREADS"]) == len(sets[0])
+
+
+@pytest.mark.parametrize("nodes, walltime_h, queue, granted", [
+    (1, 1, "debug", 1), (2, 0.5, "debug", 0.5), (3, 1, "debug-scaling", 1), (256, 1, "debug-scaling", 1),
+    (8, 48, "capacity", 48), (16, 168, "capacity", 168), (257, 1, "prod", 1), (1024, 12, "prod", 12),
+    (1500, 18, "prod", 18), (2000, 24, "prod", 24),
+    (8, 0, "capacity", 168), (256, 0, "prod", 12), (1025, 0, "prod", 18), (32, 0, "debug-scaling", 1),
 ])
-def test_queue_follows_node_count_and_walltime(aurora, nodes, walltime_h, queue):
-    assert plan(None, aurora, ranks=12 * nodes, walltime_h=walltime_h).queue == queue
+def test_queue_follows_node_count_and_walltime(aurora, nodes, walltime_h, queue, granted):
+    job = plan(None, aurora, ranks=12 * nodes, walltime_h=walltime_h)  # walltime 0: the longest allowed
+    assert (job.queue, job.walltime_h) == (queue, granted)
+
+
+def test_no_queue_takes_it_is_an_error_naming_the_table(aurora):
+    with pytest.raises(ConfigError, match=r"nodes = 1024, walltime_h = 13: no queue fits; allowed: .*prod: small "
+                                          r"256-1024 nodes <= 12h, medium 1025-1999 nodes <= 18h"):
+        plan(None, aurora, ranks=12 * 1024, walltime_h=13)
+    with pytest.raises(ConfigError, match=r"nodes = 20, walltime_h = 2: no queue fits"):
+        plan(None, aurora, ranks=12 * 20, walltime_h=2)  # over capacity's 16 nodes, debug-scaling's 1 h
+    with pytest.raises(ConfigError, match=r"walltime_h = 13: over queue 'prod''s limit of 12h at 300 nodes"):
+        plan(None, sites.load_site("aurora", account="A", queue="prod"), ranks=12 * 300, walltime_h=13)
+    with pytest.raises(ConfigError, match=r"nodes = 32: queue 'prod' allows small 256-1024"):
+        plan(None, sites.load_site("aurora", account="A", queue="prod"), ranks=12 * 32)
+
+
+def test_a_timed_run_fits_one_job_with_room_or_is_refused(aurora):
+    from workflow.experiments import RunScale
+    from workflow.plan import timed_walltime
+
+    run = get("scaling-mula-220b-a10b-384").paper
+    job = plan(run, aurora)
+    assert job.jobs == 1 and job.walltime_h >= job.est_hours * 1.25 + aurora.startup_h
+    assert job.walltime_h == timed_walltime(aurora, job.est_hours) <= 1
+    longer = RunScale.for_steps(run.preset, 40, 384, timed=True, ep=32, global_batch=run.global_batch,
+                                extra=run.extra, dp_shard=run.dp_shard)
+    with pytest.raises(ConfigError, match=r"no queue fits.*a timed run: .* h estimated, asking .* with room; fewer steps"):
+        plan(longer, aurora)
+    with pytest.raises(ConfigError, match=r"walltime_h = 0.5: a timed run needs .* h"):
+        plan(run, aurora, walltime_h=0.5)
+
+
+def test_a_long_run_is_chained_jobs_that_each_fit(aurora):
+    job = plan(get("pretrain-mula-7b-a1b").paper, aurora)
+    assert job.walltime_h == 12 and job.jobs == math.ceil(job.est_hours / (12 - aurora.startup_h)) > 1
 
 
 def test_planning_errors_name_field_value_and_allowed(aurora, monkeypatch):
@@ -65,12 +116,14 @@ def test_planning_errors_name_field_value_and_allowed(aurora, monkeypatch):
         plan(None, aurora, ranks=100)
     with pytest.raises(ConfigError, match=r"nodes = 32: queue 'debug' allows 1-2 nodes"):
         plan(run, sites.load_site("aurora", account="A", queue="debug"))
+    with pytest.raises(ConfigError, match=r"walltime_h = 0.5: a timed run needs"):
+        plan(run, sites.load_site("aurora", account="A", queue="debug-scaling"), walltime_h=0.5)
     with pytest.raises(ConfigError, match=r"walltime_h = 2: over queue 'debug-scaling''s limit of 1h"):
-        plan(run, sites.load_site("aurora", account="A", queue="debug-scaling"), walltime_h=2)
-    with pytest.raises(ConfigError, match=r"nodes = 11000, walltime_h = 1: no queue fits; allowed: debug: 1-2 nodes"):
+        plan(None, sites.load_site("aurora", account="A", queue="debug-scaling"), ranks=12 * 32, walltime_h=2)
+    with pytest.raises(ConfigError, match=r"nodes = 11000: no queue takes 11000 nodes; allowed: debug: 1-2 nodes"):
         plan(None, aurora, ranks=12 * 11000)
     with pytest.raises(ConfigError, match=r"walltime_h = 30: no queue fits"):
-        plan(None, aurora, ranks=12 * 100, walltime_h=30)
+        plan(None, aurora, ranks=12 * 300, walltime_h=30)
     with pytest.raises(ConfigError, match=r"queue = 'gpu': unknown; allowed: auto, debug, debug-scaling"):
         sites.load_site("aurora", queue="gpu")
     with pytest.raises(ConfigError, match=r"site.acount: unknown field"):
@@ -79,26 +132,72 @@ def test_planning_errors_name_field_value_and_allowed(aurora, monkeypatch):
         sites.load_site("aurora", mpiexec="mpiexec -n {tiles}")
     with pytest.raises(ConfigError, match=r"site = 'polaris': unknown; known: local, aurora"):
         sites.load_site("polaris")
-    with pytest.raises(ConfigError, match=r"site.queues.debug = .*needs min_nodes, max_nodes, walltime_h"):
+    with pytest.raises(ConfigError, match=r"site.queues.debug = .*needs min_nodes, max_nodes, walltime_h .or tiers.; "
+                                          r"missing min_nodes, walltime_h"):
         sites.load_site("aurora", queues={"debug": {"max_nodes": 2}})
+    bad_site_fields = [
+        ({"queues": {"prod": {"tiers": {"small": {"min_nodes": 256, "max_nodes": 1024}}}}},
+         r"site.queues.prod.tiers.small = .*needs exactly min_nodes, max_nodes, walltime_h"),
+        ({"queues": {"prod": {"tiers": {"s": {"min_nodes": 1, "max_nodes": 2, "walltime_h": 1}}, "walltime_h": 3}}},
+         r"site.queues.prod: a routing queue's limits are its tiers'"),
+        ({"queues": {"debug": {"min_nodes": 1, "max_nodes": "2", "walltime_h": 1}}},
+         r"site.queues.debug.max_nodes = '2': must be an integer"),
+        ({"queues": {"debug": {"min_nodes": 1, "max_nodes": 2, "walltime_h": 1, "jobs": 1}}},
+         r"site.queues.debug.jobs: unknown field"),
+        ({"queues": {"debug": {"min_nodes": 1, "max_nodes": 2, "walltime_h": 1, "max_jobs_per_user": -1}}},
+         r"max_jobs_per_user = -1: must be >= 0"),
+        ({"tiles_per_node": "12"}, r"site.tiles_per_node = '12': must be an integer"),
+        ({"startup_h": "soon"}, r"site.startup_h = 'soon': must be a number"),
+        ({"env": None, "worker_init": {"a": 1}}, r"site.worker_init = \{'a': 1\}: must be a list of strings"),
+        ({"device": "gpu"}, r"device = 'gpu': must be one of auto, cpu, cuda, xpu"),
+        ({"checkpoint_every_minutes": -5}, r"checkpoint_every_minutes = -5: must be >= 0"),
+    ]
+    for change, message in bad_site_fields:
+        with pytest.raises(ConfigError, match=message):
+            sites.load_site("aurora", **change)
 
 
-def test_parsl_config_for_aurora(aurora, tmp_path):
-    job = plan(get("pretrain-mula-7b-a1b").paper, aurora)  # longer than one 24 h job
+def test_parsl_config_for_aurora(aurora, tmp_path, monkeypatch):
+    import parsl.addresses
+
+    monkeypatch.setattr(parsl.addresses, "address_by_interface", lambda name: f"10.0.0.1 ({name})")
+    job = plan(get("pretrain-mula-7b-a1b").paper, aurora)  # longer than one 12 h job
     cfg = parsl_config(aurora, job, tmp_path / "parsl")
     (ex,) = cfg.executors
     p = ex.provider
     assert isinstance(p, PBSProProvider) and p.status_polling_interval == 60 and type(p.launcher).__name__ == "SimpleLauncher"
-    assert (p.account, p.queue, p.nodes_per_block, p.walltime, p.cpus_per_node) == ("MyProj", "prod", 256, "24:00:00", 208)
+    assert (p.account, p.queue, p.nodes_per_block, p.walltime, p.cpus_per_node) == ("MyProj", "prod", 256, "12:00:00", 208)
     assert (p.init_blocks, p.max_blocks) == (1, 1) and ex.max_workers_per_node == 1
+    assert ex.address == "10.0.0.1 (hsn0)"  # the login node's high-speed interface (ALCF's Parsl page)
     assert p.scheduler_options == job.scheduler_options
-    init = p.worker_init.splitlines()
-    assert init[0] == "module load frameworks" and "export CCL_KVS_MODE=mpi" in init
-    assert job.jobs == math.ceil(job.est_hours / 24) > 1
-    assert cfg.retries == aurora.retries + job.jobs - 1 and cfg.run_dir == str(tmp_path / "parsl")
+    assert cfg.retries == 0 and cfg.strategy == "none"  # a new attempt is a new job, not a new block
+    assert cfg.run_dir == str(tmp_path / "parsl")
     local = sites.load_site("local")
     lcfg = parsl_config(local, plan(None, local, ranks=1), tmp_path / "p2")
     assert type(lcfg.executors[0].provider).__name__ == "LocalProvider"
+
+
+def test_the_aurora_job_script_line_by_line(aurora):
+    """What the generated job runs, against ALCF's pages: a login shell's `module`, the pinned
+    frameworks module, the venv made on top of it, TMPDIR, MASTER_ADDR on the high-speed network,
+    the oneCCL sets, no gpu.tile mask under FLAT, no login-node thread count."""
+    from workflow.parsl_sites import worker_init
+
+    job = plan(get("scaling-mula-220b-a10b-768").paper, aurora)
+    init = worker_init(aurora, job).splitlines()
+    assert init[0] == "type module >/dev/null 2>&1 || source /etc/profile"
+    assert re.fullmatch(r"module load frameworks/\d{4}\.\d+\.\d+", init[1])  # pinned, not "frameworks"
+    assert re.fullmatch(r"source \S+/\.venv/bin/activate", init[2])
+    assert "export TMPDIR=/tmp" in init
+    assert ('export MASTER_ADDR=$(head -n 1 "$PBS_NODEFILE" | cut -d. -f1).hsn.cm.aurora.alcf.anl.gov' in init)
+    assert "export MPI_PROVIDER=$FI_PROVIDER" in init
+    for name, value in (("CCL_KVS_MODE", "mpi"), ("CCL_ATL_SYNC_COLL", "1"), ("OMP_NUM_THREADS", "7"),
+                        ("CCL_ALLREDUCE_SCALEOUT", "'direct:0-1048576;rabenseifner:1048577-max'")):
+        assert f"export {name}={value}" in init, name
+    argv = pretrain_argv({"experiment": "scaling-mula-220b-a10b-768", "scale": "paper", "threads": 1, "quiet": True})
+    line = command_line(job, argv)
+    assert "ZE_AFFINITY_MASK" not in line and "--threads" not in line
+    assert line.startswith(f"mpiexec -n 768 --ppn 12 --cpu-bind {CPU_BIND} optimus pretrain ")
 
 
 def test_command_line_is_the_laptop_command_under_mpiexec(aurora):
@@ -107,10 +206,11 @@ def test_command_line_is_the_laptop_command_under_mpiexec(aurora):
                           "out": "/r/x", "preset": None, "quiet": True, "dtype": None, "set": ["a=1", "b=2"],
                           "launcher": "parsl", "site": "aurora", "nproc": 1})
     line = command_line(job, argv)
-    assert job.gpu_affinity == aurora.gpu_affinity.wrapper() and job.gpu_affinity.startswith("sh -c ")
-    assert line == (f"mpiexec -n 768 --ppn 12 --cpu-bind {CPU_BIND} {job.gpu_affinity} optimus pretrain --experiment "
+    assert line == (f"mpiexec -n 768 --ppn 12 --cpu-bind {CPU_BIND} optimus pretrain --experiment "
                     "scaling-mula-220b-a10b-768 --scale paper --data /d/tok --out /r/x --quiet --set a=1 "
                     "--set b=2 --launcher local")
+    flat = sites.load_site("aurora", account="A", gpu_affinity={"variable": "ZE_AFFINITY_MASK"})
+    assert "export ZE_AFFINITY_MASK=$r;" in plan(get("scaling-mula-220b-a10b-768").paper, flat).gpu_affinity
 
 
 def test_node_hours_follow_the_throughput_assumption():
@@ -149,6 +249,8 @@ def test_paper_dry_run_lists_every_job_and_the_node_hour_total(tmp_path):
     assert all(p.est_source == "perfmodel:aurora" for p in plans)
     assert f"TOTAL 15 jobs, {total} node-hours (performance model on machine aurora for 15 jobs)" in text
     assert "--launcher parsl --site aurora" in text
+    # each evaluation is a compute job of the site too (the model sharded as trained), in bf16
+    assert re.search(r"optimus evaluate --run \S+ .*--dtype bfloat16 .*--launcher parsl --site aurora", text)
     # tokenization fans out through the site's CPU executor, its shards kept beside the tokens
     assert f"--launcher parsl --site aurora --shards {tmp_path / 'results'}/data/tokens.shards" in text
     assert not (tmp_path / "results").exists()
@@ -171,6 +273,7 @@ def test_pretrain_on_site_plans_and_submits_the_local_command(tmp_path, monkeypa
         return launch.Submitted(0, tmp_path / "o", tmp_path / "e", 0.0)
 
     monkeypatch.setattr(launch, "submit", fake_submit)
+    monkeypatch.setenv("HOME", str(tmp_path))  # the queue slots' default directory
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(sites.ACCOUNT_ENV, "EnvProj")
     base = ["pretrain", "--data", "tok", "--out", "runs/x", "--launcher", "parsl"]
@@ -182,7 +285,33 @@ def test_pretrain_on_site_plans_and_submits_the_local_command(tmp_path, monkeypa
     assert "x: 2 steps" in capsys.readouterr().out
     assert main([*base, "--experiment", "scaling-mula-220b-a10b-6144", "--scale", "paper", "--site", "aurora"]) == 0
     assert (seen["site"], seen["nodes"], seen["queue"]) == ("aurora", 512, "prod")
-    wrapper = sites.load_site("aurora").gpu_affinity.wrapper()  # each rank sees only its tile
-    assert seen["command"].startswith(f"mpiexec -n 6144 --ppn 12 --cpu-bind {CPU_BIND} {wrapper} optimus pretrain "
+    # no mask: each rank binds its tile; the site's device and checkpoint interval lead the --set list
+    assert seen["command"].startswith(f"mpiexec -n 6144 --ppn 12 --cpu-bind {CPU_BIND} optimus pretrain "
                                       "--experiment")
+    assert "--set train.device=xpu --set train.checkpoint_every_minutes=30" in seen["command"]
     assert seen["run_dir"].name == "paper-scaling-mula-220b-a10b-6144"
+
+
+def test_evaluate_on_site_is_a_compute_job_of_the_runs_tiles(tmp_path, monkeypatch, capsys):
+    from workflow import launch
+    from workflow.cli import main
+
+    seen = {}
+
+    def fake_submit(site, job, command, run_dir, name):
+        seen.update(nodes=job.nodes, queue=job.queue, command=command, name=name)
+        return launch.Submitted(0, tmp_path / "o", tmp_path / "e", 0.0)
+
+    monkeypatch.setattr(launch, "submit", fake_submit)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv(sites.ACCOUNT_ENV, "EnvProj")
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    (run / "meta.json").write_text('{"run_id": "paper-x"}')
+    assert main(["evaluate", "--run", str(run), "--launcher", "parsl", "--site", "aurora", "--nproc", "24",
+                 "--dtype", "bfloat16", "--store", "s.zarr"]) == 0
+    assert (seen["nodes"], seen["queue"], seen["name"]) == (2, "debug", "evaluate-paper-x")
+    assert seen["command"].startswith(f"mpiexec -n 24 --ppn 12 --cpu-bind {CPU_BIND} optimus evaluate --run {run} ")
+    assert "--device xpu" in seen["command"] and "--dtype bfloat16" in seen["command"]
+    assert seen["command"].endswith("--launcher local") and "--nproc" not in seen["command"]
+    assert f"--store {Path('s.zarr').resolve()}" in seen["command"]  # the job's working directory is not ours

@@ -45,6 +45,7 @@ rule evaluate:
         f"{RES}/logs/evaluate-{{run}}.log",
     shell:
         "optimus evaluate --run {params.run_dir} --store " + STORE + " {params.flags}"
-        + f" --items {config.get('eval_items', 200)}"
+        + f" --items {config.get('eval_items', 200)} --dtype {config.get('eval_dtype', 'float32')}"
         + (" --all-checkpoints" if config.get("eval_all_checkpoints") else "")
-        + " --out {output} > {log} 2>&1"
+        # launcher: parsl -- a compute job of the site on the run's tiles, the model sharded as trained
+        + " --out {output} " + LAUNCH + " > {log} 2>&1"

@@ -96,3 +96,20 @@ def test_world_of_one_creates_no_process_group():
 
     mesh = init_distributed(ParallelConfig(ep=1), n_experts=4, device="cpu", env={})
     assert not mesh.distributed and mesh.ep_group is None and not dist.is_initialized()
+
+
+def test_at_12288_ranks_a_rank_joins_six_groups_and_creates_few():
+    """Mula-220B-A10B on 12288 tiles (ep 32, shard blocks of 384): every rank is a member of the
+    world and one group of each kind -- EP, expert-dp, shard, replicate, expert-shard -- whatever
+    the world size, and the new_group calls (cheap for non-members: no barrier, no connection)
+    grow as W / ep + W / S x ep, not with W squared."""
+    from optimus_core.parallel.mesh import group_layout, sharding_layout
+
+    W, ep, S = 12288, 32, 384
+    ep_groups, edp_groups = group_layout(W, ep, 1024, S)
+    layouts = {"ep": ep_groups, "expert_dp": edp_groups, **sharding_layout(W, ep, S)}
+    for rank in (0, 1, 383, 384, 6000, W - 1):
+        member_of = {kind: sum(rank in ranks for ranks in groups) for kind, groups in layouts.items()}
+        assert member_of == dict.fromkeys(layouts, 1), (rank, member_of)
+    calls = sum(len(groups) for groups in layouts.values())
+    assert calls == W // ep + ep + W // S + S + W // S * ep == 1856 < W // 4

@@ -142,3 +142,26 @@ def test_compiled_blocks_train_like_eager_and_keep_parameter_names():
         names.append(list(model.state_dict()))
     assert losses[0] == pytest.approx(losses[1], abs=1e-5)
     assert names[0] == names[1]
+
+
+def test_checkpoints_by_wall_time_as_well_as_steps(tokens_dir, tmp_path, monkeypatch):
+    # A fake clock: each step takes 4 "minutes"; checkpoint_every_minutes = 10 saves after every
+    # third step of the job, beside the step cadence (every 5), and keep_checkpoints keeps them all.
+    clock = [0.0]
+
+    def tick():
+        return clock[0]
+
+    monkeypatch.setattr(loop_module.time, "monotonic", tick)
+    real_step = loop_module.train_step
+
+    def slow_step(*a, **k):
+        clock[0] += 240.0
+        return real_step(*a, **k)
+
+    monkeypatch.setattr(loop_module, "train_step", slow_step)
+    cfg = laptop("mula-1b@laptop", **{"train.steps": 10, "train.checkpoint_every": 5,
+                                      "train.checkpoint_every_minutes": 10, "train.keep_checkpoints": 10})
+    Trainer(cfg, tokens_dir, tmp_path / "run", progress=False).fit()
+    saved = sorted(int(p.name.split("_")[1]) for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert saved == [3, 5, 8, 10], saved  # 12 min at 3; 5 by steps (the clock restarts); 8 = 5 + 3; the end
