@@ -162,25 +162,37 @@ def pretrain_on_site(options: dict[str, Any], run_id: str) -> Submitted:
         job = plan(get(options["experiment"]).scale(options.get("scale") or "laptop"), site)
     else:
         job = plan(None, site, ranks=int(options.get("nproc") or 1))
-    forwarded = {k: v for k, v in options.items() if k not in ("func", "command")}
-    for key in ("data", "out", "store"):  # the job's working directory is not ours
-        if forwarded.get(key) is not None:
-            forwarded[key] = Path(forwarded[key]).resolve()
+    forwarded = _forwarded(options, ("data", "out", "store"))
     forwarded["run_id"] = run_id
     site_sets = [f"train.device={site.device}"] if site.device != "auto" else []
     if site.checkpoint_every_minutes:
         site_sets.append(f"train.checkpoint_every_minutes={site.checkpoint_every_minutes:g}")
     forwarded["set"] = [*site_sets, *(forwarded.get("set") or [])]  # the user's own --set win
-    argv = pretrain_argv(forwarded, optimus=site.optimus)
+    return _run_on_site(site, job, "pretrain", forwarded, run_id)
+
+
+def _forwarded(options: dict[str, Any], paths: tuple[str, ...]) -> dict[str, Any]:
+    """The options the job's command gets, ``paths`` made absolute (its working directory is not ours)."""
+    forwarded = {k: v for k, v in options.items() if k not in ("func", "command")}
+    for key in paths:
+        if forwarded.get(key) is not None:
+            forwarded[key] = Path(forwarded[key]).resolve()
+    return forwarded
+
+
+def _run_on_site(site: SiteConfig, job: JobPlan, subcommand: str, forwarded: dict[str, Any], name: str) -> Submitted:
+    """`optimus SUBCOMMAND` with ``forwarded`` under the job's launcher, as launch_chain's jobs;
+    LaunchError with the stderr's tail unless one ends with success."""
+    argv = command_argv(subcommand, forwarded, optimus=site.optimus)
     if job.ranks > 1 and not job.mpiexec:  # no MPI launcher on this site: the command spawns its ranks
         argv[-2:-2] = ["--nproc", str(job.ranks)]
     command = command_line(job, argv)
     print(f"[optimus launch] site {site.name}: {job.nodes} node(s), {job.ranks} rank(s), queue {job.queue or '-'}, "
           f"walltime {job.walltime}, up to {job.jobs} job(s)\n[optimus launch] {command}", flush=True)
-    done = launch_chain(site, job, command, Path(site.run_dir).resolve() / run_id, run_id,
+    done = launch_chain(site, job, command, Path(site.run_dir).resolve() / name, name,
                         log=lambda m: print(m, flush=True))
     if done.returncode != 0:
-        raise LaunchError(f"run {run_id}: the job on site {site.name} failed (exit {done.returncode}); "
+        raise LaunchError(f"{name}: the job on site {site.name} failed (exit {done.returncode}); "
                           f"stderr {done.stderr}:\n{done.tail()}")
     return done
 
@@ -207,22 +219,8 @@ def evaluate_on_site(options: dict[str, Any]) -> Submitted:
         newest = latest_valid(run_dir)
         ranks = int(newest.meta.get("world_size", 1)) if newest else 1
     job = plan(None, site, ranks=ranks)
-    forwarded = {k: v for k, v in options.items() if k not in ("func", "command", "nproc")}
-    for key in ("run", "data", "out", "store"):
-        if forwarded.get(key) is not None:
-            forwarded[key] = Path(forwarded[key]).resolve()
+    forwarded = _forwarded(options, ("run", "data", "out", "store"))
     if site.device != "auto" and forwarded.get("device") in (None, "auto"):
         forwarded["device"] = site.device
-    argv = command_argv("evaluate", forwarded, optimus=site.optimus)
-    if job.ranks > 1 and not job.mpiexec:
-        argv[-2:-2] = ["--nproc", str(job.ranks)]
-    command = command_line(job, argv)
-    name = f"evaluate-{json.loads((run_dir / 'meta.json').read_text())['run_id']}"
-    print(f"[optimus launch] site {site.name}: {job.nodes} node(s), {job.ranks} rank(s), queue {job.queue or '-'}, "
-          f"walltime {job.walltime}\n[optimus launch] {command}", flush=True)
-    done = launch_chain(site, job, command, Path(site.run_dir).resolve() / name, name,
-                        log=lambda m: print(m, flush=True))
-    if done.returncode != 0:
-        raise LaunchError(f"{name}: the job on site {site.name} failed (exit {done.returncode}); "
-                          f"stderr {done.stderr}:\n{done.tail()}")
-    return done
+    return _run_on_site(site, job, "evaluate", forwarded,
+                        f"evaluate-{json.loads((run_dir / 'meta.json').read_text())['run_id']}")
