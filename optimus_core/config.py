@@ -157,8 +157,10 @@ class MoEConfig(_Validated):
     n_experts: int = 64
     top_k: int = 8
     d_expert: int = 1024  # SwiGLU hidden size of one expert
-    lb_loss_coef: float = 0.01  # OLMoE load-balancing loss
-    z_loss_coef: float = 0.001  # OLMoE router z-loss
+    # OLMoE's coefficients, on the mean over the MoE layers of each layer's loss (OLMoE's
+    # convention: Transformer.aux_loss), so they do not grow with the depth
+    lb_loss_coef: float = 0.01  # load-balancing loss: E * sum_e (share of assignments) * (mean prob)
+    z_loss_coef: float = 0.001  # router z-loss: mean over tokens of logsumexp(logits)^2
     norm_topk_probs: bool = False  # OLMoE does not renormalise the top-k probabilities
     # aux-loss-free balancing (DeepSeek-V3 style): a per-expert bias added to the routing scores
     # for selection only, nudged by ``bias_update_rate`` towards balance after each step.

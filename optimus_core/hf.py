@@ -104,9 +104,12 @@ def to_hf_config(cfg: ModelConfig, arch: str, *, eos_id: Optional[int] = None,
     if arch == "llama":
         return {**common, "intermediate_size": cfg.d_ff, "mlp_bias": False, "pretraining_tp": 1}
     moe = _moe_or_single(cfg)
+    # transformers' OLMoE load-balancing loss counts each token's k assignments as k whole shares
+    # (k times megablocks' and ours, per layer: tests/stages/test_export.py), so the coefficient
+    # that weighs it as our training did is ours over k.
     return {**common, "intermediate_size": moe.d_expert, "num_experts": moe.n_experts,
             "num_experts_per_tok": moe.top_k, "norm_topk_prob": moe.norm_topk_probs, "clip_qkv": None,
-            "output_router_logits": False, "router_aux_loss_coef": moe.lb_loss_coef}
+            "output_router_logits": False, "router_aux_loss_coef": moe.lb_loss_coef / moe.top_k}
 
 
 def from_hf_config(hf: dict, vocab_size: Optional[int] = None) -> ModelConfig:

@@ -23,7 +23,8 @@ class MoEFeedForward(nn.Module):
     """Drop-in for the dense SwiGLU: same input and output, plus auxiliary losses and load stats.
 
     After each forward, ``aux_loss`` holds lb_coef * lb_loss + z_coef * z_loss (a graph-connected
-    scalar the training step adds to the loss), ``last_lb_loss`` / ``last_z_loss`` the unscaled
+    scalar; Transformer.aux_loss averages it over the MoE layers, as OLMoE's trainer did, and the
+    training step adds that to the loss), ``last_lb_loss`` / ``last_z_loss`` the unscaled
     values and ``last_tokens_per_expert_E`` the routing counts. They are overwritten, never
     accumulated, so an activation-checkpointing recompute cannot count a micro-batch twice; the
     training step reads them right after each forward.

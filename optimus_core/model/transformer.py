@@ -2,7 +2,7 @@
 
     model = Transformer(cfg); model.init_weights(seed=0)
     logits_BSV = model(tokens_BS)          # V = cfg.padded_vocab_size
-    aux = model.aux_loss()                 # MoE: summed lb/z losses of the last forward
+    aux = model.aux_loss()                 # MoE: the lb/z losses of the last forward, mean over layers
     h_BSD = model.hidden(tokens_BS)        # final-normed hidden states: logits = lm_head(h)
     loss = model.lm_loss(tokens_BS, targets_BS)  # mean cross-entropy, no (tokens x vocab) logits
 
@@ -125,8 +125,13 @@ class Transformer(nn.Module):
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoEFeedForward)]
 
     def aux_loss(self) -> torch.Tensor | None:
+        """The MoE layers' auxiliary losses of the last forward, averaged over the layers: how
+        OLMoE's trainer (OLMo-core over megablocks) weighs them -- megablocks' batched
+        load-balancing loss divides by the number of layers, and OLMo-core divides the summed
+        router z-losses by it -- so lb_loss_coef and z_loss_coef mean the same as there (and as
+        router_aux_loss_coef in transformers' OLMoE) whatever the depth."""
         losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
-        return torch.stack(losses).sum() if losses else None
+        return torch.stack(losses).mean() if losses else None
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.hidden(tokens_BS))

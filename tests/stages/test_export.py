@@ -150,3 +150,30 @@ def test_fused_expert_layout_imports_like_the_per_expert_one():
     a, b = from_hf_state(cfg, per_expert, "olmoe"), from_hf_state(cfg, fused, "olmoe")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert all(torch.equal(a[k], v) for k, v in model.state_dict().items())
+
+
+def test_each_layers_load_balancing_loss_is_weighed_in_transformers_as_we_trained_it(trained):
+    """Where the two conventions coincide -- one layer's router logits -- transformers' OLMoE
+    load-balancing loss is k times ours (it counts a token's k assignments as k whole shares;
+    megablocks and we divide by T * k), so the export's router_aux_loss_coef is lb_loss_coef / k
+    and the weighted terms agree. The model's total is the mean of the per-layer losses (OLMoE's
+    trainer), which transformers approximates by pooling the layers' statistics first."""
+    kind, run_dir, hf_dir = trained
+    if kind != "moe":
+        pytest.skip("a dense model has no router")
+    from transformers.models.olmoe.modeling_olmoe import load_balancing_loss_func
+
+    ours, cfg = load_model(run_dir)
+    moe = cfg.model.moe
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    assert hf.config.router_aux_loss_coef == pytest.approx(moe.lb_loss_coef / moe.top_k)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours(tokens)
+        router_logits = hf(tokens, output_router_logits=True).router_logits
+    layers = ours.moe_layers()
+    assert len(router_logits) == len(layers) > 1
+    for layer, logits in zip(layers, router_logits):
+        theirs = load_balancing_loss_func((logits,), moe.n_experts, moe.top_k)
+        torch.testing.assert_close(moe.lb_loss_coef * layer.last_lb_loss.float(),
+                                   hf.config.router_aux_loss_coef * theirs.float(), rtol=1e-4, atol=1e-7)

@@ -149,6 +149,39 @@ def test_moe_aux_losses_match_hand_computed_values():
     assert counts.sum() == 8
 
 
+def test_aux_loss_is_the_layer_mean_as_olmoes_trainer_computes_it():
+    """Four MoE layers: the total auxiliary loss is OLMoE's, written here from its formula and not
+    from our router -- megablocks' batched load-balancing loss, lb_coef * E / (L * T * k) *
+    sum over layers and experts of (assignments to e) * (mean router probability of e), plus
+    OLMo-core's router z-loss, z_coef * (sum over layers of mean_t logsumexp^2) / L."""
+    E, k, L, coef_lb, coef_z = 4, 2, 4, 0.01, 0.001
+    cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=L, n_heads=2,
+                      moe=MoEConfig(n_experts=E, top_k=k, d_expert=8, lb_loss_coef=coef_lb, z_loss_coef=coef_z))
+    model = build(cfg)
+    logits = []
+    hooks = [b.ffn.router.gate.register_forward_hook(lambda m, i, out: logits.append(out.detach().float()))
+             for b in model.blocks]
+    tokens = torch.randint(0, 32, (3, 7), generator=torch.Generator().manual_seed(0))
+    model(tokens)
+    for h in hooks:
+        h.remove()
+    T = tokens.numel()
+    assignments = sum_probs = 0.0
+    z = 0.0
+    for layer_logits in logits:  # (T, E), one per layer
+        chosen = layer_logits.topk(k, dim=-1).indices
+        counts = torch.zeros(E).scatter_add_(0, chosen.flatten(), torch.ones(T * k))
+        assignments = assignments + (counts * layer_logits.softmax(-1).mean(0)).sum()
+        z = z + torch.logsumexp(layer_logits, -1).square().mean()
+    expected = coef_lb * E / (L * T * k) * assignments + coef_z * z / L
+    assert len(logits) == L
+    torch.testing.assert_close(model.aux_loss().detach(), expected, rtol=1e-5, atol=1e-7)
+    # the logged unscaled values are the per-layer means of the same terms
+    lb = torch.stack([m.last_lb_loss for m in model.moe_layers()]).mean()
+    torch.testing.assert_close(coef_lb * lb + coef_z * torch.stack([m.last_z_loss for m in model.moe_layers()]).mean(),
+                               model.aux_loss().detach())
+
+
 def test_capacity_drops_overflow_in_token_order():
     idx = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])
     keep = capacity_keep_mask(idx, 4, capacity=2)
