@@ -369,7 +369,7 @@ class TrainConfig(_Validated):
     keep_checkpoints: int = 2  # the newest N checkpoints are kept ...
     keep_every: int = 0  # ... and every one at a multiple of this step (0: none)
     # Write checkpoints in the background from a CPU copy (training goes on meanwhile); the
-    # newest is published (``latest``) when the next one starts or the run ends.
+    # newest is published (its step directory appears) when the next one starts or the run ends.
     async_checkpoint: bool = False
     # What the backward recomputes instead of keeping from the forward: "none"; "full": every
     # ``activation_checkpointing_every``-th block whole (its input is all it keeps); "moe": the

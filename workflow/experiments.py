@@ -210,7 +210,7 @@ LAPTOP_SCALEUP_STEPS = 32
 LAPTOP_SCALEUP_TRAIN = {"train.eval_every": 8, "train.eval_batches": 4, "train.log_every": 1,
                         "schedule.warmup_steps": 8}
 # Paper scale: bf16 autocast; checkpoints often enough that a job cut by its walltime loses
-# little (retries resubmit it and it resumes from `latest`).
+# little (the launcher resubmits it and it resumes from the newest valid checkpoint).
 # One sequence per tile per forward / backward, accumulated up to the global batch (module doc).
 PAPER_TRAIN = {"train.dtype": "bfloat16", "train.checkpoint_every": 500, "train.micro_batch": 1}
 PAPER_TIMED = {"train.dtype": "bfloat16", "train.eval_every": 0, "train.eval_batches": 1, "train.micro_batch": 1}

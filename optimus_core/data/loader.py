@@ -112,6 +112,11 @@ class BatchLoader:
         self.position += self.global_batch
         return torch.stack([self.dataset[int(i)] for i in indices])
 
+    @property
+    def batches_drawn(self) -> int:
+        """Global batches handed out since the first: the run's batches seen, skipped ones included."""
+        return self.epoch * (len(self.dataset) // self.global_batch) + self.position // self.global_batch
+
     def state_dict(self) -> dict:
         """JSON-serialisable; ``epoch`` and ``position`` say where the next batch starts, the rest
         guards against resuming on other data or another batch size."""

@@ -1,7 +1,6 @@
-"""Checkpoints: one directory per step, checksummed, published atomically, ``latest`` written last.
+"""Checkpoints: one directory per step, checksummed, published atomically; the newest valid one is resumed.
 
     run_dir/checkpoints/step_000120/   __0_0.distcp [__1_0.distcp ...] .metadata state.pt meta.json
-    run_dir/checkpoints/latest         "step_000120"
 
 Every layout writes the same format (torch.distributed.checkpoint): each rank writes the rows it
 holds (optimus_core.parallel.layout), nothing is gathered and nothing is cloned, under keys that
@@ -16,10 +15,13 @@ process loads on any other:
     rng/torch, rng/device           every rank's RNG states, one row per rank
 
 ``meta.json`` holds the resolved config, step, tokens seen, the data-loader position, the format
-and the sha256 of every file; ``state.pt`` the loader position. A step directory appears only
-complete (optimus_core.atomic.atomic_dir), and ``latest`` moves only after it, so a crash
-mid-save never leaves a ``latest`` pointing at a partial checkpoint. On load, a checkpoint whose
-files are missing or fail their checksum is skipped with a warning and the previous one is used.
+and the sha256 of every file; ``state.pt`` (tensors and plain values only: loaded with
+``weights_only=True``) the loader position and what the loop needs to decide as it would have
+uninterrupted (the loss guard's window, the batches skipped). A step directory appears only
+complete (optimus_core.atomic.atomic_dir), so a crash mid-save leaves the previous ones as they
+were; there is no pointer file to disagree with them (a ``latest`` file of earlier versions is
+ignored). On load, a checkpoint whose files are missing or fail their checksum is skipped with a
+warning and the previous one is used.
 
 Checkpoints of earlier versions still evaluate and export (``Checkpoint.load_model_state``):
 the one-process format (model.pt, optim.pt, state.pt) also resumes on one process; the first
@@ -39,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_dir, atomic_write
+from ..atomic import atomic_dir
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 FORMAT, VERSION = "dcp", 2  # meta.json's "format" and "version" of what save_checkpoint writes
@@ -85,7 +87,7 @@ class Checkpoint:
         return torch.load(self.path / "model.pt", map_location=map_location, weights_only=True)
 
     def load_state(self) -> dict:
-        return torch.load(self.path / "state.pt", map_location="cpu", weights_only=False)
+        return torch.load(self.path / "state.pt", map_location="cpu", weights_only=True)
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -134,11 +136,8 @@ def validate(path: Path) -> dict:
 
 
 def latest_valid(run_dir: Path) -> Checkpoint | None:
-    """The newest checkpoint that validates; None if there is none.
-
-    Step directories are published whole, so a complete one newer than ``latest`` (a crash
-    between the two renames) is as good as the one ``latest`` names; checksums catch the rest.
-    """
+    """The newest checkpoint that validates; None if there is none. Step directories are
+    published whole; checksums catch the rest."""
     for path in reversed(list_step_dirs(run_dir)):
         try:
             return Checkpoint(path, validate(path))
@@ -243,7 +242,7 @@ def restore_rng(tensors: dict, mesh) -> None:
 
 class PendingSave:
     """A checkpoint still being written in the background. ``wait()`` (every rank) finishes it:
-    rank 0 publishes the step directory and moves ``latest``; until then the run's newest valid
+    rank 0 publishes the step directory; until then the run's newest valid
     checkpoint is the previous one. Returns the published path on rank 0."""
 
     def __init__(self, finish):
@@ -303,7 +302,7 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, met
     """Write checkpoint ``step`` (collective when ``distributed``: every rank calls it). Every
     rank writes its part of ``tensors`` (``training_tensors``) into one step directory; rank 0
     adds ``state.pt`` and ``meta.json`` (checksums of every file), publishes the directory
-    whole, moves ``latest`` and prunes. Returns the path on rank 0, None elsewhere. With
+    whole and prunes. Returns the path on rank 0, None elsewhere. With
     ``asynchronous`` the tensors are copied to the host now and written in the background
     (distributed: over ``process_group``, see checkpoint_group) and a PendingSave is returned."""
     import torch.distributed as dist
@@ -331,7 +330,6 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, met
                 (tmp / "meta.json").write_text(json.dumps(full_meta, indent=2, sort_keys=True))
         if rank != 0:
             return None
-        atomic_write(root / "latest", final.name)
         _prune(run_dir, keep, keep_every)
         return final
 

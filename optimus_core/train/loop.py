@@ -85,6 +85,9 @@ class Trainer:
         self.step = 0
         self.last_loss = float("nan")
         self.events: list[dict] = []  # faults handled while running (skips, rollbacks)
+        # judges each loss; its window is part of every checkpoint, so a resumed run decides as the
+        # uninterrupted one would
+        self.guard = LossGuard(cfg.train.loss_spike_factor, cfg.train.max_bad_steps)
         self.resumed_from = self._resume()
         self.flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
 
@@ -119,6 +122,8 @@ class Trainer:
             self.model.refresh_weight_casts()
             state = found.load_state()
         self.loader.load_state_dict(state["loader"])
+        if "guard" in state:  # (checkpoints before 2026-12-02 did not keep it)
+            self.guard.load_state_dict(state["guard"])
         self.step = found.step
 
     def _roll_back(self, bad_steps: int) -> None:
@@ -161,7 +166,7 @@ class Trainer:
         """
         self._last_save_time = time.monotonic()  # the minutes of train.checkpoint_every_minutes restart
         settle_updates(self.optimizer)  # the weights and state saved are those after the last update
-        state = {"loader": self.loader.state_dict()}
+        state = {"loader": self.loader.state_dict(), "guard": self.guard.state_dict()}
         meta = {"config": self.cfg.to_dict(), "tokens": self.tokens, "data_position": self.loader.state_dict(),
                 "world_size": self.mesh.world_size, "ep": self.mesh.ep}
         if self.is_lead and self.writer is not None:
@@ -198,7 +203,8 @@ class Trainer:
 
     @property
     def tokens(self) -> int:
-        return self.step * self.cfg.tokens_per_step
+        """Tokens seen: every batch drawn, the skipped and rolled-back ones included."""
+        return self.loader.batches_drawn * self.cfg.tokens_per_step
 
     # ------------------------------------------------------------------ hooks around the step
     def evaluate(self) -> dict[str, float]:
@@ -241,7 +247,7 @@ class Trainer:
             self.writer.update_attrs(resumed_from=self.resumed_from)
         step_times: list[float] = []
         self._last_save_time = time.monotonic()  # a job's start counts as its last checkpoint
-        guard = LossGuard(t.loss_spike_factor, t.max_bad_steps)
+        guard = self.guard
         bar = tqdm(total=t.steps, initial=self.step, desc=self.cfg.preset or "train", unit="step",
                    disable=not self.progress, dynamic_ncols=True)
         # A stuck rank (a hung collective, a dead file system) ends the process with a clear

@@ -62,6 +62,15 @@ class LossGuard:
     def reset(self) -> None:
         self.consecutive_bad = 0
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs to judge the next losses as the uninterrupted one would."""
+        return {"recent": list(self.recent), "consecutive_bad": self.consecutive_bad}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.recent.clear()
+        self.recent.extend(float(x) for x in state["recent"])
+        self.consecutive_bad = int(state["consecutive_bad"])
+
 
 class StopRequest:
     """SIGTERM and SIGUSR1 (a scheduler's walltime warning) ask the loop to stop after the step.

@@ -67,7 +67,7 @@ def test_pretrain_through_parsl_pbspro_and_mpiexec(tmp_path, tokens_dir, monkeyp
     # uninterrupted run of the same 4 ranks.
     site = standin_site(tmp_path, retries=1, heartbeat_period=1, heartbeat_threshold=4)
     run_dir, store = tmp_path / "runs" / "pbs-smoke", tmp_path / "store.zarr"
-    monkeypatch.setenv("STANDIN_PBS_CUT_FIRST_JOB_WHEN", str(run_dir / "checkpoints" / "latest"))
+    monkeypatch.setenv("STANDIN_PBS_CUT_FIRST_JOB_WHEN", str(run_dir / "checkpoints" / "step_000002"))
     monkeypatch.setenv("STANDIN_PBS_SITE", str(site))
     train = ["--preset", "mula-7b-a1b@laptop", "--data", str(tokens_dir), "--steps", "6", "--checkpoint-every", "2",
              "--quiet", "--threads", "1", "--set", "train.eval_batches=1", "--set", "train.global_batch=8"]

@@ -17,7 +17,7 @@ def test_keeps_the_newest_n_and_every_mth(tmp_path):
     for step in range(1, 13):
         save(tmp_path, step, keep=2, keep_every=5)
     assert steps(tmp_path) == [5, 10, 11, 12]
-    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_000012"
+    assert not (tmp_path / "checkpoints" / "latest").exists()  # no pointer to disagree with the steps
     assert ckpt.latest_valid(tmp_path).step == 12
 
 

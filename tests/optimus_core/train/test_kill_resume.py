@@ -60,10 +60,9 @@ def _children(pid: int) -> list[int]:
 
 
 def _newest_step(run_dir: Path) -> int:
-    try:
-        return int((ckpt.checkpoints_dir(run_dir) / "latest").read_text().split("_")[1])
-    except (FileNotFoundError, IndexError, ValueError):
-        return 0
+    """The newest published step directory (published whole: atomic_dir), 0 before the first."""
+    dirs = ckpt.list_step_dirs(run_dir)
+    return int(dirs[-1].name.split("_")[1]) if dirs else 0
 
 
 def _losses(store: Path) -> list[tuple[int, float]]:
@@ -146,7 +145,6 @@ def _copy_at_step(run_dir: Path, to: Path, step: int) -> None:
     for path in ckpt.list_step_dirs(to):
         if int(path.name.split("_")[1]) > step:
             shutil.rmtree(path)
-    (ckpt.checkpoints_dir(to) / "latest").write_text(f"step_{step:06d}")
     (to / "summary.json").unlink()
 
 

@@ -121,3 +121,29 @@ def test_cli_exits_with_the_resubmit_status(tokens_dir, tmp_path, monkeypatch, c
     assert "rerun the same command to resume" in capsys.readouterr().err
     assert json.loads((run_dir / "meta.json").read_text())["status"] == "interrupted"
     assert not (run_dir / "summary.json").exists()
+
+
+def test_a_resumed_run_judges_a_spike_as_the_uninterrupted_run_does(tokens_dir, tmp_path, monkeypatch):
+    """The loss guard's window is in the checkpoint: stopped at step 22 and resumed, the run skips
+    the spike of step 24 (the guard judges spikes after 20 good losses) as the uninterrupted run
+    does, with the same losses; tokens seen count the skipped batch."""
+    cfg = tiny(**{"train.steps": 26})
+    spike = lambda loss: loss * 10  # noqa: E731
+    with monkeypatch.context() as m:
+        poison_loss(m, {24}, spike)
+        straight = ListSink()
+        uninterrupted = Trainer(cfg, tokens_dir, tmp_path / "straight", writer=straight, progress=False)
+        summary = uninterrupted.fit()
+    assert [(e["kind"], e["step"]) for e in uninterrupted.events] == [("spike", 24)]
+    assert summary.tokens == 27 * cfg.tokens_per_step  # 26 updates and the skipped batch
+    with monkeypatch.context() as m:
+        poison_loss(m, {24}, spike)  # one count over both parts of the interrupted run
+        real = sigterm_at_call(m, 22)
+        with pytest.raises(Preempted, match="after step 22"):
+            Trainer(cfg, tokens_dir, tmp_path / "run", progress=False).fit()
+        m.setattr(loop_module, "train_step", real)
+        resumed = ListSink()
+        again = Trainer(cfg, tokens_dir, tmp_path / "run", writer=resumed, progress=False)
+        again.fit()
+    assert [(e["kind"], e["step"]) for e in again.events] == [("spike", 24)]
+    assert resumed.losses() == straight.losses()[22:]
