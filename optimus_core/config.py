@@ -429,9 +429,12 @@ class TrainConfig(_Validated):
     init_from: Optional[str] = None
     # A rank with no completed step for this many seconds reports itself (rank, last step) and
     # exits non-zero, so a launcher restarts the run from its checkpoint (optimus_core.train.
-    # watchdog). Generous: it must outlast torch.compile warm-up, evaluations and checkpoint
-    # writes at scale. 0 = off.
+    # watchdog). Generous: it must outlast the torch.compile warm-up. 0 = off.
     watchdog_timeout_s: float = 1800.0
+    # ... and a checkpoint save or load or an evaluation, each its own phase, this many (0: unwatched):
+    # a multi-terabyte checkpoint at 12k ranks may outlast any step, and a dead file system must not
+    # hang the job forever
+    watchdog_io_timeout_s: float = 7200.0
 
     def __post_init__(self) -> None:
         if isinstance(self.activation_checkpointing, bool):  # configs written before the modes
@@ -466,6 +469,7 @@ class TrainConfig(_Validated):
                       "must be null or > 1")
         self._require(self.max_bad_steps >= 1, "max_bad_steps", "must be >= 1")
         self._require(self.watchdog_timeout_s >= 0, "watchdog_timeout_s", "must be >= 0 seconds (0 = no watchdog)")
+        self._require(self.watchdog_io_timeout_s >= 0, "watchdog_io_timeout_s", "must be >= 0 seconds (0 = unwatched)")
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,7 @@ class Trainer:
         # judges each loss; its window is part of every checkpoint, so a resumed run decides as the
         # uninterrupted one would
         self.guard = LossGuard(cfg.train.loss_spike_factor, cfg.train.max_bad_steps)
+        self._watchdog = Watchdog(0)  # fit's while it runs: saves, loads and evaluations are its phases
         self.resumed_from = self._resume()
         self.flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
 
@@ -134,7 +135,8 @@ class Trainer:
             raise RuntimeError(f"{bad_steps} bad losses in a row at step {self.step} and no checkpoint to "
                                f"roll back to (set train.checkpoint_every)")
         position = self.loader.state_dict()
-        self._load(found)
+        with self._io_phase(f"checkpoint load of step {found.step}"):
+            self._load(found)
         self.loader.load_state_dict(position)
 
     def _event(self, **event: Any) -> None:
@@ -157,6 +159,11 @@ class Trainer:
         stop_any, due_any = (self.mesh.all_reduce_sum_(flags) > 0).tolist()
         return stop_any, due_any
 
+    def _io_phase(self, what: str):
+        """A watchdog phase with train.watchdog_io_timeout_s: a long save, load or evaluation is
+        not a hang, a stalled one still is (optimus_core.train.watchdog)."""
+        return self._watchdog.phase(what, self.cfg.train.watchdog_io_timeout_s)
+
     def save(self) -> Path | None:
         """Write a checkpoint (a collective when distributed: every rank calls it).
 
@@ -164,6 +171,10 @@ class Trainer:
         small rest; nothing is gathered or cloned, and the checkpoint loads on any other number
         of ranks, EP degree or one process (optimus_core.train.checkpoint).
         """
+        with self._io_phase(f"checkpoint save of step {self.step}"):
+            return self._save()
+
+    def _save(self) -> Path | None:
         self._last_save_time = time.monotonic()  # the minutes of train.checkpoint_every_minutes restart
         settle_updates(self.optimizer)  # the weights and state saved are those after the last update
         state = {"loader": self.loader.state_dict(), "guard": self.guard.state_dict()}
@@ -196,7 +207,8 @@ class Trainer:
         pending, self._pending_save = getattr(self, "_pending_save", None), None
         if pending is None:
             return None
-        path = pending.wait()
+        with self._io_phase("background checkpoint write"):
+            path = pending.wait()
         if self.mesh.distributed:
             torch.distributed.barrier()
         return path
@@ -210,9 +222,10 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         settle_updates(self.optimizer)  # (each stage's forward would wait for its own; all at once here)
         t = self.cfg.train
-        row = heldout_metrics(self.model, self.data_dir, seq_len=self.cfg.data.seq_len,
-                              batch_size=self.cfg.train.micro_batch or t.global_batch,
-                              max_batches=t.eval_batches, dtype=t.dtype, device=self.device)
+        with self._io_phase("evaluation"):
+            row = heldout_metrics(self.model, self.data_dir, seq_len=self.cfg.data.seq_len,
+                                  batch_size=self.cfg.train.micro_batch or t.global_batch,
+                                  max_batches=t.eval_batches, dtype=t.dtype, device=self.device)
         self._log("eval", {"step": self.step, "tokens": self.tokens, **row})
         return row
 
@@ -255,6 +268,7 @@ class Trainer:
         # in the background (train.async_checkpoint) is published however the loop ends.
         with StopRequest() as stop, Watchdog(t.watchdog_timeout_s, self.mesh.rank).start(self.step) as watchdog, \
                 ckpt.finished_on_exit(self.publish_checkpoint):
+            self._watchdog = watchdog
             while self.step < t.steps:
                 self._one_step(guard, step_times, bar)
                 watchdog.beat(self.step)

@@ -14,17 +14,23 @@ the run from its newest checkpoint. The other ranks of the job see the same sile
 collectives wait on this rank) and end the same way, or earlier through the collective timeout
 (``parallel.collective_timeout_s``) or the local launcher terminating the survivors.
 
-The timeout must outlast the slowest legitimate gap between two heartbeats: the first step
-(``torch.compile`` warm-up), an evaluation, and a checkpoint write at scale. Hence the generous
-default (``train.watchdog_timeout_s`` = 30 min).
+The timeout must outlast the slowest legitimate gap between two heartbeats of the loop: the
+first step (``torch.compile`` warm-up) above all, hence the generous default
+(``train.watchdog_timeout_s`` = 30 min). Saves, loads and evaluations are phases with their own,
+larger limit (``train.watchdog_io_timeout_s``), since a multi-terabyte checkpoint at 12k ranks
+can outlast any step but is still bounded:
+
+    with dog.phase("checkpoint save", timeout_s=7200):   # the clock restarts on entry and on exit
+        save()
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
-from typing import Callable, TextIO
+from typing import Callable, Iterator, TextIO
 
 HANG_EXIT_CODE = 124  # as timeout(1) reports a command it had to stop
 
@@ -40,6 +46,7 @@ class Watchdog:
         self.stream, self.on_timeout = stream, on_timeout
         self.last_step: int | None = None
         self._last_beat = time.monotonic()
+        self._phase: tuple[str, float] | None = None  # (what, its timeout) while one runs
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -51,6 +58,25 @@ class Watchdog:
         """Progress: ``step`` completed (cheap enough for every step)."""
         self.last_step = step
         self._last_beat = time.monotonic()
+
+    @contextlib.contextmanager
+    def phase(self, what: str, timeout_s: float) -> Iterator[None]:
+        """A stretch without steps (a checkpoint save or load, an evaluation) watched with its own
+        ``timeout_s`` (0: unwatched) instead of the step timeout; the clock restarts on entry and
+        on exit, and a stall in it is reported as a stall in ``what``."""
+        outer = self._phase
+        self._phase = (what, float(timeout_s))
+        self._last_beat = time.monotonic()
+        try:
+            yield
+        finally:
+            self._phase = outer
+            self._last_beat = time.monotonic()
+
+    @property
+    def current_timeout_s(self) -> float:
+        """The limit now: the phase's while one runs, else the step timeout (0: none)."""
+        return self._phase[1] if self._phase is not None else self.timeout_s
 
     def start(self, step: int | None = None) -> "Watchdog":
         """Start the clock (``step``: the step the run starts from, for the message)."""
@@ -77,16 +103,21 @@ class Watchdog:
 
     def message(self, silent_s: float) -> str:
         step = "none yet" if self.last_step is None else str(self.last_step)
-        return (f"rank {self.rank}: no progress for {silent_s:.1f} s after step {step} (last completed step "
-                f"{step}); watchdog timeout train.watchdog_timeout_s = {self.timeout_s:g} s: this rank or a "
-                f"collective it waits in is stuck. Exiting with status {self.exit_code}; rerun (or let the "
+        if self._phase is not None:
+            what, limit = self._phase
+            where, knob = f"in the {what} after step {step}", f"train.watchdog_io_timeout_s = {limit:g} s"
+        else:
+            where, knob = f"after step {step} (last completed step {step})", f"train.watchdog_timeout_s = {self.timeout_s:g} s"
+        return (f"rank {self.rank}: no progress for {silent_s:.1f} s {where}; watchdog timeout {knob}: this rank "
+                f"or a collective it waits in is stuck. Exiting with status {self.exit_code}; rerun (or let the "
                 f"launcher restart) to resume from the newest checkpoint")
 
     def _watch(self) -> None:
         poll_s = min(max(self.timeout_s / 10, 0.05), 10.0)
         while not self._stopped.wait(poll_s):
             silent_s = time.monotonic() - self._last_beat
-            if silent_s < self.timeout_s:
+            limit = self.current_timeout_s
+            if not limit or silent_s < limit:
                 continue
             text = self.message(silent_s)
             if self.on_timeout is not None:

@@ -90,3 +90,52 @@ def test_without_a_watchdog_the_collective_timeout_ends_the_wait(tokens_dir, tmp
         spawn_local(_rank_that_sleeps_forever, 2, (_tiny(0.0, 3.0).to_json(), tokens_dir, tmp_path / "run", 1),
                     start_method="fork", grace_s=2)
     assert time.monotonic() - start < 45
+
+
+def _wait_for(fired, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_a_save_or_evaluation_is_a_phase_with_its_own_limit():
+    fired = []
+    dog = Watchdog(0.2, rank=1, on_timeout=fired.append).start(step=4)
+    with dog.phase("checkpoint save of step 4", timeout_s=1.0):
+        time.sleep(0.5)  # past the step timeout, within the phase's
+    assert fired == []
+    with dog.phase("evaluation", timeout_s=0.3):
+        _wait_for(fired)  # a stalled phase still trips, naming itself and its knob
+    dog.stop()
+    assert len(fired) == 1 and "rank 1: no progress for" in fired[0]
+    assert "in the evaluation after step 4" in fired[0] and "train.watchdog_io_timeout_s = 0.3 s" in fired[0]
+    after = []
+    dog = Watchdog(0.2, on_timeout=after.append).start(step=1)
+    with dog.phase("checkpoint load of step 1", timeout_s=5.0):
+        pass
+    _wait_for(after)  # outside a phase the step timeout is back
+    dog.stop()
+    assert after and "train.watchdog_timeout_s = 0.2 s" in after[0]
+
+
+def test_a_checkpoint_slower_than_the_step_timeout_is_not_a_hang(tokens_dir, tmp_path, monkeypatch):
+    from optimus_core import presets
+    from optimus_core.train import checkpoint as ckpt
+    from optimus_core.train import loop as loop_module
+
+    fired = []
+    monkeypatch.setattr(loop_module, "Watchdog", lambda timeout_s, rank=0: Watchdog(timeout_s, rank, on_timeout=fired.append))
+    real_save = ckpt.save_checkpoint
+
+    def slow_save(*args, **kwargs):
+        time.sleep(5.0)  # two and a half step timeouts
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", slow_save)
+    cfg = presets.get("mula-1b@laptop").run_config(**{
+        "train.steps": 2, "train.eval_batches": 1, "train.device": "cpu",
+        "model.n_layers": 1, "train.watchdog_timeout_s": 2.0, "train.watchdog_io_timeout_s": 30})
+    from optimus_core.train.loop import Trainer
+
+    assert Trainer(cfg, tokens_dir, tmp_path / "run", progress=False).fit().steps == 2
+    assert fired == [], fired  # the final save took 5 s under a 2 s step timeout: its own phase
