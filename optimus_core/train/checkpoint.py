@@ -30,6 +30,7 @@ sharded format (its optimizer state kept per ZeRO-1 bucket) no longer resumes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import re
@@ -240,6 +241,70 @@ def restore_rng(tensors: dict, mesh) -> None:
 
 # ----------------------------------------------------------------------------- writing
 
+class DiskFullError(RuntimeError):
+    """A checkpoint that cannot be written for want of space: the path, the bytes needed and the
+    bytes free. The previous checkpoints are as they were (a step directory appears only whole)."""
+
+
+def bytes_to_write(tensors: dict) -> int:
+    """What this rank writes of ``tensors`` (its rows of each DTensor, every plain tensor)."""
+    from ..parallel.layout import local_tensor
+
+    total = 0
+    for value in tensors.values():
+        if torch.is_tensor(value):
+            local = local_tensor(value)
+            total += local.numel() * local.element_size()
+    return total
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes of the file system ``path`` is (or will be) on."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def space_shortfall(run_dir: Path, step: int, need: int, rank: int = 0) -> str | None:
+    """None if this rank's part of checkpoint ``step`` (``need`` bytes, with 5 % and 64 MiB to
+    spare for metadata) fits where it goes; else the sentence that says what does not fit."""
+    root = checkpoints_dir(run_dir)
+    free = free_bytes(root)
+    if need * 1.05 + 64 * 2**20 <= free:
+        return None
+    return (f"rank {rank}: no room for checkpoint step {step} in {root}: this rank writes {need / 2**30:.2f} GiB, "
+            f"{free / 2**30:.2f} GiB are free (disk full); free space or point the run elsewhere. The previous "
+            f"checkpoints are intact")
+
+
+def _out_of_space(e: BaseException) -> bool:
+    """Whether a write failed for want of space: ENOSPC / EDQUOT anywhere in the chain, or
+    torch.save's short-write message, which does not say so itself."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(e)
+        if "No space left on device" in text or "Disk quota exceeded" in text or "unexpected pos" in text:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+@contextlib.contextmanager
+def _space_errors_named(path: Path, step: int):
+    """A write that fails for want of space says so, with the path and the space left."""
+    try:
+        yield
+    except BaseException as e:
+        if isinstance(e, DiskFullError) or not _out_of_space(e):
+            raise
+        raise DiskFullError(f"writing checkpoint step {step} to {path} failed: the disk is full "
+                            f"({free_bytes(path) / 2**30:.2f} GiB free now; {type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}). The previous checkpoints are intact") from e
+
 class PendingSave:
     """A checkpoint still being written in the background. ``wait()`` (every rank) finishes it:
     rank 0 publishes the step directory; until then the run's newest valid
@@ -322,7 +387,7 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, met
         tmp = Path(where[0])
 
     def publish() -> Path | None:
-        with stack:  # on an exception the temporary directory goes, the previous checkpoints stay
+        with stack, _space_errors_named(final, step):  # on an exception the temporary directory goes
             if rank == 0:
                 torch.save(state, tmp / "state.pt")
                 files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
@@ -341,7 +406,7 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, met
         elif asynchronous:  # one process: a host copy, written by a thread
             future = _write_in_thread(_cpu_copy(tensors), writer, step)
         else:
-            with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            with warnings.catch_warnings(), _space_errors_named(final, step):  # ("... single process": it is)
                 warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
                 dcp.save(tensors, storage_writer=writer, process_group=process_group, no_dist=not distributed)
     except BaseException:

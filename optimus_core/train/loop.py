@@ -185,6 +185,16 @@ class Trainer:
         self.publish_checkpoint()  # one background write at a time
         # The last checkpoint of a run is written in the foreground: the run's outputs follow it.
         background = self.cfg.train.async_checkpoint and self.step < self.cfg.train.steps
+        # Every rank checks the space for its own part, and all agree before any writes: one rank
+        # short of space stops them all with the same error, not a half-written checkpoint.
+        tensors = ckpt.training_tensors(self.model, self.optimizer, self.mesh)
+        short = ckpt.space_shortfall(self.run_dir, self.step, ckpt.bytes_to_write(tensors), self.mesh.rank)
+        if self.mesh.distributed:
+            flag = torch.tensor([float(short is not None)], device=self.device)
+            if self.mesh.all_reduce_sum_(flag).item() > 0 and short is None:
+                short = f"another rank has no room for its part of checkpoint step {self.step} (its error says where)"
+        if short is not None:
+            raise ckpt.DiskFullError(short)
         # Background writes plan on a gloo group of their own, away from the training's collectives;
         # a foreground write plans on the default group, so a synchronous run (the default, and the
         # paper's) never makes a world-spanning gloo group: at 12288 ranks every rank would open a
@@ -193,7 +203,7 @@ class Trainer:
         if self.mesh.distributed and self.cfg.train.async_checkpoint:
             group = ckpt.checkpoint_group(self.mesh, timedelta(seconds=self.cfg.parallel.collective_timeout_s))
         path = ckpt.save_checkpoint(self.run_dir, self.step, state=state, meta=meta, rank=self.mesh.rank,
-                                    tensors=ckpt.training_tensors(self.model, self.optimizer, self.mesh),
+                                    tensors=tensors,
                                     distributed=self.mesh.distributed, process_group=group, asynchronous=background,
                                     keep=self.cfg.train.keep_checkpoints, keep_every=self.cfg.train.keep_every)
         if isinstance(path, ckpt.PendingSave):

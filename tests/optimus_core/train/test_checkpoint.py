@@ -38,3 +38,4 @@ def test_a_checkpoint_reads_back_whole(tmp_path):
     found = ckpt.latest_valid(tmp_path)
     assert found.format == "dcp" and found.meta["version"] == ckpt.VERSION
     assert torch.equal(found.load_model_state()["w"], torch.full((3,), 7.0))
+

@@ -147,3 +147,47 @@ def test_a_resumed_run_judges_a_spike_as_the_uninterrupted_run_does(tokens_dir, 
         again.fit()
     assert [(e["kind"], e["step"]) for e in again.events] == [("spike", 24)]
     assert resumed.losses() == straight.losses()[22:]
+
+
+def steps(run_dir):
+    return [int(p.name.split("_")[1]) for p in ckpt.list_step_dirs(run_dir)]
+
+
+def _every_step():
+    return tiny(**{"train.steps": 3, "train.checkpoint_every": 1, "train.keep_checkpoints": 5})
+
+
+def test_a_checkpoint_with_no_room_is_refused_before_writing_and_says_so(tokens_dir, tmp_path, monkeypatch):
+    real, calls = ckpt.free_bytes, []
+
+    def free(path):
+        calls.append(path)
+        return real(path) if len(calls) < 2 else 10 * 2**20  # room for step 1 only: 10 MiB free after
+
+    monkeypatch.setattr(ckpt, "free_bytes", free)
+    with pytest.raises(ckpt.DiskFullError) as e:
+        Trainer(_every_step(), tokens_dir, tmp_path / "run", progress=False).fit()
+    text = str(e.value)
+    assert "rank 0: no room for checkpoint step 2 in " in text and str(tmp_path / "run" / "checkpoints") in text
+    assert "0.01 GiB are free (disk full)" in text and "GiB, " in text and "previous checkpoints are intact" in text
+    assert steps(tmp_path / "run") == [1] and ckpt.latest_valid(tmp_path / "run").step == 1
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"),
+                                     RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos "
+                                                  "11028955648 vs 11028955548")])
+def test_a_write_that_runs_out_of_space_names_the_disk_and_keeps_the_previous(tokens_dir, tmp_path, monkeypatch, failure):
+    real_save, n = torch.save, [0]
+
+    def save(obj, f, *args, **kwargs):
+        n[0] += str(f).endswith("state.pt")
+        if str(f).endswith("state.pt") and n[0] == 2:  # the second checkpoint's: the disk fills mid-write
+            raise failure
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.torch, "save", save)
+    with pytest.raises(ckpt.DiskFullError, match=r"writing checkpoint step 2 to .*step_000002 failed: the disk is "
+                                                 r"full \(.* GiB free now; .*\)\. The previous checkpoints are intact"):
+        Trainer(_every_step(), tokens_dir, tmp_path / "run", progress=False).fit()
+    assert steps(tmp_path / "run") == [1] and ckpt.latest_valid(tmp_path / "run").step == 1
+    assert not [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name != "step_000001"]  # no temp left
