@@ -267,13 +267,13 @@ def free_bytes(path: Path) -> int:
 
 
 def space_shortfall(run_dir: Path, step: int, need: int, rank: int = 0) -> str | None:
-    """None if this rank's part of checkpoint ``step`` (``need`` bytes, with 5 % and 64 MiB to
+    """None if checkpoint ``step`` (``need`` bytes: every rank's part, with 5 % and 64 MiB to
     spare for metadata) fits where it goes; else the sentence that says what does not fit."""
     root = checkpoints_dir(run_dir)
     free = free_bytes(root)
     if need * 1.05 + 64 * 2**20 <= free:
         return None
-    return (f"rank {rank}: no room for checkpoint step {step} in {root}: this rank writes {need / 2**30:.2f} GiB, "
+    return (f"rank {rank}: no room for checkpoint step {step} in {root}: it is {need / 2**30:.2f} GiB, "
             f"{free / 2**30:.2f} GiB are free (disk full); free space or point the run elsewhere. The previous "
             f"checkpoints are intact")
 

@@ -185,14 +185,13 @@ class Trainer:
         self.publish_checkpoint()  # one background write at a time
         # The last checkpoint of a run is written in the foreground: the run's outputs follow it.
         background = self.cfg.train.async_checkpoint and self.step < self.cfg.train.steps
-        # Every rank checks the space for its own part, and all agree before any writes: one rank
-        # short of space stops them all with the same error, not a half-written checkpoint.
+        # The ranks write to one file system as a rule: each checks the whole checkpoint's bytes
+        # (all ranks' parts, one all-reduce) against the space where it writes, before anything is
+        # written, so a shortfall stops every rank with the same error, not a half-written save.
         tensors = ckpt.training_tensors(self.model, self.optimizer, self.mesh)
-        short = ckpt.space_shortfall(self.run_dir, self.step, ckpt.bytes_to_write(tensors), self.mesh.rank)
-        if self.mesh.distributed:
-            flag = torch.tensor([float(short is not None)], device=self.device)
-            if self.mesh.all_reduce_sum_(flag).item() > 0 and short is None:
-                short = f"another rank has no room for its part of checkpoint step {self.step} (its error says where)"
+        need = torch.tensor([float(ckpt.bytes_to_write(tensors))], dtype=torch.float64, device=self.device)
+        total = int(self.mesh.all_reduce_sum_(need).item())
+        short = ckpt.space_shortfall(self.run_dir, self.step, total, self.mesh.rank)
         if short is not None:
             raise ckpt.DiskFullError(short)
         # Background writes plan on a gloo group of their own, away from the training's collectives;
