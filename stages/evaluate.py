@@ -171,7 +171,9 @@ def _run_sharded(config: EvaluateConfig, outputs: EvaluateOutputs, run_id: str, 
     if config.downstream:
         raise ConfigError(f"tasks = {list(config.tasks)}: a sharded evaluation runs 'heldout' only (lm-eval's "
                           f"tasks need the whole model in one process)")
-    cfg = _eval_layout(found[-1].cfg)
+    from optimus_core.parallel.mesh import read_launch_env
+
+    cfg = _eval_layout(found[-1].cfg, read_launch_env().world_size)
     mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts if cfg.model.moe else None, config.device)
     rows = []
     try:
@@ -199,12 +201,9 @@ def _run_sharded(config: EvaluateConfig, outputs: EvaluateOutputs, run_id: str, 
     return EvaluateResult(run_id, newest["step"], metrics, checkpoints=[r["step"] for r in rows])
 
 
-def _eval_layout(cfg: RunConfig) -> RunConfig:
-    """The run's layout on this job's ranks: its EP degree, its shard block where it divides the
+def _eval_layout(cfg: RunConfig, world: int) -> RunConfig:
+    """The run's layout on ``world`` ranks: its EP degree, its shard block where it divides the
     world (else the whole world), no HF import (the checkpoint's weights replace it)."""
-    from optimus_core.parallel.mesh import read_launch_env
-
-    world = read_launch_env().world_size
     block = cfg.parallel.dp_shard if cfg.parallel.dp_shard and world % cfg.parallel.dp_shard == 0 else 0
     return cfg.replace(parallel=cfg.parallel.replace(dp_shard=block), train=cfg.train.replace(init_from=None))
 
@@ -216,7 +215,7 @@ def _load_sharded(point: "_Point", mesh) -> Transformer:
 
     if point.found.format == "torch":
         raise ValueError(f"{point.found.path} is in the earlier one-process format: evaluate it on one process")
-    model = build_model(_eval_layout(point.cfg), mesh)
+    model = build_model(_eval_layout(point.cfg, mesh.world_size), mesh)
     ckpt.load_tensors_(point.found, ckpt.model_tensors(model, mesh), mesh.distributed)
     model.refresh_weight_casts()
     return model.eval()

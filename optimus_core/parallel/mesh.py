@@ -293,14 +293,11 @@ def bind_device(requested: str, launch: LaunchEnv, env: Mapping[str, str] | None
     (rank 0, one line): a site that has accelerators names its device type (site.device), so
     that its jobs never fall back to the CPU."""
     env = os.environ if env is None else env
-    if requested in ("cuda", "xpu"):
-        try:
-            device_type = resolve_device_type(requested)
-        except RuntimeError:
-            binding_index(requested, launch.local_rank, launch.local_world, [], rank=launch.rank, env=env)
-            raise
-    else:
+    try:
         device_type = resolve_device_type(requested)
+    except RuntimeError:  # an explicit cuda / xpu this process cannot see: say where and what it sees
+        binding_index(requested, launch.local_rank, launch.local_world, [], rank=launch.rank, env=env)
+        raise
     if device_type == "cpu":
         if requested == "auto" and launch.world_size > 1 and launch.rank == 0:
             print(f"[optimus] device auto: no cuda or xpu device visible; {launch.world_size} ranks train on the CPU "
