@@ -4,7 +4,7 @@
     python bench/distributed.py [--suites ablation weak strong] [--max-gpus 4] [--quick]
     python bench/distributed.py --suites weak ablation --only 'weak|ep1-triton'   # a subset of the points
     python bench/distributed.py --suites weak --repeat 3     # every point 3 times, in turns
-    python bench/distributed.py --suites weak --compile      # blocks under torch.compile (train.compile)
+    python bench/distributed.py --suites weak --compile      # blocks under torch.compile (execution.compile)
     python bench/distributed.py --ingest bench/results/distributed-ablation-nvidia-h200.jsonl
 
 Model: ``mula-7b-a1b`` full width, 8 of its 16 layers (OLMoE-1B-7B shapes), sequence 4096, bf16
@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import device_slug, ingest, publish, write_jsonl  # noqa: E402
 
-MODEL = {"model.n_layers": 8, "data.seq_len": 4096, "train.dtype": "bfloat16"}
+MODEL = {"model.n_layers": 8, "data.seq_len": 4096, "execution.dtype": "bfloat16"}
 QUICK = {"data.seq_len": 64, "model.n_layers": 2}  # preset @laptop, CPU: a smoke check only
 
 
@@ -71,7 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeat", type=int, default=1, help="passes over every point, in turns (module doc)")
     p.add_argument("--compile", action="store_true",
-                   help="every point with its blocks compiled (train.compile; one GPU's fastest setting)")
+                   help="every point with its blocks compiled (execution.compile; one GPU's fastest setting)")
     p.add_argument("--only", default=None, help="a regular expression: measure only the points whose label it matches")
     p.add_argument("--quick", action="store_true", help="the laptop preset on CPU ranks (gloo): a smoke check")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -114,12 +114,12 @@ def plan(args, n_gpus: int) -> list[dict]:
 def measure(p: dict, args, device_type: str) -> dict:
     from stages.scaling import ScalingConfig, measure_point
 
-    overrides = {**MODEL, "model.moe.experts_backend": p["backend"], "train.compile": args.compile}
+    overrides = {**MODEL, "execution.experts": p["backend"], "execution.compile": args.compile}
     preset = "mula-7b-a1b"
     if args.quick:
         preset += "@laptop"
-        overrides = {**QUICK, "model.moe.experts_backend": "loop",  # the CPU has no fast grouped GEMM
-                     "train.compile": args.compile}
+        overrides = {**QUICK, "execution.experts": "loop",  # the CPU has no fast grouped GEMM
+                     "execution.compile": args.compile}
     config = ScalingConfig(preset=preset, devices=(p["devices"],), ep=p["ep"], optimizer=p["optimizer"],
                            global_batch=p["global_batch"], micro_batch=min(args.micro_batch, p["global_batch"]),
                            steps=args.steps, warmup=args.warmup, device=device_type, overrides=overrides)

@@ -2,7 +2,7 @@
 """Benchmark of the expert kernels on the OLMoE expert shapes (not a test).
 
     python bench/kernels.py [--quick] [--tokens 8192,16384,32768] [--only up,down,permute]
-                            [--backends triton,triton-tma,...] [--dw-configs] [--store results/store.zarr]
+                            [--backends triton,triton-pointer,...] [--dw-configs] [--store results/store.zarr]
 
 Shapes (OLMoE-1B-7B / Mula-7B-A1B): 64 experts, top-8, d_model 2048, expert hidden 1024, bf16.
   up    grouped_mm (T*8, 2048) x (64, 2048, 2048) -> gate+up   (K=2048, N=2*1024)
@@ -12,31 +12,34 @@ e chosen with weight 1/(e+1)^1.2, top-8 without replacement, Gumbel top-k). Each
 kernels.grouped_mm (loop, torch, triton: those that run here) is timed forward and backward
 (dx and dw) separately, beside torch._grouped_mm called bare ("torch_raw": the "torch" backend
 also zeroes the rows past offsets[-1], one extra pass) and a dense torch.mm of the same FLOPs
-(the ceiling). Beside "triton" (the default kernels: TMA forward, dx and dw where they run;
-its rows record the choices in effect), its A/B variants (kernels.grouped_mm's TRITON_KERNELS
-choices, the others left at their defaults), each labelled with the kernel that really ran
-("fallback" names the reason where the TMA kernels could not):
-  triton-dxT        dx over a contiguous copy of w^T (the copy timed in), forward pointer (bwd only)
-  triton-tma        forward and dx through the persistent tensor-descriptor (TMA) kernel
-  triton-tma-flat   the same with its loop over tiles fused with the K loop (tl.range flatten)
-  triton-tma-dxT    dx over the copy of w^T through the TMA kernel (bwd only)
-  triton-dw-pointer dw through the pointer kernel instead of the TMA dW kernel (bwd and dw)
-  triton-dw-dynamic the TMA dW kernel taking items from an atomic counter, not dealt round-robin
-  triton-dense      the default triton kernels on one group (G = 1): a dense GEMM, beside cuBLAS
+(the ceiling). "triton" is kernels.grouped_mm as the training calls it: the TMA kernels
+(kernels/grouped_mm_tma.py) where they can run, else the pointer kernels, chosen per call.
+Beside it, rows that run the pointer kernels where TMA could run, through the private
+launchers' keyword (tma=False). The pointer kernels are the path on Intel XPU, pre-sm90 GPUs
+and unaligned shapes; these rows time them on the same GPU. They call the launchers directly,
+without autograd and the custom ops' dispatch: less host time per call, which favours them
+where the host bounds an eager call (small GEMMs, e.g. --quick's 2048 tokens); compare them
+with "triton" at 8k+ tokens. Each row records the kernels that really ran ("kernels";
+"fallback" names the reason where the TMA kernels could not):
+  triton-pointer    forward, dx (w^T read through strides) and dw by the pointer kernels
+  triton-dw-pointer dw by the pointer kernel, dx by the TMA kernel (bwd and dw)
+  triton-dense      grouped_mm's triton kernels on one group (G = 1): a dense GEMM, beside cuBLAS
   TFLOP/s = 2*M*K*N (fwd) or 4*M*K*N (bwd) / median time,  M = T*8.
-The "dw" pass (triton and triton-dw-pointer rows) times the dW op alone, 2*M*K*N, written in
+The "dw" pass (triton and the pointer rows) times the dW op alone, 2*M*K*N, written in
 float32 as for the training's float32 master weights (the bwd pass's dw is in w's bf16). The
 "bwd-dx" and "bwd-dw" passes split the backward, 2*M*K*N each, so that each half is compared
-with torch._grouped_mm's: torch_raw and dense rows ask autograd for one gradient; our rows call
-each custom op alone (a custom op computes every gradient autograd could ask of it).
+with torch._grouped_mm's: torch_raw and dense rows ask autograd for one gradient; triton and
+triton-dense call each custom op alone (a custom op computes every gradient autograd could ask
+of it), the pointer rows each launcher.
 permute+unpermute (forward pair, backward pair) is reported in GB/s of minimal traffic (each
 input read once, each output written once) beside a plain copy (clone) of the (T*8, 2048)
 sorted activations: fwd 2*(T + T*8)*D*2 bytes, bwd (3*T*8 + 2*T)*D*2 bytes, copy 2*T*8*D*2.
-Beside "triton" (kernels.permute's default expert sort, PERMUTE_KERNELS: the counting sort),
-its A/B "triton-sort-torch" (torch.sort + searchsorted); the "expert sort" rows time the sort
-alone (ids to sorted_idx and offsets) for both, in GB/s of ids read + sorted_idx written, and
-"expert sort E+1" the same with one more (empty) group, as capacity dropping and expert
-parallelism sort (65 groups: the counting sort's wider tiles).
+The "expert sort" rows time kernels.permute.expert_sort alone (ids to sorted_idx and offsets),
+in GB/s of ids read + sorted_idx written, and "expert sort E+1" the same with one more (empty)
+group, as capacity dropping and expert parallelism sort (65 groups: the counting sort's wider
+tiles): for "triton" the sort permute runs (the counting sort where it applies), for
+"triton-sort-torch" torch.sort + searchsorted (expert_sort's private counting=False; the
+sort rows only, since permute itself takes no choice of sort).
 
 Timing: device events around each call, warm-up (which also runs Triton's autotuning) then
 the median of --reps repeats; the GEMM rows of one pass are timed in turns (Timer.interleaved),
@@ -65,20 +68,17 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere in the checkout
 
 from bench.common import write_jsonl  # noqa: E402
 from kernels import available_backends, grouped_mm, permute, unpermute  # noqa: E402
-from kernels.grouped_mm import TRITON_KERNELS, triton_kernels  # noqa: E402
+from kernels.grouped_mm import _launch_grouped_mm, _launch_grouped_mm_dw, _launch_grouped_mm_dx  # noqa: E402
 from kernels.grouped_mm_tma import tma_unsupported  # noqa: E402
-from kernels.permute import PERMUTE_KERNELS, expert_sort, permute_kernels  # noqa: E402
+from kernels.permute import counting_sort_applies, expert_sort  # noqa: E402
 
 OLMOE = dict(experts=64, top_k=8, d_model=2048, hidden=1024)
 TINY = dict(experts=4, top_k=2, d_model=32, hidden=16)  # the interpreter smoke check
-# name: (kernel choices, passes timed); "triton" runs the defaults (TRITON_KERNELS) for fwd, bwd, dw
+# name: (the private launchers' tma keyword for the forward, dx and dw; passes timed). "triton"
+# (grouped_mm itself: TMA where it runs) and "triton-dense" are timed for every pass.
 TRITON_VARIANTS = {
-    "triton-dxT": (dict(forward="pointer", dx="copy"), ("bwd",)),
-    "triton-tma": (dict(forward="tma", dx="tma"), ("fwd", "bwd")),
-    "triton-tma-flat": (dict(forward="tma", dx="tma", tma_flatten=True), ("fwd", "bwd")),
-    "triton-tma-dxT": (dict(forward="tma", dx="copy"), ("bwd",)),
-    "triton-dw-pointer": (dict(dw="pointer"), ("bwd", "dw")),
-    "triton-dw-dynamic": (dict(dw_schedule="dynamic"), ("bwd", "bwd-dw", "dw")),
+    "triton-pointer": (dict(forward=False, dx=False, dw=False), ("fwd", "bwd", "bwd-dx", "bwd-dw", "dw")),
+    "triton-dw-pointer": (dict(forward=True, dx=True, dw=False), ("bwd", "dw")),
 }
 # Passes: fwd; bwd = dx and dw; bwd-dx / bwd-dw = that one gradient only (in the backward's
 # own dtype, so every backend computes the same thing); dw = the triton dW op alone with a
@@ -89,8 +89,8 @@ SPLIT_PASSES = ("bwd-dx", "bwd-dw")
 # code generation reaches without any grouping, beside cuBLAS in the same run.
 DENSE_ROWS = ("dense", "triton-dense")
 OPS = ("up", "down", "permute")
-# name: kernels.permute choices; "triton" runs the defaults (PERMUTE_KERNELS)
-PERMUTE_VARIANTS = {"triton-sort-torch": dict(sort="torch")}
+# name: expert_sort's private keywords, for the "expert sort" rows alone; "triton" is what permute runs
+PERMUTE_VARIANTS = {"triton-sort-torch": dict(counting=False)}
 
 
 def parse_args(argv=None):
@@ -237,7 +237,7 @@ def bench_gemms(rec, timer, device, dtype, T, routing, topk_idx, shape, backends
         flop = 2 * M * K * N
         fields = dict(op=gemm, tokens=T, routing=routing, M=M, K=K, N=N, experts=E,
                       max_over_mean_load=(load.max() / load.mean()).item())
-        rows = {}  # name -> (kernel choices, {pass: (fn, flop)}, record extras)
+        rows = {}  # name -> ({pass: (fn, flop)}, record extras)
         for name in backends:
             if name not in ("loop", "torch", "torch_raw", "triton", *DENSE_ROWS, *TRITON_VARIANTS):
                 continue
@@ -254,16 +254,19 @@ def bench_gemms(rec, timer, device, dtype, T, routing, topk_idx, shape, backends
             if name in ("torch_raw", "dense") or name in ("triton", "triton-dense"):
                 default_passes += SPLIT_PASSES  # ("torch" is an autograd.Function: both grads always)
             default_passes += ("dw",) if name == "triton" else ()
-            choices, timed = TRITON_VARIANTS.get(name, ({}, default_passes))
-            extra = {"kernels": dict(TRITON_KERNELS)} if name in ("triton", "triton-dense") else \
-                {"kernels": choices} if choices else {}
-            if ours and "tma" in {**TRITON_KERNELS, **choices}.values():
-                # say so where a TMA kernel falls back to the pointer kernel
-                reason = tma_unsupported(x, w, dy)  # dy stands in for y: same shape, dtype, strides
-                extra.update({"fallback": reason} if reason else {})
+            tma, timed = TRITON_VARIANTS.get(name, (dict(forward=True, dx=True, dw=True), default_passes))
+            extra = {}
+            if ours:  # the kernels that really run: TMA where asked for and it can run here
+                reason = tma_unsupported(x, weight, dy)  # dy stands in for y: same shape, dtype, strides
+                extra["kernels"] = {p: "tma" if on and reason is None else "pointer" for p, on in tma.items()}
+                extra.update({"fallback": reason} if reason and any(tma.values()) else {})
             try:
-                with triton_kernels(**choices):
-                    y = fwd()  # also compiles and autotunes the forward
+                if name in TRITON_VARIANTS:  # through the launchers with their tma keyword
+                    passes = _launcher_passes(x.detach(), weight.detach(), offs, dy, tma, flop)
+                    passes["fwd"][0]()  # compiles and autotunes the forward
+                    rows[name] = ({p: passes[p] for p in timed}, extra)
+                    continue
+                y = fwd()  # also compiles and autotunes the forward
                 params = (x, weight)
 
                 def grads(of, y=y):
@@ -275,19 +278,32 @@ def bench_gemms(rec, timer, device, dtype, T, routing, topk_idx, shape, backends
                     passes["dw"] = (lambda: torch.ops.optimus.grouped_mm_dw(x.detach(), dy, offsets, True), flop)
                 else:
                     passes["bwd-dx"], passes["bwd-dw"] = (grads(params[:1]), flop), (grads(params[1:]), flop)
-                rows[name] = (choices, {p: passes[p] for p in timed}, extra)
-            except Exception as e:  # an untried variant that fails (e.g. to compile) costs its row only
+                rows[name] = ({p: passes[p] for p in timed}, extra)
+            except Exception as e:  # a variant row that fails (e.g. to compile) costs its row only
                 if name not in TRITON_VARIANTS:
                     raise
                 rec(op=gemm, pass_="-", backend=name, tokens=T, routing=routing,
                     error=f"{type(e).__name__}: {e}"[:2000], **extra)
         for pass_ in ("fwd", "bwd", *SPLIT_PASSES, "dw"):
-            fns = {name: _with_choices(choices, passes[pass_][0])
-                   for name, (choices, passes, _) in rows.items() if pass_ in passes}
+            fns = {name: passes[pass_][0] for name, (passes, _) in rows.items() if pass_ in passes}
             for name, ms in timer.interleaved(fns).items():
-                f = rows[name][1][pass_][1]
-                rec(pass_=pass_, backend=name, ms=ms, tflops=f / ms / 1e9, flop=f, **fields, **rows[name][2])
+                f = rows[name][0][pass_][1]
+                rec(pass_=pass_, backend=name, ms=ms, tflops=f / ms / 1e9, flop=f, **fields, **rows[name][1])
         del rows  # free the rows' graphs before the next GEMM's
+
+
+def _launcher_passes(x, w, offsets, dy, tma: dict, flop: int) -> dict:
+    """{pass: (fn, flop)} of a TRITON_VARIANTS row: each product through its private launcher
+    with the row's tma keyword (bwd: dx then dw, in the backward's dtype; dw: float32 out)."""
+    def dx():
+        return _launch_grouped_mm_dx(dy, w, offsets, tma=tma["dx"])
+
+    def dw(float32_out):
+        return lambda: _launch_grouped_mm_dw(x, dy, offsets, float32_out, tma=tma["dw"])
+
+    return {"fwd": (lambda: _launch_grouped_mm(x, w, offsets, tma=tma["forward"]), flop),
+            "bwd": (lambda: (dx(), dw(False)()), 2 * flop), "bwd-dx": (dx, flop),
+            "bwd-dw": (dw(False), flop), "dw": (dw(True), flop)}
 
 
 def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
@@ -312,14 +328,6 @@ def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
                 ms=ms, tflops=2 * M * K * N / ms / 1e9, flop=2 * M * K * N, M=M, K=K, N=N, experts=E)
 
 
-def _with_choices(choices: dict, fn):
-    """fn run with these triton kernel choices (the others at their defaults)."""
-    def call():
-        with triton_kernels(**choices):
-            return fn()
-    return call
-
-
 def bench_permute(rec, timer, device, dtype, T, routing, topk_idx, shape, backends):
     E, k, D = shape["experts"], shape["top_k"], shape["d_model"]
     gen = torch.Generator(device=device).manual_seed(1)
@@ -328,37 +336,37 @@ def bench_permute(rec, timer, device, dtype, T, routing, topk_idx, shape, backen
     dout = torch.randn(T, D, device=device, dtype=dtype, generator=gen)
     b = torch.finfo(dtype).bits // 8
     fwd_bytes, bwd_bytes = 2 * (T + T * k) * D * b, (3 * T * k + 2 * T) * D * b
+    ids = topk_idx.reshape(-1)
     for name in backends:
-        backend = "triton" if name in PERMUTE_VARIANTS else name
-        choices = PERMUTE_VARIANTS.get(name, {})
-        extra = {"kernels": {**PERMUTE_KERNELS, **choices}} if backend == "triton" else {}
+        timed = []  # (op, pass, fn, bytes, fn replayed from a CUDA graph or None, record extras)
+        if name not in PERMUTE_VARIANTS:  # the pair, as permute runs it (no choice of sort)
+            extra = {"kernels": {"sort": "counting" if counting_sort_applies(ids, E) else "torch"}} \
+                if name == "triton" else {}
 
-        def pair(backend=backend):
-            x_sorted, _, sorted_idx = permute(x, topk_idx, E, backend=backend)
-            return unpermute(x_sorted, sorted_idx, weights, backend=backend)
+            def pair(backend=name):
+                x_sorted, _, sorted_idx = permute(x, topk_idx, E, backend=backend)
+                return unpermute(x_sorted, sorted_idx, weights, backend=backend)
 
-        def pair_no_grad(backend=backend):  # what a CUDA graph can capture: no autograd graph
-            with torch.no_grad():
-                return pair(backend)
-        with permute_kernels(**choices):
+            def pair_no_grad(backend=name):  # what a CUDA graph can capture: no autograd graph
+                with torch.no_grad():
+                    return pair(backend)
             out = pair()
-            back = lambda: torch.autograd.grad(out, (x, weights), dout, retain_graph=True)  # noqa: E731
-            ids = topk_idx.reshape(-1)
-            sort = lambda: expert_sort(ids, E)  # noqa: E731
-            timed = [("permute+unpermute", "fwd", pair, fwd_bytes), ("permute+unpermute", "bwd", back, bwd_bytes)]
-            graphed = {"fwd": pair_no_grad}  # the backward's autograd.grad is not captured
-            if backend == "triton":  # ids read, sorted_idx written, offsets written
-                timed.append(("expert sort", "fwd", sort, 2 * ids.numel() * 8 + E * 4))
-                # with a phantom group too (capacity dropping, expert parallelism): 65 groups
-                phantom = lambda: expert_sort(ids, E + 1)  # noqa: E731
-                timed.append(("expert sort E+1", "fwd", phantom, 2 * ids.numel() * 8 + (E + 1) * 4))
-            for op, pass_, fn, nbytes in timed:
-                ms = timer(fn)
-                capture = graphed.get(pass_) if op == "permute+unpermute" else fn  # the sorts capture as they are
-                device_ms = timer.graphed(capture) if backend == "triton" and capture is not None else None
-                rec(op=op, pass_=pass_, backend=name, tokens=T, routing=routing, ms=ms,
-                    gbps=nbytes / ms / 1e6, bytes=nbytes, D=D, top_k=k, **extra,
-                    **({"device_ms": device_ms, "device_gbps": nbytes / device_ms / 1e6} if device_ms else {}))
+            back = (lambda out: lambda: torch.autograd.grad(out, (x, weights), dout, retain_graph=True))(out)
+            timed += [("permute+unpermute", "fwd", pair, fwd_bytes, pair_no_grad if name == "triton" else None, extra),
+                      ("permute+unpermute", "bwd", back, bwd_bytes, None, extra)]  # autograd.grad: not captured
+        if name == "triton" or name in PERMUTE_VARIANTS:  # the sort alone; ids read, sorted_idx and offsets written
+            counting = PERMUTE_VARIANTS.get(name, {}).get("counting", True)
+            # also with a phantom group (capacity dropping, expert parallelism): E + 1 groups
+            for op, groups in (("expert sort", E), ("expert sort E+1", E + 1)):
+                sort = (lambda g: lambda: expert_sort(ids, g, counting=counting))(groups)
+                runs = "counting" if counting and counting_sort_applies(ids, groups) else "torch"
+                timed.append((op, "fwd", sort, 2 * ids.numel() * 8 + groups * 4, sort, {"kernels": {"sort": runs}}))
+        for op, pass_, fn, nbytes, capture, extra in timed:
+            ms = timer(fn)
+            device_ms = timer.graphed(capture) if capture is not None else None
+            rec(op=op, pass_=pass_, backend=name, tokens=T, routing=routing, ms=ms,
+                gbps=nbytes / ms / 1e6, bytes=nbytes, D=D, top_k=k, **extra,
+                **({"device_ms": device_ms, "device_gbps": nbytes / device_ms / 1e6} if device_ms else {}))
     sorted_rows = torch.randn(T * k, D, device=device, dtype=dtype, generator=gen)
     nbytes = 2 * sorted_rows.numel() * b
     ms = timer(sorted_rows.clone)

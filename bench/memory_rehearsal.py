@@ -56,6 +56,9 @@ def main(argv=None) -> None:
 
     import torch
 
+    import dataclasses
+
+    from optimus_core.execution import resolve_choices
     from optimus_core.memory import estimate
     from optimus_core.rehearsal import loopback_world
     from optimus_core.train.build import build_model, build_run_optimizer
@@ -67,15 +70,16 @@ def main(argv=None) -> None:
     cfg, device = job.run, torch.device("cuda")
     from optimus_core.memory import MemoryLayout
 
-    layout = MemoryLayout.of_run(cfg, job.world, job.checkpointing, "cuda", micro_batches=1)
+    plan = dataclasses.replace(resolve_choices(cfg, device, job.world), checkpointing=job.checkpointing)
+    layout = MemoryLayout.of_run(cfg, job.world, job.checkpointing, plan, micro_batches=1)
     with loopback_world(cfg, job.world, 0, device) as mesh:
-        model = build_model(cfg, mesh, checkpointing=job.checkpointing)
-        optimizer = build_run_optimizer(model, cfg, mesh)
+        model = build_model(cfg, mesh, plan=plan)
+        optimizer = build_run_optimizer(model, cfg, mesh, plan)
         batch = torch.randint(0, cfg.model.vocab_size, (layout.micro_batch, cfg.data.seq_len + 1), device=device)
 
         def step():
             stats = train_step(model, optimizer, batch, micro_batch=layout.micro_batch, grad_clip=cfg.optim.grad_clip,
-                               lr=cfg.optim.lr, dtype=cfg.train.dtype, mesh=mesh)
+                               lr=cfg.optim.lr, dtype=plan.dtype, mesh=mesh)
             float(stats.grad_norm)
 
         step()

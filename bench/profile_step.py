@@ -3,7 +3,7 @@
 
     python bench/profile_step.py [--variant 7b8l-triton+compile] [--steps 3] [--trace DIR]
 
-The same step as bench/train_step.py (its VARIANTS: model, experts backend, compile, overrides),
+The same step as bench/train_step.py (its VARIANTS: model and execution overrides),
 warmed up, then ``--steps`` steps under torch.profiler. Device kernels are put in categories by
 name (expert GEMMs, dense GEMMs, attention, permute / SwiGLU, AdamW, norms, compiled fusions,
 copies and casts, ...) and reported as ms per step, with the 25 most expensive kernels. Output: a
@@ -57,24 +57,23 @@ def build_variant_step(variant: str, seq: int, batch: int, device):
 
     from optimus_core import presets
     from optimus_core.parallel import Mesh
+    from optimus_core.execution import plan_execution
     from optimus_core.train.build import build_model, build_run_optimizer
     from optimus_core.train.step import train_step
 
-    model_spec, backend, compiled, extra = VARIANTS[variant]
+    model_spec, extra = VARIANTS[variant]
     overrides = {**model_spec["overrides"], "data.seq_len": seq, "train.global_batch": batch,
-                 "train.micro_batch": batch, "train.dtype": "bfloat16", "train.compile": compiled,
-                 "train.device": device.type, **extra}
-    if backend:
-        overrides["model.moe.experts_backend"] = backend
+                 "train.micro_batch": batch, "train.device": device.type, **extra}
     cfg = presets.get(model_spec["preset"]).run_config(**overrides)
     mesh = Mesh.single(device)
-    model = build_model(cfg, mesh)
-    optimizer = build_run_optimizer(model, cfg, mesh)
+    plan = plan_execution(cfg, device)
+    model = build_model(cfg, mesh, plan=plan)
+    optimizer = build_run_optimizer(model, cfg, mesh, plan)
     batch_BS1 = torch.randint(0, cfg.model.vocab_size, (batch, seq + 1), device=device)
 
     def step():
         stats = train_step(model, optimizer, batch_BS1, micro_batch=batch, grad_clip=cfg.optim.grad_clip,
-                           lr=cfg.optim.lr, dtype="bfloat16", fused_lm_loss=cfg.train.fused_lm_loss)
+                           lr=cfg.optim.lr, dtype=plan.dtype)
         float(stats.grad_norm)
 
     return model, optimizer, step
@@ -83,7 +82,7 @@ def build_variant_step(variant: str, seq: int, batch: int, device):
 def variant_arguments(description: str) -> argparse.ArgumentParser:
     """The arguments of a tool that looks into one warmed-up step of a bench/train_step.py variant."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--variant", default="7b8l-triton+compile", choices=list(VARIANTS))
+    p.add_argument("--variant", default="7b8l-default", choices=list(VARIANTS))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=2)

@@ -2,7 +2,7 @@
 """What one transformer block keeps for its backward, tensor by tensor, with no compute.
 
     python bench/saved_activations.py [--preset mula-7b-a1b] [--tokens 8192] [--seq 4096]
-                                      [--backend triton] [--set model.moe.weights_before_down=false]
+                                      [--backend triton] [--set model.moe.KEY=VALUE]
 
 Runs one block's forward under bf16 autocast on fake tensors (torch's FakeTensorMode: shapes and
 dtypes only, so the full OLMoE width at 8192 tokens costs no memory and no time) and records
@@ -46,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=4096, help="sequence length (tokens / seq sequences)")
     p.add_argument("--backend", default="triton", choices=["loop", "torch", "triton"], help="experts backend")
     p.add_argument("--set", action="append", default=[], metavar="model.moe.KEY=VALUE",
-                   help="a model.moe field, e.g. model.moe.weights_before_down=false")
+                   help="a model.moe field, e.g. model.moe.top_k=4")
     return p.parse_args(argv)
 
 
@@ -60,7 +60,7 @@ def saved_tensors(preset: str, tokens: int, seq: int, backend: str, moe_override
     cfg = presets.get(preset).model
     if tokens % seq:
         raise ValueError(f"--tokens {tokens} must be a multiple of --seq {seq}")
-    moe = dataclasses.replace(cfg.moe, experts_backend=backend, **moe_overrides) if cfg.moe else None
+    moe = dataclasses.replace(cfg.moe, **moe_overrides) if cfg.moe else None
     cfg = dataclasses.replace(cfg, n_layers=1, moe=moe, max_seq_len=max(cfg.max_seq_len, seq))
     records: dict[int, dict] = {}
 
@@ -70,9 +70,9 @@ def saved_tensors(preset: str, tokens: int, seq: int, backend: str, moe_override
         return t
 
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = Transformer(cfg)
+        model = Transformer(cfg, experts_backend=backend)
         if cfg.moe:
-            model.set_expert_weight_casts(torch.bfloat16)  # as training keeps them (train.expert_weight_casts)
+            model.set_expert_weight_casts(torch.bfloat16)  # as training keeps them (the plan's expert copies)
         block = model.blocks[0]
         cos, sin = model.rope(seq)
         x = torch.randn(tokens // seq, seq, cfg.d_model, requires_grad=True)  # the residual stream: float32

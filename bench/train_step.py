@@ -11,31 +11,19 @@ is measured at by ../shared/peers/olmo_core_step.py. ``mula-1b`` (dense, all 16 
 reference. Each variant is one training step of the trainer core (optimus_core.train.measure:
 warm-up, then the median of timed steps, phases from device events):
 
-    loop / torch / triton   the experts' backend (kernels/): Python loop, torch._grouped_mm, ours
-    +compile                torch.compile of each block (the dense parts; the experts' custom ops
-                            are opaque to it)
-    +recast                 train.recast_expert_weights: the float32 expert weights cast inside
-                            each GEMM, no bf16 copies kept from forward to backward
-    -casts                  train.expert_weight_casts off: the forward casts the float32 expert
-                            weights itself (and keeps the copy for the backward) instead of
-                            reading the bf16 copy the optimizer writes (an A/B of the default)
-    -beside                 optim.update_beside_forward off: the whole AdamW update after the
-                            backward, on the forward's stream, instead of stage by stage on a side
-                            stream under the next step's forward (an A/B of the default)
-    -weightsbefore          model.moe.weights_before_down off: the routing weights in the top-k
-                            combine, which keeps the expert outputs for its backward, instead of
-                            on the SwiGLU output (an A/B of the default)
-    -dwnorm                 optim.grad_norm_from_dw off: the clip's norm reads the expert weights'
-                            gradients beside the backward instead of taking the sums of squares
-                            the dW kernel makes as it stores them (an A/B of the default)
-    -bf16grads              train.expert_grad_dtype = float32: the dW kernel writes the expert
-                            weights' gradients in float32 on the weights instead of in bf16 on
-                            their bf16 copies (an A/B of the default)
-    -xent                   train.lm_loss_softmax = torch: the fused LM loss's log-softmax, loss
-                            and gradient by torch ops instead of one Triton kernel
-                            (kernels.cross_entropy; an A/B of the default)
-    +logits+torch-adamw     the recipe before train.fused_lm_loss and optim.implementation=auto:
-                            full logits then cross-entropy, torch's fused AdamW (an A/B, same call)
+    default                 no execution choice set: what `optimus pretrain` gets (the plan's
+                            "auto" everywhere: optimus_core.execution)
+    loop / torch / triton   execution.experts: Python loop, torch._grouped_mm, ours
+    +compile / (none)       execution.compile on / off (torch.compile of each block)
+    +recast                 execution.recast_expert_weights: the float32 expert weights cast inside
+                            each GEMM, no bf16 copies kept (less memory, a little more time)
+    -xent                   execution.lm_loss = torch: the fused LM loss's softmax by torch ops
+    +torch-adamw            execution.adamw = torch: torch's fused AdamW (and so no update beside
+                            the forward and no bf16 expert gradients: the plan's rules)
+
+The A/B-only choices measured before (CUDA graphs, the update after the backward, the routing
+weights in the combine, the clip's norm after the backward or reading the dW again, float32
+expert gradients, full logits) are no longer choices; bench/NOTES.md keeps their results.
 
 Step time: ``step_s`` is the median of steps each followed by a host sync (phases come from
 these); ``step_back_to_back_s`` the median between step boundaries with the steps queued back to
@@ -60,7 +48,6 @@ over the loop-experts baseline on one GPU) and, where the results store imports,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import sys
@@ -76,55 +63,33 @@ PEAK_FLOPS = 989e12  # H100 / H200 dense bf16, datasheet: the MFU convention
 MODEL_7B = dict(preset="mula-7b-a1b", overrides={"model.n_layers": 8})
 MODEL_7B_WHOLE = dict(preset="mula-7b-a1b", overrides={})  # all 16 layers: OLMoE-1B-7B itself
 MODEL_1B = dict(preset="mula-1b", overrides={})
-RECAST = {"train.recast_expert_weights": True}
-NO_CASTS = {"train.expert_weight_casts": False}
-CUDA_GRAPHS = {"train.compile_mode": "reduce-overhead"}  # each block's kernels replayed as a CUDA graph
-NORM_AFTER = {"optim.grad_norm_under_backward": False}  # the clip's norm in a pass after the backward
-TORCH_SORT = {"kernels.permute.sort": "torch"}  # the expert sort by torch.sort, not our counting sort
-DW_POINTER = {"kernels.grouped_mm.dw": "pointer"}  # dW by the pointer kernel, not the TMA one
-UPDATE_AFTER = {"optim.update_beside_forward": False}  # the whole update after the backward, one stream
-WEIGHTED_COMBINE = {"model.moe.weights_before_down": False}  # routing weights in the combine, not the SwiGLU
-NORM_READS_DW = {"optim.grad_norm_from_dw": False}  # the expert gradients read again for the clip's norm
-TORCH_XENT = {"train.lm_loss_softmax": "torch"}  # the LM loss's softmax by torch ops, not one kernel
-FLOAT32_EXPERT_GRADS = {"train.expert_grad_dtype": "float32"}  # dW in float32 on the weights, not bf16 on the copies
+RECAST = {"execution.recast_expert_weights": True}
+TORCH_XENT = {"execution.lm_loss": "torch"}
+TORCH_ADAMW = {"execution.adamw": "torch"}
 
-# The recipe of the 2026-11-30 measurements: full logits then cross-entropy, torch's fused AdamW.
-LOGITS_TORCH_ADAMW = {"train.fused_lm_loss": False, "optim.implementation": "torch"}
-VARIANTS = {  # name -> (model, experts backend, compile, further config overrides)
-    "7b8l-loop": (MODEL_7B, "loop", False, {}),
-    "7b8l-torch": (MODEL_7B, "torch", False, {}),
-    "7b8l-triton": (MODEL_7B, "triton", False, {}),
-    "7b8l-torch+compile": (MODEL_7B, "torch", True, {}),
-    "7b8l-triton+compile": (MODEL_7B, "triton", True, {}),
-    "7b8l-triton+compile-casts": (MODEL_7B, "triton", True, NO_CASTS),
-    "7b8l-triton+compile+graphs": (MODEL_7B, "triton", True, CUDA_GRAPHS),
-    "7b8l-triton+compile-normunder": (MODEL_7B, "triton", True, NORM_AFTER),
-    "7b8l-triton+compile+torchsort": (MODEL_7B, "triton", True, TORCH_SORT),
-    "7b8l-triton+compile+dwpointer": (MODEL_7B, "triton", True, DW_POINTER),
-    "7b8l-triton+compile-beside": (MODEL_7B, "triton", True, UPDATE_AFTER),
-    "7b8l-triton+compile-weightsbefore": (MODEL_7B, "triton", True, WEIGHTED_COMBINE),
-    "7b8l-triton+compile-xent": (MODEL_7B, "triton", True, TORCH_XENT),
-    "7b8l-triton+compile-dwnorm": (MODEL_7B, "triton", True, NORM_READS_DW),
-    "7b8l-triton+compile-bf16grads": (MODEL_7B, "triton", True, FLOAT32_EXPERT_GRADS),
-    "7b8l-triton+compile+graphs-beside": (MODEL_7B, "triton", True, {**CUDA_GRAPHS, **UPDATE_AFTER}),
-    "7b8l-triton+compile+logits+torch-adamw": (MODEL_7B, "triton", True, LOGITS_TORCH_ADAMW),
-    "7b8l-triton+recast": (MODEL_7B, "triton", False, RECAST),
-    "7b8l-torch+compile+recast": (MODEL_7B, "torch", True, RECAST),
-    "7b8l-triton+compile+recast": (MODEL_7B, "triton", True, RECAST),
-    "7b16l-triton+compile": (MODEL_7B_WHOLE, "triton", True, {}),
-    "1b-dense+compile": (MODEL_1B, None, True, {}),
+
+def _run(experts: str, compiled: bool, **extra) -> dict:
+    return {"execution.experts": experts, "execution.compile": compiled, **extra}
+
+
+VARIANTS = {  # name -> (model, execution overrides)
+    "7b8l-default": (MODEL_7B, {}),
+    "7b8l-loop": (MODEL_7B, _run("loop", False)),
+    "7b8l-torch": (MODEL_7B, _run("torch", False)),
+    "7b8l-triton": (MODEL_7B, _run("triton", False)),
+    "7b8l-torch+compile": (MODEL_7B, _run("torch", True)),
+    "7b8l-triton+compile": (MODEL_7B, _run("triton", True)),
+    "7b8l-triton+compile-xent": (MODEL_7B, _run("triton", True, **TORCH_XENT)),
+    "7b8l-triton+compile+torch-adamw": (MODEL_7B, _run("triton", True, **TORCH_ADAMW)),
+    "7b8l-triton+recast": (MODEL_7B, _run("triton", False, **RECAST)),
+    "7b8l-torch+compile+recast": (MODEL_7B, _run("torch", True, **RECAST)),
+    "7b8l-triton+compile+recast": (MODEL_7B, _run("triton", True, **RECAST)),
+    "7b16l-triton+compile": (MODEL_7B_WHOLE, _run("triton", True)),
+    "1b-dense+compile": (MODEL_1B, {"execution.compile": True}),
 }
 
 
-DEFAULT_VARIANT = "7b8l-triton+compile"  # what a run gets without overrides
-
-
-def kernel_choices(module: str, **choices):
-    """The context that sets a kernel module's choices, for variants that A/B one kernel."""
-    from kernels.grouped_mm import triton_kernels  # (kernels.grouped_mm is also the function)
-    from kernels.permute import permute_kernels
-
-    return {"grouped_mm": triton_kernels, "permute": permute_kernels}[module](**choices)
+DEFAULT_VARIANT = "7b8l-default"  # what a run gets without overrides
 
 
 def parse_args(argv=None):
@@ -173,20 +138,16 @@ def run_variant(name: str, args, device) -> dict:
     from optimus_core.parallel import Mesh
     from optimus_core.train.measure import measure_steps
 
-    model, backend, compiled, extra = VARIANTS[name]
-    # "kernels.<module>.<choice>" entries are kernel choices (kernel_choices), not config keys
-    choices = {k: v for k, v in extra.items() if k.startswith("kernels.")}
-    extra = {k: v for k, v in extra.items() if k not in choices}
+    model, extra = VARIANTS[name]
     overrides = {**model["overrides"], "data.seq_len": args.seq, "train.global_batch": args.batch,
-                 "train.micro_batch": args.batch, "train.dtype": "bfloat16", "train.compile": compiled,
-                 "train.device": device.type, **extra}
-    if backend:
-        overrides["model.moe.experts_backend"] = backend
+                 "train.micro_batch": args.batch, "train.device": device.type, **extra}
     preset = model["preset"]
     if args.quick:
         preset += "@laptop"
-        overrides.update({"train.dtype": "float32", "data.seq_len": 64, "model.n_layers": 2})
-        overrides.pop("train.compile")
+        overrides.update({"data.seq_len": 64, "model.n_layers": 2})
+        overrides.pop("execution.compile", None)
+        if overrides.get("execution.experts") == "torch":  # no torch._grouped_mm on a CPU
+            overrides["execution.experts"] = "loop"
     cfg = presets.get(preset).run_config(**overrides)
     # Compiled code of an earlier variant holds on to its model and buffers: drop it, so each
     # variant's peak memory is its own (the runs of 2026-11-30 did not, see bench/NOTES.md).
@@ -196,19 +157,13 @@ def run_variant(name: str, args, device) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        for key, value in choices.items():
-            _, module, choice = key.split(".")
-            stack.enter_context(kernel_choices(module, **{choice: value}))
-        point = measure_steps(cfg, Mesh.single(device), steps=args.steps, warmup=args.warmup)
+    point = measure_steps(cfg, Mesh.single(device), steps=args.steps, warmup=args.warmup)
+    plan = point["plan"]
     flops = cfg.model.flops_per_token(cfg.data.seq_len)
     return {"bench": "train_step", "variant": name, "preset": preset, "overrides": model["overrides"],
-            "experts_backend": backend, "compile": compiled, "recast_expert_weights": cfg.train.recast_expert_weights,
-            "expert_weight_casts": cfg.train.expert_weight_casts,
-            "fused_lm_loss": cfg.train.fused_lm_loss, "optim_implementation": cfg.optim.implementation,
-            "lm_loss_softmax": cfg.train.lm_loss_softmax, "grad_norm_from_dw": cfg.optim.grad_norm_from_dw,
-            "expert_grad_dtype": cfg.train.expert_grad_dtype,
-            "seq_len": cfg.data.seq_len, "batch": args.batch,
+            "experts_backend": plan["experts"], "compile": plan["compile"], "dtype": plan["dtype"],
+            "recast_expert_weights": plan["recast_expert_weights"], "adamw": plan["adamw"],
+            "lm_loss": plan["lm_loss"], "seq_len": cfg.data.seq_len, "batch": args.batch,
             "params": cfg.model.num_params(), "active_params": cfg.model.num_active_params(),
             "flops_per_token": flops, "mfu": flops * _tokens_per_s(point) / PEAK_FLOPS,
             "mfu_synced": flops * point["tokens_per_s"] / PEAK_FLOPS,

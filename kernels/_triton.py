@@ -52,24 +52,6 @@ def autotuned(configs_for, key, **options):
     return wrap
 
 
-@contextlib.contextmanager
-def chosen(table: dict, allowed: dict, what: str, **choices):
-    """Run a block with other values in a module's kernel-choice ``table`` (each checked against
-    ``allowed``), restored after: the body of grouped_mm.triton_kernels and permute.permute_kernels."""
-    for name, value in choices.items():
-        if name not in allowed:
-            raise ValueError(f"{what}: unknown choice {name!r}; choices are {sorted(allowed)}")
-        if value not in allowed[name]:
-            raise ValueError(f"{what}: {name} must be one of {allowed[name]}, got {value!r}")
-    saved = dict(table)
-    table.update(choices)
-    try:
-        yield
-    finally:
-        table.clear()
-        table.update(saved)
-
-
 def tile_configs(shapes, **options):
     """GEMM configs from (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) tuples; options (e.g. Intel's
     grf_mode) go to every config."""
@@ -94,27 +76,6 @@ def launchable_on(device: torch.device) -> bool:
     """True where Triton kernels run on ``device``'s tensors: a CUDA or XPU device with Triton,
     or any device under TRITON_INTERPRET=1 (which the CPU tests use)."""
     return triton is not None and (INTERPRET or torch.device(device).type in ("cuda", "xpu"))
-
-
-def use_triton(choice: str, device: torch.device, field: str, what: str, kernel: str) -> bool:
-    """A config field's "auto" | "torch" | "triton" resolved for tensors on ``device``: "auto" is
-    Triton on a CUDA / XPU device where it imports (never the interpreter: it is for tests) and
-    torch elsewhere; "triton" where ``what`` cannot run is an error naming ``field``, not a
-    silent fallback. Either way Triton only where ``kernel`` passed its self-check on the
-    device (kernels.selfcheck: a failure warns once, naming it, and the torch path runs)."""
-    from .selfcheck import validated
-
-    device = torch.device(device)
-    if choice == "torch":
-        return False
-    if choice == "triton":
-        if not launchable_on(device):
-            raise ValueError(f"{field} = 'triton': {what} cannot run on {device.type} (needs a CUDA or XPU "
-                             "device with Triton, or TRITON_INTERPRET=1); use 'auto' or 'torch'")
-        return validated(kernel, device)
-    if choice == "auto":
-        return device.type in ("cuda", "xpu") and launchable_on(device) and validated(kernel, device)
-    raise ValueError(f"{field} = {choice!r}: one of 'auto', 'torch', 'triton'")
 
 
 def check_launchable(op: str, *tensors: torch.Tensor) -> None:

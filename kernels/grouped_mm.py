@@ -35,15 +35,22 @@ Backends:
   Torch leaves rows past offsets[-1] unwritten (seen on an H200, torch 2.11); this backend
   zeroes them in y and dx with a small Triton kernel that touches only those rows.
 - "triton": our kernels, no host sync and no loop over groups. Products accumulate in float32;
-  float32 inputs multiply in full fp32 ("ieee", not tf32), as torch.mm does by default. Which
-  kernels run is TRITON_KERNELS (below; `with triton_kernels(forward="pointer", dx="copy"):
-  ...` for an A/B): the forward by pointer loads or by the Hopper TMA kernel (grouped_mm_tma.py),
-  dx reading w^T through strides, from a contiguous copy of it, or transposed by the TMA kernel,
-  dw by pointer loads or by the TMA dW kernel (grouped_mm_tma.py). The default is the TMA
-  kernels for all three (forward and dx measured faster on an H200 at every shape of
-  bench/kernels.py, bench/NOTES.md; dw's A/B is bench/kernels.py's triton-dw-pointer row);
-  where they cannot run (no sm90, Intel XPU, float32 on a GPU, unaligned rows) the pointer
-  kernels run instead, chosen per call.
+  float32 inputs multiply in full fp32 ("ieee", not tf32), as torch.mm does by default. There
+  is no kernel choice to configure: each launch takes the Hopper TMA kernel
+  (grouped_mm_tma.py) where grouped_mm_tma.tma_unsupported(...) says it can run on these
+  tensors (Triton with device-side descriptors, an NVIDIA sm90+ GPU, 16-bit inputs, 16-byte
+  aligned rows; or the interpreter), and the pointer kernel below otherwise (Intel XPU,
+  pre-sm90 GPUs, float32 on a GPU, unaligned rows), decided per call:
+    forward  the persistent TMA kernel, else one program per output tile by pointer loads;
+    dx       the TMA kernel reading w as stored and transposing its tiles in shared memory,
+             else the forward's pointer kernel reading w^T through transposed strides (no copy);
+    dw       the persistent TMA dW kernel (items dealt round-robin, largest group first),
+             else one program per (group, K tile, N tile) by pointer loads.
+  The private launchers (_launch_grouped_mm, _launch_grouped_mm_dx, _launch_grouped_mm_dw)
+  take ``tma=False`` to run the pointer kernels where TMA could run, for the tests and for
+  bench/kernels.py's pointer rows. bench/NOTES.md records the A/B measurements behind this,
+  and those of the variants since removed (dx through a contiguous copy of w^T, the TMA loop
+  fused with its K loop, a dynamic dW schedule).
 """
 
 from __future__ import annotations
@@ -51,41 +58,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import INTERPRET, autotuned, bucket, check_launchable, chosen, device_guard, jit, tile_configs, tl, triton
+from ._triton import INTERPRET, autotuned, bucket, check_launchable, device_guard, jit, tile_configs, tl, triton
 from .grouped_mm_tiles import locate_tile, segment_tiles
 from .grouped_mm_tma import _num_programs, launch_grouped_mm_dw_tma, launch_grouped_mm_tma, tma_unsupported
 
 BACKENDS = ("loop", "torch", "triton")
-
-# The triton backend's kernel choices, read at every launch (so a benchmark can time both
-# sides of each in one process: see triton_kernels):
-#   forward  "pointer": one program per output tile, pointer loads;
-#            "tma" (default): grouped_mm_tma's persistent tensor-descriptor kernel, where it
-#            can run (Triton 3.4+, NVIDIA sm90+, 16-bit, aligned rows), else "pointer".
-#   dx       "strided": the forward's kernel reading w^T through transposed strides;
-#            "copy": w^T made contiguous per group first ((G, N, K) by a tiled transpose that
-#            also casts, a temporary of w's size freed after the kernel), then the forward
-#            kernel chosen above over it;
-#            "tma" (default): the TMA kernel reading w as stored and transposing tiles in
-#            shared memory (no copy), where it can run, else "strided".
-#   dw       "pointer": one program per (group, K tile, N tile), pointer loads;
-#            "tma" (default): grouped_mm_tma's persistent dW kernel (per-group descriptors),
-#            where it can run (as the forward's "tma"), else "pointer".
-#   tma_flatten  False / True: the forward / dx TMA kernel's loop over work items fused with its K loop.
-#   dw_schedule  "static": the TMA dW kernel deals its items round-robin to the programs;
-#                "dynamic": each program takes the next item from an atomic counter (greedy,
-#                largest group first, for even loads under skewed routing; same result bit for
-#                bit; measured 0.96-1.07x the static deal on an H200, bench/NOTES.md).
-TRITON_KERNELS = {"forward": "tma", "dx": "tma", "dw": "tma", "tma_flatten": False, "dw_schedule": "static"}
-KERNEL_CHOICES = {"forward": ("pointer", "tma"), "dx": ("strided", "copy", "tma"), "dw": ("pointer", "tma"),
-                  "tma_flatten": (False, True), "dw_schedule": ("static", "dynamic")}
-
-
-def triton_kernels(**choices):
-    """Run a block with other kernel choices, e.g. `with triton_kernels(forward="tma", dx="copy"):`
-    (the backward reads them when it runs, so run it inside the block too)."""
-    return chosen(TRITON_KERNELS, KERNEL_CHOICES, "triton_kernels", **choices)
-
 
 def grouped_mm_reference(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     """Plain torch: one matmul per group, zero rows past offsets[-1]. Syncs (offsets.tolist()).
@@ -317,41 +294,16 @@ def _grouped_mm_dw_kernel(
         tl.store(squares_ptr + tl.program_id(0), tl.sum(stored * stored))
 
 
-@jit
-def _transpose_kernel(w_ptr, wt_ptr, K, N, stride_wg, stride_wk, stride_wn,
-                      BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """wt[g] = w[g]^T (contiguous (G, N, K), cast to wt's dtype), one BLOCK_K x BLOCK_N tile per
-    program: Triton turns the tile through shared memory, so reads and writes both stay
-    coalesced (an elementwise copy of the transposed view reads with a stride of N)."""
-    g = tl.program_id(0).to(tl.int64)
-    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    ns = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (ks[:, None] < K) & (ns[None, :] < N)
-    tile = tl.load(w_ptr + g * stride_wg + ks[:, None] * stride_wk + ns[None, :] * stride_wn, mask=mask)
-    tl.store(wt_ptr + g * N * K + ns[None, :] * K + ks[:, None], tile.to(wt_ptr.dtype.element_ty), mask=mask)
-
-
-def _transposed_copy(w: Tensor, dtype: torch.dtype) -> Tensor:
-    """w (G, K, N) -> contiguous (G, N, K) in dtype, one read and one write of w."""
-    G, K, N = w.shape
-    wt = w.new_empty((G, N, K), dtype=dtype)
-    if wt.numel():
-        block = 16 if INTERPRET else 64
-        with device_guard(w):
-            _transpose_kernel[(G, triton.cdiv(K, block), triton.cdiv(N, block))](
-                w, wt, K, N, *w.stride(), BLOCK_K=block, BLOCK_N=block, num_warps=4)
-    return wt
-
-
 # ---------------------------------------------------------------- backend "triton": launchers
-def _launch_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, dx: bool = False) -> Tensor:
-    """y = x @ w[g] per group, w (G, K, N) in any strides; TRITON_KERNELS["forward"] picks the kernel."""
+def _launch_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, dx: bool = False, tma: bool = True) -> Tensor:
+    """y = x @ w[g] per group, w (G, K, N) in any strides: the TMA kernel where it runs on these
+    tensors, else the pointer kernel (always the pointer kernel with ``tma=False``)."""
     (M, K), (G, _, N) = x.shape, w.shape
     y = x.new_empty(M, N)
     if y.numel() == 0:
         return y
-    if TRITON_KERNELS["forward"] == "tma" and tma_unsupported(x, w, y) is None:
-        return launch_grouped_mm_tma(x, w, offsets, y, dx=dx, flatten=TRITON_KERNELS["tma_flatten"])
+    if tma and tma_unsupported(x, w, y) is None:
+        return launch_grouped_mm_tma(x, w, offsets, y, dx=dx)
 
     def grid(meta):
         return ((triton.cdiv(M, meta["BLOCK_M"]) + G) * triton.cdiv(N, meta["BLOCK_N"]),)
@@ -363,40 +315,35 @@ def _launch_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, dx: bool = Fals
     return y
 
 
-def _launch_grouped_mm_dx(dy: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+def _launch_grouped_mm_dx(dy: Tensor, w: Tensor, offsets: Tensor, *, tma: bool = True) -> Tensor:
     """dx = dy @ w[g]^T per group, w (G, K, N) as the forward got it (float32 master weights
-    are cast here); TRITON_KERNELS["dx"] picks how w^T is read."""
-    mode = TRITON_KERNELS["dx"]
-    K, M = w.shape[1], dy.shape[0]
-    if mode == "tma":
-        w16 = w.to(dy.dtype)
-        dx = dy.new_empty(M, K)
-        if tma_unsupported(dy, w16, dx) is None:
+    are cast here): the TMA kernel reading w as stored where it runs on these tensors, else
+    (and with ``tma=False``) the pointer kernel reading w^T through transposed strides."""
+    w = w.to(dy.dtype)
+    if tma:
+        dx = dy.new_empty(dy.shape[0], w.shape[1])
+        if tma_unsupported(dy, w, dx) is None:
             if dx.numel():
-                launch_grouped_mm_tma(dy, w16, offsets, dx, trans_w=True, dx=True,
-                                      flatten=TRITON_KERNELS["tma_flatten"])
+                launch_grouped_mm_tma(dy, w, offsets, dx, trans_w=True, dx=True)
             return dx
-        mode = "strided"
-    if mode == "copy":  # w^T made contiguous ((G, N, K), one pass that casts too), freed on return
-        return _launch_grouped_mm(dy, _transposed_copy(w, dy.dtype), offsets, dx=True)
-    return _launch_grouped_mm(dy, w.to(dy.dtype).transpose(1, 2), offsets, dx=True)
+    return _launch_grouped_mm(dy, w.transpose(1, 2), offsets, dx=True, tma=False)
 
 
 def _launch_grouped_mm_dw(x: Tensor, dy: Tensor, offsets: Tensor, float32_out: bool = False,
-                          squares: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                          squares: bool = False, *, tma: bool = True) -> Tensor | tuple[Tensor, Tensor]:
     """dw[g] = x[rows of g]^T @ dy[rows of g], accumulated in float32 and stored in x's dtype or,
-    with ``float32_out``, as float32 (the gradient of float32 master weights, no cast after);
-    TRITON_KERNELS["dw"] picks the kernel. With ``squares``: (dw, sum of dw's squares as a 0-d
+    with ``float32_out``, as float32 (the gradient of float32 master weights, no cast after):
+    the TMA dW kernel where it runs on these tensors, else (and with ``tma=False``) the pointer
+    dW kernel. With ``squares``: (dw, sum of dw's squares as a 0-d
     float32), the sum taken by the kernel from the values it stores (per program, then added in
     a fixed order) instead of by one more pass over dw."""
     (M, K), N, G = x.shape, dy.shape[1], offsets.shape[0]
     dw = x.new_empty(G, K, N, dtype=torch.float32 if float32_out else x.dtype)
     if dw.numel() == 0 or (M == 0 and squares):
         return (dw.zero_(), dw.new_zeros((), dtype=torch.float32)) if squares else dw
-    if TRITON_KERNELS["dw"] == "tma" and tma_unsupported(x, dw, dy) is None:
+    if tma and tma_unsupported(x, dw, dy) is None:
         slots = torch.zeros(_num_programs(x.device), dtype=torch.float32, device=x.device) if squares else None
-        launch_grouped_mm_dw_tma(x, dy, offsets, dw, dynamic=TRITON_KERNELS["dw_schedule"] == "dynamic",
-                                 squares=slots)
+        launch_grouped_mm_dw_tma(x, dy, offsets, dw, squares=slots)
         return (dw, slots.sum()) if squares else dw
 
     kernel = _grouped_mm_dw_kernel(x.device.type, x.dtype)

@@ -1,7 +1,7 @@
 """The grouped GEMM's Hopper kernels: tensor descriptors (TMA) and a persistent grid.
 
-    launch_grouped_mm_tma(x_MK, w, offsets_G, y_MN, *, trans_w=False, dx=False, flatten=False)
-    launch_grouped_mm_dw_tma(x_MK, dy_MN, offsets_G, dw_GKN, *, config=None)
+    launch_grouped_mm_tma(x_MK, w, offsets_G, y_MN, *, trans_w=False, dx=False)
+    launch_grouped_mm_dw_tma(x_MK, dy_MN, offsets_G, dw_GKN, *, config=None, squares=None)
     tma_unsupported(x_MK, w, y_MN) -> str | None     # why it cannot run these tensors, or None
 
 y[rows of g] = x[rows of g] @ B_g with B_g = w[g] for w (G, K, N), or, with trans_w, B_g = w[g]^T
@@ -84,7 +84,7 @@ def _tma_configs(device_type: str, dtype: torch.dtype):
                          (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (256, 128, 64, 8, 3)])
 
 
-@autotuned(_tma_configs, key=["N", "K", "M_BUCKET", "DX", "TRANS_W", "FLATTEN"])
+@autotuned(_tma_configs, key=["N", "K", "M_BUCKET", "DX", "TRANS_W"])
 @jit(do_not_specialize=["DX"])  # a key only: one compiled kernel for both
 def _grouped_mm_tma_kernel(
     x_ptr, w_ptr, y_ptr, offsets_ptr,
@@ -92,7 +92,6 @@ def _grouped_mm_tma_kernel(
     M_BUCKET, DX,  # autotune keys only: the row count's bucket, forward (0) or dx (1)
     SEGMENTS: tl.constexpr,  # a power of two >= G + 1
     TRANS_W: tl.constexpr,  # w is (G, N, K): multiply by w[g]^T
-    FLATTEN: tl.constexpr,  # fuse the work-item and K loops into one software pipeline
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
@@ -109,7 +108,7 @@ def _grouped_mm_tma_kernel(
     seg, starts, ends, tiles, tiles_end = segment_tiles(offsets_ptr, M, G, SEGMENTS, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     work = tl.sum(tiles, 0) * num_n  # row tiles x column tiles, the tail segment's included
-    for item in tl.range(tl.program_id(0), work, tl.num_programs(0), flatten=FLATTEN):
+    for item in tl.range(tl.program_id(0), work, tl.num_programs(0)):
         tile = item // num_n
         n0 = item % num_n * BLOCK_N
         g, row_start, row_end = locate_tile(tile, seg, starts, ends, tiles, tiles_end, BLOCK_M)
@@ -153,10 +152,10 @@ def _num_programs(device: torch.device) -> int:
 
 
 @functools.cache
-def _unused_counter(device: torch.device) -> Tensor:
-    """The dW kernel's counter argument where the static deal leaves it unread (the autotuner
-    may zero it: reset_to_zero)."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
+def _no_squares(device: torch.device) -> Tensor:
+    """The dW kernel's squares_ptr argument where it stores no squares (SQUARES off): never
+    written by the kernel, only zeroed by the autotuner (reset_to_zero)."""
+    return torch.zeros(1, dtype=torch.float32, device=device)
 
 
 def _scratch(device: torch.device):
@@ -167,12 +166,9 @@ def _scratch(device: torch.device):
 
 
 def launch_grouped_mm_tma(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *,
-                          trans_w: bool = False, dx: bool = False, flatten: bool = False) -> Tensor:
+                          trans_w: bool = False, dx: bool = False) -> Tensor:
     """Fill y (M, N) with the grouped product; w is (G, K, N), or (G, N, K) with trans_w. The
-    caller checks tma_unsupported first. flatten: Triton fuses the loop over work items with
-    the K loop (tl.range(flatten=True), as Triton's persistent matmul tutorial does), so the
-    next tile's loads start during this tile's epilogue; without it each tile fills and drains
-    its own pipeline."""
+    caller checks tma_unsupported first. dx: an autotune key only (the forward and dx tune apart)."""
     (M, K), G, N = x.shape, offsets.shape[0], y.shape[1]
     if y.numel() == 0:
         return y
@@ -187,7 +183,7 @@ def launch_grouped_mm_tma(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *,
     with device_guard(x):
         _grouped_mm_tma_kernel(x.device.type, x.dtype)[grid](
             x, w, y, offsets, M, N, K, G, x.stride(0), y.stride(0), bucket(M), int(dx),
-            SEGMENTS=triton.next_power_of_2(G + 1), TRANS_W=trans_w, FLATTEN=flatten)
+            SEGMENTS=triton.next_power_of_2(G + 1), TRANS_W=trans_w)
     return y
 
 
@@ -256,55 +252,42 @@ def _dw_item(item, x_ptr, dy_ptr, dw_ptr, N, K, stride_xm, stride_dym, seg, star
 
 @jit
 def _grouped_mm_dw_tma_kernel(
-    x_ptr, dy_ptr, dw_ptr, offsets_ptr, counter_ptr, squares_ptr,
+    x_ptr, dy_ptr, dw_ptr, offsets_ptr, squares_ptr,
     M, N, K, G, stride_xm, stride_dym,
     M_BUCKET,  # autotune key only: the row count's bucket
     SEGMENTS: tl.constexpr, CHUNK: tl.constexpr,  # powers of two, SEGMENTS >= G, CHUNK <= SEGMENTS
-    DYNAMIC: tl.constexpr,  # items taken from counter_ptr (one int32, zero) instead of dealt out
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_N: tl.constexpr,  # 1, or 2: store the tile as two column halves (half the staging)
     SQUARES: tl.constexpr,  # squares_ptr[program] = sum of the squares this program stored
 ):
-    """dw[g] = x[rows of g]^T @ dy[rows of g], one (group, K tile, N tile) item at a time."""
+    """dw[g] = x[rows of g]^T @ dy[rows of g], one (group, K tile, N tile) item at a time, the
+    items in rank order (largest group first) dealt round-robin: program p takes items p,
+    p + programs, p + 2 * programs, ..."""
     seg, starts, ends, rank = groups_by_size(offsets_ptr, M, G, SEGMENTS, CHUNK)
     items = G * tl.cdiv(K, BLOCK_K) * tl.cdiv(N, BLOCK_N)
     squares = 0.0
-    if DYNAMIC:  # the next item in rank order to whichever program is free: greedy, largest first
-        item = tl.atomic_add(counter_ptr, 1)
-        while item < items:
-            squares += _dw_item(item, x_ptr, dy_ptr, dw_ptr, N, K, stride_xm, stride_dym, seg, starts, ends,
-                                rank, BLOCK_R, BLOCK_K, BLOCK_N, SPLIT_N, SQUARES)
-            item = tl.atomic_add(counter_ptr, 1)
-    else:
-        for item in tl.range(tl.program_id(0), items, tl.num_programs(0)):
-            squares += _dw_item(item, x_ptr, dy_ptr, dw_ptr, N, K, stride_xm, stride_dym, seg, starts, ends,
-                                rank, BLOCK_R, BLOCK_K, BLOCK_N, SPLIT_N, SQUARES)
+    for item in tl.range(tl.program_id(0), items, tl.num_programs(0)):
+        squares += _dw_item(item, x_ptr, dy_ptr, dw_ptr, N, K, stride_xm, stride_dym, seg, starts, ends,
+                            rank, BLOCK_R, BLOCK_K, BLOCK_N, SPLIT_N, SQUARES)
     if SQUARES:
         tl.store(squares_ptr + tl.program_id(0), squares)
 
 
-# The dynamic schedule's counter is consumed by each launch, and a launch of fewer programs than
-# the one before leaves that one's squares in the tail: both zeroed before each timed launch and
-# before the real one.
+# A launch of fewer programs than the one before leaves that one's squares in the tail: the
+# squares are zeroed before each timed launch and before the real one.
 _grouped_mm_dw_tma_tuned = autotuned(_dw_tma_configs, key=["N", "K", "M_BUCKET"],
-                                     reset_to_zero=["counter_ptr", "squares_ptr"])(_grouped_mm_dw_tma_kernel)
+                                     reset_to_zero=["squares_ptr"])(_grouped_mm_dw_tma_kernel)
 
 
 def launch_grouped_mm_dw_tma(x: Tensor, dy: Tensor, offsets: Tensor, dw: Tensor, *,
-                             config: dict | None = None, dynamic: bool = False,
-                             squares: Tensor | None = None) -> Tensor:
+                             config: dict | None = None, squares: Tensor | None = None) -> Tensor:
     """Fill dw (G, K, N), contiguous, in any float dtype (the float32 accumulator is stored in
     it), with dw[g] = x[rows of g]^T @ dy[rows of g]. The caller checks tma_unsupported(x, dw, dy)
     first. config: fixed meta-parameters instead of autotuning, e.g. {"BLOCK_R": 16, "BLOCK_K":
     16, "BLOCK_N": 32, "SPLIT_N": 1, "num_warps": 1, "num_stages": 1} (tests of each store).
-    dynamic: each program takes its next item from an atomic counter (one int32 zeroed per
-    launch) instead of every num_programs-th: under skewed routing the round-robin deal gives
-    some programs more rows than others (a group of 8x the mean rows lands its tiles on the
-    programs of one residue), the greedy take evens them out. Same items, same sums: the
-    result does not depend on the schedule.
     squares: a float32 buffer of at least _num_programs(x.device) zeros; each program writes
     the sum of the squares of the values it stored to its own entry (the caller adds the
-    entries in a fixed order, so under the static deal the result is the same from run to run)."""
+    entries in a fixed order; the deal is fixed too, so the result is the same from run to run)."""
     (M, K), (G, _, N) = x.shape, dw.shape
     if dw.numel() == 0:
         return dw
@@ -318,12 +301,10 @@ def launch_grouped_mm_dw_tma(x: Tensor, dy: Tensor, offsets: Tensor, dw: Tensor,
         return (min(programs, G * triton.cdiv(K, meta["BLOCK_K"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
     segments = triton.next_power_of_2(G)
-    # The static deal never reads the counter: it gets a shared placeholder (no memset launch).
-    counter = torch.zeros(1, dtype=torch.int32, device=x.device) if dynamic else _unused_counter(x.device)
-    args = (x, dy, dw, offsets, counter, counter if squares is None else squares,
+    args = (x, dy, dw, offsets, _no_squares(x.device) if squares is None else squares,
             M, N, K, G, x.stride(0), dy.stride(0), bucket(M))
     triton.set_allocator(_scratch(x.device))  # per launch: see launch_grouped_mm_tma
-    meta = dict(SEGMENTS=segments, CHUNK=min(segments, 32), DYNAMIC=dynamic, SQUARES=squares is not None)
+    meta = dict(SEGMENTS=segments, CHUNK=min(segments, 32), SQUARES=squares is not None)
     with device_guard(x):
         if config is None:
             _grouped_mm_dw_tma_tuned(x.device.type, x.dtype)[grid](*args, **meta)

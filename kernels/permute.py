@@ -32,24 +32,21 @@ E experts. Assignment a = t*k + j is token t's j-th choice, topk_idx[t, j].
 Backends: "loop" and "torch" both run the plain-torch reference; "triton" runs our kernels.
 Nothing here syncs with the host.
 
-The triton backend's expert sort is PERMUTE_KERNELS["sort"] (`with permute_kernels(sort="torch"):
-...` for an A/B, as grouped_mm's triton_kernels):
-- "counting" (default): a counting sort in three small Triton launches, the custom op
-  optimus::expert_sort: (1) per block of assignments, its count per group, into a (groups,
-  blocks) table; (2) per group, the running sum of its row (in place); (3) per block, each
-  assignment's position: its group's start (the exclusive sum of the totals over groups) +
-  the earlier blocks' count of that group + its rank among the block's assignments to that
-  group, in token order. Program 0 of (3) also writes the offsets. The result is exactly
-  torch.sort(stable=True)'s order. Any group count up to MAX_SORT_GROUPS (the phantom group
-  included); above it, "torch" runs instead.
-- "torch": torch.sort(stable=True) of the expert ids (a radix sort: several launches) and
-  torch.searchsorted for the group ends.
+The triton backend's expert sort (expert_sort) has no choice to configure; per call:
+- the counting sort where it applies (counting_sort_applies: 1 <= groups <= MAX_SORT_GROUPS,
+  the phantom group included; fewer than 2^31 assignments; not on Intel XPU): three small
+  Triton launches, the custom op optimus::expert_sort: (1) per block of assignments, its count
+  per group, into a (groups, blocks) table; (2) per group, the running sum of its row (in
+  place); (3) per block, each assignment's position: its group's start (the exclusive sum of
+  the totals over groups) + the earlier blocks' count of that group + its rank among the
+  block's assignments to that group, in token order. Program 0 of (3) also writes the offsets.
+  The result is exactly torch.sort(stable=True)'s order.
+- elsewhere torch.sort(stable=True) of the expert ids (a radix sort: several launches) and
+  torch.searchsorted for the group ends. On Intel XPU this one runs: the counting kernels
+  (one-warp programs, sort_geometry) have not run there.
 Both leave the inverse permutation to unpermute (a scatter), since unpermute takes sorted_idx.
-Measured on an H200 (bench/NOTES.md, bench/kernels.py's "triton-sort-torch" and "expert sort"
-rows): the counting sort takes 13-17 us of device time against 76-96 us for torch.sort +
-searchsorted at 8k-32k tokens x top-8; in a compiled training step, whose forward is bound by
-the host's launches, the two measured the same. On Intel XPU "torch" runs: the counting
-kernels (one-warp programs, sort_geometry) have not run there.
+expert_sort's private ``counting=False`` runs torch.sort where the counting sort applies, for
+the tests and bench/kernels.py's "triton-sort-torch" rows; bench/NOTES.md records the A/B.
 """
 
 from __future__ import annotations
@@ -57,23 +54,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import INTERPRET, autotuned, check_launchable, chosen, device_guard, jit, row_configs, tl, triton
+from ._triton import INTERPRET, autotuned, check_launchable, device_guard, jit, row_configs, tl, triton
 
 BACKENDS = ("loop", "torch", "triton")
 
-# The triton backend's expert sort, read at every call (see the module docstring).
-PERMUTE_KERNELS = {"sort": "counting"}
-KERNEL_CHOICES = {"sort": ("counting", "torch")}
 # The counting sort's limit: its work per assignment is a one-hot entry per group (groups
 # rounded up to a power of two), so it grows with the group count where a radix sort's does
 # not. 256 covers 128 experts plus the phantom group, or 256 experts without one; beyond it
 # torch.sort runs.
 MAX_SORT_GROUPS = 256
-
-
-def permute_kernels(**choices):
-    """Run a block with another expert sort, e.g. `with permute_kernels(sort="torch"):`."""
-    return chosen(PERMUTE_KERNELS, KERNEL_CHOICES, "permute_kernels", **choices)
 
 
 def permute_reference(x: Tensor, topk_idx: Tensor, n_experts: int,
@@ -119,11 +108,17 @@ def permute(x: Tensor, topk_idx: Tensor, n_experts: int, *, backend: str = "trit
     return torch.ops.optimus.permute_rows(x, sorted_idx, topk_idx.shape[1], n_rows), offsets, sorted_idx
 
 
-def expert_sort(ids: Tensor, n_groups: int) -> tuple[Tensor, Tensor]:
+def counting_sort_applies(ids: Tensor, n_groups: int) -> bool:
+    """Whether expert_sort runs the counting sort on these ids (else torch.sort)."""
+    return (1 <= n_groups <= MAX_SORT_GROUPS and ids.numel() < 2**31
+            and ids.device.type != "xpu")  # untested on Intel GPUs (module docstring)
+
+
+def expert_sort(ids: Tensor, n_groups: int, *, counting: bool = True) -> tuple[Tensor, Tensor]:
     """(sorted_idx int64 (R,), offsets int32 (n_groups,)) of the group ids (R,), values in
-    [0, n_groups): the stable argsort and the cumulative group ends, by PERMUTE_KERNELS["sort"]."""
-    if (PERMUTE_KERNELS["sort"] == "counting" and 1 <= n_groups <= MAX_SORT_GROUPS and ids.numel() < 2**31
-            and ids.device.type != "xpu"):  # untested on Intel GPUs (module docstring)
+    [0, n_groups): the stable argsort and the cumulative group ends, by the counting sort where
+    it applies, else torch.sort (always torch.sort with ``counting=False``: tests, benchmarks)."""
+    if counting and counting_sort_applies(ids, n_groups):
         return torch.ops.optimus.expert_sort(ids, n_groups)
     sorted_ids, sorted_idx = torch.sort(ids, stable=True)
     # Group ends by binary search in the sorted ids: unlike bincount, no host sync.

@@ -26,7 +26,7 @@ import torch
 
 from ._triton import INTERPRET, launchable_on
 
-_VERDICTS: dict[tuple[str, str], bool] = {}
+_VERDICTS: dict[tuple[str, str], str | None] = {}  # (kernel, device name) -> why it failed
 
 
 def _close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
@@ -144,18 +144,24 @@ def check(kernel: str, device: torch.device | str) -> str | None:
     return None
 
 
-def validated(kernel: str, device: torch.device | str) -> bool:
-    """Whether ``kernel``'s Triton path may be used on ``device`` (module doc): checked on the
-    first call per device name, then cached; a failure warns once and returns False."""
+def failure(kernel: str, device: torch.device | str) -> str | None:
+    """Why ``kernel``'s Triton path may not be used on ``device``, or None if it may (module doc):
+    checked on the first call per device name, then cached; a failure warns once."""
     device = torch.device(device)
     if INTERPRET or device.type == "cpu" or not launchable_on(device):
-        return launchable_on(device)  # the interpreter is the tests' harness: not checked
+        # the interpreter is the tests' harness: not checked
+        return None if launchable_on(device) else f"Triton cannot launch on {device.type}"
     module = getattr(torch, device.type)
     key = (kernel, f"{device.type}:{module.get_device_name(device.index or 0)}")
     if key not in _VERDICTS:
         why = check(kernel, device)
-        _VERDICTS[key] = why is None
+        _VERDICTS[key] = why
         if why is not None:
             warnings.warn(f"kernels: the Triton {kernel} kernels failed their self-check on {key[1]} ({why}); "
-                          f"using the torch reference path for them instead", RuntimeWarning, stacklevel=2)
+                          f"the run takes the next choice for them", RuntimeWarning, stacklevel=2)
     return _VERDICTS[key]
+
+
+def validated(kernel: str, device: torch.device | str) -> bool:
+    """Whether ``kernel``'s Triton path may be used on ``device`` (``failure`` is None)."""
+    return failure(kernel, device) is None

@@ -13,7 +13,8 @@ Concerns:
     ScheduleConfig  learning-rate schedule
     TrainConfig     steps, batch, precision, seeds, cadences of eval / checkpoint / logging
     DataConfig      where the tokens are and how sequences are cut
-    ParallelConfig  how ranks are arranged (data and expert parallel today; tp/pp reserved)
+    ParallelConfig  how ranks are arranged (data, expert and hybrid-sharded data parallel)
+    ExecutionConfig how a run executes: precision, kernels, compile, recomputation, memory budget
     RunConfig       all of the above, the thing a run resolves and records
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import json
 import types
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 
 class ConfigError(ValueError):
@@ -136,6 +137,8 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
     if not isinstance(data, dict):
         _fail(path or cls.__name__, data, f"must be a mapping for {cls.__name__}")
     known = {f.name for f in fields(cls)}
+    if cls is RunConfig:
+        data = _migrate(data)
     data = {k: v for k, v in data.items() if k not in getattr(cls, "_retired", ())}
     unknown = sorted(set(data) - known)
     if unknown:
@@ -153,6 +156,9 @@ class MoEConfig(_Validated):
     """Mixture-of-experts feed-forward: a softmax top-k router over ``n_experts`` SwiGLU experts."""
 
     _section: typing.ClassVar[str] = "model.moe"
+    # how the experts executed, which configs written before the execution section held here:
+    # read and dropped (RunConfig's migration moves experts_backend to execution.experts)
+    _retired: typing.ClassVar[frozenset] = frozenset({"experts_backend", "weights_before_down"})
 
     n_experts: int = 64
     top_k: int = 8
@@ -168,11 +174,6 @@ class MoEConfig(_Validated):
     # capacity factor: None = dropless (default); c > 0 keeps at most ceil(c * T * k / E) tokens
     # per expert and drops the rest (their expert output is zero; the residual carries them).
     capacity_factor: Optional[float] = None
-    experts_backend: Literal["loop", "torch", "triton"] = "loop"
-    # The routing weights scale each row's SwiGLU output, before the down projection, and the
-    # top-k combine is a plain sum; false: they weight the combine of the expert outputs, which
-    # then keeps those outputs for its backward (R x d_model per layer; optimus_core.model.experts).
-    weights_before_down: bool = True
 
     def check(self) -> None:
         self._require(self.n_experts >= 1, "n_experts", "must be >= 1")
@@ -241,30 +242,14 @@ class OptimConfig(_Validated):
     """AdamW (decoupled weight decay; norms, biases and embeddings' decay as OLMoE) + clipping."""
 
     _section: typing.ClassVar[str] = "optim"
+    _retired: typing.ClassVar[frozenset] = frozenset(
+        {"implementation", "grad_norm_under_backward", "grad_norm_from_dw", "update_beside_forward"})
 
     lr: float = 4e-4
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: Optional[float] = 1.0  # max global grad norm; None disables clipping
-    # The update kernel: "triton" = one streaming kernel per (flat) tensor (optimus_core.train.adamw,
-    # 28 bytes per parameter), "torch" = torch.optim.AdamW (fused on CUDA), "auto" = triton on a
-    # CUDA / XPU device where Triton imports, torch elsewhere. Same arithmetic and state either way.
-    implementation: Literal["auto", "torch", "triton"] = "auto"
-    # On a CUDA GPU, the clip's gradient norm computed under the last backward, each gradient's as
-    # soon as it is final, on a side stream (optimus_core.train.grad_norm), instead of one more
-    # pass over every gradient after it. Same value up to float32 rounding.
-    grad_norm_under_backward: bool = True
-    # With grad_norm_under_backward and the triton experts: the expert weights' squared gradient
-    # norms summed by the dW kernel from the values it stores (kernels.grouped_mm's dw_square),
-    # instead of one more read of their gradients (12.9 GB per step for 8 OLMoE layers). Used
-    # when the last backward makes the whole gradient (no earlier micro-batch added to it).
-    grad_norm_from_dw: bool = True
-    # On a CUDA GPU with the Triton AdamW on one process: the update queued on a side stream, stage
-    # by stage (embedding, each block, head) in the forward's order, each stage's next forward
-    # waiting for its own update only (optimus_core.train.update_stream). The memory-bound update
-    # runs under the next forward. Same parameters bit for bit.
-    update_beside_forward: bool = True
 
     def check(self) -> None:
         self._require(self.lr > 0, "lr", "must be > 0")
@@ -307,16 +292,15 @@ class DataConfig(_Validated):
 
 @dataclass(frozen=True)
 class ParallelConfig(_Validated):
-    """Rank layout. ``dp`` is the world size / (tp * pp); experts split over ``ep`` ranks."""
+    """Rank layout: every rank is data parallel; experts split over ``ep`` ranks."""
 
     _section: typing.ClassVar[str] = "parallel"
-    # fields of the ZeRO-1 optimizer's gradient buckets, which run configs written before full
-    # sharding hold: read and dropped, so those runs still evaluate and export
-    _retired: typing.ClassVar[frozenset] = frozenset({"grad_sync_chunk_mb", "overlap_grad_sync"})
+    # read and dropped, so that older runs still evaluate and export: the ZeRO-1 optimizer's
+    # gradient buckets (configs written before full sharding) and the tp / pp placeholders,
+    # always 1 (configs written before 2026-12-02)
+    _retired: typing.ClassVar[frozenset] = frozenset({"grad_sync_chunk_mb", "overlap_grad_sync", "tp", "pp"})
 
     ep: int = 1
-    tp: int = 1  # reserved: tensor parallelism is not implemented yet (must be 1)
-    pp: int = 1  # reserved: pipeline parallelism is not implemented yet (must be 1)
     # The experts' weights, gradients and AdamW state: "ep_aware" shards them over the ranks that
     # hold the same experts (the expert-dp group), as the dense ones are over the world;
     # "ep_unaware" (the paper's baseline) keeps them whole on each of those ranks and all-reduces
@@ -343,8 +327,6 @@ class ParallelConfig(_Validated):
         self._require(self.dp_shard >= 0 and self.dp_shard % self.ep == 0, "dp_shard",
                       f"must be 0 (the whole world) or a multiple of ep ({self.ep})")
         self._require(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0 (seconds)")
-        self._require(self.tp == 1, "tp", "must be 1 (tensor parallelism is not implemented yet)")
-        self._require(self.pp == 1, "pp", "must be 1 (pipeline parallelism is not implemented yet)")
 
 
 @dataclass(frozen=True)
@@ -352,11 +334,16 @@ class TrainConfig(_Validated):
     """How long and how: steps, batch in sequences, precision, cadences."""
 
     _section: typing.ClassVar[str] = "train"
+    # how a run executed, which configs written before the execution section held here: read and
+    # dropped (RunConfig's migration moves those that live on to execution)
+    _retired: typing.ClassVar[frozenset] = frozenset(
+        {"dtype", "compile", "compile_mode", "activation_checkpointing", "activation_checkpointing_every",
+         "memory_budget_gib", "recast_expert_weights", "expert_weight_casts", "expert_grad_dtype",
+         "fused_lm_loss", "lm_loss_softmax"})
 
     steps: int = 1000
     global_batch: int = 1024  # sequences per optimizer step, over all ranks
     micro_batch: int = 0  # sequences per forward/backward on one rank; 0 = global_batch / dp
-    dtype: Literal["float32", "bfloat16"] = "float32"  # bfloat16 = autocast, fp32 master weights
     device: Literal["auto", "cpu", "cuda", "xpu"] = "auto"
     seed: int = 0
     log_every: int = 1
@@ -371,54 +358,6 @@ class TrainConfig(_Validated):
     # Write checkpoints in the background from a CPU copy (training goes on meanwhile); the
     # newest is published (its step directory appears) when the next one starts or the run ends.
     async_checkpoint: bool = False
-    # What the backward recomputes instead of keeping from the forward: "none"; "full": every
-    # ``activation_checkpointing_every``-th block whole (its input is all it keeps); "moe": the
-    # experts' GEMMs and SwiGLU only (the routed rows in, not the dispatch: no all-to-all is
-    # repeated); "auto": the least recomputation that fits the device's memory budget
-    # (optimus_core.memory; "none" where the budget is unknown, as on a CPU).
-    activation_checkpointing: Literal["auto", "none", "full", "moe"] = "auto"
-    activation_checkpointing_every: int = 1
-    # GiB one rank may plan to allocate on its device (optimus_core.memory: the run is checked
-    # against it before anything is allocated, and "auto" checkpointing fits it); None: the
-    # usable share of the device's memory (none known on a CPU: unchecked).
-    memory_budget_gib: Optional[float] = None
-    # Under bf16: cast the experts' float32 weights inside each grouped GEMM (forward, and again
-    # in backward) instead of keeping bf16 copies from forward to backward. Less memory (8
-    # OLMoE-size layers, triton experts + compile on an H200: 74.8 -> 55.9 GiB peak), one more
-    # cast pass per layer in backward (bench/NOTES.md).
-    recast_expert_weights: bool = False
-    # Under bf16 (without recast_expert_weights): keep a bf16 copy of the experts' float32
-    # weights that the optimizer writes with each update (the Triton AdamW in the same pass, 2
-    # more bytes per parameter; torch's AdamW and the sharded optimizer's all-gather by a cast
-    # after), so the forward reads it instead of casting the weights every step. About the same
-    # peak memory: the forward otherwise keeps such a copy for the backward (optimus_core.model.
-    # experts; bench/train_step.py's "-casts" variants turn it off).
-    expert_weight_casts: bool = True
-    # The expert weights' gradients: "bfloat16" keeps them on those bf16 copies, as the bf16 dW
-    # GEMM makes them (torch's autocast makes the same values, then widens them into a float32
-    # .grad), and the Triton AdamW widens them as it reads: 6 GiB less at the end of the
-    # backward, where an 8-layer mula-7b-a1b step peaked (59.4 -> 55.7 GiB on an H200), and 2
-    # bytes less per expert parameter to write and read (-2.6 ms of 105; bench/NOTES.md). Needs
-    # the copies (above, under bf16), the Triton AdamW, one process and one micro-batch per step
-    # (micro-batches would add up in bf16). "auto": bfloat16 where all that holds, else float32
-    # (the dW kernel writes float32 gradients on the weights).
-    expert_grad_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    # The LM head and the cross-entropy fused, a few thousand tokens at a time
-    # (optimus_core.model.linear_cross_entropy): the same loss and gradients without the
-    # micro-batch's full logits in bf16 and float32 and their gradients (several GB at 8192
-    # tokens x 50k vocabulary) and with a third of the memory passes over them. Off: logits,
-    # then F.cross_entropy, as evaluation does.
-    fused_lm_loss: bool = True
-    # With fused_lm_loss, each chunk's log-softmax, loss and gradient: "triton" = one kernel that
-    # overwrites the logits with their gradient (kernels.cross_entropy; 6 bytes per bf16 logit
-    # instead of torch's 20: -2 ms of a 110 ms step on an H200, bench/NOTES.md), "torch" = torch
-    # ops, "auto" = triton on a CUDA / XPU device where Triton imports, torch elsewhere.
-    lm_loss_softmax: Literal["auto", "torch", "triton"] = "auto"
-    compile: bool = False
-    # torch.compile's mode for each block: "reduce-overhead" replays the block's kernels as a
-    # CUDA graph (no per-kernel launch cost on the host, which leaves the forward host-bound on
-    # an H200: bench/NOTES.md), at the price of a static memory pool.
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "default"
     # A step whose loss is not finite, or above loss_spike_factor x the median of recent good
     # losses (None: only non-finite), is skipped; max_bad_steps in a row roll the run back to
     # its last checkpoint and skip the data seen since.
@@ -436,25 +375,10 @@ class TrainConfig(_Validated):
     # hang the job forever
     watchdog_io_timeout_s: float = 7200.0
 
-    def __post_init__(self) -> None:
-        if isinstance(self.activation_checkpointing, bool):  # configs written before the modes
-            object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
-        super().__post_init__()
-
     def check(self) -> None:
         self._require(self.steps >= 1, "steps", "must be >= 1")
-        self._require(self.activation_checkpointing_every >= 1, "activation_checkpointing_every",
-                      "must be >= 1 (1: every block)")
-        self._require(self.memory_budget_gib is None or self.memory_budget_gib > 0, "memory_budget_gib",
-                      "must be null (the device's) or > 0 GiB")
         self._require(self.global_batch >= 1, "global_batch", "must be >= 1")
         self._require(self.micro_batch >= 0, "micro_batch", "must be >= 0 (0 = no accumulation)")
-        self._require(self.expert_grad_dtype != "bfloat16" or (
-            self.dtype == "bfloat16" and self.expert_weight_casts and not self.recast_expert_weights),
-            "expert_grad_dtype", "'bfloat16' needs the experts' bf16 weight copies: dtype = bfloat16, "
-            "expert_weight_casts = true, recast_expert_weights = false")
-        self._require(self.fused_lm_loss or self.lm_loss_softmax != "triton", "lm_loss_softmax",
-                      "'triton' needs fused_lm_loss = true (the kernel is the fused loss's softmax part)")
         if self.micro_batch:
             self._require(self.global_batch % self.micro_batch == 0, "micro_batch",
                           f"must divide global_batch ({self.global_batch})")
@@ -473,6 +397,61 @@ class TrainConfig(_Validated):
 
 
 @dataclass(frozen=True)
+class ExecutionConfig(_Validated):
+    """How a run executes on its devices, not what it trains: every choice here leaves the model's
+    parameters, the data order and the checkpoint format as they are (a run resumes under other
+    choices), and changes its numbers by rounding only (bf16 autocast the most).
+
+    ``"auto"`` (the default of each) is resolved per run by optimus_core.execution.plan_execution
+    into the fastest path validated on the device at hand; its printed plan says what each became
+    and why. An explicit choice the device cannot run is an error naming the choice and the reason.
+    """
+
+    _section: typing.ClassVar[str] = "execution"
+
+    # bfloat16: autocast with float32 master weights and AdamW state. auto: bfloat16 on a GPU,
+    # float32 on a CPU (no fast bf16 matmul there)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # the experts' GEMMs: "triton" (kernels/), "torch" (torch._grouped_mm), "loop" (one matmul per
+    # expert, the ablation's baseline). auto: triton where it passed its self-check on the
+    # device (kernels.selfcheck), else torch where torch._grouped_mm has a fast path, else loop
+    experts: Literal["auto", "loop", "torch", "triton"] = "auto"
+    # torch.compile of each block. auto: on for CUDA (measured faster, bench/NOTES.md), off on a
+    # CPU and on XPU (not measured there yet)
+    compile: Union[bool, Literal["auto"]] = "auto"
+    # the AdamW update: "triton" (one streaming kernel per tensor, kernels.adamw) or "torch"
+    # (torch.optim.AdamW). auto: triton on a GPU where it passed its self-check, else torch
+    adamw: Literal["auto", "torch", "triton"] = "auto"
+    # the fused LM loss's log-softmax and gradient: "triton" (kernels.cross_entropy) or torch
+    # ops. auto: triton on a GPU where it passed its self-check, else torch
+    lm_loss: Literal["auto", "torch", "triton"] = "auto"
+    # What the backward recomputes instead of keeping from the forward: "none"; "full": every
+    # ``activation_checkpointing_every``-th block whole (its input is all it keeps); "moe": the
+    # experts' GEMMs and SwiGLU only (the routed rows in, not the dispatch). auto: the least
+    # recomputation that fits memory_budget_gib (optimus_core.memory; "none" where no budget is known)
+    activation_checkpointing: Literal["auto", "none", "full", "moe"] = "auto"
+    activation_checkpointing_every: int = 1
+    # GiB one rank may plan to allocate on its device: the run is checked against it before
+    # anything is allocated. None: the usable share of the device's memory (a CPU's is unknown)
+    memory_budget_gib: Optional[float] = None
+    # Under bf16 on one process: the experts' float32 weights cast inside each grouped GEMM
+    # (forward, and again in backward) instead of bf16 copies that the optimizer keeps: less
+    # memory for a little more time (bench/NOTES.md has both)
+    recast_expert_weights: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.activation_checkpointing, bool):  # configs written before the modes
+            object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
+        super().__post_init__()
+
+    def check(self) -> None:
+        self._require(self.activation_checkpointing_every >= 1, "activation_checkpointing_every",
+                      "must be >= 1 (1: every block)")
+        self._require(self.memory_budget_gib is None or self.memory_budget_gib > 0, "memory_budget_gib",
+                      "must be null (the device's) or > 0 GiB")
+
+
+@dataclass(frozen=True)
 class RunConfig(_Validated):
     """Everything a training run resolves to; recorded in the run directory and the store."""
 
@@ -483,14 +462,15 @@ class RunConfig(_Validated):
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
 
     def check(self) -> None:
         if self.data.seq_len > self.model.max_seq_len:
             _fail("data.seq_len", self.data.seq_len, f"must be <= model.max_seq_len ({self.model.max_seq_len})")
         if self.model.moe is not None and self.model.moe.n_experts % self.parallel.ep:
             _fail("parallel.ep", self.parallel.ep, f"must divide model.moe.n_experts ({self.model.moe.n_experts})")
-        if self.model.moe is None and self.train.activation_checkpointing == "moe":
-            _fail("train.activation_checkpointing", "moe", "needs an MoE model (model.moe); use 'full' or 'none'")
+        if self.model.moe is None and self.execution.activation_checkpointing == "moe":
+            _fail("execution.activation_checkpointing", "moe", "needs an MoE model (model.moe); use 'full' or 'none'")
 
     @property
     def tokens_per_step(self) -> int:
@@ -502,6 +482,57 @@ class RunConfig(_Validated):
     @classmethod
     def from_json(cls, text: str) -> "RunConfig":
         return from_dict(cls, json.loads(text))
+
+
+# ----------------------------------------------------------------------------- fields that moved
+# Performance choices that lived in other sections before the execution section (2026-12-02):
+# their new home, for configs written before (checkpoints' meta.json, run configs) and for
+# ``--set`` of an old name (an error that names the new one). Not here: removed A/B-only choices,
+# which their sections' _retired drop (bench/NOTES.md records what each measured).
+MOVED = {
+    "train.dtype": "execution.dtype",
+    "train.compile": "execution.compile",
+    "model.moe.experts_backend": "execution.experts",
+    "optim.implementation": "execution.adamw",
+    "train.lm_loss_softmax": "execution.lm_loss",
+    "train.activation_checkpointing": "execution.activation_checkpointing",
+    "train.activation_checkpointing_every": "execution.activation_checkpointing_every",
+    "train.memory_budget_gib": "execution.memory_budget_gib",
+    "train.recast_expert_weights": "execution.recast_expert_weights",
+}
+RETIRED = {  # old name -> what runs now
+    "model.moe.weights_before_down": "the routing weights always scale the SwiGLU output",
+    "optim.grad_norm_under_backward": "the clip's norm is always taken under the backward where it can be",
+    "optim.grad_norm_from_dw": "the dW kernel's sums of squares are always used where they exist",
+    "optim.update_beside_forward": "the update always runs beside the next forward where it can",
+    "train.compile_mode": "blocks compile in torch.compile's default mode",
+    "train.expert_weight_casts": "the optimizer keeps the experts' bf16 copies wherever they apply",
+    "train.expert_grad_dtype": "expert gradients stay in bf16 on the copies wherever that holds",
+    "train.fused_lm_loss": "the LM loss is always fused with the head",
+}
+
+
+def _migrate(data: dict) -> dict:
+    """A run config's mapping with the fields of MOVED at their new place (a value already at the
+    new place wins); RETIRED ones are left for their sections to drop."""
+    if not isinstance(data, dict):
+        return data
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    if isinstance(out.get("model"), dict) and isinstance(out["model"].get("moe"), dict):
+        out["model"]["moe"] = dict(out["model"]["moe"])
+    for old, new in MOVED.items():
+        *parents, leaf = old.split(".")
+        node = out
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        value = node.pop(leaf)
+        section, new_leaf = new.split(".")
+        target = out.setdefault(section, {})
+        if isinstance(target, dict):
+            target.setdefault(new_leaf, value)
+    return out
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -521,6 +552,10 @@ def apply_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
     """
     data = cfg.to_dict()
     for dotted, value in overrides.items():
+        if dotted in MOVED:
+            raise ConfigError(f"{dotted} is now {MOVED[dotted]} (the execution section: how a run executes)")
+        if dotted in RETIRED:
+            raise ConfigError(f"{dotted} is no longer a choice: {RETIRED[dotted]} (bench/NOTES.md has the A/B)")
         keys = dotted.split(".")
         node, cls = data, type(cfg)
         for i, key in enumerate(keys):

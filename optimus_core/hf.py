@@ -302,7 +302,8 @@ def export_hf(run_dir: Union[str, Path], out_dir: Union[str, Path], *, arch: Opt
 
 
 def import_hf(hf_dir: Union[str, Path], *, experts_backend: str = "loop"):
-    """``(Transformer, ModelConfig)`` with the weights of an HF directory (ours or OLMoE-style).
+    """``(Transformer, ModelConfig)`` with the weights of an HF directory (ours or OLMoE-style);
+    ``experts_backend``: how the model's experts compute (kernels/; the weights are the same).
 
     The config comes from ``optimus.json`` when the directory is one of our exports (exact),
     else from config.json. Use the model's ``state_dict()`` as initial weights of a new run.
@@ -326,8 +327,6 @@ def import_hf(hf_dir: Union[str, Path], *, experts_backend: str = "loop"):
             from tokenizers import Tokenizer
             vocab = Tokenizer.from_file(str(hf_dir / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
         cfg = from_hf_config(hf_cfg, vocab if vocab and vocab <= hf_cfg["vocab_size"] else None)
-    if cfg.moe is not None and cfg.moe.experts_backend != experts_backend:
-        cfg = cfg.replace(moe=cfg.moe.replace(experts_backend=experts_backend))
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise ExportError(f"{hf_dir}: no *.safetensors weights")
@@ -338,6 +337,6 @@ def import_hf(hf_dir: Union[str, Path], *, experts_backend: str = "loop"):
     if arch not in ARCHITECTURES:
         raise ExportError(f"{hf_dir}/config.json model_type = {arch!r}: cannot import; supported: {', '.join(ARCHITECTURES)}")
     state = from_hf_state(cfg, tensors, arch)
-    model = Transformer(cfg)
+    model = Transformer(cfg, experts_backend=experts_backend)
     model.load_state_dict(state, strict=True)
     return model.eval(), cfg

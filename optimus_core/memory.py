@@ -14,8 +14,8 @@ shapes (``parameter_table``, tested against the model) and what the code keeps:
   (or the rank's block of parallel.dp_shard ranks), the rank's experts' rows over its expert-dp
   group (or its block's part of it) (EP-aware) or whole (EP-unaware), each share padded as FSDP2
   pads it (ceil(rows / ranks) rows). One process: whole; the experts' gradients
-  in bf16 where train.expert_grad_dtype resolves so.
-- ``weight copies``: one process under bf16, the experts' bf16 copies (train.expert_weight_casts);
+  in bf16 where the execution plan keeps them so (optimus_core.execution).
+- ``weight copies``: one process under bf16, the experts' bf16 copies the optimizer keeps;
   EP-unaware experts, the bf16 copy each grouped GEMM keeps for its backward.
 - ``gathered``: FSDP2's unsharded units in the gather dtype (bf16 under bf16): the root (final
   norm + LM head) for the whole step, and at the forward's end two blocks and one block's
@@ -66,14 +66,13 @@ class MemoryLayout:
     micro_batch: int = 1  # sequences per forward on one rank
     accumulation: int = 1  # micro-batches per step on one rank
     seq_len: int = 4096
-    dtype: str = "bfloat16"  # train.dtype
+    dtype: str = "bfloat16"  # execution.dtype, resolved
     optimizer: str = "ep_aware"  # parallel.optimizer
-    checkpointing: str = "none"  # resolved train.activation_checkpointing: none | full | moe
+    checkpointing: str = "none"  # resolved execution.activation_checkpointing: none | full | moe
     every: int = 1  # full: every k-th block
-    fused_lm_loss: bool = True
-    lm_loss_kernel: bool = True  # train.lm_loss_softmax resolved (the Triton kernel on a GPU)
-    expert_weight_casts: bool = True  # one process under bf16 (train.expert_weight_casts)
-    bf16_expert_grads: bool = False  # one process: train.expert_grad_dtype resolved
+    lm_loss_kernel: bool = True  # the fused LM loss's softmax by the Triton kernel (execution.lm_loss)
+    expert_weight_casts: bool = True  # the experts' bf16 copies (one process under bf16: the plan's)
+    bf16_expert_grads: bool = False  # the expert gradients on those copies (the plan's)
 
     def __post_init__(self):
         if self.world < 1 or self.ep < 1 or self.world % self.ep:
@@ -82,7 +81,7 @@ class MemoryLayout:
             raise ConfigError(f"parallel.dp_shard = {self.dp_shard}: must divide the world ({self.world}) and be a "
                               f"multiple of ep ({self.ep})")
         if self.checkpointing not in CHECKPOINTING:
-            raise ConfigError(f"train.activation_checkpointing = {self.checkpointing!r}: must be one of "
+            raise ConfigError(f"execution.activation_checkpointing = {self.checkpointing!r}: must be one of "
                               f"{', '.join(map(repr, CHECKPOINTING))} (or 'auto')")
         if self.every < 1 or self.micro_batch < 1 or self.accumulation < 1:
             raise ConfigError("memory layout: every, micro_batch and accumulation must be >= 1")
@@ -98,10 +97,13 @@ class MemoryLayout:
         return self.dp_shard or self.world
 
     @classmethod
-    def of_run(cls, cfg, world: int, checkpointing: tuple[str, int], device_type: str = "xpu",
+    def of_run(cls, cfg, world: int, checkpointing: tuple[str, int], plan="xpu",
                micro_batches: int | None = None) -> "MemoryLayout":
-        """The layout of ``cfg`` (a RunConfig) on ``world`` ranks of ``device_type``, with
-        ``checkpointing`` resolved; ``micro_batches`` caps the micro-batches per step (a rehearsal's)."""
+        """The layout of ``cfg`` (a RunConfig) on ``world`` ranks, with ``checkpointing`` resolved
+        and the rest as ``plan`` (an optimus_core.execution.ExecutionPlan, or a device type to
+        plan for: its kernels assumed to pass their self-check) executes it; ``micro_batches``
+        caps the micro-batches per step (a rehearsal's)."""
+        plan = _plan_of(cfg, world, plan)
         per_rank = cfg.train.global_batch // world
         if per_rank < 1:
             raise ConfigError(f"train.global_batch = {cfg.train.global_batch}: fewer sequences than ranks ({world})")
@@ -109,16 +111,21 @@ class MemoryLayout:
         accumulation = max(1, per_rank // micro)
         if micro_batches is not None:
             accumulation = min(accumulation, micro_batches)
-        gpu = device_type in ("cuda", "xpu")
-        one_process = world == 1
         return cls(world=world, ep=cfg.parallel.ep, dp_shard=cfg.parallel.dp_shard if world > 1 else 0,
                    micro_batch=micro, accumulation=accumulation,
-                   seq_len=cfg.data.seq_len, dtype=cfg.train.dtype, optimizer=cfg.parallel.optimizer,
-                   checkpointing=checkpointing[0], every=checkpointing[1], fused_lm_loss=cfg.train.fused_lm_loss,
-                   lm_loss_kernel=gpu and cfg.train.lm_loss_softmax != "torch",
-                   expert_weight_casts=cfg.train.expert_weight_casts and not cfg.train.recast_expert_weights,
-                   bf16_expert_grads=one_process and gpu and cfg.train.expert_grad_dtype != "float32"
-                   and cfg.train.dtype == "bfloat16" and accumulation == 1)
+                   seq_len=cfg.data.seq_len, dtype=plan.dtype, optimizer=cfg.parallel.optimizer,
+                   checkpointing=checkpointing[0], every=checkpointing[1],
+                   lm_loss_kernel=plan.lm_loss == "triton", expert_weight_casts=plan.expert_copies,
+                   bf16_expert_grads=plan.bf16_expert_grads and accumulation == 1)
+
+
+def _plan_of(cfg, world: int, plan):
+    """``plan`` itself, or the plan of ``cfg`` on ``world`` ranks of the device type ``plan`` names."""
+    if isinstance(plan, str):
+        from .execution import resolve_choices
+
+        return resolve_choices(cfg, plan, world, probe=False)
+    return plan
 
 
 @dataclass
@@ -262,7 +269,7 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
     if cfg.moe is not None and cfg.moe.n_experts % L.ep:
         raise ConfigError(f"parallel.ep = {L.ep}: must divide model.moe.n_experts ({cfg.moe.n_experts})")
     if cfg.moe is None and L.checkpointing == "moe":
-        raise ConfigError("train.activation_checkpointing = 'moe': needs an MoE model")
+        raise ConfigError("execution.activation_checkpointing = 'moe': needs an MoE model")
     bf16 = L.dtype == "bfloat16"
     sharded = L.world > 1
     T, D, V = L.tokens, cfg.d_model, cfg.padded_vocab_size
@@ -284,9 +291,9 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
     if bf16 and not sharded:  # autocast's bf16 copies of each kept block's dense weights
         acts += 2.0 * _dense_block_params(cfg) * (cfg.n_layers - len(full))
 
-    lm_loss = (4.0 * V * D + 4.0 * T * D) if L.fused_lm_loss else (10.0 * T * V)
+    lm_loss = 4.0 * V * D + 4.0 * T * D
     # a chunk's logits, and two more buffers of its size at the loss's peak (measured on an H200)
-    lm_chunk = 3 * min(LM_LOSS_CHUNK_ROWS, T) * V * 2.0 if L.fused_lm_loss else 0.0
+    lm_chunk = 3 * min(LM_LOSS_CHUNK_ROWS, T) * V * 2.0
     recompute = 0.0
     if L.checkpointing == "full":
         recompute = block_activation_bytes(cfg, T)
@@ -355,23 +362,26 @@ def fit_checkpointing(cfg: ModelConfig, L: MemoryLayout, budget_bytes: float | N
     raise over_budget(cfg, replace(L, checkpointing="full", every=1), budget_bytes, run)
 
 
-def resolve_checkpointing(cfg, world: int, device_type: str, budget_bytes: float | None, *,
+def resolve_checkpointing(cfg, world: int, plan, budget_bytes: float | None, *,
                           run: str = "this run") -> tuple[str, int]:
-    """train.activation_checkpointing of ``cfg`` (a RunConfig) as (mode, every): the configured
-    mode, or for "auto" the least recomputation that fits ``budget_bytes`` on ``world`` ranks of
-    ``device_type`` (fit_checkpointing: MemoryBudgetError when nothing fits)."""
-    if cfg.train.activation_checkpointing != "auto":
-        return cfg.train.activation_checkpointing, cfg.train.activation_checkpointing_every
-    return fit_checkpointing(cfg.model, MemoryLayout.of_run(cfg, world, ("none", 1), device_type), budget_bytes,
-                             run=run)
+    """execution.activation_checkpointing of ``cfg`` (a RunConfig) as (mode, every): the
+    configured mode, or for "auto" the least recomputation that fits ``budget_bytes`` on ``world``
+    ranks as ``plan`` executes it (MemoryLayout.of_run; fit_checkpointing: MemoryBudgetError when
+    nothing fits)."""
+    ex = cfg.execution
+    if ex.activation_checkpointing != "auto":
+        return ex.activation_checkpointing, ex.activation_checkpointing_every
+    return fit_checkpointing(cfg.model, MemoryLayout.of_run(cfg, world, ("none", 1), plan), budget_bytes, run=run)
 
 
-def check_run(cfg, world: int, device_type: str, budget_bytes: float | None, *,
+def check_run(cfg, world: int, plan, budget_bytes: float | None, *,
               run: str = "this run") -> tuple[tuple[str, int], MemoryEstimate]:
-    """(checkpointing, estimate) of ``cfg`` (a RunConfig) on ``world`` ranks of ``device_type``,
-    checkpointing resolved (resolve_checkpointing); MemoryBudgetError if over ``budget_bytes``."""
-    checkpointing = resolve_checkpointing(cfg, world, device_type, budget_bytes, run=run)
-    layout = MemoryLayout.of_run(cfg, world, checkpointing, device_type)
+    """(checkpointing, estimate) of ``cfg`` (a RunConfig) on ``world`` ranks as ``plan`` (an
+    ExecutionPlan or a device type) executes it, checkpointing resolved (resolve_checkpointing);
+    MemoryBudgetError if over ``budget_bytes``."""
+    plan = _plan_of(cfg, world, plan)
+    checkpointing = resolve_checkpointing(cfg, world, plan, budget_bytes, run=run)
+    layout = MemoryLayout.of_run(cfg, world, checkpointing, plan)
     return checkpointing, check_fits(cfg.model, layout, budget_bytes, run=run)
 
 
@@ -388,7 +398,7 @@ def over_budget(cfg: ModelConfig, L: MemoryLayout, budget_bytes: float, run: str
     est = estimate(cfg, L)
     hints = []
     if L.checkpointing != "full" or L.every != 1:
-        hints.append("train.activation_checkpointing=full (or auto)")
+        hints.append("execution.activation_checkpointing=full (or auto)")
     if L.micro_batch > 1:
         hints.append("a smaller train.micro_batch")
     if cfg.moe is not None and L.optimizer == "ep_unaware":

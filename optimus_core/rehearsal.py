@@ -23,6 +23,8 @@ what CI checks for every paper run.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import time
 
@@ -139,8 +141,9 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
     ``save_dir``: after the steps, write this rank's part of a checkpoint there (its rows of every
     parameter and moment, as a run's save writes them, without the collectives of the planning)
     and record the device's peak during the save (``save_peak_allocated_gib``)."""
+    from .execution import device_memory_bytes, resolve_choices
     from .memory import device_budget, resolve_checkpointing
-    from .train.build import build_model, build_run_optimizer, device_memory_bytes
+    from .train.build import build_model, build_run_optimizer
     from .train.step import train_step
 
     from .config import ConfigError
@@ -152,22 +155,24 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
     if cfg.train.global_batch % world:
         raise ConfigError(f"train.global_batch = {cfg.train.global_batch}: must be a multiple of the {world} ranks")
     dev = torch.device(device)
+    plan = resolve_choices(cfg, dev, world)  # as rank ``rank`` of the world would execute
     if checkpointing is None:
-        checkpointing = resolve_checkpointing(cfg, world, dev.type, device_budget(device_memory_bytes(dev)))
-    layout = MemoryLayout.of_run(cfg, world, checkpointing, dev.type if dev.type != "meta" else "cuda", micro_batches)
+        checkpointing = resolve_checkpointing(cfg, world, plan, device_budget(device_memory_bytes(dev)))
+    plan = dataclasses.replace(plan, checkpointing=checkpointing)
+    layout = MemoryLayout.of_run(cfg, world, checkpointing, plan, micro_batches)
     predicted = estimate(cfg.model, layout)
     record = {"preset": cfg.preset, "world": world, "rank": rank, "ep": cfg.parallel.ep,
-              "optimizer": cfg.parallel.optimizer, "dtype": cfg.train.dtype, "seq_len": cfg.data.seq_len,
+              "optimizer": cfg.parallel.optimizer, "dtype": plan.dtype, "seq_len": cfg.data.seq_len,
               "micro_batch": layout.micro_batch, "accumulation": layout.accumulation,
               "checkpointing": f"{checkpointing[0]}" + (f"/{checkpointing[1]}" if checkpointing[0] == "full" else ""),
-              "experts_backend": cfg.model.moe.experts_backend if cfg.model.moe else "",
+              "experts_backend": plan.experts or "",
               "model_gib": predicted.peak_gib, "model_at": predicted.at,
               "terms_gib": {k: v / GIB for k, v in predicted.terms.items()}, "device": dev.type,
               "torch": torch.__version__}
     # the meta rehearsal's mesh is the CPU's (torch has no meta process groups); its shares stay meta
     with loopback_world(cfg, world, rank, torch.device("cpu") if dev.type == "meta" else dev) as mesh:
-        model = build_model(cfg, mesh, device=dev, checkpointing=checkpointing)
-        optimizer = build_run_optimizer(model, cfg, mesh)
+        model = build_model(cfg, mesh, device=dev, plan=plan)
+        optimizer = build_run_optimizer(model, cfg, mesh, plan)
         record["shares_gib"] = {k: v / GIB for k, v in static_terms(model).items()}
         record["model_shares_gib"] = {k: v / GIB for k, v in static_bytes(cfg.model, layout).items()}
         if dev.type == "meta":
@@ -183,8 +188,7 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
                                       device=dev)
             t0 = time.perf_counter()
             stats = train_step(model, optimizer, batch_BS1, micro_batch=layout.micro_batch,
-                               grad_clip=cfg.optim.grad_clip, lr=cfg.optim.lr, dtype=cfg.train.dtype, mesh=mesh,
-                               fused_lm_loss=cfg.train.fused_lm_loss)
+                               grad_clip=cfg.optim.grad_clip, lr=cfg.optim.lr, dtype=plan.dtype, mesh=mesh)
             record.setdefault("grad_norms", []).append(float(stats.grad_norm))
             if gpu is not None:
                 gpu.synchronize(dev)

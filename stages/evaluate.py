@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from optimus_core.atomic import atomic_write
-from optimus_core.config import RunConfig, from_dict
+from optimus_core.config import ExecutionConfig, RunConfig, from_dict
 from optimus_core.model.transformer import Transformer
 from optimus_core.provenance import utc_now
 from optimus_core.store import open_store
@@ -203,9 +203,12 @@ def _run_sharded(config: EvaluateConfig, outputs: EvaluateOutputs, run_id: str, 
 
 def _eval_layout(cfg: RunConfig, world: int) -> RunConfig:
     """The run's layout on ``world`` ranks: its EP degree, its shard block where it divides the
-    world (else the whole world), no HF import (the checkpoint's weights replace it)."""
+    world (else the whole world), no HF import (the checkpoint's weights replace it), and the
+    execution defaults of this machine: how the run executed where it trained (an explicit
+    Triton choice, its memory budget) need not hold here, and does not change its weights."""
     block = cfg.parallel.dp_shard if cfg.parallel.dp_shard and world % cfg.parallel.dp_shard == 0 else 0
-    return cfg.replace(parallel=cfg.parallel.replace(dp_shard=block), train=cfg.train.replace(init_from=None))
+    return cfg.replace(parallel=cfg.parallel.replace(dp_shard=block), train=cfg.train.replace(init_from=None),
+                       execution=ExecutionConfig())
 
 
 def _load_sharded(point: "_Point", mesh) -> Transformer:

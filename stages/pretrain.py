@@ -28,7 +28,6 @@ from optimus_core.config import RunConfig
 from optimus_core.device import device_info
 from optimus_core.parallel import init_distributed, shutdown
 from optimus_core.provenance import describe, software, utc_now
-from optimus_core.store import open_store
 from optimus_core.train.loop import Trainer
 from optimus_core.train.resilience import Preempted
 
@@ -120,14 +119,20 @@ def _run_rank(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainO
     # Built before anything is written: a run directory whose checkpoints belong to another model
     # (or any other refusal) leaves its meta.json and its store run as they were.
     trainer = Trainer(cfg, inputs.data_dir, run_dir, writer=None, progress=config.progress, device=info, mesh=mesh)
-    mode, every = trainer.memory.checkpointing  # what "auto" resolved to, and the memory it plans
-    budget = trainer.memory.budget_bytes
+    plan = trainer.plan  # what every "auto" resolved to, why, and the memory it plans
+    mode, every = plan.checkpointing
+    budget = plan.budget_bytes
     attrs["memory"] = meta["memory"] = {
         "activation_checkpointing": mode, "activation_checkpointing_every": every,
-        "model_gib_per_rank": trainer.memory.estimate.peak_gib, "budget_gib": budget / 2**30 if budget else None}
+        "model_gib_per_rank": plan.memory.peak_gib, "budget_gib": budget / 2**30 if budget else None}
+    attrs["execution_plan"] = meta["execution_plan"] = plan.to_dict()
     atomic_write(run_dir / "meta.json", json.dumps(dict(meta, status="running", started=utc_now()), indent=2))
 
-    store = open_store(outputs.store) if outputs.store else None
+    store = None
+    if outputs.store:  # zarr only where a store is written (a GPU node may train without one)
+        from optimus_core.store import open_store
+
+        store = open_store(outputs.store)
     writer = store.run_writer(config.run_id, attrs) if store else None
     start = time.time()
     try:

@@ -305,12 +305,12 @@ def _worlds(layouts: Sequence[PointLayout]) -> dict[int, list[int]]:
 def _describe(config: ScalingConfig, layout: PointLayout, cfg: RunConfig, point: dict) -> dict:
     from optimus_core.device import device_slug
 
-    moe = cfg.model.moe
     n = layout.devices
+    plan = point.pop("plan", None) or {}  # the execution plan the point ran (measure_steps)
     point.update(preset=config.preset, overrides=dict(config.overrides), device=device_slug(config.device),
                  optimizer=config.optimizer if n > 1 else "local", global_batch=cfg.train.global_batch,
                  micro_batch=cfg.train.micro_batch or cfg.train.global_batch // n, seq_len=cfg.data.seq_len,
-                 dtype=cfg.train.dtype, experts_backend=moe.experts_backend if moe else "none",
+                 dtype=plan.get("dtype", ""), experts_backend=plan.get("experts") or "none",
                  sharding="full" if n > 1 else "none", dp_shard=cfg.parallel.dp_shard,
                  reduce_dtype=cfg.parallel.reduce_dtype, threads_per_rank=config.threads_per_rank)
     point["setting"] = setting_label(cfg.train.global_batch, layout.micro_batch)

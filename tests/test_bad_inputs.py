@@ -72,7 +72,9 @@ def test_unknown_preset_lists_the_known_ones(tokens_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("setting, message", [
     ("train.steps=abc", "train.steps = 'abc': must be an integer"),
-    ("train.dtype=float16", "train.dtype = 'float16': must be one of 'float32', 'bfloat16'"),
+    ("execution.dtype=float16", "execution.dtype = 'float16': must be one of 'auto', 'float32', 'bfloat16'"),
+    ("train.dtype=bfloat16", "train.dtype is now execution.dtype"),
+    ("train.fused_lm_loss=false", "train.fused_lm_loss is no longer a choice: the LM loss is always fused"),
     ("train.watchdog_timeout_s=-5", "train.watchdog_timeout_s = -5.0: must be >= 0"),
     ("parallel.collective_timeout_s=[1]", "parallel.collective_timeout_s = [1]: must be a number"),
     ("train.nosuch=1", "unknown field train.nosuch (in train); known fields:"),

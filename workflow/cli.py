@@ -86,11 +86,10 @@ def resolve_run_config(args):
         preset_name = args.preset
     else:
         raise ConfigError("pretrain needs --preset NAME or --experiment NAME (see `optimus presets`)")
-    flags = {"train.steps": args.steps, "train.seed": args.seed, "train.dtype": args.dtype,
-             "train.checkpoint_every": args.checkpoint_every, "parallel.ep": args.ep}
+    flags = {"train.steps": args.steps, "train.seed": args.seed, "execution.dtype": args.dtype,
+             "train.checkpoint_every": args.checkpoint_every, "parallel.ep": args.ep,
+             "execution.experts": args.experts_backend}
     overrides.update({k: v for k, v in flags.items() if v is not None})
-    if args.experts_backend:
-        overrides["model.moe.experts_backend"] = args.experts_backend
     overrides.update(_overrides(args.set))
     cfg = presets.get(preset_name).run_config(**overrides)
     return cfg, run_id or Path(args.out).name, experiment
@@ -366,9 +365,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=1,
                    help="local ranks to start (CPU or one per GPU); under torchrun / mpiexec: 1 or the world size")
     p.add_argument("--ep", type=int, help="expert-parallel ranks (divides --nproc and the expert count)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"),
+                   help="execution.dtype (default auto: bf16 autocast on a GPU, float32 on a CPU)")
     p.add_argument("--seed", type=int)
-    p.add_argument("--experts-backend", choices=("loop", "torch", "triton"))
+    p.add_argument("--experts-backend", choices=("auto", "loop", "torch", "triton"),
+                   help="execution.experts (default auto: the fastest that validated on the device)")
     p.add_argument("--checkpoint-every", type=int)
     p.add_argument("--max-restarts", type=int, default=None,
                    help="rerun a run that crashed, hung (watchdog) or was stopped, up to R times, each time "

@@ -209,14 +209,13 @@ LAPTOP_SHORT = {"train.eval_every": 0, "train.eval_batches": 2, "train.log_every
 LAPTOP_SCALEUP_STEPS = 32
 LAPTOP_SCALEUP_TRAIN = {"train.eval_every": 8, "train.eval_batches": 4, "train.log_every": 1,
                         "schedule.warmup_steps": 8}
-# Paper scale: bf16 autocast; checkpoints often enough that a job cut by its walltime loses
-# little (the launcher resubmits it and it resumes from the newest valid checkpoint).
-# One sequence per tile per forward / backward, accumulated up to the global batch (module doc).
-PAPER_TRAIN = {"train.dtype": "bfloat16", "train.checkpoint_every": 500, "train.micro_batch": 1}
-PAPER_TIMED = {"train.dtype": "bfloat16", "train.eval_every": 0, "train.eval_batches": 1, "train.micro_batch": 1}
-# The MoE runs' experts on our Triton kernels (the paper's): the layout whose memory
-# optimus_core/memory.py models and `optimus rehearse` measures; the ablation sets its own.
-PAPER_KERNELS = {"model.moe.experts_backend": "triton"}
+# Paper scale: checkpoints often enough that a job cut by its walltime loses little (the
+# launcher resubmits it and it resumes from the newest valid checkpoint). One sequence per tile
+# per forward / backward, accumulated up to the global batch (module doc). How the runs execute
+# (bf16 autocast, our Triton experts where they pass their self-check on the tiles) is the
+# execution plan's default (optimus_core.execution), as a laptop run's is; the ablation sets its own.
+PAPER_TRAIN = {"train.checkpoint_every": 500, "train.micro_batch": 1}
+PAPER_TIMED = {"train.eval_every": 0, "train.eval_batches": 1, "train.micro_batch": 1}
 SHARD_BLOCK = 384  # tiles (32 nodes) a parameter is sharded over (parallel.dp_shard; module doc)
 PAPER_4T_BATCH = 3072  # sequences: one per tile on 3072 tiles (our choice; module doc)
 SCALING_TILES = (384, 768, 1536, 3072, 6144, 12288)
@@ -241,7 +240,7 @@ def _pretrain(model: str, tokens: int, tiles: int, ep: int = 1, batch: int = 0,
     return Experiment(
         f"pretrain-{model}", "pretrain",
         paper=RunScale(model, tokens, devices=tiles, ep=ep, global_batch=batch,
-                       extra={**PAPER_TRAIN, **(PAPER_KERNELS if presets.get(model).model.moe else {})},
+                       extra=PAPER_TRAIN,
                        dp_shard=SHARD_BLOCK),
         laptop=laptop, description=description, laptop_dag=True, scaleup=scaleup,
     )
@@ -251,7 +250,7 @@ def _scaling(tiles: int) -> Experiment:
     return Experiment(
         f"scaling-mula-220b-a10b-{tiles}", "scaling",
         paper=RunScale.for_steps("mula-220b-a10b", SCALING_STEPS, tiles, timed=True, ep=32,
-                                 global_batch=SCALING_BATCH, extra={**PAPER_TIMED, **PAPER_KERNELS},
+                                 global_batch=SCALING_BATCH, extra=PAPER_TIMED,
                                  dp_shard=SHARD_BLOCK),
         laptop=RunScale.for_steps("mula-220b-a10b@laptop", LAPTOP_TIMED_STEPS, 1, extra=LAPTOP_SHORT),
         description=f"strong scaling of Mula-220B-A10B: {tiles} tiles, {SCALING_STEPS} steps of "
@@ -261,7 +260,7 @@ def _scaling(tiles: int) -> Experiment:
 
 def _ablation(variant: str) -> Experiment:
     backend, optimizer = ABLATION_VARIANTS[variant]
-    sets = {"model.moe.experts_backend": backend, "parallel.optimizer": optimizer}
+    sets = {"execution.experts": backend, "parallel.optimizer": optimizer}
     return Experiment(
         f"ablation-mula-20b-a2b-{variant}", "ablation",
         paper=RunScale.for_steps("mula-20b-a2b", ABLATION_STEPS, 384, timed=True, ep=32, global_batch=1536,

@@ -70,7 +70,7 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 
 from optimus_core import presets
-from optimus_core.config import ConfigError, ModelConfig
+from optimus_core.config import MOVED, RETIRED, ConfigError, ModelConfig
 
 MACHINES_DIR = Path(__file__).resolve().parent / "machines"
 KINDS = ("all_to_all", "reduce_scatter", "all_gather", "all_reduce")
@@ -274,6 +274,7 @@ class Layout:
     chunk_mb: float = 128.0  # the ZeRO-1 points' parallel.grad_sync_chunk_mb (overlap "chunks")
     reduce_bytes: int = 4  # parallel.reduce_dtype's bytes (overlap "layers")
     dp_shard: int = 0  # parallel.dp_shard: ranks a parameter is sharded over (0 = every rank)
+    experts: str = "triton"  # the experts' backend as the run's execution plan resolves it
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -458,7 +459,7 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
     # Host time: per micro-batch (Python, launches), and with the ``loop`` experts backend per
     # local expert too (it runs each expert's matmuls separately; torch / triton group them).
     per_mb = m.microbatch_overhead
-    if cfg.moe is not None and cfg.moe.experts_backend == "loop":
+    if cfg.moe is not None and L.experts == "loop":
         per_mb += m.expert_overhead * cfg.n_layers * (cfg.moe.n_experts // L.ep)
     # EP dispatch outside the all-to-alls: gathering the rows to send, sorting what arrives by
     # expert, weighting and summing the partials back, forward and backward: passes over the
@@ -644,7 +645,9 @@ def _fully_sharded(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, sh
 def point_model(point: dict) -> ModelConfig:
     """The model of a measured point: its preset with the recorded overrides applied."""
     preset = presets.get(point["preset"])
-    overrides = {k: v for k, v in (point.get("overrides") or {}).items() if k.startswith("model.")}
+    # (fields that left the model section since, as model.moe.experts_backend did, are not the model's)
+    overrides = {k: v for k, v in (point.get("overrides") or {}).items()
+                 if k.startswith("model.") and k not in MOVED and k not in RETIRED}
     return preset.run_config(**overrides).model if overrides else preset.model
 
 
@@ -655,7 +658,15 @@ def point_layout(point: dict) -> Layout:
                   dtype=point.get("dtype", "float32"), overlap=point_overlap(point),
                   chunk_mb=float(point.get("grad_sync_chunk_mb") or 128.0),
                   reduce_bytes=4 if point.get("reduce_dtype", "float32") == "float32" else 2,
-                  dp_shard=int(point.get("dp_shard") or 0))
+                  dp_shard=int(point.get("dp_shard") or 0), experts=point_experts(point))
+
+
+def point_experts(point: dict) -> str:
+    """The experts' backend a measured point ran: recorded, else its override, else the loop
+    (the default of the points measured before the execution plan)."""
+    overrides = point.get("overrides") or {}
+    return (point.get("experts_backend") or overrides.get("execution.experts")
+            or overrides.get("model.moe.experts_backend") or "loop")
 
 
 def point_overlap(point: dict) -> str:
@@ -875,7 +886,7 @@ def efficiency(devices: Sequence[int], step_s: Sequence[float]) -> list[float]:
 def predict_sweep(preset: str, tiles_list: Sequence[int], machine: Machine, *, global_batch: int,
                   ep: int, micro_batch: int = 1, seq_len: int = 0, dtype: str = "bfloat16",
                   optimizer: str = "ep_aware", overrides: Optional[dict] = None, overlap: str = "layers",
-                  chunk_mb: float = 128.0, dp_shard: int = 0) -> list[dict]:
+                  chunk_mb: float = 128.0, dp_shard: int = 0, experts: str = "triton") -> list[dict]:
     """One row per tile count: the layout (``overlap`` included), each phase, tokens/s and
     efficiency within the sweep. ``dp_shard``: the shard block (parallel.dp_shard), capped at
     each point's tile count. A what-if ``overlap`` (WHATIFS: one our step does not do) marks
@@ -887,7 +898,7 @@ def predict_sweep(preset: str, tiles_list: Sequence[int], machine: Machine, *, g
     for tiles in tiles_list:
         layout = Layout(devices=tiles, ep=ep, global_batch=global_batch, micro_batch=micro_batch,
                         seq_len=seq_len, optimizer=optimizer if tiles > 1 else "local", dtype=dtype, overlap=overlap,
-                        chunk_mb=chunk_mb, dp_shard=dp_shard if 0 < dp_shard < tiles else 0)
+                        chunk_mb=chunk_mb, dp_shard=dp_shard if 0 < dp_shard < tiles else 0, experts=experts)
         pred = predict(cfg, layout, machine)
         rows.append({"preset": preset, "machine": machine.name, "devices": tiles, "ep": ep, "overlap": overlap,
                      "dp_shard": layout.dp_shard,
@@ -905,6 +916,14 @@ def code_overlap(parallel) -> str:
     return "layers"
 
 
+def planned_execution(cfg, machine: Machine, devices: int):
+    """The execution plan of ``cfg`` on ``devices`` of ``machine``, as the run will resolve it
+    there (optimus_core.execution; its kernels assumed to pass their self-check)."""
+    from optimus_core.execution import resolve_choices
+
+    return resolve_choices(cfg, machine.device_kind, devices, probe=False)
+
+
 def paper_sweep(machine: Machine, overlap: Optional[str] = None) -> list[dict]:
     """The paper's strong-scaling sweep of Mula-220B-A10B as the registry defines it
     (workflow/experiments.py: SCALING_TILES, SCALING_BATCH, ep 32, bf16), one sequence per
@@ -914,8 +933,9 @@ def paper_sweep(machine: Machine, overlap: Optional[str] = None) -> list[dict]:
 
     run = ex.get(f"scaling-mula-220b-a10b-{ex.SCALING_TILES[0]}").paper
     cfg = run.run_config()
+    plan = planned_execution(cfg, machine, run.devices)
     return predict_sweep(run.preset, ex.SCALING_TILES, machine, global_batch=ex.SCALING_BATCH, ep=run.ep,
-                         micro_batch=1, dtype=cfg.train.dtype, overlap=overlap or code_overlap(cfg.parallel),
+                         micro_batch=1, dtype=plan.dtype, experts=plan.experts or "loop", overlap=overlap or code_overlap(cfg.parallel),
                          dp_shard=ex.get(f"scaling-mula-220b-a10b-{ex.SCALING_TILES[-1]}").paper.run_config().parallel.dp_shard)
 
 
@@ -928,9 +948,10 @@ def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> di
         raise ConfigError(f"global_batch = {cfg.train.global_batch}: must be a multiple of the "
                           f"{run_scale.devices} devices for the performance model")
     mb = cfg.train.micro_batch or (micro_batch if local % micro_batch == 0 else 0)
+    plan = planned_execution(cfg, machine, run_scale.devices)
     layout = Layout(devices=run_scale.devices, ep=cfg.parallel.ep, global_batch=cfg.train.global_batch,
-                    micro_batch=mb, seq_len=cfg.data.seq_len,
-                    optimizer=cfg.parallel.optimizer if run_scale.devices > 1 else "local", dtype=cfg.train.dtype,
+                    micro_batch=mb, seq_len=cfg.data.seq_len, experts=plan.experts or "loop",
+                    optimizer=cfg.parallel.optimizer if run_scale.devices > 1 else "local", dtype=plan.dtype,
                     overlap=code_overlap(cfg.parallel), dp_shard=cfg.parallel.dp_shard,
                     reduce_bytes=4 if cfg.parallel.reduce_dtype == "float32" else 2)
     pred = predict(cfg.model, layout, machine)

@@ -209,7 +209,7 @@ def _label(checkpointing: tuple[str, int] | None) -> str:
 
 def plan_memory(run, site: SiteConfig, ranks: int) -> tuple[float, float, tuple[str, int] | None]:
     """(GiB per tile, budget GiB, (mode, every)) of ``run`` on ``site.machine``'s devices, with
-    train.activation_checkpointing resolved as the run will resolve it on such a device
+    execution.activation_checkpointing resolved as the run will resolve it on such a device
     (optimus_core.memory.check_run); MemoryBudgetError -- the run, the GiB, the budget and the
     knob that would help -- when it cannot fit. (nan, nan, None) without a run or a machine."""
     from optimus_core.memory import GIB, check_run, device_budget

@@ -18,17 +18,14 @@ rank whole experts, sharding a range of rows within them (optimus_core.parallel.
 seeded init draws rows (optimus_core.model.init). State dicts of the earlier (E, D, 2F) layout
 load as they are (``_load_from_state_dict`` reshapes them).
 
-Routing weights (model.moe.weights_before_down, on by default): each row's routing weight
-scales its SwiGLU output, before the down projection, and the combine is a plain sum. The down
-projection is linear, so the output is the same up to rounding; what changes is the backward's
-memory: the weighted combine must keep the experts' output rows (R x D) to differentiate its
-weights, the weighted SwiGLU gets that gradient from what it keeps anyway (kernels/swiglu.py).
-For OLMoE's shapes, 256 MiB per layer at 8192 tokens (bench/saved_activations.py). The step's
-peak on an H200 did not move: it is at the optimizer's update, not in the backward
-(bench/NOTES.md). ``combine_sorted`` is the one place both orders live, for this module's
-``apply_routed`` and expert parallelism's.
+Routing weights: each row's routing weight scales its SwiGLU output, before the down
+projection, and the combine is a plain sum. The down projection is linear, so the output is the
+same as weighting the combine, up to rounding; the backward needs less memory: a weighted
+combine must keep the experts' output rows (R x D) to differentiate its weights, the weighted
+SwiGLU gets that gradient from what it keeps anyway (kernels/swiglu.py). ``combine_sorted`` does
+it for this module's ``apply_routed`` and expert parallelism's.
 
-Weight casts (train.expert_weight_casts): under bf16 autocast the float32 master weights would
+Weight casts (the execution plan's expert copies, optimus_core.execution): under bf16 autocast the float32 master weights would
 be cast to bf16 by every forward (3.2B expert parameters: read 4 bytes, write 2 each). Instead
 
     experts.enable_weight_casts(torch.bfloat16)   # non-persistent buffers w_up_cast, w_down_cast
@@ -40,7 +37,7 @@ find the copies through optimus_core.train.optim.weight_casts; TritonAdamW write
 update pass), loading a state dict (here), Transformer.init_weights. State dicts and checkpoints
 do not change. The forward reads a copy only when its dtype is autocast's.
 
-Gradients on the copies (train.expert_grad_dtype = bfloat16, the default where it applies):
+Gradients on the copies (the plan's bf16 expert gradients, wherever they apply):
 
     experts.keep_grads_on_casts(True)             # the copies require grad
 
@@ -49,7 +46,7 @@ gradient in bf16 as the copy's ``.grad``, and TritonAdamW applies it to the floa
 (optimus_core.train.adamw). It is the gradient torch's autocast recipe makes (the bf16 GEMM's dW,
 rounded to bf16, then widened into a float32 ``.grad``) without the float32 tensor: 6 GiB less at
 the end of the backward for 8 OLMoE layers, where the step's memory peaked (bench/NOTES.md).
-Micro-batches would add up in bf16, so one micro-batch per step only (optimus_core.train.optim).
+Micro-batches would add up in bf16, so one micro-batch per step only (optimus_core.execution).
 """
 from __future__ import annotations
 
@@ -62,17 +59,16 @@ import kernels
 
 class Experts(nn.Module):
     # Under autocast: cast the float32 weights inside each grouped GEMM instead of once per
-    # forward (train.recast_expert_weights): less memory, a little more time.
+    # forward (execution.recast_expert_weights): less memory, a little more time.
     recast_weights: bool = False
     # The backward recomputes the GEMMs and SwiGLU from the sorted rows instead of keeping their
-    # intermediates (train.activation_checkpointing = "moe"); the dispatch is not repeated.
+    # intermediates (execution.activation_checkpointing = "moe"); the dispatch is not repeated.
     checkpoint_compute: bool = False
     WEIGHTS = ("w_up", "w_down")
 
-    def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = "loop",
-                 weights_before_down: bool = True):
+    def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = "loop"):
         super().__init__()
-        self.n_experts, self.backend, self.weights_before_down = n_experts, backend, weights_before_down
+        self.n_experts, self.backend = n_experts, backend
         self.w_up = nn.Parameter(torch.empty(n_experts * d_model, 2 * d_expert))  # module doc: rows (e, D)
         self.w_down = nn.Parameter(torch.empty(n_experts * d_expert, d_model))  # rows (e, F)
         self.enable_weight_casts(None)
@@ -168,14 +164,8 @@ class Experts(nn.Module):
     def combine_sorted(self, x_sorted_MD: torch.Tensor, offsets_E: torch.Tensor, sorted_idx: torch.Tensor,
                        topk_weight_TK: torch.Tensor) -> torch.Tensor:
         """out_TD: the experts on permute's sorted rows (M <= T * K of them; offsets_E one per
-        expert), each row weighted by its routing weight and summed per token, in the order that
-        weights_before_down picks (module docstring)."""
-        if not self.weights_before_down:
-            if self.checkpoint_compute and torch.is_grad_enabled():
-                y_sorted_MD = checkpoint(self, x_sorted_MD, offsets_E, use_reentrant=False)
-            else:
-                y_sorted_MD = self(x_sorted_MD, offsets_E)
-            return self.unpermute(y_sorted_MD, sorted_idx, topk_weight_TK)
+        expert), each row weighted by its routing weight (on its SwiGLU output: module docstring)
+        and summed per token."""
         # the routing weight of each sorted row (assignment sorted_idx[i]); rows not made get none
         row_weight_M = topk_weight_TK.reshape(-1)[sorted_idx[:x_sorted_MD.shape[0]]]
         if self.checkpoint_compute and torch.is_grad_enabled():

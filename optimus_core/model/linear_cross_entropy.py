@@ -18,7 +18,7 @@ log-softmax, the zero-filled loss gradient, log-softmax backward, back to bf16: 
 only one chunk's logits live at a time (~6 bytes each) instead of the whole micro-batch's in
 bf16 and float32 and their gradients.
 
-``kernel=True`` (train.lm_loss_softmax, resolved by ``use_softmax_kernel``): the log-softmax, the
+``kernel=True`` (the execution plan's lm_loss, optimus_core.execution): the log-softmax, the
 loss and the gradient of a chunk in one Triton kernel that overwrites the logits with their
 gradient (kernels.cross_entropy): each logit read twice and written once in the compute dtype (6
 bytes for bf16) instead of the cast, the float32 log-softmax and the exp (20 bytes); the same
@@ -36,15 +36,6 @@ import kernels.cross_entropy
 # (4096 x 2048 x 50,304, 0.84 TFLOP) is still large enough to run at the full matmul rate; a
 # chunk more costs one float32 add of dW (V x D) only.
 DEFAULT_CHUNK_ROWS = 4096
-
-
-def use_softmax_kernel(choice: str, device: torch.device) -> bool:
-    """train.lm_loss_softmax resolved for a model on ``device``: "auto" is the Triton kernel on a
-    CUDA / XPU device where Triton imports and torch elsewhere; "triton" where it cannot run is
-    an error (kernels._triton.use_triton)."""
-    from kernels._triton import use_triton
-
-    return use_triton(choice, device, "train.lm_loss_softmax", "the kernel", "cross_entropy")
 
 
 def linear_cross_entropy(h_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor, *,

@@ -30,11 +30,11 @@ class MoEFeedForward(nn.Module):
     training step reads them right after each forward.
     """
 
-    def __init__(self, d_model: int, cfg: MoEConfig):
+    def __init__(self, d_model: int, cfg: MoEConfig, experts_backend: str = "loop"):
         super().__init__()
         self.cfg = cfg
         self.router = TopKRouter(d_model, cfg)
-        self.experts = Experts(cfg.n_experts, d_model, cfg.d_expert, cfg.experts_backend, cfg.weights_before_down)
+        self.experts = Experts(cfg.n_experts, d_model, cfg.d_expert, experts_backend)
         self.aux_loss = self.last_lb_loss = self.last_z_loss = self.last_tokens_per_expert_E = None
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ModelConfig, TrainConfig
+from ..config import ModelConfig
 from ..memory import checkpointed_blocks
 from .attention import Attention
 from .init import init_parameter_
@@ -24,12 +24,12 @@ from .moe import MoEFeedForward
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, experts_backend: str = "loop"):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = MoEFeedForward(cfg.d_model, cfg.moe) if cfg.moe else SwiGLU(cfg.d_model, cfg.d_ff)
+        self.ffn = MoEFeedForward(cfg.d_model, cfg.moe, experts_backend) if cfg.moe else SwiGLU(cfg.d_model, cfg.d_ff)
 
     def forward(self, x_BSD, cos_SDh, sin_SDh):
         h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SDh, sin_SDh)
@@ -37,16 +37,19 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """``experts_backend``: how the experts compute (kernels/: "loop", "torch", "triton"), the
+    execution plan's choice (optimus_core.execution); the parameters do not depend on it."""
+
+    def __init__(self, cfg: ModelConfig, experts_backend: str = "loop"):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_seq_len)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, experts_backend) for _ in range(cfg.n_layers))
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)  # untied
         self.checkpoint_blocks = set()  # indices of the blocks the backward recomputes (set_activation_checkpointing)
-        self.lm_loss_kernel = False  # lm_loss's softmax part in one Triton kernel (train.lm_loss_softmax)
+        self.lm_loss_kernel = False  # lm_loss's softmax part in one Triton kernel (execution.lm_loss)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -74,7 +77,7 @@ class Transformer(nn.Module):
             m.experts.refresh_weight_casts()
 
     def set_activation_checkpointing(self, mode: str, every: int = 1) -> None:
-        """What the backward recomputes (train.activation_checkpointing, resolved: "none", "full"
+        """What the backward recomputes (execution.activation_checkpointing, resolved: "none", "full"
         with every ``every``-th block, or "moe": the experts' computation of every MoE layer)."""
         if mode not in ("none", "full", "moe"):
             raise ValueError(f"activation checkpointing {mode!r}: must be 'none', 'full' or 'moe'")
@@ -99,27 +102,18 @@ class Transformer(nn.Module):
     def keep_expert_grads_on_casts(self, on: bool) -> None:
         """The expert weights' gradients on their bf16 copies (optimus_core.model.experts); call
         after set_expert_weight_casts, before building the optimizer. optimus_core.train.optim.
-        build_optimizer does it where train.expert_grad_dtype resolves to bfloat16."""
+        build_optimizer does it where the execution plan keeps the expert gradients in bf16."""
         for layer in self.moe_layers():
             layer.experts.keep_grads_on_casts(on)
 
-    def use_expert_weight_casts(self, train: TrainConfig) -> bool:
-        """``train.expert_weight_casts`` where it saves the forward's cast of the expert weights
-        (bf16 autocast, train.recast_expert_weights off), bf16 copies; none elsewhere. Returns
-        whether they are kept."""
-        on = bool(train.expert_weight_casts and train.dtype == "bfloat16" and not train.recast_expert_weights
-                  and self.moe_layers())
-        self.set_expert_weight_casts(torch.bfloat16 if on else None)
-        return on
-
-    def compile_blocks(self, mode: str = "default") -> None:
+    def compile_blocks(self) -> None:
         """torch.compile each block's forward, in place: parameter names (and so checkpoints) stay
         those of the eager model, and hooks on a block (the optimizer's per-stage waits,
         optimus_core.train.update_stream) run as plain Python before its compiled code, not
-        traced into it. ``mode``: train.compile_mode. (Each compiled forward is bound to its
-        block: a deep copy of a compiled model would call the original's; copy, then compile.)"""
+        traced into it. (Each compiled forward is bound to its block: a deep copy of a compiled
+        model would call the original's; copy, then compile.)"""
         for block in self.blocks:
-            block.forward = torch.compile(block.forward, mode=mode)
+            block.forward = torch.compile(block.forward)
 
     def moe_layers(self) -> list[MoEFeedForward]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoEFeedForward)]

@@ -32,7 +32,6 @@ class ExpertParallelExperts(Experts):
     def __init__(self, full: Experts, mesh: Mesh, dispatch: str = "all_to_all"):
         nn.Module.__init__(self)
         self.n_experts, self.backend, self.recast_weights = full.n_experts, full.backend, full.recast_weights
-        self.weights_before_down = full.weights_before_down
         self.ep, self.group, self.ep_rank, self.dispatch = mesh.ep, mesh.ep_group, mesh.ep_rank, dispatch
         self.n_local = full.n_experts // mesh.ep
         self.first = mesh.ep_rank * self.n_local

@@ -8,6 +8,7 @@ it. A run directory that holds a valid checkpoint is resumed from it, with no fl
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,7 +24,8 @@ from ..device import DeviceInfo, device_info
 from ..model.transformer import Transformer
 from ..parallel import Mesh
 from . import checkpoint as ckpt
-from .build import build_model, build_run_optimizer, plan_memory
+from ..execution import plan_execution
+from .build import build_model, build_run_optimizer
 from .evaluate import heldout_metrics
 from .resilience import LossGuard, Preempted, StopRequest
 from .schedule import lr_at
@@ -72,13 +74,15 @@ class Trainer:
         self.writer, self.progress = (writer, progress) if self.is_lead else (None, False)
         check_data_matches_model(cfg, self.data_dir)
         torch.manual_seed(cfg.train.seed)
-        # checked against the device before anything is allocated (MemoryBudgetError: what to change)
-        self.memory = plan_memory(cfg, self.mesh)
+        # every choice of how the run executes, resolved once and checked against the device's
+        # memory before anything is allocated (ExecutionError, MemoryBudgetError: what to change)
+        self.plan = plan_execution(cfg, self.device, self.mesh.world_size)
         if self.is_lead and progress:
-            tqdm.write(f"[{cfg.preset or 'train'}] {self.memory.describe()}")
+            tqdm.write(f"[{cfg.preset or 'train'}] execution plan on {self.mesh.world_size} x "
+                       f"{self.device.type}:\n{self.plan.describe()}")
         # this rank's share of the model, never the whole of it (optimus_core.train.build)
-        self.model: Transformer = build_model(cfg, self.mesh, checkpointing=self.memory.checkpointing)
-        self.optimizer = build_run_optimizer(self.model, cfg, self.mesh)
+        self.model: Transformer = build_model(cfg, self.mesh, plan=self.plan)
+        self.optimizer = build_run_optimizer(self.model, cfg, self.mesh, self.plan)
         dataset = TokenDataset(self.data_dir, split="train", seq_len=cfg.data.seq_len)
         self.loader = BatchLoader(dataset, cfg.train.global_batch, seed=cfg.data.seed,
                                   rank=self.mesh.rank, world_size=self.mesh.world_size)
@@ -107,7 +111,9 @@ class Trainer:
     def _load(self, found: ckpt.Checkpoint) -> None:
         settle_updates(self.optimizer)  # no update may still be writing what is loaded over
         saved = found.meta.get("config")
-        if saved is not None and saved["model"] != self.cfg.model.to_dict():
+        # the model's shape, read as today's config reads it: how the saved run executed (its
+        # kernels, its precision) may differ from this one's
+        if saved is not None and RunConfig.from_json(json.dumps(saved)).model != self.cfg.model:
             raise ValueError(f"{found.path} was saved by a different model configuration; "
                              f"use a new run directory or the same preset")
         if found.format == "torch":  # the earlier one-process format
@@ -178,7 +184,7 @@ class Trainer:
         self._last_save_time = time.monotonic()  # the minutes of train.checkpoint_every_minutes restart
         settle_updates(self.optimizer)  # the weights and state saved are those after the last update
         state = {"loader": self.loader.state_dict(), "guard": self.guard.state_dict()}
-        meta = {"config": self.cfg.to_dict(), "tokens": self.tokens, "data_position": self.loader.state_dict(),
+        meta = {"config": self.cfg.to_dict(), "execution_plan": self.plan.to_dict(), "tokens": self.tokens, "data_position": self.loader.state_dict(),
                 "world_size": self.mesh.world_size, "ep": self.mesh.ep}
         if self.is_lead and self.writer is not None:
             self.writer.flush()  # metrics up to a checkpoint survive a kill, as the weights do
@@ -234,7 +240,7 @@ class Trainer:
         with self._io_phase("evaluation"):
             row = heldout_metrics(self.model, self.data_dir, seq_len=self.cfg.data.seq_len,
                                   batch_size=self.cfg.train.micro_batch or t.global_batch,
-                                  max_batches=t.eval_batches, dtype=t.dtype, device=self.device)
+                                  max_batches=t.eval_batches, dtype=self.plan.dtype, device=self.device)
         self._log("eval", {"step": self.step, "tokens": self.tokens, **row})
         return row
 
@@ -305,8 +311,8 @@ class Trainer:
         batch = self.loader.next_batch().to(self.device, non_blocking=True)
         lr = lr_at(self.step, t.steps, self.cfg.optim.lr, self.cfg.schedule)
         stats = train_step(self.model, self.optimizer, batch, micro_batch=t.micro_batch,
-                           grad_clip=self.cfg.optim.grad_clip, lr=lr, dtype=t.dtype, mesh=self.mesh,
-                           accept=guard.accept, fused_lm_loss=t.fused_lm_loss)
+                           grad_clip=self.cfg.optim.grad_clip, lr=lr, dtype=self.plan.dtype, mesh=self.mesh,
+                           accept=guard.accept)
         if stats.skipped:
             self._event(kind=guard.judge(stats.loss), step=self.step + 1, loss=stats.loss)
             if guard.should_roll_back:

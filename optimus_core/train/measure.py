@@ -43,7 +43,8 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..parallel import Mesh
 from ..timing import PhaseTimer
-from .build import build_model, build_run_optimizer, plan_memory
+from ..execution import plan_execution
+from .build import build_model, build_run_optimizer
 from .step import train_step
 
 PHASES = ("compute", "a2a", "grad_sync", "optimizer")
@@ -69,16 +70,16 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
         raise ValueError(f"train.global_batch = {cfg.train.global_batch} sequences does not split over "
                          f"{mesh.world_size} ranks")
     device = mesh.device
-    model = build_model(cfg, mesh, checkpointing=plan_memory(cfg, mesh).checkpointing)
-    optimizer = build_run_optimizer(model, cfg, mesh)
+    plan = plan_execution(cfg, device, mesh.world_size)
+    model = build_model(cfg, mesh, plan=plan)
+    optimizer = build_run_optimizer(model, cfg, mesh, plan)
     local_batch = cfg.train.global_batch // mesh.world_size
     generator = torch.Generator(device=device).manual_seed(cfg.train.seed * 7919 + mesh.rank)
     batch_BS1 = torch.randint(0, cfg.model.vocab_size, (local_batch, cfg.data.seq_len + 1),
                               generator=generator, device=device)
     def step():
         return train_step(model, optimizer, batch_BS1, micro_batch=cfg.train.micro_batch,
-                          grad_clip=cfg.optim.grad_clip, lr=cfg.optim.lr, dtype=cfg.train.dtype, mesh=mesh,
-                          fused_lm_loss=cfg.train.fused_lm_loss)
+                          grad_clip=cfg.optim.grad_clip, lr=cfg.optim.lr, dtype=plan.dtype, mesh=mesh)
 
     timer = PhaseTimer(device)
     samples: dict[str, list[float]] = {name: [] for name in (*PHASES, "step", "idle")}
@@ -91,7 +92,7 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
         with timer.active():
             stats = step()
         float(stats.grad_norm)
-        _sync(device)  # the update too, on whatever stream it runs (optim.update_beside_forward)
+        _sync(device)  # the update too, on whatever stream it runs (beside the next forward: the plan's)
         wall = time.perf_counter() - t0
         if i < warmup:
             if i == warmup - 1 and device.type in ("cuda", "xpu"):
@@ -126,7 +127,7 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
         point["step_back_to_back_s"] = max(r["step_back_to_back_s"] for r in ranks)
         point["tokens_per_s_back_to_back"] = tokens / point["step_back_to_back_s"]
     point.update(tokens_per_step=tokens, tokens_per_s=tokens / point["step_s"], loss=losses[-1],
-                 devices=mesh.world_size, ep=mesh.ep, steps=steps, warmup=warmup)
+                 devices=mesh.world_size, ep=mesh.ep, steps=steps, warmup=warmup, plan=plan.to_dict())
     return point
 
 
@@ -134,7 +135,7 @@ def _back_to_back(step, mesh: Mesh, steps: int) -> list[float]:
     """Seconds between consecutive step boundaries with steps queued back to back, as a run
     trains and as OLMo-core's harness times itself (../shared/peers/olmo_core_step.py): an event
     on the device at each boundary, no host sync between steps, so what one step's work overlaps
-    with the next (the update beside the forward, optim.update_beside_forward) shows. GPUs only
+    with the next (the update beside the forward, optimus_core.execution) shows. GPUs only
     (empty elsewhere: on a CPU the synced steps already are back to back)."""
     device = mesh.device
     if device.type not in ("cuda", "xpu"):

@@ -1,11 +1,11 @@
 """AdamW with OLMoE's parameter groups, and global gradient-norm clipping.
 
 Weight casts: a module may keep low-precision copies of its weights for the forward (Experts
-under bf16, train.expert_weight_casts) and list them as ``module.weight_casts() -> {param:
+under bf16 on one process: the execution plan's expert copies) and list them as ``module.weight_casts() -> {param:
 copy}``; ``weight_casts(model)`` collects them and every optimizer built here keeps each copy
 equal to its parameter cast, bit for bit, after every step (TritonAdamW in its update kernel,
-torch's AdamW by a cast after its step). Where train.expert_grad_dtype resolves to bfloat16
-(``use_bf16_expert_grads``), the copies also hold their weights' gradients, in bf16, and
+torch's AdamW by a cast after its step). Where the plan keeps the expert gradients in bf16
+(optimus_core.execution), the copies also hold their weights' gradients, in bf16, and
 TritonAdamW applies those: ``grad_holder(w, casts)`` is where a weight's gradient is, and
 ``gradients(model, optimizer)`` lists every gradient a step applies.
 """
@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import OptimConfig, TrainConfig
+from ..config import OptimConfig
+from ..execution import ExecutionPlan
 from ..model.experts import grad_holder, refresh_casts
 from ..model.transformer import Transformer
 from .grad_norm import GradNormUnderBackward
@@ -28,13 +29,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def use_triton_adamw(cfg: OptimConfig, device: torch.device) -> bool:
-    """optim.implementation resolved for parameters on ``device`` (see OptimConfig)."""
-    from kernels._triton import use_triton
-
-    return use_triton(cfg.implementation, device, "optim.implementation", "the Triton AdamW", "adamw")
 
 
 def _per_parameter(model: nn.Module, method: str) -> dict[nn.Parameter, torch.Tensor]:
@@ -58,37 +52,15 @@ def dw_squares(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
     return _per_parameter(model, "enable_dw_squares")
 
 
-def use_bf16_expert_grads(model: nn.Module, train: TrainConfig, cfg: OptimConfig, device: torch.device,
-                          ranks: int = 1) -> bool:
-    """train.expert_grad_dtype resolved for ``model`` (its weight copies already made:
-    Transformer.use_expert_weight_casts) trained by ``ranks`` processes with ``cfg``'s AdamW on
-    ``device``: whether the expert weights' gradients stay in bf16 on their copies. "bfloat16"
-    where that cannot work is a ValueError that says what is missing; "auto" falls back to float32."""
-    if train.expert_grad_dtype == "float32":
-        return False
-    missing = []
-    copies = weight_casts(model).values()
-    if not copies or any(c.dtype != torch.bfloat16 for c in copies):
-        missing.append("the experts' bf16 weight copies (train.expert_weight_casts under bf16 autocast)")
-    if ranks > 1:
-        missing.append("one process (the sharded optimizer keeps float32 gradients in its buffers)")
-    elif not use_triton_adamw(cfg, device):
-        missing.append("the Triton AdamW (optim.implementation; torch's takes float32 gradients)")
-    per_rank = train.global_batch // max(1, ranks)
-    if 0 < train.micro_batch < per_rank:
-        missing.append(f"one micro-batch per step (train.micro_batch = {train.micro_batch} of {per_rank} "
-                       "sequences per rank: micro-batches would add up in bf16)")
-    if missing and train.expert_grad_dtype == "bfloat16":
-        raise ValueError("train.expert_grad_dtype = 'bfloat16' needs " + "; ".join(missing))
-    return not missing
-
-
-def adamw(groups: list[dict], cfg: OptimConfig, device: torch.device,
-          casts: dict[torch.Tensor, torch.Tensor] | None = None) -> torch.optim.Optimizer:
-    """The AdamW of ``cfg.implementation`` over ``groups`` (parameters on ``device``), keeping
-    the copies ``casts`` ({parameter of groups: copy}) current after every step."""
+def adamw(groups: list[dict], cfg: OptimConfig, kernel: str = "torch", device: torch.device | str = "cpu",
+          casts: dict[torch.Tensor, torch.Tensor] | None = None, norm_under_backward: bool = False) -> torch.optim.Optimizer:
+    """The AdamW over ``groups`` (parameters on ``device``) by ``kernel`` ("triton": TritonAdamW,
+    "torch": torch.optim.AdamW, fused on CUDA), keeping the copies ``casts`` ({parameter of
+    groups: copy}) current after every step; with ``norm_under_backward``, the clip's norm taken
+    under the last backward (GradNormUnderBackward: a CUDA side stream)."""
     casts = dict(casts or {})
-    if use_triton_adamw(cfg, device):
+    device = torch.device(device)
+    if kernel == "triton":
         from .adamw import TritonAdamW
 
         opt = TritonAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, casts=casts)
@@ -96,28 +68,32 @@ def adamw(groups: list[dict], cfg: OptimConfig, device: torch.device,
         opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=device.type == "cuda" or None)
         if casts:  # a cast pass after the update (the one the forward no longer makes)
             opt.register_step_post_hook(lambda *_: refresh_casts(casts))
-    # CUDA only for now: the side stream and record_stream are untested on Intel XPU.
-    if cfg.grad_norm_under_backward and cfg.grad_clip is not None and device.type == "cuda":
+    if norm_under_backward:
         opt.grad_norms = GradNormUnderBackward(grad_holder(p, casts) for g in groups for p in g["params"])
     return opt
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, train: TrainConfig | None = None) -> torch.optim.Optimizer:
-    """The AdamW of ``cfg`` for a one-process ``model``; on a CUDA GPU with the Triton AdamW and a
-    Transformer, its update runs beside the next forward (optim.update_beside_forward). With
-    ``train``, the expert weights' gradients stay in bf16 on their copies where
-    train.expert_grad_dtype resolves so (use_bf16_expert_grads); without, they are float32."""
+def build_optimizer(model: nn.Module, cfg: OptimConfig, plan: ExecutionPlan | None = None) -> torch.optim.Optimizer:
+    """The AdamW of ``cfg`` for a one-process ``model``, executed as ``plan`` says (default: the
+    plan of a run of the defaults on the model's device: optimus_core.execution): the kernel, the
+    expert gradients on their bf16 copies, the clip's norm under the backward (with the dW
+    kernel's sums of squares) and, for a Transformer, the update beside the next forward."""
     devices = {p.device for p in model.parameters()}
     device = devices.pop() if len(devices) == 1 else torch.device("cpu")  # mixed: torch's default path
-    if isinstance(model, Transformer):
-        model.keep_expert_grads_on_casts(train is not None and use_bf16_expert_grads(model, train, cfg, device))
+    if plan is None:
+        from ..config import RunConfig
+        from ..execution import resolve_choices
+
+        plan = resolve_choices(RunConfig(optim=cfg), device)
+    transformer = isinstance(model, Transformer)
+    if transformer:
+        model.keep_expert_grads_on_casts(plan.bf16_expert_grads and bool(weight_casts(model)))
     casts = weight_casts(model)
-    opt = adamw(param_groups(model, cfg.weight_decay), cfg, device, casts)
-    if getattr(opt, "grad_norms", None) is not None and cfg.grad_norm_from_dw:
+    opt = adamw(param_groups(model, cfg.weight_decay), cfg, plan.adamw, device, casts,
+                norm_under_backward=plan.grad_norm_under_backward and device.type == "cuda")
+    if getattr(opt, "grad_norms", None) is not None and plan.grad_norm_from_dw:
         opt.grad_norms.take_squares_from({grad_holder(p, casts): square for p, square in dw_squares(model).items()})
-    # CUDA only for now, as the grad norm's side stream: untested on Intel XPU.
-    if cfg.update_beside_forward and device.type == "cuda" and hasattr(opt, "update_") \
-            and isinstance(model, Transformer):  # TritonAdamW: it updates a stage at a time
+    if plan.update_beside_forward and device.type == "cuda" and hasattr(opt, "update_") and transformer:
         opt.beside_forward = UpdateBesideForward(model, (p for g in opt.param_groups for p in g["params"]))
     return opt
 

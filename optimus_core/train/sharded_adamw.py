@@ -2,7 +2,7 @@
 or EP-unaware, with the clip's global norm.
 
     model = shard_model(parallelize(meta_model, mesh), mesh, experts_sharded=mode == "ep_aware")
-    opt = ShardedAdamW(model, mesh, cfg.optim, mode="ep_aware")     # or "ep_unaware" (the ablation)
+    opt = ShardedAdamW(model, mesh, cfg.optim, mode="ep_aware", kernel="triton")  # or "ep_unaware" (the ablation)
     loss.backward()                                 # FSDP2 reduce-scatters the gradients as it goes
     grad_norm = opt.clip_and_step(max_norm=1.0)     # norm, clip, update the local shares
     opt.zero_grad()
@@ -20,7 +20,7 @@ block of parallel.dp_shard ranks (the blocks are replicas: only the first block'
 replicated experts count on expert-dp rank 0 only), so it is the square root of one all-reduce
 of each rank's sum of squares. The clip factor rides into the update kernel (TritonAdamW's grad_scale)
 or scales the local gradients once (torch's AdamW). The update is torch.optim.AdamW's arithmetic
-(optim.implementation: TritonAdamW on a GPU, on each share's local tensor).
+(``kernel``, the execution plan's adamw: TritonAdamW on a GPU, on each share's local tensor).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from ..parallel.expert_parallel import expert_parameter_names
 from ..parallel.layout import local_tensor
 from ..parallel.mesh import Mesh
 from ..timing import phase
-from .optim import clip_coef_as_grad_scale, param_groups, use_triton_adamw
+from .optim import clip_coef_as_grad_scale, param_groups
 
 MODES = ("ep_aware", "ep_unaware")
 
@@ -43,7 +43,7 @@ class ShardedAdamW:
 
     syncs_gradients = True  # train_step: call clip_and_step instead of clipping itself
 
-    def __init__(self, model: nn.Module, mesh: Mesh, cfg: OptimConfig, mode: str = "ep_aware"):
+    def __init__(self, model: nn.Module, mesh: Mesh, cfg: OptimConfig, mode: str = "ep_aware", kernel: str = "torch"):
         if mode not in MODES:
             raise ValueError(f"parallel.optimizer = {mode!r}: must be one of {', '.join(map(repr, MODES))}")
         self.mesh, self.mode, self.model = mesh, mode, model
@@ -63,8 +63,7 @@ class ShardedAdamW:
         self.counts_in_norm = {id(p): first_block for p in params}
         self.counts_in_norm.update({id(p): mesh.expert_dp_rank == 0 for p in self.replicated})
         groups = param_groups(model, cfg.weight_decay)
-        device = mesh.device
-        if use_triton_adamw(cfg, device):
+        if kernel == "triton":
             from .adamw import TritonAdamW
 
             self.inner = TritonAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)

@@ -39,24 +39,19 @@ def lm_loss(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
 
 
-def micro_batch_loss(model: Transformer, batch_BS1: torch.Tensor, *, dtype: str, fused: bool,
+def micro_batch_loss(model: Transformer, batch_BS1: torch.Tensor, *, dtype: str,
                      chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
-    """The language-model loss of one micro-batch (float32, 0-d), next-token targets.
-
-    ``fused``: the LM head and the loss in chunks of ``chunk_rows`` tokens, no logits of the
-    whole micro-batch (Transformer.lm_loss); else the logits, then ``lm_loss``. Same value.
-    """
+    """The language-model loss of one micro-batch (float32, 0-d), next-token targets: the LM head
+    and the loss in chunks of ``chunk_rows`` tokens, no logits of the whole micro-batch
+    (Transformer.lm_loss; the same value as the logits, then ``lm_loss``)."""
     tokens_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
-    with autocast_context(batch_BS1.device.type, dtype):
-        if fused:  # inside autocast: the head's matmuls run in bf16, as nn.Linear's would
-            return model.lm_loss(tokens_BS, targets_BS, chunk_rows=chunk_rows)
-        logits_BSV = model(tokens_BS)
-    return lm_loss(logits_BSV, targets_BS)
+    with autocast_context(batch_BS1.device.type, dtype):  # the head's matmuls in bf16, as nn.Linear's
+        return model.lm_loss(tokens_BS, targets_BS, chunk_rows=chunk_rows)
 
 
 def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: torch.Tensor, *,
                micro_batch: int, grad_clip: float | None, lr: float, dtype: str, mesh=None,
-               accept: Callable[[float], bool] | None = None, fused_lm_loss: bool = True,
+               accept: Callable[[float], bool] | None = None,
                lm_loss_chunk_rows: int = DEFAULT_CHUNK_ROWS) -> StepStats:
     """Accumulate gradients over ``batch_BS1`` (B sequences of S+1 tokens) in micro-batches.
 
@@ -66,15 +61,14 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
     An optimizer that ``syncs_gradients`` (ShardedAdamW) reduces, clips and updates itself.
     ``accept(loss)`` (a LossGuard) may reject the step's loss: the gradients are then dropped
     and nothing is updated. It sees the world-mean loss, so every rank decides alike.
-    ``fused_lm_loss`` (train.fused_lm_loss) computes the loss without the micro-batch's full
-    logits, ``lm_loss_chunk_rows`` tokens at a time (micro_batch_loss).
+    ``dtype``: the execution plan's (optimus_core.execution). The loss is taken without the
+    micro-batch's full logits, ``lm_loss_chunk_rows`` tokens at a time (micro_batch_loss).
     """
     model.train()
     chunks = batch_BS1.split(micro_batch) if micro_batch else (batch_BS1,)
     if len(chunks) > 1 and any(c.requires_grad for c in getattr(optimizer, "casts", {}).values()):
         raise ValueError(f"train_step: {len(chunks)} micro-batches, but the expert gradients are kept in bf16 "
-                         "(train.expert_grad_dtype), where they would add up in bf16: use one micro-batch "
-                         "per step or expert_grad_dtype = 'float32'")
+                         "(the execution plan's, for one micro-batch a step), where they would add up in bf16")
     n_tokens = batch_BS1.shape[0] * (batch_BS1.shape[1] - 1)
     moe_layers = model.moe_layers()
     # ce, aux, lb, z: summed as device tensors and read once per step, so the micro-batches
@@ -90,10 +84,7 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
             if last:  # the last backward: gradients are final as they are done
                 if getattr(optimizer, "grad_norms", None) is not None:
                     optimizer.grad_norms.arm()  # their norms for the clip, under the backward
-            # A new forward: blocks compiled as CUDA graphs (train.compile_mode) may reuse the
-            # memory of the previous micro-batch's outputs (a no-op for any other mode).
-            torch.compiler.cudagraph_mark_step_begin()
-            ce = micro_batch_loss(model, chunk, dtype=dtype, fused=fused_lm_loss, chunk_rows=lm_loss_chunk_rows)
+            ce = micro_batch_loss(model, chunk, dtype=dtype, chunk_rows=lm_loss_chunk_rows)
             aux = model.aux_loss()
             objective = ce + aux if aux is not None else ce
             (objective * weight).backward()

@@ -1,6 +1,6 @@
-"""bench/saved_activations.py: one block's saved tensors on fake tensors. With the routing
-weights in the top-k combine, the combine keeps the experts' output rows (R x d_model, bf16)
-for its backward; with them before the down projection it keeps nothing of that size."""
+"""bench/saved_activations.py: one block's saved tensors on fake tensors. The routing weights
+scale the SwiGLU output, before the down projection: the backward keeps nothing of the experts'
+output rows, which weighting them in the top-k combine instead would keep (R x d_model, bf16)."""
 import json
 
 import pytest
@@ -8,6 +8,7 @@ import pytest
 from bench.saved_activations import main, saved_tensors
 from kernels import INTERPRET
 from optimus_core import presets
+from optimus_core.model.experts import Experts
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="the triton ops' CPU checks need TRITON_INTERPRET=1")
 
@@ -17,19 +18,25 @@ def _activations(**moe):
     return sum(r["bytes"] for r in rows if not r["weight"]), rows
 
 
-def test_weights_before_down_drops_the_expert_outputs_from_the_saved_set():
-    before, rows = _activations(weights_before_down=True)
-    after, _ = _activations(weights_before_down=False)
+def _weighted_combine(self, x_sorted_MD, offsets_E, sorted_idx, topk_weight_TK):
+    """The other order, for comparison: the experts unweighted, their outputs weighted in the combine."""
+    return self.unpermute(self(x_sorted_MD, offsets_E), sorted_idx, topk_weight_TK)
+
+
+def test_weights_on_the_swiglu_output_keep_no_expert_outputs(monkeypatch):
+    ours, rows = _activations()
+    monkeypatch.setattr(Experts, "combine_sorted", _weighted_combine)
+    weighted, _ = _activations()
     cfg = presets.get("mula-7b-a1b@laptop").model
     rows_R = 64 * cfg.moe.top_k  # tokens x top-k: every assignment's row
-    assert after - before == rows_R * cfg.d_model * 2  # one bf16 (R, D) tensor
+    assert weighted - ours == rows_R * cfg.d_model * 2  # one bf16 (R, D) tensor
     assert any(r["weight"] for r in rows)  # the expert weight copies, listed apart
 
 
 def test_the_command_prints_a_table_and_a_json_line(capsys):
     main(["--preset", "mula-7b-a1b@laptop", "--tokens", "64", "--seq", "32",
-          "--set", "model.moe.weights_before_down=false"])
+          "--set", "model.moe.norm_topk_probs=true"])
     out = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(out[-1])
-    assert summary["moe_overrides"] == {"weights_before_down": False} and summary["activations_gib"] > 0
+    assert summary["moe_overrides"] == {"norm_topk_probs": True} and summary["activations_gib"] > 0
     assert "saved by" in out[0]

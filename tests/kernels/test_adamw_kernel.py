@@ -89,7 +89,7 @@ def test_bf16_copy_is_the_rounded_param(n, triton_device):
 
 @pytest.mark.parametrize("n", LENGTHS)
 def test_bf16_gradient_is_read_as_float32(n, triton_device):
-    """A bf16 gradient (the experts', train.expert_grad_dtype) updates exactly as its float32
+    """A bf16 gradient (the experts', the execution plan's bf16_expert_grads) updates exactly as its float32
     value does: the kernel widens it on load, with and without a clip factor."""
     p0, grads = make(n, triton_device, seed=5)
     grads16 = [g.to(torch.bfloat16) for g in grads]

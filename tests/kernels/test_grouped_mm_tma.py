@@ -1,7 +1,9 @@
-"""grouped_mm's alternative triton kernels (kernels.grouped_mm.TRITON_KERNELS) against the loop:
-the TMA forward (kernels/grouped_mm_tma.py: tensor descriptors, persistent grid), dx from a
-contiguous copy of w^T, dx through the TMA kernel with w transposed in shared memory, and dW
-through the TMA dW kernel (per-group descriptors, groups dealt largest first).
+"""grouped_mm's two sets of triton kernels against the loop: the TMA kernels
+(kernels/grouped_mm_tma.py: tensor descriptors, persistent grid; dx with w transposed in shared
+memory; dW with per-group descriptors, groups dealt largest first) and the pointer kernels that
+run where TMA cannot (dx reading w^T through transposed strides). Each set runs through the
+private launchers' explicit keyword (`tma=True`: the TMA kernels where they can run; `tma=False`:
+the pointer kernels); the entry point's own choice, made per call, is checked through grouped_mm.
 
 The interpreter runs tensor descriptors (Triton 3.9), so the TMA kernel itself runs in CI, with
 3 persistent programs so that each loops over several tiles. Shapes keep rows 16-byte aligned in
@@ -32,10 +34,10 @@ CASES = {
     "all rows past the end": ([0, 0], 12, 16, 16),
     "no rows": ([0, 0, 0], 0, 8, 8),
 }
-# (forward, dx, tma_flatten, dw)
-CHOICES = [("pointer", "copy", False, "pointer"), ("tma", "strided", False, "tma"),
-           ("tma", "copy", False, "pointer"), ("tma", "tma", False, "tma"), ("tma", "tma", True, "pointer"),
-           ("tma", "copy", True, "tma"), ("pointer", "strided", False, "tma")]
+# the private launchers' keyword: the TMA kernels where they can run, or the pointer kernels
+KERNELS = pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer"])
+# an opcheck's shape: 16-byte float32 rows (the TMA kernels where they can run) or not (pointer)
+ALIGNED = pytest.mark.parametrize("K,N", [(8, 12), (6, 10)], ids=["aligned", "misaligned"])
 
 
 @pytest.fixture
@@ -61,73 +63,89 @@ def tma_runs(x, w) -> bool:
     return gm_tma.tma_unsupported(x, w, x.new_empty(x.shape[0], w.shape[2])) is None
 
 
-def check_against_loop(x, w, offsets, dy, what):
-    got = forward_backward(x, w, offsets, dy, backend="triton")
+def launch(x, w, offsets, dy, tma):
+    """(y, dx, dw) through the private launchers: the TMA kernels where they can run (tma=True)
+    or the pointer kernels (tma=False). A float32 w with half-precision x: cast for the forward
+    as the op does, dw in float32."""
+    x, w = x.detach(), w.detach()
+    return (gm._launch_grouped_mm(x, w.to(x.dtype), offsets, tma=tma),
+            gm._launch_grouped_mm_dx(dy, w, offsets, tma=tma),
+            gm._launch_grouped_mm_dw(x, dy, offsets, w.dtype != x.dtype, tma=tma))
+
+
+def expected_tma_calls(x, w, dw_dtype):
+    """The TMA launches of a forward, dx and dw where the TMA kernels run: the forward and dx
+    only with rows (an empty product launches nothing), the dW kernel always (it zeroes dw)."""
+    (M, K), N = x.shape, w.shape[2]
+    return ([((M, K), False), ((M, N), True)] if M else []) + [("dw", (M, K), dw_dtype)]
+
+
+def check_against_loop(x, w, offsets, dy, what, tma=None):
+    """tma None: through grouped_mm and autograd (the entry point's choice), else through the
+    launchers with that keyword."""
+    got = forward_backward(x, w, offsets, dy, backend="triton") if tma is None else launch(x, w, offsets, dy, tma)
     want = forward_backward(x, w, offsets, dy, backend="loop")
     for name, g, r in zip(("y", "dx", "dw"), got, want):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what} {name}: {m}")
     return got
 
 
-@pytest.mark.parametrize("forward,dx,flatten,dw", CHOICES)
+@KERNELS
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_choices_match_loop(case, forward, dx, flatten, dw, triton_device, tma_calls):
+def test_kernels_match_loop(case, tma, triton_device, tma_calls):
+    """Forward, dx and dw of each set of kernels; with tma=False no TMA kernel launches at all."""
     sizes, tail, K, N = CASES[case]
     x, w, offsets, dy = make(sizes, tail, K, N, triton_device)
-    with gm.triton_kernels(forward=forward, dx=dx, tma_flatten=flatten, dw=dw):
-        y, dx_, _ = check_against_loop(x, w, offsets, dy, f"{forward}/{dx}/{dw}")
+    y, dx, _ = check_against_loop(x, w, offsets, dy, "tma" if tma else "pointer", tma=tma)
     M = x.shape[0]
-    assert not y[M - tail:].any() and not dx_[M - tail:].any(), "rows past offsets[-1] must be 0"
-    if not tma_runs(x, w):
-        assert tma_calls == []
-        return
-    # the forward through TMA when chosen; dx through it when chosen, or on the copy of w^T
-    # (neither launches without rows); dw through the dW kernel when chosen (it zeroes dw then)
-    want = [((M, K), False)] if forward == "tma" and M else []
-    want += {"tma": [((M, N), True)], "copy": [((M, N), False)] if forward == "tma" else []}.get(dx, []) if M else []
-    want += [("dw", (M, K), x.dtype)] if dw == "tma" else []
+    assert not y[M - tail:].any() and not dx[M - tail:].any(), "rows past offsets[-1] must be 0"
+    want = expected_tma_calls(x, w, x.dtype) if tma and tma_runs(x, w) else []
+    assert tma_calls == want
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_entry_point_takes_the_tma_kernels_where_they_run(case, triton_device, tma_calls):
+    """grouped_mm's forward, dx and dw (autograd through the custom ops): the TMA kernels
+    wherever tma_unsupported allows them, else the pointer kernels, chosen per call."""
+    sizes, tail, K, N = CASES[case]
+    x, w, offsets, dy = make(sizes, tail, K, N, triton_device)
+    check_against_loop(x, w, offsets, dy, "grouped_mm")
+    want = expected_tma_calls(x, w, x.dtype) if tma_runs(x, w) else []
     assert sorted(tma_calls, key=str) == sorted(want, key=str)  # autograd orders dx and dw as it likes
 
 
-def test_dx_copy_runs_the_forward_kernel_on_a_contiguous_transpose(triton_device, monkeypatch):
+@pytest.mark.parametrize("K,N", [(20, 12), (6, 10)], ids=["aligned", "misaligned"])
+def test_pointer_dx_reads_w_transposed_through_strides(K, N, triton_device, monkeypatch):
+    """The pointer dx (tma=False, and the fallback of tma=True where TMA cannot run): the
+    forward's pointer kernel over w^T as a transposed view, no contiguous copy of it."""
     seen = []
-    launch = gm._launch_grouped_mm
+    pointer = gm._launch_grouped_mm
 
     def spy(x, w, offsets, **kw):
-        seen.append((tuple(w.shape), w.is_contiguous(), kw.get("dx", False)))
-        return launch(x, w, offsets, **kw)
+        seen.append((tuple(w.shape), w.is_contiguous(), kw.get("dx", False), kw.get("tma", True)))
+        return pointer(x, w, offsets, **kw)
 
     monkeypatch.setattr(gm, "_launch_grouped_mm", spy)
-    x, w, offsets, dy = make([7, 0, 12], 2, 20, 12, triton_device)
-    with gm.triton_kernels(forward="pointer", dx="copy"):
-        check_against_loop(x, w, offsets, dy, "copy")
-    assert seen == [((3, 20, 12), True, False), ((3, 12, 20), True, True)]
-    seen.clear()
-    with gm.triton_kernels(forward="pointer", dx="strided"):  # w^T read through strides
-        check_against_loop(x, w, offsets, dy, "strided")
-    assert seen == [((3, 20, 12), True, False), ((3, 12, 20), False, True)]
+    x, w, offsets, dy = make([7, 0, 12], 2, K, N, triton_device)
+    want = forward_backward(x, w, offsets, dy, backend="loop")[1]
+    for tma in (False, True):
+        seen.clear()
+        dx = gm._launch_grouped_mm_dx(dy, w.detach(), offsets, tma=tma)
+        torch.testing.assert_close(dx, want, rtol=1e-5, atol=1e-5)
+        pointer_ran = not tma or not tma_runs(x, w)
+        assert seen == ([((3, N, K), False, True, False)] if pointer_ran else [])
 
 
-@pytest.mark.parametrize("shape", [(3, 20, 12), (1, 17, 33), (2, 64, 16)])
-def test_transposed_copy(shape, triton_device):
-    """dx="copy"'s w^T: contiguous (G, N, K), exact, also from a w that is itself a strided view."""
-    w = torch.randn(*shape, device=triton_device)
-    for src in (w, w.transpose(1, 2).contiguous().transpose(1, 2), w[:, :, :]):
-        wt = gm._transposed_copy(src, w.dtype)
-        assert wt.is_contiguous() and torch.equal(wt, w.transpose(1, 2))
-
-
-@pytest.mark.parametrize("forward,dx,flatten,dw", CHOICES)
-def test_non_finite_weights_of_an_empty_group_never_leak(forward, dx, flatten, dw, triton_device):
+@KERNELS
+def test_non_finite_weights_of_an_empty_group_never_leak(tma, triton_device):
     """A K block running past K reads the next group's weights (w is one (G*K, N) matrix to
-    the descriptor): they must be zeroed, or an inf there turns its neighbour's outputs NaN."""
+    the TMA descriptor): they must be zeroed, or an inf there turns its neighbour's outputs NaN."""
     x, w, offsets, dy = make([9, 21, 0], 1, 20, 12, triton_device)  # K = 20: a partial K block
     with torch.no_grad():
         w[2] = float("inf")
-    with gm.triton_kernels(forward=forward, dx=dx, tma_flatten=flatten, dw=dw):
-        y, dx_, dw = forward_backward(x, w, offsets, dy, backend="triton")
+    got = launch(x, w, offsets, dy, tma)
     want = forward_backward(x, w, offsets, dy, backend="loop")
-    for name, g, r in zip(("y", "dx", "dw"), (y, dx_, dw), want):
+    for name, g, r in zip(("y", "dx", "dw"), got, want):
         assert torch.isfinite(g[:30] if name != "dw" else g[:2]).all(), name
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5, equal_nan=True)
 
@@ -136,8 +154,8 @@ def test_misaligned_rows_fall_back_to_the_pointer_kernel(triton_device, tma_call
     x, w, offsets, dy = make([5, 0, 9], 2, 6, 10, triton_device)  # 24- and 40-byte float32 rows
     reason = gm_tma.tma_unsupported(x, w, x.new_empty(len(x), 10))
     assert reason is not None  # 16-byte rows in the interpreter; float32 or no sm90 on a GPU
-    with gm.triton_kernels(forward="tma", dx="tma", dw="tma"):
-        check_against_loop(x, w, offsets, dy, "fallback")
+    check_against_loop(x, w, offsets, dy, "fallback")
+    check_against_loop(x, w, offsets, dy, "fallback", tma=True)
     assert tma_calls == []
 
 
@@ -147,41 +165,20 @@ def test_the_interpreter_runs_tensor_descriptors(triton_device):
     import triton.language as tl
 
     if triton_device.type != "cpu":
-        pytest.skip("the interpreter's case; on a GPU, test_kernel_choices_match_loop checks it")
+        pytest.skip("the interpreter's case; on a GPU, test_bf16_kernels_on_gpu checks it")
     if not hasattr(tl, "make_tensor_descriptor"):
         pytest.skip("this Triton's interpreter has no tensor descriptors (needs Triton 3.4+)")
     x, w, _, _ = make([4, 4], 0, 8, 8, triton_device)
     assert tma_runs(x, w)
 
 
-def test_kernel_choices_are_checked_and_restored():
-    before = dict(gm.TRITON_KERNELS)
-    with pytest.raises(ValueError, match=r"dx must be one of \('strided', 'copy', 'tma'\), got 'cutlass'"):
-        with gm.triton_kernels(dx="cutlass"):
-            pass
-    with pytest.raises(ValueError, match=r"dw must be one of \('pointer', 'tma'\), got 'strided'"):
-        with gm.triton_kernels(dw="strided"):
-            pass
-    with pytest.raises(ValueError, match="unknown choice 'backward'"):
-        with gm.triton_kernels(backward="tma"):
-            pass
-    with pytest.raises(RuntimeError, match="inside"):
-        with gm.triton_kernels(forward="tma", dx="copy"):
-            assert gm.TRITON_KERNELS == {"forward": "tma", "dx": "copy", "dw": "tma", "tma_flatten": False,
-                                        "dw_schedule": "static"}
-            raise RuntimeError("inside")
-    assert gm.TRITON_KERNELS == before
+@ALIGNED
+def test_dx_op_passes_opcheck(K, N, triton_device):
+    x, w, offsets, dy = make([3, 0, 9], 2, K, N, triton_device)
+    torch.library.opcheck(torch.ops.optimus.grouped_mm_dx, (dy, w.detach(), offsets))
 
 
-@pytest.mark.parametrize("dx", ["strided", "copy", "tma"])
-def test_dx_op_passes_opcheck(dx, triton_device):
-    x, w, offsets, dy = make([3, 0, 9], 2, 8, 12, triton_device)
-    with gm.triton_kernels(forward="tma", dx=dx):
-        torch.library.opcheck(torch.ops.optimus.grouped_mm_dx, (dy, w.detach(), offsets))
-
-
-@pytest.mark.parametrize("dx", ["copy", "tma"])
-def test_compiled_two_layer_product_with_the_tma_kernels(dx, triton_device):
+def test_compiled_two_layer_product_with_the_tma_kernels(triton_device):
     """Under torch.compile (AOTAutograd traces the dx op in the backward) as in eager."""
     torch._dynamo.reset()
     x, w1, offsets, _ = make([6, 0, 11], 2, 12, 20, triton_device)
@@ -191,9 +188,8 @@ def test_compiled_two_layer_product_with_the_tma_kernels(dx, triton_device):
         return grouped_mm(grouped_mm(x, w1, offsets, backend=backend), w2, offsets, backend=backend)
 
     compiled = torch.compile(two_layers, backend="aot_eager", fullgraph=True)
-    with gm.triton_kernels(forward="tma", dx=dx):
-        out = compiled(x, w1, w2, "triton")
-        got = (out, *torch.autograd.grad(out.nan_to_num().sum(), (x, w1, w2)))
+    out = compiled(x, w1, w2, "triton")
+    got = (out, *torch.autograd.grad(out.nan_to_num().sum(), (x, w1, w2)))
     want = two_layers(x, w1, w2, "loop")
     want = (want, *torch.autograd.grad(want.nan_to_num().sum(), (x, w1, w2)))
     for name, g, r in zip(("y", "dx", "dw1", "dw2"), got, want):
@@ -243,23 +239,6 @@ def test_dw_tma_kernel_matches_reference(case, config, triton_device):
     torch.testing.assert_close(dw, dw_reference(x, dy, offsets).float(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", DW_CASES)
-def test_dw_tma_dynamic_schedule_matches_the_static_one(case, triton_device):
-    """Items taken from an atomic counter instead of dealt round-robin: every item once (dw
-    starts as NaN), each summed as before, so the same bits as the static deal."""
-    sizes, tail, K, N = DW_CASES[case]
-    x, _, offsets, dy = make(sizes, tail, K, N, triton_device)
-    x = x.detach()
-    if not tma_runs(x, torch.empty(len(sizes), K, N)):
-        pytest.skip("the TMA kernel does not run here (no sm90 or float32 on a GPU)")
-    config = next(iter(DW_CONFIGS.values()))
-    static, dynamic = (torch.full((len(sizes), K, N), float("nan"), device=triton_device) for _ in range(2))
-    gm_tma.launch_grouped_mm_dw_tma(x, dy, offsets, static, config=config)
-    gm_tma.launch_grouped_mm_dw_tma(x, dy, offsets, dynamic, config=config, dynamic=True)
-    assert torch.equal(dynamic, static)
-    torch.testing.assert_close(dynamic, dw_reference(x, dy, offsets).float(), rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("config", DW_CONFIGS)
 def test_dw_tma_keeps_each_groups_rows_apart(config, triton_device):
     """Group 1's rows are inf: its dw is non-finite, its neighbours', whose last row blocks end
@@ -276,29 +255,28 @@ def test_dw_tma_keeps_each_groups_rows_apart(config, triton_device):
     torch.testing.assert_close(dw[[0, 2]], want[[0, 2]], rtol=1e-5, atol=1e-5)
 
 
+@KERNELS
 @pytest.mark.parametrize("float32_out", [False, True])
-def test_dw_tma_stores_float32_or_the_input_dtype(float32_out, triton_device, tma_calls):
+def test_dw_stores_float32_or_the_input_dtype(float32_out, tma, triton_device, tma_calls):
     """float16 inputs (the interpreter runs them): dw in float32 with float32_out, else float16.
     Products of float16 values are exact in float32, so float32 dw differs from the float64
     reference by summation order only (1e-5 as above); float16 dw adds one rounding per entry
     (at most 2^-11 = 4.9e-4 relative), hence rtol 1e-3."""
     x, _, offsets, dy = make([0, 13, 30, 0, 5], 3, 24, 40, triton_device)
     x, dy = x.detach().half(), dy.half()
-    with gm.triton_kernels(dw="tma"):
-        dw = gm._launch_grouped_mm_dw(x, dy, offsets, float32_out)
+    dw = gm._launch_grouped_mm_dw(x, dy, offsets, float32_out, tma=tma)
     assert dw.dtype == (torch.float32 if float32_out else torch.float16)
     want = dw_reference(x, dy, offsets).to(dw.dtype)
     tol = 1e-5 if float32_out else 1e-3
     torch.testing.assert_close(dw, want, rtol=tol, atol=1e-5)
-    assert tma_calls == ([("dw", tuple(x.shape), dw.dtype)] if tma_runs(x, dw) else [])
+    assert tma_calls == ([("dw", tuple(x.shape), dw.dtype)] if tma and tma_runs(x, dw) else [])
 
 
-@pytest.mark.parametrize("dw", ["pointer", "tma"])
+@ALIGNED
 @pytest.mark.parametrize("float32_out", [False, True])
-def test_dw_op_passes_opcheck(dw, float32_out, triton_device):
-    x, _, offsets, dy = make([3, 0, 9], 2, 8, 12, triton_device)
-    with gm.triton_kernels(dw=dw):
-        torch.library.opcheck(torch.ops.optimus.grouped_mm_dw, (x.detach(), dy, offsets, float32_out))
+def test_dw_op_passes_opcheck(K, N, float32_out, triton_device):
+    x, _, offsets, dy = make([3, 0, 9], 2, K, N, triton_device)
+    torch.library.opcheck(torch.ops.optimus.grouped_mm_dw, (x.detach(), dy, offsets, float32_out))
 
 
 @jit
@@ -332,13 +310,12 @@ def test_groups_by_size_deals_the_largest_first(G, chunk, triton_device):
 # ---------------------------------------------------------------- bf16 on a GPU
 # Tolerance as test_grouped_mm.py's bf16 tests: float32 accumulation, one bf16 rounding per entry.
 @pytest.mark.gpu
-@pytest.mark.parametrize("forward,dx,flatten,dw", CHOICES)
+@KERNELS
 @pytest.mark.parametrize("case", GPU_CASES)
-def test_bf16_kernel_choices_on_gpu(case, forward, dx, flatten, dw, gpu_device, rel_err, tma_calls):
+def test_bf16_kernels_on_gpu(case, tma, gpu_device, rel_err, tma_calls):
     sizes, tail, K, N = GPU_CASES[case]
     x, w, offsets, dy = make(sizes, tail, K, N, gpu_device, torch.bfloat16)
-    with gm.triton_kernels(forward=forward, dx=dx, tma_flatten=flatten, dw=dw):
-        got = forward_backward(x, w, offsets, dy, backend="triton")
+    got = launch(x, w, offsets, dy, tma)
     xf, wf = (t.detach().float().requires_grad_() for t in (x, w))
     want = forward_backward(xf, wf, offsets, dy.float(), backend="loop")
     for name, g, r in zip(("y", "dx", "dw"), got, want):
@@ -346,37 +323,20 @@ def test_bf16_kernel_choices_on_gpu(case, forward, dx, flatten, dw, gpu_device, 
         assert rel_err(g, r) < 5e-3, name
     M = x.shape[0]
     assert not got[0][M - tail:].any() and not got[1][M - tail:].any()
-    assert bool(tma_calls) == (tma_runs(x, w) and "tma" in (forward, dx, dw))
-
-
-@pytest.mark.gpu
-def test_transposed_copy_casts_like_to(gpu_device):
-    w = torch.randn(4, 136, 200, device=gpu_device)
-    assert torch.equal(gm._transposed_copy(w, torch.bfloat16), w.to(torch.bfloat16).transpose(1, 2))
+    assert tma_calls == (expected_tma_calls(x, w, torch.bfloat16) if tma and tma_runs(x, w) else [])
 
 
 @pytest.mark.gpu
 def test_bf16_tma_with_float32_master_weights(gpu_device, rel_err):
-    """w float32: the TMA paths cast it first and compute exactly what the pointer kernel does."""
+    """w float32: grouped_mm (the TMA kernels where they run) casts it first and computes what
+    the pointer kernels do, dw in float32."""
     x, w32, offsets, dy = make([5, 0, 9, 2], 3, 24, 16, gpu_device)
     x, dy = x.detach().bfloat16().requires_grad_(), dy.bfloat16()
-    with gm.triton_kernels(forward="pointer", dx="strided", dw="pointer"):
-        want = forward_backward(x, w32, offsets, dy, backend="triton")
-    with gm.triton_kernels(forward="tma", dx="tma", dw="tma"):
-        got = forward_backward(x, w32, offsets, dy, backend="triton")
-    assert got[2].dtype == torch.float32
+    want = launch(x, w32, offsets, dy, tma=False)
+    got = forward_backward(x, w32, offsets, dy, backend="triton")
+    assert got[2].dtype == want[2].dtype == torch.float32
     for name, g, r in zip(("y", "dx", "dw"), got, want):  # same bf16 products, other tiles
         assert rel_err(g, r) < 5e-3, name
-
-
-def test_grouped_mm_entry_point_defaults_to_the_tma_kernels(triton_device):
-    """The defaults: TMA forward and dx (the H200 A/B measured them fastest, bench/NOTES.md) and
-    the TMA dW kernel (its A/B: bench/kernels.py's triton-dw-pointer row), dealing its items
-    round-robin (the dynamic schedule's A/B: triton-dw-dynamic)."""
-    assert gm.TRITON_KERNELS == {"forward": "tma", "dx": "tma", "dw": "tma", "tma_flatten": False,
-                                 "dw_schedule": "static"}
-    x, w, offsets, _ = make([3, 5], 1, 8, 8, triton_device)
-    torch.testing.assert_close(grouped_mm(x, w, offsets), grouped_mm(x, w, offsets, backend="loop"))
 
 
 @pytest.mark.gpu
@@ -389,30 +349,10 @@ def test_bf16_dw_tma_on_gpu(case, float32_out, gpu_device, rel_err, tma_calls):
     sizes, tail, K, N = GPU_CASES[case]
     x, _, offsets, dy = make(sizes, tail, K, N, gpu_device, torch.bfloat16)
     x = x.detach()
-    with gm.triton_kernels(dw="tma"):
-        dw = gm._launch_grouped_mm_dw(x, dy, offsets, float32_out)
+    dw = gm._launch_grouped_mm_dw(x, dy, offsets, float32_out)
     assert dw.dtype == (torch.float32 if float32_out else torch.bfloat16)
     assert rel_err(dw, dw_reference(x, dy, offsets)) < (1e-5 if float32_out else 5e-3)
     assert tma_calls == ([("dw", tuple(x.shape), dw.dtype)] if tma_runs(x, dw) else [])
-
-
-@pytest.mark.gpu
-def test_autotuned_dynamic_dw_matches_static_on_gpu(gpu_device):
-    """The autotuner times each config on the same counter, zeroed before each launch
-    (reset_to_zero) and once more before the chosen config's run: a counter left consumed
-    would leave dw unwritten (NaN here). Skewed sizes, as under Zipf routing."""
-    sizes = [2000, 0, 37, 700, 5, 1300, 64, 129] * 2
-    x, _, offsets, dy = make(sizes, 7, 256, 384, gpu_device, torch.bfloat16)
-    x = x.detach()
-    if gm_tma.tma_unsupported(x, torch.empty(16, 256, 384, device=gpu_device), dy) is not None:
-        pytest.skip("the TMA kernel does not run on this GPU")
-    results = {}
-    for schedule in ("static", "dynamic"):
-        with gm.triton_kernels(dw="tma", dw_schedule=schedule):
-            for _ in range(2):  # the first call tunes, the second runs the cached choice
-                results[schedule] = gm._launch_grouped_mm_dw(x, dy, offsets, True)
-    assert torch.isfinite(results["dynamic"]).all()
-    assert torch.equal(results["dynamic"], results["static"])
 
 
 @pytest.mark.gpu
@@ -438,10 +378,10 @@ def test_every_dw_tma_config_compiles_and_matches(gpu_device, rel_err):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("dw", ["pointer", "tma"])
+@KERNELS
 @pytest.mark.parametrize("case", ["empty groups and a tail", "ragged, many tiles per program", "no rows",
                                   "all rows past the end"])
-def test_dw_squares_are_those_of_the_stored_dw(case, dw, triton_device):
+def test_dw_squares_are_those_of_the_stored_dw(case, tma, triton_device):
     """squares=True: the sum of the squares of dw as stored (float16 dw here: of the rounded
     values), summed per program by the kernel, in a fixed order: the same bits twice. The rows
     past offsets[-1] (NaN) and each tile's padding add nothing."""
@@ -449,21 +389,19 @@ def test_dw_squares_are_those_of_the_stored_dw(case, dw, triton_device):
     x, _, offsets, dy = make(sizes, tail, K, N, triton_device)
     for dtype, float32_out in ((torch.float32, False), (torch.float16, False), (torch.float16, True)):
         xd, dyd = x.detach().to(dtype), dy.to(dtype)
-        with gm.triton_kernels(dw=dw):
-            plain = gm._launch_grouped_mm_dw(xd, dyd, offsets, float32_out)
-            dw_, square = gm._launch_grouped_mm_dw(xd, dyd, offsets, float32_out, squares=True)
-            _, again = gm._launch_grouped_mm_dw(xd, dyd, offsets, float32_out, squares=True)
+        plain = gm._launch_grouped_mm_dw(xd, dyd, offsets, float32_out, tma=tma)
+        dw_, square = gm._launch_grouped_mm_dw(xd, dyd, offsets, float32_out, squares=True, tma=tma)
+        _, again = gm._launch_grouped_mm_dw(xd, dyd, offsets, float32_out, squares=True, tma=tma)
         assert torch.equal(dw_, plain) and torch.equal(square, again)
         assert square.shape == () and square.dtype == torch.float32
         want = dw_.double().square().sum()
         torch.testing.assert_close(square.double(), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dw", ["pointer", "tma"])
-def test_dw_squares_op_passes_opcheck(dw, triton_device):
-    x, _, offsets, dy = make([3, 0, 9], 2, 8, 12, triton_device)
-    with gm.triton_kernels(dw=dw):
-        torch.library.opcheck(torch.ops.optimus.grouped_mm_dw_squares, (x.detach(), dy, offsets, True))
+@ALIGNED
+def test_dw_squares_op_passes_opcheck(K, N, triton_device):
+    x, _, offsets, dy = make([3, 0, 9], 2, K, N, triton_device)
+    torch.library.opcheck(torch.ops.optimus.grouped_mm_dw_squares, (x.detach(), dy, offsets, True))
 
 
 @pytest.mark.gpu
@@ -473,8 +411,7 @@ def test_bf16_dw_squares_on_gpu(case, gpu_device, tma_calls):
     one runs): float32 dw's squares as a float64 pass over it finds them, twice the same bits."""
     sizes, tail, K, N = GPU_CASES[case]
     x, _, offsets, dy = make(sizes, tail, K, N, gpu_device, torch.bfloat16)
-    with gm.triton_kernels(dw="tma"):
-        results = [gm._launch_grouped_mm_dw(x.detach(), dy, offsets, True, squares=True) for _ in range(2)]
+    results = [gm._launch_grouped_mm_dw(x.detach(), dy, offsets, True, squares=True) for _ in range(2)]
     (dw, square), (dw2, square2) = results
     assert torch.equal(dw, dw2) and torch.equal(square, square2)
     torch.testing.assert_close(square.double(), dw.double().square().sum(), rtol=1e-5, atol=0)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels import permute, permute_reference, unpermute, unpermute_reference
-from kernels.permute import MAX_SORT_GROUPS, expert_sort, permute_kernels, sort_geometry
+from kernels.permute import MAX_SORT_GROUPS, counting_sort_applies, expert_sort, sort_geometry
 
 permute_module = importlib.import_module("kernels.permute")  # the package's `permute` is the function
 
@@ -68,13 +68,11 @@ def test_references_are_the_definitions():
     torch.testing.assert_close(unpermute_reference(y_sorted, sorted_idx, weights), want, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("sort", ["counting", "torch"])
 @pytest.mark.parametrize("case", CASES)
-def test_permute_triton_matches_reference(case, sort, triton_device):
+def test_permute_triton_matches_reference(case, triton_device):
     E, topk_idx, x, _, _, grad, _ = make(case, triton_device)
     x.requires_grad_()
-    with permute_kernels(sort=sort):
-        got = permute(x, topk_idx, E, backend="triton")
+    got = permute(x, topk_idx, E, backend="triton")
     want = permute(x, topk_idx, E, backend="loop")
     assert torch.equal(got[0], want[0]), "rows are copies: exact"
     assert got[1].dtype == torch.int32 and torch.equal(got[1], want[1])
@@ -240,23 +238,22 @@ def test_sort_geometry():
         sort_geometry(100, 9, chunk=12)
 
 
-@pytest.mark.parametrize("sort, groups, counting_runs", [
-    ("counting", 5, True),
-    ("counting", MAX_SORT_GROUPS, True),
-    ("counting", MAX_SORT_GROUPS + 1, False),  # past the counting sort's limit: torch.sort
-    ("torch", 5, False),
+@pytest.mark.parametrize("counting, groups, counting_runs", [
+    (True, 5, True),
+    (True, MAX_SORT_GROUPS, True),
+    (True, MAX_SORT_GROUPS + 1, False),  # past the counting sort's limit: torch.sort
+    (False, 5, False),  # the private switch: torch.sort where the counting sort applies
 ])
-def test_sort_choice(sort, groups, counting_runs, monkeypatch, triton_device):
-    """PERMUTE_KERNELS["sort"] picks the sort; past MAX_SORT_GROUPS torch.sort runs instead.
-    Either way the result is the stable sort."""
+def test_sort_choice(counting, groups, counting_runs, monkeypatch, triton_device):
+    """The counting sort runs where it applies, torch.sort elsewhere (past MAX_SORT_GROUPS,
+    or with counting=False). Either way the result is the stable sort."""
     calls = []
     launch = permute_module._launch_expert_sort
     monkeypatch.setattr(permute_module, "_launch_expert_sort", lambda *a: calls.append(1) or launch(*a))
     ids = draw(45, groups, "uniform", torch.Generator().manual_seed(1)).to(triton_device)
-    with permute_kernels(sort=sort):
-        assert permute_module.PERMUTE_KERNELS["sort"] == sort
-        sorted_idx, offsets = expert_sort(ids, groups)
-    assert permute_module.PERMUTE_KERNELS["sort"] == "counting", "the default comes back"
+    counting_runs = counting_runs and triton_device.type != "xpu"  # not tried on Intel GPUs
+    assert counting_sort_applies(ids, groups) == (groups <= MAX_SORT_GROUPS and triton_device.type != "xpu")
+    sorted_idx, offsets = expert_sort(ids, groups, counting=counting)
     assert bool(calls) == counting_runs
     want_idx, want_offsets = torch_sorted(ids, groups)
     assert torch.equal(sorted_idx.cpu(), want_idx) and torch.equal(offsets.cpu(), want_offsets)
@@ -269,13 +266,16 @@ def test_expert_sort_opcheck(triton_device):
     torch.library.opcheck(torch.ops.optimus.expert_sort, (ids[:0], 6))
 
 
-def test_permute_kernels_checks():
-    with pytest.raises(ValueError, match="unknown choice 'order'"):
-        with permute_kernels(order="torch"):
-            pass
-    with pytest.raises(ValueError, match="sort must be one of"):
-        with permute_kernels(sort="radix"):
-            pass
+@pytest.mark.parametrize("counting", [True, False], ids=["counting", "torch"])
+@pytest.mark.parametrize("case", CASES)
+def test_expert_sort_of_routed_ids_is_the_references(case, counting, triton_device):
+    """Both sorts on the routings of CASES (empty experts, no tokens, one expert): the
+    reference's sorted_idx and offsets exactly, which is all permute takes from the sort."""
+    E, topk_idx, x, _, _, _, _ = make(case, triton_device)
+    _, want_offsets, want_idx = permute_reference(x, topk_idx, E)
+    sorted_idx, offsets = expert_sort(topk_idx.reshape(-1), E, counting=counting)
+    assert sorted_idx.dtype == torch.int64 and torch.equal(sorted_idx, want_idx)
+    assert offsets.dtype == torch.int32 and torch.equal(offsets, want_offsets)
 
 
 def test_argument_checks():

@@ -1,6 +1,6 @@
 """The kernels' self-check: each family passes against its reference here, a failing or broken
-kernel is caught and named, the verdict is cached per device with one warning, and a model
-whose expert kernels fail trains on the loop."""
+kernel is caught and named, the verdict is cached per device with one warning, and a run whose
+expert kernels fail is planned on the next choice (optimus_core.execution)."""
 import os
 import warnings
 
@@ -49,17 +49,29 @@ def test_an_accelerator_is_checked_once_and_a_failure_warns_once(monkeypatch):
         warnings.simplefilter("error")  # no second warning
         assert not selfcheck.validated("experts", "cuda:1")
         assert selfcheck.validated("adamw", "cuda")
+        assert selfcheck.failure("experts", "cuda") == "RuntimeError: no XPU codegen"  # the reason, cached
+        assert selfcheck.failure("adamw", "cuda:0") is None
     assert calls == ["experts", "adamw"]
 
 
-def test_a_model_whose_expert_kernels_fail_trains_on_the_loop(monkeypatch):
+def test_a_run_whose_expert_kernels_fail_is_planned_on_the_loop(monkeypatch):
+    """Under "auto" the plan takes the next choice and says why; the model built from it computes
+    its experts that way. Explicit "triton" is an error that names the choice and the failure."""
+    import kernels._triton
     from optimus_core import presets
+    from optimus_core.execution import ExecutionError, resolve_choices
     from optimus_core.model.experts import Experts
     from optimus_core.train import build
 
-    cfg = presets.get("mula-7b-a1b@laptop").run_config(**{"model.moe.experts_backend": "triton",
-                                                          "train.device": "cpu", "model.n_layers": 1})
-    monkeypatch.setattr(selfcheck, "validated", lambda kernel, device: False)
-    model = build.build_model(cfg)
-    backends = {m.backend for m in model.modules() if isinstance(m, Experts)}
-    assert backends == {"loop"} and cfg.model.moe.experts_backend == "triton"
+    cfg = presets.get("mula-7b-a1b@laptop").run_config(**{"train.device": "cpu", "model.n_layers": 1})
+    monkeypatch.setattr(kernels._triton, "launchable_on", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no torch._grouped_mm fast path either
+    monkeypatch.setattr(selfcheck, "failure", lambda kernel, device: "RuntimeError: no codegen"
+                        if kernel == "experts" else None)
+    plan = resolve_choices(cfg, "cuda")
+    assert plan.experts == "loop" and "RuntimeError: no codegen" in plan.why["experts"]
+    assert plan.adamw == "triton"  # only the failing family falls back
+    model = build.build_model(cfg, device="meta", plan=plan)
+    assert {m.backend for m in model.modules() if isinstance(m, Experts)} == {"loop"}
+    with pytest.raises(ExecutionError, match="execution.experts = 'triton'.*RuntimeError: no codegen"):
+        resolve_choices(cfg.replace(execution=cfg.execution.replace(experts="triton")), "cuda")

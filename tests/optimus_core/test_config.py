@@ -1,8 +1,10 @@
 """Config validation: bad values name the field, the value and what is allowed."""
+import json
+
 import pytest
 
-from optimus_core.config import (ConfigError, ModelConfig, MoEConfig, RunConfig, TrainConfig, apply_overrides,
-                                 from_dict)
+from optimus_core.config import (MOVED, RETIRED, ConfigError, ExecutionConfig, ModelConfig, MoEConfig, RunConfig,
+                                 TrainConfig, apply_overrides, from_dict)
 
 
 @pytest.mark.parametrize("build, message", [
@@ -11,15 +13,18 @@ from optimus_core.config import (ConfigError, ModelConfig, MoEConfig, RunConfig,
     (lambda: MoEConfig(n_experts=4, top_k=8), "model.moe.top_k = 8: must be between 1 and n_experts (4)"),
     (lambda: TrainConfig(steps=-5), "train.steps = -5: must be >= 1"),
     (lambda: TrainConfig(steps="ten"), "train.steps = 'ten': must be an integer"),
-    (lambda: TrainConfig(dtype="float16"), "train.dtype = 'float16': must be one of 'float32', 'bfloat16'"),
+    (lambda: ExecutionConfig(dtype="float16"), "execution.dtype = 'float16': must be one of 'auto', 'float32', 'bfloat16'"),
     (lambda: TrainConfig(global_batch=16, micro_batch=5), "train.micro_batch = 5: must divide global_batch (16)"),
-    (lambda: TrainConfig(fused_lm_loss=False, lm_loss_softmax="triton"),
-     "train.lm_loss_softmax = 'triton': 'triton' needs fused_lm_loss"),
-    (lambda: TrainConfig(lm_loss_softmax="cuda"), "train.lm_loss_softmax = 'cuda'"),
-    (lambda: TrainConfig(expert_grad_dtype="bfloat16"), "train.expert_grad_dtype = 'bfloat16': 'bfloat16' needs"),
-    (lambda: TrainConfig(dtype="bfloat16", expert_grad_dtype="bfloat16", recast_expert_weights=True),
-     "needs the experts' bf16 weight copies"),
-    (lambda: TrainConfig(expert_grad_dtype="float16"), "train.expert_grad_dtype = 'float16'"),
+    (lambda: ExecutionConfig(lm_loss="cuda"), "execution.lm_loss = 'cuda': must be one of 'auto', 'torch', 'triton'"),
+    (lambda: ExecutionConfig(adamw="fused"), "execution.adamw = 'fused': must be one of 'auto', 'torch', 'triton'"),
+    (lambda: ExecutionConfig(experts="grouped"),
+     "execution.experts = 'grouped': must be one of 'auto', 'loop', 'torch', 'triton'"),
+    (lambda: ExecutionConfig(compile="yes"), "execution.compile = 'yes': must be bool or one of 'auto'"),
+    (lambda: ExecutionConfig(activation_checkpointing="selective"), "execution.activation_checkpointing = 'selective'"),
+    (lambda: ExecutionConfig(activation_checkpointing_every=0), "execution.activation_checkpointing_every = 0: must be >= 1"),
+    (lambda: ExecutionConfig(memory_budget_gib=0), "execution.memory_budget_gib = 0.0: must be null (the device's) or > 0"),
+    (lambda: RunConfig(execution=ExecutionConfig(activation_checkpointing="moe")),
+     "execution.activation_checkpointing = 'moe': needs an MoE model"),
 ])
 def test_bad_values_name_the_field(build, message):
     with pytest.raises(ConfigError) as err:
@@ -52,5 +57,80 @@ def test_cross_field_rules():
 
 
 def test_json_round_trip():
-    cfg = apply_overrides(RunConfig(model=ModelConfig(moe=MoEConfig(capacity_factor=1.25))), {"train.steps": 3})
+    cfg = apply_overrides(RunConfig(model=ModelConfig(moe=MoEConfig(capacity_factor=1.25))),
+                          {"train.steps": 3, "execution.dtype": "bfloat16", "execution.compile": False,
+                           "execution.activation_checkpointing": "moe"})
     assert RunConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_execution_defaults_are_all_auto():
+    ex = RunConfig().execution
+    assert (ex.dtype, ex.experts, ex.compile, ex.adamw, ex.lm_loss, ex.activation_checkpointing) == ("auto",) * 6
+    assert (ex.activation_checkpointing_every, ex.memory_budget_gib, ex.recast_expert_weights) == (1, None, False)
+    # configs written before the checkpointing modes held a bool
+    assert ExecutionConfig(activation_checkpointing=True).activation_checkpointing == "full"
+    assert ExecutionConfig(activation_checkpointing=False).activation_checkpointing == "none"
+
+
+@pytest.mark.parametrize("old, new, value", [
+    ("train.dtype", "execution.dtype", "bfloat16"),
+    ("train.compile", "execution.compile", True),
+    ("model.moe.experts_backend", "execution.experts", "triton"),
+    ("optim.implementation", "execution.adamw", "triton"),
+    ("train.lm_loss_softmax", "execution.lm_loss", "torch"),
+    ("train.activation_checkpointing", "execution.activation_checkpointing", "full"),
+    ("train.activation_checkpointing_every", "execution.activation_checkpointing_every", 2),
+    ("train.memory_budget_gib", "execution.memory_budget_gib", 8.0),
+    ("train.recast_expert_weights", "execution.recast_expert_weights", True),
+])
+def test_setting_a_moved_field_names_its_new_place(old, new, value):
+    assert MOVED[old] == new
+    cfg = RunConfig(model=ModelConfig(moe=MoEConfig()))
+    with pytest.raises(ConfigError, match=rf"^{old} is now {new} "):
+        apply_overrides(cfg, {old: value})
+    section, leaf = new.split(".")
+    assert getattr(getattr(apply_overrides(cfg, {new: value}), section), leaf) == value  # the new name works
+
+
+@pytest.mark.parametrize("old", ["model.moe.weights_before_down", "optim.grad_norm_under_backward",
+                                 "optim.grad_norm_from_dw", "optim.update_beside_forward", "train.compile_mode",
+                                 "train.expert_weight_casts", "train.expert_grad_dtype", "train.fused_lm_loss"])
+def test_setting_a_removed_choice_is_an_error_saying_what_runs_now(old):
+    with pytest.raises(ConfigError, match=rf"^{old} is no longer a choice: {RETIRED[old]}"):
+        apply_overrides(RunConfig(model=ModelConfig(moe=MoEConfig())), {old: True})
+
+
+@pytest.mark.parametrize("old", ["parallel.tp", "parallel.pp"])
+def test_the_tp_and_pp_placeholders_are_gone(old):
+    with pytest.raises(ConfigError, match=rf"unknown field {old} \(in parallel\)"):
+        apply_overrides(RunConfig(), {old: 1})
+
+
+def test_stored_configs_with_the_old_names_are_migrated():
+    """meta.json and checkpoints written before the execution section still load: moved fields at
+    their new place, removed choices dropped."""
+    old = RunConfig(model=ModelConfig(moe=MoEConfig())).to_dict()
+    del old["execution"]
+    old["train"].update(dtype="bfloat16", compile=True, compile_mode="default", activation_checkpointing=True,
+                        activation_checkpointing_every=2, memory_budget_gib=40.0, recast_expert_weights=True,
+                        expert_weight_casts=True, expert_grad_dtype="auto", fused_lm_loss=True,
+                        lm_loss_softmax="torch")
+    old["model"]["moe"].update(experts_backend="triton", weights_before_down=True)
+    old["optim"].update(implementation="triton", grad_norm_under_backward=True, grad_norm_from_dw=True,
+                        update_beside_forward=True)
+    old["parallel"].update(tp=1, pp=1)
+    cfg = RunConfig.from_json(json.dumps(old))
+    assert cfg.execution == ExecutionConfig(dtype="bfloat16", experts="triton", compile=True, adamw="triton",
+                                            lm_loss="torch", activation_checkpointing="full",
+                                            activation_checkpointing_every=2, memory_budget_gib=40.0,
+                                            recast_expert_weights=True)
+    assert cfg.model == ModelConfig(moe=MoEConfig()) and cfg.train == TrainConfig()
+    assert from_dict(RunConfig, old) == cfg
+    # a value already at the new place wins over the old one
+    both = {**old, "execution": {"dtype": "float32"}}
+    assert from_dict(RunConfig, both).execution.dtype == "float32"
+    assert from_dict(RunConfig, both).execution.experts == "triton"
+    # the migration does not touch the caller's mapping
+    assert old["train"]["dtype"] == "bfloat16" and "execution" not in old
+    # a config without any old name is read as it is
+    assert RunConfig.from_json(RunConfig().to_json()) == RunConfig()

@@ -15,17 +15,15 @@ from optimus_core.memory import (GIB, LM_LOSS_CHUNK_ROWS, MemoryBudgetError, Mem
                                  parameter_table, static_bytes)
 from optimus_core.model.transformer import Transformer
 
-MOE = ModelConfig(vocab_size=97, d_model=96, n_layers=3, n_heads=6,
-                  moe=MoEConfig(n_experts=6, top_k=2, d_expert=40, experts_backend="triton"))
-WIDE = ModelConfig(vocab_size=97, d_model=160, n_layers=2, n_heads=5,
-                   moe=MoEConfig(n_experts=16, top_k=4, d_expert=48, experts_backend="triton"))
+MOE = ModelConfig(vocab_size=97, d_model=96, n_layers=3, n_heads=6, moe=MoEConfig(n_experts=6, top_k=2, d_expert=40))
+WIDE = ModelConfig(vocab_size=97, d_model=160, n_layers=2, n_heads=5, moe=MoEConfig(n_experts=16, top_k=4, d_expert=48))
 DENSE = ModelConfig(vocab_size=97, d_model=96, n_layers=2, n_heads=6, d_ff=200)
 
 
 @pytest.mark.parametrize("cfg", [MOE, DENSE, DENSE.replace(n_kv_heads=2, qk_norm=False)], ids=["moe", "dense", "gqa"])
 def test_parameter_table_is_the_models(cfg):
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = Transformer(cfg, experts_backend="triton")
     got = [(p.name, p.rows, p.cols) for p in parameter_table(cfg)]
     want = [(n, p.shape[0], math.prod(p.shape[1:])) for n, p in model.named_parameters()]
     assert got == want
@@ -45,7 +43,7 @@ def saved_activation_bytes(cfg: ModelConfig, batch: int, seq: int, mode: str = "
     with FakeTensorMode(allow_non_fake_inputs=True):
         torch.set_default_dtype(torch.bfloat16)
         try:
-            model = Transformer(cfg.replace(n_layers=1))
+            model = Transformer(cfg.replace(n_layers=1), experts_backend="triton")  # the count's backend
         finally:
             torch.set_default_dtype(torch.float32)
         model.set_activation_checkpointing("moe" if mode == "moe" else "none")
@@ -120,7 +118,7 @@ def test_over_budget_is_one_error_naming_the_run_the_gib_the_budget_and_the_knob
     layout = MemoryLayout(world=384, ep=32, micro_batch=1, accumulation=2, seq_len=4096)
     with pytest.raises(MemoryBudgetError, match=r"^scaling 384: \d+\.\d GiB at the (forward end|backward start) \(.*activations.*\) "
                                                 r"per rank is over the budget of 57.6 GiB per device; try "
-                                                r"train.activation_checkpointing=full \(or auto\), or a larger "
+                                                r"execution.activation_checkpointing=full \(or auto\), or a larger "
                                                 r"parallel.ep \(64\), or more ranks"):
         check_fits(cfg, layout, 57.6 * GIB, run="scaling 384")
     assert isinstance(MemoryBudgetError("x"), ConfigError)  # the command line's exit status 2
@@ -137,3 +135,35 @@ def test_bad_layouts_are_clear_errors():
         estimate(DENSE, MemoryLayout(seq_len=64, checkpointing="moe"))
     with pytest.raises(ConfigError, match=r"parallel.ep = 4: must divide model.moe.n_experts \(6\)"):
         estimate(MOE, MemoryLayout(world=8, ep=4, seq_len=64))
+
+
+def test_a_runs_layout_is_what_its_execution_plan_runs():
+    import dataclasses
+
+    from optimus_core.config import ExecutionConfig, RunConfig, TrainConfig
+    from optimus_core.execution import resolve_choices
+
+    cfg = RunConfig(model=MOE, train=TrainConfig(global_batch=4))
+    gpu = MemoryLayout.of_run(cfg, 1, ("none", 1), "cuda")  # planned for a GPU: its kernels assumed to pass
+    assert (gpu.dtype, gpu.lm_loss_kernel, gpu.expert_weight_casts, gpu.bf16_expert_grads) == ("bfloat16", True,
+                                                                                               True, True)
+    cpu = MemoryLayout.of_run(cfg, 1, ("full", 2), "cpu")
+    assert (cpu.dtype, cpu.lm_loss_kernel, cpu.expert_weight_casts, cpu.bf16_expert_grads) == ("float32", False,
+                                                                                               False, False)
+    assert (cpu.checkpointing, cpu.every, cpu.micro_batch, cpu.accumulation) == ("full", 2, 4, 1)
+    # micro-batches would add up in bf16: float32 expert gradients, the copies stay
+    accumulating = MemoryLayout.of_run(cfg.replace(train=TrainConfig(global_batch=4, micro_batch=2)), 1, ("none", 1),
+                                       "cuda")
+    assert (accumulating.accumulation, accumulating.expert_weight_casts, accumulating.bf16_expert_grads) == (2, True,
+                                                                                                           False)
+    recast = MemoryLayout.of_run(cfg.replace(execution=ExecutionConfig(recast_expert_weights=True)), 1, ("none", 1),
+                                 "cuda")
+    assert not recast.expert_weight_casts and not recast.bf16_expert_grads
+    sharded = MemoryLayout.of_run(cfg, 2, ("none", 1), "xpu")
+    assert (sharded.world, sharded.dtype, sharded.expert_weight_casts, sharded.bf16_expert_grads) == (2, "bfloat16",
+                                                                                                      False, False)
+    # a plan given as it is: its choices, not the device type's
+    plan = dataclasses.replace(resolve_choices(cfg, "cuda", probe=False), lm_loss="torch", bf16_expert_grads=False)
+    given = MemoryLayout.of_run(cfg, 1, ("none", 1), plan)
+    assert (given.lm_loss_kernel, given.expert_weight_casts, given.bf16_expert_grads) == (False, True, False)
+    assert static_bytes(MOE, given)["gradients"] > static_bytes(MOE, gpu)["gradients"]  # float32 expert grads

@@ -270,7 +270,7 @@ def test_node_hours_from_the_model_and_the_site_fallback(monkeypatch, tmp_path):
     bf16_only = sites.load_site("aurora", account="A", machine=str(tmp_path / "bf16-only.yaml"))
     fp32 = Experiment("fp32-run", "scaling", laptop=run, paper=RunScale.for_steps(
         "mula-220b-a10b", 20, 768, walltime_h=1, ep=32, global_batch=12288,
-        extra={"train.dtype": "float32", "train.micro_batch": 1}))
+        extra={"execution.dtype": "float32", "train.micro_batch": 1}))
     fallback = plan(fp32.paper, bf16_only)
     assert fallback.est_source == "throughput"
     table, plans = plan_table([get("scaling-mula-220b-a10b-768"), fp32], bf16_only)
@@ -338,6 +338,58 @@ def test_rank_skew_waits_in_the_first_collective_after_compute():
         assert b.step_s - a.step_s == pytest.approx(0.2 * a.compute_s)
     one = pm.Layout(devices=1, global_batch=4, seq_len=32, optimizer="local", dtype="float32")
     assert pm.predict(MOE, one, skewed) == pm.predict(MOE, one, m)  # one rank waits for no one
+
+
+def test_the_loop_experts_pay_host_time_per_local_expert_and_layer():
+    m = replace(_machine(), expert_overhead=1e-3)
+    kw = dict(devices=2, ep=2, global_batch=8, micro_batch=2, seq_len=32, dtype="float32")
+    assert pm.Layout(**kw).experts == "triton"  # what a run's plan resolves to where the kernels pass
+    loop = pm.predict(MOE, pm.Layout(**kw, experts="loop"), m)
+    micro_batches = pm.Layout(**kw).micro_batches
+    for grouped in ("triton", "torch"):  # one GEMM for all local experts: no per-expert host time
+        g = pm.predict(MOE, pm.Layout(**kw, experts=grouped), m)
+        assert loop.compute_s - g.compute_s == pytest.approx(1e-3 * MOE.n_layers * (8 // 2) * micro_batches)
+        assert loop.step_s > g.step_s
+    assert pm.predict(MOE, pm.Layout(**kw, experts="triton"), replace(m, expert_overhead=0.0)) == \
+        pm.predict(MOE, pm.Layout(**kw, experts="loop"), replace(m, expert_overhead=0.0))
+    dense = dict(kw, ep=1)
+    assert pm.predict(DENSE, pm.Layout(**dense, experts="loop"), m) == pm.predict(DENSE, pm.Layout(**dense), m)
+
+
+def test_node_hours_price_the_experts_backend_the_run_will_execute():
+    from workflow.experiments import get
+
+    aurora = replace(pm.load_machine("aurora"), expert_overhead=1e-3)
+    loop, triton = (get(f"ablation-mula-20b-a2b-{v}").paper for v in ("optimizer", "both"))  # ep_aware both
+    assert loop.run_config().execution.experts == "loop" and triton.run_config().execution.experts == "triton"
+    cfg = loop.run_config()
+    for run, backend in ((loop, "loop"), (triton, "triton")):
+        layout = pm.Layout(devices=384, ep=32, global_batch=cfg.train.global_batch, micro_batch=1, seq_len=4096,
+                           optimizer="ep_aware", overlap="layers", dp_shard=384, experts=backend)
+        assert pm.estimate_node_hours(run, aurora)["step_s"] == pytest.approx(pm.predict(cfg.model, layout,
+                                                                                         aurora).step_s)
+    assert pm.estimate_node_hours(loop, aurora)["step_s"] > pm.estimate_node_hours(triton, aurora)["step_s"]
+    # the scaling runs leave the backend to the plan: the Triton experts on the tiles
+    run = get("scaling-mula-220b-a10b-768").paper
+    assert pm.estimate_node_hours(run, aurora)["step_s"] == pytest.approx(
+        pm.estimate_node_hours(run, pm.load_machine("aurora"))["step_s"])
+
+
+def test_a_points_experts_backend_is_recorded_else_its_override_else_the_loop():
+    point = {"preset": "mula-7b-a1b@laptop", "devices": 2, "ep": 2, "global_batch": 4, "seq_len": 16,
+             "overrides": {"model.n_layers": 2}}
+    assert pm.point_layout(point).experts == "loop"  # points measured before the execution plan
+    assert pm.point_layout({**point, "experts_backend": "triton"}).experts == "triton"  # as stages/scaling records
+    with_override = {**point, "overrides": {**point["overrides"], "execution.experts": "torch"}}
+    assert pm.point_layout(with_override).experts == "torch"
+    assert pm.point_layout({**with_override, "experts_backend": "triton"}).experts == "triton"  # the record wins
+    legacy = {**point, "overrides": {"model.n_layers": 2, "model.moe.experts_backend": "triton",
+                                     "model.moe.weights_before_down": True}}
+    assert pm.point_layout(legacy).experts == "triton"
+    # the old names are not the model's any more, and do not stop the point from being read
+    assert pm.point_model(legacy) == pm.point_model(point) and pm.point_model(point).n_layers == 2
+    m = replace(pm.load_machine("cpu"), expert_overhead=1e-3)
+    assert pm.predict_point(point, m).compute_s > pm.predict_point({**point, "experts_backend": "triton"}, m).compute_s
 
 
 def test_time_shared_cores_stretch_host_time_too():

@@ -26,10 +26,10 @@ def test_every_paper_job_has_its_memory_per_tile_within_the_budget(aurora):
 def test_a_job_over_the_tile_is_refused_at_planning_time(aurora):
     base = get("scaling-mula-220b-a10b-384").paper
     run = RunScale.for_steps(base.preset, 2, 384, walltime_h=1, ep=32, global_batch=12288,
-                             extra={**base.extra, "train.activation_checkpointing": "none"})
+                             extra={**base.extra, "execution.activation_checkpointing": "none"})
     with pytest.raises(MemoryBudgetError, match=r"mula-220b-a10b on 384 tiles: \d+\.\d GiB at the .* per rank is over "
                                                 r"the budget of 57.6 GiB per device; try "
-                                                r"train.activation_checkpointing=full \(or auto\)"):
+                                                r"execution.activation_checkpointing=full \(or auto\)"):
         plan(run, aurora)
     exp = Experiment("too-big", "scaling", paper=run, laptop=base)
     with pytest.raises(ConfigError, match="over the budget"):
@@ -41,7 +41,7 @@ def test_pretrain_refuses_a_run_over_its_budget_before_writing_anything(tokens_d
 
     out = tmp_path / "run"
     code = main(["pretrain", "--preset", "mula-7b-a1b@laptop", "--data", str(tokens_dir), "--out", str(out),
-                 "--steps", "1", "--set", "train.memory_budget_gib=0.001", "--set", "train.device=cpu"])
+                 "--steps", "1", "--set", "execution.memory_budget_gib=0.001", "--set", "train.device=cpu"])
     assert code == 2
     err = capsys.readouterr().err
     assert "configuration error: mula-7b-a1b@laptop:" in err and "over the budget of 0.0 GiB per device" in err

@@ -2,6 +2,7 @@
 import pytest
 
 from optimus_core.config import ConfigError
+from optimus_core.execution import resolve_choices
 from workflow.cli import build_parser, resolve_run_config
 from optimus_core import presets
 from workflow.experiments import (ABLATION_VARIANTS, EXPERIMENTS, LAPTOP_SCALEUP_STEPS, SCALING_TILES, TILES_PER_NODE,
@@ -34,7 +35,14 @@ def test_every_paper_batch_is_whole_micro_batches_on_every_rank():
         cfg = p.run_config()
         assert cfg.train.micro_batch == 1, exp.name  # one sequence per tile per forward / backward
         assert cfg.train.global_batch == p.batch and p.batch % (p.devices * cfg.train.micro_batch) == 0, exp.name
-        assert cfg.train.dtype == "bfloat16", exp.name
+        # how it executes is the plan's (no execution override): bf16 on the tiles, and for an MoE
+        # model the Triton experts unless the ablation picks its backend
+        assert cfg.execution.dtype == "auto", exp.name
+        plan = resolve_choices(cfg, "xpu", p.devices, probe=False)
+        assert plan.dtype == "bfloat16", exp.name
+        if exp.kind != "ablation":
+            assert cfg.execution.experts == "auto", exp.name
+            assert plan.experts == ("triton" if cfg.model.moe is not None else None), exp.name
     four_t = [e.paper for e in pretraining() if e.paper.tokens == 4 * 10**12]
     assert [(r.devices, r.batch, r.tokens_per_step) for r in four_t] == [(3072, 3072, 3072 * 4096)] * 2
     with pytest.raises(ConfigError, match=r"global_batch = 1024: must be a multiple of devices x micro_batch "
@@ -61,7 +69,8 @@ def test_ablation_variants_set_backend_and_optimizer():
         assert backend in ("loop", "triton")  # what runs on Aurora's XPUs (no torch._grouped_mm there)
         for scale in ("paper", "laptop"):
             cfg = exp.scale(scale).run_config()
-            assert (cfg.model.moe.experts_backend, cfg.parallel.optimizer) == (backend, optimizer)
+            assert (cfg.execution.experts, cfg.parallel.optimizer) == (backend, optimizer)
+            assert resolve_choices(cfg, "xpu", exp.scale(scale).devices, probe=False).experts == backend
         assert exp.paper.preset == "mula-20b-a2b" and exp.paper.devices == 384 and exp.paper.steps == 20
 
 
@@ -107,7 +116,8 @@ def test_cli_resolves_registry_runs_at_both_scales(tmp_path):
                                       "--data", "d", "--out", str(tmp_path / "r")])
     cfg, run_id, experiment = resolve_run_config(args)
     assert (run_id, experiment) == ("paper-scaling-mula-220b-a10b-1536", "scaling-mula-220b-a10b-1536")
-    assert (cfg.train.steps, cfg.train.global_batch, cfg.parallel.ep, cfg.train.dtype) == (8, 12288, 32, "bfloat16")
+    assert (cfg.train.steps, cfg.train.global_batch, cfg.parallel.ep, cfg.execution.dtype) == (8, 12288, 32, "auto")
+    assert resolve_choices(cfg, "xpu", 1536, probe=False).dtype == "bfloat16"
     args = build_parser().parse_args(["pretrain", "--experiment", "pretrain-mula-100b-a7b", "--data", "d",
                                       "--out", str(tmp_path / "r")])
     cfg, run_id, _ = resolve_run_config(args)

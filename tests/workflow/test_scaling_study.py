@@ -181,3 +181,25 @@ def test_a_second_fitted_setting_is_fitted_and_every_design_point_is_reported(tm
         cells = [c.strip() for c in row.split("|")[1:-1]]
         assert float(cells[3]) == pytest.approx(float(cells[2]), rel=0.01)  # the model made the points: fits all
         assert abs(float(cells[4].rstrip("%"))) < 1 and cells[6] in ("1.0%", "2.0%")  # error; cpu_wait
+
+
+def test_store_points_keep_the_executed_plans_dtype_and_experts(tmp_path):
+    """stages/scaling records the dtype and experts backend each point's execution plan ran; the
+    study reads them back and the model prices that backend (the loop's per-expert host time)."""
+    machine = replace(pm.load_machine("h200"), expert_overhead=1e-3)
+    points = []
+    for n in (1, 2):
+        p = {"preset": PRESET, "overrides": {}, "device": "nvidia-h200", "devices": n, "ep": n,
+             "optimizer": "ep_aware" if n > 1 else "local", "global_batch": 8, "micro_batch": 2, "seq_len": 128,
+             "dtype": "bfloat16", "experts_backend": "triton"}
+        points.append({**p, **pm.predict_point(p, machine).as_dict()})
+    write_points("scaling-h200", points, ScalingOutputs(store=tmp_path / "store.zarr"), attrs={"preset": PRESET})
+    read = study.store_points(tmp_path / "store.zarr")
+    assert [(p["devices"], p["dtype"], p["experts_backend"]) for p in read] == [(1, "bfloat16", "triton"),
+                                                                                (2, "bfloat16", "triton")]
+    for p, want in zip(read, points):
+        layout = pm.point_layout(p)
+        assert (layout.dtype, layout.experts) == ("bfloat16", "triton")
+        assert pm.predict_point(p, machine).step_s == pytest.approx(want["step_s"])
+        as_loop = pm.predict_point({**p, "experts_backend": "loop"}, machine)
+        assert as_loop.compute_s > pm.predict_point(p, machine).compute_s

@@ -1,4 +1,4 @@
-"""The experts' bf16 weight copies (train.expert_weight_casts) on the model side: the forward with
+"""The experts' bf16 weight copies (the execution plan's expert copies) on the model side: the forward with
 copies computes exactly what it computes without them, state dicts do not change, and every
 writer of the weights other than the optimizer (loading a state dict, an EP slice of a full one,
 init_weights) leaves each copy equal to its weight cast, bit for bit."""
@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from optimus_core.config import ModelConfig, MoEConfig, TrainConfig
+from optimus_core.config import DataConfig, ExecutionConfig, ModelConfig, MoEConfig, RunConfig
+from optimus_core.execution import resolve_choices
 from optimus_core.model.experts import Experts, assert_weight_casts_current
 from optimus_core.model.transformer import Transformer
 from optimus_core.parallel.expert_parallel import ExpertParallelExperts
@@ -106,18 +107,26 @@ def test_an_ep_rank_keeps_copies_of_its_slice_and_recasts_a_full_checkpoint():
     assert ExpertParallelExperts(_experts(casts=False), mesh).weight_casts() == {}
 
 
-@pytest.mark.parametrize("train, on", [
-    (TrainConfig(dtype="bfloat16"), True),
-    (TrainConfig(dtype="float32"), False),  # no autocast: nothing is cast
-    (TrainConfig(dtype="bfloat16", recast_expert_weights=True), False),  # memory over time
-    (TrainConfig(dtype="bfloat16", expert_weight_casts=False), False),
+@pytest.mark.parametrize("execution, world, on", [
+    (ExecutionConfig(dtype="bfloat16"), 1, True),
+    (ExecutionConfig(dtype="float32"), 1, False),  # no autocast: nothing is cast
+    (ExecutionConfig(dtype="bfloat16", recast_expert_weights=True), 1, False),  # memory over time
+    (ExecutionConfig(dtype="bfloat16"), 2, False),  # sharded units are gathered in bf16
 ])
-def test_the_train_flag_resolves_where_it_pays(train, on):
-    model = _model()
-    assert model.use_expert_weight_casts(train) is on
-    assert {m.experts.weight_cast_dtype for m in model.moe_layers()} == {torch.bfloat16 if on else None}
-    dense = Transformer(ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=8))
-    assert dense.use_expert_weight_casts(train) is False
+def test_the_plan_keeps_copies_where_they_pay(execution, world, on):
+    """The plan's expert_copies, and build_model makes them (bf16, on every MoE layer) or none."""
+    from optimus_core.train.build import build_model
+
+    cfg = RunConfig(model=MODEL, data=DataConfig(seq_len=8), execution=execution)
+    plan = resolve_choices(cfg, "cpu", world, probe=False)
+    assert plan.expert_copies is on
+    if world == 1:
+        model = build_model(cfg, plan=plan)
+        assert {m.experts.weight_cast_dtype for m in model.moe_layers()} == {torch.bfloat16 if on else None}
+        assert assert_weight_casts_current(model) == (2 * len(model.moe_layers()) if on else 0)
+    dense = RunConfig(model=ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=8),
+                      data=DataConfig(seq_len=8), execution=execution)
+    assert resolve_choices(dense, "cpu", world, probe=False).expert_copies is False
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")

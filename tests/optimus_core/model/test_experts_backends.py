@@ -14,11 +14,10 @@ needs_triton = pytest.mark.skipif(not (kernels.INTERPRET and kernels.triton),
                                   reason="the triton backend on CPU tensors needs TRITON_INTERPRET=1")
 
 
-def losses(backend: str, capacity=None, steps=3, weights_before_down=True):
-    moe = MoEConfig(n_experts=6, top_k=2, d_expert=8, experts_backend=backend, capacity_factor=capacity,
-                    weights_before_down=weights_before_down)
+def losses(backend: str, capacity=None, steps=3):
+    moe = MoEConfig(n_experts=6, top_k=2, d_expert=8, capacity_factor=capacity)
     cfg = ModelConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=2, max_seq_len=16, moe=moe)
-    model = Transformer(cfg)
+    model = Transformer(cfg, experts_backend=backend)
     model.init_weights(seed=0)
     opt = build_optimizer(model, OptimConfig(lr=1e-2))
     batch = torch.randint(0, 40, (4, 10), generator=torch.Generator().manual_seed(1))
@@ -27,23 +26,23 @@ def losses(backend: str, capacity=None, steps=3, weights_before_down=True):
 
 
 @needs_triton
-@pytest.mark.parametrize("weights_before_down", [True, False], ids=["weights-before-down", "weighted-combine"])
 @pytest.mark.parametrize("capacity", [None, 0.5], ids=["dropless", "capacity-0.5"])
-def test_triton_training_matches_loop(capacity, weights_before_down):
+def test_triton_training_matches_loop(capacity):
     # float32 both ways; sums in another order differ by ~1e-7 relative per op, far below 1e-5.
-    ref = losses("loop", capacity, weights_before_down=weights_before_down)
-    got = losses("triton", capacity, weights_before_down=weights_before_down)
+    ref = losses("loop", capacity)
+    got = losses("triton", capacity)
     assert ref[-1] < ref[0]
     assert got == pytest.approx(ref, abs=1e-5)
 
 
 @pytest.mark.parametrize("phantom", [False, True], ids=["all rows", "first rows only"])
-def test_weights_before_down_is_the_same_function(phantom):
-    """Routing weights on the SwiGLU output (then a plain sum) or on the expert outputs (the
-    weighted combine): the same output and the same gradients for x, the routing
-    weights and both expert weights, with an empty expert, zero weights (dropped assignments)
-    and, as expert parallelism does, only the first sorted rows made (the rest a phantom group).
-    float32 (grouped_mm's widest dtype): the two orders round differently, a few ulps per entry."""
+def test_routing_weights_on_the_swiglu_output_are_the_weighted_combine(phantom):
+    """combine_sorted puts each row's routing weight on its SwiGLU output, then sums plainly: the
+    same output and the same gradients for x, the routing weights and both expert weights as
+    weighting the expert outputs in the combine (the down projection is linear), with an empty
+    expert, zero weights (dropped assignments) and, as expert parallelism does, only the first
+    sorted rows made (the rest a phantom group). float32 (grouped_mm's widest dtype): the two
+    orders round differently, a few ulps per entry."""
     from optimus_core.model.experts import Experts
 
     gen = torch.Generator().manual_seed(0)
@@ -53,8 +52,8 @@ def test_weights_before_down_is_the_same_function(phantom):
     weights = torch.rand(T, k, generator=gen)
     weights[0, 1] = 0.0
     results = []
-    for before in (True, False):
-        experts = Experts(E, 16, 8, backend="loop", weights_before_down=before)
+    for on_swiglu in (True, False):
+        experts = Experts(E, 16, 8, backend="loop")
         for p in experts.parameters():
             torch.nn.init.normal_(p, std=0.3, generator=torch.Generator().manual_seed(1))
         xi, wi = x.clone().requires_grad_(), weights.clone().requires_grad_()
@@ -62,9 +61,13 @@ def test_weights_before_down_is_the_same_function(phantom):
         idx = torch.where(torch.arange(T)[:, None] < 3, E, topk_idx) if phantom else topk_idx
         n_rows = int((idx < E).sum()) if phantom else None
         x_sorted, offsets, sorted_idx = experts.permute(xi, idx, E + phantom, n_rows)
-        out = experts.combine_sorted(x_sorted, offsets[:E], sorted_idx, wi)
+        if on_swiglu:
+            out = experts.combine_sorted(x_sorted, offsets[:E], sorted_idx, wi)
+        else:  # the reference: the experts unweighted, their outputs weighted in the combine
+            out = experts.unpermute(experts(x_sorted, offsets[:E]), sorted_idx, wi)
         grads = torch.autograd.grad(out.square().sum(), (xi, wi, experts.w_up, experts.w_down))
         results.append((out, *grads))
+    assert results[0][0].abs().sum() > 0 and results[0][2].abs().sum() > 0  # not vacuous
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -77,7 +80,7 @@ def test_torch_backend_refuses_clearly_where_unsupported():
 
 
 def test_recast_expert_weights_changes_memory_not_numbers():
-    """train.recast_expert_weights casts the float32 weights inside the GEMMs instead of once per
+    """execution.recast_expert_weights casts the float32 weights inside the GEMMs instead of once per
     forward: under bf16 autocast the outputs and every gradient are bit-identical."""
     from optimus_core.model.experts import Experts
 

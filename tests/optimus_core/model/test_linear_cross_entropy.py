@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from optimus_core.config import ModelConfig, MoEConfig
-from optimus_core.model.linear_cross_entropy import linear_cross_entropy, use_softmax_kernel
+from optimus_core.model.linear_cross_entropy import linear_cross_entropy
 from optimus_core.model.transformer import Transformer
-from optimus_core.train.step import micro_batch_loss
+from optimus_core.train.step import autocast_context, lm_loss, micro_batch_loss
 
 N, D, V = 37, 24, 150  # N x V is larger than any N x D or V x D tensor
 
@@ -184,9 +184,18 @@ def small_model(**overrides):
     return model
 
 
-def param_grads(model, batch_BS1, **loss_kwargs):
+def logits_loss(model, batch_BS1, *, dtype):
+    """The reference: the whole micro-batch's logits, then cross-entropy (no fusion)."""
+    tokens_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
+    with autocast_context(batch_BS1.device.type, dtype):
+        logits_BSV = model(tokens_BS)
+    return lm_loss(logits_BSV, targets_BS)
+
+
+def param_grads(model, batch_BS1, *, fused=True, **loss_kwargs):
+    """micro_batch_loss (fused: the model's chunked LM loss) or, not fused, ``logits_loss``."""
     model.zero_grad(set_to_none=True)
-    loss = micro_batch_loss(model, batch_BS1, **loss_kwargs)
+    loss = micro_batch_loss(model, batch_BS1, **loss_kwargs) if fused else logits_loss(model, batch_BS1, **loss_kwargs)
     aux = model.aux_loss()
     (loss + aux if aux is not None else loss).backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -198,7 +207,7 @@ def test_a_models_parameter_grads_are_those_of_the_logits_path(dtype):
     assert model.cfg.padded_vocab_size == 256 > model.cfg.vocab_size  # padded rows take part
     batch_BS1 = torch.randint(0, 200, (3, 17), generator=torch.Generator().manual_seed(1))
     loss_ref, want = param_grads(model, batch_BS1, dtype=dtype, fused=False)
-    loss, got = param_grads(model, batch_BS1, dtype=dtype, fused=True, chunk_rows=20)  # 48 tokens: 3 chunks
+    loss, got = param_grads(model, batch_BS1, dtype=dtype, chunk_rows=20)  # 48 tokens: 3 chunks
     assert got.keys() == want.keys() and "lm_head.weight" in got
     assert all(g.dtype == torch.float32 for g in got.values())
     tol = dict(rtol=1e-5, atol=1e-7) if dtype == "float32" else BF16
@@ -213,7 +222,7 @@ def test_activation_checkpointing_gives_the_same_grads():
     _, want = param_grads(model, batch_BS1, dtype="float32", fused=False)
     model.set_activation_checkpointing("full")
     model.train()
-    _, got = param_grads(model, batch_BS1, dtype="float32", fused=True, chunk_rows=7)
+    _, got = param_grads(model, batch_BS1, dtype="float32", chunk_rows=7)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7)
 
@@ -239,7 +248,7 @@ KERNEL_ON_CPU = pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRE
 @KERNEL_ON_CPU
 @pytest.mark.parametrize("chunk_rows", [8, 100])
 def test_the_kernel_path_matches_cross_entropy_of_the_logits(chunk_rows):
-    """train.lm_loss_softmax = triton: loss and gradients as the logits path's, ignored rows included."""
+    """execution.lm_loss = triton: loss and gradients as the logits path's, ignored rows included."""
     h_ND, w_VD, t_N = inputs()
     want = reference(h_ND, w_VD, t_N, bf16=False, grad_scale=0.37)
     loss = linear_cross_entropy(h_ND, w_VD, t_N, chunk_rows=chunk_rows, kernel=True)
@@ -261,26 +270,40 @@ def test_a_model_with_the_kernel_trains_as_without():
         model.init_weights(seed=0)
         model.lm_loss_kernel = kernel
         tokens = torch.randint(0, 150, (2, 9), generator=torch.Generator().manual_seed(1))
-        micro_batch_loss(model, tokens, dtype="float32", fused=True).backward()
+        micro_batch_loss(model, tokens, dtype="float32").backward()
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_lm_loss_softmax_resolves_per_device(monkeypatch):
-    """auto: the kernel on GPUs only (never the slow interpreter on a CPU run); triton where it
-    cannot run is a clear error, not a silent fallback."""
+def test_lm_loss_resolves_per_device(monkeypatch):
+    """execution.lm_loss: auto is the kernel on GPUs only (never the slow interpreter on a CPU
+    run); triton where it cannot run is a clear error naming the choice, not a silent fallback;
+    build_model turns the plan's choice into the model's lm_loss_kernel."""
     import kernels._triton as kt
+    from optimus_core.config import DataConfig, ExecutionConfig, RunConfig
+    from optimus_core.execution import ExecutionError, resolve_choices
+    from optimus_core.train.build import build_model
 
-    monkeypatch.setattr(kt, "triton", object())  # as if Triton imported
+    cfg = RunConfig(model=small_model().cfg, data=DataConfig(seq_len=16))
+    asked = lambda choice: cfg.replace(execution=ExecutionConfig(lm_loss=choice))  # noqa: E731
     monkeypatch.setattr(kt, "INTERPRET", False)
-    assert use_softmax_kernel("auto", torch.device("cuda", 0)) and use_softmax_kernel("auto", "xpu")
-    assert not use_softmax_kernel("auto", "cpu") and not use_softmax_kernel("torch", "cuda")
-    with pytest.raises(ValueError, match="lm_loss_softmax = 'triton': the kernel cannot run on cpu"):
-        use_softmax_kernel("triton", "cpu")
+    for device in ("cuda", torch.device("cuda", 0), "xpu"):
+        assert resolve_choices(cfg, device, probe=False).lm_loss == "triton"
+    assert resolve_choices(cfg, "cpu", probe=False).lm_loss == "torch"
+    assert resolve_choices(asked("torch"), "cuda", probe=False).lm_loss == "torch"
+    with pytest.raises(ExecutionError, match="execution.lm_loss = 'triton'.*cpu"):
+        resolve_choices(asked("triton"), "cpu", probe=False)
     monkeypatch.setattr(kt, "INTERPRET", True)
-    assert use_softmax_kernel("triton", "cpu") and not use_softmax_kernel("auto", "cpu")
-    monkeypatch.setattr(kt, "triton", None)  # no Triton: auto falls back, triton refuses
-    assert not use_softmax_kernel("auto", "cuda")
-    with pytest.raises(ValueError, match="cannot run on cuda"):
-        use_softmax_kernel("triton", "cuda")
+    assert resolve_choices(asked("triton"), "cpu", probe=False).lm_loss == "triton"
+    assert resolve_choices(cfg, "cpu", probe=False).lm_loss == "torch"  # auto: never the interpreter
+    monkeypatch.setattr(kt, "INTERPRET", False)
+    monkeypatch.setattr(kt, "triton", None)  # no Triton: auto falls back and says why, triton refuses
+    plan = resolve_choices(cfg, "cuda")
+    assert plan.lm_loss == "torch" and "cannot launch on cuda" in plan.why["lm_loss"]
+    with pytest.raises(ExecutionError, match="execution.lm_loss = 'triton'.*cannot launch on cuda"):
+        resolve_choices(asked("triton"), "cuda")
+    monkeypatch.setattr(kt, "INTERPRET", True)
+    for choice, on in (("triton", True), ("torch", False)):
+        plan = resolve_choices(asked(choice), "cpu", probe=False)
+        assert build_model(asked(choice), plan=plan).lm_loss_kernel is on

@@ -16,8 +16,8 @@ from optimus_core.parallel.launch import spawn_local
 D, E, ROWS_PER_RANK, SEQ = 16, 4, 2, 5
 
 
-def _layer(cfg: MoEConfig, skew: bool) -> MoEFeedForward:
-    layer = MoEFeedForward(D, cfg)
+def _layer(cfg: MoEConfig, skew: bool, backend: str = "loop") -> MoEFeedForward:
+    layer = MoEFeedForward(D, cfg, experts_backend=backend)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in layer.parameters():
@@ -34,8 +34,9 @@ class _Holder(nn.Module):  # parallelize walks a model; any module holding the l
 
 
 def _check_layer(mesh, capacity, skew, backend="loop", dispatch="all_to_all"):
-    cfg = MoEConfig(n_experts=E, top_k=2, d_expert=8, capacity_factor=capacity, experts_backend=backend)
-    ref = _layer(cfg, skew)
+    cfg = MoEConfig(n_experts=E, top_k=2, d_expert=8, capacity_factor=capacity)
+    ref = _layer(cfg, skew, backend)
+    assert ref.experts.backend == backend
     ep_model = parallelize(_Holder(copy.deepcopy(ref)), mesh, dispatch)
     g = torch.Generator().manual_seed(1)
     x_all = torch.randn(mesh.world_size * ROWS_PER_RANK, SEQ, D, generator=g)

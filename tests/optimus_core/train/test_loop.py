@@ -1,11 +1,13 @@
 """The training loop: it learns, accumulation is exact, and a resumed run is the same run."""
+import json
 import shutil
 
 import pytest
 import torch
 
 from optimus_core import load_model, presets
-from optimus_core.config import ConfigError, DataConfig, ModelConfig, MoEConfig, RunConfig, TrainConfig
+from optimus_core.config import (ConfigError, DataConfig, ExecutionConfig, ModelConfig, MoEConfig, RunConfig,
+                                 TrainConfig)
 from optimus_core.train import checkpoint as ckpt
 from optimus_core.train import loop as loop_module
 from optimus_core.train.build import build_model
@@ -49,21 +51,20 @@ def test_gradient_accumulation_matches_one_large_batch():
     torch.testing.assert_close(params[0], params[1], rtol=0, atol=1e-6)
 
 
-def test_fused_lm_loss_trains_like_the_logits_path(tokens_dir, tmp_path):
-    """train.fused_lm_loss (the default) changes memory, not the run: the same loss curve."""
-    curves = []
-    for fused in (True, False):
-        cfg = laptop("mula-7b-a1b@laptop", **{"train.steps": 6, "model.n_layers": 1, "train.eval_batches": 1,
-                                              "model.vocab_size": 4100, "train.fused_lm_loss": fused})
-        assert cfg.model.padded_vocab_size > cfg.model.vocab_size
-        sink = ListSink()
-        Trainer(cfg, tokens_dir, tmp_path / f"run-{fused}", writer=sink, progress=False).fit()
-        curves.append(sink.column("train", "loss"))
-    assert len(curves[0]) == 6 and curves[0][-1] < curves[0][0]
-    assert curves[0] == pytest.approx(curves[1], rel=1e-5)  # float32: sums in another order only
-    with pytest.raises(ConfigError, match=r"train\.fused_lm_loss"):
-        TrainConfig(fused_lm_loss="yes")
-    assert TrainConfig().fused_lm_loss
+def test_a_padded_vocabulary_trains_with_the_fused_lm_loss(tokens_dir, tmp_path):
+    """The LM loss is always fused with the head (the logits path is gone as a choice:
+    train.fused_lm_loss is an error naming why); a padded vocabulary trains through it."""
+    cfg = laptop("mula-7b-a1b@laptop", **{"train.steps": 6, "model.n_layers": 1, "train.eval_batches": 1,
+                                          "model.vocab_size": 4100})
+    assert cfg.model.padded_vocab_size > cfg.model.vocab_size
+    sink = ListSink()
+    trainer = Trainer(cfg, tokens_dir, tmp_path / "run", writer=sink, progress=False)
+    assert trainer.plan.lm_loss == "torch"  # auto on a CPU: the fused loss's torch softmax
+    trainer.fit()
+    curve = sink.column("train", "loss")
+    assert len(curve) == 6 and curve[-1] < curve[0]
+    with pytest.raises(ConfigError, match=r"train\.fused_lm_loss is no longer a choice"):
+        laptop("mula-7b-a1b@laptop", **{"train.fused_lm_loss": False})
 
 
 def test_interrupted_run_resumes_bit_identically(tokens_dir, tmp_path, monkeypatch):
@@ -116,6 +117,9 @@ def test_load_model_returns_the_trained_weights(tokens_dir, tmp_path):
     trainer.fit()
     model, loaded_cfg = load_model(tmp_path / "run")
     assert loaded_cfg == cfg
+    meta = ckpt.latest_valid(tmp_path / "run").meta  # how it executed, beside what it trained
+    assert meta["execution_plan"] == trainer.plan.to_dict()
+    assert (meta["execution_plan"]["dtype"], meta["execution_plan"]["experts"]) == ("float32", "loop")
     for (name, a), b in zip(trainer.model.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
 
@@ -126,14 +130,37 @@ def test_resuming_with_another_model_is_refused(tokens_dir, tmp_path):
         Trainer(laptop("mula-7b-a1b@laptop", **{"train.steps": 2}), tokens_dir, tmp_path / "run", progress=False)
 
 
+def test_a_checkpoint_of_a_config_before_the_execution_section_resumes(tokens_dir, tmp_path):
+    """A checkpoint whose config holds the execution choices at their old places (train.dtype,
+    model.moe.experts_backend, removed ones too) is the same model: it resumes, executed as today's
+    plan says; a changed model is still refused."""
+    cfg = laptop("mula-7b-a1b@laptop", **{"train.steps": 2, "train.checkpoint_every": 1})
+    Trainer(cfg, tokens_dir, tmp_path / "run", progress=False).fit()
+    meta_path = ckpt.latest_valid(tmp_path / "run").path / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    saved = meta["config"]
+    saved.pop("execution")
+    saved["train"].update(dtype="float32", compile=False, fused_lm_loss=True, expert_grad_dtype="auto")
+    saved["model"]["moe"].update(experts_backend="triton", weights_before_down=True)
+    meta_path.write_text(json.dumps(meta))
+    longer = laptop("mula-7b-a1b@laptop", **{"train.steps": 3})
+    trainer = Trainer(longer, tokens_dir, tmp_path / "run", progress=False)
+    assert trainer.resumed_from == 2 and trainer.plan.experts == "loop"
+    saved["model"]["n_layers"] += 1
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="different model configuration"):
+        Trainer(longer, tokens_dir, tmp_path / "run", progress=False)
+
+
 @pytest.mark.slow
 def test_compiled_blocks_train_like_eager_and_keep_parameter_names():
-    """train.compile compiles each block in place (~40 s on 2 CPU cores, hence slow)."""
+    """execution.compile compiles each block in place (~40 s on 2 CPU cores, hence slow)."""
     losses, names = [], []
     for compile_ in (False, True):
         cfg = RunConfig(model=ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=16,
                                           moe=MoEConfig(n_experts=4, top_k=2, d_expert=16)),
-                        train=TrainConfig(global_batch=4, compile=compile_), data=DataConfig(seq_len=16))
+                        train=TrainConfig(global_batch=4), data=DataConfig(seq_len=16),
+                        execution=ExecutionConfig(compile=compile_))
         model = build_model(cfg)
         opt = build_optimizer(model, cfg.optim)
         batch = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))

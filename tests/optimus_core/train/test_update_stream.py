@@ -3,12 +3,14 @@ parameter once in the forward's order; each stage's forward waits for its own up
 for the earlier stages'); training with it gives the parameters, moments and losses of the plain
 update bit for bit, on a CPU (no side stream) and on a GPU (a side stream, the gpu-marked test,
 with gradient accumulation, evaluation and a state dict between steps, eager and compiled)."""
+import dataclasses
 import os
 
 import pytest
 import torch
 
-from optimus_core.config import ModelConfig, MoEConfig, OptimConfig
+from optimus_core.config import DataConfig, ExecutionConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig
+from optimus_core.execution import resolve_choices
 from optimus_core.model.transformer import Transformer
 from optimus_core.train.optim import build_optimizer
 from optimus_core.train.step import train_step
@@ -97,14 +99,18 @@ def _train(model, opt, steps, device, dtype, *, between=None, micro_batch=0):
 
 
 def _same_training(device, dtype, *, beside, compile_blocks=False, micro_batch=0, between=None):
-    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, implementation="triton")
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
+    run = RunConfig(model=MODEL, optim=cfg, data=DataConfig(seq_len=8),
+                    execution=ExecutionConfig(dtype=dtype, adamw="triton", experts="loop"))
+    plan = resolve_choices(run, device)
+    assert plan.adamw == "triton" and plan.update_beside_forward == (device == "cuda")
     plain, mine = _model(device), _model(device)
     if compile_blocks:
         plain.compile_blocks()
         mine.compile_blocks()
-    plain_opt = build_optimizer(plain, cfg.replace(update_beside_forward=False))
-    opt = build_optimizer(mine, cfg)
-    if beside and opt.beside_forward is None:  # a CPU: attached by hand (build_optimizer does on CUDA)
+    plain_opt = build_optimizer(plain, cfg, dataclasses.replace(plan, update_beside_forward=False))
+    opt = build_optimizer(mine, cfg, plan)
+    if beside and opt.beside_forward is None:  # a CPU: attached by hand (the plan has it on CUDA)
         opt.beside_forward = UpdateBesideForward(mine, mine.parameters())
     assert plain_opt.beside_forward is None and (opt.beside_forward is not None) == beside
     ref = _train(plain, plain_opt, 4, device, dtype, micro_batch=micro_batch)

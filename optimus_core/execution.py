@@ -1,0 +1,267 @@
+"""The execution plan: every choice of how a run executes, resolved once, with its reason.
+
+    plan = plan_execution(cfg, "cuda", world_size=1)   # probes the device's kernels (kernels.selfcheck)
+    print(plan.describe())                             # one line per choice and why
+    plan.dtype, plan.experts, plan.compile, plan.adamw, plan.lm_loss, plan.checkpointing, ...
+    plan_execution(cfg, "xpu", world_size=12288, probe=False)   # planned for a device not here
+
+The config's execution section (optimus_core.config.ExecutionConfig) says what a user asked for;
+this module alone turns it, with the device, the world size and the memory model
+(optimus_core.memory), into what runs. Every rule of how the choices interact is here:
+
+- dtype: bfloat16 on a GPU, float32 on a CPU.
+- experts: triton where its kernels passed their self-check on the device; else torch where
+  torch._grouped_mm has its fast path (CUDA sm90+, bf16); else the loop.
+- compile: on for one process on CUDA, where it was measured faster (bench/NOTES.md); off
+  elsewhere (on XPU and under FSDP2 it has not been measured yet).
+- adamw, lm_loss: the Triton kernel on a GPU where it passed its self-check, else torch.
+- the experts' bf16 weight copies, which the optimizer keeps current so the forward does not cast:
+  one process under bf16 without recast_expert_weights (sharded units are gathered in bf16).
+- the expert gradients in bf16 on those copies: with the copies, the Triton AdamW (which widens
+  them as it reads) and one micro-batch per step (micro-batches would add up in bf16).
+- the clip's gradient norm under the backward (a side stream): one process on CUDA with
+  clipping; its expert terms from the dW kernel's sums of squares with the triton experts.
+- the update beside the next forward: one process on CUDA with the Triton AdamW.
+- activation checkpointing: "auto" is the least recomputation whose estimate fits the budget.
+
+An explicit choice the device cannot run is one ExecutionError naming the choice and the reason;
+under "auto" the next choice is taken and the plan's line says why.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import ConfigError, RunConfig
+
+GPU_TYPES = ("cuda", "xpu")
+
+
+class ExecutionError(ConfigError):
+    """An explicit execution choice this device cannot run; the message names both."""
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """What a run of one config executes with, on ``world_size`` ranks of ``device_type``."""
+
+    device_type: str
+    world_size: int
+    dtype: str  # "float32" | "bfloat16" (autocast, float32 master weights)
+    experts: str | None  # "loop" | "torch" | "triton"; None: a dense model
+    compile: bool
+    adamw: str  # "torch" | "triton"
+    lm_loss: str  # "torch" | "triton"
+    recast_expert_weights: bool
+    expert_copies: bool  # bf16 copies of the expert weights, written by the optimizer
+    bf16_expert_grads: bool  # the expert gradients on those copies, in bf16
+    grad_norm_under_backward: bool
+    grad_norm_from_dw: bool
+    update_beside_forward: bool
+    checkpointing: tuple[str, int] = ("none", 1)  # (mode, every)
+    memory: object | None = None  # optimus_core.memory.MemoryEstimate per rank
+    budget_bytes: float | None = None
+    why: dict = field(default_factory=dict)  # choice -> the reason it was made
+
+    def describe(self) -> str:
+        """The plan for people: one line per choice, with its reason."""
+        from .memory import GIB
+
+        mode, every = self.checkpointing
+        rows = [("dtype", self.dtype), ("experts", self.experts or "none (dense)"),
+                ("compile", "on" if self.compile else "off"), ("adamw", self.adamw), ("lm_loss", self.lm_loss),
+                ("expert weights", "recast in each GEMM" if self.recast_expert_weights else
+                 "bf16 copies kept by the optimizer" if self.expert_copies else "as they are"),
+                ("expert gradients", "bf16 on the copies" if self.bf16_expert_grads else "float32"),
+                ("clip norm", "under the backward" + (", experts' from the dW kernel" if self.grad_norm_from_dw
+                                                      else "") if self.grad_norm_under_backward else "after the backward"),
+                ("update", "beside the next forward" if self.update_beside_forward else "after the backward"),
+                ("activation checkpointing", mode + (f" (every {every})" if mode == "full" and every > 1 else ""))]
+        if self.memory is not None:
+            budget = f" of {self.budget_bytes / GIB:.1f} GiB" if self.budget_bytes else " (no budget known)"
+            rows.append(("memory per rank", self.memory.describe() + budget))
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(f"  {name:<{width}}  {value}" + (f"  ({self.why[name]})" if self.why.get(name) else "")
+                         for name, value in rows)
+
+    def to_dict(self) -> dict:
+        """For meta.json and the results store: every choice and its reason, plain values."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("memory", "why")}
+        out["checkpointing"] = list(self.checkpointing)
+        out["memory_gib"] = self.memory.peak_gib if self.memory is not None else None
+        out["why"] = dict(self.why)
+        return out
+
+
+def _kernel_ok(kernel: str, device: torch.device, probe: bool) -> str | None:
+    """None if the Triton ``kernel`` family may run on ``device``, else why not (probe: run its
+    self-check now, kernels.selfcheck; else assume a GPU's kernels will pass at run time)."""
+    from kernels._triton import INTERPRET, launchable_on
+
+    if device.type not in GPU_TYPES and not INTERPRET:
+        return f"no Triton on {device.type} (needs a CUDA or XPU device)"
+    if not probe:
+        return None
+    if not launchable_on(device):
+        return f"Triton cannot launch on {device.type} here (is the triton package installed?)"
+    from kernels.selfcheck import failure
+
+    why = failure(kernel, device)
+    return f"failed its self-check on this device: {why}" if why else None
+
+
+def _grouped_mm_ok(device: torch.device, dtype: str, probe: bool) -> str | None:
+    """None if torch._grouped_mm has its fast path for a run in ``dtype`` on ``device``."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    if device.type != "cuda":
+        return f"torch._grouped_mm's fast path is CUDA only, not {device.type}"
+    if dtype != "bfloat16":
+        return "torch._grouped_mm's fast path needs bfloat16"
+    if probe:
+        if torch.version.cuda is None or not torch.cuda.is_available():
+            return "no NVIDIA CUDA device here"
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 9:
+            return f"torch._grouped_mm's fast path needs compute capability 9.0+, got {major}.{minor}"
+    return None
+
+
+def _triton_or_torch(name: str, asked: str, kernel: str, device: torch.device, probe: bool,
+                     why: dict) -> str:
+    """An "auto" | "torch" | "triton" choice of a kernel with a torch fallback, resolved."""
+    gpu = device.type in GPU_TYPES
+    if asked == "torch":
+        why[name] = "asked"
+        return "torch"
+    problem = _kernel_ok(kernel, device, probe) if (gpu or asked == "triton") else f"torch on {device.type}"
+    if asked == "triton":
+        if problem:
+            raise ExecutionError(f"execution.{name} = 'triton': the Triton {kernel} kernel {problem}; "
+                                 "use 'auto' or 'torch'")
+        why[name] = "asked"
+        return "triton"
+    if problem:
+        why[name] = f"auto: {problem}" if not gpu else f"auto: the Triton kernel {problem}"
+        return "torch"
+    why[name] = "auto: validated on this device" if probe else "auto: planned; checked when the run starts"
+    return "triton"
+
+
+def resolve_choices(cfg: RunConfig, device: torch.device | str, world_size: int = 1, *,
+                    probe: bool = True) -> ExecutionPlan:
+    """The plan of ``cfg`` without its memory part (checkpointing unresolved, no estimate)."""
+    device = torch.device(device)
+    if device.type == "meta":  # shapes only: plan as for the GPU they stand for
+        device, probe = torch.device("cuda"), False
+    ex, why = cfg.execution, {}
+    gpu = device.type in GPU_TYPES
+    one_process = world_size == 1
+
+    dtype = ex.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if gpu else "float32"
+        why["dtype"] = "auto: bf16 autocast on a GPU, float32 master weights" if gpu else "auto: float32 on a CPU"
+    else:
+        why["dtype"] = "asked"
+
+    experts = None
+    if cfg.model.moe is not None:
+        if ex.experts == "triton":
+            problem = _kernel_ok("experts", device, probe)
+            if problem:
+                raise ExecutionError(f"execution.experts = 'triton': the Triton experts kernel {problem}; "
+                                     "use 'auto', 'torch' or 'loop'")
+            experts, why["experts"] = "triton", "asked"
+        elif ex.experts == "torch":
+            problem = _grouped_mm_ok(device, dtype, probe)
+            if problem:
+                raise ExecutionError(f"execution.experts = 'torch': {problem}; use 'auto', 'triton' or 'loop'")
+            experts, why["experts"] = "torch", "asked"
+        elif ex.experts == "loop":
+            experts, why["experts"] = "loop", "asked"
+        else:
+            problem = _kernel_ok("experts", device, probe) if gpu else f"no Triton experts on {device.type}"
+            if problem is None:
+                experts = "triton"
+                why["experts"] = ("auto: validated on this device" if probe
+                                  else "auto: planned; checked when the run starts")
+            elif _grouped_mm_ok(device, dtype, probe) is None:
+                experts, why["experts"] = "torch", f"auto: the Triton experts {problem}" if gpu else f"auto: {problem}"
+            else:
+                experts, why["experts"] = "loop", (f"auto: the Triton experts {problem}" if gpu else f"auto: {problem}") \
+                    + "; no torch._grouped_mm fast path"
+
+    if ex.compile == "auto":
+        compile_on = device.type == "cuda" and one_process
+        why["compile"] = ("auto: measured faster on one CUDA GPU" if compile_on else
+                          "auto: off on a CPU" if not gpu else
+                          "auto: not measured on XPU yet" if device.type == "xpu" else
+                          "auto: not measured under FSDP2 yet")
+    else:
+        compile_on, why["compile"] = bool(ex.compile), "asked"
+
+    adamw = _triton_or_torch("adamw", ex.adamw, "adamw", device, probe, why)
+    lm_loss = _triton_or_torch("lm_loss", ex.lm_loss, "cross_entropy", device, probe, why)
+
+    bf16, moe = dtype == "bfloat16", cfg.model.moe is not None
+    recast = bool(ex.recast_expert_weights and moe and bf16)
+    if ex.recast_expert_weights and not recast:
+        why["expert weights"] = "recast_expert_weights has no effect: " + ("a dense model" if not moe else "float32")
+    copies = bf16 and moe and one_process and not recast
+    if moe and bf16 and not one_process:
+        why["expert weights"] = "sharded units are gathered in bf16"
+    per_rank = cfg.train.global_batch // max(1, world_size)
+    one_micro_batch = cfg.train.micro_batch in (0, per_rank)
+    bf16_grads = copies and adamw == "triton" and one_micro_batch
+    if copies and not bf16_grads:
+        why["expert gradients"] = ("torch's AdamW takes float32 gradients" if adamw != "triton"
+                                   else "several micro-batches would add up in bf16")
+    norm_under = device.type == "cuda" and one_process and cfg.optim.grad_clip is not None
+    from_dw = norm_under and experts == "triton"
+    beside = device.type == "cuda" and one_process and adamw == "triton"
+    if not norm_under:
+        why["clip norm"] = ("no clipping" if cfg.optim.grad_clip is None else
+                            "the sharded optimizer's own pass" if not one_process else "needs a CUDA side stream")
+    if not beside:
+        why["update"] = ("the sharded optimizer's own step" if not one_process else
+                         "needs the Triton AdamW" if adamw != "triton" else "needs a CUDA side stream")
+    return ExecutionPlan(device_type=device.type, world_size=world_size, dtype=dtype, experts=experts,
+                         compile=compile_on, adamw=adamw, lm_loss=lm_loss, recast_expert_weights=recast,
+                         expert_copies=copies, bf16_expert_grads=bf16_grads, grad_norm_under_backward=norm_under,
+                         grad_norm_from_dw=from_dw, update_beside_forward=beside, why=why)
+
+
+def plan_execution(cfg: RunConfig, device: torch.device | str, world_size: int = 1, *,
+                   budget_bytes: float | None | str = "device", probe: bool = True,
+                   run: str | None = None) -> ExecutionPlan:
+    """The whole plan of ``cfg`` on ``world_size`` ranks of ``device`` (module doc), activation
+    checkpointing resolved and the run checked against ``budget_bytes`` (default:
+    execution.memory_budget_gib, else the usable share of the device's memory when ``probe``;
+    None: unchecked). MemoryBudgetError, naming the run, the GiB, the budget and what would help,
+    before anything is allocated; ExecutionError for a choice the device cannot run."""
+    from .memory import GIB, check_run, device_budget
+
+    plan = resolve_choices(cfg, device, world_size, probe=probe)
+    if budget_bytes == "device":
+        chosen = cfg.execution.memory_budget_gib
+        if chosen is not None:
+            budget_bytes = chosen * GIB
+        else:
+            budget_bytes = device_budget(device_memory_bytes(torch.device(device))) if probe else None
+    checkpointing, est = check_run(cfg, world_size, plan, budget_bytes, run=run or cfg.preset or "this run")
+    why = dict(plan.why)
+    asked = cfg.execution.activation_checkpointing
+    why["activation checkpointing"] = ("asked" if asked != "auto" else
+                                       "auto: the least recomputation that fits" if budget_bytes else
+                                       "auto: no memory budget known")
+    return dataclasses.replace(plan, checkpointing=checkpointing, memory=est, budget_bytes=budget_bytes, why=why)
+
+
+def device_memory_bytes(device: torch.device) -> float | None:
+    """The device's total memory, or None where the allocator does not say (a CPU)."""
+    if device.type in GPU_TYPES:
+        return float(getattr(torch, device.type).get_device_properties(device).total_memory)
+    return None
