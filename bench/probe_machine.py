@@ -3,7 +3,7 @@
     .venv/bin/python bench/probe_machine.py            # ~1 minute; prints a table
     .venv/bin/python bench/probe_machine.py --quick    # smaller messages, fewer repeats
 
-Measures what workflow/perfmodel.py needs, the way our CPU runs use the machine (one torch
+Measures what workflow/perfmodel/ needs, the way our CPU runs use the machine (one torch
 thread per rank, gloo between local processes):
 
 - float32 (and bfloat16) matmul GFLOP/s on one thread, square sizes, best of a few repeats;

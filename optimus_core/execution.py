@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import ConfigError, RunConfig
+from .memory import GIB, check_run, device_budget
 
 GPU_TYPES = ("cuda", "xpu")
 
@@ -67,8 +68,6 @@ class ExecutionPlan:
 
     def describe(self) -> str:
         """The plan for people: one line per choice, with its reason."""
-        from .memory import GIB
-
         mode, every = self.checkpointing
         rows = [("dtype", self.dtype), ("experts", self.experts or "none (dense)"),
                 ("compile", "on" if self.compile else "off"), ("adamw", self.adamw), ("lm_loss", self.lm_loss),
@@ -242,8 +241,6 @@ def plan_execution(cfg: RunConfig, device: torch.device | str, world_size: int =
     execution.memory_budget_gib, else the usable share of the device's memory when ``probe``;
     None: unchecked). MemoryBudgetError, naming the run, the GiB, the budget and what would help,
     before anything is allocated; ExecutionError for a choice the device cannot run."""
-    from .memory import GIB, check_run, device_budget
-
     plan = resolve_choices(cfg, device, world_size, probe=probe)
     if budget_bytes == "device":
         chosen = cfg.execution.memory_budget_gib

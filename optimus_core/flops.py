@@ -13,7 +13,10 @@ Conventions (as PaLM appendix B / Megatron / torchtitan):
 """
 from __future__ import annotations
 
-from .config import ModelConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # config's ModelConfig methods call these counts: no import back at run time
+    from .config import ModelConfig
 
 
 def _attention_params(cfg: ModelConfig) -> int:

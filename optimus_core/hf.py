@@ -270,7 +270,7 @@ def export_hf(run_dir: Union[str, Path], out_dir: Union[str, Path], *, arch: Opt
     """
     from safetensors.torch import save_file
 
-    from . import load_model
+    from .train.checkpoint import load_model
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if not (run_dir / "meta.json").is_file() and not (run_dir / "checkpoints").is_dir():

@@ -97,13 +97,12 @@ class MemoryLayout:
         return self.dp_shard or self.world
 
     @classmethod
-    def of_run(cls, cfg, world: int, checkpointing: tuple[str, int], plan="xpu",
+    def of_run(cls, cfg, world: int, checkpointing: tuple[str, int], plan,
                micro_batches: int | None = None) -> "MemoryLayout":
         """The layout of ``cfg`` (a RunConfig) on ``world`` ranks, with ``checkpointing`` resolved
-        and the rest as ``plan`` (an optimus_core.execution.ExecutionPlan, or a device type to
-        plan for: its kernels assumed to pass their self-check) executes it; ``micro_batches``
-        caps the micro-batches per step (a rehearsal's)."""
-        plan = _plan_of(cfg, world, plan)
+        and the rest as ``plan`` (an optimus_core.execution.ExecutionPlan: the memory model reads
+        its choices and knows nothing of how they are made) executes it; ``micro_batches`` caps
+        the micro-batches per step (a rehearsal's)."""
         per_rank = cfg.train.global_batch // world
         if per_rank < 1:
             raise ConfigError(f"train.global_batch = {cfg.train.global_batch}: fewer sequences than ranks ({world})")
@@ -117,15 +116,6 @@ class MemoryLayout:
                    checkpointing=checkpointing[0], every=checkpointing[1],
                    lm_loss_kernel=plan.lm_loss == "triton", expert_weight_casts=plan.expert_copies,
                    bf16_expert_grads=plan.bf16_expert_grads and accumulation == 1)
-
-
-def _plan_of(cfg, world: int, plan):
-    """``plan`` itself, or the plan of ``cfg`` on ``world`` ranks of the device type ``plan`` names."""
-    if isinstance(plan, str):
-        from .execution import resolve_choices
-
-        return resolve_choices(cfg, plan, world, probe=False)
-    return plan
 
 
 @dataclass
@@ -377,9 +367,8 @@ def resolve_checkpointing(cfg, world: int, plan, budget_bytes: float | None, *,
 def check_run(cfg, world: int, plan, budget_bytes: float | None, *,
               run: str = "this run") -> tuple[tuple[str, int], MemoryEstimate]:
     """(checkpointing, estimate) of ``cfg`` (a RunConfig) on ``world`` ranks as ``plan`` (an
-    ExecutionPlan or a device type) executes it, checkpointing resolved (resolve_checkpointing);
-    MemoryBudgetError if over ``budget_bytes``."""
-    plan = _plan_of(cfg, world, plan)
+    ExecutionPlan) executes it, checkpointing resolved (resolve_checkpointing); MemoryBudgetError
+    if over ``budget_bytes``."""
     checkpointing = resolve_checkpointing(cfg, world, plan, budget_bytes, run=run)
     layout = MemoryLayout.of_run(cfg, world, checkpointing, plan)
     return checkpointing, check_fits(cfg.model, layout, budget_bytes, run=run)

@@ -3,7 +3,7 @@
     from stages.scaling import ScalingConfig, ScalingOutputs, run_scaling
     result = run_scaling(ScalingConfig(preset="mula-7b-a1b@laptop", devices=(1, 2)),
                          ScalingOutputs(store=Path("results/store.zarr"), jsonl=Path("results/scaling/cpu.jsonl")))
-    result.points    # one dict per measured layout (the contract of workflow/perfmodel.py)
+    result.points    # one dict per measured layout (the contract of workflow/perfmodel/)
 
     # a held-out design: EP=n and EP=1 at every multi-rank count, the main setting (16 sequences)
     # and micro-batches of 2 fitted, half the batch held out (its multi-rank points predicted)

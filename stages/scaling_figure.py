@@ -7,7 +7,7 @@
 
 Inputs are plain dicts: ``measured`` the points `optimus scaling` writes (preset, device,
 devices, ep, optimizer, step_s, compute_s, a2a_s, grad_sync_s, optimizer_s, idle_s,
-efficiency), ``predicted`` the rows of workflow/perfmodel.py (``predict_sweep`` /
+efficiency), ``predicted`` the rows of workflow/perfmodel/ (``predict_sweep`` /
 ``predict_points``: the same fields plus ``machine``), ``holdout`` the rows of
 ``perfmodel.holdout_error`` (measured_s, predicted_s, rel_error; workflow/scaling_study.py adds
 ``sweep``, ``run_id`` and ``fit_devices``, the device counts the model was calibrated on). The
@@ -323,7 +323,7 @@ def scaling_report_markdown(measured: list[dict], predicted: list[dict], holdout
         eff = _efficiencies(paper)
         last, first = paper[-1], paper[0]
         lines += [
-            f"The performance model (workflow/perfmodel.py, machine {_where(last)}) predicts "
+            f"The performance model (workflow/perfmodel/, machine {_where(last)}) predicts "
             f"**{_pct(eff[-1])}** strong-scaling efficiency for {PAPER['preset']} from {first['devices']} to "
             f"{last['devices']} tiles; the paper reports **~{PAPER['efficiency']:.0%}** from {PAPER['base_tiles']} to "
             f"{PAPER['tiles']} tiles.", "",
@@ -360,7 +360,7 @@ def scaling_report_markdown(measured: list[dict], predicted: list[dict], holdout
 
 def _overlap_note(row: dict) -> str:
     """What the paper sweep assumes about overlap (its rows' ``overlap``: what the run's
-    configuration does, workflow/perfmodel.py)."""
+    configuration does, workflow/perfmodel/)."""
     if row.get("overlap") == "layers":
         block = f" in blocks of {int(row['dp_shard'])} tiles, replicated over the blocks" if row.get("dp_shard") else ""
         return ("- The model prices what our training step does: every layer's weights sharded" + block + ", "

@@ -121,7 +121,7 @@ def cmd_pretrain(args) -> None:
         # Each attempt is a fresh process running this command without --max-restarts; it resumes
         # from the newest valid checkpoint by itself. Configuration errors (status 2) are final.
 
-        from optimus_core.parallel.launch import ChildProcess, run_with_restarts
+        from optimus_core.train.restarts import ChildProcess, run_with_restarts
 
         once = argparse.Namespace(**dict(vars(args), max_restarts=0))
         status = run_with_restarts(ChildProcess(cmd_pretrain, (once,)), max_restarts,

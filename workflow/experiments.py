@@ -44,7 +44,7 @@ what the performance model prices), accumulating ``global_batch / tiles`` of the
 Every paper-scale run of more than 384 tiles shards its parameters in blocks of 384 tiles (32
 nodes: ``parallel.dp_shard``, the strong-scaling sweep's smallest job) and replicates them over
 the blocks (hybrid sharding): a layer's all-gathers and reduce-scatters then span at most 32
-nodes, not up to 1024 (whose ring latency workflow/perfmodel.py puts at 61% efficiency at
+nodes, not up to 1024 (whose ring latency workflow/perfmodel/ puts at 61% efficiency at
 12288 tiles, against 95% in blocks), and the per-tile state stays within the tile's memory
 (optimus_core/memory.py: at most 1/12 of an EP rank's experts per tile). Activation
 checkpointing is ``auto`` everywhere: the least recomputation that fits a 64 GiB tile, resolved

@@ -27,7 +27,7 @@ and prints them as a table with the node-hour total (`optimus plan`, `snakemake 
 (``SiteConfig``) is workflow/sites.py; the Parsl ``Config`` for a plan is workflow/parsl_sites.py.
 
 Node-hour estimates: with ``site.machine`` set (a machine of workflow/machines/, e.g.
-``aurora``), a run's hours are its steps x the step time workflow/perfmodel.py predicts for its
+``aurora``), a run's hours are its steps x the step time workflow/perfmodel/ predicts for its
 model, tiles, EP degree and batch on that machine. Where the model does not apply (no machine
 set, or a layout it cannot price, e.g. fewer sequences per step than tiles) the estimate falls
 back to the throughput assumption: the run's training FLOPs (the model's FLOP-per-token count x
@@ -212,6 +212,7 @@ def plan_memory(run, site: SiteConfig, ranks: int) -> tuple[float, float, tuple[
     execution.activation_checkpointing resolved as the run will resolve it on such a device
     (optimus_core.memory.check_run); MemoryBudgetError -- the run, the GiB, the budget and the
     knob that would help -- when it cannot fit. (nan, nan, None) without a run or a machine."""
+    from optimus_core.execution import resolve_choices
     from optimus_core.memory import GIB, check_run, device_budget
 
     nan = float("nan")
@@ -220,7 +221,8 @@ def plan_memory(run, site: SiteConfig, ranks: int) -> tuple[float, float, tuple[
     machine = _machine(site.machine)
     cfg = run.run_config()
     budget = device_budget(machine.memory_bytes) if machine.memory_bytes else None
-    checkpointing, est = check_run(cfg, ranks, machine.device_kind, budget, run=f"{cfg.preset} on {ranks} tiles")
+    plan = resolve_choices(cfg, machine.device_kind, ranks, probe=False)  # that device is not here
+    checkpointing, est = check_run(cfg, ranks, plan, budget, run=f"{cfg.preset} on {ranks} tiles")
     return est.peak_gib, budget / GIB if budget else nan, checkpointing
 
 

@@ -43,6 +43,8 @@ from pathlib import Path
 import torch
 
 from ..atomic import atomic_dir
+from ..config import RunConfig, from_dict
+from ..model.transformer import Transformer
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 FORMAT, VERSION = "dcp", 2  # meta.json's "format" and "version" of what save_checkpoint writes
@@ -493,3 +495,17 @@ def load_torch_format_(found: Checkpoint, model, optimizer) -> None:
         for moment in MOMENTS:
             if moment in state and state[moment].shape != p.shape:
                 state[moment] = state[moment].reshape(p.shape)
+
+
+def load_model(run_dir: str | Path, map_location: str = "cpu", *, with_step: bool = False):
+    """The newest valid checkpoint of ``run_dir`` as ``(model, RunConfig)``, in eval mode.
+
+    ``with_step=True`` returns ``(model, RunConfig, step)``: the step the checkpoint was saved at.
+    """
+    found = latest_valid(Path(run_dir))
+    if found is None:
+        raise FileNotFoundError(f"{run_dir}: no valid checkpoint (expected checkpoints/step_*/ with meta.json)")
+    cfg = from_dict(RunConfig, found.meta["config"])
+    model = Transformer(cfg.model)
+    model.load_state_dict(found.load_model_state(map_location))
+    return (model.eval(), cfg, found.step) if with_step else (model.eval(), cfg)

@@ -57,7 +57,8 @@ def adamw(groups: list[dict], cfg: OptimConfig, kernel: str = "torch", device: t
     """The AdamW over ``groups`` (parameters on ``device``) by ``kernel`` ("triton": TritonAdamW,
     "torch": torch.optim.AdamW, fused on CUDA), keeping the copies ``casts`` ({parameter of
     groups: copy}) current after every step; with ``norm_under_backward``, the clip's norm taken
-    under the last backward (GradNormUnderBackward: a CUDA side stream)."""
+    under the last backward (GradNormUnderBackward: a CUDA side stream). Either optimizer holds
+    the copies as ``.casts``."""
     casts = dict(casts or {})
     device = torch.device(device)
     if kernel == "triton":
@@ -66,6 +67,7 @@ def adamw(groups: list[dict], cfg: OptimConfig, kernel: str = "torch", device: t
         opt = TritonAdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, casts=casts)
     else:  # torch: the fused CUDA kernel on CUDA; its default (single-tensor or foreach) elsewhere.
         opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=device.type == "cuda" or None)
+        opt.casts = casts
         if casts:  # a cast pass after the update (the one the forward no longer makes)
             opt.register_step_post_hook(lambda *_: refresh_casts(casts))
     if norm_under_backward:

@@ -143,23 +143,24 @@ def test_a_runs_layout_is_what_its_execution_plan_runs():
     from optimus_core.config import ExecutionConfig, RunConfig, TrainConfig
     from optimus_core.execution import resolve_choices
 
+    def of_run(cfg, world, checkpointing, device):  # planned for a device not here: its kernels assumed to pass
+        return MemoryLayout.of_run(cfg, world, checkpointing, resolve_choices(cfg, device, world, probe=False))
+
     cfg = RunConfig(model=MOE, train=TrainConfig(global_batch=4))
-    gpu = MemoryLayout.of_run(cfg, 1, ("none", 1), "cuda")  # planned for a GPU: its kernels assumed to pass
+    gpu = of_run(cfg, 1, ("none", 1), "cuda")  # planned for a GPU: its kernels assumed to pass
     assert (gpu.dtype, gpu.lm_loss_kernel, gpu.expert_weight_casts, gpu.bf16_expert_grads) == ("bfloat16", True,
                                                                                                True, True)
-    cpu = MemoryLayout.of_run(cfg, 1, ("full", 2), "cpu")
+    cpu = of_run(cfg, 1, ("full", 2), "cpu")
     assert (cpu.dtype, cpu.lm_loss_kernel, cpu.expert_weight_casts, cpu.bf16_expert_grads) == ("float32", False,
                                                                                                False, False)
     assert (cpu.checkpointing, cpu.every, cpu.micro_batch, cpu.accumulation) == ("full", 2, 4, 1)
     # micro-batches would add up in bf16: float32 expert gradients, the copies stay
-    accumulating = MemoryLayout.of_run(cfg.replace(train=TrainConfig(global_batch=4, micro_batch=2)), 1, ("none", 1),
-                                       "cuda")
+    accumulating = of_run(cfg.replace(train=TrainConfig(global_batch=4, micro_batch=2)), 1, ("none", 1), "cuda")
     assert (accumulating.accumulation, accumulating.expert_weight_casts, accumulating.bf16_expert_grads) == (2, True,
                                                                                                            False)
-    recast = MemoryLayout.of_run(cfg.replace(execution=ExecutionConfig(recast_expert_weights=True)), 1, ("none", 1),
-                                 "cuda")
+    recast = of_run(cfg.replace(execution=ExecutionConfig(recast_expert_weights=True)), 1, ("none", 1), "cuda")
     assert not recast.expert_weight_casts and not recast.bf16_expert_grads
-    sharded = MemoryLayout.of_run(cfg, 2, ("none", 1), "xpu")
+    sharded = of_run(cfg, 2, ("none", 1), "xpu")
     assert (sharded.world, sharded.dtype, sharded.expert_weight_casts, sharded.bf16_expert_grads) == (2, "bfloat16",
                                                                                                       False, False)
     # a plan given as it is: its choices, not the device type's

@@ -14,11 +14,11 @@ from optimus_core.rehearsal import fmt, rehearse
 def _cfg(**extra):
     return presets.get("mula-7b-a1b@laptop").run_config(**{
         "parallel.ep": 2, "parallel.dp_shard": 4, "train.global_batch": 16, "train.micro_batch": 1,
-        "train.dtype": "bfloat16", "model.n_layers": 2, "data.seq_len": 32, **extra})
+        "execution.dtype": "bfloat16", "model.n_layers": 2, "data.seq_len": 32, **extra})
 
 
 def test_a_rank_of_eight_trains_on_loopback_collectives_and_writes_its_checkpoint(tmp_path):
-    cfg = _cfg(**{"train.activation_checkpointing": "full"})
+    cfg = _cfg(**{"execution.activation_checkpointing": "full"})
     record = rehearse(cfg, 8, rank=3, device="cpu", steps=2, micro_batches=2, save_dir=str(tmp_path))
     assert not dist.is_initialized()  # the fake world is gone
     assert record["steps"] == 2 and record["accumulation"] == 2 and record["checkpointing"] == "full/1"

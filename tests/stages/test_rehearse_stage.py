@@ -10,7 +10,7 @@ from stages.report import _memory
 
 def _job(world):
     cfg = presets.get("mula-7b-a1b@laptop").run_config(**{"parallel.ep": 2, "train.global_batch": 16,
-                                                          "train.micro_batch": 1, "train.dtype": "bfloat16"})
+                                                          "train.micro_batch": 1, "execution.dtype": "bfloat16"})
     return Rehearsal("laptop-moe", cfg, world, ("none", 1), budget_gib=1.0)
 
 

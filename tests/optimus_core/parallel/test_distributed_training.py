@@ -98,7 +98,7 @@ def test_accumulated_micro_batches_with_activation_checkpointing_follow_the_one_
     recomputing every block, or the experts' computation."""
     ref, _ = single
     cfg = _cfg(ep=ep, dp_shard=dp_shard)
-    cfg = cfg.replace(train=cfg.train.replace(activation_checkpointing=checkpointing))
+    cfg = cfg.replace(execution=cfg.execution.replace(activation_checkpointing=checkpointing))
     got = _distributed(2, cfg, tokens_dir, tmp_path / "run", tmp_path / "rows.json")
     assert max(abs(a - b) for a, b in zip(got["loss"], ref["loss"])) < 1e-5
 
@@ -112,11 +112,12 @@ def test_initial_weights_do_not_depend_on_the_layout(tmp_path, ep, dp_shard):
     cfg = _cfg(ep=ep, dp_shard=dp_shard)
     spawn_local(_init_worker, 4, (cfg.to_json(), str(tmp_path)), start_method="fork")
     whole = ckpt.latest_valid(tmp_path).load_model_state()
-    one = build_model(cfg).state_dict()
+    alone = _cfg()  # one process: no expert or shard groups
+    one = build_model(alone).state_dict()
     assert whole.keys() == one.keys()
     for name in one:
         assert torch.equal(whole[name], one[name]), name
-    assert not torch.equal(one["embed.weight"], build_model(cfg.replace(train=cfg.train.replace(seed=1)))
+    assert not torch.equal(one["embed.weight"], build_model(alone.replace(train=alone.train.replace(seed=1)))
                            .state_dict()["embed.weight"])
 
 
@@ -189,14 +190,14 @@ def _whole_experts(cfg):
 
 @pytest.mark.slow
 def test_compiled_blocks_with_expert_parallelism_follow_the_eager_run(tokens_dir, tmp_path):
-    """train.compile with EP = 2: the dispatch's host wait and collectives break the compiled
+    """execution.compile with EP = 2: the dispatch's host wait and collectives break the compiled
     graphs of the MoE layer, the rest compiles; the losses follow the eager one-process run."""
     steps = 3
     sink = ListSink()
     Trainer(_cfg(steps=steps), tokens_dir, tmp_path / "eager", writer=sink, progress=False).fit()
     ref = _rows(sink)
     cfg = _cfg(ep=2, steps=steps)
-    cfg = cfg.replace(train=cfg.train.replace(compile=True))
+    cfg = cfg.replace(execution=cfg.execution.replace(compile=True))
     got = _distributed(2, cfg, tokens_dir, tmp_path / "run", tmp_path / "rows.json")
     assert got["steps"] == list(range(1, steps + 1))
     assert max(abs(a - b) for a, b in zip(got["loss"], ref["loss"])) < 1e-4  # inductor may reorder sums

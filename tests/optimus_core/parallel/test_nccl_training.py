@@ -17,9 +17,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu,
 
 
 def _gpu_cfg(backend: str, **kw) -> RunConfig:
-    cfg = _cfg(**kw)
-    moe = cfg.model.moe.replace(experts_backend=backend)
-    return cfg.replace(model=cfg.model.replace(moe=moe), train=cfg.train.replace(device="cuda"))
+    cfg = _cfg(**kw)  # float32 on the GPU too, so that the runs can agree to 1e-4; no compile (not the point)
+    return cfg.replace(execution=cfg.execution.replace(experts=backend, dtype="float32", compile=False),
+                       train=cfg.train.replace(device="cuda"))
 
 
 @pytest.mark.parametrize("backend", ["loop", "triton"])

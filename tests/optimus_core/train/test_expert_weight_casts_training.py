@@ -1,8 +1,9 @@
-"""The optimizers keep the experts' bf16 weight copies current (train.expert_weight_casts): after
+"""The optimizers keep the experts' bf16 weight copies current (the execution plan's expert_copies): after
 every step of a bf16 run each copy equals its weight cast, bit for bit, with TritonAdamW (which
 writes it in its update kernel) and torch's AdamW (a cast after its step), after a skipped step,
 and across a checkpoint resume; and the run is the run without copies, bit for bit. With the
-gradients kept on the copies in bf16 (train.expert_grad_dtype), the run is still the same."""
+gradients kept on the copies in bf16 (the plan's bf16_expert_grads), the run is still the same."""
+import dataclasses
 import os
 
 import pytest
@@ -10,14 +11,16 @@ import torch
 
 import kernels
 from optimus_core import presets
-from optimus_core.config import ModelConfig, MoEConfig, OptimConfig, TrainConfig
+from optimus_core.config import (DataConfig, ExecutionConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig,
+                                 TrainConfig)
+from optimus_core.execution import resolve_choices
 from optimus_core.model.experts import assert_weight_casts_current
 from optimus_core.model.transformer import Transformer
 from optimus_core.train import checkpoint as ckpt
 from optimus_core.train import loop as loop_module
 from optimus_core.train import step as step_module
 from optimus_core.train.loop import Trainer
-from optimus_core.train.optim import build_optimizer, gradients, use_bf16_expert_grads
+from optimus_core.train.optim import build_optimizer, gradients
 from optimus_core.train.step import micro_batch_loss, train_step
 
 from sinks import ListSink
@@ -36,6 +39,13 @@ def _model(casts: bool):
     return model
 
 
+def _plan(optim=None, world_size=1, *, train=TrainConfig(global_batch=4), **execution):
+    """The plan of a bf16 run of MODEL on a CPU (``execution``: more of its execution section)."""
+    run = RunConfig(model=MODEL, optim=optim or OptimConfig(), train=train, data=DataConfig(seq_len=8),
+                    execution=ExecutionConfig(**{"dtype": "bfloat16", **execution}))
+    return resolve_choices(run, "cpu", world_size)
+
+
 def _batch(step):
     return torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(100 + step))
 
@@ -46,7 +56,9 @@ def _step(model, opt, step, **kw):
 
 @pytest.mark.parametrize("implementation", ["torch", pytest.param("triton", marks=TRITON_ON_CPU)])
 def test_every_step_keeps_the_copies_current_and_the_run_unchanged(implementation, monkeypatch):
-    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, implementation=implementation)
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
+    plan = _plan(cfg, adamw=implementation)
+    assert plan.expert_copies and plan.bf16_expert_grads == (implementation == "triton")
     fused = []
     real = kernels.adamw_step_
 
@@ -56,7 +68,7 @@ def test_every_step_keeps_the_copies_current_and_the_run_unchanged(implementatio
 
     monkeypatch.setattr(kernels, "adamw_step_", spy)
     plain, copied = _model(casts=False), _model(casts=True)
-    plain_opt, opt = build_optimizer(plain, cfg), build_optimizer(copied, cfg)
+    plain_opt, opt = build_optimizer(plain, cfg, plan), build_optimizer(copied, cfg, plan)
     assert type(opt).__name__ == ("TritonAdamW" if implementation == "triton" else "AdamW")
     for step in range(STEPS):
         a, b = _step(plain, plain_opt, step), _step(copied, opt, step)
@@ -71,7 +83,8 @@ def test_every_step_keeps_the_copies_current_and_the_run_unchanged(implementatio
 
 def test_a_skipped_step_writes_nothing():
     model = _model(casts=True)
-    opt = build_optimizer(model, OptimConfig(lr=1e-2, implementation="torch"))
+    opt = build_optimizer(model, OptimConfig(lr=1e-2), _plan(adamw="torch"))
+    assert type(opt).__name__ == "AdamW"
     _step(model, opt, 0)
     before = {n: t.clone() for n, t in model.named_buffers() if n.endswith("_cast")}
     stats = _step(model, opt, 1, accept=lambda loss: False)
@@ -88,15 +101,7 @@ def test_a_resumed_bf16_run_with_a_skipped_step_is_the_same_run(tokens_dir, tmp_
     the uninterrupted run, bit for bit, and current copies at the end."""
     cfg = presets.get("mula-7b-a1b@laptop").run_config(**{
         "train.steps": 6, "train.checkpoint_every": 3, "train.eval_batches": 1, "train.device": "cpu",
-        "train.dtype": "bfloat16", "schedule.warmup_steps": 2, "model.n_layers": 1})
-    real_build = loop_module.build_model
-
-    def build_with_copies(cfg, mesh=None, **kw):  # what the loop's build_model does with the flag on
-        model = real_build(cfg, mesh, **kw)
-        assert model.use_expert_weight_casts(cfg.train)
-        return model
-
-    monkeypatch.setattr(loop_module, "build_model", build_with_copies)
+        "execution.dtype": "bfloat16", "schedule.warmup_steps": 2, "model.n_layers": 1})
     real_loss, calls = step_module.micro_batch_loss, [0]
 
     def nan_on_call_2(*args, **kwargs):
@@ -107,6 +112,8 @@ def test_a_resumed_bf16_run_with_a_skipped_step_is_the_same_run(tokens_dir, tmp_
     monkeypatch.setattr(step_module, "micro_batch_loss", nan_on_call_2)
     straight = ListSink()
     trainer = Trainer(cfg, tokens_dir, tmp_path / "straight", writer=straight, progress=False)
+    assert trainer.plan.dtype == "bfloat16" and trainer.plan.expert_copies  # one process under bf16
+    assert assert_weight_casts_current(trainer.model) == 2 and trainer.optimizer.casts
     trainer.fit()
     assert [e["kind"] for e in trainer.events] == ["nonfinite"]
     assert assert_weight_casts_current(trainer.model) == 2
@@ -133,38 +140,58 @@ def test_a_resumed_bf16_run_with_a_skipped_step_is_the_same_run(tokens_dir, tmp_
     assert assert_weight_casts_current(trainer.model) == 2
 
 
-# ---------------------------------------------------------------- train.expert_grad_dtype
-# Where it resolves to bfloat16, the expert weights' gradients stay on their bf16 copies and
+# ---------------------------------------------------------------- the plan's bf16_expert_grads
+# Where the plan keeps them in bf16, the expert weights' gradients stay on their bf16 copies and
 # TritonAdamW applies them; the run is the float32-gradient run, since both take the same bf16 dW
-# (the loop backend's bf16 matmul; float32 mode only widens it). Where it cannot work, "auto"
-# falls back and "bfloat16" says what is missing.
-BF16 = TrainConfig(dtype="bfloat16", global_batch=4)
+# (the loop backend's bf16 matmul; float32 mode only widens it). Where that cannot work, the plan
+# keeps them float32 and says why.
 
 
-@pytest.mark.parametrize("case, train, optim, ranks, missing", [
-    ("torch's AdamW", BF16, OptimConfig(implementation="torch"), 1, "the Triton AdamW"),
-    ("two ranks", BF16, OptimConfig(implementation="torch"), 2, "one process"),
-    ("micro-batches", TrainConfig(dtype="bfloat16", global_batch=4, micro_batch=2), OptimConfig(implementation="torch"),
-     1, "one micro-batch per step (train.micro_batch = 2 of 4"),
-    ("no copies", BF16, OptimConfig(implementation="torch"), 1, "the experts' bf16 weight copies"),
+@pytest.mark.parametrize("case, plan, why", [
+    ("torch's AdamW", lambda: _plan(adamw="torch"), "torch's AdamW takes float32 gradients"),
+    pytest.param("micro-batches", lambda: _plan(adamw="triton", train=TrainConfig(global_batch=4, micro_batch=2)),
+                 "several micro-batches would add up in bf16", marks=TRITON_ON_CPU),
+    pytest.param("two ranks", lambda: _plan(adamw="triton", world_size=2), None, marks=TRITON_ON_CPU),
+    pytest.param("recast weights", lambda: _plan(adamw="triton", recast_expert_weights=True), None, marks=TRITON_ON_CPU),
+    pytest.param("float32", lambda: _plan(adamw="triton", dtype="float32"), None, marks=TRITON_ON_CPU),
 ])
-def test_auto_falls_back_and_bfloat16_says_what_is_missing(case, train, optim, ranks, missing):
-    model = _model(casts=case != "no copies")
-    assert use_bf16_expert_grads(model, train, optim, torch.device("cpu"), ranks) is False
-    asked = train.replace(expert_grad_dtype="bfloat16")
-    with pytest.raises(ValueError, match=r"train.expert_grad_dtype = 'bfloat16' needs .*" + missing.replace("(", r"\(")):
-        use_bf16_expert_grads(model, asked, optim, torch.device("cpu"), ranks)
-    assert use_bf16_expert_grads(model, train.replace(expert_grad_dtype="float32"), optim, torch.device("cpu"),
-                                 ranks) is False
+def test_the_plan_keeps_float32_expert_gradients_where_bf16_cannot_work(case, plan, why):
+    plan = plan()
+    assert plan.adamw == ("torch" if case == "torch's AdamW" else "triton")
+    assert not plan.bf16_expert_grads
+    assert plan.expert_copies == (case in ("torch's AdamW", "micro-batches"))  # the copies alone still help
+    if why:
+        assert plan.why["expert gradients"] == why
+    if case == "two ranks":
+        assert plan.why["expert weights"] == "sharded units are gathered in bf16"
+    model = _model(casts=plan.expert_copies)
+    opt = build_optimizer(model, OptimConfig(), plan)
+    assert len(opt.casts) == (4 if plan.expert_copies else 0)
+    assert not any(c.requires_grad for c in opt.casts.values())  # the gradients stay on the weights
+
+
+@TRITON_ON_CPU
+def test_the_plan_keeps_bf16_expert_gradients_only_where_the_copies_exist():
+    """bf16 gradients need the Triton AdamW, one process and one micro-batch per step, and the
+    model's copies: built without them, build_optimizer keeps the gradients on the weights."""
+    plan = _plan(adamw="triton")
+    assert plan.expert_copies and plan.bf16_expert_grads and "expert gradients" not in plan.why
+    one_micro_batch = TrainConfig(global_batch=4, micro_batch=4)
+    assert _plan(adamw="triton", train=one_micro_batch).bf16_expert_grads
+    model = _model(casts=False)
+    opt = build_optimizer(model, OptimConfig(), plan)
+    assert not opt.casts
+    micro_batch_loss(model, _batch(0), dtype="bfloat16").backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
 
 
 @TRITON_ON_CPU
 def test_gradients_stay_on_the_copies_in_bf16():
     model = _model(casts=True)
-    opt = build_optimizer(model, OptimConfig(implementation="triton"), BF16)
+    opt = build_optimizer(model, OptimConfig(), _plan(adamw="triton"))
     casts = opt.casts
     assert len(casts) == 4 and all(c.requires_grad for c in casts.values())
-    micro_batch_loss(model, _batch(0), dtype="bfloat16", fused=True).backward()
+    micro_batch_loss(model, _batch(0), dtype="bfloat16").backward()
     for w, copy in casts.items():
         assert w.grad is None and copy.grad is not None and copy.grad.dtype == torch.bfloat16
         assert copy.grad.shape == w.shape and copy.grad.abs().sum() > 0
@@ -184,14 +211,16 @@ def test_the_run_is_the_float32_gradient_run(compiled):
     loop backend's dW is the same bf16 matmul either way), eager and with compiled blocks (the
     copies are buffers that require grad there)."""
     runs = []
-    for grad_dtype in ("float32", "auto"):
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
+    plan = _plan(cfg, adamw="triton")
+    assert plan.bf16_expert_grads
+    for bf16_grads in (False, True):
         torch.compiler.reset()
         model = _model(casts=True)
         if compiled:
             model.compile_blocks()
-        opt = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1, implementation="triton"),
-                              BF16.replace(expert_grad_dtype=grad_dtype))
-        assert all(c.requires_grad for c in opt.casts.values()) == (grad_dtype == "auto")
+        opt = build_optimizer(model, cfg, dataclasses.replace(plan, bf16_expert_grads=bf16_grads))
+        assert len(opt.casts) == 4 and all(c.requires_grad == bf16_grads for c in opt.casts.values())
         stats = [train_step(model, opt, _batch(step), micro_batch=0, grad_clip=0.05, lr=1e-2, dtype="bfloat16")
                  for step in range(5)]
         runs.append(([s.loss for s in stats], [float(s.grad_norm) for s in stats],
@@ -214,26 +243,29 @@ def test_on_gpu_with_the_triton_experts(compiled):
         pytest.skip("needs a CUDA device")
     from optimus_core.model.experts import grad_holder
 
-    moe = MoEConfig(n_experts=4, top_k=2, d_expert=64, experts_backend="triton")
+    moe = MoEConfig(n_experts=4, top_k=2, d_expert=64)
     cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, max_seq_len=32, pad_vocab_to=64, moe=moe)
+    run = RunConfig(model=cfg, optim=OptimConfig(lr=1e-2), train=TrainConfig(global_batch=4),
+                    data=DataConfig(seq_len=32), execution=ExecutionConfig(experts="triton"))
+    plan = resolve_choices(run, "cuda")  # auto: bf16, the Triton AdamW, the copies, bf16 expert gradients
+    assert plan.dtype == "bfloat16" and plan.adamw == "triton" and plan.expert_copies and plan.bf16_expert_grads
     runs = []
-    for grad_dtype in ("float32", "auto"):
+    for bf16_grads in (False, True):
         torch.compiler.reset()
-        model = Transformer(cfg)
+        model = Transformer(cfg, experts_backend=plan.experts)
         model.init_weights(seed=0)
         model = model.cuda()
-        model.use_expert_weight_casts(TrainConfig(dtype="bfloat16"))
+        model.set_expert_weight_casts(torch.bfloat16)
         if compiled:
             model.compile_blocks()
-        opt = build_optimizer(model, OptimConfig(lr=1e-2),
-                              TrainConfig(dtype="bfloat16", global_batch=4, expert_grad_dtype=grad_dtype))
+        opt = build_optimizer(model, run.optim, dataclasses.replace(plan, bf16_expert_grads=bf16_grads))
         assert opt.beside_forward is not None and len(opt.grad_norms._from_kernel) == 4
         before = [p.detach().clone() for p in model.parameters()]
         batch = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(9)).cuda()
-        micro_batch_loss(model, batch, dtype="bfloat16", fused=True).backward()
+        micro_batch_loss(model, batch, dtype="bfloat16").backward()
         grads = {name: grad_holder(p, opt.casts).grad.clone() for name, p in model.named_parameters()
                  if "experts" in name}
-        assert {g.dtype for g in grads.values()} == {torch.float32 if grad_dtype == "float32" else torch.bfloat16}
+        assert {g.dtype for g in grads.values()} == {torch.bfloat16 if bf16_grads else torch.float32}
         opt.zero_grad()
         norms, losses = [], []
         for step in range(4):

@@ -1,13 +1,15 @@
 """GradNormUnderBackward (optimus_core.train.grad_norm): the clip's gradient norm taken by hooks
 during the last backward equals the norm of the final gradients, and clipping with it trains to
 the same parameters. On a GPU the norms run on a side stream (the gpu-marked test)."""
+import dataclasses
 import os
 
 import pytest
 import torch
 from torch import nn
 
-from optimus_core.config import OptimConfig
+from optimus_core.config import ExecutionConfig, OptimConfig, RunConfig
+from optimus_core.execution import resolve_choices
 from optimus_core.train.grad_norm import GradNormUnderBackward
 from optimus_core.train.optim import build_optimizer, clip_and_step
 
@@ -65,9 +67,12 @@ def test_gradients_the_hooks_did_not_see_are_counted():
 def test_clipping_with_it_trains_to_the_same_parameters(max_norm):
     """TritonAdamW (fused clip) with and without the norms under the backward: same norms, same
     parameters; without clipping the armed norms are dropped, not left armed."""
-    cfg = OptimConfig(lr=1e-2, implementation="triton", grad_clip=max_norm)
+    cfg = OptimConfig(lr=1e-2, grad_clip=max_norm)
+    plan = resolve_choices(RunConfig(optim=cfg, execution=ExecutionConfig(adamw="triton")), "cpu")
+    assert plan.adamw == "triton" and not plan.grad_norm_under_backward  # a CPU: no side stream
     ref, mine = _model(), _model()
-    ref_opt, opt = build_optimizer(ref, cfg), build_optimizer(mine, cfg)
+    ref_opt, opt = build_optimizer(ref, cfg, plan), build_optimizer(mine, cfg, plan)
+    assert type(opt).__name__ == "TritonAdamW"
     assert getattr(opt, "grad_norms", None) is None  # built on a CPU: not attached by default
     opt.grad_norms = GradNormUnderBackward(mine.parameters())
     for step in range(6):
@@ -158,11 +163,12 @@ def test_a_moe_models_norm_with_the_dw_kernels_squares(compiled, monkeypatch):
     from optimus_core.train.optim import dw_squares
     from optimus_core.train.step import micro_batch_loss
 
-    moe = MoEConfig(n_experts=4, top_k=2, d_expert=8, experts_backend="triton")
-    model = Transformer(ModelConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=2, max_seq_len=8, moe=moe))
+    moe = MoEConfig(n_experts=4, top_k=2, d_expert=8)
+    model = Transformer(ModelConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=2, max_seq_len=8, moe=moe),
+                        experts_backend="triton")
     model.init_weights(seed=0)
     if compiled:
-        model.compile_blocks("default")
+        model.compile_blocks()
     squares = dw_squares(model)
     assert len(squares) == 4 and all(w.ndim == 2 for w in squares)  # the experts' weights (rows)
     norms = GradNormUnderBackward(model.parameters())
@@ -175,7 +181,7 @@ def test_a_moe_models_norm_with_the_dw_kernels_squares(compiled, monkeypatch):
         model.zero_grad()
         read.clear()
         norms.arm()
-        micro_batch_loss(model, tokens, dtype="float32", fused=True).backward()
+        micro_batch_loss(model, tokens, dtype="float32").backward()
         total = norms.total()
         assert not any(g is w.grad for g in read for w in squares)
         assert len(read) == len([p for p in model.parameters() if p.grad is not None]) - 4
@@ -185,26 +191,31 @@ def test_a_moe_models_norm_with_the_dw_kernels_squares(compiled, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("compiled, micro_batch", [(False, 0), (True, 0), (True, 2)])
 def test_training_with_the_dw_kernels_squares_on_gpu(compiled, micro_batch):
-    """build_optimizer on CUDA with the triton experts (optim.grad_norm_from_dw, the default):
-    the clip's norms and the training follow the run that reads every gradient, bf16, eager and
-    compiled; with two micro-batches the expert gradients are read (not whole in the last one)."""
+    """build_optimizer on CUDA with the triton experts (the plan's grad_norm_from_dw, always on
+    there): the clip's norms and the training follow the run that reads every gradient, bf16,
+    eager and compiled; with two micro-batches the expert gradients are read (not whole in the
+    last one)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from optimus_core.config import ModelConfig, MoEConfig, TrainConfig
+    from optimus_core.config import DataConfig, ModelConfig, MoEConfig, TrainConfig
     from optimus_core.model.transformer import Transformer
     from optimus_core.train.step import train_step
 
-    moe = MoEConfig(n_experts=4, top_k=2, d_expert=64, experts_backend="triton")
+    moe = MoEConfig(n_experts=4, top_k=2, d_expert=64)
     cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, max_seq_len=32, pad_vocab_to=64, moe=moe)
+    run = RunConfig(model=cfg, optim=OptimConfig(lr=1e-2), train=TrainConfig(global_batch=4, micro_batch=micro_batch),
+                    data=DataConfig(seq_len=32), execution=ExecutionConfig(dtype="bfloat16", experts="triton"))
+    plan = resolve_choices(run, "cuda")
+    assert plan.grad_norm_under_backward and plan.grad_norm_from_dw and plan.expert_copies
     runs = []
     for from_dw in (False, True):
-        model = Transformer(cfg)
+        model = Transformer(cfg, experts_backend="triton")
         model.init_weights(seed=0)
         model = model.cuda()
-        model.use_expert_weight_casts(TrainConfig(dtype="bfloat16"))  # the bf16 copies: the cast op
+        model.set_expert_weight_casts(torch.bfloat16)  # the bf16 copies: the cast op
         if compiled:
             model.compile_blocks()
-        opt = build_optimizer(model, OptimConfig(lr=1e-2, grad_norm_from_dw=from_dw))
+        opt = build_optimizer(model, run.optim, dataclasses.replace(plan, grad_norm_from_dw=from_dw))
         assert bool(opt.grad_norms._from_kernel) == from_dw
         norms, losses = [], []
         for step in range(4):

@@ -12,7 +12,7 @@ import pytest
 
 from optimus_core import presets
 from optimus_core.config import ConfigError, parse_value
-from optimus_core.parallel.launch import ChildProcess, run_with_restarts
+from optimus_core.train.restarts import ChildProcess, run_with_restarts
 from optimus_core.store import open_store
 from optimus_core.train import checkpoint as ckpt
 from optimus_core.train.loop import Trainer

@@ -1,0 +1,115 @@
+"""Predicted sweeps and node-hours: a preset over device counts (predict_sweep, paper_sweep), a
+registry run's node-hours (estimate_node_hours), and the model's row for each measured point.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from optimus_core import presets
+from optimus_core.config import ConfigError
+
+from .machine import Machine
+from .step import WHATIFS, Layout, point_layout, predict, predict_point
+
+
+# ----------------------------------------------------------------------------- sweeps and node-hours
+
+def efficiency(devices: Sequence[int], step_s: Sequence[float]) -> list[float]:
+    """Strong-scaling efficiency T(base) x base / (T(n) x n), base = the smallest device count."""
+    i0 = int(np.argmin(devices))
+    return [step_s[i0] * devices[i0] / (t * n) for n, t in zip(devices, step_s)]
+
+
+def predict_sweep(preset: str, tiles_list: Sequence[int], machine: Machine, *, global_batch: int,
+                  ep: int, micro_batch: int = 1, seq_len: int = 0, dtype: str = "bfloat16",
+                  optimizer: str = "ep_aware", overrides: Optional[dict] = None, overlap: str = "layers",
+                  chunk_mb: float = 128.0, dp_shard: int = 0, experts: str = "triton") -> list[dict]:
+    """One row per tile count: the layout (``overlap`` included), each phase, tokens/s and
+    efficiency within the sweep. ``dp_shard``: the shard block (parallel.dp_shard), capped at
+    each point's tile count. A what-if ``overlap`` (WHATIFS: one our step does not do) marks
+    its rows with ``scenario`` so they never mix with the plain sweep."""
+    p = presets.get(preset)
+    cfg = p.run_config(**overrides).model if overrides else p.model
+    seq_len = seq_len or p.seq_len
+    rows = []
+    for tiles in tiles_list:
+        layout = Layout(devices=tiles, ep=ep, global_batch=global_batch, micro_batch=micro_batch,
+                        seq_len=seq_len, optimizer=optimizer if tiles > 1 else "local", dtype=dtype, overlap=overlap,
+                        chunk_mb=chunk_mb, dp_shard=dp_shard if 0 < dp_shard < tiles else 0, experts=experts)
+        pred = predict(cfg, layout, machine)
+        rows.append({"preset": preset, "machine": machine.name, "devices": tiles, "ep": ep, "overlap": overlap,
+                     "dp_shard": layout.dp_shard,
+                     **({"scenario": f"overlap {overlap}"} if overlap in WHATIFS else {}),
+                     "nodes": math.ceil(tiles / machine.devices_per_node), "global_batch": global_batch,
+                     "micro_batch": micro_batch, "seq_len": seq_len, "dtype": dtype, "optimizer": layout.optimizer,
+                     **pred.as_dict(), "tokens_per_s": global_batch * seq_len / pred.step_s})
+    for row, eff in zip(rows, efficiency([r["devices"] for r in rows], [r["step_s"] for r in rows])):
+        row["efficiency"] = eff
+    return rows
+
+
+def code_overlap(parallel) -> str:
+    """The overlap our step does on several ranks: full sharding's per-unit collectives."""
+    return "layers"
+
+
+def planned_execution(cfg, machine: Machine, devices: int):
+    """The execution plan of ``cfg`` on ``devices`` of ``machine``, as the run will resolve it
+    there (optimus_core.execution; its kernels assumed to pass their self-check)."""
+    from optimus_core.execution import resolve_choices
+
+    return resolve_choices(cfg, machine.device_kind, devices, probe=False)
+
+
+def paper_sweep(machine: Machine, overlap: Optional[str] = None) -> list[dict]:
+    """The paper's strong-scaling sweep of Mula-220B-A10B as the registry defines it
+    (workflow/experiments.py: SCALING_TILES, SCALING_BATCH, ep 32, bf16), one sequence per
+    micro-batch (12288 tiles hold one sequence each; 384 accumulate 32). ``overlap`` None: what
+    the run's configuration does (code_overlap); a what-if otherwise."""
+    from workflow import experiments as ex
+
+    run = ex.get(f"scaling-mula-220b-a10b-{ex.SCALING_TILES[0]}").paper
+    cfg = run.run_config()
+    plan = planned_execution(cfg, machine, run.devices)
+    return predict_sweep(run.preset, ex.SCALING_TILES, machine, global_batch=ex.SCALING_BATCH, ep=run.ep,
+                         micro_batch=1, dtype=plan.dtype, experts=plan.experts or "loop", overlap=overlap or code_overlap(cfg.parallel),
+                         dp_shard=ex.get(f"scaling-mula-220b-a10b-{ex.SCALING_TILES[-1]}").paper.run_config().parallel.dp_shard)
+
+
+def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> dict[str, Any]:
+    """Hours and node-hours of a registry run (workflow.experiments.RunScale) on ``machine``:
+    steps x predicted step time. ``source`` says it is the model's estimate."""
+    cfg = run_scale.run_config()
+    local = cfg.train.global_batch // run_scale.devices
+    if local < 1 or cfg.train.global_batch % run_scale.devices:
+        raise ConfigError(f"global_batch = {cfg.train.global_batch}: must be a multiple of the "
+                          f"{run_scale.devices} devices for the performance model")
+    mb = cfg.train.micro_batch or (micro_batch if local % micro_batch == 0 else 0)
+    plan = planned_execution(cfg, machine, run_scale.devices)
+    layout = Layout(devices=run_scale.devices, ep=cfg.parallel.ep, global_batch=cfg.train.global_batch,
+                    micro_batch=mb, seq_len=cfg.data.seq_len, experts=plan.experts or "loop",
+                    optimizer=cfg.parallel.optimizer if run_scale.devices > 1 else "local", dtype=plan.dtype,
+                    overlap=code_overlap(cfg.parallel), dp_shard=cfg.parallel.dp_shard,
+                    reduce_bytes=4 if cfg.parallel.reduce_dtype == "float32" else 2)
+    pred = predict(cfg.model, layout, machine)
+    hours = run_scale.steps * pred.step_s / 3600
+    nodes = math.ceil(run_scale.devices / machine.devices_per_node)
+    return {"source": f"perfmodel:{machine.name}", "step_s": pred.step_s, "steps": run_scale.steps,
+            "hours": hours, "nodes": nodes, "node_hours": hours * nodes, "prediction": pred}
+
+
+def predict_points(points: Sequence[dict], machine: Machine) -> list[dict]:
+    """The model's row for each measured point (same identity fields, predicted phases), e.g. to
+    draw a calibrated model beside a measured sweep."""
+    rows = []
+    for p in points:
+        pred = predict_point(p, machine)
+        rows.append({**({"run_id": p["run_id"]} if p.get("run_id") else {}),
+                     "preset": p["preset"], "device": p.get("device", machine.name), "machine": machine.name,
+                     "devices": int(p["devices"]), "ep": int(p.get("ep", 1)),
+                     "optimizer": point_layout(p).optimizer, **pred.as_dict(),
+                     "tokens_per_s": int(p["global_batch"]) * int(p["seq_len"]) / pred.step_s})
+    return rows
