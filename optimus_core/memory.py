@@ -135,7 +135,7 @@ class MemoryEstimate:
 
     def describe(self) -> str:
         parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in self.terms.items() if v >= 0.05 * GIB)
-        return f"{self.peak_gib:.1f} GiB at the {self.at} ({parts})"
+        return f"{self.peak_gib:.1f} GiB at the {self.at}" + (f" ({parts})" if parts else "")  # none: all tiny
 
 
 # ----------------------------------------------------------------------------- parameters

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,7 +44,7 @@ from optimus_core.config import ExecutionConfig, RunConfig, from_dict
 from optimus_core.model.transformer import Transformer
 from optimus_core.provenance import utc_now
 from optimus_core.store import open_store
-from optimus_core.train.checkpoint import Checkpoint, latest_valid, list_step_dirs, validate
+from optimus_core.train.checkpoint import Checkpoint, latest_valid, newest_meta, valid_checkpoints
 from optimus_core.train.evaluate import heldout_metrics
 
 BUILTIN_TASKS = ("heldout", "continuation", "docstring")  # anything else is handed to lm-eval by name
@@ -114,13 +113,13 @@ def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
     if not meta_path.is_file():
         raise FileNotFoundError(f"{run_dir}: not a run directory (no meta.json)")
     run_id = json.loads(meta_path.read_text())["run_id"]
-    found = _checkpoints(run_dir, config.all_checkpoints)
-    newest = found[-1]
-    data_dir = Path(inputs.data_dir or newest.cfg.data.path)
     from optimus_core.parallel.mesh import read_launch_env
 
     if read_launch_env().world_size > 1:
-        return _run_sharded(config, outputs, run_id, found, data_dir)
+        return _run_sharded(config, inputs, outputs, run_id)
+    found = _checkpoints(run_dir, config.all_checkpoints)
+    newest = found[-1]
+    data_dir = Path(inputs.data_dir or newest.cfg.data.path)
     heldout_rows: list[dict] = []  # oldest first: the store's rows stay in step order
     down_rows: list[dict] = []
     scores: dict = {}
@@ -162,9 +161,11 @@ def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
                           checkpoints=[r["step"] for r in heldout_rows or down_rows])
 
 
-def _run_sharded(config: EvaluateConfig, outputs: EvaluateOutputs, run_id: str, found: list["_Point"],
-                 data_dir: Path) -> EvaluateResult:
-    """Held-out metrics of each checkpoint on the model sharded over this job's ranks (module doc)."""
+def _run_sharded(config: EvaluateConfig, inputs: EvaluateInputs, outputs: EvaluateOutputs,
+                 run_id: str) -> EvaluateResult:
+    """Held-out metrics of each checkpoint on the model sharded over this job's ranks (module doc):
+    the layout from the newest checkpoint's config, then each rank validates its share of the
+    checkpoints (optimus_core.train.checkpoint.latest_valid) before reading its rows."""
     from optimus_core.config import ConfigError
     from optimus_core.parallel import init_distributed, shutdown
 
@@ -173,10 +174,16 @@ def _run_sharded(config: EvaluateConfig, outputs: EvaluateOutputs, run_id: str, 
                           f"tasks need the whole model in one process)")
     from optimus_core.parallel.mesh import read_launch_env
 
-    cfg = _eval_layout(found[-1].cfg, read_launch_env().world_size)
+    run_dir = Path(inputs.run_dir)
+    meta = newest_meta(run_dir)
+    if meta is None:
+        raise FileNotFoundError(f"{run_dir}: no checkpoint (expected checkpoints/step_*/ with meta.json)")
+    cfg = _eval_layout(from_dict(RunConfig, meta["config"]), read_launch_env().world_size)
     mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts if cfg.model.moe else None, config.device)
     rows = []
     try:
+        found = _checkpoints(run_dir, config.all_checkpoints, (mesh.rank, mesh.world_size), mesh.all_max)
+        data_dir = Path(inputs.data_dir or found[-1].cfg.data.path)
         for point in found:
             model = _load_sharded(point, mesh)
             rows.append({"step": point.step, "tokens": point.tokens, **heldout_metrics(
@@ -245,17 +252,15 @@ class _Point:
         return model.eval()
 
 
-def _checkpoints(run_dir: Path, every: bool) -> list[_Point]:
-    """The newest valid checkpoint, or (``every``) each valid one, oldest first."""
+def _checkpoints(run_dir: Path, every: bool, share: tuple[int, int] = (0, 1),
+                 all_max=None) -> list[_Point]:
+    """The newest valid checkpoint, or (``every``) each valid one, oldest first; several ranks
+    (``share``, ``all_max``: optimus_core.train.checkpoint.latest_valid) each check their share."""
+    collective = {"share": share, **({"all_max": all_max} if all_max else {})}
     if every:
-        found = []
-        for path in list_step_dirs(run_dir):
-            try:
-                found.append(Checkpoint(path, validate(path)))
-            except (ValueError, json.JSONDecodeError) as e:
-                warnings.warn(f"skipping checkpoint: {e}", stacklevel=3)
+        found = valid_checkpoints(run_dir, **collective)
     else:
-        newest = latest_valid(run_dir)
+        newest = latest_valid(run_dir, **collective)
         found = [newest] if newest is not None else []
     if not found:
         raise FileNotFoundError(f"{run_dir}: no valid checkpoint (expected checkpoints/step_*/ with meta.json)")

@@ -27,7 +27,10 @@ from typing import Sequence
 from optimus_core.atomic import atomic_write
 from optimus_core.config import RunConfig
 from optimus_core.device import device_slug
+from optimus_core.log import get_logger
 from optimus_core.rehearsal import fmt, rehearse
+
+_log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ def run_rehearse(config: RehearseConfig, outputs: RehearseOutputs) -> RehearseRe
         record.update(name=job.name, budget_gib=job.budget_gib,
                       within_budget=None if job.budget_gib is None or "peak_allocated_gib" not in record
                       else bool(record["peak_allocated_gib"] <= job.budget_gib))
-        print(fmt(record) + (f"; budget {job.budget_gib:.1f} GiB" if job.budget_gib else ""), flush=True)
+        _log.info(fmt(record) + (f"; budget {job.budget_gib:.1f} GiB" if job.budget_gib else ""))
         result.records.append(record)
         kept = [r for r in kept if record_key(r) != record_key(record)] + [record]
         if outputs.jsonl:

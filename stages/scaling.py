@@ -58,6 +58,9 @@ from typing import Any, Sequence, Union
 
 from optimus_core.atomic import atomic_write
 from optimus_core.config import ConfigError, RunConfig
+from optimus_core.log import get_logger
+
+_log = get_logger(__name__)
 
 TABLE = "scaling"
 STRING_FIELDS = ("preset", "device", "optimizer", "experts_backend", "dtype")
@@ -355,9 +358,9 @@ def measure_layouts(config: ScalingConfig, layouts: Sequence[PointLayout], progr
                 points[i] = _describe(config, layouts[i], cfgs[i], point)
                 if progress:
                     lay = layouts[i]
-                    print(f"[scaling] {lay.devices} rank(s), ep {lay.ep}, {points[i]['setting']}"
-                          f"{' (' + lay.role + ')' if lay.role else ''}: "
-                          f"{point['step_s']:.3f} s/step, {point['tokens_per_s']:,.0f} tokens/s", flush=True)
+                    _log.info(f"scaling: {lay.devices} rank(s), ep {lay.ep}, {points[i]['setting']}"
+                              f"{' (' + lay.role + ')' if lay.role else ''}: "
+                              f"{point['step_s']:.3f} s/step, {point['tokens_per_s']:,.0f} tokens/s")
     return points  # type: ignore[return-value]
 
 

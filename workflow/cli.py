@@ -13,17 +13,71 @@
                       --out results/perfmodel.json
     optimus presets | optimus experiments
 
-Stages never import this module (house rule 3); Snakemake rules and Parsl apps call it.
+Every command prints a short summary for a person on stdout, or with ``--json`` one JSON object
+for a program (progress and logs go to stderr either way). A configuration or input error is one
+line on stderr (exit 2 for configuration, 1 for input; ``--debug`` adds its traceback); any other
+failure keeps its traceback. Stages never import this module (house rule 3); Snakemake rules and
+Parsl apps call it.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import sys
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 from optimus_core.config import ConfigError, parse_value
+from optimus_core.log import configure_logging
+
+
+@dataclass
+class Summary:
+    """What a command did: ``text`` for a person, ``data`` (JSON-able) for ``--json``."""
+
+    text: str
+    data: dict
+
+
+def jsonable(value):
+    """``value`` with paths as strings, dataclasses as dicts and NaN / inf as null (strict JSON)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _rank_logging(args, launch) -> None:
+    configure_logging(launch.rank, launch.world_size, debug=getattr(args, "debug", False))
+
+
+def emit(summary: Summary | None, as_json: bool) -> None:
+    if summary is not None:
+        print(json.dumps(summary.data, allow_nan=False) if as_json else summary.text, flush=True)
+
+
+def _site_summary(done, args, fallback: str) -> Summary:
+    """The summary the job printed last (its JSON object under --json: the flag travels with it)."""
+    line = done.last_line()
+    job = json.loads(line) if args.json and line.startswith("{") else line
+    return Summary(line or fallback, jsonable({"site": args.site, "stdout": done.stdout, "seconds": done.seconds,
+                                               "job": job}))
+
+
+def _run_in_own_process(command, args) -> None:
+    """A spawned rank or a restart attempt: the process that runs ``command`` prints its summary."""
+    emit(command(args), args.json)
 
 
 def _overrides(pairs: list[str]) -> dict:
@@ -38,14 +92,18 @@ def _overrides(pairs: list[str]) -> dict:
 
 # ----------------------------------------------------------------------------- commands
 
-def cmd_corpus(args) -> None:
+def cmd_corpus(args) -> Summary:
     from stages.corpus import CorpusConfig, CorpusInputs, CorpusOutputs, run_corpus
 
     result = run_corpus(CorpusConfig(), CorpusInputs(from_dir=args.from_dir), CorpusOutputs(out_dir=args.out))
-    print(result)
+    how = "indexed in place" if result.indexed else "built"
+    per_source = ", ".join(f"{src} {n} file(s)" + (f" / {result.docs[src]:,} docs" if src in result.docs else "")
+                           for src, n in sorted(result.files.items()))
+    return Summary(f"{result.out_dir}: corpus {how}, {sum(result.files.values())} file(s), "
+                   f"{sum(result.file_bytes.values()) / 2**20:,.1f} MiB ({per_source})", jsonable(result))
 
 
-def cmd_tokenize(args) -> None:
+def cmd_tokenize(args) -> Summary:
     from stages.tokenize import TokenizeConfig, TokenizeInputs, TokenizeOutputs, run_tokenize
 
     config = TokenizeConfig(workers=args.workers, skip_bad_records=args.skip_bad_records,
@@ -62,11 +120,23 @@ def cmd_tokenize(args) -> None:
         shards = args.shards or default_shards(args.out)
         parsl_config = parsl_cpu_config(site, Path(site.run_dir).resolve() / f"tokenize-{Path(args.out).name}")
         result, done = tokenize_fanout(config, inputs, outputs, shards, parsl_config)
-        print(f"[optimus tokenize] site {site.name}: {sum(v == 'tokenized' for v in done.values())} file(s) "
-              f"tokenized, {sum(v == 'reused' for v in done.values())} reused from {shards}")
+        fanout = {"site": site.name, "tokenized": sum(v == "tokenized" for v in done.values()),
+                  "reused": sum(v == "reused" for v in done.values()), "shards": shards}
     else:
-        result = run_tokenize(config, inputs, outputs)
-    print(result)
+        result, fanout = run_tokenize(config, inputs, outputs), None
+    splits = {split: {"docs": sum(t.docs for t in by_source.values()),
+                      "tokens": sum(t.tokens for t in by_source.values())}
+              for split, by_source in result.totals.items()}
+    text = (f"{result.out_dir}: {result.files} token file(s), vocab {result.vocab_size:,} ({result.dtype}"
+            f"{', tokenizer trained here' if result.trained_tokenizer else ''}); "
+            + ", ".join(f"{split} {n['tokens']:,} tokens in {n['docs']:,} docs" for split, n in splits.items()))
+    if result.skipped:
+        text += "; skipped " + ", ".join(f"{n} {why}" for why, n in sorted(result.skipped.items()))
+    if fanout:
+        text += (f"\nsite {fanout['site']}: {fanout['tokenized']} file(s) tokenized, "
+                 f"{fanout['reused']} reused from {fanout['shards']}")
+    return Summary(text, jsonable({**dataclasses.asdict(result), "splits": splits,
+                                   **({"parsl": fanout} if fanout else {})}))
 
 
 def resolve_run_config(args):
@@ -95,20 +165,20 @@ def resolve_run_config(args):
     return cfg, run_id or Path(args.out).name, experiment
 
 
-def cmd_pretrain(args) -> None:
+def cmd_pretrain(args) -> Summary | None:
     cfg, run_id, experiment = resolve_run_config(args)
     if args.launcher == "parsl":  # the same command, submitted through a Parsl site (workflow/launch.py)
         from workflow.launch import pretrain_on_site
 
         done = pretrain_on_site(vars(args), run_id)
-        print(done.last_line() or f"{run_id}: done on site {args.site}")
-        return
+        return _site_summary(done, args, f"{run_id}: done on site {args.site}")
     from stages.pretrain import PretrainConfig, PretrainInputs, PretrainOutputs, run_pretrain
 
     from optimus_core.parallel.launch import spawn_local
     from optimus_core.parallel.mesh import read_launch_env
 
     launch = read_launch_env()  # torchrun / mpiexec / our own spawn below, or a world of one
+    _rank_logging(args, launch)
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc}: must be >= 1")
     max_restarts = getattr(args, "max_restarts", None) or 0
@@ -124,11 +194,11 @@ def cmd_pretrain(args) -> None:
         from optimus_core.train.restarts import ChildProcess, run_with_restarts
 
         once = argparse.Namespace(**dict(vars(args), max_restarts=0))
-        status = run_with_restarts(ChildProcess(cmd_pretrain, (once,)), max_restarts,
+        status = run_with_restarts(ChildProcess(_run_in_own_process, (cmd_pretrain, once)), max_restarts,
                                    should_restart=lambda code: code != 2)
         if status:
             raise SystemExit(status)
-        return
+        return None  # the last attempt printed the summary
     if args.nproc > 1 and launch.world_size == 1:
         from optimus_core.parallel.mesh import group_layout
 
@@ -136,8 +206,8 @@ def cmd_pretrain(args) -> None:
         group_layout(args.nproc, cfg.parallel.ep, cfg.model.moe.n_experts if cfg.model.moe else None,
                      cfg.parallel.dp_shard)
         # No launcher around us: start the ranks here; each re-enters this function as one rank.
-        spawn_local(cmd_pretrain, args.nproc, (args,))
-        return
+        spawn_local(_run_in_own_process, args.nproc, (cmd_pretrain, args))
+        return None  # rank 0 printed the summary
     if args.nproc not in (1, launch.world_size):
         raise ConfigError(f"--nproc = {args.nproc}: this process is rank {launch.rank} of {launch.world_size} "
                           f"started by {launch.launcher}; pass --nproc 1 or {launch.world_size}")
@@ -148,18 +218,20 @@ def cmd_pretrain(args) -> None:
     result = run_pretrain(PretrainConfig(cfg, run_id=run_id, experiment=experiment, progress=not args.quiet),
                           PretrainInputs(data_dir=args.data), PretrainOutputs(run_dir=args.out, store=args.store))
     if launch.rank != 0:
-        return
-    print(f"{result.run_id}: {result.steps} steps, {result.tokens:,} tokens, final loss {result.final_loss:.4f}, "
-          f"held-out loss {result.final_eval.get('loss', float('nan')):.4f}, {result.tokens_per_s:,.0f} tokens/s")
+        return None
+    resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
+    return Summary(f"{result.run_id}: {result.steps} steps{resumed}, {result.tokens:,} tokens, final loss "
+                   f"{result.final_loss:.4f}, held-out loss {result.final_eval.get('loss', float('nan')):.4f}, "
+                   f"{result.tokens_per_s:,.0f} tokens/s, {result.wall_time_s:,.0f} s -> {result.run_dir}",
+                   jsonable(result))
 
 
-def cmd_evaluate(args) -> None:
+def cmd_evaluate(args) -> Summary | None:
     if args.launcher == "parsl":  # the same command as a compute job of the site (workflow/launch.py)
         from workflow.launch import evaluate_on_site
 
         done = evaluate_on_site(vars(args))
-        print(done.last_line() or f"{args.run}: evaluated on site {args.site}")
-        return
+        return _site_summary(done, args, f"{args.run}: evaluated on site {args.site}")
     from stages.evaluate import EvaluateConfig, EvaluateInputs, EvaluateOutputs, run_evaluate
 
     from optimus_core.parallel.launch import spawn_local
@@ -168,12 +240,13 @@ def cmd_evaluate(args) -> None:
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc}: must be >= 1")
     launch = read_launch_env()
+    _rank_logging(args, launch)
     if args.nproc > 1 and launch.world_size == 1:
         if set(args.tasks) != {"heldout"}:  # before any rank starts
             raise ConfigError(f"--tasks {' '.join(args.tasks)} with --nproc {args.nproc}: a sharded evaluation runs "
                               f"'heldout' only (lm-eval's tasks need the whole model in one process)")
-        spawn_local(cmd_evaluate, args.nproc, (args,))  # each rank re-enters here
-        return
+        spawn_local(_run_in_own_process, args.nproc, (cmd_evaluate, args))  # each rank re-enters here
+        return None
     config = EvaluateConfig(tasks=tuple(args.tasks), max_batches=args.max_batches,
                             task_dirs=tuple(args.task_dir or ()), limit=args.limit, n_items=args.items,
                             all_checkpoints=args.all_checkpoints or args.downstream_all_checkpoints,
@@ -182,38 +255,54 @@ def cmd_evaluate(args) -> None:
     out = args.out or Path(args.run) / "eval.json"
     result = run_evaluate(config, EvaluateInputs(run_dir=args.run, data_dir=args.data),
                           EvaluateOutputs(eval_json=out, store=args.store))
-    if launch.rank == 0:
-        print(json.dumps({"run_id": result.run_id, "step": result.step, "checkpoints": result.checkpoints,
-                          **result.metrics}, indent=2))
+    if launch.rank != 0:
+        return None
+    scalars = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    shown = ", ".join(f"{k} {v:.4g}" for k, v in scalars.items() if "." not in k)  # per source: in the JSON
+    tasks = [k for k, v in result.metrics.items() if isinstance(v, dict)]
+    return Summary(f"{result.run_id} step {result.step} ({len(result.checkpoints)} checkpoint(s)): {shown}"
+                   + (f"; tasks {', '.join(tasks)}" if tasks else "") + f" -> {out}",
+                   jsonable({"run_id": result.run_id, "step": result.step, "checkpoints": result.checkpoints,
+                             "eval_json": out, **result.metrics}))
 
 
-def cmd_export_hf(args) -> None:
+def cmd_export_hf(args) -> Summary:
     from stages.export import ExportConfig, ExportInputs, ExportOutputs, run_export
 
     result = run_export(ExportConfig(arch=args.arch), ExportInputs(run_dir=args.run, data_dir=args.data),
                         ExportOutputs(out_dir=args.out))
-    print(f"{result.out_dir}: {result.arch} (step {result.step}); load with "
-          f"transformers.AutoModelForCausalLM.from_pretrained({str(result.out_dir)!r})")
+    return Summary(f"{result.out_dir}: {result.arch} (step {result.step}); load with "
+                   f"transformers.AutoModelForCausalLM.from_pretrained({str(result.out_dir)!r})", jsonable(result))
 
 
-def cmd_figures(args) -> None:
+def cmd_figures(args) -> Summary:
     from stages.figures import FiguresConfig, FiguresInputs, FiguresOutputs, run_figures
 
     config = FiguresConfig(only=tuple(args.only) if args.only else None)
     result = run_figures(config, FiguresInputs(store=args.store), FiguresOutputs(out_dir=args.out))
-    for path in result.paths:
-        print(path)
+    return Summary("\n".join(map(str, result.paths)), jsonable(result))  # one path a line: for `xargs`
 
 
-def cmd_report(args) -> None:
+def cmd_report(args) -> Summary:
     from stages.report import ReportConfig, ReportInputs, ReportOutputs, run_report
 
-    run_report(ReportConfig(), ReportInputs(store=args.store, figures_dir=args.figures), ReportOutputs(report=args.out))
-    print(args.out)
+    result = run_report(ReportConfig(), ReportInputs(store=args.store, figures_dir=args.figures),
+                        ReportOutputs(report=args.out))
+    return Summary(f"{result.report}: {len(result.runs)} run(s)", jsonable(result))
 
 
-def cmd_presets(args) -> None:
-    print(presets_table(args.seq_len))
+def cmd_presets(args) -> Summary:
+    from optimus_core import presets
+
+    rows = []
+    for name in presets.names():
+        p = presets.get(name)
+        m = p.model
+        rows.append({"preset": name, "layers": m.n_layers, "d_model": m.d_model,
+                     "experts": m.moe.n_experts if m.moe else None, "top_k": m.moe.top_k if m.moe else None,
+                     "params": m.num_params(), "active_params": m.num_active_params(),
+                     "flops_per_token": m.flops_per_token(args.seq_len or p.seq_len)})
+    return Summary(presets_table(args.seq_len), {"presets": rows})
 
 
 def presets_table(seq_len: int | None = None) -> str:
@@ -238,14 +327,14 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def cmd_experiments(args) -> None:
+def cmd_experiments(args) -> Summary:
     from workflow.experiments import EXPERIMENTS
 
-    for exp in EXPERIMENTS.values():
-        print(exp.describe())
+    return Summary("\n".join(exp.describe() for exp in EXPERIMENTS.values()),
+                   {"experiments": [{"name": exp.name, "description": exp.describe()} for exp in EXPERIMENTS.values()]})
 
 
-def cmd_plan(args) -> None:
+def cmd_plan(args) -> Summary:
     """The paper-scale jobs on a site: tiles, nodes, queue, walltime, estimated node-hours, total."""
     from workflow.experiments import dag, get as get_experiment
     from workflow.plan import plan_table
@@ -254,10 +343,12 @@ def cmd_plan(args) -> None:
     site = load_site(args.site)
     experiments = [get_experiment(n) for n in args.experiments] if args.experiments else dag("paper")
     table, plans = plan_table(experiments, site)
-    print(table)
+    jobs = [{"run": exp.name, **jsonable(job), "walltime": job.walltime, "node_hours": job.node_hours,
+             "launcher": job.launcher, "pbs": job.pbs_lines()} for exp, job in zip(experiments, plans)]
     if args.pbs:
-        for exp, job in zip(experiments, plans):
-            print(f"\n# {exp.name}\n" + "\n".join(job.pbs_lines()) + f"\n{job.launcher} optimus pretrain ...")
+        table += "".join(f"\n\n# {exp.name}\n" + "\n".join(job.pbs_lines()) + f"\n{job.launcher} optimus pretrain ..."
+                         for exp, job in zip(experiments, plans))
+    return Summary(table, {"site": site.name, "jobs": jobs, "node_hours": sum(job.node_hours for job in plans)})
 
 
 def rehearsal_jobs(names, tiles, site):
@@ -279,24 +370,25 @@ def rehearsal_jobs(names, tiles, site):
     return jobs
 
 
-def cmd_rehearse(args) -> None:
+def cmd_rehearse(args) -> Summary:
     from stages.rehearse import RehearseConfig, RehearseOutputs, ingest, run_rehearse
     from workflow.sites import load_site
 
     if args.ingest:
         if not args.store:
             raise ConfigError("--ingest needs --store")
-        print(ingest(args.ingest, args.store))
-        return
+        return Summary(ingest(args.ingest, args.store), {"ingested": args.ingest, "store": args.store})
     jobs = rehearsal_jobs(args.experiment, args.tiles, load_site(args.site, account=args.site_account))
     result = run_rehearse(RehearseConfig(jobs, rank=args.rank, steps=args.steps, device=args.device,
                                          micro_batches=args.micro_batches or None, save=not args.no_save),
                           RehearseOutputs(jsonl=args.jsonl, store=args.store))
+    done = f"{len(result.records)} rehearsal(s)" + (f", written to {args.jsonl}" if args.jsonl else "")
     if args.store:
-        print(f"wrote run {result.run_id} to {args.store}")
+        done += f"; wrote run {result.run_id} to {args.store}"
+    return Summary(done, jsonable(result))
 
 
-def cmd_scaling(args) -> None:
+def cmd_scaling(args) -> Summary:
     from stages.scaling import ScalingConfig, ScalingOutputs, format_table, parse_setting, run_scaling
 
     eps = tuple(e if e == "all" else int(e) for e in args.ep)
@@ -308,38 +400,43 @@ def cmd_scaling(args) -> None:
                            max_cpu_wait=args.max_cpu_wait, device=args.device, threads_per_rank=args.threads,
                            overrides=_overrides(args.set), run_id=args.run_id or "")
     result = run_scaling(config, ScalingOutputs(store=args.store, jsonl=args.jsonl))
-    print(f"{result.run_id}\n{format_table(result.points)}")
+    return Summary(f"{result.run_id}\n{format_table(result.points)}", jsonable(result))
 
 
-def cmd_perfmodel(args) -> None:
+def cmd_perfmodel(args) -> Summary:
     from workflow.scaling_study import check_paths, run_study
 
     check_paths(args.measured)
     study = run_study(args.store, args.measured, out_json=args.out)
-    for h in study["holdout"]:
-        print(f"held out: {h['sweep']} at {h['devices']} devices: measured {h['measured_s']:.4g} s, "
-              f"predicted {h['predicted_s']:.4g} s ({h['rel_error']:+.1%}, fitted on {h['fitted_on']} points)")
-    for name, why in study["skipped"].items():
-        print(f"skipped: {name}: {why}")
+    lines = [f"held out: {h['sweep']} at {h['devices']} devices: measured {h['measured_s']:.4g} s, "
+             f"predicted {h['predicted_s']:.4g} s ({h['rel_error']:+.1%}, fitted on {h['fitted_on']} points)"
+             for h in study["holdout"]]
+    lines += [f"skipped: {name}: {why}" for name, why in study["skipped"].items()]
     paper = study["paper"]
-    print(f"paper sweep on {paper['machine']}: efficiency at {paper['tiles'][-1]} tiles "
-          f"{paper['efficiency'][-1]:.1%} (overlap grad_sync what-if: {paper['efficiency_overlap_grad_sync'][-1]:.1%})")
+    lines.append(f"paper sweep on {paper['machine']}: efficiency at {paper['tiles'][-1]} tiles "
+                 f"{paper['efficiency'][-1]:.1%} (overlap grad_sync what-if: "
+                 f"{paper['efficiency_overlap_grad_sync'][-1]:.1%})")
     if args.out:
-        print(args.out)
+        lines.append(str(args.out))
+    return Summary("\n".join(lines), jsonable(study))
 
 
 # ----------------------------------------------------------------------------- parser
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="optimus", description=__doc__.split("\n")[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of the summary")
+    common.add_argument("--debug", action="store_true",
+                        help="debug logging on every rank; a configuration or input error shows its traceback")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("corpus", help="build the embedded corpus, or index an OLMoE-mix download")
+    p = sub.add_parser("corpus", parents=[common], help="build the embedded corpus, or index an OLMoE-mix download")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--from", dest="from_dir", type=Path, default=None, help="an OLMoE-mix-0924 directory")
     p.set_defaults(func=cmd_corpus)
 
-    p = sub.add_parser("tokenize", help="Dolma JSONL -> token arrays + indices + manifest")
+    p = sub.add_parser("tokenize", parents=[common], help="Dolma JSONL -> token arrays + indices + manifest")
     p.add_argument("--corpus", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--tokenizer", type=Path, default=None, help="tokenizer.json (default: train a BPE)")
@@ -354,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --launcher parsl: the per-file shards, kept for reruns (default: OUT.shards)")
     p.set_defaults(func=cmd_tokenize)
 
-    p = sub.add_parser("pretrain", help="train one run")
+    p = sub.add_parser("pretrain", parents=[common], help="train one run")
     p.add_argument("--preset", default=None)
     p.add_argument("--experiment", default=None, help="a run of workflow/experiments.py")
     p.add_argument("--scale", choices=("laptop", "paper"), default="laptop")
@@ -382,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.set_defaults(func=cmd_pretrain)
 
-    p = sub.add_parser("evaluate", help="held-out loss / perplexity / bits per byte; lm-eval downstream tasks")
+    p = sub.add_parser("evaluate", parents=[common], help="held-out loss / perplexity / bits per byte; lm-eval downstream tasks")
     p.add_argument("--run", type=Path, required=True)
     p.add_argument("--data", type=Path, default=None)
     p.add_argument("--tasks", nargs="+", default=["heldout"],
@@ -408,31 +505,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--site", default=None, help="with --launcher parsl: local, aurora, or a YAML file with a site: block")
     p.set_defaults(func=cmd_evaluate)
 
-    p = sub.add_parser("export-hf", help="a run's newest checkpoint as a Hugging Face transformers directory")
+    p = sub.add_parser("export-hf", parents=[common], help="a run's newest checkpoint as a Hugging Face transformers directory")
     p.add_argument("--run", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--data", type=Path, default=None, help="tokenize output with the tokenizer (default: the run's)")
     p.add_argument("--arch", choices=["olmoe", "llama"], default=None, help="default: the exact one for the model")
     p.set_defaults(func=cmd_export_hf)
 
-    p = sub.add_parser("figures", help="draw every figure (or those named by --only) from the results store")
+    p = sub.add_parser("figures", parents=[common], help="draw every figure (or those named by --only) from the results store")
     p.add_argument("--store", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", action="append", metavar="NAME", default=None,
                    help="draw only this figure (a file name such as scaling.png; repeatable)")
     p.set_defaults(func=cmd_figures)
 
-    p = sub.add_parser("report", help="write the markdown report from the results store")
+    p = sub.add_parser("report", parents=[common], help="write the markdown report from the results store")
     p.add_argument("--store", type=Path, required=True)
     p.add_argument("--figures", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("presets", help="the table of model presets")
+    p = sub.add_parser("presets", parents=[common], help="the table of model presets")
     p.add_argument("--seq-len", type=int, default=None)
     p.set_defaults(func=cmd_presets)
 
-    p = sub.add_parser("scaling", help="a strong-scaling sweep on this machine: step time by phase per device count")
+    p = sub.add_parser("scaling", parents=[common], help="a strong-scaling sweep on this machine: step time by phase per device count")
     p.add_argument("--preset", required=True, help="a model preset, e.g. mula-7b-a1b@laptop")
     p.add_argument("--devices", type=int, nargs="+", default=[1, 2], help="device (rank) counts to sweep")
     p.add_argument("--ep", nargs="+", default=["all"],
@@ -461,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-id", default=None, help="store run id (default scaling-<preset>-<device>)")
     p.set_defaults(func=cmd_scaling)
 
-    p = sub.add_parser("perfmodel", help="calibrate the performance model on measured sweeps, held-out errors, "
+    p = sub.add_parser("perfmodel", parents=[common], help="calibrate the performance model on measured sweeps, held-out errors, "
                                          "and the paper's sweep predicted on Aurora")
     p.add_argument("--store", type=Path, default=None,
                    help="results store: reads its `optimus scaling` runs, writes run 'perfmodel'")
@@ -470,7 +567,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="also write the study here as JSON")
     p.set_defaults(func=cmd_perfmodel)
 
-    p = sub.add_parser("rehearse", help="one rank of a paper layout on this machine's device (the other ranks "
+    p = sub.add_parser("rehearse", parents=[common], help="one rank of a paper layout on this machine's device (the other ranks "
                                         "stood in for by torch's fake process group): its peak memory beside the model's")
     p.add_argument("--experiment", nargs="*", default=[], help="registry runs (default: every paper-scale run)")
     p.add_argument("--tiles", type=int, nargs="*", default=[],
@@ -490,10 +587,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ingest", type=Path, default=None, help="put a rehearsal file into --store and exit")
     p.set_defaults(func=cmd_rehearse)
 
-    p = sub.add_parser("experiments", help="the registry of runs")
+    p = sub.add_parser("experiments", parents=[common], help="the registry of runs")
     p.set_defaults(func=cmd_experiments)
 
-    p = sub.add_parser("plan", help="the paper-scale jobs on a site, with nodes, walltime and node-hours")
+    p = sub.add_parser("plan", parents=[common], help="the paper-scale jobs on a site, with nodes, walltime and node-hours")
     p.add_argument("--site", default="aurora", help="local, aurora, or a YAML file with a site: block")
     p.add_argument("--pbs", action="store_true", help="also print each job's PBS directives and mpiexec line")
     p.add_argument("experiments", nargs="*", help="default: every run of the paper-scale DAG")
@@ -501,21 +598,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)  # bad input: one line, exit 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    configure_logging(debug=args.debug)  # a command that knows its rank sets it again
     from optimus_core.train.resilience import RESUBMIT_EXIT_CODE, Preempted
 
+    def fail(kind: str, e: BaseException, code: int) -> int:
+        if args.debug:
+            traceback.print_exception(e, file=sys.stderr)
+        print(f"optimus {args.command}: {kind}{e}", file=sys.stderr)
+        return code
+
     try:
-        args.func(args)
+        summary = args.func(args)
     except Preempted as e:  # the scheduler asked us to stop: the launcher reruns, which resumes
         print(f"optimus {args.command}: {e}", file=sys.stderr)
         return RESUBMIT_EXIT_CODE
     except ConfigError as e:
-        print(f"optimus {args.command}: configuration error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
-        print(f"optimus {args.command}: error: {e}", file=sys.stderr)
-        return 1
+        return fail("configuration error: ", e, 2)
+    except INPUT_ERRORS as e:
+        return fail("error: ", e, 1)
+    emit(summary, args.json)
     return 0
 
 

@@ -23,9 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from optimus_core.log import get_logger
 from workflow.parsl_sites import parsl_config
 from workflow.plan import JobPlan
 from workflow.sites import SiteConfig
+
+_log = get_logger(__name__)
 
 # Flags that choose *where* to run, or that describe this machine (its thread count): never
 # forwarded to the command that runs there (the site's env sets the compute nodes' threads).
@@ -187,10 +190,10 @@ def _run_on_site(site: SiteConfig, job: JobPlan, subcommand: str, forwarded: dic
     if job.ranks > 1 and not job.mpiexec:  # no MPI launcher on this site: the command spawns its ranks
         argv[-2:-2] = ["--nproc", str(job.ranks)]
     command = command_line(job, argv)
-    print(f"[optimus launch] site {site.name}: {job.nodes} node(s), {job.ranks} rank(s), queue {job.queue or '-'}, "
-          f"walltime {job.walltime}, up to {job.jobs} job(s)\n[optimus launch] {command}", flush=True)
-    done = launch_chain(site, job, command, Path(site.run_dir).resolve() / name, name,
-                        log=lambda m: print(m, flush=True))
+    _log.info(f"launch on site {site.name}: {job.nodes} node(s), {job.ranks} rank(s), queue {job.queue or '-'}, "
+              f"walltime {job.walltime}, up to {job.jobs} job(s)")
+    _log.info(f"launch: {command}")
+    done = launch_chain(site, job, command, Path(site.run_dir).resolve() / name, name, log=_log.info)
     if done.returncode != 0:
         raise LaunchError(f"{name}: the job on site {site.name} failed (exit {done.returncode}); "
                           f"stderr {done.stderr}:\n{done.tail()}")
@@ -214,10 +217,10 @@ def evaluate_on_site(options: dict[str, Any]) -> Submitted:
     run_dir = Path(options["run"]).resolve()
     ranks = int(options.get("nproc") or 1)
     if ranks == 1:
-        from optimus_core.train.checkpoint import latest_valid
+        from optimus_core.train.checkpoint import newest_meta
 
-        newest = latest_valid(run_dir)
-        ranks = int(newest.meta.get("world_size", 1)) if newest else 1
+        newest = newest_meta(run_dir)  # on the login node: its meta only, no checkpoint data read
+        ranks = int(newest.get("world_size", 1)) if newest else 1
     job = plan(None, site, ranks=ranks)
     forwarded = _forwarded(options, ("run", "data", "out", "store"))
     if site.device != "auto" and forwarded.get("device") in (None, "auto"):

@@ -35,6 +35,9 @@ import torch.distributed as dist
 from ..config import ConfigError, ParallelConfig
 from ..device import (binding_index, collective_backend, import_vendor_extensions, resolve_device_type,
                       visible_devices)
+from ..log import get_logger
+
+_log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,15 @@ class Mesh:
             dist.all_reduce(t)
         return t
 
+    def all_max(self, values: list[float]) -> list[float]:
+        """The element-wise maximum of ``values`` over the world (a collective; one small
+        all-reduce on this rank's device): how the ranks agree on a flag or a step."""
+        if not self.distributed:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
     def device_meshes(self):
         """{"world", "grid", "dense", "experts"}: torch DeviceMeshes over the same ranks as this
         mesh's groups, made once (collective: every rank calls it, in the same order). ``world``
@@ -299,9 +311,9 @@ def bind_device(requested: str, launch: LaunchEnv, env: Mapping[str, str] | None
         binding_index(requested, launch.local_rank, launch.local_world, [], rank=launch.rank, env=env)
         raise
     if device_type == "cpu":
-        if requested == "auto" and launch.world_size > 1 and launch.rank == 0:
-            print(f"[optimus] device auto: no cuda or xpu device visible; {launch.world_size} ranks train on the CPU "
-                  f"(gloo)", flush=True)
+        if requested == "auto" and launch.world_size > 1:
+            _log.info("device auto: no cuda or xpu device visible; %d ranks train on the CPU (gloo)",
+                      launch.world_size)
         return torch.device("cpu")
     names = visible_devices(device_type)
     index = binding_index(device_type, launch.local_rank, launch.local_world, names, rank=launch.rank, env=env)

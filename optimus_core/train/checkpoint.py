@@ -1,6 +1,7 @@
 """Checkpoints: one directory per step, checksummed, published atomically; the newest valid one is resumed.
 
     run_dir/checkpoints/step_000120/   __0_0.distcp [__1_0.distcp ...] .metadata state.pt meta.json
+                                       manifests/rank_00000.json [rank_00001.json ...]
 
 Every layout writes the same format (torch.distributed.checkpoint): each rank writes the rows it
 holds (optimus_core.parallel.layout), nothing is gathered and nothing is cloned, under keys that
@@ -14,14 +15,21 @@ process loads on any other:
     optim/<parameter>/step          the parameter's AdamW step count (replicated)
     rng/torch, rng/device           every rank's RNG states, one row per rank
 
-``meta.json`` holds the resolved config, step, tokens seen, the data-loader position, the format
-and the sha256 of every file; ``state.pt`` (tensors and plain values only: loaded with
+``meta.json`` holds the resolved config, step, tokens seen, the data-loader position, the format,
+the world size, a save id and the sha256 of the shared files (.metadata, state.pt); each rank's
+manifest, written by that rank, the sha256 of the files it wrote, with the save id and step (a
+part copied in from another checkpoint, of this run or another, does not validate). So a save hashes
+in parallel (each rank its own part, read back once), and a resume validates in parallel: rank r
+of a world of W checks the shared files and the manifests i = r, r + W, ... (each of the saving
+ranks' files once, whatever the two world sizes), and the ranks agree, with one small
+all-reduce per candidate, on the newest step that every rank found valid (``latest_valid``), or
+fall back together to an older one. ``state.pt`` (tensors and plain values only: loaded with
 ``weights_only=True``) the loader position and what the loop needs to decide as it would have
 uninterrupted (the loss guard's window, the batches skipped). A step directory appears only
 complete (optimus_core.atomic.atomic_dir), so a crash mid-save leaves the previous ones as they
 were; there is no pointer file to disagree with them (a ``latest`` file of earlier versions is
-ignored). On load, a checkpoint whose files are missing or fail their checksum is skipped with a
-warning and the previous one is used.
+ignored). On load, a checkpoint whose files are missing, fail their checksum or belong to another
+run is skipped with a warning naming the file and why, and the previous one is used.
 
 Checkpoints of earlier versions still evaluate and export (``Checkpoint.load_model_state``):
 the one-process format (model.pt, optim.pt, state.pt) also resumes on one process; the first
@@ -36,18 +44,22 @@ import json
 import re
 import shutil
 import sys
+import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from ..atomic import atomic_dir
+from ..atomic import atomic_dir, atomic_write
 from ..config import RunConfig, from_dict
 from ..model.transformer import Transformer
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
-FORMAT, VERSION = "dcp", 2  # meta.json's "format" and "version" of what save_checkpoint writes
+FORMAT, VERSION = "dcp", 3  # meta.json's "format" and "version" of what save_checkpoint writes
+# (version 3: per-rank manifests; version 2 listed every file's sha256 in meta.json and still resumes)
+MANIFESTS = "manifests"
 REQUIRED_FILES = {"torch": ("model.pt", "optim.pt", "state.pt"), "dcp": (".metadata", "state.pt")}
 MODEL, OPTIM, RNG = "model/", "optim/", "rng/"  # key prefixes (module doc)
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -121,31 +133,118 @@ def list_step_dirs(run_dir: Path) -> list[Path]:
     return sorted(dirs, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
-def validate(path: Path) -> dict:
-    """The checkpoint's meta if every file is present and matches its checksum; else raise."""
+def manifest_name(rank: int) -> str:
+    return f"{MANIFESTS}/rank_{rank:05d}.json"
+
+
+def _check_files(path: Path, expected: dict[str, str], listed_in: str) -> None:
+    for name, digest in sorted(expected.items()):
+        if not (path / name).is_file():
+            raise ValueError(f"{path}: {name} is missing (listed in {listed_in})")
+        if _sha256(path / name) != digest:
+            raise ValueError(f"{path}: {name} fails its sha256 checksum (listed in {listed_in})")
+
+
+def validate(path: Path, share: tuple[int, int] = (0, 1)) -> dict:
+    """The checkpoint's meta if the shared files and the manifests of ``share`` = (rank, world)
+    with their files are present and match their checksums; else ValueError naming the file and
+    why. The default (0, 1) checks everything: a single reader's share."""
+    rank, world = share
     meta_path = path / "meta.json"
     if not meta_path.is_file():
         raise ValueError(f"{path}: no meta.json (incomplete checkpoint)")
     meta = json.loads(meta_path.read_text())
     listed = meta.get("files", {})
-    required = REQUIRED_FILES.get(meta.get("format", "torch"), ())
-    for name in sorted(set(required) | set(listed)):
-        expected = listed.get(name)
-        if not (path / name).is_file():
-            raise ValueError(f"{path}: {name} is missing")
-        if expected is None or _sha256(path / name) != expected:
-            raise ValueError(f"{path}: {name} fails its sha256 checksum")
+    missing = [name for name in REQUIRED_FILES.get(meta.get("format", "torch"), ()) if name not in listed]
+    if missing:
+        raise ValueError(f"{path}: meta.json lists no checksum for {', '.join(missing)}")
+    _check_files(path, listed, "meta.json")
+    if "manifests" not in meta:  # version 2 and earlier: meta.json listed every file
+        return meta
+    for i in range(rank, int(meta["manifests"]), world):
+        name = manifest_name(i)
+        try:
+            manifest = json.loads((path / name).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{path}: {name} is missing (meta.json lists {meta['manifests']} manifests)") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: {name} is not valid JSON ({e})") from None
+        if (manifest.get("save_id"), manifest.get("step")) != (meta.get("save_id"), meta["step"]):
+            raise ValueError(f"{path}: {name} is from another checkpoint (save {manifest.get('save_id')!r} of "
+                             f"step {manifest.get('step')}; this one is save {meta.get('save_id')!r} of step "
+                             f"{meta['step']})")
+        _check_files(path, manifest["files"], name)
     return meta
 
 
-def latest_valid(run_dir: Path) -> Checkpoint | None:
+def _no_collective(values: list[float]) -> list[float]:
+    return values
+
+
+def latest_valid(run_dir: Path, share: tuple[int, int] = (0, 1),
+                 all_max: Callable[[list[float]], list[float]] = _no_collective) -> Checkpoint | None:
     """The newest checkpoint that validates; None if there is none. Step directories are
-    published whole; checksums catch the rest."""
+    published whole; checksums catch the rest.
+
+    Several ranks (a collective then: every rank calls it): ``share`` is (rank, world) and
+    ``all_max`` the element-wise maximum of a list of numbers over the ranks. Each rank checks its
+    share of each candidate (``validate``); a candidate is taken only if every rank found its
+    share valid, else all fall back to the next older one together. The candidate each round is
+    the newest step any rank sees, so a rank that lists the directory differently still agrees."""
+    below = float("inf")
+    while True:
+        mine = [step for step in _steps(run_dir) if step < below]
+        step = int(all_max([float(max(mine, default=-1))])[0])
+        if step < 0:
+            return None
+        found = _agreed(checkpoints_dir(run_dir) / f"step_{step:06d}", share, all_max)
+        if found is not None:
+            return found
+        below = step
+
+
+def valid_checkpoints(run_dir: Path, share: tuple[int, int] = (0, 1),
+                      all_max: Callable[[list[float]], list[float]] = _no_collective) -> list[Checkpoint]:
+    """Every checkpoint that validates, oldest first; ``share`` and ``all_max`` as for
+    ``latest_valid`` (every rank then gets the same list)."""
+    steps = _steps(run_dir)
+    most = all_max([float(len(steps))])[0]
+    if all_max([float(len(steps) != most)])[0]:  # every rank raises, or none
+        raise ValueError(f"{checkpoints_dir(run_dir)}: the ranks see different step directories "
+                         f"({len(steps)} here, {most:.0f} on another rank)")
+    found = [_agreed(checkpoints_dir(run_dir) / f"step_{step:06d}", share, all_max) for step in steps]
+    return [c for c in found if c is not None]
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [int(STEP_DIR.match(p.name).group(1)) for p in list_step_dirs(run_dir)]
+
+
+def _agreed(path: Path, share: tuple[int, int], all_max) -> Checkpoint | None:
+    """``path``'s checkpoint if every rank found its share valid (one all-reduce), else None;
+    a rank whose share is invalid warns with the file and why, rank 0 that another rank did."""
+    rank, world = share
+    try:
+        found, why = Checkpoint(path, validate(path, share)), None
+    except (ValueError, json.JSONDecodeError, OSError) as e:
+        found, why = None, e
+    if why is not None:
+        warnings.warn(f"skipping checkpoint{f' (rank {rank})' if world > 1 else ''}: {why}", stacklevel=3)
+    if not all_max([float(found is None)])[0]:
+        return found
+    if found is not None and rank == 0:  # valid here, not on some other rank (which said why)
+        warnings.warn(f"skipping checkpoint {path}: another rank found its part invalid", stacklevel=3)
+    return None
+
+
+def newest_meta(run_dir: Path) -> dict | None:
+    """The meta.json of the newest step directory that has one, unchecked: a hint for planning
+    (its world size, its config) that reads no checkpoint data."""
     for path in reversed(list_step_dirs(run_dir)):
         try:
-            return Checkpoint(path, validate(path))
-        except (ValueError, json.JSONDecodeError) as e:
-            warnings.warn(f"skipping checkpoint: {e}", stacklevel=2)
+            return json.loads((path / "meta.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
     return None
 
 
@@ -363,18 +462,34 @@ def _cpu_copy(tree):
     return tree
 
 
+def _write_manifest(tmp: Path, rank: int, save_id: str, step: int) -> None:
+    """This rank's manifest: the sha256 of the files it wrote (DCP names them ``__<rank>_<n>``)."""
+    files = {p.name: _sha256(p) for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
+    (tmp / MANIFESTS).mkdir(exist_ok=True)
+    atomic_write(tmp / manifest_name(rank), json.dumps({"save_id": save_id, "step": step, "rank": rank,
+                                                        "files": files}, indent=1, sort_keys=True))
+
+
 def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, meta: dict, rank: int = 0,
                     distributed: bool = False, keep: int = 2, keep_every: int = 0, process_group=None,
-                    asynchronous: bool = False) -> Path | None | PendingSave:
-    """Write checkpoint ``step`` (collective when ``distributed``: every rank calls it). Every
-    rank writes its part of ``tensors`` (``training_tensors``) into one step directory; rank 0
-    adds ``state.pt`` and ``meta.json`` (checksums of every file), publishes the directory
-    whole and prunes. Returns the path on rank 0, None elsewhere. With
-    ``asynchronous`` the tensors are copied to the host now and written in the background
-    (distributed: over ``process_group``, see checkpoint_group) and a PendingSave is returned."""
+                    asynchronous: bool = False,
+                    all_max: Callable[[list[float]], list[float]] | None = None) -> Path | None | PendingSave:
+    """Write checkpoint ``step`` (collective when ``distributed``: every rank calls it, with
+    ``all_max`` as for ``latest_valid``, e.g. ``Mesh.all_max``). Every rank writes its part of
+    ``tensors`` (``training_tensors``) into one step directory and its manifest; once every
+    rank's is written, rank 0 adds ``state.pt`` and ``meta.json``, publishes the directory whole
+    and prunes. Returns the path on rank 0, None elsewhere. With ``asynchronous`` the tensors
+    are copied to the host now and written in the background (distributed: over
+    ``process_group``, see checkpoint_group) and a PendingSave is returned. A rank that fails
+    to write stops every rank (with its error there, a RuntimeError naming the step elsewhere)
+    and nothing is published."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    if distributed and all_max is None:
+        raise ValueError("save_checkpoint(distributed=True) needs all_max (say, Mesh.all_max)")
+    all_max = all_max or _no_collective
+    world = dist.get_world_size() if distributed else 1
     root = checkpoints_dir(run_dir)
     final = root / f"step_{step:06d}"
     stack = contextlib.ExitStack()
@@ -383,17 +498,31 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, met
         root.mkdir(parents=True, exist_ok=True)
         _sweep(root)
         tmp = stack.enter_context(atomic_dir(final))
+    where = [str(tmp) if tmp is not None else None, uuid.uuid4().hex]
     if distributed:
-        where = [str(tmp) if tmp is not None else None]
         dist.broadcast_object_list(where, src=0)
-        tmp = Path(where[0])
+    tmp, save_id = Path(where[0]), where[1]
 
-    def publish() -> Path | None:
+    def write_manifest() -> BaseException | None:
+        """This rank's manifest; its failure is returned, for ``publish`` to stop every rank."""
+        try:
+            _write_manifest(tmp, rank, save_id, step)
+        except OSError as e:
+            return e
+        return None
+
+    def publish(error: BaseException | None) -> Path | None:
         with stack, _space_errors_named(final, step):  # on an exception the temporary directory goes
+            if all_max([float(error is not None)])[0]:
+                if error is not None:
+                    raise error
+                raise RuntimeError(f"checkpoint step {step}: another rank failed to write its part "
+                                   f"(its own error says why); nothing was published")
             if rank == 0:
                 torch.save(state, tmp / "state.pt")
-                files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-                full_meta = dict(meta, step=step, format=FORMAT, version=VERSION, files=files)
+                files = {name: _sha256(tmp / name) for name in (".metadata", "state.pt")}
+                full_meta = dict(meta, step=step, format=FORMAT, version=VERSION, save_id=save_id,
+                                 manifests=world, files=files)
                 (tmp / "meta.json").write_text(json.dumps(full_meta, indent=2, sort_keys=True))
         if rank != 0:
             return None
@@ -415,23 +544,36 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, met
         stack.__exit__(*sys.exc_info())
         raise
     if not asynchronous:
-        return publish()
+        return publish(write_manifest())
+    # The manifest's hashing reads back what was written: in the background too, after the write.
+    def write_then_manifest() -> BaseException | None:
+        future.result()
+        return write_manifest()
+
+    background = _in_thread(write_then_manifest, f"checkpoint-{step}-manifest")
 
     def finish() -> Path | None:
         try:
-            future.result()
-        except BaseException:
-            stack.__exit__(*sys.exc_info())
-            raise
-        return publish()
+            error = background.result()
+        except Exception as e:  # noqa: BLE001  (the write failed here: publish stops every rank with it)
+            error = e
+        return publish(error)
 
     return PendingSave(finish)
 
 
-def _write_in_thread(tensors: dict, writer, step: int):
-    """dcp.save of one process's (host) tensors in a background thread, as a Future."""
+def _in_thread(fn, name: str):
+    """``fn()`` in a background thread, as a Future."""
     import concurrent.futures
 
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    future = pool.submit(fn)
+    pool.shutdown(wait=False)
+    return future
+
+
+def _write_in_thread(tensors: dict, writer, step: int):
+    """dcp.save of one process's (host) tensors in a background thread, as a Future."""
     import torch.distributed.checkpoint as dcp
 
     def save():
@@ -439,10 +581,7 @@ def _write_in_thread(tensors: dict, writer, step: int):
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             dcp.save(tensors, storage_writer=writer, no_dist=True)
 
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"checkpoint-{step}")
-    future = pool.submit(save)
-    pool.shutdown(wait=False)
-    return future
+    return _in_thread(save, f"checkpoint-{step}")
 
 
 # ----------------------------------------------------------------------------- reading

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from ..config import RunConfig
 from ..data import BatchLoader, TokenDataset, load_manifest
 from ..device import DeviceInfo, device_info
+from ..log import get_logger
 from ..model.transformer import Transformer
 from ..parallel import Mesh
 from . import checkpoint as ckpt
@@ -32,6 +33,8 @@ from .schedule import lr_at
 from .step import train_step
 from .update_stream import settle_updates
 from .watchdog import Watchdog
+
+_log = get_logger(__name__)
 
 
 class MetricsSink(Protocol):
@@ -77,9 +80,8 @@ class Trainer:
         # every choice of how the run executes, resolved once and checked against the device's
         # memory before anything is allocated (ExecutionError, MemoryBudgetError: what to change)
         self.plan = plan_execution(cfg, self.device, self.mesh.world_size)
-        if self.is_lead and progress:
-            tqdm.write(f"[{cfg.preset or 'train'}] execution plan on {self.mesh.world_size} x "
-                       f"{self.device.type}:\n{self.plan.describe()}")
+        _log.info("%s: execution plan on %d x %s:\n%s", cfg.preset or "train", self.mesh.world_size,
+                  self.device.type, self.plan.describe())
         # this rank's share of the model, never the whole of it (optimus_core.train.build)
         self.model: Transformer = build_model(cfg, self.mesh, plan=self.plan)
         self.optimizer = build_run_optimizer(self.model, cfg, self.mesh, self.plan)
@@ -102,11 +104,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _resume(self) -> int | None:
-        found = ckpt.latest_valid(self.run_dir)
+        found = self._latest_valid()
         if found is None:
             return None
         self._load(found)
         return found.step
+
+    def _latest_valid(self) -> ckpt.Checkpoint | None:
+        """The newest checkpoint every rank found its share of valid (a collective)."""
+        return ckpt.latest_valid(self.run_dir, (self.mesh.rank, self.mesh.world_size), self.mesh.all_max)
 
     def _load(self, found: ckpt.Checkpoint) -> None:
         settle_updates(self.optimizer)  # no update may still be writing what is loaded over
@@ -136,7 +142,7 @@ class Trainer:
     def _roll_back(self, bad_steps: int) -> None:
         """Back to the newest checkpoint, keeping the data position: the window since is skipped."""
         self.publish_checkpoint()
-        found = ckpt.latest_valid(self.run_dir)
+        found = self._latest_valid()
         if found is None:
             raise RuntimeError(f"{bad_steps} bad losses in a row at step {self.step} and no checkpoint to "
                                f"roll back to (set train.checkpoint_every)")
@@ -150,8 +156,7 @@ class Trainer:
         self.events.append(event)
         if self.writer is not None:
             self.writer.update_attrs(events=self.events)
-        if self.is_lead:
-            tqdm.write(f"[{self.cfg.preset or 'train'}] {event}")
+        _log.info("%s: %s", self.cfg.preset or "train", event)
 
     def _agree(self, stop: StopRequest) -> tuple[bool, bool]:
         """(stop, checkpoint now), the same on every rank: a stop signal may reach only some
@@ -208,7 +213,7 @@ class Trainer:
         if self.mesh.distributed and self.cfg.train.async_checkpoint:
             group = ckpt.checkpoint_group(self.mesh, timedelta(seconds=self.cfg.parallel.collective_timeout_s))
         path = ckpt.save_checkpoint(self.run_dir, self.step, state=state, meta=meta, rank=self.mesh.rank,
-                                    tensors=tensors,
+                                    tensors=tensors, all_max=self.mesh.all_max,
                                     distributed=self.mesh.distributed, process_group=group, asynchronous=background,
                                     keep=self.cfg.train.keep_checkpoints, keep_every=self.cfg.train.keep_every)
         if isinstance(path, ckpt.PendingSave):

@@ -16,7 +16,10 @@ import sys
 from typing import Callable
 
 from ..config import ConfigError
+from ..log import get_logger
 from .resilience import RESUBMIT_EXIT_CODE, Preempted, StopRequest
+
+_log = get_logger(__name__)
 
 
 def exit_status(exitcode: int) -> int:
@@ -28,10 +31,10 @@ def _child_main(fn: Callable, args: tuple) -> None:
     try:
         fn(*args)
     except Preempted as e:  # the run checkpointed on request: "try again" for any launcher
-        print(e, file=sys.stderr, flush=True)
+        _log.warning("%s", e)
         sys.exit(RESUBMIT_EXIT_CODE)
     except ConfigError as e:  # no rerun fixes it (the `optimus` command's status for it)
-        print(f"configuration error: {e}", file=sys.stderr, flush=True)
+        _log.error("configuration error: %s", e)
         sys.exit(2)
 
 
@@ -65,13 +68,9 @@ class ChildProcess:
         return exit_status(child.exitcode)
 
 
-def _stderr(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
 def run_with_restarts(attempt: Callable[[], int], max_restarts: int, *,
                       should_restart: Callable[[int], bool] = lambda status: status != 0,
-                      log: Callable[[str], None] = _stderr) -> int:
+                      log: Callable[[str], None] = _log.warning) -> int:
     """Call ``attempt()`` (-> exit status) until it succeeds, at most ``1 + max_restarts`` times.
 
     A status for which ``should_restart`` is False (say, a configuration error, which no rerun

@@ -1,4 +1,6 @@
 """The `optimus` command: bad input stops before any work, with the field named."""
+import json
+
 import pytest
 
 from optimus_core import presets
@@ -36,6 +38,29 @@ def test_bad_config_stops_before_any_work(capsys, tmp_path, args, message):
     assert not out_dir.exists()
 
 
+def test_an_error_is_one_line_unless_debug(capsys, tmp_path):
+    argv = ["pretrain", "--preset", "mula-7b-a1b@laptop", "--data", "x", "--out", str(tmp_path / "r"),
+            "--set", "train.steps=ten"]
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and err.splitlines() == [
+        "optimus pretrain: configuration error: train.steps = 'ten': must be an integer"]
+    code, _, err = run(capsys, *argv, "--debug")
+    assert code == 2 and err.startswith("Traceback") and "ConfigError" in err
+    assert err.splitlines()[-1] == "optimus pretrain: configuration error: train.steps = 'ten': must be an integer"
+
+
+def test_json_is_the_summary_for_programs(capsys, monkeypatch):
+    code, out, _ = run(capsys, "presets", "--json")
+    rows = {row["preset"]: row for row in json.loads(out)["presets"]}
+    assert code == 0 and rows.keys() == set(presets.names())
+    model = presets.get("mula-7b-a1b").model
+    assert rows["mula-7b-a1b"]["params"] == model.num_params() and rows["mula-7b-a1b"]["experts"] == 64
+    monkeypatch.setenv("OPTIMUS_ACCOUNT", "TestProj")
+    code, out, _ = run(capsys, "plan", "--site", "aurora", "--json", "pretrain-mula-1b")
+    job = json.loads(out)["jobs"][0]
+    assert code == 0 and job["run"] == "pretrain-mula-1b" and job["nodes"] >= 1 and job["pbs"]
+
+
 def test_unknown_preset_and_experiment(capsys, tmp_path):
     code, _, err = run(capsys, "pretrain", "--preset", "mula-3b", "--data", "x", "--out", str(tmp_path / "r"))
     assert code == 2 and "unknown; known presets" in err
@@ -51,7 +76,12 @@ def test_pretrain_evaluate_figures_report(capsys, tmp_path, tokens_dir):
     assert code == 0, err
     assert "smoke: 3 steps" in out
     assert (run_dir / "summary.json").is_file() and (run_dir / "meta.json").is_file()
-    assert run(capsys, "evaluate", "--run", str(run_dir), "--store", str(store), "--max-batches", "2")[0] == 0
+    code, out, err = run(capsys, "evaluate", "--run", str(run_dir), "--store", str(store), "--max-batches", "2",
+                         "--json")
+    assert code == 0, err
+    doc = json.loads(out)  # the whole of stdout is one JSON object
+    assert doc["run_id"] == "smoke" and doc["step"] == 3 and doc["loss"] > 0
+    assert doc["eval_json"] == str(run_dir / "eval.json")
     assert run(capsys, "figures", "--store", str(store), "--out", str(tmp_path / "figures"))[0] == 0
     assert run(capsys, "report", "--store", str(store), "--figures", str(tmp_path / "figures"),
                "--out", str(tmp_path / "report.md"))[0] == 0

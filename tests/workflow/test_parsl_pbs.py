@@ -75,9 +75,9 @@ def test_pretrain_through_parsl_pbspro_and_mpiexec(tmp_path, tokens_dir, monkeyp
                   "--launcher", "parsl", "--site", str(site), "--nproc", "4", timeout=400)
     log = (tmp_path / "pbs" / "qsub.log").read_text() if (tmp_path / "pbs" / "qsub.log").is_file() else ""
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:] + log
-    assert "mpiexec -n 4 -ppn 2 optimus pretrain " in out.stdout.replace(str(VENV_BIN / "optimus"), "optimus")
-    assert "--launcher local" in out.stdout and "ZE_AFFINITY_MASK" not in out.stdout  # FLAT: no mask
-    command = out.stdout.split("[optimus launch] ")[2]
+    command = out.stderr.split("[optimus] launch: ")[1].splitlines()[0]  # logged, on stderr
+    assert "mpiexec -n 4 -ppn 2 optimus pretrain " in command.replace(str(VENV_BIN / "optimus"), "optimus")
+    assert "--launcher local" in command and "ZE_AFFINITY_MASK" not in command  # FLAT: no mask
     assert "--set train.device=cpu" in command and "--threads" not in command
     assert "pbs-smoke: 6 steps" in out.stdout
 

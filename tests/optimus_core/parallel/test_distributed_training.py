@@ -130,7 +130,7 @@ def _init_worker(cfg_json, run_dir):
         model = build_model(cfg, mesh)
         optimizer = build_run_optimizer(model, cfg, mesh)
         ckpt.save_checkpoint(run_dir, 0, tensors=ckpt.training_tensors(model, optimizer, mesh), state={}, meta={},
-                             rank=mesh.rank, distributed=True)
+                             rank=mesh.rank, distributed=True, all_max=mesh.all_max)
     finally:
         shutdown(mesh)
 

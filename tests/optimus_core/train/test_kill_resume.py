@@ -185,14 +185,15 @@ def test_a_damaged_sharded_checkpoint_is_skipped_for_the_one_before(tokens_dir, 
     assert newest.step == 4 and newest.format == "dcp"
     shard = newest.path / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])  # rank 1's shard truncated
-    with pytest.warns(UserWarning, match="__1_0.distcp fails its sha256 checksum"):
+    with pytest.warns(UserWarning, match=r"__1_0.distcp fails its sha256 checksum \(listed in manifests/rank_00001"):
         assert ckpt.latest_valid(run).step == 2
     (ckpt.checkpoints_dir(run) / "step_000002" / ".metadata").unlink()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert ckpt.latest_valid(run) is None
-    assert [str(w.message).rsplit(": ", 1)[-1] for w in caught] == ["__1_0.distcp fails its sha256 checksum",
-                                                                    ".metadata is missing"]
+    assert [str(w.message).rsplit(": ", 1)[-1] for w in caught] == [
+        "__1_0.distcp fails its sha256 checksum (listed in manifests/rank_00001.json)",
+        ".metadata is missing (listed in meta.json)"]
 
 
 def test_a_stop_signal_publishes_the_background_checkpoint_before_exiting(tokens_dir, tmp_path, monkeypatch):
