@@ -74,7 +74,14 @@ def permute_reference(x: Tensor, topk_idx: Tensor, n_experts: int,
     # and a shape torch.compile cannot trace).
     counts = flat.new_zeros(n_experts).index_add_(0, flat, torch.ones_like(flat))
     offsets = torch.cumsum(counts, 0).to(torch.int32)
-    return x[sorted_idx[:n_rows] // k], offsets, sorted_idx
+    # Each token's k copies first, then a gather by a permutation (no index twice), so that the
+    # backward sums a token's k rows as a reduction over k, in a fixed order. x[sorted_idx // k]
+    # would sum them by index_put_ with accumulate, whose order varies from run to run on a
+    # multi-threaded CPU (and index_add_'s, with atomics, on a GPU): two identical runs would
+    # differ in the last bit (bench/NOTES.md, determinism).
+    T, D = x.shape
+    copies = x.unsqueeze(1).expand(T, k, D).reshape(T * k, D)
+    return copies.index_select(0, sorted_idx[:n_rows]), offsets, sorted_idx
 
 
 def unpermute_reference(y_sorted: Tensor, sorted_idx: Tensor, topk_weights: Tensor | None,
@@ -84,7 +91,7 @@ def unpermute_reference(y_sorted: Tensor, sorted_idx: Tensor, topk_weights: Tens
     T, k = topk_weights.shape
     missing = len(sorted_idx) - len(y_sorted)  # rows not made (permute's n_rows) count as zeros
     y_sorted = torch.cat([y_sorted, y_sorted.new_zeros(missing, y_sorted.shape[1])]) if missing else y_sorted
-    y = y_sorted[torch.argsort(sorted_idx)]  # the inverse permutation: back to (t, j) order
+    y = y_sorted.index_select(0, torch.argsort(sorted_idx))  # the inverse permutation: back to (t, j) order
     acc = torch.promote_types(y.dtype, torch.float32)  # at least float32, as the kernel sums
     out = (y.view(T, k, y.shape[1]).to(acc) * topk_weights.to(acc).unsqueeze(-1)).sum(1)
     return out.to(y_sorted.dtype)

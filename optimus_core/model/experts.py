@@ -167,7 +167,7 @@ class Experts(nn.Module):
         expert), each row weighted by its routing weight (on its SwiGLU output: module docstring)
         and summed per token."""
         # the routing weight of each sorted row (assignment sorted_idx[i]); rows not made get none
-        row_weight_M = topk_weight_TK.reshape(-1)[sorted_idx[:x_sorted_MD.shape[0]]]
+        row_weight_M = topk_weight_TK.reshape(-1).index_select(0, sorted_idx[:x_sorted_MD.shape[0]])
         if self.checkpoint_compute and torch.is_grad_enabled():
             y_sorted_MD = checkpoint(self, x_sorted_MD, offsets_E, row_weight_M, use_reentrant=False)
         else:

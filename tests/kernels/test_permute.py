@@ -326,3 +326,27 @@ def test_counting_sort_on_gpu(tokens, groups, gpu_device):
     sorted_idx, offsets = permute_module._launch_expert_sort(ids, groups)
     want_idx, want_offsets = torch_sorted(ids, groups)
     assert torch.equal(sorted_idx.cpu(), want_idx) and torch.equal(offsets.cpu(), want_offsets)
+
+
+def test_reference_backward_is_bit_identical_run_to_run_on_threads():
+    """A token's k copies are summed in a fixed order in the backward, whatever the threads do:
+    with x[sorted_idx // k] (index_put_ with accumulate) 20 of 20 repeats differed on 2 threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        x = torch.randn(512, 64, requires_grad=True)
+        topk_idx = torch.randint(0, 16, (512, 8))
+        weights = torch.rand(512, 8)
+        dout = torch.randn(512, 64)
+
+        def grad():
+            x.grad = None
+            x_sorted, _, sorted_idx = permute_reference(x, topk_idx, 16)
+            unpermute_reference(x_sorted * 1.5, sorted_idx, weights).backward(dout)
+            return x.grad.clone()
+
+        first = grad()
+        assert all(torch.equal(grad(), first) for _ in range(20))
+    finally:
+        torch.set_num_threads(threads)
