@@ -23,10 +23,10 @@ what CI checks for every paper run.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import contextlib
+import dataclasses
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -207,7 +207,7 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
 
 def _rehearse_save(model, optimizer, mesh, save_dir: str, gpu) -> dict:
     """This rank's checkpoint write (optimus_core.train.checkpoint.training_tensors: views, no
-    copies), timed, with the device's peak during it."""
+    copies) and its manifest (the sha256 of its part), each timed, with the device's peak."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -224,7 +224,10 @@ def _rehearse_save(model, optimizer, mesh, save_dir: str, gpu) -> dict:
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         dcp.save(ckpt.training_tensors(model, optimizer, mesh), storage_writer=dcp.FileSystemWriter(save_dir),
                  no_dist=True)  # the loopback world has no planning collectives: this rank's part alone
-    out = {"save_s": time.perf_counter() - t0}
+    t1 = time.perf_counter()
+    ckpt.write_rank_manifest(Path(save_dir), 0, "rehearsal", 0)  # no_dist named this rank's files __0_*
+    out = {"save_s": t1 - t0, "manifest_s": time.perf_counter() - t1,
+           "part_gib": sum(f.stat().st_size for f in Path(save_dir).glob("__0_*.distcp")) / GIB}
     if gpu is not None:
         out.update(save_peak_allocated_gib=gpu.max_memory_allocated(dev) / GIB, before_save_allocated_gib=before / GIB)
     return out

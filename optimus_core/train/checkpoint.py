@@ -462,7 +462,7 @@ def _cpu_copy(tree):
     return tree
 
 
-def _write_manifest(tmp: Path, rank: int, save_id: str, step: int) -> None:
+def write_rank_manifest(tmp: Path, rank: int, save_id: str, step: int) -> None:
     """This rank's manifest: the sha256 of the files it wrote (DCP names them ``__<rank>_<n>``)."""
     files = {p.name: _sha256(p) for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
     (tmp / MANIFESTS).mkdir(exist_ok=True)
@@ -506,7 +506,7 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, met
     def write_manifest() -> BaseException | None:
         """This rank's manifest; its failure is returned, for ``publish`` to stop every rank."""
         try:
-            _write_manifest(tmp, rank, save_id, step)
+            write_rank_manifest(tmp, rank, save_id, step)
         except OSError as e:
             return e
         return None

@@ -50,18 +50,18 @@ def _worker(run_dir, out_dir):
     report["resumed"] = found.step
     report["warnings"] = [str(w.message) for w in caught]
 
-    real = ckpt._write_manifest
+    real = ckpt.write_rank_manifest
     if rank == 1:  # rank 1's disk is full when it writes its manifest of step 3
         def full(*args):
             raise OSError(errno.ENOSPC, "No space left on device")
-        ckpt._write_manifest = full
+        ckpt.write_rank_manifest = full
     try:
         _save(run_dir, 3, rank)
         report["step3"] = "saved"
     except BaseException as e:  # noqa: BLE001
         report["step3"] = f"{type(e).__name__}: {e}"
     finally:
-        ckpt._write_manifest = real
+        ckpt.write_rank_manifest = real
     (out_dir / f"{rank}.json").write_text(json.dumps(report))
 
 
