@@ -38,7 +38,6 @@ sharded format (its optimizer state kept per ZeRO-1 bucket) no longer resumes.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import re
@@ -55,6 +54,8 @@ import torch
 from ..atomic import atomic_dir, atomic_write
 from ..config import RunConfig, from_dict
 from ..model.transformer import Transformer
+from .disk_space import bytes_to_write, space_errors_named
+from .staging import HostStaging
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 FORMAT, VERSION = "dcp", 3  # meta.json's "format" and "version" of what save_checkpoint writes
@@ -65,12 +66,27 @@ MODEL, OPTIM, RNG = "model/", "optim/", "rng/"  # key prefixes (module doc)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+WRITE_THREADS = 8  # DCP writer threads (and so files) per rank, at most: bench/NOTES.md, checkpoint I/O
+BYTES_PER_FILE = 2**30  # ... and at least this much a file, so a small part is one file, not many
+HASH_THREADS = 8  # files hashed at once (hashlib and file reads release the GIL)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
+        for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def _sha256_files(paths: list[Path]) -> dict[str, str]:
+    """The sha256 of each of ``paths``, by file name, several files at a time."""
+    import concurrent.futures
+
+    if len(paths) <= 1:
+        return {p.name: _sha256(p) for p in paths}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(HASH_THREADS, len(paths))) as pool:
+        return dict(zip((p.name for p in paths), pool.map(_sha256, paths)))
 
 
 @dataclass
@@ -138,10 +154,12 @@ def manifest_name(rank: int) -> str:
 
 
 def _check_files(path: Path, expected: dict[str, str], listed_in: str) -> None:
-    for name, digest in sorted(expected.items()):
+    for name in sorted(expected):
         if not (path / name).is_file():
             raise ValueError(f"{path}: {name} is missing (listed in {listed_in})")
-        if _sha256(path / name) != digest:
+    found = _sha256_files([path / name for name in sorted(expected)])
+    for name, digest in sorted(expected.items()):
+        if found[name] != digest:
             raise ValueError(f"{path}: {name} fails its sha256 checksum (listed in {listed_in})")
 
 
@@ -342,70 +360,6 @@ def restore_rng(tensors: dict, mesh) -> None:
 
 # ----------------------------------------------------------------------------- writing
 
-class DiskFullError(RuntimeError):
-    """A checkpoint that cannot be written for want of space: the path, the bytes needed and the
-    bytes free. The previous checkpoints are as they were (a step directory appears only whole)."""
-
-
-def bytes_to_write(tensors: dict) -> int:
-    """What this rank writes of ``tensors`` (its rows of each DTensor, every plain tensor)."""
-    from ..parallel.layout import local_tensor
-
-    total = 0
-    for value in tensors.values():
-        if torch.is_tensor(value):
-            local = local_tensor(value)
-            total += local.numel() * local.element_size()
-    return total
-
-
-def free_bytes(path: Path) -> int:
-    """Free bytes of the file system ``path`` is (or will be) on."""
-    path = Path(path)
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
-def space_shortfall(run_dir: Path, step: int, need: int, rank: int = 0) -> str | None:
-    """None if checkpoint ``step`` (``need`` bytes: every rank's part, with 5 % and 64 MiB to
-    spare for metadata) fits where it goes; else the sentence that says what does not fit."""
-    root = checkpoints_dir(run_dir)
-    free = free_bytes(root)
-    if need * 1.05 + 64 * 2**20 <= free:
-        return None
-    return (f"rank {rank}: no room for checkpoint step {step} in {root}: it is {need / 2**30:.2f} GiB, "
-            f"{free / 2**30:.2f} GiB are free (disk full); free space or point the run elsewhere. The previous "
-            f"checkpoints are intact")
-
-
-def _out_of_space(e: BaseException) -> bool:
-    """Whether a write failed for want of space: ENOSPC / EDQUOT anywhere in the chain, or
-    torch.save's short-write message, which does not say so itself."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(e)
-        if "No space left on device" in text or "Disk quota exceeded" in text or "unexpected pos" in text:
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-@contextlib.contextmanager
-def _space_errors_named(path: Path, step: int):
-    """A write that fails for want of space says so, with the path and the space left."""
-    try:
-        yield
-    except BaseException as e:
-        if isinstance(e, DiskFullError) or not _out_of_space(e):
-            raise
-        raise DiskFullError(f"writing checkpoint step {step} to {path} failed: the disk is full "
-                            f"({free_bytes(path) / 2**30:.2f} GiB free now; {type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else ''}). The previous checkpoints are intact") from e
-
 class PendingSave:
     """A checkpoint still being written in the background. ``wait()`` (every rank) finishes it:
     rank 0 publishes the step directory; until then the run's newest valid
@@ -450,21 +404,9 @@ def checkpoint_group(mesh, timeout=None):
     return mesh._checkpoint_group
 
 
-def _cpu_copy(tree):
-    """The state (nested dicts / lists of tensors) copied to the CPU: what a background write
-    may read while training changes the originals."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
-    if isinstance(tree, dict):
-        return {k: _cpu_copy(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_cpu_copy(v) for v in tree)
-    return tree
-
-
 def write_rank_manifest(tmp: Path, rank: int, save_id: str, step: int) -> None:
     """This rank's manifest: the sha256 of the files it wrote (DCP names them ``__<rank>_<n>``)."""
-    files = {p.name: _sha256(p) for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
+    files = _sha256_files(sorted(tmp.glob(f"__{rank}_*.distcp")))
     (tmp / MANIFESTS).mkdir(exist_ok=True)
     atomic_write(tmp / manifest_name(rank), json.dumps({"save_id": save_id, "step": step, "rank": rank,
                                                         "files": files}, indent=1, sort_keys=True))
@@ -472,17 +414,21 @@ def write_rank_manifest(tmp: Path, rank: int, save_id: str, step: int) -> None:
 
 def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, meta: dict, rank: int = 0,
                     distributed: bool = False, keep: int = 2, keep_every: int = 0, process_group=None,
-                    asynchronous: bool = False,
-                    all_max: Callable[[list[float]], list[float]] | None = None) -> Path | None | PendingSave:
+                    asynchronous: bool = False, all_max: Callable[[list[float]], list[float]] | None = None,
+                    staging: HostStaging | None = None, threads: int | None = None) -> Path | None | PendingSave:
     """Write checkpoint ``step`` (collective when ``distributed``: every rank calls it, with
     ``all_max`` as for ``latest_valid``, e.g. ``Mesh.all_max``). Every rank writes its part of
     ``tensors`` (``training_tensors``) into one step directory and its manifest; once every
     rank's is written, rank 0 adds ``state.pt`` and ``meta.json``, publishes the directory whole
-    and prunes. Returns the path on rank 0, None elsewhere. With ``asynchronous`` the tensors
-    are copied to the host now and written in the background (distributed: over
-    ``process_group``, see checkpoint_group) and a PendingSave is returned. A rank that fails
-    to write stops every rank (with its error there, a RuntimeError naming the step elsewhere)
-    and nothing is published."""
+    and prunes. Returns the path on rank 0, None elsewhere. The tensors are written from host
+    copies made by ``staging`` (optimus_core.train.staging; pinned, kept for the next save),
+    by ``threads`` writers into as many files (default: WRITE_THREADS, fewer where the part has
+    less than BYTES_PER_FILE for each); without a staging, a foreground write copies device
+    tensors as it goes. With ``asynchronous`` the host copies are made now (with a staging made for the call
+    where none is given) and written in the background (distributed: planned over
+    ``process_group``, see checkpoint_group), and a PendingSave is returned: finish it before
+    the next save with the same ``staging``. A rank that fails to write stops every rank (with
+    its error there, a RuntimeError naming the step elsewhere) and nothing is published."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -512,7 +458,7 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, met
         return None
 
     def publish(error: BaseException | None) -> Path | None:
-        with stack, _space_errors_named(final, step):  # on an exception the temporary directory goes
+        with stack, space_errors_named(final, step):  # on an exception the temporary directory goes
             if all_max([float(error is not None)])[0]:
                 if error is not None:
                     raise error
@@ -529,17 +475,16 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, met
         _prune(run_dir, keep, keep_every)
         return final
 
-    writer = dcp.FileSystemWriter(tmp)
+    threads = threads or max(1, min(WRITE_THREADS, bytes_to_write(tensors) // BYTES_PER_FILE))
+    writer = dcp.FileSystemWriter(tmp, thread_count=threads)
     try:
-        if asynchronous and distributed:
-            future = dcp.async_save(tensors, storage_writer=writer, process_group=process_group)
-            future = getattr(future, "upload_completion", future)  # an AsyncSaveResponse or a Future
-        elif asynchronous:  # one process: a host copy, written by a thread
-            future = _write_in_thread(_cpu_copy(tensors), writer, step)
+        if asynchronous or staging is not None:
+            tensors = (staging or HostStaging()).stage(tensors, snapshot=asynchronous)
+        if asynchronous:
+            future = _in_thread(lambda: _dcp_save(tensors, writer, process_group, distributed), f"checkpoint-{step}")
         else:
-            with warnings.catch_warnings(), _space_errors_named(final, step):  # ("... single process": it is)
-                warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-                dcp.save(tensors, storage_writer=writer, process_group=process_group, no_dist=not distributed)
+            with space_errors_named(final, step):
+                _dcp_save(tensors, writer, process_group, distributed)
     except BaseException:
         stack.__exit__(*sys.exc_info())
         raise
@@ -572,16 +517,13 @@ def _in_thread(fn, name: str):
     return future
 
 
-def _write_in_thread(tensors: dict, writer, step: int):
-    """dcp.save of one process's (host) tensors in a background thread, as a Future."""
+def _dcp_save(tensors: dict, writer, process_group, distributed: bool) -> None:
+    """dcp.save of this rank's ``tensors`` (planned over ``process_group`` when distributed)."""
     import torch.distributed.checkpoint as dcp
 
-    def save():
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            dcp.save(tensors, storage_writer=writer, no_dist=True)
-
-    return _in_thread(save, f"checkpoint-{step}")
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.save(tensors, storage_writer=writer, process_group=process_group, no_dist=not distributed)
 
 
 # ----------------------------------------------------------------------------- reading

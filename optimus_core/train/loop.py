@@ -24,12 +24,14 @@ from ..device import DeviceInfo, device_info
 from ..log import get_logger
 from ..model.transformer import Transformer
 from ..parallel import Mesh
-from . import checkpoint as ckpt
 from ..execution import plan_execution
+from . import checkpoint as ckpt
+from . import disk_space
 from .build import build_model, build_run_optimizer
 from .evaluate import heldout_metrics
 from .resilience import LossGuard, Preempted, StopRequest
 from .schedule import lr_at
+from .staging import HostStaging
 from .step import train_step
 from .update_stream import settle_updates
 from .watchdog import Watchdog
@@ -200,11 +202,11 @@ class Trainer:
         # (all ranks' parts, one all-reduce) against the space where it writes, before anything is
         # written, so a shortfall stops every rank with the same error, not a half-written save.
         tensors = ckpt.training_tensors(self.model, self.optimizer, self.mesh)
-        need = torch.tensor([float(ckpt.bytes_to_write(tensors))], dtype=torch.float64, device=self.device)
+        need = torch.tensor([float(disk_space.bytes_to_write(tensors))], dtype=torch.float64, device=self.device)
         total = int(self.mesh.all_reduce_sum_(need).item())
-        short = ckpt.space_shortfall(self.run_dir, self.step, total, self.mesh.rank)
+        short = disk_space.space_shortfall(ckpt.checkpoints_dir(self.run_dir), self.step, total, self.mesh.rank)
         if short is not None:
-            raise ckpt.DiskFullError(short)
+            raise disk_space.DiskFullError(short)
         # Background writes plan on a gloo group of their own, away from the training's collectives;
         # a foreground write plans on the default group, so a synchronous run (the default, and the
         # paper's) never makes a world-spanning gloo group: at 12288 ranks every rank would open a
@@ -212,8 +214,12 @@ class Trainer:
         group = None
         if self.mesh.distributed and self.cfg.train.async_checkpoint:
             group = ckpt.checkpoint_group(self.mesh, timedelta(seconds=self.cfg.parallel.collective_timeout_s))
+        # Written from pinned host copies kept from save to save (optimus_core.train.staging): the
+        # first save pins this rank's part, every later one only copies into it.
+        if getattr(self, "_staging", None) is None:
+            self._staging = HostStaging()
         path = ckpt.save_checkpoint(self.run_dir, self.step, state=state, meta=meta, rank=self.mesh.rank,
-                                    tensors=tensors, all_max=self.mesh.all_max,
+                                    tensors=tensors, all_max=self.mesh.all_max, staging=self._staging,
                                     distributed=self.mesh.distributed, process_group=group, asynchronous=background,
                                     keep=self.cfg.train.keep_checkpoints, keep_every=self.cfg.train.keep_every)
         if isinstance(path, ckpt.PendingSave):

@@ -16,7 +16,7 @@ BENCH_MARKERS = [f"{RES}/bench/{stem}.ingested" for stem in BENCH_RESULTS if not
 MEMORY_MARKERS = [f"{RES}/bench/{stem}.ingested" for stem in BENCH_RESULTS if stem.startswith("rehearsal-")]
 # A results file is ingested by the benchmark that wrote it (its name starts with the script's).
 BENCH_SCRIPTS = {"distributed-": "bench/distributed.py", "train-step-": "bench/train_step.py",
-                 "rehearsal-": "-m workflow.cli rehearse"}
+                 "rehearsal-": "-m workflow.cli rehearse", "checkpoint-io-": "bench/checkpoint_io.py"}
 
 
 def bench_script(stem):

@@ -222,3 +222,39 @@ def test_a_stop_signal_publishes_the_background_checkpoint_before_exiting(tokens
     resumed = ListSink()
     Trainer(cfg, tokens_dir, tmp_path / "run", writer=resumed, progress=False).fit()
     assert resumed.losses() == straight.losses()[5:]
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_resumed_run_is_the_straight_run(tokens_dir, tmp_path, monkeypatch):
+    """One GPU under the default execution plan (bf16, the Triton experts, AdamW and LM loss,
+    compiled where measured faster): two straight runs are bit-identical, and one stopped by
+    SIGTERM after step 5 and resumed makes the same losses. Our kernels use no atomics; this
+    says whether the rest of the step (torch's kernels) is as deterministic."""
+    from optimus_core.train import loop as loop_module
+    from optimus_core.train.loop import Trainer
+    from optimus_core.train.resilience import Preempted
+    from sinks import ListSink
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    cfg = tiny_cfg()
+    cfg = cfg.replace(train=cfg.train.replace(steps=8, checkpoint_every=2, device="cuda"))
+    straight = [ListSink(), ListSink()]
+    for i, sink in enumerate(straight):
+        Trainer(cfg, tokens_dir, tmp_path / f"straight{i}", writer=sink, progress=False).fit()
+    assert straight[0].losses() == straight[1].losses()
+    real, calls = loop_module.train_step, [0]
+
+    def sigterm_on_the_fifth(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop_module, "train_step", sigterm_on_the_fifth)
+    with pytest.raises(Preempted, match="after step 5"):
+        Trainer(cfg, tokens_dir, tmp_path / "run", progress=False).fit()
+    monkeypatch.setattr(loop_module, "train_step", real)
+    resumed = ListSink()
+    Trainer(cfg, tokens_dir, tmp_path / "run", writer=resumed, progress=False).fit()
+    assert resumed.losses() == straight[0].losses()[5:]

@@ -9,6 +9,7 @@ import torch
 
 from optimus_core import presets
 from optimus_core.train import checkpoint as ckpt
+from optimus_core.train import disk_space
 from optimus_core.train import loop as loop_module
 from optimus_core.train import step as step_module
 from optimus_core.train.loop import Trainer
@@ -158,14 +159,14 @@ def _every_step():
 
 
 def test_a_checkpoint_with_no_room_is_refused_before_writing_and_says_so(tokens_dir, tmp_path, monkeypatch):
-    real, calls = ckpt.free_bytes, []
+    real, calls = disk_space.free_bytes, []
 
     def free(path):
         calls.append(path)
         return real(path) if len(calls) < 2 else 10 * 2**20  # room for step 1 only: 10 MiB free after
 
-    monkeypatch.setattr(ckpt, "free_bytes", free)
-    with pytest.raises(ckpt.DiskFullError) as e:
+    monkeypatch.setattr(disk_space, "free_bytes", free)
+    with pytest.raises(disk_space.DiskFullError) as e:
         Trainer(_every_step(), tokens_dir, tmp_path / "run", progress=False).fit()
     text = str(e.value)
     assert "rank 0: no room for checkpoint step 2 in " in text and str(tmp_path / "run" / "checkpoints") in text
@@ -186,7 +187,7 @@ def test_a_write_that_runs_out_of_space_names_the_disk_and_keeps_the_previous(to
         return real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(ckpt.torch, "save", save)
-    with pytest.raises(ckpt.DiskFullError, match=r"writing checkpoint step 2 to .*step_000002 failed: the disk is "
+    with pytest.raises(disk_space.DiskFullError, match=r"writing checkpoint step 2 to .*step_000002 failed: the disk is "
                                                  r"full \(.* GiB free now; .*\)\. The previous checkpoints are intact"):
         Trainer(_every_step(), tokens_dir, tmp_path / "run", progress=False).fit()
     assert steps(tmp_path / "run") == [1] and ckpt.latest_valid(tmp_path / "run").step == 1
