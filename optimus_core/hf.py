@@ -40,6 +40,7 @@ from typing import Optional, Union
 import torch
 
 from .atomic import atomic_dir
+from .outputs import check_output, mark_output
 from .config import ModelConfig, MoEConfig, from_dict
 
 __all__ = ["ExportError", "hf_architecture", "to_hf_config", "to_hf_state", "from_hf_config",
@@ -275,13 +276,25 @@ def export_hf(run_dir: Union[str, Path], out_dir: Union[str, Path], *, arch: Opt
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if not (run_dir / "meta.json").is_file() and not (run_dir / "checkpoints").is_dir():
         raise ExportError(f"{run_dir}: not a run directory (no meta.json, no checkpoints/)")
+    check_output(out_dir, "export-hf", [run_dir, data_dir], recognise=lambda p: (p / OPTIMUS_META).is_file())
     try:
         model, run_cfg, step = load_model(run_dir, with_step=True)
     except FileNotFoundError as e:
         raise ExportError(str(e)) from None
     cfg = run_cfg.model
     arch = hf_architecture(cfg, arch)
-    data_dir = Path(data_dir or run_cfg.data.path)
+    if data_dir is None:  # the run's own data: the output may not overlap it either
+        data_dir = Path(run_cfg.data.path)
+        check_output(out_dir, "export-hf", [data_dir], recognise=lambda p: (p / OPTIMUS_META).is_file())
+    data_dir = Path(data_dir)
+    if (data_dir / "manifest.json").is_file():  # the package ships this tokenizer: the run's own
+        from .data.identity import check_tokenizer, trained_tokenizer
+        from .train.checkpoint import newest_meta
+
+        try:
+            check_tokenizer(data_dir, trained_tokenizer(newest_meta(run_dir) or {}), f"run {run_dir}")
+        except ValueError as e:
+            raise ExportError(str(e)) from None
     if not (data_dir / "tokenizer.json").is_file():
         raise ExportError(f"{data_dir}/tokenizer.json: missing; the export ships the run's tokenizer "
                           "(pass data_dir= / --data with the `optimus tokenize` output the run used)")
@@ -296,6 +309,7 @@ def export_hf(run_dir: Union[str, Path], out_dir: Union[str, Path], *, arch: Opt
             {"eos_token_id": eos_id, "pad_token_id": pad_id, "do_sample": False}, indent=2))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         _tokenizer_files(tmp, data_dir / "tokenizer.json", eos=eos, pad=pad, max_len=cfg.max_seq_len)
+        mark_output(tmp, "export-hf", {"run_dir": run_dir, "data_dir": data_dir})
         (tmp / OPTIMUS_META).write_text(json.dumps(
             {"model": cfg.to_dict(), "run_dir": str(run_dir), "step": step, "arch": arch}, indent=2))
     return out_dir

@@ -43,6 +43,7 @@ import zstandard
 from tqdm import tqdm
 
 from optimus_core.atomic import atomic_dir
+from optimus_core.outputs import check_output, mark_output
 from optimus_core.config import ConfigError
 
 __all__ = [
@@ -121,9 +122,13 @@ class CorpusResult:
 def run_corpus(config: CorpusConfig, inputs: CorpusInputs, outputs: CorpusOutputs) -> CorpusResult:
     """Build the stdlib corpus, or index ``inputs.from_dir``; publish ``outputs.out_dir`` atomically."""
     out = Path(outputs.out_dir)
+    # an index made before output markers existed says what it is; a built corpus does not (a
+    # folder of the user's own .jsonl files looks the same), so only a marked one is replaced
+    check_output(out, "corpus", [inputs.from_dir], recognise=lambda p: _is_index(p / INDEX_NAME))
     if inputs.from_dir is None:
         with atomic_dir(out) as tmp:
             docs = _build(config, tmp)
+            mark_output(tmp, "corpus", {})
         files = list_corpus(out)
     else:
         src = Path(inputs.from_dir)
@@ -132,6 +137,7 @@ def run_corpus(config: CorpusConfig, inputs: CorpusInputs, outputs: CorpusOutput
         files = _scan(src.resolve())
         with atomic_dir(out) as tmp:
             _write_index(tmp, src.resolve(), files)
+            mark_output(tmp, "corpus", {"from_dir": src.resolve()})
         docs = {}
     count: dict[str, int] = {}
     size: dict[str, int] = {}
@@ -296,6 +302,13 @@ def _scan(root: Path) -> list[CorpusFile]:
                           f"(or the same under <dir>/data/), or an {INDEX_NAME} written by `optimus corpus`",
                           str(root))
     return files
+
+
+def _is_index(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("format") == INDEX_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _write_index(out: Path, root: Path, files: list[CorpusFile]) -> None:

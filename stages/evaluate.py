@@ -119,7 +119,7 @@ def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
         return _run_sharded(config, inputs, outputs, run_id)
     found = _checkpoints(run_dir, config.all_checkpoints)
     newest = found[-1]
-    data_dir = Path(inputs.data_dir or newest.cfg.data.path)
+    data_dir = _checked_data(inputs.data_dir or newest.cfg.data.path, run_dir)
     heldout_rows: list[dict] = []  # oldest first: the store's rows stay in step order
     down_rows: list[dict] = []
     scores: dict = {}
@@ -183,7 +183,7 @@ def _run_sharded(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
     rows = []
     try:
         found = _checkpoints(run_dir, config.all_checkpoints, (mesh.rank, mesh.world_size), mesh.all_max)
-        data_dir = Path(inputs.data_dir or found[-1].cfg.data.path)
+        data_dir = _checked_data(inputs.data_dir or found[-1].cfg.data.path, run_dir)
         for point in found:
             model = _load_sharded(point, mesh)
             rows.append({"step": point.step, "tokens": point.tokens, **heldout_metrics(
@@ -274,6 +274,14 @@ def _lm_eval():
         raise ValueError(f"downstream tasks need lm-evaluation-harness ({e}); "
                          "install the eval extra: pip install -e '.[eval]'") from None
     return docstring, lm, tasks
+
+
+def _checked_data(data_dir, run_dir: Path) -> Path:
+    """``data_dir``, once it is known to be tokenized with the tokenizer the run trained with."""
+    from optimus_core.data.identity import check_tokenizer, trained_tokenizer
+
+    check_tokenizer(data_dir, trained_tokenizer(newest_meta(run_dir) or {}), f"run {run_dir}")
+    return Path(data_dir)
 
 
 def _task_names(config: EvaluateConfig, data_dir: Path, tmp: Path) -> list[str]:

@@ -18,6 +18,7 @@ that resumes loads its checkpoint instead.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,10 +27,13 @@ from pathlib import Path
 from optimus_core.atomic import atomic_write
 from optimus_core.config import RunConfig
 from optimus_core.device import device_info
+from optimus_core.log import get_logger
 from optimus_core.parallel import init_distributed, shutdown
 from optimus_core.provenance import describe, software, utc_now
 from optimus_core.train.loop import Trainer
 from optimus_core.train.resilience import Preempted
+
+_log = get_logger(__name__)
 
 
 @dataclass
@@ -38,6 +42,7 @@ class PretrainConfig:
     run_id: str
     experiment: str = ""
     progress: bool = True
+    start_over: bool = False  # a run directory whose checkpoints are all invalid: set them aside, train from 0
 
     def __post_init__(self):
         if not self.run_id or "/" in self.run_id or self.run_id.startswith("."):
@@ -66,15 +71,54 @@ class PretrainResult:
     final_eval: dict = field(default_factory=dict)
     tokens_per_s: float = float("nan")
     wall_time_s: float = float("nan")
+    already_finished: bool = False  # this call trained nothing: the run had finished (finished_result)
+
+
+# What a run directory holds: the run's files, evaluate's eval.json, a Parsl launch's own
+# directory and job logs (written before the run starts). Anything else is not a run directory.
+RUN_ENTRIES = {"meta.json", "summary.json", "checkpoints", "eval.json", "parsl"}
+RUN_LOG_SUFFIXES = (".out", ".err", ".log")
 
 
 def _check_run_dir(run_dir: Path, run_id: str) -> None:
-    """A run directory belongs to one run: refuse to train another run into it."""
+    """A run directory belongs to one run: refuse to train another run into it, or into a file
+    or a directory of other things (a dataset, the user's files)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise FileExistsError(f"--out {run_dir} is a file, not a run directory: use another --out")
     meta_path = run_dir / "meta.json"
     if meta_path.is_file():
         existing = json.loads(meta_path.read_text()).get("run_id")
         if existing != run_id:
             raise ValueError(f"{run_dir} holds run {existing!r}, not {run_id!r}: use another --out")
+    elif run_dir.is_dir():
+        others = sorted(p.name for p in run_dir.iterdir()
+                        if p.name not in RUN_ENTRIES and not p.name.endswith(RUN_LOG_SUFFIXES))
+        if others:
+            shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+            raise FileExistsError(f"--out {run_dir} holds {shown} and no run's meta.json: not a run directory "
+                                  f"(nothing was changed); use an empty or new --out")
+
+
+def finished_result(run_dir: Path, cfg: RunConfig) -> PretrainResult | None:
+    """The result of ``run_dir``'s finished run when ``cfg`` asks for no more steps than it took
+    (a re-run is then a no-op: no file or store row is touched); None when there is training to
+    do. A run is never shortened: fewer steps than its newest checkpoint is an error."""
+    from optimus_core.train.checkpoint import newest_meta
+
+    saved = newest_meta(run_dir)
+    if saved is not None and saved["step"] > cfg.train.steps:
+        raise ValueError(f"{run_dir} has a checkpoint at step {saved['step']}; train.steps = {cfg.train.steps} is "
+                         f"fewer, and a run is never shortened: ask for {saved['step']} or more, or use another --out")
+    try:
+        meta = json.loads((run_dir / "meta.json").read_text())
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if meta.get("status") != "completed" or summary.get("steps") != cfg.train.steps:
+        return None
+    fields = {f.name for f in dataclasses.fields(PretrainResult)}
+    return PretrainResult(**dict({k: v for k, v in summary.items() if k in fields}, run_dir=run_dir,
+                                 already_finished=True))
 
 
 def run_pretrain(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainOutputs) -> PretrainResult:
@@ -95,13 +139,20 @@ def _run_rank(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainO
               mesh) -> PretrainResult:
     lead = mesh.rank == 0
     run_dir = Path(outputs.run_dir)
+    _check_run_dir(run_dir, config.run_id)  # every rank, reading only: the same refusal everywhere
+    done = finished_result(run_dir, cfg)
+    if done is not None:
+        if lead:
+            _log.info("%s finished at step %d already: nothing to do (ask for more train.steps to continue it)",
+                      config.run_id, done.steps)
+        return done
     if lead:
         run_dir.mkdir(parents=True, exist_ok=True)
-        _check_run_dir(run_dir, config.run_id)
-    mesh.barrier()  # the other ranks look for checkpoints in run_dir only once rank 0 has checked it
+    mesh.barrier()  # the other ranks look for checkpoints in run_dir only once rank 0 has made it
     info = device_info(cfg.train.device, index=mesh.device.index or 0)
     if not lead:
-        trainer = Trainer(cfg, inputs.data_dir, run_dir, writer=None, progress=False, device=info, mesh=mesh)
+        trainer = Trainer(cfg, inputs.data_dir, run_dir, writer=None, progress=False, device=info, mesh=mesh,
+                          start_over=config.start_over)
         summary = trainer.fit()
         return PretrainResult(config.run_id, run_dir, summary.steps, summary.tokens, summary.resumed_from,
                               summary.final_loss, summary.final_eval, summary.tokens_per_s, summary.wall_time_s)
@@ -118,7 +169,8 @@ def _run_rank(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainO
     meta = {k: attrs[k] for k in ("run_id", "experiment", "preset", "config", "software", "launch")}
     # Built before anything is written: a run directory whose checkpoints belong to another model
     # (or any other refusal) leaves its meta.json and its store run as they were.
-    trainer = Trainer(cfg, inputs.data_dir, run_dir, writer=None, progress=config.progress, device=info, mesh=mesh)
+    trainer = Trainer(cfg, inputs.data_dir, run_dir, writer=None, progress=config.progress, device=info, mesh=mesh,
+                      start_over=config.start_over)
     plan = trainer.plan  # what every "auto" resolved to, why, and the memory it plans
     mode, every = plan.checkpointing
     budget = plan.budget_bytes

@@ -23,9 +23,11 @@ names the file and line; with ``skip_bad_records`` it is skipped and counted in 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import heapq
 import itertools
+import json
 import multiprocessing
 import os
 import platform
@@ -41,12 +43,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
 from optimus_core.atomic import atomic_dir
+from optimus_core.outputs import check_output, mark_output
 from optimus_core.config import ConfigError
 from optimus_core.data.shards import (
-    SPLITS, TOKENIZER_NAME, Manifest, TokenFile, Totals, IndexRow, sha256_file, token_dtype,
+    MANIFEST_NAME, SPLITS, TOKENIZER_NAME, Manifest, TokenFile, Totals, IndexRow, sha256_file, token_dtype,
     write_index, write_manifest,
 )
-from stages.corpus import CORPUS_SUFFIXES, CorpusError, CorpusFile, list_corpus, read_records
+from stages.corpus import CORPUS_SUFFIXES, INDEX_NAME, CorpusError, CorpusFile, list_corpus, read_records
 
 __all__ = ["TokenizeConfig", "TokenizeInputs", "TokenizeOutputs", "TokenizeResult", "run_tokenize",
            "CorpusError", "train_tokenizer", "load_tokenizer", "val_score"]
@@ -119,6 +122,7 @@ class TokenizeResult:
 
 def run_tokenize(config: TokenizeConfig, inputs: TokenizeInputs, outputs: TokenizeOutputs) -> TokenizeResult:
     """Tokenize every file of ``inputs.corpus_dir`` into ``outputs.out_dir`` (see the module doc)."""
+    check_token_output(inputs, outputs)
     files = list_corpus(Path(inputs.corpus_dir))
     _check_unique_outputs(files)
     with atomic_dir(outputs.out_dir) as tmp:
@@ -136,9 +140,20 @@ def run_tokenize(config: TokenizeConfig, inputs: TokenizeInputs, outputs: Tokeni
         results = _run_all(job, files, tokenizer, config.workers)
         results = _ensure_val_per_source(job, tokenizer, results)
         manifest = _manifest(config, inputs, tokenizer_path, vocab_size, eos_id, pad_id, job.dtype, results)
+        mark_output(tmp, "tokenize", {"corpus_dir": inputs.corpus_dir, "tokenizer": inputs.tokenizer})
         write_manifest(tmp, manifest)  # last: the manifest marks the directory complete
     return TokenizeResult(Path(outputs.out_dir), vocab_size, job.dtype, inputs.tokenizer is None,
                           len(manifest.files), manifest.totals, dict(manifest.skipped["by_reason"]))
+
+
+def check_token_output(inputs: TokenizeInputs, outputs: TokenizeOutputs) -> None:
+    """Refuse an ``--out`` that is not absent, empty or a token directory (optimus_core.outputs),
+    or that overlaps the corpus, the files an index points to, or the tokenizer given."""
+    corpus = Path(inputs.corpus_dir)
+    roots = [corpus, inputs.tokenizer]
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):  # an index's download root
+        roots.append(Path(json.loads((corpus / INDEX_NAME).read_text(encoding="utf-8"))["root"]))
+    check_output(outputs.out_dir, "tokenize", roots, recognise=lambda p: (p / MANIFEST_NAME).is_file())
 
 
 # ----------------------------------------------------------------------------- tokenizer

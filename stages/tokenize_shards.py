@@ -30,12 +30,13 @@ from pathlib import Path
 from typing import Optional
 
 from optimus_core.atomic import atomic_dir, atomic_write
+from optimus_core.outputs import mark_output
 from optimus_core.config import ConfigError
 from optimus_core.data.shards import TOKENIZER_NAME, TokenFile, sha256_file, token_dtype, write_manifest
 from stages.corpus import CorpusError, CorpusFile, list_corpus
 from stages.tokenize import (TokenizeConfig, TokenizeInputs, TokenizeOutputs, TokenizeResult, _check_unique_outputs,
                              _ensure_val_per_source, _FileResult, _Job, _manifest, _output_stem, _special_ids,
-                             _tokenize_file, load_tokenizer)
+                             _tokenize_file, check_token_output, load_tokenizer)
 
 __all__ = ["SHARD_NAME", "shard_settings", "shard_dir", "tokenize_shard", "merge_shards"]
 
@@ -100,6 +101,7 @@ def merge_shards(config: TokenizeConfig, inputs: TokenizeInputs, shards: Path,
     as run_tokenize applies it, the manifest merged and written last."""
     if inputs.tokenizer is None:
         raise ConfigError("tokenizer = None: merging shards needs the tokenizer.json they were made with")
+    check_token_output(inputs, outputs)
     files = list_corpus(Path(inputs.corpus_dir))
     _check_unique_outputs(files)
     settings = shard_settings(config, inputs.tokenizer)
@@ -129,6 +131,7 @@ def merge_shards(config: TokenizeConfig, inputs: TokenizeInputs, shards: Path,
         results = sorted(results, key=lambda r: (r.input.source, r.input.rel))
         results = _ensure_val_per_source(job, tokenizer, results)  # unlinks before it rewrites
         manifest = _manifest(config, inputs, tokenizer_path, vocab_size, eos_id, pad_id, job.dtype, results)
+        mark_output(tmp, "tokenize", {"corpus_dir": inputs.corpus_dir, "tokenizer": inputs.tokenizer})
         write_manifest(tmp, manifest)  # last: the manifest marks the directory complete
     return TokenizeResult(Path(outputs.out_dir), vocab_size, job.dtype, False, len(manifest.files),
                           manifest.totals, dict(manifest.skipped["by_reason"]))

@@ -155,3 +155,158 @@ def test_figures_need_a_results_store(tmp_path, capsys):
     fails(["figures", "--store", tmp_path / "none.zarr", "--out", tmp_path / "figs"], capsys, 1,
           f"no results store at {tmp_path / 'none.zarr'}")
     assert not (tmp_path / "none.zarr").exists()
+
+
+# ----------------------------------------------------------------------------- outputs never destroy what they did not make
+
+def _a_corpus(root: Path) -> Path:
+    (root / "web").mkdir(parents=True)
+    (root / "web" / "a.jsonl").write_bytes(GOOD)
+    return root
+
+
+def test_corpus_and_tokenize_refuse_an_out_of_the_users_files(tokens_dir, tmp_path, capsys):
+    corpus = _a_corpus(tmp_path / "corpus")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's own")
+    fails(["corpus", "--from", corpus, "--out", mine], capsys, 1,
+          f"corpus output {mine} holds 1 entries (notes.txt) that `optimus corpus` did not make")
+    fails(["tokenize", "--corpus", corpus, "--out", mine], capsys, 1, "did not make")
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    fails(["tokenize", "--corpus", corpus, "--out", a_file], capsys, 1, f"tokenize output {a_file} is a file")
+    assert a_file.read_text() == "x"
+    tokens = tmp_path / "tokens"
+    shutil.copytree(tokens_dir, tokens)
+    fails(["corpus", "--from", corpus, "--out", tokens], capsys, 1,
+          f"corpus output {tokens} is an output of `optimus tokenize`, not of `optimus corpus`")
+    assert digest(tokens) == digest(tokens_dir)
+
+
+def test_an_output_equal_to_or_inside_or_around_its_input_is_refused(finished_run, tmp_path, capsys):
+    corpus = _a_corpus(tmp_path / "corpus")
+    before = digest(corpus)
+    fails(["tokenize", "--corpus", corpus, "--out", corpus], capsys, 1, f"tokenize output {corpus} is the input")
+    fails(["tokenize", "--corpus", corpus, "--out", corpus / "web" / "tokens"], capsys, 1, "is inside the input")
+    fails(["corpus", "--from", corpus, "--out", corpus], capsys, 1, "is the input")
+    assert digest(corpus) == before
+    run = tmp_path / "run-a"
+    shutil.copytree(finished_run, run)
+    before = digest(run)
+    fails(["export-hf", "--run", run, "--out", run], capsys, 1, f"export-hf output {run} is the input {run}")
+    fails(["export-hf", "--run", run, "--out", tmp_path], capsys, 1, "holds the input")
+    assert digest(run) == before
+
+
+def test_a_previous_output_of_the_same_stage_is_replaced(tmp_path, capsys):
+    corpus = _a_corpus(tmp_path / "corpus")
+    index = tmp_path / "index"
+    for _ in range(2):  # the second replaces the first, its own (marked) output, whole
+        assert main(["corpus", "--from", str(corpus), "--out", str(index)]) == 0
+    assert sorted(p.name for p in index.iterdir()) == [".optimus-output.json", "index.json"]
+
+
+# ----------------------------------------------------------------------------- a run directory belongs to one run
+
+def test_pretrain_refuses_a_directory_that_is_not_a_run(tokens_dir, tmp_path, capsys):
+    data = tmp_path / "data"
+    shutil.copytree(tokens_dir, data)
+    before = digest(data)
+    fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", data, "--steps", 1, *TINY],
+          capsys, 1, f"--out {data} holds ")
+    assert digest(data) == before
+    fails(["pretrain", "--preset", "mula-1b@laptop", "--experiment", "pretrain-mula-1b", "--data", tokens_dir,
+           "--out", tmp_path / "r"], capsys, 2, "--preset mula-1b@laptop and --experiment pretrain-mula-1b: give one")
+
+
+def test_a_finished_run_run_again_is_a_no_op_and_is_never_shortened(finished_run, tokens_dir, tmp_path, capsys):
+    run = tmp_path / "run-a"
+    shutil.copytree(finished_run, run)
+    before = digest(run)
+    capsys.readouterr()
+    assert main(["pretrain", "--preset", "mula-1b@laptop", "--data", str(tokens_dir), "--out", str(run),
+                 "--steps", "1", *TINY]) == 0
+    assert "run-a: finished at step 1 already; nothing was trained or changed" in capsys.readouterr().out
+    assert digest(run) == before
+    longer = tmp_path / "longer"
+    assert main(["pretrain", "--preset", "mula-1b@laptop", "--data", str(tokens_dir), "--out", str(longer),
+                 "--steps", "2", *TINY]) == 0
+    before = digest(longer)
+    fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", longer, "--steps", 1, *TINY],
+          capsys, 1, "has a checkpoint at step 2; train.steps = 1 is fewer, and a run is never shortened")
+    assert digest(longer) == before
+
+
+def test_a_run_whose_checkpoints_are_all_invalid_stops_unless_told_to_start_over(finished_run, tokens_dir, tmp_path,
+                                                                                  capsys):
+    run = tmp_path / "run-a"
+    shutil.copytree(finished_run, run)
+    shard = next((run / "checkpoints" / "step_000001").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-8])
+    argv = ["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", run, "--steps", 2, *TINY]
+    fails(argv, capsys, 1, "holds checkpoints up to step 1 and none is valid (the warnings above say why): pass "
+                           "--start-over")
+    assert shard.is_file()
+    assert main([str(a) for a in argv + ["--start-over"]]) == 0
+    assert (run / "checkpoints" / "invalid" / "step_000001").is_dir()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["invalid", "step_000002"]
+
+
+# ----------------------------------------------------------------------------- data identity
+
+def test_data_of_another_tokenizer_is_refused_where_it_meets_the_run(finished_run, code_tokens_dir, tmp_path, capsys):
+    said = "was tokenized with another tokenizer"
+    fails(["evaluate", "--run", finished_run, "--data", code_tokens_dir], capsys, 1, said)
+    fails(["export-hf", "--run", finished_run, "--data", code_tokens_dir, "--out", tmp_path / "hf"], capsys, 1, said)
+    assert not (tmp_path / "hf").exists()
+    run = tmp_path / "run-a"
+    shutil.copytree(finished_run, run)
+    before = digest(run)
+    fails(["pretrain", "--preset", "mula-1b@laptop", "--data", code_tokens_dir, "--out", run, "--steps", 2, *TINY],
+          capsys, 1, said)
+    assert digest(run) == before
+
+
+def test_a_damaged_tokenizer_in_the_data_is_found_before_training(tokens_dir, tmp_path, capsys):
+    data = tmp_path / "data"
+    shutil.copytree(tokens_dir, data)
+    (data / "tokenizer.json").write_text("{}")
+    fails(["pretrain", "--preset", "mula-1b@laptop", "--data", data, "--out", tmp_path / "r", "--steps", 1, *TINY],
+          capsys, 1, f"{data / 'tokenizer.json'}: its sha256 does not match")
+
+
+def test_launch_settings_are_checked_before_any_rank_starts(tokens_dir, tmp_path, capsys):
+    base = ["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", tmp_path / "r", "--steps", 1]
+    fails(base + ["--threads", -3], capsys, 2, "--threads = -3: must be >= 1")
+    fails(base + ["--nproc", 3, "--set", "train.global_batch=4"], capsys, 2,
+          "train.global_batch = 4: must be divisible by the world size (3 ranks)")
+    assert not (tmp_path / "r").exists()
+
+
+def test_perfmodel_on_a_store_that_is_not_there_is_refused_not_created(tmp_path, capsys):
+    fails(["perfmodel", "--store", tmp_path / "typo.zarr"], capsys, 1, f"no results store at {tmp_path / 'typo.zarr'}")
+    assert not (tmp_path / "typo.zarr").exists()
+
+
+def test_presets_refuse_a_sequence_length_below_one(capsys):
+    fails(["presets", "--seq-len", -5], capsys, 2, "--seq-len = -5: must be >= 1")
+
+
+def test_flags_that_would_be_ignored_are_refused(tokens_dir, tmp_path, capsys):
+    base = ["pretrain", "--data", tokens_dir, "--out", tmp_path / "r", "--steps", 1]
+    fails(base + ["--preset", "mula-1b@laptop", "--site", "aurora"], capsys, 2,
+          "--site aurora is used only with --launcher parsl")
+    fails(base + ["--preset", "mula-1b@laptop", "--scale", "paper"], capsys, 2,
+          "--scale paper chooses an --experiment's configuration")
+    fails(["evaluate", "--run", tmp_path, "--site", "local"], capsys, 2, "--site local is used only with")
+    assert not (tmp_path / "r").exists()
+
+
+def test_figures_only_takes_several_names_as_the_readme_shows():
+    from workflow.cli import build_parser
+
+    args = build_parser().parse_args(["figures", "--store", "s", "--out", "o", "--only", "a.png", "b.png",
+                                      "--only", "c.png"])
+    assert args.only == ["a.png", "b.png", "c.png"]

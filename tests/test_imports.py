@@ -18,7 +18,8 @@ PACKAGES = ("optimus_core", "kernels", "stages", "workflow")
 
 # The core's layers, lowest first: a module may import its own layer and those before it.
 CORE_LAYERS = [
-    {"atomic", "config", "device", "flops", "log", "timing", "provenance", "store", "presets", "memory", "execution"},
+    {"atomic", "outputs", "config", "device", "flops", "log", "timing", "provenance", "store", "presets", "memory",
+     "execution"},
     {"data", "model"},
     {"parallel"},
     {"train", "hf"},  # hf: a checkpoint format beside train/checkpoint.py's own

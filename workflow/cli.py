@@ -76,8 +76,16 @@ def _site_summary(done, args, fallback: str) -> Summary:
 
 
 def _run_in_own_process(command, args) -> None:
-    """A spawned rank or a restart attempt: the process that runs ``command`` prints its summary."""
-    emit(command(args), args.json)
+    """A spawned rank or a restart attempt: the process that runs ``command`` prints its summary;
+    stopped by a signal after its checkpoint, it exits with the stop status (rank 0 says why)."""
+    from optimus_core.train.resilience import Preempted
+
+    try:
+        emit(command(args), args.json)
+    except Preempted as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"optimus {args.command}: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
 
 
 def _overrides(pairs: list[str]) -> dict:
@@ -145,13 +153,19 @@ def resolve_run_config(args):
 
     overrides: dict = {}
     run_id, experiment = args.run_id, ""
+    if args.experiment and args.preset:
+        raise ConfigError(f"--preset {args.preset} and --experiment {args.experiment}: give one (an experiment "
+                          f"names its own preset)")
+    if args.scale and not args.experiment:
+        raise ConfigError(f"--scale {args.scale} chooses an --experiment's configuration; a --preset has one "
+                          f"(a laptop preset is named NAME@laptop)")
     if args.experiment:
         from workflow.experiments import get as get_experiment
 
         exp = get_experiment(args.experiment)
-        scale = exp.scale(args.scale)
+        scale = exp.scale(args.scale or "laptop")
         preset_name, overrides = scale.preset, dict(scale.overrides())
-        run_id, experiment = run_id or exp.run_id(args.scale), exp.name
+        run_id, experiment = run_id or exp.run_id(args.scale or "laptop"), exp.name
     elif args.preset:
         preset_name = args.preset
     else:
@@ -176,11 +190,18 @@ def cmd_pretrain(args) -> Summary | None:
 
     from optimus_core.parallel.launch import spawn_local
     from optimus_core.parallel.mesh import read_launch_env
+    from optimus_core.train.resilience import STOP_EXIT_CODES
 
     launch = read_launch_env()  # torchrun / mpiexec / our own spawn below, or a world of one
     _rank_logging(args, launch)
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc}: must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads = {args.threads}: must be >= 1")
+    world = launch.world_size if launch.world_size > 1 else args.nproc
+    if cfg.train.global_batch % world:  # found before any rank is started, not by each of them
+        raise ConfigError(f"train.global_batch = {cfg.train.global_batch}: must be divisible by the world size "
+                          f"({world} ranks)")
     max_restarts = getattr(args, "max_restarts", None) or 0
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts = {max_restarts}: must be >= 0")
@@ -195,7 +216,7 @@ def cmd_pretrain(args) -> Summary | None:
 
         once = argparse.Namespace(**dict(vars(args), max_restarts=0))
         status = run_with_restarts(ChildProcess(_run_in_own_process, (cmd_pretrain, once)), max_restarts,
-                                   should_restart=lambda code: code != 2)
+                                   should_restart=lambda code: code != 2 and code not in STOP_EXIT_CODES)
         if status:
             raise SystemExit(status)
         return None  # the last attempt printed the summary
@@ -206,7 +227,14 @@ def cmd_pretrain(args) -> Summary | None:
         group_layout(args.nproc, cfg.parallel.ep, cfg.model.moe.n_experts if cfg.model.moe else None,
                      cfg.parallel.dp_shard)
         # No launcher around us: start the ranks here; each re-enters this function as one rank.
-        spawn_local(_run_in_own_process, args.nproc, (cmd_pretrain, args))
+        from torch.multiprocessing import ProcessExitedException
+
+        try:
+            spawn_local(_run_in_own_process, args.nproc, (cmd_pretrain, args))
+        except ProcessExitedException as e:
+            if e.exit_code in STOP_EXIT_CODES:  # stopped on request after a checkpoint: rank 0 said so
+                raise SystemExit(e.exit_code) from None
+            raise
         return None  # rank 0 printed the summary
     if args.nproc not in (1, launch.world_size):
         raise ConfigError(f"--nproc = {args.nproc}: this process is rank {launch.rank} of {launch.world_size} "
@@ -215,10 +243,14 @@ def cmd_pretrain(args) -> Summary | None:
     if threads:
         import torch
         torch.set_num_threads(threads)
-    result = run_pretrain(PretrainConfig(cfg, run_id=run_id, experiment=experiment, progress=not args.quiet),
+    result = run_pretrain(PretrainConfig(cfg, run_id=run_id, experiment=experiment, progress=not args.quiet,
+                                         start_over=args.start_over),
                           PretrainInputs(data_dir=args.data), PretrainOutputs(run_dir=args.out, store=args.store))
     if launch.rank != 0:
         return None
+    if result.already_finished:
+        return Summary(f"{result.run_id}: finished at step {result.steps} already; nothing was trained or "
+                       f"changed (a larger --steps continues it) -> {result.run_dir}", jsonable(result))
     resumed = f" (resumed from step {result.resumed_from})" if result.resumed_from else ""
     return Summary(f"{result.run_id}: {result.steps} steps{resumed}, {result.tokens:,} tokens, final loss "
                    f"{result.final_loss:.4f}, held-out loss {result.final_eval.get('loss', float('nan')):.4f}, "
@@ -294,6 +326,8 @@ def cmd_report(args) -> Summary:
 def cmd_presets(args) -> Summary:
     from optimus_core import presets
 
+    if args.seq_len is not None and args.seq_len < 1:
+        raise ConfigError(f"--seq-len = {args.seq_len}: must be >= 1")
     rows = []
     for name in presets.names():
         p = presets.get(name)
@@ -407,6 +441,9 @@ def cmd_perfmodel(args) -> Summary:
     from workflow.scaling_study import check_paths, run_study
 
     check_paths(args.measured)
+    if args.store and not Path(args.store).exists() and not args.measured:
+        raise FileNotFoundError(f"no results store at {args.store} and no --measured files: nothing to calibrate "
+                                f"on (run `optimus scaling --store {args.store}` first, or check the path)")
     study = run_study(args.store, args.measured, out_json=args.out)
     lines = [f"held out: {h['sweep']} at {h['devices']} devices: measured {h['measured_s']:.4g} s, "
              f"predicted {h['predicted_s']:.4g} s ({h['rel_error']:+.1%}, fitted on {h['fitted_on']} points)"
@@ -454,7 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pretrain", parents=[common], help="train one run")
     p.add_argument("--preset", default=None)
     p.add_argument("--experiment", default=None, help="a run of workflow/experiments.py")
-    p.add_argument("--scale", choices=("laptop", "paper"), default="laptop")
+    p.add_argument("--scale", choices=("laptop", "paper"), default=None,
+                   help="with --experiment: its laptop (default) or paper configuration")
     p.add_argument("--data", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True, help="the run directory")
     p.add_argument("--run-id", default=None, help="default: the run directory's name")
@@ -471,6 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", type=int, default=None,
                    help="rerun a run that crashed, hung (watchdog) or was stopped, up to R times, each time "
                         "resuming from the newest valid checkpoint (local launcher; default 0)")
+    p.add_argument("--start-over", action="store_true",
+                   help="where --out holds checkpoints and none is valid: set them aside (checkpoints/invalid/) "
+                        "and train from step 0, instead of stopping")
     p.add_argument("--store", type=Path, default=None)
     p.add_argument("--launcher", choices=("local", "parsl"), default="local")
     p.add_argument("--site", default=None)
@@ -515,8 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("figures", parents=[common], help="draw every figure (or those named by --only) from the results store")
     p.add_argument("--store", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--only", action="append", metavar="NAME", default=None,
-                   help="draw only this figure (a file name such as scaling.png; repeatable)")
+    p.add_argument("--only", action="extend", nargs="+", metavar="NAME", default=None,
+                   help="draw only these figures (file names such as scaling.png ablation.png)")
     p.set_defaults(func=cmd_figures)
 
     p = sub.add_parser("report", parents=[common], help="write the markdown report from the results store")
@@ -601,10 +642,16 @@ def build_parser() -> argparse.ArgumentParser:
 INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)  # bad input: one line, exit 1
 
 
+def _check_site_use(args) -> None:
+    """A --site is where --launcher parsl runs: without it, it would be ignored, so say so."""
+    if getattr(args, "site", None) and getattr(args, "launcher", "parsl") != "parsl":
+        raise ConfigError(f"--site {args.site} is used only with --launcher parsl (this command runs here)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(debug=args.debug)  # a command that knows its rank sets it again
-    from optimus_core.train.resilience import RESUBMIT_EXIT_CODE, Preempted
+    from optimus_core.train.resilience import Preempted
 
     def fail(kind: str, e: BaseException, code: int) -> int:
         if args.debug:
@@ -613,10 +660,11 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
     try:
+        _check_site_use(args)
         summary = args.func(args)
     except Preempted as e:  # the scheduler asked us to stop: the launcher reruns, which resumes
         print(f"optimus {args.command}: {e}", file=sys.stderr)
-        return RESUBMIT_EXIT_CODE
+        return e.exit_code
     except ConfigError as e:
         return fail("configuration error: ", e, 2)
     except INPUT_ERRORS as e:

@@ -61,6 +61,7 @@ STEP_DIR = re.compile(r"^step_(\d{6,})$")
 FORMAT, VERSION = "dcp", 3  # meta.json's "format" and "version" of what save_checkpoint writes
 # (version 3: per-rank manifests; version 2 listed every file's sha256 in meta.json and still resumes)
 MANIFESTS = "manifests"
+INVALID = "invalid"  # checkpoints/invalid/: step directories a resume found invalid (set_aside)
 REQUIRED_FILES = {"torch": ("model.pt", "optim.pt", "state.pt"), "dcp": (".metadata", "state.pt")}
 MODEL, OPTIM, RNG = "model/", "optim/", "rng/"  # key prefixes (module doc)
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -138,6 +139,24 @@ def _prune(run_dir: Path, keep: int, keep_every: int) -> None:
     for old in list_step_dirs(run_dir)[:-keep]:
         if not (keep_every and int(STEP_DIR.match(old.name).group(1)) % keep_every == 0):
             shutil.rmtree(old, ignore_errors=True)
+
+
+def set_aside(run_dir: Path, newer_than: int) -> list[Path]:
+    """Move the step directories newer than step ``newer_than`` (-1: all) into
+    ``checkpoints/invalid/``, where no resume, evaluation or pruning looks, and return their new
+    paths. For the checkpoints a resume found invalid: kept (a read error may have been
+    transient), never counted among the ones pruning keeps, so it cannot delete the newest valid
+    checkpoint in favour of a corrupt one."""
+    moved = []
+    for path in list_step_dirs(run_dir):
+        if int(STEP_DIR.match(path.name).group(1)) > newer_than:
+            aside = checkpoints_dir(run_dir) / INVALID / path.name
+            aside.parent.mkdir(exist_ok=True)
+            if aside.exists():  # set aside before: the newer copy is the one kept
+                shutil.rmtree(aside)
+            path.rename(aside)
+            moved.append(aside)
+    return moved
 
 
 def list_step_dirs(run_dir: Path) -> list[Path]:

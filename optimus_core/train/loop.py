@@ -19,7 +19,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import RunConfig
-from ..data import BatchLoader, TokenDataset, load_manifest
+from ..data import BatchLoader, TokenDataset
+from ..data.identity import check_tokenizer, trained_tokenizer
 from ..device import DeviceInfo, device_info
 from ..log import get_logger
 from ..model.transformer import Transformer
@@ -58,26 +59,30 @@ class TrainSummary:
     wall_time_s: float
 
 
-def check_data_matches_model(cfg: RunConfig, data_dir: Path) -> None:
-    manifest = load_manifest(data_dir)
+def check_data_matches_model(cfg: RunConfig, data_dir: Path) -> str:
+    """Refuse data the model cannot embed, or whose tokenizer.json is not the one it was
+    tokenized with; returns the tokenizer's sha256 (what the checkpoints record)."""
+    manifest = check_tokenizer(data_dir, None, "this run")
     if manifest.vocab_size > cfg.model.vocab_size:
         raise ValueError(
             f"model.vocab_size = {cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
             f"({manifest.vocab_size}, {data_dir}/manifest.json): the data cannot be embedded")
+    return manifest.tokenizer_sha256
 
 
 class Trainer:
     def __init__(self, cfg: RunConfig, data_dir: str | Path, run_dir: str | Path,
                  writer: MetricsSink | None = None, progress: bool = True, device: DeviceInfo | None = None,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, start_over: bool = False):
         self.cfg, self.data_dir, self.run_dir = cfg, Path(data_dir), Path(run_dir)
+        self.start_over = start_over  # checkpoints that are all invalid are set aside, not an error
         self.device_info = device or device_info(cfg.train.device)
         self.device = torch.device(self.device_info.type)
         # With several ranks every rank trains, global rank 0 alone records (store, checkpoints).
         self.mesh = mesh or Mesh.single(self.device)
         self.is_lead = self.mesh.rank == 0
         self.writer, self.progress = (writer, progress) if self.is_lead else (None, False)
-        check_data_matches_model(cfg, self.data_dir)
+        self.tokenizer_sha256 = check_data_matches_model(cfg, self.data_dir)
         torch.manual_seed(cfg.train.seed)
         # every choice of how the run executes, resolved once and checked against the device's
         # memory before anything is allocated (ExecutionError, MemoryBudgetError: what to change)
@@ -106,7 +111,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _resume(self) -> int | None:
+        """Load the newest valid checkpoint, if there is one. The newer ones that failed are set
+        aside first (checkpoints/invalid/), so that pruning never keeps them in place of a valid
+        one; if checkpoints exist but none is valid the run stops, unless ``start_over``."""
         found = self._latest_valid()
+        mine = max((int(ckpt.STEP_DIR.match(p.name).group(1)) for p in ckpt.list_step_dirs(self.run_dir)), default=-1)
+        newest = int(self.mesh.all_max([float(mine)])[0])  # every rank takes the same branches below
+        newest = None if newest < 0 else newest
+        if found is None and newest is not None and not self.start_over:
+            raise ValueError(f"{ckpt.checkpoints_dir(self.run_dir)} holds checkpoints up to step {newest} and none "
+                             f"is valid (the warnings above say why): pass --start-over to set them aside and "
+                             f"train from step 0, or use another --out")
+        if newest is not None and (found is None or newest > found.step):
+            if self.is_lead:
+                for path in ckpt.set_aside(self.run_dir, found.step if found else -1):
+                    _log.warning("set the invalid checkpoint %s aside (delete it once you have no use for it)",
+                                 path)
+            self.mesh.barrier()  # no rank lists the step directories while they move
         if found is None:
             return None
         self._load(found)
@@ -124,6 +145,7 @@ class Trainer:
         if saved is not None and RunConfig.from_json(json.dumps(saved)).model != self.cfg.model:
             raise ValueError(f"{found.path} was saved by a different model configuration; "
                              f"use a new run directory or the same preset")
+        check_tokenizer(self.data_dir, trained_tokenizer(found.meta), f"checkpoint {found.path}")
         if found.format == "torch":  # the earlier one-process format
             if self.mesh.distributed:
                 raise ValueError(f"{found.path} is in the earlier one-process format: resume it on one process")
@@ -160,17 +182,21 @@ class Trainer:
             self.writer.update_attrs(events=self.events)
         _log.info("%s: %s", self.cfg.preset or "train", event)
 
-    def _agree(self, stop: StopRequest) -> tuple[bool, bool]:
-        """(stop, checkpoint now), the same on every rank: a stop signal may reach only some
-        ranks, and the clocks that say train.checkpoint_every_minutes have passed differ by a
-        little; either is acted on when any rank says so (one all-reduce of two flags a step)."""
+    def _agree(self, stop: StopRequest) -> tuple[str | None, bool]:
+        """(the stop signal or None, checkpoint now), the same on every rank: a stop signal may
+        reach only some ranks, and the clocks that say train.checkpoint_every_minutes have passed
+        differ by a little; either is acted on when any rank says so, and a SIGINT anywhere makes
+        every rank's stop an interrupt (one all-reduce of three flags a step)."""
         minutes = self.cfg.train.checkpoint_every_minutes
         due = bool(minutes) and time.monotonic() - self._last_save_time >= 60 * minutes
         if not self.mesh.distributed:
-            return stop.requested, due
-        flags = torch.tensor([float(stop.requested), float(due)], device=self.device)
-        stop_any, due_any = (self.mesh.all_reduce_sum_(flags) > 0).tolist()
-        return stop_any, due_any
+            return stop.signal_name, due
+        flags = torch.tensor([float(stop.requested), float(due), float(stop.signal_name == "SIGINT")],
+                             device=self.device)
+        stop_any, due_any, interrupt_any = (self.mesh.all_reduce_sum_(flags) > 0).tolist()
+        if not stop_any:
+            return None, due_any
+        return ("SIGINT" if interrupt_any else stop.signal_name or "a signal on another rank"), due_any
 
     def _io_phase(self, what: str):
         """A watchdog phase with train.watchdog_io_timeout_s: a long save, load or evaluation is
@@ -191,8 +217,9 @@ class Trainer:
         self._last_save_time = time.monotonic()  # the minutes of train.checkpoint_every_minutes restart
         settle_updates(self.optimizer)  # the weights and state saved are those after the last update
         state = {"loader": self.loader.state_dict(), "guard": self.guard.state_dict()}
-        meta = {"config": self.cfg.to_dict(), "execution_plan": self.plan.to_dict(), "tokens": self.tokens, "data_position": self.loader.state_dict(),
-                "world_size": self.mesh.world_size, "ep": self.mesh.ep}
+        meta = {"config": self.cfg.to_dict(), "execution_plan": self.plan.to_dict(), "tokens": self.tokens,
+                "data_position": self.loader.state_dict(), "world_size": self.mesh.world_size, "ep": self.mesh.ep,
+                "tokenizer_sha256": self.tokenizer_sha256}
         if self.is_lead and self.writer is not None:
             self.writer.flush()  # metrics up to a checkpoint survive a kill, as the weights do
         self.publish_checkpoint()  # one background write at a time
@@ -298,11 +325,11 @@ class Trainer:
             while self.step < t.steps:
                 self._one_step(guard, step_times, bar)
                 watchdog.beat(self.step)
-                stop_now, save_now = self._agree(stop)
-                if stop_now:
+                stop_signal, save_now = self._agree(stop)
+                if stop_signal:
                     self.save()
                     bar.close()
-                    raise Preempted(self.step, stop.signal_name or "a signal on another rank")
+                    raise Preempted(self.step, stop_signal)
                 if save_now and self.step < t.steps:
                     self.save()
             bar.close()

@@ -4,7 +4,7 @@
     if not guard.accept(loss): ...          # skip this batch (no update)
     if guard.should_roll_back: ...          # K bad steps in a row: back to the last checkpoint
 
-    with StopRequest() as stop:             # SIGTERM / SIGUSR1 set stop.requested
+    with StopRequest() as stop:             # SIGTERM / SIGUSR1 / SIGINT set stop.requested
         ...                                  # the loop checkpoints and raises Preempted
 """
 from __future__ import annotations
@@ -15,15 +15,22 @@ import threading
 from collections import deque
 
 RESUBMIT_EXIT_CODE = 75  # EX_TEMPFAIL: "try again"; launchers rerun the command, which resumes
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+STOP_EXIT_CODES = (RESUBMIT_EXIT_CODE, INTERRUPTED_EXIT_CODE)
 
 
 class Preempted(Exception):
-    """The run stopped on request after saving a checkpoint; rerunning the command resumes it."""
+    """The run stopped on request after saving a checkpoint; rerunning the command resumes it.
+    ``exit_code``: 130 after SIGINT (Ctrl-C), else the resubmit status 75."""
 
     def __init__(self, step: int, signal_name: str):
         super().__init__(f"stopped by {signal_name} after step {step}; a checkpoint is saved, "
                          f"rerun the same command to resume")
-        self.step = step
+        self.step, self.signal_name = step, signal_name
+
+    @property
+    def exit_code(self) -> int:
+        return INTERRUPTED_EXIT_CODE if self.signal_name == "SIGINT" else RESUBMIT_EXIT_CODE
 
 
 class LossGuard:
@@ -73,12 +80,13 @@ class LossGuard:
 
 
 class StopRequest:
-    """SIGTERM and SIGUSR1 (a scheduler's walltime warning) ask the loop to stop after the step.
+    """SIGTERM and SIGUSR1 (a scheduler's walltime warning), and SIGINT (Ctrl-C), ask the loop to
+    stop after the step; the first one received is the one named.
 
     Handlers are installed only in the main thread and restored on exit.
     """
 
-    SIGNALS = ("SIGTERM", "SIGUSR1")
+    SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
     def __init__(self):
         self.signal_name: str | None = None
@@ -89,7 +97,8 @@ class StopRequest:
         return self.signal_name is not None
 
     def _handle(self, signum, frame) -> None:
-        self.signal_name = signal.Signals(signum).name
+        if self.signal_name is None:  # Ctrl-C reaches a launcher's ranks twice: itself, and forwarded
+            self.signal_name = signal.Signals(signum).name
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():

@@ -17,7 +17,7 @@ from typing import Callable
 
 from ..config import ConfigError
 from ..log import get_logger
-from .resilience import RESUBMIT_EXIT_CODE, Preempted, StopRequest
+from .resilience import Preempted, StopRequest
 
 _log = get_logger(__name__)
 
@@ -32,7 +32,7 @@ def _child_main(fn: Callable, args: tuple) -> None:
         fn(*args)
     except Preempted as e:  # the run checkpointed on request: "try again" for any launcher
         _log.warning("%s", e)
-        sys.exit(RESUBMIT_EXIT_CODE)
+        sys.exit(e.exit_code)
     except ConfigError as e:  # no rerun fixes it (the `optimus` command's status for it)
         _log.error("configuration error: %s", e)
         sys.exit(2)

@@ -1,11 +1,13 @@
 """`optimus corpus`: a reproducible stdlib corpus in the Dolma layout, or an index of a download."""
 import gzip
+import shutil
 
 import pytest
 import zstandard
 
 import stages.corpus as corpus
 from optimus_core.config import ConfigError
+from optimus_core.outputs import MARKER, OutputRefused
 from stages.corpus import (ADDED, CorpusConfig, CorpusError, CorpusInputs, CorpusOutputs, list_corpus,
                            run_corpus)
 
@@ -21,16 +23,19 @@ def test_two_builds_are_byte_identical(small_corpus, small_config, tmp_path):
     assert not result.indexed and set(result.docs) == {"prose", "code", "docs"}
 
 
-def test_rebuild_replaces_the_output(small_corpus, small_config, tmp_path):
+def test_rebuild_replaces_its_own_output_whole_and_nothing_else(small_corpus, small_config, tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "stale.txt").write_text("from an older run")
+    shutil.copytree(small_corpus, out)
+    (out / "prose" / "stale.txt").write_text("left by an older build")
     run_corpus(small_config, CorpusInputs(), CorpusOutputs(out))
     assert tree_bytes(out) == tree_bytes(small_corpus)
+    (out / MARKER).unlink()  # no longer marked as a corpus: it could be anyone's folder of .json.gz files
+    with pytest.raises(OutputRefused, match="that `optimus corpus` did not make"):
+        run_corpus(small_config, CorpusInputs(), CorpusOutputs(out))
 
 
 def test_records_are_dolma_and_sources_all_present(corpus_docs, small_corpus, small_config):
-    assert sorted(p.name for p in small_corpus.iterdir()) == ["code", "docs", "prose"]
+    assert sorted(p.name for p in small_corpus.iterdir()) == [MARKER, "code", "docs", "prose"]
     for source in ("code", "docs", "prose"):
         parts = sorted(p.name for p in (small_corpus / source).iterdir())
         assert parts == [f"part-{i:04d}.json.gz" for i in range(len(parts))] and 1 <= len(parts) <= small_config.parts
@@ -98,7 +103,7 @@ def test_from_dir_writes_an_index_and_copies_nothing(tmp_path):
     download, out = tmp_path / "olmoe-mix", tmp_path / "corpus"
     make_download(download)
     result = run_corpus(CorpusConfig(), CorpusInputs(from_dir=download), CorpusOutputs(out))
-    assert [p.name for p in out.iterdir()] == ["index.json"]
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "index.json"]
     assert result.indexed and result.files == {"dclm": 2, "wiki": 1} and result.docs == {}
     files = list_corpus(out)
     assert [(f.source, f.rel) for f in files] == [

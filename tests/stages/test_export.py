@@ -98,8 +98,9 @@ def test_bad_inputs_give_clear_errors(trained, tmp_path, capsys):
         export_hf(run_dir, tmp_path / "out", arch="llama")  # both presets have QK-norm
     with pytest.raises(ExportError, match="arch = 'gpt2': unknown"):
         hf_architecture(cfg.model, "gpt2")
+    (tmp_path / "no-tokenizer").mkdir()
     with pytest.raises(ExportError, match="tokenizer.json: missing"):
-        export_hf(run_dir, tmp_path / "out", data_dir=tmp_path)
+        export_hf(run_dir, tmp_path / "out", data_dir=tmp_path / "no-tokenizer")
     assert not (tmp_path / "out").exists()  # nothing half-written
     with pytest.raises(ExportError, match="not a Hugging Face model directory"):
         import_hf(tmp_path)

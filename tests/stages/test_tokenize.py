@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 import stages.tokenize as tokenize
 from optimus_core.config import ConfigError
 from optimus_core.data.shards import load_manifest, open_tokens, read_index, sha256_file, verify
+from optimus_core.outputs import MARKER
 from stages.corpus import CorpusConfig, CorpusInputs, CorpusOutputs, run_corpus
 from stages.tokenize import (CorpusError, TokenizeConfig, TokenizeInputs, TokenizeOutputs, load_tokenizer,
                              run_tokenize, val_score)
@@ -67,7 +68,7 @@ def test_index_rows_tile_the_tokens_and_decode_to_the_documents(small_tokens, co
 
 def test_layout_and_manifest(small_tokens, small_corpus):
     m = verify(small_tokens)  # every sha256 and size matches
-    assert sorted(p.name for p in small_tokens.iterdir()) == ["manifest.json", "tokenizer.json", "train", "val"]
+    assert sorted(p.name for p in small_tokens.iterdir()) == [MARKER, "manifest.json", "tokenizer.json", "train", "val"]
     assert m.tokenizer_sha256 == sha256_file(small_tokens / "tokenizer.json")
     assert m.vocab_size == 512 and m.val_fraction == 0.05 and m.sources == ["code", "docs", "prose"]
     for f in m.files:

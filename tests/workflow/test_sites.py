@@ -235,7 +235,7 @@ def test_paper_dry_run_lists_every_job_and_the_node_hour_total(tmp_path):
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     counts = {"corpus": 1, "tokenize": 1, "pretrain": 15, "evaluate": 5, "figure": 9, "report": 1,
-              "ingest_bench": 4, "perfmodel": 1, "total": 38}  # no CPU scaling sweep at paper scale
+              "ingest_bench": 5, "perfmodel": 1, "total": 39}  # no CPU scaling sweep at paper scale
     for rule, count in counts.items():
         assert any(line.split() == [rule, str(count)] for line in text.splitlines()), rule
     for exp in dag("paper"):
@@ -279,7 +279,7 @@ def test_pretrain_on_site_plans_and_submits_the_local_command(tmp_path, monkeypa
     base = ["pretrain", "--data", "tok", "--out", "runs/x", "--launcher", "parsl"]
     assert main([*base, "--preset", "mula-1b@laptop", "--nproc", "2", "--site", "local", "--steps", "2"]) == 0
     assert seen["nodes"] == 1 and seen["queue"] is None
-    assert seen["command"].startswith("optimus pretrain --preset mula-1b@laptop --scale laptop --data /")
+    assert seen["command"].startswith("optimus pretrain --preset mula-1b@laptop --data /")
     assert seen["command"].endswith("--run-id x --steps 2 --nproc 2 --launcher local")
     assert f"--data {tmp_path}/tok --out {tmp_path}/runs/x" in seen["command"] and "--site" not in seen["command"]
     assert "x: 2 steps" in capsys.readouterr().out

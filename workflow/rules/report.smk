@@ -31,6 +31,7 @@ rule report:
     input:
         FIGURES,
         MEMORY_MARKERS,  # the rehearsals in the store: the "Memory per tile" table
+        STORE_ONLY_MARKERS,  # the checkpoint I/O benchmark, in the store beside the rest
     output:
         REPORT,
     log:

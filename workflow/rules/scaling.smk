@@ -11,9 +11,12 @@ SCALING_CPU = config.get("scaling_cpu") or {}
 SCALING_JSONL = [f"{RES}/scaling/cpu.jsonl"] if SCALING_CPU else []
 PERFMODEL_JSON = f"{RES}/perfmodel.json"
 BENCH_RESULTS = {Path(p).stem: p for p in config.get("bench_results", [])}
-# The rehearsals' records feed the report's "Memory per tile" table, not a figure.
-BENCH_MARKERS = [f"{RES}/bench/{stem}.ingested" for stem in BENCH_RESULTS if not stem.startswith("rehearsal-")]
+# The rehearsals' records feed the report's "Memory per tile" table, not a figure; the checkpoint
+# I/O records are only kept in the store (the report's job puts them there).
+REPORT_ONLY = ("rehearsal-", "checkpoint-io-")
+BENCH_MARKERS = [f"{RES}/bench/{stem}.ingested" for stem in BENCH_RESULTS if not stem.startswith(REPORT_ONLY)]
 MEMORY_MARKERS = [f"{RES}/bench/{stem}.ingested" for stem in BENCH_RESULTS if stem.startswith("rehearsal-")]
+STORE_ONLY_MARKERS = [f"{RES}/bench/{stem}.ingested" for stem in BENCH_RESULTS if stem.startswith("checkpoint-io-")]
 # A results file is ingested by the benchmark that wrote it (its name starts with the script's).
 BENCH_SCRIPTS = {"distributed-": "bench/distributed.py", "train-step-": "bench/train_step.py",
                  "rehearsal-": "-m workflow.cli rehearse", "checkpoint-io-": "bench/checkpoint_io.py"}

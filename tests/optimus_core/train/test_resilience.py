@@ -192,3 +192,44 @@ def test_a_write_that_runs_out_of_space_names_the_disk_and_keeps_the_previous(to
         Trainer(_every_step(), tokens_dir, tmp_path / "run", progress=False).fit()
     assert steps(tmp_path / "run") == [1] and ckpt.latest_valid(tmp_path / "run").step == 1
     assert not [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name != "step_000001"]  # no temp left
+
+
+def _corrupt(step_dir):
+    with open(next(step_dir.glob("*.distcp")), "r+b") as f:
+        f.seek(100)
+        f.write(b"garbage")
+
+
+def test_a_checkpoint_found_invalid_is_set_aside_so_pruning_keeps_the_valid_ones(tokens_dir, tmp_path):
+    run = tmp_path / "run"
+    cfg = tiny(**{"train.steps": 3, "train.checkpoint_every": 2, "train.keep_checkpoints": 2})
+    Trainer(cfg, tokens_dir, run, progress=False).fit()  # step 2, and the last step, 3
+    _corrupt(ckpt.checkpoints_dir(run) / "step_000003")
+    longer = cfg.replace(train=cfg.train.replace(steps=5))
+    with pytest.warns(UserWarning, match="step_000003: .* fails its sha256"):
+        trainer = Trainer(longer, tokens_dir, run, progress=False)
+    assert trainer.resumed_from == 2
+    assert (ckpt.checkpoints_dir(run) / ckpt.INVALID / "step_000003").is_dir()  # kept aside, not deleted
+    trainer.fit()  # saves 4 and 5; keeps two: before, the corrupt 3 was one of them and 2 went
+    assert steps(run) == [4, 5]
+    _corrupt(ckpt.checkpoints_dir(run) / "step_000005")
+    with pytest.warns(UserWarning, match="fails its sha256"):
+        assert ckpt.latest_valid(run).step == 4
+
+
+def test_checkpoints_that_are_all_invalid_stop_the_run_unless_told_to_start_over(tokens_dir, tmp_path):
+    run = tmp_path / "run"
+    cfg = tiny(**{"train.steps": 2})
+    Trainer(cfg, tokens_dir, run, progress=False).fit()
+    _corrupt(ckpt.checkpoints_dir(run) / "step_000002")
+    with pytest.warns(UserWarning, match="fails its sha256"), \
+            pytest.raises(ValueError, match=r"checkpoints holds checkpoints up to step 2 and none is valid .*"
+                                            r"pass --start-over"):
+        Trainer(cfg, tokens_dir, run, progress=False)
+    assert steps(run) == [2]  # nothing moved, nothing trained
+    with pytest.warns(UserWarning, match="fails its sha256"):
+        trainer = Trainer(cfg, tokens_dir, run, progress=False, start_over=True)
+    assert trainer.resumed_from is None and steps(run) == []
+    assert (ckpt.checkpoints_dir(run) / ckpt.INVALID / "step_000002").is_dir()
+    trainer.fit()
+    assert steps(run) == [2] and ckpt.latest_valid(run).step == 2

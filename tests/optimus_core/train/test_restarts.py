@@ -147,3 +147,31 @@ def test_cli_max_restarts_is_checked(tokens_dir, tmp_path, monkeypatch, capsys):
     assert ("--max-restarts = 1 under torchrun (world size 2): restart the whole job with that launcher"
             in capsys.readouterr().err)
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("how, sig, status", [("group", "SIGTERM", 75), ("launcher", "SIGINT", 130)])
+def test_a_stop_signal_to_a_two_rank_run_checkpoints_every_rank(tokens_dir, tmp_path, how, sig, status):
+    """To the process group (a scheduler) or to the launcher alone (forwarded to its ranks): every
+    rank checkpoints the same step, and the run exits with the stop status, saying how to resume."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "workflow.cli", "pretrain", "--preset", "mula-7b-a1b@laptop", "--data",
+           str(tokens_dir), "--out", str(run_dir), "--steps", "100000", "--nproc", "2", "--quiet"]
+    for s in SETS:
+        cmd += ["--set", s]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while _children(launcher.pid) == [] or not (run_dir / "meta.json").is_file():
+        assert launcher.poll() is None, launcher.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(3)  # the ranks are in their step loop (rank 0 wrote meta.json just before it)
+    signum = getattr(signal, sig)
+    if how == "group":
+        os.killpg(launcher.pid, signum)
+    else:
+        os.kill(launcher.pid, signum)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == status, err[-3000:]
+    found = ckpt.latest_valid(run_dir)
+    assert found is not None and found.meta["world_size"] == 2
+    assert f"stopped by {sig} after step {found.step}; a checkpoint is saved, rerun the same command to resume" in err
