@@ -10,10 +10,10 @@ what is there) an ``--out`` that is a file, a directory holding anything that is
 output of the same stage, or a path equal to, inside or around one of the stage's inputs (a
 replace would delete the input, or write into it). A previous output carries a marker file,
 ``.optimus-output.json`` (the stage and its inputs; no time, so two builds stay byte-identical),
-which ``mark_output`` writes into the directory being built; outputs made before markers existed are recognised by ``recognise`` where
-their contents say what they are unambiguously (a token directory's manifest), and otherwise
-refused: nothing that might be the user's is replaced on a guess. The replace itself stays
-atomic (optimus_core.atomic.atomic_dir).
+which ``mark_output`` writes into the directory being built. Outputs made before markers existed
+are recognised by ``recognise`` where their contents say what they are unambiguously (a token
+directory's manifest), and otherwise refused: nothing that might be the user's is replaced on a
+guess. The replace itself stays atomic (optimus_core.atomic.atomic_dir).
 """
 from __future__ import annotations
 

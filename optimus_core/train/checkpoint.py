@@ -1,12 +1,13 @@
 """Checkpoints: one directory per step, checksummed, published atomically; the newest valid one is resumed.
 
-    run_dir/checkpoints/step_000120/   __0_0.distcp [__1_0.distcp ...] .metadata state.pt meta.json
-                                       manifests/rank_00000.json [rank_00001.json ...]
+    run_dir/checkpoints/step_000120/   __0_0.distcp [__0_1.distcp ... __1_0.distcp ...] .metadata
+                                       state.pt meta.json manifests/rank_00000.json [rank_00001.json ...]
+    run_dir/checkpoints/invalid/       step directories a resume found invalid, set aside
 
 Every layout writes the same format (torch.distributed.checkpoint): each rank writes the rows it
-holds (optimus_core.parallel.layout), nothing is gathered and nothing is cloned, under keys that
-name whole parameters, so a checkpoint of any world size, EP degree, optimizer mode or one
-process loads on any other:
+holds (optimus_core.parallel.layout), nothing is gathered or copied on the device (the writers
+read pinned host copies: optimus_core.train.staging), under keys that name whole parameters, so a
+checkpoint of any world size, EP degree, optimizer mode or one process loads on any other:
 
     model/<parameter>               the whole parameter (its rows: expert weights as (E * rows, cols))
     model/<buffer>                  persistent buffers (the routers' balancing bias), replicated
@@ -443,8 +444,8 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, met
     copies made by ``staging`` (optimus_core.train.staging; pinned, kept for the next save),
     by ``threads`` writers into as many files (default: WRITE_THREADS, fewer where the part has
     less than BYTES_PER_FILE for each); without a staging, a foreground write copies device
-    tensors as it goes. With ``asynchronous`` the host copies are made now (with a staging made for the call
-    where none is given) and written in the background (distributed: planned over
+    tensors as it goes. With ``asynchronous`` the host copies are made now (by a staging made
+    for the call where none is given) and written in the background (distributed: planned over
     ``process_group``, see checkpoint_group), and a PendingSave is returned: finish it before
     the next save with the same ``staging``. A rank that fails to write stops every rank (with
     its error there, a RuntimeError naming the step elsewhere) and nothing is published."""
