@@ -196,16 +196,12 @@ def test_a_damaged_sharded_checkpoint_is_skipped_for_the_one_before(tokens_dir, 
         ".metadata is missing (listed in meta.json)"]
 
 
-def test_a_stop_signal_publishes_the_background_checkpoint_before_exiting(tokens_dir, tmp_path, monkeypatch):
+def _stopped_after_step_5(cfg, tokens_dir, run_dir, monkeypatch) -> None:
+    """Train ``cfg`` into ``run_dir`` with a SIGTERM arriving during step 5: it stops there."""
     from optimus_core.train import loop as loop_module
     from optimus_core.train.loop import Trainer
     from optimus_core.train.resilience import Preempted
-    from sinks import ListSink
 
-    cfg = tiny_cfg(async_checkpoint=True)
-    cfg = cfg.replace(train=cfg.train.replace(steps=8, checkpoint_every=2))
-    straight = ListSink()
-    Trainer(cfg, tokens_dir, tmp_path / "straight", writer=straight, progress=False).fit()
     real, calls = loop_module.train_step, [0]
 
     def sigterm_on_the_fifth(*args, **kwargs):
@@ -214,11 +210,22 @@ def test_a_stop_signal_publishes_the_background_checkpoint_before_exiting(tokens
             os.kill(os.getpid(), signal.SIGTERM)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(loop_module, "train_step", sigterm_on_the_fifth)
-    with pytest.raises(Preempted, match="after step 5"):
-        Trainer(cfg, tokens_dir, tmp_path / "run", progress=False).fit()
+    with monkeypatch.context() as patch:
+        patch.setattr(loop_module, "train_step", sigterm_on_the_fifth)
+        with pytest.raises(Preempted, match="after step 5"):
+            Trainer(cfg, tokens_dir, run_dir, progress=False).fit()
+
+
+def test_a_stop_signal_publishes_the_background_checkpoint_before_exiting(tokens_dir, tmp_path, monkeypatch):
+    from optimus_core.train.loop import Trainer
+    from sinks import ListSink
+
+    cfg = tiny_cfg(async_checkpoint=True)
+    cfg = cfg.replace(train=cfg.train.replace(steps=8, checkpoint_every=2))
+    straight = ListSink()
+    Trainer(cfg, tokens_dir, tmp_path / "straight", writer=straight, progress=False).fit()
+    _stopped_after_step_5(cfg, tokens_dir, tmp_path / "run", monkeypatch)
     assert ckpt.latest_valid(tmp_path / "run").step == 5  # written in the background, published on the way out
-    monkeypatch.setattr(loop_module, "train_step", real)
     resumed = ListSink()
     Trainer(cfg, tokens_dir, tmp_path / "run", writer=resumed, progress=False).fit()
     assert resumed.losses() == straight.losses()[5:]
@@ -230,9 +237,7 @@ def test_on_a_gpu_a_resumed_run_is_the_straight_run(tokens_dir, tmp_path, monkey
     compiled where measured faster): two straight runs are bit-identical, and one stopped by
     SIGTERM after step 5 and resumed makes the same losses. Our kernels use no atomics; this
     says whether the rest of the step (torch's kernels) is as deterministic."""
-    from optimus_core.train import loop as loop_module
     from optimus_core.train.loop import Trainer
-    from optimus_core.train.resilience import Preempted
     from sinks import ListSink
 
     if not torch.cuda.is_available():
@@ -243,18 +248,7 @@ def test_on_a_gpu_a_resumed_run_is_the_straight_run(tokens_dir, tmp_path, monkey
     for i, sink in enumerate(straight):
         Trainer(cfg, tokens_dir, tmp_path / f"straight{i}", writer=sink, progress=False).fit()
     assert straight[0].losses() == straight[1].losses()
-    real, calls = loop_module.train_step, [0]
-
-    def sigterm_on_the_fifth(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 5:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(loop_module, "train_step", sigterm_on_the_fifth)
-    with pytest.raises(Preempted, match="after step 5"):
-        Trainer(cfg, tokens_dir, tmp_path / "run", progress=False).fit()
-    monkeypatch.setattr(loop_module, "train_step", real)
+    _stopped_after_step_5(cfg, tokens_dir, tmp_path / "run", monkeypatch)
     resumed = ListSink()
     Trainer(cfg, tokens_dir, tmp_path / "run", writer=resumed, progress=False).fit()
     assert resumed.losses() == straight[0].losses()[5:]
