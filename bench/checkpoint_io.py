@@ -54,12 +54,6 @@ def _host_peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
 
 
-def _overrides(pairs: list[str]) -> dict:
-    from optimus_core.config import parse_value
-
-    return {k: parse_value(v) for k, v in (pair.split("=", 1) for pair in pairs)}
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=8, help="of mula-7b-a1b's 16")
@@ -83,6 +77,7 @@ def main(argv=None) -> None:
     from optimus_core import presets
     from optimus_core.train import checkpoint as ckpt
     from optimus_core.train.loop import Trainer
+    from workflow.cli import parse_overrides
 
     default_threads = ckpt.WRITE_THREADS
 
@@ -95,7 +90,7 @@ def main(argv=None) -> None:
         cfg = presets.get("mula-7b-a1b").run_config(**{
             "model.n_layers": args.layers, "train.global_batch": args.batch, "data.seq_len": SEQ,
             "train.steps": steps_total, "train.eval_batches": 1, "train.keep_checkpoints": 1,
-            "train.async_checkpoint": False, **_overrides(args.set)})
+            "train.async_checkpoint": False, **parse_overrides(args.set)})
         trainer = Trainer(cfg, data, Path(tmp) / "run", progress=False)
         params = sum(p.numel() for p in trainer.model.parameters())
         from tqdm import tqdm

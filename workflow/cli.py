@@ -88,7 +88,8 @@ def _run_in_own_process(command, args) -> None:
         sys.exit(e.exit_code)
 
 
-def _overrides(pairs: list[str]) -> dict:
+def parse_overrides(pairs: list[str]) -> dict:
+    """``--set`` pairs (``train.steps=100``) as a dict of parsed values; a pair without '=' is a ConfigError."""
     out = {}
     for pair in pairs or []:
         if "=" not in pair:
@@ -174,7 +175,7 @@ def resolve_run_config(args):
              "train.checkpoint_every": args.checkpoint_every, "parallel.ep": args.ep,
              "execution.experts": args.experts_backend}
     overrides.update({k: v for k, v in flags.items() if v is not None})
-    overrides.update(_overrides(args.set))
+    overrides.update(parse_overrides(args.set))
     cfg = presets.get(preset_name).run_config(**overrides)
     return cfg, run_id or Path(args.out).name, experiment
 
@@ -432,7 +433,7 @@ def cmd_scaling(args) -> Summary:
                            holdout=tuple(parse_setting(h) for h in args.holdout), steps=args.steps,
                            warmup=args.warmup, rounds=args.rounds, retries=args.retries,
                            max_cpu_wait=args.max_cpu_wait, device=args.device, threads_per_rank=args.threads,
-                           overrides=_overrides(args.set), run_id=args.run_id or "")
+                           overrides=parse_overrides(args.set), run_id=args.run_id or "")
     result = run_scaling(config, ScalingOutputs(store=args.store, jsonl=args.jsonl))
     return Summary(f"{result.run_id}\n{format_table(result.points)}", jsonable(result))
 

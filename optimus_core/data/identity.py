@@ -41,8 +41,14 @@ def check_tokenizer(data_dir: str | Path, expected: str | None, trained_by: str)
     if sha256_file(path) != manifest.tokenizer_sha256:
         raise ShardError(f"{path}: its sha256 does not match {Path(data_dir) / 'manifest.json'}: the tokenizer "
                          f"was changed or damaged after tokenizing; rerun optimus tokenize")
-    if expected is not None and manifest.tokenizer_sha256 != expected:
-        raise ShardError(f"{data_dir} was tokenized with another tokenizer (sha256 {manifest.tokenizer_sha256[:12]}) "
-                         f"than {trained_by} was trained with ({expected[:12]}): its token ids mean other text; "
-                         f"give the data the run was trained on")
+    refuse_other_tokenizer(data_dir, manifest.tokenizer_sha256, expected, trained_by)
     return manifest
+
+
+def refuse_other_tokenizer(data_dir: str | Path, actual: str, expected: str | None, trained_by: str) -> None:
+    """ShardError unless ``actual`` (the data's tokenizer sha256, already checked against its
+    file) is ``expected``, the one ``trained_by`` was trained with (None: unknown, accepted)."""
+    if expected is not None and actual != expected:
+        raise ShardError(f"{data_dir} was tokenized with another tokenizer (sha256 {actual[:12]}) than "
+                         f"{trained_by} was trained with ({expected[:12]}): its token ids mean other text; "
+                         f"give the data the run was trained on")

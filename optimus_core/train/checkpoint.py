@@ -153,8 +153,9 @@ def set_aside(run_dir: Path, newer_than: int) -> list[Path]:
         if int(STEP_DIR.match(path.name).group(1)) > newer_than:
             aside = checkpoints_dir(run_dir) / INVALID / path.name
             aside.parent.mkdir(exist_ok=True)
-            if aside.exists():  # set aside before: the newer copy is the one kept
-                shutil.rmtree(aside)
+            copy = 1
+            while aside.exists():  # this step was set aside before too: both are kept
+                aside, copy = aside.with_name(f"{path.name}.{copy}"), copy + 1
             path.rename(aside)
             moved.append(aside)
     return moved

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from ..config import RunConfig
 from ..data import BatchLoader, TokenDataset
-from ..data.identity import check_tokenizer, trained_tokenizer
+from ..data.identity import check_tokenizer, refuse_other_tokenizer, trained_tokenizer
 from ..device import DeviceInfo, device_info
 from ..log import get_logger
 from ..model.transformer import Transformer
@@ -102,6 +102,9 @@ class Trainer:
         # uninterrupted one would
         self.guard = LossGuard(cfg.train.loss_spike_factor, cfg.train.max_bad_steps)
         self._watchdog = Watchdog(0)  # fit's while it runs: saves, loads and evaluations are its phases
+        # checkpoints are written from pinned host copies kept from save to save (train/staging.py):
+        # the first save pins this rank's part, every later one only copies into it
+        self._staging = HostStaging()
         self.resumed_from = self._resume()
         self.flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
 
@@ -145,7 +148,9 @@ class Trainer:
         if saved is not None and RunConfig.from_json(json.dumps(saved)).model != self.cfg.model:
             raise ValueError(f"{found.path} was saved by a different model configuration; "
                              f"use a new run directory or the same preset")
-        check_tokenizer(self.data_dir, trained_tokenizer(found.meta), f"checkpoint {found.path}")
+        # the data's tokenizer file was hashed when the Trainer was made: compare, do not hash again
+        refuse_other_tokenizer(self.data_dir, self.tokenizer_sha256, trained_tokenizer(found.meta),
+                               f"checkpoint {found.path}")
         if found.format == "torch":  # the earlier one-process format
             if self.mesh.distributed:
                 raise ValueError(f"{found.path} is in the earlier one-process format: resume it on one process")
@@ -241,10 +246,6 @@ class Trainer:
         group = None
         if self.mesh.distributed and self.cfg.train.async_checkpoint:
             group = ckpt.checkpoint_group(self.mesh, timedelta(seconds=self.cfg.parallel.collective_timeout_s))
-        # Written from pinned host copies kept from save to save (optimus_core.train.staging): the
-        # first save pins this rank's part, every later one only copies into it.
-        if getattr(self, "_staging", None) is None:
-            self._staging = HostStaging()
         path = ckpt.save_checkpoint(self.run_dir, self.step, state=state, meta=meta, rank=self.mesh.rank,
                                     tensors=tensors, all_max=self.mesh.all_max, staging=self._staging,
                                     distributed=self.mesh.distributed, process_group=group, asynchronous=background,

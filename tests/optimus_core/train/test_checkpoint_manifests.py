@@ -152,3 +152,14 @@ def test_each_damage_is_named_and_the_previous_step_is_used(tmp_path, damage, me
     damage(_one_process_save(tmp_path, 2))
     with pytest.warns(UserWarning, match=message):
         assert ckpt.latest_valid(tmp_path).step == 1
+
+
+def test_setting_aside_moves_the_newer_steps_and_never_deletes_an_earlier_set_aside(tmp_path):
+    _one_process_save(tmp_path, 1)
+    _one_process_save(tmp_path, 2)
+    assert ckpt.set_aside(tmp_path, 1) == [ckpt.checkpoints_dir(tmp_path) / ckpt.INVALID / "step_000002"]
+    _one_process_save(tmp_path, 2)  # the same step written again, and found invalid again
+    assert ckpt.set_aside(tmp_path, 1) == [ckpt.checkpoints_dir(tmp_path) / ckpt.INVALID / "step_000002.1"]
+    assert [p.name for p in ckpt.list_step_dirs(tmp_path)] == ["step_000001"]
+    assert sorted(p.name for p in (ckpt.checkpoints_dir(tmp_path) / ckpt.INVALID).iterdir()) == \
+        ["step_000002", "step_000002.1"]
