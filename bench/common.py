@@ -85,14 +85,16 @@ def publish(path: str | Path, records: list[dict], summary: dict, store_path: st
         print(f"wrote run {run_id_for(path)} to {store_path}")
 
 
-def ingest(path: str | Path, store_path: str, key: str) -> str:
-    """Write a benchmark's JSON lines (records + a final ``*_summary`` line) to the store."""
+def ingest(path: str | Path, store_path: str, key: str, fallback: str | None = None) -> str:
+    """Write a benchmark's JSON lines (records + a final ``*_summary`` line) to the store. A
+    record without ``key`` is named by its ``fallback`` field (files written before the key)."""
     lines = read_jsonl(path)
     summaries = [line for line in lines if str(line.get("bench", "")).endswith("summary")]
     if not summaries:
         raise ValueError(f"{path}: no summary line (a benchmark's last line ends with 'summary')")
     summary = summaries[-1]
-    records = [line for line in lines if key in line]
+    records = [line if key in line else {**line, key: line[fallback]}
+               for line in lines if key in line or (fallback and fallback in line)]
     run_id = run_id_for(path)
     if not write_store(store_path, run_id, records, summary, key):
         raise ImportError("the results store needs zarr: pip install -e .")

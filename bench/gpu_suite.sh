@@ -16,6 +16,7 @@
 #                                 # and 12288 tiles, then the registry's own layouts; RUNS="..." TILES="..." for others
 #   VARIANTS="7b8l-loop 7b8l-triton+compile" bench/gpu_suite.sh speed    # a subset of train_step
 #   REPEAT=2 VARIANTS="..." bench/gpu_suite.sh speed                       # each variant twice, in turns
+#   MICRO_BATCHES="2 4 8" bench/gpu_suite.sh speed    # the micro-batch axis: ours and OLMo-core at each
 #
 # Needs: torch + triton (CUDA); for OLMo-core, the peers folder with its wheels in .peers/
 # (../shared/peers/README.md says how to fill it). Results: bench/results/ (or $OUT if set), with
@@ -44,18 +45,22 @@ all)
   ;;
 speed)
   pids=()
-  olmo_core() {  # OLMo-core's step on GPU $1, its JSON line appended to olmo-core.jsonl
-    python3 -m pip install -q --no-index --no-deps --target /tmp/peers-site .peers/.whl/*.whl &&
-    (cd .peers && CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=/tmp/peers-site:${PYTHONPATH:-} \
-       timeout 300 python3 olmo_core_step.py --layers 8 >>"$out/olmo-core.jsonl" 2>>"$out/olmo-core.log")
+  batches=${MICRO_BATCHES:-2}
+  olmo_core() {  # OLMo-core's step on GPU $1 at each micro-batch, its JSON lines appended to olmo-core.jsonl
+    python3 -m pip install -q --no-index --no-deps --target /tmp/peers-site .peers/.whl/*.whl || return
+    for mb in $batches; do
+      (cd .peers && CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=/tmp/peers-site:${PYTHONPATH:-} \
+         timeout 300 python3 olmo_core_step.py --layers 8 --micro-batch "$mb" >>"$out/olmo-core.jsonl" 2>>"$out/olmo-core.log")
+    done
   }
   rm -f "$out/olmo-core.jsonl"
   if [ -d .peers/.whl ] && [ "$n" -ge 2 ]; then
     olmo_core $((n - 1)) &
     pids+=($!)
   elif [ -d .peers/.whl ]; then
-    # One GPU: OLMo-core before and after ours. Its median step moved 157-196 ms between calls
-    # (bench/NOTES.md); the summary takes its faster run, the ratio least favourable to us.
+    # One GPU: OLMo-core before and after ours (PEER_AFTER=0: before only, when the call's time
+    # is short). Its median step moved 157-196 ms between calls (bench/NOTES.md); the summary
+    # takes its faster run, the ratio least favourable to us.
     olmo_core 0
   fi
   if [ "$n" -ge 3 ]; then
@@ -65,10 +70,10 @@ speed)
   fi
   # OLMo-core's line is needed for the ratio: ours first, then wait for it.
   CUDA_VISIBLE_DEVICES=0 timeout 480 python3 bench/train_step.py --store '' --out "$out" ${VARIANTS:+--variants $VARIANTS} \
-    --repeat "${REPEAT:-1}" \
+    --repeat "${REPEAT:-1}" --batch $batches \
     >"$out/train-step.log" 2>&1
   for pid in "${pids[@]}"; do wait "$pid"; done
-  if [ -d .peers/.whl ] && [ "$n" -eq 1 ]; then olmo_core 0; fi
+  if [ -d .peers/.whl ] && [ "$n" -eq 1 ] && [ "${PEER_AFTER:-1}" = 1 ]; then olmo_core 0; fi
   CUDA_VISIBLE_DEVICES=0 python3 bench/train_step.py --store '' --out "$out" --summarize-only \
     --olmo-core-jsonl "$out/olmo-core.jsonl" >>"$out/train-step.log" 2>&1
   tail -n 30 "$out/train-step.log" "$out/ablation.log" "$out/olmo-core.log" 2>/dev/null | cut -c1-300

@@ -145,7 +145,7 @@ def main(argv=None) -> None:
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
     for name, ms in top:
         print(f"  {ms:8.2f} ms  {category(name):>24}  {name[:110]}")
-    record = {"bench": "profile_step", "variant": args.variant, "device": device_slug(device),
+    record = {"bench": "profile_step", "variant": args.variant, "batch": args.batch, "device": device_slug(device),
               "kernel_ms_per_step": total, "categories_ms": by_category,
               "top_kernels_ms": [{"name": n[:300], "ms": ms, "category": category(n)} for n, ms in top]}
     path = Path(args.out) / f"profile-{device_slug(device)}.jsonl"

@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Training-step speed on one GPU: tokens/s, step time by phase, peak memory, MFU (not a test).
 
-    python bench/train_step.py [--variants ...] [--repeat N] [--olmo-core-jsonl FILE] [--quick]
+    python bench/train_step.py [--variants ...] [--batch 2 4 8] [--repeat N] [--olmo-core-jsonl FILE] [--quick]
     python bench/train_step.py --ingest bench/results/train-step-nvidia-h200.jsonl   # into the store
 
 Model: ``mula-7b-a1b`` with its full width and 8 of its 16 layers (OLMoE-1B-7B shapes: d_model
-2048, 64 experts, top-8, expert hidden 1024, vocabulary 50,304), sequence 4096, 2 x 4096 tokens
-per step, bf16 autocast with float32 master weights and AdamW state: the configuration OLMo-core
-is measured at by ../shared/peers/olmo_core_step.py. ``mula-1b`` (dense, all 16 layers) for
-reference. Each variant is one training step of the trainer core (optimus_core.train.measure:
+2048, 64 experts, top-8, expert hidden 1024, vocabulary 50,304), sequence 4096, one micro-batch
+of ``--batch`` sequences per step (default 2 x 4096 tokens; several values make the micro-batch
+a variant axis: every variant at each, OLMo-core's harness run at the same ones with
+``--micro-batch N``), bf16 autocast with float32 master weights and AdamW state: the
+configuration OLMo-core is measured at by ../shared/peers/olmo_core_step.py. ``mula-1b`` (dense,
+all 16 layers) for reference. Each variant is one training step of the trainer core (optimus_core.train.measure:
 warm-up, then the median of timed steps, phases from device events):
 
     default                 no execution choice set: what `optimus pretrain` gets (the plan's
@@ -33,17 +35,20 @@ step where it was measured (``*_synced`` fields keep the synced one).
 
 MFU = flops_per_token (the core's analytic count, optimus_core.flops) x tokens/s / peak, with
 peak = 989 TFLOP/s (H100/H200 dense bf16 datasheet, the convention) and, beside it, the dense
-bf16 matmul rate measured in the same run. OLMo-core's line (its JSON, produced in the same GPU
-call) gives ``ratio_vs_olmo_core`` = our best tokens/s / its tokens/s.
+bf16 matmul rate measured in the same run. OLMo-core's lines (its JSON, produced in the same GPU
+call, one or more per micro-batch) give ``ratio_vs_olmo_core`` = our best tokens/s / its tokens/s
+at the same micro-batch.
 
 ``--repeat N`` runs the variants N times in turns (A B A B ...): a step moved 3-5 % between GPU
 calls (bench/NOTES.md), so a claim should not rest on one run. Each variant is summarized by its
 median pass, the slower middle one for even N; every pass's tokens/s is kept in the summary.
 
-Output: a table, bench/results/train-step-<device>.jsonl (one line per variant and pass, written
-as each finishes, + a summary line with ``ratio_vs_olmo_core`` and ``ablation_speedup`` = best
-over the loop-experts baseline on one GPU) and, where the results store imports, run ``bench-train-step-<device>``
-(``--ingest`` writes it from the file later, on a machine that has the store).
+Output: a table, bench/results/train-step-<device>.jsonl (one line per variant, micro-batch and
+pass, written as each finishes, + a summary line with ``ratio_vs_olmo_core`` and
+``ablation_speedup`` = best over the loop-experts baseline on one GPU, for the first micro-batch at
+top level and for each under ``by_micro_batch``) and, where the results store imports, run
+``bench-train-step-<device>``, one table per ``series`` = variant@mb<micro-batch> (``--ingest``
+writes it from the file later, on a machine that has the store).
 """
 from __future__ import annotations
 
@@ -96,7 +101,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=2, help="sequences per step (one micro-batch)")
+    p.add_argument("--batch", type=int, nargs="+", default=[2],
+                   help="sequences per step, one micro-batch; several: each variant at each (the micro-batch axis)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeat", type=int, default=1,
@@ -131,7 +137,12 @@ def matmul_tflops(device, n: int = 8192, reps: int = 20) -> float:
     return 2 * n ** 3 * reps / (start.elapsed_time(end) / 1e3) / 1e12
 
 
-def run_variant(name: str, args, device) -> dict:
+def series(variant: str, batch: int) -> str:
+    """A record's table in the store: its variant at its micro-batch."""
+    return f"{variant}@mb{batch}"
+
+
+def run_variant(name: str, args, device, batch: int) -> dict:
     import torch
 
     from optimus_core import presets
@@ -139,8 +150,8 @@ def run_variant(name: str, args, device) -> dict:
     from optimus_core.train.measure import measure_steps
 
     model, extra = VARIANTS[name]
-    overrides = {**model["overrides"], "data.seq_len": args.seq, "train.global_batch": args.batch,
-                 "train.micro_batch": args.batch, "train.device": device.type, **extra}
+    overrides = {**model["overrides"], "data.seq_len": args.seq, "train.global_batch": batch,
+                 "train.micro_batch": batch, "train.device": device.type, **extra}
     preset = model["preset"]
     if args.quick:
         preset += "@laptop"
@@ -160,10 +171,11 @@ def run_variant(name: str, args, device) -> dict:
     point = measure_steps(cfg, Mesh.single(device), steps=args.steps, warmup=args.warmup)
     plan = point["plan"]
     flops = cfg.model.flops_per_token(cfg.data.seq_len)
-    return {"bench": "train_step", "variant": name, "preset": preset, "overrides": model["overrides"],
+    return {"bench": "train_step", "variant": name, "series": series(name, batch), "preset": preset,
+            "overrides": model["overrides"],
             "experts_backend": plan["experts"], "compile": plan["compile"], "dtype": plan["dtype"],
             "recast_expert_weights": plan["recast_expert_weights"], "adamw": plan["adamw"],
-            "lm_loss": plan["lm_loss"], "seq_len": cfg.data.seq_len, "batch": args.batch,
+            "lm_loss": plan["lm_loss"], "seq_len": cfg.data.seq_len, "batch": batch,
             "params": cfg.model.num_params(), "active_params": cfg.model.num_active_params(),
             "flops_per_token": flops, "mfu": flops * _tokens_per_s(point) / PEAK_FLOPS,
             "mfu_synced": flops * point["tokens_per_s"] / PEAK_FLOPS,
@@ -196,12 +208,29 @@ def _median_passes(records: list[dict]) -> list[dict]:
     return out
 
 
-def summarize(records: list[dict], olmo: dict | None, dense_tflops: float | None, device: str) -> dict:
+def summarize(records: list[dict], olmo: list[dict], dense_tflops: float | None, device: str) -> dict:
+    """The summary line: for each micro-batch measured (a record without ``batch`` is of the
+    default 2), the 8-layer 7B variants' best, the default, the ablation and the ratios to
+    OLMo-core's line of the same micro-batch (``olmo``: its best line per micro-batch, from
+    _olmo_lines). The first micro-batch's fields are also at top level, as before the axis."""
+    by_batch: dict[int, list[dict]] = {}
+    for r in records:
+        by_batch.setdefault(r.get("batch", 2), []).append(r)
+    peers = {_olmo_micro_batch(line): line for line in olmo}
+    blocks = {b: _summarize_batch(rs, peers.get(b), dense_tflops) for b, rs in sorted(by_batch.items())}
+    first = next(iter(blocks.values()), _summarize_batch([], None, dense_tflops))
+    out = {"bench": "train_step_summary", "device": device, "peak_flops": PEAK_FLOPS,
+           "dense_matmul_tflops": dense_tflops, **first}
+    if len(blocks) > 1:
+        out["by_micro_batch"] = {str(b): block for b, block in blocks.items()}
+    return out
+
+
+def _summarize_batch(records: list[dict], olmo: dict | None, dense_tflops: float | None) -> dict:
     moe = _median_passes([r for r in records if r["variant"].startswith("7b8l") and "error" not in r])  # 8-layer 7B
     best = max(moe, key=_tokens_per_s) if moe else None
     base = next((r for r in moe if r["variant"] == "7b8l-loop"), None)
-    out = {"bench": "train_step_summary", "device": device, "peak_flops": PEAK_FLOPS,
-           "dense_matmul_tflops": dense_tflops, "best_variant": best and best["variant"],
+    out = {"best_variant": best and best["variant"],
            "best_tokens_per_s": best and _tokens_per_s(best), "best_mfu": best and best["mfu"],
            "best_mfu_vs_measured_matmul": best and dense_tflops and
            best["flops_per_token"] * _tokens_per_s(best) / (dense_tflops * 1e12),
@@ -225,6 +254,16 @@ def summarize(records: list[dict], olmo: dict | None, dense_tflops: float | None
     return out
 
 
+def _olmo_micro_batch(line: dict) -> int:
+    """The micro-batch of OLMo-core's line (its config's, else its tokens per step over the sequence)."""
+    config = line.get("config") or {}
+    if config.get("micro_batch"):
+        return int(config["micro_batch"])
+    if line.get("tokens_per_step") and config.get("seq_len"):
+        return int(line["tokens_per_step"]) // int(config["seq_len"])
+    return 2  # the harness's default, as lines without a config were measured
+
+
 def _olmo_tokens_per_s(olmo: dict) -> float:
     """OLMo-core's tokens/s by its median step: median against median, both back to back (its
     ``tokens_per_s`` is a mean over its timed steps; older lines lack the median and use it)."""
@@ -233,41 +272,44 @@ def _olmo_tokens_per_s(olmo: dict) -> float:
     return olmo["tokens_per_s"]
 
 
-def _olmo_line(path: str | None) -> dict | None:
-    """OLMo-core's result line from ../shared/peers/olmo_core_step.py's output: with several runs
-    in the file (bench/gpu_suite.sh runs it before and after ours on one GPU), the fastest by
-    median step, the ratio least favourable to us; ``olmo_core_runs_step_ms_median`` lists them all."""
+def _olmo_lines(path: str | None) -> list[dict]:
+    """OLMo-core's result lines from ../shared/peers/olmo_core_step.py's output, one per
+    micro-batch: with several runs of one micro-batch in the file (bench/gpu_suite.sh runs it
+    before and after ours on one GPU), the fastest by median step, the ratio least favourable to
+    us; ``olmo_core_runs_step_ms_median`` lists them all."""
     if not path or not Path(path).is_file():
-        return None
-    lines = [line for line in read_jsonl(path) if "tokens_per_s" in line]
-    if not lines:
-        return None
-    best = max(lines, key=_olmo_tokens_per_s)
-    return {**best, "olmo_core_runs_step_ms_median": [line.get("step_ms_median") for line in lines]}
+        return []
+    runs: dict[int, list[dict]] = {}
+    for line in read_jsonl(path):
+        if "tokens_per_s" in line:
+            runs.setdefault(_olmo_micro_batch(line), []).append(line)
+    return [{**max(lines, key=_olmo_tokens_per_s),
+             "olmo_core_runs_step_ms_median": [line.get("step_ms_median") for line in lines]}
+            for _, lines in sorted(runs.items())]
 
 
-def summarize_file(path: Path, olmo: dict | None, name: str) -> None:
-    """Rewrite the summary of an existing results file, with OLMo-core's line when given (or the
-    one already in the file)."""
+def summarize_file(path: Path, olmo: list[dict], name: str) -> None:
+    """Rewrite the summary of an existing results file, with OLMo-core's lines when given (or
+    those already in the file)."""
     lines = read_jsonl(path)
     records = [line for line in lines if line.get("bench") == "train_step"]
-    olmo = olmo or next((line for line in lines if str(line.get("bench", "")).startswith("olmo_core")), None)
+    olmo = olmo or [line for line in lines if str(line.get("bench", "")).startswith("olmo_core")]
     old = next((line for line in lines if line.get("bench") == "train_step_summary"), {})
     summary = summarize(records, olmo, old.get("dense_matmul_tflops"), name)
-    write_jsonl(path, records + ([{"bench": "olmo_core", **olmo}] if olmo else []) + [summary])
+    write_jsonl(path, records + [{"bench": "olmo_core", **line} for line in olmo] + [summary])
     print(json.dumps(summary, indent=1))
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.ingest:
-        print(ingest(args.ingest, args.store, key="variant"))
+        print(ingest(args.ingest, args.store, key="series", fallback="variant"))
         return
     import torch
 
     if args.summarize_only and args.results:  # any machine: the file names its device
         path = Path(args.results)
-        summarize_file(path, _olmo_line(args.olmo_core_jsonl), path.stem.removeprefix("train-step-"))
+        summarize_file(path, _olmo_lines(args.olmo_core_jsonl), path.stem.removeprefix("train-step-"))
         return
     if not torch.cuda.is_available() and not args.quick:
         sys.exit("bench/train_step.py measures a GPU training step and found no CUDA device; "
@@ -275,7 +317,7 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = device_slug(device)
     path = Path(args.out) / f"train-step-{name}.jsonl"
-    olmo = _olmo_line(args.olmo_core_jsonl)
+    olmo = _olmo_lines(args.olmo_core_jsonl)
     if args.summarize_only:  # OLMo-core finished after us, in the same call: add its line
         summarize_file(path, olmo, name)
         return
@@ -284,28 +326,33 @@ def main(argv=None) -> None:
         print(f"dense bf16 matmul 8192^3: {dense:.0f} TFLOP/s")
     if args.repeat < 1:
         sys.exit(f"--repeat {args.repeat}: must be >= 1")
+    if min(args.batch) < 1:
+        sys.exit(f"--batch {args.batch}: every micro-batch must be >= 1")
     records = []
     print(f"{'variant':>38} {'tokens/s':>10} {'b2b ms':>7} {'step ms':>8} {'compute':>8} {'optim':>7} "
           f"{'idle':>6} {'MFU':>6} {'peak GiB':>8}")
-    for i, variant in enumerate(args.variants * args.repeat):
-        passed = {"pass": i // len(args.variants)} if args.repeat > 1 else {}
+    runs = [(batch, variant) for batch in args.batch for variant in args.variants]
+    for i, (batch, variant) in enumerate(runs * args.repeat):
+        passed = {"pass": i // len(runs)} if args.repeat > 1 else {}
+        label = series(variant, batch) if len(args.batch) > 1 else variant
         try:
-            r = {**run_variant(variant, args, device), **passed}
+            r = {**run_variant(variant, args, device, batch), **passed}
         except Exception as e:  # one variant failing (OOM, a compile error) must not lose the others
-            r = {"bench": "train_step", "variant": variant, **passed, "error": f"{type(e).__name__}: {e}"[:500]}
-            print(f"{variant:>38} failed: {r['error']}", flush=True)
+            r = {"bench": "train_step", "variant": variant, "series": series(variant, batch), "batch": batch,
+                 **passed, "error": f"{type(e).__name__}: {e}"[:500]}
+            print(f"{label:>38} failed: {r['error']}", flush=True)
             records.append(r)
             write_jsonl(path, records)
             continue
         records.append(r)
         write_jsonl(path, records)  # nothing measured is lost if the call is cut short
         b2b = r.get("step_back_to_back_s", float("nan"))
-        print(f"{variant:>38} {_tokens_per_s(r):>10,.0f} {b2b * 1e3:>7.1f} {r['step_s'] * 1e3:>8.1f} "
+        print(f"{label:>38} {_tokens_per_s(r):>10,.0f} {b2b * 1e3:>7.1f} {r['step_s'] * 1e3:>8.1f} "
               f"{r['compute_s'] * 1e3:>8.1f} "
               f"{r['optimizer_s'] * 1e3:>7.1f} {r['idle_s'] * 1e3:>6.1f} {r['mfu']:>6.1%} "
               f"{r['peak_memory_bytes'] / 2**30:>8.1f}", flush=True)
-    publish(path, records, summarize(records, olmo, dense, name), args.store, key="variant",
-            extra=[{"bench": "olmo_core", **olmo}] if olmo else [])
+    publish(path, records, summarize(records, olmo, dense, name), args.store, key="series",
+            extra=[{"bench": "olmo_core", **line} for line in olmo])
 
 
 if __name__ == "__main__":
