@@ -13,18 +13,43 @@ looks finished. Two tools cover every case in the pipeline:
 
 Temporary names start with a dot and contain ``.tmp-`` (``.meta.json.tmp-1a2b3c``), so globs
 over outputs never match them, and they sit in the same directory as the target because
-``rename`` is only atomic within one filesystem.
+``rename`` is only atomic within one filesystem. Those names are ours, not the user's: a write
+refused for want of permission (or on a read-only file system) is re-raised naming the output
+asked for (``cannot write`` that path), never its temporary sibling.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator, Union
 
-__all__ = ["atomic_write", "atomic_open", "atomic_dir", "fsync_dir"]
+__all__ = ["atomic_write", "atomic_open", "atomic_dir", "fsync_dir", "NOT_WRITABLE"]
+
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)  # a write refused: permission, read-only file system
+
+
+@contextlib.contextmanager
+def _naming(path: Path, tmp: Union[str, Path, None] = None) -> Iterator[None]:
+    """A write refused (NOT_WRITABLE) inside the block names ``path``: a temporary sibling of it
+    (``.<name>.tmp-*`` / ``.<name>.old-*``) is ``path`` itself, a file inside ``tmp`` (the
+    directory being built) is the same file under ``path``. Other errors pass as they are."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in NOT_WRITABLE or e.filename is None:
+            raise
+        name = os.fspath(e.filename)
+        if tmp is not None and (name == os.fspath(tmp) or name.startswith(os.fspath(tmp) + os.sep)):
+            name = os.fspath(path) + name[len(os.fspath(tmp)):]
+        elif Path(name).name.startswith((f".{path.name}.tmp-", f".{path.name}.old-")):
+            name = os.fspath(path)
+        else:
+            raise
+        raise type(e)(e.errno, e.strerror, name) from e
 
 
 def fsync_dir(path: Union[str, Path]) -> None:
@@ -46,14 +71,16 @@ def atomic_open(path: Union[str, Path], mode: str = "wb") -> Iterator:
     if mode not in ("wb", "w"):
         raise ValueError(f"atomic_open mode = {mode!r}: must be 'wb' or 'w'")
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    with _naming(path):
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; outputs are ordinary files
-        os.replace(tmp, path)
+        with _naming(path):
+            os.chmod(tmp, 0o644)  # mkstemp makes 0600; outputs are ordinary files
+            os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -78,17 +105,19 @@ def atomic_dir(path: Union[str, Path]) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    with _naming(path):
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        yield tmp
-        _sync_tree(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp makes 0700
-        old = None
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-            os.replace(path, old / path.name)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+        with _naming(path, tmp):
+            yield tmp
+            _sync_tree(tmp)
+            os.chmod(tmp, 0o755)  # mkdtemp makes 0700
+            old = None
+            if path.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+                os.replace(path, old / path.name)
+            os.replace(tmp, path)
+            fsync_dir(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -36,16 +36,40 @@ def has_xpu() -> bool:
     return hasattr(torch, "xpu") and torch.xpu.is_available()
 
 
-def resolve_device_type(requested: str = "auto") -> str:
-    """``auto`` picks cuda, then xpu, then cpu; an explicit request that cannot be met is an error."""
+class DeviceUnavailableError(RuntimeError):
+    """An explicit device type this process does not see. The environment lacks it (the machine,
+    its driver, the torch build, a visibility variable), not the configuration, which is valid
+    where the device is; the message names the setting, the device and what torch reports."""
+
+
+def resolve_device_type(requested: str = "auto", field: str = "device") -> str:
+    """``auto`` picks cuda, then xpu, then cpu; an explicit request that cannot be met is a
+    DeviceUnavailableError naming ``field`` (the setting that asked: "train.device", "--device")."""
     available = {"cpu": True, "cuda": torch.cuda.is_available(), "xpu": has_xpu()}
     if requested == "auto":
         return next(t for t in ("cuda", "xpu", "cpu") if available[t])
     if requested not in available:
-        raise ValueError(f"device = {requested!r}: must be one of auto, cpu, cuda, xpu")
+        raise ValueError(f"{field} = {requested!r}: must be one of auto, cpu, cuda, xpu")
     if not available[requested]:
-        raise RuntimeError(f"device = {requested!r} requested but torch sees no {requested} device")
+        raise DeviceUnavailableError(_unavailable(requested, field))
     return requested
+
+
+def _unavailable(device_type: str, field: str) -> str:
+    """The sentence for an explicit ``device_type`` that this process does not see."""
+    import os
+
+    if device_type == "xpu" and not hasattr(torch, "xpu"):
+        why = f"this torch, {torch.__version__}, has no torch.xpu"
+    else:
+        why = f"torch.{device_type}.is_available() is False"
+    if device_type == "cuda" and torch.version.cuda is None:
+        why += f"; this torch, {torch.__version__}, is built without CUDA"
+    masks = [f"{v}={os.environ[v]!r}" for v in VISIBILITY_ENV.get(device_type, ()) if v in os.environ]
+    if masks:
+        why += "; " + ", ".join(masks)
+    return (f"{field} = {device_type} but no {device_type.upper()} device is visible ({why}); run on a machine "
+            f"with one, or set {field} to auto or cpu")
 
 
 def collective_backend(device_type: str, *, torch_version: str = torch.__version__,

@@ -100,7 +100,8 @@ def _kernel_ok(kernel: str, device: torch.device, probe: bool) -> str | None:
     from kernels._triton import INTERPRET, launchable_on
 
     if device.type not in GPU_TYPES and not INTERPRET:
-        return f"no Triton on {device.type} (needs a CUDA or XPU device)"
+        return (f"cannot run here: no Triton on {device.type} (it needs a CUDA or XPU device, or the Triton "
+                f"interpreter: TRITON_INTERPRET=1 set before Python starts)")
     if not probe:
         return None
     if not launchable_on(device):
@@ -171,13 +172,15 @@ def resolve_choices(cfg: RunConfig, device: torch.device | str, world_size: int 
         if ex.experts == "triton":
             problem = _kernel_ok("experts", device, probe)
             if problem:
+                others = "'auto', 'torch' or 'loop'" if device.type == "cuda" else "'auto' or 'loop'"
                 raise ExecutionError(f"execution.experts = 'triton': the Triton experts kernel {problem}; "
-                                     "use 'auto', 'torch' or 'loop'")
+                                     f"use {others}")
             experts, why["experts"] = "triton", "asked"
         elif ex.experts == "torch":
             problem = _grouped_mm_ok(device, dtype, probe)
             if problem:
-                raise ExecutionError(f"execution.experts = 'torch': {problem}; use 'auto', 'triton' or 'loop'")
+                others = "'auto', 'triton' or 'loop'" if gpu else "'auto' or 'loop'"
+                raise ExecutionError(f"execution.experts = 'torch': {problem}; use {others}")
             experts, why["experts"] = "torch", "asked"
         elif ex.experts == "loop":
             experts, why["experts"] = "loop", "asked"
@@ -231,6 +234,19 @@ def resolve_choices(cfg: RunConfig, device: torch.device | str, world_size: int 
                          compile=compile_on, adamw=adamw, lm_loss=lm_loss, recast_expert_weights=recast,
                          expert_copies=copies, bf16_expert_grads=bf16_grads, grad_norm_under_backward=norm_under,
                          grad_norm_from_dw=from_dw, update_beside_forward=beside, why=why)
+
+
+def check_launch(cfg: RunConfig, world_size: int = 1) -> str:
+    """What can be checked of how ``cfg`` executes before any rank starts or any model is built:
+    train.device is visible to this process (optimus_core.device.DeviceUnavailableError, an
+    environment problem), and every explicit choice can run on that device (ExecutionError, a
+    configuration one; the kernels' self-checks wait for the run, which probes them). Returns the
+    device type. The run resolves its plan again, whole (plan_execution); this only fails earlier."""
+    from .device import resolve_device_type
+
+    device_type = resolve_device_type(cfg.train.device, field="train.device")
+    resolve_choices(cfg, device_type, world_size, probe=False)
+    return device_type
 
 
 def plan_execution(cfg: RunConfig, device: torch.device | str, world_size: int = 1, *,

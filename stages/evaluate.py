@@ -127,6 +127,7 @@ def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
         # The offline tasks are rebuilt per evaluation (seconds, deterministic), in a temporary
         # directory: nothing is left behind that could go stale against a re-tokenized corpus.
         names = _task_names(config, data_dir, Path(tmp)) if config.downstream else []
+        manager = _task_manager(config, names, tmp) if names else None  # unknown names: before any model loads
         for point in found:
             model = point.load()
             base = {"step": point.step, "tokens": point.tokens}
@@ -135,7 +136,7 @@ def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
                     model, data_dir, seq_len=point.cfg.data.seq_len, batch_size=config.batch_size,
                     max_batches=config.max_batches, dtype=config.dtype)})
             if names and (point is newest or config.downstream_all_checkpoints):
-                scores = _downstream(config, model, point.cfg, data_dir, names, tmp)
+                scores = _downstream(config, model, point.cfg, data_dir, names, manager)
                 down_rows.append({**base, **{f"{metric}.{task}": v for task, m in scores.items()
                                              for metric, v in m.items()}})
             del model
@@ -267,10 +268,16 @@ def _checkpoints(run_dir: Path, every: bool, share: tuple[int, int] = (0, 1),
     return [_Point(c, from_dict(RunConfig, c.meta["config"])) for c in found]
 
 
-def _lm_eval():
+def _lm_eval(config: EvaluateConfig | None = None):
     try:
         from optimus_core.eval import docstring, lm, tasks
     except ImportError as e:
+        other = [t for t in config.downstream if t not in BUILTIN_TASKS] if config else []
+        if other:  # a typo of a built-in name, or an lm-eval task: neither is known here
+            from optimus_core.config import ConfigError
+
+            raise ConfigError(f"tasks = {other}: unknown; known: {', '.join(BUILTIN_TASKS)} (any other name is an "
+                              f"lm-eval task, and lm-evaluation-harness is not installed here: {e})") from None
         raise ValueError(f"downstream tasks need lm-evaluation-harness ({e}); "
                          "install the eval extra: pip install -e '.[eval]'") from None
     return docstring, lm, tasks
@@ -286,7 +293,7 @@ def _checked_data(data_dir, run_dir: Path) -> Path:
 
 def _task_names(config: EvaluateConfig, data_dir: Path, tmp: Path) -> list[str]:
     """The lm-eval task names of ``config.downstream``, the offline ones written into ``tmp``."""
-    docstring, _, tasks = _lm_eval()
+    docstring, _, tasks = _lm_eval(config)
     names: list[str] = []
     for task in config.downstream:
         if task == "continuation":
@@ -298,8 +305,17 @@ def _task_names(config: EvaluateConfig, data_dir: Path, tmp: Path) -> list[str]:
     return names
 
 
-def _downstream(config: EvaluateConfig, model, cfg, data_dir: Path, names: list[str], tmp) -> dict[str, dict]:
+def _task_manager(config: EvaluateConfig, names: list[str], tmp):
+    """lm-eval's index of ``names`` (the offline tasks written into ``tmp``, then the user's task
+    dirs and lm-eval's registry), or an UnknownTaskError naming what is known: the built-in
+    tasks and the user's task dirs (the temporary one is ours, never shown)."""
+    _, _, tasks = _lm_eval(config)
+    return tasks.task_manager(names, task_dirs=[tmp, *config.task_dirs], shown_dirs=config.task_dirs,
+                              also_known=BUILTIN_TASKS)
+
+
+def _downstream(config: EvaluateConfig, model, cfg, data_dir: Path, names: list[str], manager) -> dict[str, dict]:
     """lm-eval scores ``{task: {metric: value, "n": docs}}`` of the downstream tasks."""
-    _, lm, tasks = _lm_eval()
+    _, lm, tasks = _lm_eval(config)
     adapter = lm.OptimusLM.for_model(model, cfg, data_dir, batch_size=config.batch_size)
-    return tasks.run_lm_eval(adapter, names, task_dirs=[tmp, *config.task_dirs], limit=config.limit)
+    return tasks.run_lm_eval(adapter, names, limit=config.limit, manager=manager)

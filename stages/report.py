@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, ClassVar, Optional
+from urllib.parse import quote
 
 import numpy as np
 import pandas as pd
@@ -72,6 +73,11 @@ class ReportResult:
 
 def run_report(config: ReportConfig, inputs: ReportInputs, outputs: ReportOutputs) -> ReportResult:
     store = open_store(inputs.store, mode="r")
+    figures = Path(inputs.figures_dir)
+    if not figures.is_dir():  # a figure of it may be missing (a note says so), the directory may not
+        raise FileNotFoundError(f"figures directory {figures} {'is a file' if figures.exists() else 'does not exist'}: "
+                                f"draw the figures there first (`optimus figures --store {inputs.store} --out "
+                                f"{figures}`), or name the directory they are in")
     run_ids = select_runs(store, config.runs)
     attrs = {r: store.attrs(r) for r in run_ids}
     lines = [f"# {config.title}", "", _provenance(store, inputs.store, run_ids, attrs), ""]
@@ -209,7 +215,8 @@ def _figures(figures_dir: Path, report_dir: Path) -> list[str]:
 def _figure(figures_dir: Path, report_dir: Path, name: str) -> list[str]:
     path, caption = figures_dir / name, FIGURES[name]
     if path.exists():
-        link = Path(os.path.relpath(path, report_dir)).as_posix()
+        # percent-encoded: a space or a parenthesis in a directory name would end a Markdown link
+        link = quote(Path(os.path.relpath(path, report_dir)).as_posix())
         return [f"![{caption}]({link})", "", f"*{caption}.*", ""]
     return [f"*{name}: not drawn (run `optimus figures`).*", ""]
 

@@ -127,8 +127,10 @@ def test_a_checkpoint_of_another_model_is_refused_and_kept(finished_run, tokens_
     run = tmp_path / "run-a"
     shutil.copytree(finished_run, run)
     before = digest(run / "checkpoints")
-    fails(["pretrain", "--preset", "mula-7b-a1b@laptop", "--data", tokens_dir, "--out", run, "--steps", 2, *TINY],
-          capsys, 1, "was saved by a different model configuration; use a new run directory or the same preset")
+    err = fails(["pretrain", "--preset", "mula-7b-a1b@laptop", "--data", tokens_dir, "--out", run, "--steps", 2,
+                 *TINY], capsys, 2, f"{run} holds checkpoints of a run with other settings, which a resume cannot "
+                                    f"change: model.moe None -> {{")
+    assert "preset 'mula-1b@laptop' -> 'mula-7b-a1b@laptop'; use another --out for these settings" in err
     assert digest(run / "checkpoints") == before
     assert (run / "summary.json").is_file()
 
@@ -310,3 +312,189 @@ def test_figures_only_takes_several_names_as_the_readme_shows():
     args = build_parser().parse_args(["figures", "--store", "s", "--out", "o", "--only", "a.png", "b.png",
                                       "--only", "c.png"])
     assert args.only == ["a.png", "b.png", "c.png"]
+
+
+# ----------------------------------------------------------------------------- the environment: outputs and devices
+
+@pytest.fixture
+def read_only(tmp_path, monkeypatch) -> Path:
+    """A directory nothing may be created in. chmod stops a user but not root (CI), so creating
+    an entry in it is also refused as the kernel refuses it, EACCES naming the entry: os.mkdir
+    and os.open with O_CREAT (under Path.mkdir, tempfile.mkdtemp / mkstemp), and os.access."""
+    import errno
+    import os
+
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    in_ro = lambda path: os.path.dirname(os.path.abspath(path)) == str(ro)  # noqa: E731
+    real_mkdir, real_open, real_access = os.mkdir, os.open, os.access
+
+    def mkdir(path, *args, **kwargs):
+        if in_ro(path):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    def open_(path, flags, *args, **kwargs):
+        if in_ro(path) and flags & os.O_CREAT:
+            raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    def access(path, mode, *args, **kwargs):
+        return False if os.path.abspath(path) == str(ro) and mode & os.W_OK else real_access(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(os, "access", access)
+    ro.chmod(0o555)
+    yield ro
+    ro.chmod(0o755)
+
+
+def test_an_output_that_cannot_be_written_is_named_as_the_user_gave_it(read_only, finished_run, tokens_dir, tmp_path,
+                                                                       capsys):
+    """Exit 1, one line naming the output asked for: never the temporary sibling it is built in."""
+    corpus = _a_corpus(tmp_path / "corpus")
+    store = _empty_store(tmp_path)
+    for argv, out in [
+        (["corpus", "--from", corpus, "--out", read_only / "index"], read_only / "index"),
+        (["tokenize", "--corpus", corpus, "--out", read_only / "tokens", "--tokenizer", tokens_dir / "tokenizer.json",
+          "--workers", 1], read_only / "tokens"),
+        (["export-hf", "--run", finished_run, "--out", read_only / "hf"], read_only / "hf"),
+        (["figures", "--store", store, "--out", read_only / "a" / "figs"], read_only / "a" / "figs"),
+        (["figures", "--store", store, "--out", read_only], read_only / "loss.png"),  # a file in it
+        (["report", "--store", store, "--figures", tmp_path, "--out", read_only / "r.md"], read_only / "r.md"),
+        (["evaluate", "--run", finished_run, "--max-batches", 1, "--out", read_only / "eval.json"],
+         read_only / "eval.json"),
+        (["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", read_only / "runs" / "r",
+          "--steps", 1, "--nproc", 2, *TINY], read_only / "runs" / "r"),  # refused before any rank starts
+    ]:
+        err = fails(argv, capsys, 1, f"error: cannot write {out}: permission denied")
+        assert ".tmp-" not in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert list(read_only.iterdir()) == []
+
+
+def _empty_store(tmp_path: Path) -> Path:
+    from optimus_core.store import open_store
+
+    path = tmp_path / "empty.zarr"
+    if not path.exists():
+        open_store(path)
+    return path
+
+
+def test_a_device_that_is_not_here_is_one_sentence_before_any_rank_starts(tokens_dir, tmp_path, capsys, monkeypatch):
+    """Exit 1: the environment lacks the device; the same command is right on a GPU node."""
+    import torch
+
+    import optimus_core.parallel.launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(optimus_core.parallel.launch, "spawn_local", lambda *a, **k: pytest.fail("ranks started"))
+    tiny = [a if a != "train.device=cpu" else "train.device=cuda" for a in TINY]
+    err = fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", tmp_path / "r", "--steps", 1,
+                 "--nproc", 2, *tiny], capsys, 1,
+                "error: train.device = cuda but no CUDA device is visible (torch.cuda.is_available() is False")
+    assert "set train.device to auto or cpu" in err and "Traceback" not in err
+    assert not (tmp_path / "r").exists()
+    fails(["evaluate", "--run", tmp_path, "--nproc", 2, "--device", "cuda"], capsys, 1,
+          "--device = cuda but no CUDA device is visible")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_triton_experts_on_a_cpu_without_the_interpreter_is_refused_before_the_model(nproc, tokens_dir, tmp_path):
+    """A configuration choice (exit 2), refused before any rank starts or the run directory is made."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "r"
+    done = subprocess.run([sys.executable, "-m", "workflow.cli", "pretrain", "--preset", "mula-7b-a1b@laptop",
+                           "--data", str(tokens_dir), "--out", str(out), "--steps", "1", "--nproc", str(nproc),
+                           "--experts-backend", "triton", *TINY], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        "optimus pretrain: configuration error: execution.experts = 'triton': the Triton experts kernel cannot run "
+        "here: no Triton on cpu (it needs a CUDA or XPU device, or the Triton interpreter: TRITON_INTERPRET=1 set "
+        "before Python starts); use 'auto' or 'loop'")
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- site files
+
+@pytest.mark.parametrize("text, said", [
+    ("site:\n  name: mine\n  kind: [local\n  tiles_per_node: 1\n",
+     "line 4, column 17: not valid YAML (expected ',' or ']', but got ':'; while parsing a flow sequence that "
+     "starts at line 3)"),
+    ("site:\n  name: mine\n  kind: local\n  tiles_per_nod: 1\n", "line 4: site.tiles_per_nod: unknown field; allowed:"),
+    ("site:\n  name: mine\n  queues:\n    debug: {min_nodes: 1, max_nodes: 2, walltime_h: 1, colour: red}\n",
+     "line 4: site.queues.debug.colour: unknown field"),
+    ("site:\n  name: mine\n  device: gpu\n", "line 3: site mine: device = 'gpu': must be one of auto, cpu, cuda, xpu"),
+    ("- a\n- list\n", "has no site: block"),
+])
+def test_a_bad_site_file_names_the_file_and_the_line(text, said, tmp_path, capsys):
+    site = tmp_path / "my sites" / "cluster.yaml"
+    site.parent.mkdir()
+    site.write_text(text)
+    err = fails(["plan", "--site", site], capsys, 2, f"configuration error: {'site: ' if 'block' in said else ''}{site}")
+    assert said in err and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- evaluation tasks
+
+def test_an_unknown_task_is_named_with_the_known_ones_before_any_model_loads(finished_run, tmp_path, capsys,
+                                                                             monkeypatch):
+    pytest.importorskip("lm_eval")
+    import stages.evaluate
+
+    monkeypatch.setattr(stages.evaluate._Point, "load", lambda self: pytest.fail("a model was loaded"))
+    tasks = tmp_path / "my tasks"
+    tasks.mkdir()
+    (tasks / "mine.yaml").write_text("task: my_task\ndataset_path: json\n")
+    err = fails(["evaluate", "--run", finished_run, "--tasks", "heldout", "continuaton", "--task-dir", tasks,
+                 "--out", tmp_path / "eval.json"], capsys, 2,
+                "configuration error: tasks = ['continuaton']: unknown to lm-eval and not built in; known: heldout, "
+                f"continuation, docstring; in {tasks}: my_task; lm-eval's ")
+    assert "registered tasks (`lm_eval ls tasks` lists them); did you mean continuation" in err
+    assert "optimus-tasks-" not in err and "install" not in err  # not our temporary directory, not "install lm-eval"
+    assert not (tmp_path / "eval.json").exists()
+
+
+def test_an_unknown_task_without_lm_eval_is_unknown_not_missing_software(finished_run, capsys, monkeypatch):
+    import sys
+
+    import optimus_core.eval
+
+    for name in ("docstring", "lm", "tasks"):  # as if lm-evaluation-harness were not installed
+        monkeypatch.setitem(sys.modules, f"optimus_core.eval.{name}", None)
+        monkeypatch.delattr(optimus_core.eval, name, raising=False)
+    fails(["evaluate", "--run", finished_run, "--tasks", "nosuchtask"], capsys, 2,
+          "tasks = ['nosuchtask']: unknown; known: heldout, continuation, docstring (any other name is an lm-eval task")
+
+
+# ----------------------------------------------------------------------------- the report's figures
+
+def test_the_report_names_a_figures_directory_that_is_not_there(tmp_path, capsys):
+    store = _empty_store(tmp_path)
+    fails(["report", "--store", store, "--figures", tmp_path / "figurs", "--out", tmp_path / "report.md"], capsys, 1,
+          f"error: figures directory {tmp_path / 'figurs'} does not exist: draw the figures there first (`optimus "
+          f"figures --store {store} --out {tmp_path / 'figurs'}`)")
+    assert not (tmp_path / "report.md").exists()
+
+
+def test_the_reports_figure_links_work_where_a_path_has_spaces(tmp_path, capsys):
+    import re
+    from urllib.parse import unquote
+
+    store, figures = _empty_store(tmp_path), tmp_path / "my figures (v1)"
+    assert main(["figures", "--store", str(store), "--out", str(figures)]) == 0
+    report = tmp_path / "the report" / "report.md"
+    assert main(["report", "--store", str(store), "--figures", str(figures), "--out", str(report)]) == 0
+    text = report.read_text()
+    links = re.findall(r"!\[[^\]]*\]\(([^)]*)\)", text)  # a Markdown image's destination ends at the first ')'
+    assert len(links) == len(re.findall(r"!\[", text)) >= 5
+    for link in links:
+        assert " " not in link and "(" not in link  # one token: nothing ends the destination early
+        assert (report.parent / unquote(link)).resolve().is_file(), link
+        assert (report.parent / unquote(link)).resolve().parent == figures.resolve()

@@ -14,8 +14,10 @@
     optimus presets | optimus experiments
 
 Every command prints a short summary for a person on stdout, or with ``--json`` one JSON object
-for a program (progress and logs go to stderr either way). A configuration or input error is one
-line on stderr (exit 2 for configuration, 1 for input; ``--debug`` adds its traceback); any other
+for a program (progress and logs go to stderr either way). A configuration, input or environment
+error is one line on stderr: exit 2 for configuration and usage (fails wherever it runs), 1 for
+input data and the environment (an output that cannot be written, a device that is not here); it
+names the user's path, never a temporary one, and ``--debug`` adds its traceback. Any other
 failure keeps its traceback. Stages never import this module (house rule 3); Snakemake rules and
 Parsl apps call it.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -203,6 +206,11 @@ def cmd_pretrain(args) -> Summary | None:
     if cfg.train.global_batch % world:  # found before any rank is started, not by each of them
         raise ConfigError(f"train.global_batch = {cfg.train.global_batch}: must be divisible by the world size "
                           f"({world} ranks)")
+    if launch.world_size == 1:  # (a launcher's ranks bind their devices themselves, saying host and rank)
+        from optimus_core.execution import check_launch
+
+        check_launch(cfg, world)  # train.device is here and the explicit kernels run on it: before any rank or model
+    check_writable(args.out)
     max_restarts = getattr(args, "max_restarts", None) or 0
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts = {max_restarts}: must be >= 0")
@@ -272,12 +280,16 @@ def cmd_evaluate(args) -> Summary | None:
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc}: must be >= 1")
+    check_writable(Path(args.out or Path(args.run) / "eval.json").parent)  # replaced whole: before evaluating
     launch = read_launch_env()
     _rank_logging(args, launch)
     if args.nproc > 1 and launch.world_size == 1:
         if set(args.tasks) != {"heldout"}:  # before any rank starts
             raise ConfigError(f"--tasks {' '.join(args.tasks)} with --nproc {args.nproc}: a sharded evaluation runs "
                               f"'heldout' only (lm-eval's tasks need the whole model in one process)")
+        from optimus_core.device import resolve_device_type
+
+        resolve_device_type(args.device, field="--device")  # a device that is not here: said once, not per rank
         spawn_local(_run_in_own_process, args.nproc, (cmd_evaluate, args))  # each rank re-enters here
         return None
     config = EvaluateConfig(tasks=tuple(args.tasks), max_batches=args.max_batches,
@@ -302,6 +314,7 @@ def cmd_evaluate(args) -> Summary | None:
 def cmd_export_hf(args) -> Summary:
     from stages.export import ExportConfig, ExportInputs, ExportOutputs, run_export
 
+    check_writable(Path(args.out).parent)  # built beside it, then renamed: before the checkpoint is read
     result = run_export(ExportConfig(arch=args.arch), ExportInputs(run_dir=args.run, data_dir=args.data),
                         ExportOutputs(out_dir=args.out))
     return Summary(f"{result.out_dir}: {result.arch} (step {result.step}); load with "
@@ -643,6 +656,40 @@ def build_parser() -> argparse.ArgumentParser:
 INPUT_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)  # bad input: one line, exit 1
 
 
+def check_writable(path: Path) -> None:
+    """Refuse an output before any work where this process may not write its nearest existing
+    directory (``path`` itself, or the parent it would be made in): a PermissionError naming it."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.is_dir() and not os.access(probe, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(probe))
+
+
+def _outputs(args) -> list[Path]:
+    """The paths a command writes, as the user gave them (figures and report only read the store)."""
+    names = ("out", "shards", "jsonl") + (() if args.command in ("figures", "report") else ("store",))
+    paths = [Path(getattr(args, name)) for name in names if getattr(args, name, None)]
+    if args.command == "evaluate" and not args.out:
+        paths.append(Path(args.run) / "eval.json")
+    return paths
+
+
+def not_writable_message(e: OSError, args) -> str:
+    """One sentence for a write refused (permission, a read-only file system), naming the user's
+    path: the output asked for when the refused path is it or a directory made for it, the file
+    inside it otherwise (optimus_core.atomic names its own temporary siblings as their target)."""
+    why = "read-only file system" if e.errno == errno.EROFS else "permission denied"
+    refused = os.path.abspath(e.filename)
+    for out in _outputs(args):
+        full = os.path.abspath(out)
+        if refused == full or full.startswith(refused.rstrip(os.sep) + os.sep):
+            return f"cannot write {out}: {why}"
+        if refused.startswith(full + os.sep):
+            return f"cannot write {e.filename}: {why}"
+    return f"cannot access {e.filename}: {why}"
+
+
 def _check_site_use(args) -> None:
     """A --site is where --launcher parsl runs: without it, it would be ignored, so say so."""
     if getattr(args, "site", None) and getattr(args, "launcher", "parsl") != "parsl":
@@ -654,10 +701,10 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(debug=args.debug)  # a command that knows its rank sets it again
     from optimus_core.train.resilience import Preempted
 
-    def fail(kind: str, e: BaseException, code: int) -> int:
+    def fail(kind: str, e: BaseException, code: int, message: str | None = None) -> int:
         if args.debug:
             traceback.print_exception(e, file=sys.stderr)
-        print(f"optimus {args.command}: {kind}{e}", file=sys.stderr)
+        print(f"optimus {args.command}: {kind}{e if message is None else message}", file=sys.stderr)
         return code
 
     try:
@@ -669,6 +716,17 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return fail("configuration error: ", e, 2)
     except INPUT_ERRORS as e:
+        return fail("error: ", e, 1)
+    except OSError as e:  # a write refused: the environment, not a bug
+        from optimus_core.atomic import NOT_WRITABLE
+
+        if e.errno not in NOT_WRITABLE or e.filename is None:
+            raise
+        return fail("error: ", e, 1, not_writable_message(e, args))
+    except RuntimeError as e:  # the device asked for is not here: the environment (the config is valid elsewhere)
+        device = sys.modules.get("optimus_core.device")  # not imported: not its error (and no torch import)
+        if device is None or not isinstance(e, (device.DeviceUnavailableError, device.DeviceBindingError)):
+            raise
         return fail("error: ", e, 1)
     emit(summary, args.json)
     return 0

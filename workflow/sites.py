@@ -354,17 +354,63 @@ def load_site(name_or_path: str | Path, **overrides: Any) -> SiteConfig:
     if str(name_or_path) == "local":
         return site_from_dict({"name": "local", "kind": "local", "mpiexec": ""}, **overrides)
     path = Path(name_or_path)
-    if path.suffix not in (".yaml", ".yml"):
+    given = path.suffix in (".yaml", ".yml")  # a file the user names, not one of ours
+    if not given:
         path = CONFIG_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
         known = ["local", *sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if _has_site(p))]
-        raise ConfigError(f"site = {str(name_or_path)!r}: unknown; known: {', '.join(known)} or a YAML file with a site: block")
+        what = "no such file" if given else "unknown"
+        raise ConfigError(f"site = {str(name_or_path)!r}: {what}; known: {', '.join(known)} or a YAML file with a "
+                          f"site: block")
     import yaml
 
-    block = (yaml.safe_load(path.read_text()) or {}).get("site")
+    text = path.read_text()
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        context, start = getattr(e, "context", None), getattr(e, "context_mark", None)
+        if context and start is not None and mark is not None and start.line != mark.line:
+            problem += f"; {context} that starts at line {start.line + 1}"
+        raise ConfigError(f"{where}: not valid YAML ({problem})") from None
+    block = doc.get("site") if isinstance(doc, dict) else None
     if not isinstance(block, dict):
-        raise ConfigError(f"site: {path} has no site: block")
-    return site_from_dict(block, **overrides)
+        raise ConfigError(f"site: {path} has no site: block (a mapping under a top-level 'site:' key)")
+    try:
+        return site_from_dict(block, **overrides)
+    except ConfigError as e:
+        keys = _field_of(str(e))
+        if keys and keys[0] in overrides:  # the value came from the caller, not from the file
+            raise
+        line = _line_of(text, ["site", *keys])
+        raise ConfigError(f"{path}{f', line {line}' if line else ''}: {e}") from None
+
+
+def _field_of(message: str) -> list[str]:
+    """The field a site error names (``site.queues.debug.colour: ...`` or ``site NAME: device = ...``)."""
+    m = re.match(r"site\.([\w.-]+)", message) or re.match(r"site [^:]*: ([\w.-]+) =", message)
+    return m.group(1).split(".") if m else []
+
+
+def _line_of(text: str, keys: list[str]) -> int | None:
+    """The line (from 1) of the deepest of ``keys`` (a path of mapping keys) found in the YAML ``text``."""
+    import yaml
+
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    line = None
+    for key in keys:
+        if not isinstance(node, yaml.MappingNode):
+            break
+        found = next(((k, v) for k, v in node.value if getattr(k, "value", None) == key), None)
+        if found is None:
+            break
+        line, node = found[0].start_mark.line + 1, found[1]
+    return line
 
 
 def _has_site(path: Path) -> bool:

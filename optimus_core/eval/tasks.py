@@ -23,11 +23,18 @@ from typing import Iterable, Optional, Sequence
 
 import yaml
 
+from optimus_core.config import ConfigError
+
 TASK_PREFIX = "optimus_cont_"
 
 
 class TaskFileError(ValueError):
     """A task YAML file does not parse or is not a task definition; the message names the file."""
+
+
+class UnknownTaskError(ConfigError):
+    """A task name that no task directory and not lm-eval's registry defines; the message says
+    which names are known (or how to list them) and the nearest known names."""
 
 
 # ----------------------------------------------------------------------------- task data
@@ -139,14 +146,15 @@ def check_task_files(task_dirs: Iterable) -> None:
 
 # ----------------------------------------------------------------------------- runner
 
-def run_lm_eval(lm, tasks: Sequence[str], *, task_dirs: Sequence = (), limit: Optional[int] = None,
-                include_defaults: Optional[bool] = None) -> dict[str, dict]:
-    """Run lm-eval ``tasks`` zero-shot on ``lm``; ``{task: {"acc", "acc_stderr", "acc_norm", ..., "n"}}``.
+def task_manager(tasks: Sequence[str], *, task_dirs: Sequence = (), include_defaults: Optional[bool] = None,
+                 shown_dirs: Optional[Sequence] = None, also_known: Sequence[str] = ()):
+    """lm-eval's TaskManager for ``tasks``, once every one of them is known: else an
+    UnknownTaskError listing the known names (``also_known``: the caller's own, such as the
+    stage's built-in tasks; the tasks of ``shown_dirs``, default ``task_dirs``: the directories
+    the user gave, not a temporary one; lm-eval's registry by how to list it) and the nearest.
 
     ``include_defaults`` (lm-eval's bundled task registry, slow to index) defaults to "only when
-    a task is not found in ``task_dirs``".
-    """
-    import lm_eval
+    a task is not found in ``task_dirs``"."""
     from lm_eval.tasks import TaskManager
 
     check_task_files(task_dirs)
@@ -155,9 +163,36 @@ def run_lm_eval(lm, tasks: Sequence[str], *, task_dirs: Sequence = (), limit: Op
     if include_defaults is None and any(t not in manager.all_tasks for t in tasks):
         manager = TaskManager(include_path=dirs or None, include_defaults=True)
     unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown:
-        local = sorted(manager.all_tasks) if len(manager.all_tasks) < 50 else "see `lm_eval ls tasks`"
-        raise ValueError(f"tasks = {unknown}: unknown to lm-eval (task dirs {dirs}); known: {local}")
+    if not unknown:
+        return manager
+    import difflib
+
+    shown = [str(d) for d in (task_dirs if shown_dirs is None else shown_dirs)]
+    in_dirs = sorted(TaskManager(include_path=shown, include_defaults=False).all_tasks) if shown else []
+    known = [", ".join(also_known)] if also_known else []
+    if shown:
+        known.append(f"in {', '.join(shown)}: " + (", ".join(in_dirs[:30]) + (", ..." if len(in_dirs) > 30 else "")
+                                                    if in_dirs else "none"))
+    if include_defaults is not False:
+        ours = len(TaskManager(include_path=dirs, include_defaults=False).all_tasks) if dirs else 0
+        known.append(f"lm-eval's {len(manager.all_tasks) - ours:,} registered tasks (`lm_eval ls tasks` lists them)")
+    near = [n for t in unknown for n in difflib.get_close_matches(t, [*also_known, *manager.all_tasks], n=3)]
+    raise UnknownTaskError(f"tasks = {unknown}: unknown to lm-eval{' and not built in' if also_known else ''}; "
+                           f"known: {'; '.join(known) or 'none'}"
+                           + (f"; did you mean {', '.join(dict.fromkeys(near))}?" if near else ""))
+
+
+def run_lm_eval(lm, tasks: Sequence[str], *, task_dirs: Sequence = (), limit: Optional[int] = None,
+                include_defaults: Optional[bool] = None, manager=None) -> dict[str, dict]:
+    """Run lm-eval ``tasks`` zero-shot on ``lm``; ``{task: {"acc", "acc_stderr", "acc_norm", ..., "n"}}``.
+
+    ``manager``: a task_manager() that knows ``tasks`` already (built before the model was
+    loaded); else one is built here from ``task_dirs`` and ``include_defaults`` (task_manager).
+    """
+    import lm_eval
+
+    if manager is None:
+        manager = task_manager(tasks, task_dirs=task_dirs, include_defaults=include_defaults)
     res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, num_fewshot=0, limit=limit,
                                   log_samples=False, bootstrap_iters=0)
     scores = {}

@@ -18,12 +18,20 @@ def test_xpu_prefers_torch_xccl_and_falls_back_to_oneccl_bindings():
 
 def test_explicit_device_that_is_absent_is_an_error(monkeypatch):
     import torch
+
+    from optimus_core.device import DeviceUnavailableError
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(RuntimeError, match="no cuda device"):
-        resolve_device_type("cuda")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(DeviceUnavailableError) as e:  # the environment's, not the config's: a RuntimeError
+        resolve_device_type("cuda", field="train.device")
+    assert str(e.value).startswith("train.device = cuda but no CUDA device is visible (torch.cuda.is_available() "
+                                   "is False")
+    assert "CUDA_VISIBLE_DEVICES=''" in str(e.value) and str(e.value).endswith("or set train.device to auto or cpu")
+    assert isinstance(e.value, RuntimeError)
     assert resolve_device_type("cpu") == "cpu"
-    with pytest.raises(ValueError, match="must be one of"):
-        resolve_device_type("tpu")
+    with pytest.raises(ValueError, match="^--device = 'tpu': must be one of"):
+        resolve_device_type("tpu", field="--device")
 
 
 def test_peaks():

@@ -161,11 +161,29 @@ def test_torch_experts_in_float32_on_cuda_are_refused_naming_the_choice():
 def test_explicit_triton_on_a_cpu_needs_the_interpreter(monkeypatch, choice, kernel):
     monkeypatch.setattr(kernels._triton, "INTERPRET", False)
     with pytest.raises(ExecutionError, match=rf"^execution\.{choice} = 'triton': the Triton {kernel} kernel "
-                                             r"no Triton on cpu \(needs a CUDA or XPU device\)"):
+                                             r"cannot run here: no Triton on cpu \(it needs a CUDA or XPU device, or "
+                                             r"the Triton interpreter: TRITON_INTERPRET=1 set before Python starts\); "
+                                             + ("use 'auto' or 'loop'$" if choice == "experts" else "use 'auto' or 'torch'$")):
         resolve_choices(run(**{choice: "triton"}), "cpu")
     monkeypatch.setattr(kernels._triton, "INTERPRET", True)  # the tests' harness: allowed
     plan = resolve_choices(run(**{choice: "triton"}), "cpu", probe=False)
     assert getattr(plan, choice) == "triton" and plan.why[choice] == "asked"
+
+
+def test_check_launch_refuses_a_missing_device_and_an_explicit_kernel_it_cannot_run(monkeypatch):
+    """Before any rank or model: train.device must be here (an environment error) and every
+    explicit choice must run on it (a configuration error); the kernels' self-checks wait."""
+    from optimus_core.device import DeviceUnavailableError
+    from optimus_core.execution import check_launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(kernels._triton, "INTERPRET", False)
+    monkeypatch.setattr(kernels.selfcheck, "failure", lambda kernel, device: pytest.fail("no self-check here"))
+    with pytest.raises(DeviceUnavailableError, match=r"^train\.device = cuda but no CUDA device is visible"):
+        check_launch(run(train=TrainConfig(global_batch=8, device="cuda")))
+    with pytest.raises(ExecutionError, match=r"^execution\.experts = 'triton': .*TRITON_INTERPRET=1"):
+        check_launch(run(train=TrainConfig(global_batch=8, device="cpu"), experts="triton"), world_size=2)
+    assert check_launch(run(train=TrainConfig(global_batch=8, device="auto"))) == "cpu"  # auto: never triton here
 
 
 # ----------------------------------------------------------------------------- self-checks

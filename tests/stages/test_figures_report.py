@@ -225,6 +225,7 @@ def test_report_holds_the_numbers_of_the_store_and_links_the_figures(store_path,
 
 
 def test_report_scaleup_section_lists_the_moe_runs_smallest_first(store_path, tmp_path):
+    (tmp_path / "figures").mkdir()  # none drawn in it
     text = _report(store_path, tmp_path / "report.md", tmp_path / "figures")
     scaleup = text.split("## Scale-up\n", 1)[1].split("\n## ", 1)[0]
     # the one MoE run: sizes, tokens, the evaluate stage's held-out loss, the last in-training one, wall time
