@@ -11,6 +11,12 @@ The run directory holds ``meta.json`` (run id, status, config) from the first st
 declares as the stage's output, so an interrupted run never looks finished, and rerunning the
 stage on the same directory resumes from the newest valid checkpoint.
 
+A run directory belongs to one run, one process at a time: while a job trains into it, its
+global rank 0 holds ``run.lock`` (optimus_core.train.run_lock: another job is refused, a lock
+left by a dead or silent holder is taken over). A resume may change only the settings of
+optimus_core.train.resumable.RESUMABLE (how and where it runs, its cadences, how long); any
+other change is refused, and the allowed ones are recorded in meta.json's ``resumes``.
+
 A new run starts from the seeded initialisation, or from the weights of a Hugging Face export
 (``optimus export-hf``) with ``train.init_from`` (``--set train.init_from=DIR``; the preset's
 architecture must match the export's, optimus_core.train.build checks it). A run
@@ -25,13 +31,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from optimus_core.atomic import atomic_write
-from optimus_core.config import RunConfig
+from optimus_core.config import ConfigError, RunConfig
 from optimus_core.device import device_info
 from optimus_core.log import get_logger
 from optimus_core.parallel import init_distributed, shutdown
 from optimus_core.provenance import describe, software, utc_now
 from optimus_core.train.loop import Trainer
 from optimus_core.train.resilience import Preempted
+from optimus_core.train.resumable import resume_changes
+from optimus_core.train.run_lock import LOCK_NAME, TAKEOVER_NAME, RunLock
 
 _log = get_logger(__name__)
 
@@ -75,9 +83,16 @@ class PretrainResult:
 
 
 # What a run directory holds: the run's files, evaluate's eval.json, a Parsl launch's own
-# directory and job logs (written before the run starts). Anything else is not a run directory.
-RUN_ENTRIES = {"meta.json", "summary.json", "checkpoints", "eval.json", "parsl"}
+# directory and job logs (written before the run starts), the lock of the process training into
+# it (and the short-lived lock of a take-over), and the temporary files of an atomic write of any
+# of these that was interrupted (.meta.json.tmp-*). Anything else is not a run directory.
+RUN_ENTRIES = {"meta.json", "summary.json", "checkpoints", "eval.json", "parsl", LOCK_NAME, TAKEOVER_NAME}
 RUN_LOG_SUFFIXES = (".out", ".err", ".log")
+
+
+def _is_run_entry(name: str) -> bool:
+    return (name in RUN_ENTRIES or name.endswith(RUN_LOG_SUFFIXES)
+            or any(name.startswith(f".{entry}.tmp-") for entry in RUN_ENTRIES))
 
 
 def _check_run_dir(run_dir: Path, run_id: str) -> None:
@@ -91,8 +106,7 @@ def _check_run_dir(run_dir: Path, run_id: str) -> None:
         if existing != run_id:
             raise ValueError(f"{run_dir} holds run {existing!r}, not {run_id!r}: use another --out")
     elif run_dir.is_dir():
-        others = sorted(p.name for p in run_dir.iterdir()
-                        if p.name not in RUN_ENTRIES and not p.name.endswith(RUN_LOG_SUFFIXES))
+        others = sorted(p.name for p in run_dir.iterdir() if not _is_run_entry(p.name))
         if others:
             shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
             raise FileExistsError(f"--out {run_dir} holds {shown} and no run's meta.json: not a run directory "
@@ -141,14 +155,64 @@ def _run_rank(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainO
     run_dir = Path(outputs.run_dir)
     _check_run_dir(run_dir, config.run_id)  # every rank, reading only: the same refusal everywhere
     done = finished_result(run_dir, cfg)
-    if done is not None:
+    if done is not None:  # a no-op: takes no lock, touches no file
         if lead:
             _log.info("%s finished at step %d already: nothing to do (ask for more train.steps to continue it)",
                       config.run_id, done.steps)
         return done
+    # Global rank 0 alone takes the run directory's lock, for its whole job, before anything is
+    # written; the ranks then agree on whether it did (the collective is also the barrier after
+    # which the other ranks may look for checkpoints in run_dir: rank 0 has made it).
+    lock = RunLock(run_dir, config.run_id)
+    failed: BaseException | None = None
     if lead:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    mesh.barrier()  # the other ranks look for checkpoints in run_dir only once rank 0 has made it
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock.acquire()
+        except BaseException as e:  # noqa: BLE001  (re-raised below, once the other ranks know)
+            failed = e
+    if mesh.all_max([float(failed is not None)])[0]:
+        if failed is not None:
+            raise failed
+        # the same sentence as rank 0's, whichever rank's error the launcher shows
+        raise lock.refusal("rank 0 could not take the run directory's lock (its error says why)")
+    try:
+        return _train(config, inputs, outputs, cfg, mesh, run_dir)
+    finally:
+        lock.release()  # a no-op on the ranks that did not take it
+
+
+def _read_meta(run_dir: Path) -> dict:
+    try:
+        meta = json.loads((run_dir / "meta.json").read_text())
+    except FileNotFoundError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _check_resume(run_dir: Path, cfg: RunConfig, old_meta: dict) -> dict:
+    """The config changes since the run's saved config, where the run directory holds checkpoints
+    to resume (all resumable, else ConfigError naming the others); {} for a run that starts."""
+    from optimus_core.train.checkpoint import list_step_dirs, newest_meta
+
+    if not list_step_dirs(run_dir):
+        return {}  # nothing to resume: the run starts from step 0 under whatever it is given
+    saved = old_meta.get("config") or (newest_meta(run_dir) or {}).get("config")
+    if not saved:
+        return {}
+    try:
+        saved = RunConfig.from_json(json.dumps(saved))
+    except ConfigError as e:  # a field since removed: the Trainer still compares the checkpoint's model
+        _log.warning("%s: its saved config does not read as today's (%s); resuming without comparing it", run_dir, e)
+        return {}
+    return resume_changes(saved, cfg, str(run_dir))
+
+
+def _train(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainOutputs, cfg: RunConfig, mesh,
+           run_dir: Path) -> PretrainResult:
+    lead = mesh.rank == 0
+    old_meta = _read_meta(run_dir)  # every rank: the same refusal everywhere; nobody writes it before the Trainer
+    changes = _check_resume(run_dir, cfg, old_meta)
     info = device_info(cfg.train.device, index=mesh.device.index or 0)
     if not lead:
         trainer = Trainer(cfg, inputs.data_dir, run_dir, writer=None, progress=False, device=info, mesh=mesh,
@@ -178,6 +242,15 @@ def _run_rank(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainO
         "activation_checkpointing": mode, "activation_checkpointing_every": every,
         "model_gib_per_rank": plan.memory.peak_gib, "budget_gib": budget / 2**30 if budget else None}
     attrs["execution_plan"] = meta["execution_plan"] = plan.to_dict()
+    # the resumes that changed a resumable setting (optimus_core.train.resumable), oldest first
+    resumes = list(old_meta.get("resumes") or [])
+    if changes and trainer.resumed_from is not None:
+        resumes.append({"step": trainer.resumed_from, "at": utc_now(),
+                        "changed": {k: [old, new] for k, (old, new) in changes.items()}})
+        _log.info("%s resumes from step %d with %s", config.run_id, trainer.resumed_from,
+                  ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items()))
+    if resumes:
+        meta["resumes"] = resumes
     atomic_write(run_dir / "meta.json", json.dumps(dict(meta, status="running", started=utc_now()), indent=2))
 
     store = None

@@ -122,6 +122,7 @@ def test_cli_exits_with_the_resubmit_status(tokens_dir, tmp_path, monkeypatch, c
     assert "rerun the same command to resume" in capsys.readouterr().err
     assert json.loads((run_dir / "meta.json").read_text())["status"] == "interrupted"
     assert not (run_dir / "summary.json").exists()
+    assert not (run_dir / "run.lock").exists()  # the run directory's lock is given back on a stop too
 
 
 def test_a_resumed_run_judges_a_spike_as_the_uninterrupted_run_does(tokens_dir, tmp_path, monkeypatch):

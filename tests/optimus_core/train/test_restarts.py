@@ -128,6 +128,9 @@ def test_cli_max_restarts_survives_a_kill_9_and_resumes_exactly(tokens_dir, tmp_
     out, err = launcher.communicate(timeout=180)
     assert launcher.returncode == 0, err[-3000:]
     assert "attempt 1 ended with status 137: restarting (1 of 2 restarts)" in err
+    # the killed attempt left its run lock; the next one, on this host, found its pid dead and took it over
+    assert f"{run_dir}: took over the stale lock of pid {attempt} on host " in err
+    assert not (run_dir / "run.lock").exists()
     assert out.count(f"{steps} steps") == 1
     frame = open_store(store, mode="r").metrics(run_dir.name)
     assert list(zip(frame["step"].astype(int), frame["loss"])) == \
