@@ -151,6 +151,9 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
 
 # ----------------------------------------------------------------------------- concerns
 
+LB_LOSS_SCOPES = ("forward", "global")
+
+
 @dataclass(frozen=True)
 class MoEConfig(_Validated):
     """Mixture-of-experts feed-forward: a softmax top-k router over ``n_experts`` SwiGLU experts."""
@@ -166,6 +169,11 @@ class MoEConfig(_Validated):
     # OLMoE's coefficients, on the mean over the MoE layers of each layer's loss (OLMoE's
     # convention: Transformer.aux_loss), so they do not grow with the depth
     lb_loss_coef: float = 0.01  # load-balancing loss: E * sum_e (share of assignments) * (mean prob)
+    # Over which tokens the share of assignments is counted: "forward", each rank's micro-batch
+    # (OLMoE's recipe: megablocks' per-forward statistic, so the objective depends on the layout);
+    # "global", the counts summed over the data-parallel ranks and the step's micro-batches so far
+    # (Megatron's global auxiliary loss: the same objective on 1 or N ranks, one micro-batch each).
+    lb_loss_scope: str = "forward"
     z_loss_coef: float = 0.001  # router z-loss: mean over tokens of logsumexp(logits)^2
     norm_topk_probs: bool = False  # OLMoE does not renormalise the top-k probabilities
     # aux-loss-free balancing (DeepSeek-V3 style): a per-expert bias added to the routing scores
@@ -181,6 +189,7 @@ class MoEConfig(_Validated):
         self._require(self.d_expert >= 1, "d_expert", "must be >= 1")
         self._require(self.lb_loss_coef >= 0, "lb_loss_coef", "must be >= 0")
         self._require(self.z_loss_coef >= 0, "z_loss_coef", "must be >= 0")
+        self._require(self.lb_loss_scope in LB_LOSS_SCOPES, "lb_loss_scope", f"must be one of {LB_LOSS_SCOPES}")
         self._require(self.bias_update_rate >= 0, "bias_update_rate", "must be >= 0")
         self._require(self.capacity_factor is None or self.capacity_factor > 0, "capacity_factor",
                       "must be null (dropless) or > 0")

@@ -25,7 +25,9 @@ class MoEFeedForward(nn.Module):
     After each forward, ``aux_loss`` holds lb_coef * lb_loss + z_coef * z_loss (a graph-connected
     scalar; Transformer.aux_loss averages it over the MoE layers, as OLMoE's trainer did, and the
     training step adds that to the loss), ``last_lb_loss`` / ``last_z_loss`` the unscaled
-    values and ``last_tokens_per_expert_E`` the routing counts. They are overwritten, never
+    values, ``last_tokens_per_expert_E`` the routing counts and ``last_mean_probs_E`` the mean
+    router probabilities (graph-connected: the load-balancing loss of counts summed elsewhere,
+    Transformer.aux_loss(share_LE)). They are overwritten, never
     accumulated, so an activation-checkpointing recompute cannot count a micro-batch twice; the
     training step reads them right after each forward.
     """
@@ -36,6 +38,7 @@ class MoEFeedForward(nn.Module):
         self.router = TopKRouter(d_model, cfg)
         self.experts = Experts(cfg.n_experts, d_model, cfg.d_expert, experts_backend)
         self.aux_loss = self.last_lb_loss = self.last_z_loss = self.last_tokens_per_expert_E = None
+        self.last_mean_probs_E = None
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
@@ -57,4 +60,5 @@ class MoEFeedForward(nn.Module):
         self.last_lb_loss, self.last_z_loss = routing.lb_loss, routing.z_loss
         self.aux_loss = self.cfg.lb_loss_coef * routing.lb_loss + self.cfg.z_loss_coef * routing.z_loss
         self.last_tokens_per_expert_E = routing.tokens_per_expert_E
+        self.last_mean_probs_E = routing.mean_probs_E
         return out_TD.view(B, S, D).to(x_BSD.dtype)

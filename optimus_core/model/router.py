@@ -5,6 +5,10 @@
     weight_TK  = probs_TE[chosen_TK]                     OLMoE: not renormalised by default
     lb_loss    = E * sum_e f_e * P_e                     f_e: share of the T*K assignments to e,
                                                          P_e: mean router probability of e
+                                                         (both of this forward's tokens; with
+                                                         lb_loss_scope "global" the training step
+                                                         recomputes it from P_e and the counts
+                                                         summed over ranks: Transformer.aux_loss)
     z_loss     = mean_t logsumexp(logits_t)^2
 """
 from __future__ import annotations
@@ -24,6 +28,7 @@ class Routing:
     lb_loss: torch.Tensor  # scalar, unscaled
     z_loss: torch.Tensor  # scalar, unscaled
     tokens_per_expert_E: torch.Tensor  # int64, this forward's assignment counts (no grad)
+    mean_probs_E: torch.Tensor  # float32, P_e: mean router probability of each expert (graph-connected)
 
 
 class TopKRouter(nn.Module):
@@ -52,9 +57,10 @@ class TopKRouter(nn.Module):
         tokens_per_expert_E = torch.zeros(self.n_experts, dtype=torch.long, device=flat_N.device).scatter_add_(
             0, flat_N, torch.ones_like(flat_N))
         share_E = tokens_per_expert_E.float() / max(T * self.top_k, 1)
-        lb_loss = self.n_experts * (share_E * probs_TE.mean(0)).sum()
+        mean_probs_E = probs_TE.mean(0)
+        lb_loss = self.n_experts * (share_E * mean_probs_E).sum()
         z_loss = torch.logsumexp(logits_TE, dim=-1).pow(2).mean()
-        return Routing(topk_idx_TK, topk_weight_TK, lb_loss, z_loss, tokens_per_expert_E.detach())
+        return Routing(topk_idx_TK, topk_weight_TK, lb_loss, z_loss, tokens_per_expert_E.detach(), mean_probs_E)
 
     @torch.no_grad()
     def update_balance_bias(self, tokens_per_expert_E: torch.Tensor) -> None:

@@ -118,14 +118,30 @@ class Transformer(nn.Module):
     def moe_layers(self) -> list[MoEFeedForward]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoEFeedForward)]
 
-    def aux_loss(self) -> torch.Tensor | None:
+    def aux_loss(self, share_LE: torch.Tensor | None = None) -> torch.Tensor | None:
         """The MoE layers' auxiliary losses of the last forward, averaged over the layers: how
         OLMoE's trainer (OLMo-core over megablocks) weighs them -- megablocks' batched
         load-balancing loss divides by the number of layers, and OLMo-core divides the summed
         router z-losses by it -- so lb_loss_coef and z_loss_coef mean the same as there (and as
-        router_aux_loss_coef in transformers' OLMoE) whatever the depth."""
-        losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
-        return torch.stack(losses).mean() if losses else None
+        router_aux_loss_coef in transformers' OLMoE) whatever the depth.
+
+        ``share_LE``: each layer's share of assignments per expert counted elsewhere (over the
+        ranks: lb_loss_scope "global", optimus_core.train.load_balance) instead of this
+        forward's; the load-balancing term is then E * sum_e share_e * P_e, P_e this forward's."""
+        layers = [m for m in self.moe_layers() if m.aux_loss is not None]
+        if not layers:
+            return None
+        if share_LE is None:
+            return torch.stack([m.aux_loss for m in layers]).mean()
+        cfg = self.cfg.moe
+        return (cfg.lb_loss_coef * self.lb_losses(share_LE) + cfg.z_loss_coef
+                * torch.stack([m.last_z_loss for m in layers])).mean()
+
+    def lb_losses(self, share_LE: torch.Tensor) -> torch.Tensor:
+        """(L,) unscaled load-balancing loss of each MoE layer's last forward, E * sum_e share_e *
+        P_e, with the shares given (graph-connected through P_e only, as the forward's own)."""
+        probs_LE = torch.stack([m.last_mean_probs_E for m in self.moe_layers()])
+        return self.cfg.moe.n_experts * (share_LE.to(probs_LE.dtype) * probs_LE).sum(-1)
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.hidden(tokens_BS))

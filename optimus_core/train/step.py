@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ..model.linear_cross_entropy import DEFAULT_CHUNK_ROWS
 from ..model.transformer import Transformer
 from ..timing import phase
+from .load_balance import GlobalShares
 from .optim import clip_and_step
 
 
@@ -63,6 +64,8 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
     and nothing is updated. It sees the world-mean loss, so every rank decides alike.
     ``dtype``: the execution plan's (optimus_core.execution). The loss is taken without the
     micro-batch's full logits, ``lm_loss_chunk_rows`` tokens at a time (micro_batch_loss).
+    With ``model.moe.lb_loss_scope = "global"`` each micro-batch's load-balancing loss counts the
+    assignments of every rank and of the step's micro-batches so far (optimus_core.train.load_balance).
     """
     model.train()
     chunks = batch_BS1.split(micro_batch) if micro_batch else (batch_BS1,)
@@ -75,6 +78,7 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
     # queue back to back on a GPU (an .item() each would stall the host until the device drains).
     sums_4 = torch.zeros(4, dtype=torch.float64, device=batch_BS1.device)
     load_LE = None
+    shares = GlobalShares(mesh) if moe_layers and model.cfg.moe.lb_loss_scope == "global" else None
     with phase("compute"):
         for i, chunk in enumerate(chunks):
             weight = chunk.shape[0] * (chunk.shape[1] - 1) / n_tokens  # token share of this chunk
@@ -85,12 +89,14 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
                 if getattr(optimizer, "grad_norms", None) is not None:
                     optimizer.grad_norms.arm()  # their norms for the clip, under the backward
             ce = micro_batch_loss(model, chunk, dtype=dtype, chunk_rows=lm_loss_chunk_rows)
-            aux = model.aux_loss()
+            share_LE = shares.add(torch.stack([m.last_tokens_per_expert_E for m in moe_layers])) if shares else None
+            aux = model.aux_loss(share_LE)
             objective = ce + aux if aux is not None else ce
             (objective * weight).backward()
             with torch.no_grad():
                 if moe_layers:
-                    lb = torch.stack([m.last_lb_loss.detach() for m in moe_layers]).mean()
+                    lb = (model.lb_losses(share_LE) if share_LE is not None
+                          else torch.stack([m.last_lb_loss.detach() for m in moe_layers])).mean()
                     z = torch.stack([m.last_z_loss.detach() for m in moe_layers]).mean()
                     sums_4 += torch.stack([ce.detach(), aux.detach(), lb, z]).double() * weight
                     counts = torch.stack([m.last_tokens_per_expert_E for m in moe_layers])

@@ -263,3 +263,25 @@ def test_router_counts_need_no_host_sync_and_trace_as_one_graph():
     torch._dynamo.reset()
     compiled = torch.compile(router, backend="eager", fullgraph=True)
     assert torch.equal(compiled(x).tokens_per_expert_E, routing.tokens_per_expert_E)
+
+
+def test_aux_loss_with_shares_counted_elsewhere_uses_them_and_the_forwards_probabilities():
+    """lb_loss_scope "global": each layer's term E * sum_e share_e * P_e with the shares given (the
+    ranks' counts) and this forward's mean probabilities; with this forward's own shares it is
+    the forward's own loss, and only P_e carries a gradient."""
+    E, k, L = 4, 2, 3
+    cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=L, n_heads=2,
+                      moe=MoEConfig(n_experts=E, top_k=k, d_expert=8, lb_loss_coef=0.3, z_loss_coef=0.01))
+    model = build(cfg)
+    tokens = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(1))
+    model(tokens)
+    layers = model.moe_layers()
+    own_LE = torch.stack([m.last_tokens_per_expert_E.float() / (tokens.numel() * k) for m in layers])
+    torch.testing.assert_close(model.aux_loss(own_LE), model.aux_loss())
+    share_LE = torch.tensor([[1.0, 0, 0, 0], [0.25] * 4, [0, 0.5, 0.5, 0]])
+    probs_LE = torch.stack([m.last_mean_probs_E for m in layers])
+    expected = (0.3 * E * (share_LE * probs_LE).sum(-1) + 0.01 * torch.stack([m.last_z_loss for m in layers])).mean()
+    got = model.aux_loss(share_LE)
+    torch.testing.assert_close(got, expected)
+    got.backward()
+    assert model.blocks[0].ffn.router.gate.weight.grad.abs().sum() > 0
