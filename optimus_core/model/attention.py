@@ -27,11 +27,12 @@ class Attention(nn.Module):
         q, k, v = self.w_q(x_BSD), self.w_k(x_BSD), self.w_v(x_BSD)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q_BHSDh = q.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
-        k_BGSDh = k.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # RoPE in the projections' own (B, S, heads, Dh) layout, then the head-major views SDPA
+        # takes: the rotated q and k are written as the norm reads them, token by token.
+        cos_S1Dh, sin_S1Dh = cos_SDh[:, None], sin_SDh[:, None]
+        q_BHSDh = apply_rotary(q.view(B, S, self.n_heads, self.head_dim), cos_S1Dh, sin_S1Dh).transpose(1, 2)
+        k_BGSDh = apply_rotary(k.view(B, S, self.n_kv_heads, self.head_dim), cos_S1Dh, sin_S1Dh).transpose(1, 2)
         v_BGSDh = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q_BHSDh = apply_rotary(q_BHSDh, cos_SDh, sin_SDh)
-        k_BGSDh = apply_rotary(k_BGSDh, cos_SDh, sin_SDh)
         if self.n_kv_heads != self.n_heads:
             # repeat_interleave keeps query head h paired with kv head h // (H / G), as in Llama.
             rep = self.n_heads // self.n_kv_heads

@@ -49,11 +49,13 @@ class RotaryEmbedding(nn.Module):
         return emb_SDh.cos(), emb_SDh.sin()
 
 
-def apply_rotary(x_BHSDh: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
-    x32 = x_BHSDh.float()
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the last dimension (Dh) of ``x`` by the angles whose cos and sin broadcast against
+    it: (S, Dh) for x (B, H, S, Dh), (S, 1, Dh) for x (B, S, H, Dh)."""
+    x32 = x.float()
     half = x32.shape[-1] // 2
     rotated = torch.cat((-x32[..., half:], x32[..., :half]), dim=-1)
-    return (x32 * cos_SDh + rotated * sin_SDh).to(x_BHSDh.dtype)
+    return (x32 * cos + rotated * sin).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
