@@ -24,9 +24,6 @@ with "triton" at 8k+ tokens. Each row records the kernels that really ran ("kern
   triton-pointer    forward, dx (w^T read through strides) and dw by the pointer kernels
   triton-dw-pointer dw by the pointer kernel, dx by the TMA kernel (bwd and dw)
   triton-dense      grouped_mm's triton kernels on one group (G = 1): a dense GEMM, beside cuBLAS
-  triton-ws-items   the TMA kernels with Triton's warp specialization of their persistent item loop
-  triton-ws-reduction  ... of each item's reduction loop (K; dW: rows); the summary's
-                    "warp_specialized_compiles" says whether Triton specialized what was asked
   TFLOP/s = 2*M*K*N (fwd) or 4*M*K*N (bwd) / median time,  M = T*8.
 The "dw" pass (triton and the pointer rows) times the dW op alone, 2*M*K*N, written in
 float32 as for the training's float32 master weights (the bwd pass's dw is in w's bf16). The
@@ -77,16 +74,11 @@ from kernels.permute import counting_sort_applies, expert_sort  # noqa: E402
 
 OLMOE = dict(experts=64, top_k=8, d_model=2048, hidden=1024)
 TINY = dict(experts=4, top_k=2, d_model=32, hidden=16)  # the interpreter smoke check
-# name: (the private launchers' tma keyword for the forward, dx and dw; passes timed; the TMA
-# kernels' warp_specialize, grouped_mm_tma.WARP_SPECIALIZE). "triton" (grouped_mm itself: TMA
-# where it runs) and "triton-dense" are timed for every pass.
-ALL_PASSES = ("fwd", "bwd", "bwd-dx", "bwd-dw", "dw")
+# name: (the private launchers' tma keyword for the forward, dx and dw; passes timed). "triton"
+# (grouped_mm itself: TMA where it runs) and "triton-dense" are timed for every pass.
 TRITON_VARIANTS = {
-    "triton-pointer": (dict(forward=False, dx=False, dw=False), ALL_PASSES, None),
-    "triton-dw-pointer": (dict(forward=True, dx=True, dw=False), ("bwd", "dw"), None),
-    "triton-ws-items": (dict(forward=True, dx=True, dw=True), ALL_PASSES, "items"),
-    "triton-ws-items-flat": (dict(forward=True, dx=True, dw=True), ALL_PASSES, "items-flat"),
-    "triton-ws-reduction": (dict(forward=True, dx=True, dw=True), ALL_PASSES, "reduction"),
+    "triton-pointer": (dict(forward=False, dx=False, dw=False), ("fwd", "bwd", "bwd-dx", "bwd-dw", "dw")),
+    "triton-dw-pointer": (dict(forward=True, dx=True, dw=False), ("bwd", "dw")),
 }
 # Passes: fwd; bwd = dx and dw; bwd-dx / bwd-dw = that one gradient only (in the backward's
 # own dtype, so every backend computes the same thing); dw = the triton dW op alone with a
@@ -262,16 +254,15 @@ def bench_gemms(rec, timer, device, dtype, T, routing, topk_idx, shape, backends
             if name in ("torch_raw", "dense") or name in ("triton", "triton-dense"):
                 default_passes += SPLIT_PASSES  # ("torch" is an autograd.Function: both grads always)
             default_passes += ("dw",) if name == "triton" else ()
-            tma, timed, ws = TRITON_VARIANTS.get(name, (dict(forward=True, dx=True, dw=True), default_passes, None))
+            tma, timed = TRITON_VARIANTS.get(name, (dict(forward=True, dx=True, dw=True), default_passes))
             extra = {}
             if ours:  # the kernels that really run: TMA where asked for and it can run here
                 reason = tma_unsupported(x, weight, dy)  # dy stands in for y: same shape, dtype, strides
                 extra["kernels"] = {p: "tma" if on and reason is None else "pointer" for p, on in tma.items()}
                 extra.update({"fallback": reason} if reason and any(tma.values()) else {})
-                extra.update({"warp_specialize": ws} if ws else {})
             try:
                 if name in TRITON_VARIANTS:  # through the launchers with their tma keyword
-                    passes = _launcher_passes(x.detach(), weight.detach(), offs, dy, tma, flop, ws)
+                    passes = _launcher_passes(x.detach(), weight.detach(), offs, dy, tma, flop)
                     for p in timed:  # compiles and autotunes each kernel: a failure costs this row only
                         passes[p][0]()
                     rows[name] = ({p: passes[p] for p in timed}, extra)
@@ -302,43 +293,18 @@ def bench_gemms(rec, timer, device, dtype, T, routing, topk_idx, shape, backends
         del rows  # free the rows' graphs before the next GEMM's
 
 
-def _launcher_passes(x, w, offsets, dy, tma: dict, flop: int, ws: str | None = None) -> dict:
+def _launcher_passes(x, w, offsets, dy, tma: dict, flop: int) -> dict:
     """{pass: (fn, flop)} of a TRITON_VARIANTS row: each product through its private launcher
-    with the row's tma and warp_specialize keywords (bwd: dx then dw, in the backward's dtype;
-    dw: float32 out)."""
+    with the row's tma keyword (bwd: dx then dw, in the backward's dtype; dw: float32 out)."""
     def dx():
-        return _launch_grouped_mm_dx(dy, w, offsets, tma=tma["dx"], warp_specialize=ws)
+        return _launch_grouped_mm_dx(dy, w, offsets, tma=tma["dx"])
 
     def dw(float32_out):
-        return lambda: _launch_grouped_mm_dw(x, dy, offsets, float32_out, tma=tma["dw"], warp_specialize=ws)
+        return lambda: _launch_grouped_mm_dw(x, dy, offsets, float32_out, tma=tma["dw"])
 
-    return {"fwd": (lambda: _launch_grouped_mm(x, w, offsets, tma=tma["forward"], warp_specialize=ws), flop),
+    return {"fwd": (lambda: _launch_grouped_mm(x, w, offsets, tma=tma["forward"]), flop),
             "bwd": (lambda: (dx(), dw(False)()), 2 * flop), "bwd-dx": (dx, flop),
             "bwd-dw": (dw(False), flop), "dw": (dw(True), flop)}
-
-
-def warp_specialized_compiles() -> dict:
-    """What Triton made of the TMA kernels compiled in this process: of the compiled variants
-    that asked for warp specialization (a loop marked tt.warp_specialize in the TTIR), how many
-    came out with warp-specialized regions (ttg.warp_specialize in the TTGIR), per kernel.
-    Empty where the JIT caches are not where Triton 3.4-3.6 keeps them."""
-    import kernels.grouped_mm_tma as gm_tma
-
-    jits = {"forward/dx": gm_tma._grouped_mm_tma_kernel("cuda", torch.bfloat16).fn,
-            "dw": gm_tma._grouped_mm_dw_tma_kernel}
-    out = {}
-    for label, jit_fn in jits.items():
-        counts = {"asked": 0, "specialized": 0, "not_asked": 0}
-        for cache in getattr(jit_fn, "device_caches", {}).values():
-            for kernel in cache[0].values():
-                asm = getattr(kernel, "asm", {})
-                if "tt.warp_specialize" not in asm.get("ttir", ""):
-                    counts["not_asked"] += 1
-                    continue
-                counts["asked"] += 1
-                counts["specialized"] += "ttg.warp_specialize" in asm.get("ttgir", "")
-        out[label] = counts
-    return out
 
 
 def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
@@ -492,8 +458,7 @@ def main(argv=None) -> None:
         "bench": "kernels_summary", "device": name, "torch": torch.__version__,
         "triton": getattr(sys.modules.get("triton"), "__version__", None), "dtype": str(dtype),
         "shape": shape, "backends": gemm_rows, "reps": reps, "quick": args.quick,
-        "triton_variants": {k: {"tma": v[0], "warp_specialize": v[2]} for k, v in TRITON_VARIANTS.items()},
-        "warp_specialized_compiles": warp_specialized_compiles() if device.type == "cuda" else None,
+        "triton_variants": {k: v[0] for k, v in TRITON_VARIANTS.items()},
         "flops_formula": "fwd 2*M*K*N, bwd 4*M*K*N (dx and dw), M = tokens*top_k; "
                          "tflops = flop / median time",
         "bytes_formula": "minimal traffic: each input read once, each output written once",

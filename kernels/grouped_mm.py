@@ -295,17 +295,15 @@ def _grouped_mm_dw_kernel(
 
 
 # ---------------------------------------------------------------- backend "triton": launchers
-def _launch_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, dx: bool = False, tma: bool = True,
-                       warp_specialize: str | None = None) -> Tensor:
+def _launch_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, dx: bool = False, tma: bool = True) -> Tensor:
     """y = x @ w[g] per group, w (G, K, N) in any strides: the TMA kernel where it runs on these
-    tensors, else the pointer kernel (always the pointer kernel with ``tma=False``).
-    warp_specialize: the TMA kernel's A/B choice (grouped_mm_tma.WARP_SPECIALIZE)."""
+    tensors, else the pointer kernel (always the pointer kernel with ``tma=False``)."""
     (M, K), (G, _, N) = x.shape, w.shape
     y = x.new_empty(M, N)
     if y.numel() == 0:
         return y
     if tma and tma_unsupported(x, w, y) is None:
-        return launch_grouped_mm_tma(x, w, offsets, y, dx=dx, warp_specialize=warp_specialize)
+        return launch_grouped_mm_tma(x, w, offsets, y, dx=dx)
 
     def grid(meta):
         return ((triton.cdiv(M, meta["BLOCK_M"]) + G) * triton.cdiv(N, meta["BLOCK_N"]),)
@@ -317,8 +315,7 @@ def _launch_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, dx: bool = Fals
     return y
 
 
-def _launch_grouped_mm_dx(dy: Tensor, w: Tensor, offsets: Tensor, *, tma: bool = True,
-                          warp_specialize: str | None = None) -> Tensor:
+def _launch_grouped_mm_dx(dy: Tensor, w: Tensor, offsets: Tensor, *, tma: bool = True) -> Tensor:
     """dx = dy @ w[g]^T per group, w (G, K, N) as the forward got it (float32 master weights
     are cast here): the TMA kernel reading w as stored where it runs on these tensors, else
     (and with ``tma=False``) the pointer kernel reading w^T through transposed strides."""
@@ -327,14 +324,13 @@ def _launch_grouped_mm_dx(dy: Tensor, w: Tensor, offsets: Tensor, *, tma: bool =
         dx = dy.new_empty(dy.shape[0], w.shape[1])
         if tma_unsupported(dy, w, dx) is None:
             if dx.numel():
-                launch_grouped_mm_tma(dy, w, offsets, dx, trans_w=True, dx=True, warp_specialize=warp_specialize)
+                launch_grouped_mm_tma(dy, w, offsets, dx, trans_w=True, dx=True)
             return dx
     return _launch_grouped_mm(dy, w.transpose(1, 2), offsets, dx=True, tma=False)
 
 
 def _launch_grouped_mm_dw(x: Tensor, dy: Tensor, offsets: Tensor, float32_out: bool = False,
-                          squares: bool = False, *, tma: bool = True,
-                          warp_specialize: str | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                          squares: bool = False, *, tma: bool = True) -> Tensor | tuple[Tensor, Tensor]:
     """dw[g] = x[rows of g]^T @ dy[rows of g], accumulated in float32 and stored in x's dtype or,
     with ``float32_out``, as float32 (the gradient of float32 master weights, no cast after):
     the TMA dW kernel where it runs on these tensors, else (and with ``tma=False``) the pointer
@@ -347,7 +343,7 @@ def _launch_grouped_mm_dw(x: Tensor, dy: Tensor, offsets: Tensor, float32_out: b
         return (dw.zero_(), dw.new_zeros((), dtype=torch.float32)) if squares else dw
     if tma and tma_unsupported(x, dw, dy) is None:
         slots = torch.zeros(_num_programs(x.device), dtype=torch.float32, device=x.device) if squares else None
-        launch_grouped_mm_dw_tma(x, dy, offsets, dw, squares=slots, warp_specialize=warp_specialize)
+        launch_grouped_mm_dw_tma(x, dy, offsets, dw, squares=slots)
         return (dw, slots.sum()) if squares else dw
 
     kernel = _grouped_mm_dw_kernel(x.device.type, x.dtype)

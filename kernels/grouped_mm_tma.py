@@ -84,7 +84,7 @@ def _tma_configs(device_type: str, dtype: torch.dtype):
                          (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (256, 128, 64, 8, 3)])
 
 
-@autotuned(_tma_configs, key=["N", "K", "M_BUCKET", "DX", "TRANS_W", "WS_ITEMS", "WS_K", "WS_FLAT"])
+@autotuned(_tma_configs, key=["N", "K", "M_BUCKET", "DX", "TRANS_W"])
 @jit(do_not_specialize=["DX"])  # a key only: one compiled kernel for both
 def _grouped_mm_tma_kernel(
     x_ptr, w_ptr, y_ptr, offsets_ptr,
@@ -92,8 +92,6 @@ def _grouped_mm_tma_kernel(
     M_BUCKET, DX,  # autotune keys only: the row count's bucket, forward (0) or dx (1)
     SEGMENTS: tl.constexpr,  # a power of two >= G + 1
     TRANS_W: tl.constexpr,  # w is (G, N, K): multiply by w[g]^T
-    WS_ITEMS: tl.constexpr, WS_K: tl.constexpr,  # warp-specialize the item loop / the K loop
-    WS_FLAT: tl.constexpr,  # flatten the item loop with the K loop
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1],
@@ -110,7 +108,7 @@ def _grouped_mm_tma_kernel(
     seg, starts, ends, tiles, tiles_end = segment_tiles(offsets_ptr, M, G, SEGMENTS, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     work = tl.sum(tiles, 0) * num_n  # row tiles x column tiles, the tail segment's included
-    for item in tl.range(tl.program_id(0), work, tl.num_programs(0), flatten=WS_FLAT, warp_specialize=WS_ITEMS):
+    for item in tl.range(tl.program_id(0), work, tl.num_programs(0)):
         tile = item // num_n
         n0 = item % num_n * BLOCK_N
         g, row_start, row_end = locate_tile(tile, seg, starts, ends, tiles, tiles_end, BLOCK_M)
@@ -120,7 +118,7 @@ def _grouped_mm_tma_kernel(
             k_main = k_end  # a K block past K is clipped by x's and w's descriptors alike
         else:
             k_main = k_end - k_end % BLOCK_K
-        for k in tl.range(0, k_main, BLOCK_K, warp_specialize=WS_K):
+        for k in range(0, k_main, BLOCK_K):
             a = x_desc.load([row_start, k])
             if TRANS_W:
                 b = tl.trans(w_desc.load([g * N + n0, k]))
@@ -167,27 +165,10 @@ def _scratch(device: torch.device):
     return allocate
 
 
-# Which loop of a kernel Triton is asked to warp-specialize (tl.range(warp_specialize=True)):
-# none, the persistent loop over work items, or each item's reduction loop (K for the forward
-# and dx, rows for dW); "items-flat" also fuses the two loops into one (flatten=True), the form of
-# Triton's persistent-matmul tutorial. On sm90 Triton 3.5+ runs its automatic Hopper pass on a loop so marked;
-# an A/B choice for bench/kernels.py until measured (bench/NOTES.md), None by default.
-WARP_SPECIALIZE = (None, "items", "items-flat", "reduction")
-
-
-def _ws_flags(warp_specialize: str | None) -> dict:
-    if warp_specialize not in WARP_SPECIALIZE:
-        raise ValueError(f"warp_specialize = {warp_specialize!r}; choose among {WARP_SPECIALIZE}")
-    return dict(WS_ITEMS=warp_specialize in ("items", "items-flat"), WS_K=warp_specialize == "reduction",
-                WS_FLAT=warp_specialize == "items-flat")
-
-
 def launch_grouped_mm_tma(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *,
-                          trans_w: bool = False, dx: bool = False, warp_specialize: str | None = None) -> Tensor:
+                          trans_w: bool = False, dx: bool = False) -> Tensor:
     """Fill y (M, N) with the grouped product; w is (G, K, N), or (G, N, K) with trans_w. The
-    caller checks tma_unsupported first. dx: an autotune key only (the forward and dx tune apart).
-    warp_specialize: one of WARP_SPECIALIZE."""
-    flags = _ws_flags(warp_specialize)
+    caller checks tma_unsupported first. dx: an autotune key only (the forward and dx tune apart)."""
     (M, K), G, N = x.shape, offsets.shape[0], y.shape[1]
     if y.numel() == 0:
         return y
@@ -202,7 +183,7 @@ def launch_grouped_mm_tma(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *,
     with device_guard(x):
         _grouped_mm_tma_kernel(x.device.type, x.dtype)[grid](
             x, w, y, offsets, M, N, K, G, x.stride(0), y.stride(0), bucket(M), int(dx),
-            SEGMENTS=triton.next_power_of_2(G + 1), TRANS_W=trans_w, **flags)
+            SEGMENTS=triton.next_power_of_2(G + 1), TRANS_W=trans_w)
     return y
 
 
@@ -212,8 +193,9 @@ def _dw_tma_configs(device_type: str, dtype: torch.dtype):
     bytes, plus the store's staging tile, BLOCK_K * BLOCK_N / SPLIT_N * 4 bytes for float32:
     64 x 128 x 256 with 3 stages and a split store is 144 + 64 = 208 KB of the H200's 227 KB.
     Output tiles 128+ wide in K, as the pointer kernel measured best (bench/NOTES.md). Each item
-    also pays its pipeline's fill and its tile's store with the tensor cores idle (Triton does
-    not specialize warps on Hopper): as long as 300-400 rows of products, fitted from the
+    also pays its pipeline's fill and its tile's store with the tensor cores idle (Triton 3.6's
+    automatic Hopper warp specialization, asked for on either loop, specialized few of these
+    compiles and gained nothing: bench/NOTES.md): as long as 300-400 rows of products, fitted from the
     measured rates, so about a quarter of an item at 1024 rows per expert; two programs per SM
     with half the shared memory each, to hide one's store under the other's products, measured
     slower (bench/NOTES.md). Each
@@ -231,7 +213,7 @@ def _dw_tma_configs(device_type: str, dtype: torch.dtype):
 @jit
 def _dw_item(item, x_ptr, dy_ptr, dw_ptr, N, K, stride_xm, stride_dym, seg, starts, ends, rank,
              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
-             SQUARES: tl.constexpr, WS_K: tl.constexpr):
+             SQUARES: tl.constexpr):
     """One work item of the dW kernel: a BLOCK_K x BLOCK_N tile of dw[g], g the group ranked
     item // tiles, reduced over all of g's rows. Returns the sum of the squares of the values
     it stores with SQUARES (TMA zero-fills past every edge, so the tile's padding adds 0), else 0."""
@@ -252,7 +234,7 @@ def _dw_item(item, x_ptr, dy_ptr, dw_ptr, N, K, stride_xm, stride_dym, seg, star
     dw_desc = tl.make_tensor_descriptor(dw_ptr + g.to(tl.int64) * K * N, shape=[K, N], strides=[N, 1],
                                         block_shape=[BLOCK_K, BLOCK_N // SPLIT_N])
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    for r in tl.range(0, rows, BLOCK_R, warp_specialize=WS_K):
+    for r in range(0, rows, BLOCK_R):
         a = x_desc.load([r, k0])
         b = dy_desc.load([r, n0])
         acc = tl.dot(tl.trans(a), b, acc, input_precision="ieee")
@@ -278,8 +260,6 @@ def _grouped_mm_dw_tma_kernel(
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_N: tl.constexpr,  # 1, or 2: store the tile as two column halves (half the staging)
     SQUARES: tl.constexpr,  # squares_ptr[program] = sum of the squares this program stored
-    WS_ITEMS: tl.constexpr, WS_K: tl.constexpr,  # warp-specialize the item loop / the row loop
-    WS_FLAT: tl.constexpr,  # flatten the item loop with the row loop
 ):
     """dw[g] = x[rows of g]^T @ dy[rows of g], one (group, K tile, N tile) item at a time, the
     items in rank order (largest group first) dealt round-robin: program p takes items p,
@@ -287,31 +267,28 @@ def _grouped_mm_dw_tma_kernel(
     seg, starts, ends, rank = groups_by_size(offsets_ptr, M, G, SEGMENTS, CHUNK)
     items = G * tl.cdiv(K, BLOCK_K) * tl.cdiv(N, BLOCK_N)
     squares = 0.0
-    for item in tl.range(tl.program_id(0), items, tl.num_programs(0), flatten=WS_FLAT, warp_specialize=WS_ITEMS):
+    for item in tl.range(tl.program_id(0), items, tl.num_programs(0)):
         squares += _dw_item(item, x_ptr, dy_ptr, dw_ptr, N, K, stride_xm, stride_dym, seg, starts, ends,
-                            rank, BLOCK_R, BLOCK_K, BLOCK_N, SPLIT_N, SQUARES, WS_K)
+                            rank, BLOCK_R, BLOCK_K, BLOCK_N, SPLIT_N, SQUARES)
     if SQUARES:
         tl.store(squares_ptr + tl.program_id(0), squares)
 
 
 # A launch of fewer programs than the one before leaves that one's squares in the tail: the
 # squares are zeroed before each timed launch and before the real one.
-_grouped_mm_dw_tma_tuned = autotuned(_dw_tma_configs, key=["N", "K", "M_BUCKET", "WS_ITEMS", "WS_K", "WS_FLAT"],
+_grouped_mm_dw_tma_tuned = autotuned(_dw_tma_configs, key=["N", "K", "M_BUCKET"],
                                      reset_to_zero=["squares_ptr"])(_grouped_mm_dw_tma_kernel)
 
 
 def launch_grouped_mm_dw_tma(x: Tensor, dy: Tensor, offsets: Tensor, dw: Tensor, *,
-                             config: dict | None = None, squares: Tensor | None = None,
-                             warp_specialize: str | None = None) -> Tensor:
+                             config: dict | None = None, squares: Tensor | None = None) -> Tensor:
     """Fill dw (G, K, N), contiguous, in any float dtype (the float32 accumulator is stored in
     it), with dw[g] = x[rows of g]^T @ dy[rows of g]. The caller checks tma_unsupported(x, dw, dy)
     first. config: fixed meta-parameters instead of autotuning, e.g. {"BLOCK_R": 16, "BLOCK_K":
     16, "BLOCK_N": 32, "SPLIT_N": 1, "num_warps": 1, "num_stages": 1} (tests of each store).
     squares: a float32 buffer of at least _num_programs(x.device) zeros; each program writes
     the sum of the squares of the values it stored to its own entry (the caller adds the
-    entries in a fixed order; the deal is fixed too, so the result is the same from run to run).
-    warp_specialize: one of WARP_SPECIALIZE ("reduction": the loop over the group's rows)."""
-    flags = _ws_flags(warp_specialize)
+    entries in a fixed order; the deal is fixed too, so the result is the same from run to run)."""
     (M, K), (G, _, N) = x.shape, dw.shape
     if dw.numel() == 0:
         return dw
@@ -328,7 +305,7 @@ def launch_grouped_mm_dw_tma(x: Tensor, dy: Tensor, offsets: Tensor, dw: Tensor,
     args = (x, dy, dw, offsets, _no_squares(x.device) if squares is None else squares,
             M, N, K, G, x.stride(0), dy.stride(0), bucket(M))
     triton.set_allocator(_scratch(x.device))  # per launch: see launch_grouped_mm_tma
-    meta = dict(SEGMENTS=segments, CHUNK=min(segments, 32), SQUARES=squares is not None, **flags)
+    meta = dict(SEGMENTS=segments, CHUNK=min(segments, 32), SQUARES=squares is not None)
     with device_guard(x):
         if config is None:
             _grouped_mm_dw_tma_tuned(x.device.type, x.dtype)[grid](*args, **meta)

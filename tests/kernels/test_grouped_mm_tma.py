@@ -63,14 +63,14 @@ def tma_runs(x, w) -> bool:
     return gm_tma.tma_unsupported(x, w, x.new_empty(x.shape[0], w.shape[2])) is None
 
 
-def launch(x, w, offsets, dy, tma, ws=None):
+def launch(x, w, offsets, dy, tma):
     """(y, dx, dw) through the private launchers: the TMA kernels where they can run (tma=True)
-    or the pointer kernels (tma=False), with warp_specialize=ws. A float32 w with half-precision
-    x: cast for the forward as the op does, dw in float32."""
+    or the pointer kernels (tma=False). A float32 w with half-precision x: cast for the forward
+    as the op does, dw in float32."""
     x, w = x.detach(), w.detach()
-    return (gm._launch_grouped_mm(x, w.to(x.dtype), offsets, tma=tma, warp_specialize=ws),
-            gm._launch_grouped_mm_dx(dy, w, offsets, tma=tma, warp_specialize=ws),
-            gm._launch_grouped_mm_dw(x, dy, offsets, w.dtype != x.dtype, tma=tma, warp_specialize=ws))
+    return (gm._launch_grouped_mm(x, w.to(x.dtype), offsets, tma=tma),
+            gm._launch_grouped_mm_dx(dy, w, offsets, tma=tma),
+            gm._launch_grouped_mm_dw(x, dy, offsets, w.dtype != x.dtype, tma=tma))
 
 
 def expected_tma_calls(x, w, dw_dtype):
@@ -101,28 +101,6 @@ def test_kernels_match_loop(case, tma, triton_device, tma_calls):
     assert not y[M - tail:].any() and not dx[M - tail:].any(), "rows past offsets[-1] must be 0"
     want = expected_tma_calls(x, w, x.dtype) if tma and tma_runs(x, w) else []
     assert tma_calls == want
-
-
-WARP_SPECIALIZED = pytest.mark.parametrize("ws", [w for w in gm_tma.WARP_SPECIALIZE if w])
-
-
-@WARP_SPECIALIZED
-@pytest.mark.parametrize("case", ["empty groups and a tail", "ragged, many tiles per program", "no rows"])
-def test_warp_specialized_tma_kernels_match_loop(case, ws, triton_device, tma_calls):
-    """Each loop the TMA kernels can ask Triton to warp-specialize computes what the loop does
-    (the interpreter ignores the request: here the flags' plumbing; on sm90 the GPU test below)."""
-    sizes, tail, K, N = CASES[case]
-    x, w, offsets, dy = make(sizes, tail, K, N, triton_device)
-    want = forward_backward(x, w, offsets, dy, backend="loop")
-    for name, g, r in zip(("y", "dx", "dw"), launch(x, w, offsets, dy, True, ws), want):
-        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5, msg=lambda m: f"{ws} {name}: {m}")
-    assert tma_calls == expected_tma_calls(x, w, x.dtype)
-
-
-def test_unknown_warp_specialization_is_refused(triton_device):
-    x, w, offsets, dy = make([3, 5], 0, 8, 8, triton_device)
-    with pytest.raises(ValueError, match="warp_specialize = 'k'; choose among"):
-        launch(x, w, offsets, dy, True, "k")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -346,24 +324,6 @@ def test_bf16_kernels_on_gpu(case, tma, gpu_device, rel_err, tma_calls):
     M = x.shape[0]
     assert not got[0][M - tail:].any() and not got[1][M - tail:].any()
     assert tma_calls == (expected_tma_calls(x, w, torch.bfloat16) if tma and tma_runs(x, w) else [])
-
-
-@pytest.mark.gpu
-@WARP_SPECIALIZED
-@pytest.mark.parametrize("case", GPU_CASES)
-def test_bf16_warp_specialized_kernels_on_gpu(case, ws, gpu_device, rel_err, tma_calls):
-    """Triton's warp specialization of either loop (sm90: its automatic Hopper pass) against
-    the float32 reference, as the kernels above."""
-    sizes, tail, K, N = GPU_CASES[case]
-    x, w, offsets, dy = make(sizes, tail, K, N, gpu_device, torch.bfloat16)
-    got = launch(x, w, offsets, dy, True, ws)
-    xf, wf = (t.detach().float().requires_grad_() for t in (x, w))
-    want = forward_backward(xf, wf, offsets, dy.float(), backend="loop")
-    for name, g, r in zip(("y", "dx", "dw"), got, want):
-        assert rel_err(g, r) < 5e-3, name
-    M = x.shape[0]
-    assert not got[0][M - tail:].any() and not got[1][M - tail:].any()
-    assert tma_calls == expected_tma_calls(x, w, torch.bfloat16)
 
 
 @pytest.mark.gpu
