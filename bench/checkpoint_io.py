@@ -10,6 +10,8 @@ few steps, so that AdamW's moments exist, then:
                  (optimus_core/train/staging.py), copies, writes, hashes its manifest
     validate     ``latest_valid``'s checksums of what the resume reads (shared files + manifest)
     load         the weights, moments and RNG read back in place (``Trainer._load``)
+    load, N      the same with N reader threads (``--threads``: files read at once,
+                 optimus_core/train/checkpoint_reader.py)
     stage        the device-to-host copy alone, into the pinned buffers
     save, N      later saves with N DCP writer threads (``--threads``; each N files a rank)
     async save   train.async_checkpoint: ``save()`` returns after the host copy (the blocking
@@ -61,7 +63,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps-during", type=int, default=6, help="steps timed before, and while, the async save")
     p.add_argument("--dir", default="/dev/shm" if Path("/dev/shm").is_dir() else None,
                    help="where the run directory goes (default: a tmpfs where there is one)")
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 4, 8], help="writer threads to time a save with")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 4, 8],
+                   help="writer threads to time a save with, and reader threads a load")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override (a small model to try the benchmark on a CPU)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -76,6 +79,7 @@ def main(argv=None) -> None:
 
     from optimus_core import presets
     from optimus_core.train import checkpoint as ckpt
+    from optimus_core.train import checkpoint_reader
     from optimus_core.train.loop import Trainer
     from workflow.cli import parse_overrides
 
@@ -121,6 +125,14 @@ def main(argv=None) -> None:
         sync()
         load_s = time.perf_counter() - t0
         phases_rss["load"] = _host_peak_gib()
+        load_s_by_threads, default_read = {}, checkpoint_reader.READ_THREADS
+        for threads in args.threads:
+            checkpoint_reader.READ_THREADS = threads
+            t0 = time.perf_counter()
+            trainer._load(found)
+            sync()
+            load_s_by_threads[threads] = time.perf_counter() - t0
+        checkpoint_reader.READ_THREADS = default_read
         shutil.rmtree(path)  # room for the next one
 
         t0 = time.perf_counter()  # the copy alone, into the buffers the first save pinned
@@ -161,6 +173,7 @@ def main(argv=None) -> None:
                "save_gb_per_s": nbytes / save_s_by_threads.get(default_threads, save_first_s) / 1e9,
                "stage_s": stage_s, "stage_gb_per_s": nbytes / stage_s / 1e9, "pinned_gib": trainer._staging.nbytes / 2**30,
                "validate_s": validate_s, "load_s": load_s, "load_gb_per_s": nbytes / load_s / 1e9,
+               "read_threads": checkpoint_reader.READ_THREADS, "load_s_by_threads": load_s_by_threads,
                "async_blocked_s": blocked_s, "async_wait_at_publish_s": wait_s, "async_total_s": async_total_s,
                "step_s_median": base, "step_s_during_async_median": statistics.median(during),
                "step_s_during_async": during, "device_peak_gib_during_async": device_peak,
@@ -170,7 +183,9 @@ def main(argv=None) -> None:
     print(f"| {args.layers} layers, {params / 1e9:.2f}B params, {nbytes / 1e9:.1f} GB | seconds |\n|---|---|")
     rows = {"first save (pins the host buffers)": save_first_s, "stage (device to pinned host)": stage_s,
             **{f"save, {n} writer threads": t for n, t in save_s_by_threads.items()},
-            "validate (sha256 of every file)": validate_s, "load": load_s, "async save: step blocked": blocked_s,
+            "validate (sha256 of every file)": validate_s, "load": load_s,
+            **{f"load, {n} reader threads": t for n, t in load_s_by_threads.items()},
+            "async save: step blocked": blocked_s,
             "async save: wait at publish": wait_s, "async save: total": async_total_s,
             "step (median)": base, "step during the async save (median)": statistics.median(during)}
     for name, seconds in rows.items():
@@ -186,6 +201,8 @@ def phase_records(summary: dict) -> list[dict]:
     records = [dict(base, phase=name, seconds=summary[key]) for name, key in PHASES.items() if key in summary]
     records += [dict(base, phase=f"save, {n} writer threads", seconds=seconds)
                 for n, seconds in summary.get("save_s_by_threads", {}).items()]
+    records += [dict(base, phase=f"load, {n} reader threads", seconds=seconds)
+                for n, seconds in summary.get("load_s_by_threads", {}).items()]
     return records
 
 

@@ -555,6 +555,8 @@ def load_tensors_(found: Checkpoint, tensors: dict, distributed: bool) -> None:
     world size has no RNG rows for this layout: those are left as they are."""
     import torch.distributed.checkpoint as dcp
 
+    from .checkpoint_reader import ParallelFileReader
+
     why = found.resumable_here
     if why:
         raise ValueError(why)
@@ -562,7 +564,7 @@ def load_tensors_(found: Checkpoint, tensors: dict, distributed: bool) -> None:
         tensors = {k: v for k, v in tensors.items() if not k.startswith(RNG)}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.load(tensors, storage_reader=dcp.FileSystemReader(found.path), no_dist=not distributed)
+        dcp.load(tensors, storage_reader=ParallelFileReader(found.path), no_dist=not distributed)
 
 
 def _world_of(tensors: dict) -> int:
@@ -576,7 +578,9 @@ def read_full(path: Path, prefix: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(path)
+    from .checkpoint_reader import ParallelFileReader
+
+    reader = ParallelFileReader(path)
     metadata = reader.read_metadata()
     full = {k: torch.empty(m.size, dtype=m.properties.dtype)
             for k, m in metadata.state_dict_metadata.items()
