@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Data + expert parallel training steps on the GPUs of one host (not a test).
 
-    python bench/distributed.py [--suites ablation weak strong] [--max-gpus 4] [--quick]
+    python bench/distributed.py [--suites ablation weak strong dispatch] [--max-gpus 4] [--layers 8] [--quick]
+    python bench/distributed.py --suites strong --layers 16  # the whole OLMoE-1B-7B, 1 -> 8 GPUs
     python bench/distributed.py --suites weak ablation --only 'weak|ep1-triton'   # a subset of the points
     python bench/distributed.py --suites weak --repeat 3     # every point 3 times, in turns
     python bench/distributed.py --suites weak --compile      # blocks under torch.compile (execution.compile)
     python bench/distributed.py --ingest bench/results/distributed-ablation-nvidia-h200.jsonl
 
-Model: ``mula-7b-a1b`` full width, 8 of its 16 layers (OLMoE-1B-7B shapes), sequence 4096, bf16
+Model: ``mula-7b-a1b`` full width, ``--layers`` of its 16 (default 8; OLMoE-1B-7B shapes), sequence 4096, bf16
 autocast, float32 master weights and AdamW state, micro-batches of 2 sequences. Each point is
 one fresh launch of n ranks (one GPU each, NCCL) timing the trainer core's step with its phases
 (stages/scaling.py, optimus_core/train/measure.py): compute, expert all-to-all, gradient
@@ -23,6 +24,9 @@ Suites:
               efficiency = T(1) / T(2).
     strong    a fixed 8 sequences per step on 1, 2, 4 ... --max-gpus GPUs (triton, ep_aware,
               EP = n and EP = 1): efficiency = T(1) / (n T(n)).
+    dispatch  the expert dispatch (parallel.dispatch) all_to_all against all_gather at EP = 2 and,
+              where the host has 8, EP = 8: 2 sequences per GPU (triton, ep_aware); the summary's
+              ``dispatch_all_gather_over_all_to_all_ep<n>`` is the ratio of their tokens/s.
 
 Every point of several ranks trains fully sharded (optimus_core.parallel.sharding): each layer
 gathered before its forward and backward, its gradients reduced under the backward. (Results
@@ -64,7 +68,8 @@ QUICK = {"data.seq_len": 64, "model.n_layers": 2}  # preset @laptop, CPU: a smok
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--suites", nargs="+", default=["ablation", "weak", "strong"],
-                   choices=["ablation", "weak", "strong"])
+                   choices=["ablation", "weak", "strong", "dispatch"])
+    p.add_argument("--layers", type=int, default=MODEL["model.n_layers"], help="of mula-7b-a1b's 16")
     p.add_argument("--max-gpus", type=int, default=0, help="largest device count of the strong suite (0: all)")
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward")
     p.add_argument("--steps", type=int, default=6)
@@ -106,6 +111,12 @@ def plan(args, n_gpus: int) -> list[dict]:
                 points.append(dict(label=f"strong-ep{ep_rule}-{n}", suite="strong", devices=n,
                                    ep=n if ep_rule == "all" else 1, ep_rule=str(ep_rule), backend="triton",
                                    optimizer="ep_aware", global_batch=4 * mb))
+    if "dispatch" in args.suites:
+        for n in sorted({2, 8} & set(range(2, n_gpus + 1))):
+            for dispatch in ("all_to_all", "all_gather"):
+                points.append(dict(label=f"dispatch-ep{n}-{dispatch}", suite="dispatch", devices=n, ep=n,
+                                   backend="triton", optimizer="ep_aware", global_batch=n * mb,
+                                   overrides={"parallel.dispatch": dispatch}))
     if args.only:
         points = [p for p in points if re.search(args.only, p["label"])]
     return points
@@ -114,12 +125,13 @@ def plan(args, n_gpus: int) -> list[dict]:
 def measure(p: dict, args, device_type: str) -> dict:
     from stages.scaling import ScalingConfig, measure_point
 
-    overrides = {**MODEL, "execution.experts": p["backend"], "execution.compile": args.compile}
+    overrides = {**MODEL, "model.n_layers": args.layers, "execution.experts": p["backend"],
+                 "execution.compile": args.compile, **p.get("overrides", {})}
     preset = "mula-7b-a1b"
     if args.quick:
         preset += "@laptop"
         overrides = {**QUICK, "execution.experts": "loop",  # the CPU has no fast grouped GEMM
-                     "execution.compile": args.compile}
+                     "execution.compile": args.compile, **p.get("overrides", {})}
     config = ScalingConfig(preset=preset, devices=(p["devices"],), ep=p["ep"], optimizer=p["optimizer"],
                            global_batch=p["global_batch"], micro_batch=min(args.micro_batch, p["global_batch"]),
                            steps=args.steps, warmup=args.warmup, device=device_type, overrides=overrides)
@@ -188,6 +200,10 @@ def summarize(records: list[dict], device: str) -> dict:
         if pts and pts[0]["devices"] == 1:
             strong[f"ep_{rule}"] = {str(r["devices"]): pts[0]["step_s"] / (r["devices"] * r["step_s"]) for r in pts}
     out["strong_efficiency"] = strong
+    for n in (2, 8):
+        a2a, gather = ok.get(f"dispatch-ep{n}-all_to_all"), ok.get(f"dispatch-ep{n}-all_gather")
+        if a2a and gather:
+            out[f"dispatch_all_gather_over_all_to_all_ep{n}"] = gather["tokens_per_s"] / a2a["tokens_per_s"]
     return out
 
 
