@@ -2,6 +2,7 @@
 session (a few seconds), and a writer of hand-made corpus files."""
 import gzip
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,21 @@ def write_corpus(tmp_path):
             (root / rel).write_bytes(data)
         return root
     return write
+
+
+@pytest.fixture(scope="module")
+def finished_run(small_tokens, tmp_path_factory) -> Path:
+    """A tiny run trained for one step (tiny_runs.pretrain), once per test module; ``run`` is a copy."""
+    from tiny_runs import pretrain
+
+    run = tmp_path_factory.mktemp("finished") / "run-a"
+    assert pretrain(small_tokens, run, 1) == 0
+    return run
+
+
+@pytest.fixture
+def run(finished_run, tmp_path) -> Path:
+    """A test's own copy of ``finished_run``, at tmp_path/run-a."""
+    copy = tmp_path / "run-a"
+    shutil.copytree(finished_run, copy)
+    return copy

@@ -2,7 +2,6 @@
 resumable.py) that differ from the run's are refused, all named with their old and new values,
 and nothing is changed; the resumable ones that changed are recorded in meta.json's ``resumes``.
 """
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -12,21 +11,12 @@ import pytest
 from optimus_core import presets
 from optimus_core.config import ConfigError
 from optimus_core.train.resumable import RESUMABLE, config_changes, resumable, resume_changes
-from workflow.cli import main
-
-TINY = ["--quiet", "--threads", "1", "--set", "train.eval_batches=1", "--set", "model.n_layers=1",
-        "--set", "train.global_batch=4", "--set", "data.seq_len=32", "--set", "train.device=cpu"]
+from tiny_runs import digest, pretrain
 
 
-def digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def pretrain(tokens: Path, run: Path, steps: int, *sets: str) -> int:
-    extra = [a for s in sets for a in ("--set", s)]
-    return main(["pretrain", "--preset", "mula-1b@laptop", "--data", str(tokens), "--out", str(run),
-                 "--steps", str(steps), *TINY, *extra])
+
 
 
 def meta(run: Path) -> dict:
@@ -74,19 +64,8 @@ def test_a_config_saved_before_fields_moved_compares_as_today_reads_it():
 
 # ----------------------------------------------------------------------------- through `optimus pretrain`
 
-@pytest.fixture(scope="module")
-def finished_run(small_tokens, tmp_path_factory):
-    run = tmp_path_factory.mktemp("resume") / "run-a"
-    assert pretrain(small_tokens, run, 1) == 0
-    assert "resumes" not in meta(run)
-    return run
-
-
-@pytest.fixture
-def run(finished_run, tmp_path):
-    copy = tmp_path / "run-a"
-    shutil.copytree(finished_run, copy)
-    return copy
+def test_a_run_that_never_resumed_records_no_resumes(finished_run):
+    assert meta(finished_run)["status"] == "completed" and "resumes" not in meta(finished_run)
 
 
 @pytest.mark.parametrize("field", ["model.d_model", "train.seed"])

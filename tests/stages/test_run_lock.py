@@ -4,10 +4,8 @@ The lock itself first (no training: milliseconds), then through `optimus pretrai
 a live lock refuses with one sentence and changes nothing, a stale one is taken over, the lock
 is gone after the run whatever its end, and a no-op re-run of a finished run never touches it.
 """
-import hashlib
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -19,11 +17,9 @@ import pytest
 
 from optimus_core.train import run_lock
 from optimus_core.train.run_lock import RunDirBusy, RunLock
-from workflow.cli import main
+from tiny_runs import digest, pretrain
 
 HOST = socket.gethostname()
-TINY = ["--quiet", "--threads", "1", "--set", "train.eval_batches=1", "--set", "model.n_layers=1",
-        "--set", "train.global_batch=4", "--set", "data.seq_len=32", "--set", "train.device=cpu"]
 REFUSAL_END = "wait for it to finish or stop it; a lock whose heartbeat stops is taken over after 300 s"
 
 
@@ -208,29 +204,12 @@ def test_of_concurrent_takers_exactly_one_holds_the_lock(tmp_path, stale):
 
 # ----------------------------------------------------------------------------- through `optimus pretrain`
 
-def digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def pretrain(tokens: Path, run: Path, steps: int, *extra) -> int:
-    return main(["pretrain", "--preset", "mula-1b@laptop", "--data", str(tokens), "--out", str(run),
-                 "--steps", str(steps), *TINY, *extra])
 
 
-@pytest.fixture(scope="module")
-def finished_run(small_tokens, tmp_path_factory):
-    run = tmp_path_factory.mktemp("locked") / "run-a"
-    assert pretrain(small_tokens, run, 1) == 0
-    assert not (run / "run.lock").exists()  # gone after a normal end
-    return run
-
-
-@pytest.fixture
-def run(finished_run, tmp_path):
-    copy = tmp_path / "run-a"
-    shutil.copytree(finished_run, copy)
-    return copy
+def test_the_lock_is_gone_after_a_normal_end(finished_run):
+    assert (finished_run / "summary.json").is_file() and not (finished_run / "run.lock").exists()
 
 
 def test_pretrain_into_a_directory_another_live_process_trains_is_refused_untouched(small_tokens, run, capsys):
