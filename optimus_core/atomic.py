@@ -71,6 +71,8 @@ def atomic_open(path: Union[str, Path], mode: str = "wb") -> Iterator:
     if mode not in ("wb", "w"):
         raise ValueError(f"atomic_open mode = {mode!r}: must be 'wb' or 'w'")
     path = Path(path)
+    if path.is_dir():  # os.replace would fail only after the whole file is written (naming its temporary)
+        raise FileExistsError(f"{path} is a directory, not a file: nothing was written to it")
     with _naming(path):
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:

@@ -41,7 +41,7 @@ import torch
 
 from .atomic import atomic_dir
 from .outputs import check_output, mark_output
-from .config import ModelConfig, MoEConfig, from_dict
+from .config import ConfigError, ModelConfig, MoEConfig, from_dict
 
 __all__ = ["ExportError", "hf_architecture", "to_hf_config", "to_hf_state", "from_hf_config",
            "from_hf_state", "export_hf", "import_hf", "ARCHITECTURES"]
@@ -55,6 +55,10 @@ class ExportError(ValueError):
     """The model, run or HF directory cannot be converted; the message says why and what to do."""
 
 
+class ArchitectureError(ExportError, ConfigError):
+    """The architecture asked for (``arch``) cannot hold the model: a choice to change (exit 2)."""
+
+
 # ----------------------------------------------------------------------------- architecture
 
 def hf_architecture(cfg: ModelConfig, arch: Optional[str] = None) -> str:
@@ -66,17 +70,17 @@ def hf_architecture(cfg: ModelConfig, arch: Optional[str] = None) -> str:
                               "QK-norm and no other HF MoE architecture matches; cannot export exactly")
         return exact
     if arch not in ARCHITECTURES:
-        raise ExportError(f"arch = {arch!r}: unknown; known: {', '.join(ARCHITECTURES)}")
+        raise ArchitectureError(f"arch = {arch!r}: unknown; known: {', '.join(ARCHITECTURES)}")
     if arch == "llama" and cfg.is_moe:
-        raise ExportError("arch = 'llama': the model is a mixture of experts (model.moe is set); "
-                          "LlamaForCausalLM has a dense MLP. Use arch='olmoe'")
+        raise ArchitectureError("arch = 'llama': the model is a mixture of experts (model.moe is set); "
+                              "LlamaForCausalLM has a dense MLP. Use arch='olmoe'")
     if arch == "llama" and cfg.qk_norm:
-        raise ExportError("arch = 'llama': the model has QK-norm (model.qk_norm = True) and "
-                          "LlamaForCausalLM has none, so its logits would differ. Use arch='olmoe' "
-                          "(one expert, top-1: exact)")
+        raise ArchitectureError("arch = 'llama': the model has QK-norm (model.qk_norm = True) and "
+                              "LlamaForCausalLM has none, so its logits would differ. Use arch='olmoe' "
+                              "(one expert, top-1: exact)")
     if arch == "olmoe" and not cfg.qk_norm:
-        raise ExportError("arch = 'olmoe': the model has no QK-norm (model.qk_norm = False) and "
-                          "OlmoeForCausalLM always applies it. Use arch='llama'")
+        raise ArchitectureError("arch = 'olmoe': the model has no QK-norm (model.qk_norm = False) and "
+                              "OlmoeForCausalLM always applies it. Use arch='llama'")
     return arch
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .memory import GIB, MemoryLayout, estimate, static_bytes
 from .parallel.mesh import Mesh, build_groups
 
@@ -102,7 +102,7 @@ def loopback_world(cfg: RunConfig, world: int, rank: int, device: torch.device):
     if dist.is_initialized():
         raise RuntimeError("rehearse: a process group already exists in this process")
     if not 0 <= rank < world:
-        raise ValueError(f"--rank {rank}: must be in [0, {world})")
+        raise ConfigError(f"--rank {rank}: must be in [0, {world})")
     from .parallel.mesh import group_layout
 
     group_layout(world, cfg.parallel.ep, cfg.model.moe.n_experts if cfg.model.moe else None,

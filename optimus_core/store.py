@@ -93,7 +93,11 @@ def open_store(path: str | os.PathLike, mode: str = "a") -> "ResultsStore":
         if not path.is_dir():
             raise ValueError(f"{path} is a file, not a zarr store")
         if meta.exists():
-            if json.loads(meta.read_text()).get("node_type") != "group":
+            try:
+                root = json.loads(meta.read_text())
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ValueError(f"{meta}: not valid JSON ({e}): {path} is a damaged zarr store") from None
+            if not isinstance(root, dict) or root.get("node_type") != "group":
                 raise ValueError(f"{path} is a zarr array, not a results store (a zarr group)")
         elif (path / ".zgroup").exists():
             raise ValueError(f"{path} is a zarr v2 store; the results store is zarr v3")

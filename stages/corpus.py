@@ -133,7 +133,8 @@ def run_corpus(config: CorpusConfig, inputs: CorpusInputs, outputs: CorpusOutput
     else:
         src = Path(inputs.from_dir)
         if not src.is_dir():
-            raise FileNotFoundError(f"corpus input from_dir = {str(src)!r}: no such directory")
+            raise FileNotFoundError(f"corpus input from_dir = {str(src)!r}: "
+                                    f"{'is a file, not a' if src.exists() else 'no such'} directory")
         files = _scan(src.resolve())
         with atomic_dir(out) as tmp:
             _write_index(tmp, src.resolve(), files)
@@ -167,22 +168,34 @@ def list_corpus(corpus_dir: Path) -> list[CorpusFile]:
     indexed file is missing or changed.
     """
     corpus_dir = Path(corpus_dir)
+    if not corpus_dir.is_dir():
+        raise CorpusError(f"corpus {corpus_dir}: {'is a file, not a' if corpus_dir.exists() else 'no such'} "
+                          f"directory (give the directory `optimus corpus` wrote)", str(corpus_dir))
     index = corpus_dir / INDEX_NAME
     if not index.is_file():
         return _scan(corpus_dir)
-    d = json.loads(index.read_text(encoding="utf-8"))
-    if d.get("format") != INDEX_FORMAT:
-        raise CorpusError(f"{index}: not an optimus corpus index (format {d.get('format')!r})", str(index))
-    root = Path(d["root"])
+    try:
+        d = json.loads(index.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorpusError(f"{index}: not valid JSON ({e}); run `optimus corpus --from DOWNLOAD` again", str(index)) \
+            from None
+    if not isinstance(d, dict) or d.get("format") != INDEX_FORMAT:
+        raise CorpusError(f"{index}: not an optimus corpus index "
+                          f"(format {d.get('format') if isinstance(d, dict) else None!r})", str(index))
     files = []
-    for entry in d["files"]:
-        path = root / entry["path"]
-        if not path.is_file():
-            raise CorpusError(f"{path}: listed in {index} but missing", str(path))
-        if path.stat().st_size != entry["size"]:
-            raise CorpusError(f"{path}: {path.stat().st_size} bytes, {index} says {entry['size']}: "
-                              "the download changed since it was indexed; run `optimus corpus` again", str(path))
-        files.append(CorpusFile(entry["source"], entry["path"], path, entry["size"]))
+    try:
+        root = Path(d["root"])
+        for entry in d["files"]:
+            path = root / entry["path"]
+            if not path.is_file():
+                raise CorpusError(f"{path}: listed in {index} but missing", str(path))
+            if path.stat().st_size != entry["size"]:
+                raise CorpusError(f"{path}: {path.stat().st_size} bytes, {index} says {entry['size']}: "
+                                  "the download changed since it was indexed; run `optimus corpus` again", str(path))
+            files.append(CorpusFile(entry["source"], entry["path"], path, entry["size"]))
+    except (KeyError, TypeError) as e:
+        raise CorpusError(f"{index}: an incomplete corpus index ({type(e).__name__}: {e}); run `optimus corpus "
+                          f"--from DOWNLOAD` again", str(index)) from None
     return files
 
 

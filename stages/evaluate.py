@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from optimus_core.atomic import atomic_write
-from optimus_core.config import ExecutionConfig, RunConfig, from_dict
+from optimus_core.config import ConfigError, ExecutionConfig, RunConfig, from_dict
 from optimus_core.model.transformer import Transformer
 from optimus_core.provenance import utc_now
 from optimus_core.store import open_store
@@ -66,21 +66,26 @@ class EvaluateConfig:
     def __post_init__(self):
         self.tasks = tuple(self.tasks)
         self.task_dirs = tuple(str(d) for d in self.task_dirs)
+        # ConfigError (a ValueError): a wrong setting, exit 2 from the command line
         bad = [t for t in self.tasks if not isinstance(t, str) or not t.strip()]
         if not self.tasks or bad:
-            raise ValueError(f"tasks = {list(self.tasks)}: need one or more task names "
-                             f"({', '.join(BUILTIN_TASKS)} or an lm-eval task)")
-        if self.batch_size < 1 or self.max_batches < 1:
-            raise ValueError(f"batch_size = {self.batch_size}, max_batches = {self.max_batches}: both must be >= 1")
+            raise ConfigError(f"tasks = {list(self.tasks)}: need one or more task names "
+                              f"({', '.join(BUILTIN_TASKS)} or an lm-eval task)")
+        for name in ("batch_size", "max_batches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} = {getattr(self, name)}: must be >= 1")
         if self.limit is not None and self.limit < 1:
-            raise ValueError(f"limit = {self.limit}: must be None (all documents) or >= 1")
+            raise ConfigError(f"limit = {self.limit}: must be None (all documents) or >= 1")
+        if self.limit is not None and not self.downstream:
+            raise ConfigError(f"limit = {self.limit}: it limits the documents of downstream tasks, and tasks = "
+                              f"{list(self.tasks)} has none (it would be ignored)")
         if self.n_items < 4:
-            raise ValueError(f"n_items = {self.n_items}: must be >= 4 (one true continuation + 3 distractors)")
+            raise ConfigError(f"n_items = {self.n_items}: must be >= 4 (one true continuation + 3 distractors)")
         if self.all_checkpoints and "heldout" not in self.tasks and not self.downstream_all_checkpoints:
-            raise ValueError(f"all_checkpoints = True with tasks = {list(self.tasks)}: it evaluates held-out "
-                             "metrics per checkpoint; add 'heldout' to tasks (or set downstream_all_checkpoints)")
+            raise ConfigError(f"all_checkpoints = True with tasks = {list(self.tasks)}: it evaluates held-out "
+                              "metrics per checkpoint; add 'heldout' to tasks (or set downstream_all_checkpoints)")
         if self.downstream_all_checkpoints and not self.all_checkpoints:
-            raise ValueError("downstream_all_checkpoints = True needs all_checkpoints = True")
+            raise ConfigError("downstream_all_checkpoints = True needs all_checkpoints = True")
 
     @property
     def downstream(self) -> tuple[str, ...]:
@@ -109,10 +114,12 @@ class EvaluateResult:
 
 def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: EvaluateOutputs) -> EvaluateResult:
     run_dir = Path(inputs.run_dir)
-    meta_path = run_dir / "meta.json"
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{run_dir}: not a run directory (no meta.json)")
-    run_id = json.loads(meta_path.read_text())["run_id"]
+    run_id = _run_id(run_dir)
+    for task_dir in config.task_dirs:  # before any model loads
+        if not Path(task_dir).is_dir():
+            raise FileNotFoundError(f"task directory {task_dir}: "
+                                    f"{'is a file, not a' if Path(task_dir).exists() else 'no such'} directory "
+                                    f"(of lm-eval task YAMLs)")
     from optimus_core.parallel.mesh import read_launch_env
 
     if read_launch_env().world_size > 1:
@@ -251,6 +258,20 @@ class _Point:
         model = Transformer(self.cfg.model)
         model.load_state_dict(self.found.load_model_state("cpu"))
         return model.eval()
+
+
+def _run_id(run_dir: Path) -> str:
+    """The run id of ``run_dir``'s meta.json; FileNotFoundError / ValueError naming the file."""
+    meta_path = run_dir / "meta.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{run_dir}: not a run directory (no meta.json)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{meta_path}: not valid JSON ({e}): not a readable run directory") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("run_id"), str):
+        raise ValueError(f"{meta_path}: not a run's meta.json (no run_id)")
+    return meta["run_id"]
 
 
 def _checkpoints(run_dir: Path, every: bool, share: tuple[int, int] = (0, 1),

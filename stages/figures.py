@@ -117,6 +117,14 @@ class FiguresResult:
 
 def run_figures(config: FiguresConfig, inputs: FiguresInputs, outputs: FiguresOutputs) -> FiguresResult:
     data = _Data(open_store(inputs.store, mode="r"), config)
+    out, store = Path(outputs.out_dir), Path(inputs.store)
+    if out.resolve() == store.resolve() or store.resolve() in out.resolve().parents:
+        raise FileExistsError(f"figures output {out} is {'the' if out.resolve() == store.resolve() else 'inside the'} "
+                              f"results store {store}: the figures would be written into the store; choose an --out "
+                              f"outside it")
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"figures output {out} is a file, not a directory: choose another --out "
+                              f"(nothing was changed)")
     outputs.out_dir.mkdir(parents=True, exist_ok=True)
     draw: dict[str, Callable[[_Data], Union[Figure, str]]] = {
         "loss.png": _loss, "scaleup.png": _scaleup, "heldout.png": _heldout,

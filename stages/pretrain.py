@@ -54,7 +54,7 @@ class PretrainConfig:
 
     def __post_init__(self):
         if not self.run_id or "/" in self.run_id or self.run_id.startswith("."):
-            raise ValueError(f"run_id = {self.run_id!r}: must be a non-empty name without '/' or a leading '.'")
+            raise ConfigError(f"run_id = {self.run_id!r}: must be a non-empty name without '/' or a leading '.'")
 
 
 @dataclass
@@ -95,14 +95,29 @@ def _is_run_entry(name: str) -> bool:
             or any(name.startswith(f".{entry}.tmp-") for entry in RUN_ENTRIES))
 
 
-def _check_run_dir(run_dir: Path, run_id: str) -> None:
+def _check_run_dir(run_dir: Path, run_id: str, data_dir: Path | None = None) -> None:
     """A run directory belongs to one run: refuse to train another run into it, or into a file
-    or a directory of other things (a dataset, the user's files)."""
+    or a directory of other things (a dataset, the user's files), or into the data it reads (a
+    rerun of `optimus tokenize` there replaces the whole directory, the run with it)."""
+    if data_dir is not None:
+        out, data = run_dir.resolve(), Path(data_dir).resolve()
+        if out == data or data in out.parents:
+            raise FileExistsError(f"--out {run_dir} is {'' if out == data else 'inside '}the data directory (--data "
+                                  f"{data_dir}): a rerun of `optimus tokenize` there would delete the run; use an "
+                                  f"--out outside it")
     if run_dir.exists() and not run_dir.is_dir():
         raise FileExistsError(f"--out {run_dir} is a file, not a run directory: use another --out")
     meta_path = run_dir / "meta.json"
     if meta_path.is_file():
-        existing = json.loads(meta_path.read_text()).get("run_id")
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{meta_path}: not valid JSON ({e}): a damaged run directory (nothing was changed); "
+                             f"repair or remove it, or use another --out") from None
+        if not isinstance(meta, dict):
+            raise ValueError(f"{meta_path}: not a run's meta.json (a JSON {type(meta).__name__}, not an object); "
+                             f"nothing was changed: use another --out")
+        existing = meta.get("run_id")
         if existing != run_id:
             raise ValueError(f"{run_dir} holds run {existing!r}, not {run_id!r}: use another --out")
     elif run_dir.is_dir():
@@ -153,7 +168,7 @@ def _run_rank(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainO
               mesh) -> PretrainResult:
     lead = mesh.rank == 0
     run_dir = Path(outputs.run_dir)
-    _check_run_dir(run_dir, config.run_id)  # every rank, reading only: the same refusal everywhere
+    _check_run_dir(run_dir, config.run_id, inputs.data_dir)  # every rank, reading only: the same refusal everywhere
     done = finished_result(run_dir, cfg)
     if done is not None:  # a no-op: takes no lock, touches no file
         if lead:
@@ -251,13 +266,13 @@ def _train(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainOutp
                   ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items()))
     if resumes:
         meta["resumes"] = resumes
-    atomic_write(run_dir / "meta.json", json.dumps(dict(meta, status="running", started=utc_now()), indent=2))
-
     store = None
-    if outputs.store:  # zarr only where a store is written (a GPU node may train without one)
-        from optimus_core.store import open_store
+    if outputs.store:  # zarr only where a store is written (a GPU node may train without one); a store that
+        from optimus_core.store import open_store  # is not one is refused before meta.json says "running"
 
         store = open_store(outputs.store)
+    atomic_write(run_dir / "meta.json", json.dumps(dict(meta, status="running", started=utc_now()), indent=2))
+
     writer = store.run_writer(config.run_id, attrs) if store else None
     start = time.time()
     try:

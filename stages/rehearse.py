@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Sequence
 
 from optimus_core.atomic import atomic_write
-from optimus_core.config import RunConfig
+from optimus_core.config import ConfigError, RunConfig
 from optimus_core.device import device_slug
 from optimus_core.log import get_logger
 from optimus_core.rehearsal import fmt, rehearse
@@ -55,12 +55,16 @@ class RehearseConfig:
     save: bool = True  # write the rank's part of a checkpoint after the steps (a temporary directory), its peak recorded
 
     def __post_init__(self):
+        # ConfigError (a ValueError): a wrong setting, exit 2 from the command line
         if not self.jobs:
-            raise ValueError("rehearse: no layout to rehearse")
+            raise ConfigError("rehearse: no layout to rehearse")
         if self.steps < 1:
-            raise ValueError(f"--steps {self.steps}: must be >= 1")
+            raise ConfigError(f"--steps {self.steps}: must be >= 1")
         if self.micro_batches is not None and self.micro_batches < 1:
-            raise ValueError(f"--micro-batches {self.micro_batches}: must be >= 1")
+            raise ConfigError(f"--micro-batches {self.micro_batches}: must be >= 1")
+        smallest = min(job.world for job in self.jobs)
+        if not 0 <= self.rank < smallest:
+            raise ConfigError(f"--rank {self.rank}: must be in [0, {smallest}) (the smallest world rehearsed)")
 
 
 @dataclass
@@ -135,6 +139,9 @@ def write_store(store: Path, run_id: str, records: list[dict], head: dict) -> No
 
 
 def ingest(path: Path, store: Path) -> str:
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--ingest {path}: {'is a directory, not a' if Path(path).is_dir() else 'no such'} "
+                                f"file (a rehearsal file: `optimus rehearse --jsonl` writes one)")
     records = [r for r in _read(path) if "name" in r]
     if not records:
         raise ValueError(f"{path}: no rehearsal records")

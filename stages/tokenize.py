@@ -125,6 +125,12 @@ def run_tokenize(config: TokenizeConfig, inputs: TokenizeInputs, outputs: Tokeni
     check_token_output(inputs, outputs)
     files = list_corpus(Path(inputs.corpus_dir))
     _check_unique_outputs(files)
+    if inputs.tokenizer is not None:  # the user's file, named as given, before anything is built
+        given = Path(inputs.tokenizer)
+        if not given.is_file():
+            raise FileNotFoundError(f"tokenizer {given}: {'is a directory, not a' if given.is_dir() else 'no such'} "
+                                    f"file (a Hugging Face tokenizer.json)")
+        load_tokenizer(given)
     with atomic_dir(outputs.out_dir) as tmp:
         tokenizer_path = tmp / TOKENIZER_NAME
         if inputs.tokenizer is None:

@@ -498,3 +498,202 @@ def test_the_reports_figure_links_work_where_a_path_has_spaces(tmp_path, capsys)
         assert " " not in link and "(" not in link  # one token: nothing ends the destination early
         assert (report.parent / unquote(link)).resolve().is_file(), link
         assert (report.parent / unquote(link)).resolve().parent == figures.resolve()
+
+
+# ----------------------------------------------------------------------------- the sweep of issue 28: one line each
+
+def one_line(err: str) -> str:
+    """The failure's one line (the last; a training run's plan may be logged above it, "[optimus] ...")."""
+    said = [line for line in err.splitlines() if line.startswith("optimus")]
+    assert "Traceback" not in err and len(said) == 1 and err.strip().endswith(said[0]), err
+    return err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["pretrain", "--data", "d", "--out", "o", "--steps", "1.5"],
+     "optimus pretrain: usage error: argument --steps: invalid int value: '1.5' (`optimus pretrain --help`"),
+    (["trian"], "optimus: usage error: argument command: invalid choice: 'trian'"),
+    (["experiments", "--foo"], "optimus: usage error: unrecognized arguments: --foo"),
+    (["evaluate"], "optimus evaluate: usage error: the following arguments are required: --run"),
+])
+def test_a_usage_error_is_one_line_with_status_2(argv, said, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert said in one_line(capsys.readouterr().err)
+
+
+def test_tokenize_names_a_corpus_or_tokenizer_that_is_not_there_or_not_a_file(tokens_dir, tmp_path, capsys):
+    corpus = _a_corpus(tmp_path / "corpus")
+    a_file, a_dir, junk = tmp_path / "a-file", tmp_path / "a-dir", tmp_path / "junk.json"
+    a_file.write_text("x")
+    a_dir.mkdir()
+    junk.write_text("not a tokenizer")
+    out = tmp_path / "tokens"
+    for given, tokenizer, said in [
+        (tmp_path / "nope", None, f"corpus {tmp_path / 'nope'}: no such directory"),
+        (a_file, None, f"corpus {a_file}: is a file, not a directory"),
+        (corpus, tmp_path / "nope.json", f"tokenizer {tmp_path / 'nope.json'}: no such file"),
+        (corpus, a_dir, f"tokenizer {a_dir}: is a directory, not a file"),
+        (corpus, junk, f"tokenizer {junk}: not a Hugging Face tokenizer.json"),  # the user's path, not our copy
+    ]:
+        argv = ["tokenize", "--corpus", given, "--out", out, "--workers", 1] + (["--tokenizer", tokenizer]
+                                                                               if tokenizer else [])
+        one_line(fails(argv, capsys, 1, said))
+        assert not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-dir", "a-file", "corpus", "junk.json"]
+
+
+def test_tokenize_refuses_flags_it_would_ignore_or_values_it_would_replace(tokens_dir, tmp_path, capsys):
+    corpus = _a_corpus(tmp_path / "corpus")
+    base = ["tokenize", "--corpus", corpus, "--out", tmp_path / "t", "--workers", 1]
+    fails(base + ["--vocab-size", 0], capsys, 2, "tokenize.vocab_size = 0: must be an integer >= 258")  # not the default
+    fails(base + ["--tokenizer", tokens_dir / "tokenizer.json", "--vocab-size", 512], capsys, 2,
+          "--vocab-size 512 is the size of the BPE trained when no --tokenizer is given")
+    fails(base + ["--shards", tmp_path / "sh"], capsys, 2, "--shards")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+
+
+@pytest.mark.parametrize("text, said", [
+    ("{not json", "index.json: not valid JSON"),
+    ('{"format": "optimus-corpus-index"}', "index.json: an incomplete corpus index (KeyError: 'root')"),
+])
+def test_a_damaged_corpus_index_is_named(text, said, tmp_path, capsys):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "index.json").write_text(text)
+    one_line(fails(["tokenize", "--corpus", tmp_path / "corpus", "--out", tmp_path / "t", "--workers", 1], capsys, 1,
+                   str(tmp_path / "corpus" / said.split(":")[0]) + ":" + said.split(":", 1)[1]))
+
+
+@pytest.mark.parametrize("damage, said", [
+    ("truncate", "bytes, not a whole number of uint16 tokens (2 bytes each): truncated or damaged"),
+    ("remove", "missing (the manifest lists it): the token directory is incomplete"),
+])
+def test_a_damaged_token_file_is_named_before_training(damage, said, tokens_dir, tmp_path, capsys):
+    data = tmp_path / "data"
+    shutil.copytree(tokens_dir, data)
+    shard = sorted((data / "train").rglob("*.npy"))[0]
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-3])
+    else:
+        shard.unlink()
+    err = one_line(fails(["pretrain", "--preset", "mula-1b@laptop", "--data", data, "--out", tmp_path / "r",
+                          "--steps", 1, *TINY], capsys, 1, f"{shard}: "))
+    assert said in err
+
+
+@pytest.mark.parametrize("text, said", [("{oops", "not valid JSON"), ("[1, 2]", "not a run's meta.json")])
+def test_a_damaged_run_meta_is_named_and_kept(text, said, finished_run, tokens_dir, tmp_path, capsys):
+    run = tmp_path / "run-a"
+    shutil.copytree(finished_run, run)
+    (run / "meta.json").write_text(text)
+    before = digest(run)
+    one_line(fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", run, "--steps", 2,
+                    *TINY], capsys, 1, f"{run / 'meta.json'}: {said}"))
+    one_line(fails(["evaluate", "--run", run, "--out", tmp_path / "e.json"], capsys, 1, f"{run / 'meta.json'}: "))
+    assert digest(run) == before and not (tmp_path / "e.json").exists()
+
+
+def test_a_run_id_that_is_not_a_name_is_a_configuration_error(tokens_dir, tmp_path, capsys):
+    fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", tmp_path / "r", "--run-id", "a/b",
+           "--steps", 1, *TINY], capsys, 2, "run_id = 'a/b': must be a non-empty name without '/'")
+    fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", tmp_path / "r", "--set", "=3"],
+          capsys, 2, "--set '=3': expected key=value")
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_run_directory_inside_its_data_is_refused(tokens_dir, tmp_path, capsys):
+    data = tmp_path / "data"
+    shutil.copytree(tokens_dir, data)
+    before = digest(data)
+    for out, said in [(data / "runs" / "r", "is inside the data directory"), (data, "is the data directory")]:
+        one_line(fails(["pretrain", "--preset", "mula-1b@laptop", "--data", data, "--out", out, "--steps", 1, *TINY],
+                       capsys, 1, f"--out {out} {said} (--data {data}): a rerun of `optimus tokenize` there would "
+                                  f"delete the run"))
+    assert digest(data) == before
+
+
+def test_a_damaged_store_is_named_and_a_run_refused_by_it_does_not_say_running(tokens_dir, tmp_path, capsys):
+    store = tmp_path / "junk.zarr"
+    store.mkdir()
+    (store / "zarr.json").write_text("{bad")
+    said = f"{store / 'zarr.json'}: not valid JSON"
+    one_line(fails(["figures", "--store", store, "--out", tmp_path / "figs"], capsys, 1, said))
+    one_line(fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", tmp_path / "r",
+                    "--steps", 1, "--store", store, *TINY], capsys, 1, said))
+    assert not (tmp_path / "r" / "meta.json").exists()  # refused before meta.json could say "running"
+
+
+def test_evaluate_settings_are_configuration_errors_and_a_missing_task_dir_is_named(finished_run, tmp_path, capsys):
+    base = ["evaluate", "--run", finished_run, "--out", tmp_path / "e.json"]
+    fails(base + ["--max-batches", 0], capsys, 2, "configuration error: max_batches = 0: must be >= 1")
+    fails(base + ["--limit", 5], capsys, 2, "limit = 5: it limits the documents of downstream tasks, and tasks = "
+                                            "['heldout'] has none")
+    fails(base + ["--tasks", "continuation", "--all-checkpoints"], capsys, 2, "all_checkpoints = True with tasks")
+    one_line(fails(base + ["--task-dir", tmp_path / "nope"], capsys, 1,
+                   f"task directory {tmp_path / 'nope'}: no such directory"))
+    assert not (tmp_path / "e.json").exists()
+
+
+def test_a_one_file_output_that_is_a_directory_is_refused_before_the_work(finished_run, tmp_path, capsys):
+    from optimus_core.atomic import atomic_write
+
+    store, a_dir = _empty_store(tmp_path), tmp_path / "a-dir"
+    a_dir.mkdir()
+    for argv, flag in [
+        (["evaluate", "--run", finished_run, "--out", a_dir], "--out"),
+        (["report", "--store", store, "--figures", tmp_path, "--out", a_dir], "--out"),
+        (["perfmodel", "--store", store, "--out", a_dir], "--out"),
+        (["scaling", "--preset", "mula-7b-a1b@laptop", "--devices", 1, "--jsonl", a_dir], "--jsonl"),
+        (["rehearse", "--experiment", "pretrain-mula-1b", "--device", "meta", "--jsonl", a_dir], "--jsonl"),
+    ]:
+        one_line(fails(argv, capsys, 1, f"error: {flag} {a_dir} is a directory; this output is one file"))
+    assert list(a_dir.iterdir()) == []
+    with pytest.raises(FileExistsError, match="is a directory, not a file: nothing was written"):
+        atomic_write(a_dir, "x")  # the stages' own writes, under any command
+
+
+def test_figures_refuse_an_out_that_is_a_file_or_the_store(tmp_path, capsys):
+    store = _empty_store(tmp_path)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    before = digest(store)
+    one_line(fails(["figures", "--store", store, "--out", a_file], capsys, 1,
+                   f"figures output {a_file} is a file, not a directory"))
+    one_line(fails(["figures", "--store", store, "--out", store / "figs"], capsys, 1,
+                   f"figures output {store / 'figs'} is inside the results store {store}"))
+    assert digest(store) == before and a_file.read_text() == "x"
+
+
+def test_export_to_an_architecture_that_cannot_hold_the_model_is_a_configuration_error(finished_run, tmp_path,
+                                                                                      capsys):
+    fails(["export-hf", "--run", finished_run, "--out", tmp_path / "hf", "--arch", "llama"], capsys, 2,
+          "configuration error: arch = 'llama': the model has QK-norm")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_scaling_perfmodel_and_rehearse_inputs_and_settings(tmp_path, capsys, monkeypatch):
+    import torch
+
+    fails(["scaling", "--preset", "mula-7b-a1b@laptop", "--devices", 1, "--ep", "abc"], capsys, 2,
+          "scaling.ep = 'abc': must be 'all' or an integer >= 1")
+    fails(["perfmodel", "--measured", tmp_path / "nope.jsonl"], capsys, 1,
+          f"--measured {tmp_path / 'nope.jsonl'}: no such file")
+    weak = tmp_path / "weak.jsonl"
+    weak.write_text(json.dumps({"suite": "weak", "devices": 2}) + "\n")
+    fails(["perfmodel", "--measured", weak], capsys, 1, f"--measured {weak}: no strong-scaling records")
+    # beside a file that has them (the workflow passes every benchmark's file), it is simply not used
+    strong = Path(__file__).resolve().parents[1] / "bench" / "results" / "distributed-strong-weak-nvidia-h200.jsonl"
+    assert main(["perfmodel", "--measured", str(weak), str(strong), "--out", str(tmp_path / "pm.json")]) == 0
+    (tmp_path / "pm.json").unlink()
+    capsys.readouterr()
+    fails(["rehearse", "--ingest", tmp_path / "nope.jsonl", "--store", tmp_path / "s.zarr"], capsys, 1,
+          f"--ingest {tmp_path / 'nope.jsonl'}: no such file")
+    meta = ["rehearse", "--experiment", "pretrain-mula-1b", "--device", "meta"]
+    fails(meta + ["--tiles", 0], capsys, 2, "--tiles 0: tile counts must be >= 1")
+    fails(meta + ["--steps", 0], capsys, 2, "configuration error: --steps 0: must be >= 1")
+    fails(meta + ["--rank", -1], capsys, 2, "configuration error: --rank -1: must be in [0, ")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    one_line(fails(["rehearse", "--experiment", "pretrain-mula-1b", "--device", "cuda"], capsys, 1,
+                   "--device = cuda but no CUDA device is visible"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weak.jsonl"]

@@ -95,9 +95,9 @@ def parse_overrides(pairs: list[str]) -> dict:
     """``--set`` pairs (``train.steps=100``) as a dict of parsed values; a pair without '=' is a ConfigError."""
     out = {}
     for pair in pairs or []:
-        if "=" not in pair:
+        key, _, value = pair.partition("=")
+        if "=" not in pair or not key.strip():
             raise ConfigError(f"--set {pair!r}: expected key=value, e.g. train.steps=100")
-        key, value = pair.split("=", 1)
         out[key.strip()] = parse_value(value)
     return out
 
@@ -118,8 +118,14 @@ def cmd_corpus(args) -> Summary:
 def cmd_tokenize(args) -> Summary:
     from stages.tokenize import TokenizeConfig, TokenizeInputs, TokenizeOutputs, run_tokenize
 
+    if args.vocab_size is not None and args.tokenizer is not None:
+        raise ConfigError(f"--vocab-size {args.vocab_size} is the size of the BPE trained when no --tokenizer is "
+                          f"given; with --tokenizer {args.tokenizer} the vocabulary is the tokenizer's: give one")
+    if args.shards is not None and args.launcher != "parsl":
+        raise ConfigError(f"--shards {args.shards} is used only with --launcher parsl (this command tokenizes here, "
+                          f"without shards)")
     config = TokenizeConfig(workers=args.workers, skip_bad_records=args.skip_bad_records,
-                            **({"vocab_size": args.vocab_size} if args.vocab_size else {}))
+                            **({"vocab_size": args.vocab_size} if args.vocab_size is not None else {}))
     inputs, outputs = TokenizeInputs(corpus_dir=args.corpus, tokenizer=args.tokenizer), TokenizeOutputs(out_dir=args.out)
     if args.launcher == "parsl":  # one Parsl task per corpus file on the site's CPU executor, then the merge
         from workflow.parsl_sites import parsl_cpu_config
@@ -280,6 +286,8 @@ def cmd_evaluate(args) -> Summary | None:
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc}: must be >= 1")
+    check_file_output(args.out or Path(args.run) / "eval.json", "--out" if args.out else "the default --out",
+                      "eval.json" if args.out else None)
     check_writable(Path(args.out or Path(args.run) / "eval.json").parent)  # replaced whole: before evaluating
     launch = read_launch_env()
     _rank_logging(args, launch)
@@ -332,6 +340,7 @@ def cmd_figures(args) -> Summary:
 def cmd_report(args) -> Summary:
     from stages.report import ReportConfig, ReportInputs, ReportOutputs, run_report
 
+    check_file_output(args.out, "--out", "report.md")
     result = run_report(ReportConfig(), ReportInputs(store=args.store, figures_dir=args.figures),
                         ReportOutputs(report=args.out))
     return Summary(f"{result.report}: {len(result.runs)} run(s)", jsonable(result))
@@ -426,6 +435,13 @@ def cmd_rehearse(args) -> Summary:
         if not args.store:
             raise ConfigError("--ingest needs --store")
         return Summary(ingest(args.ingest, args.store), {"ingested": args.ingest, "store": args.store})
+    if any(n < 1 for n in args.tiles):
+        raise ConfigError(f"--tiles {' '.join(map(str, args.tiles))}: tile counts must be >= 1")
+    check_file_output(args.jsonl, "--jsonl", "rehearsal.jsonl")
+    if args.device in ("cuda", "xpu"):
+        from optimus_core.device import resolve_device_type
+
+        resolve_device_type(args.device, field="--device")  # not here: one sentence, before any layout is built
     jobs = rehearsal_jobs(args.experiment, args.tiles, load_site(args.site, account=args.site_account))
     result = run_rehearse(RehearseConfig(jobs, rank=args.rank, steps=args.steps, device=args.device,
                                          micro_batches=args.micro_batches or None, save=not args.no_save),
@@ -439,6 +455,10 @@ def cmd_rehearse(args) -> Summary:
 def cmd_scaling(args) -> Summary:
     from stages.scaling import ScalingConfig, ScalingOutputs, format_table, parse_setting, run_scaling
 
+    bad = [e for e in args.ep if e != "all" and not e.lstrip("-").isdigit()]
+    if bad:
+        raise ConfigError(f"scaling.ep = {bad[0]!r}: must be 'all' or an integer >= 1")
+    check_file_output(args.jsonl, "--jsonl", "scaling.jsonl")
     eps = tuple(e if e == "all" else int(e) for e in args.ep)
     config = ScalingConfig(preset=args.preset, devices=tuple(args.devices), ep=eps if len(eps) > 1 else eps[0],
                            optimizer=args.optimizer, global_batch=args.global_batch, micro_batch=args.micro_batch,
@@ -455,6 +475,7 @@ def cmd_perfmodel(args) -> Summary:
     from workflow.scaling_study import check_paths, run_study
 
     check_paths(args.measured)
+    check_file_output(args.out, "--out", "perfmodel.json")
     if args.store and not Path(args.store).exists() and not args.measured:
         raise FileNotFoundError(f"no results store at {args.store} and no --measured files: nothing to calibrate "
                                 f"on (run `optimus scaling --store {args.store}` first, or check the path)")
@@ -474,8 +495,15 @@ def cmd_perfmodel(args) -> Summary:
 
 # ----------------------------------------------------------------------------- parser
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error in one line (exit 2) instead of the usage block and the error."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: usage error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="optimus", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="optimus", description=__doc__.split("\n")[0])
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON object on stdout instead of the summary")
     common.add_argument("--debug", action="store_true",
@@ -664,6 +692,15 @@ def check_writable(path: Path) -> None:
         probe = probe.parent
     if probe.is_dir() and not os.access(probe, os.W_OK | os.X_OK):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(probe))
+
+
+def check_file_output(path, flag: str, example: str | None) -> None:
+    """Refuse, before any work, a one-file output (``flag``) that names a directory: replacing it
+    would fail at the end (or replace the user's directory). ``example``: a file name to suggest
+    in it; None: the path is a default, and another --out is the way out."""
+    if path is not None and Path(path).is_dir():
+        hint = f"give a file path (such as {Path(path) / example})" if example else "pass --out FILE"
+        raise FileExistsError(f"{flag} {path} is a directory; this output is one file: {hint} (nothing was changed)")
 
 
 def _outputs(args) -> list[Path]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from optimus_core.config import ConfigError
 from optimus_core.log import get_logger
 from workflow.parsl_sites import parsl_config
 from workflow.plan import JobPlan
@@ -159,7 +160,7 @@ def pretrain_on_site(options: dict[str, Any], run_id: str) -> Submitted:
     from workflow.sites import load_site
 
     if not options.get("site"):
-        raise LaunchError("--launcher parsl needs --site NAME (local, aurora, or a YAML file with a site: block)")
+        raise ConfigError("--launcher parsl needs --site NAME (local, aurora, or a YAML file with a site: block)")
     site = load_site(options["site"])
     if options.get("experiment"):
         job = plan(get(options["experiment"]).scale(options.get("scale") or "laptop"), site)
@@ -212,7 +213,7 @@ def evaluate_on_site(options: dict[str, Any]) -> Submitted:
     from workflow.sites import load_site
 
     if not options.get("site"):
-        raise LaunchError("--launcher parsl needs --site NAME (local, aurora, or a YAML file with a site: block)")
+        raise ConfigError("--launcher parsl needs --site NAME (local, aurora, or a YAML file with a site: block)")
     site = load_site(options["site"])
     run_dir = Path(options["run"]).resolve()
     ranks = int(options.get("nproc") or 1)

@@ -231,8 +231,12 @@ def run_study(store: Optional[Path], measured: Sequence[Path], out_json: Optiona
               write_store: bool = True) -> dict[str, Any]:
     """The whole study (module doc); returns what it writes."""
     points = store_points(store) if store else []
-    for path in measured:
-        points += file_points(path)
+    measured_points = [p for path in measured for p in file_points(path)]
+    if measured and not measured_points:  # given to calibrate on, all would be ignored: say so, do not exit 0
+        named = measured[0] if len(measured) == 1 else f"{len(measured)} files"
+        raise ValueError(f"--measured {named}: no strong-scaling records (JSON lines with \"suite\": \"strong\" "
+                         f"and no \"error\", as bench/distributed.py writes them)")
+    points += measured_points  # (other benchmarks' files may be among them: the workflow passes them all)
     result: dict[str, Any] = {"sweeps": [], "skipped": {}, **{t: [] for t in TABLES}}
     families = defaultdict(list)
     for p in points:
@@ -300,6 +304,7 @@ def write_study(store_path: Path, result: dict[str, Any]) -> None:
 
 
 def check_paths(measured: Sequence[Path]) -> None:
-    for path in measured:
+    for path in measured:  # an input that is not there: exit 1, like every missing input
         if not Path(path).is_file():
-            raise ConfigError(f"--measured {path}: no such file")
+            raise FileNotFoundError(f"--measured {path}: {'is a directory, not a' if Path(path).is_dir() else 'no such'}"
+                                    f" file (a JSON-lines file of bench/distributed.py's strong suite)")

@@ -64,7 +64,15 @@ def open_tokens(path: Union[str, Path], dtype: Union[str, np.dtype]) -> np.ndarr
     """Map a token file read-only without loading it (np.memmap; an empty file cannot be
     mapped, so it comes back as an empty array)."""
     dtype = np.dtype(dtype).newbyteorder("<")
-    if Path(path).stat().st_size == 0:
+    try:
+        size = Path(path).stat().st_size
+    except FileNotFoundError:
+        raise ShardError(f"{path}: missing (the manifest lists it): the token directory is incomplete; "
+                         f"rerun `optimus tokenize`") from None
+    if size % dtype.itemsize:  # np.memmap would say only "not a multiple of the data-type size"
+        raise ShardError(f"{path}: {size} bytes, not a whole number of {dtype.name} tokens ({dtype.itemsize} bytes "
+                         f"each): truncated or damaged; rerun `optimus tokenize`")
+    if size == 0:
         return np.empty(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r")
 

@@ -131,7 +131,7 @@ def test_bad_site_stops_before_submitting(tmp_path, capsys, monkeypatch):
         (standin_site(tmp_path, "bad4.yaml", queue="debug", walltime_h=2, tiles_per_node=1), [], 2,
          "walltime_h = 2: over queue 'debug''s limit of 1h"),
         (standin_site(tmp_path, "bad5.yaml", queue="gpu"), [], 2, "queue = 'gpu': unknown; allowed: auto, debug, debug-scaling, capacity, prod"),
-        (None, [], 1, "needs --site NAME"),
+        (None, [], 2, "needs --site NAME"),  # a usage error, as tokenize says it
     ]
     for site, extra, code, message in cases:
         got = main(base + (["--site", str(site)] if site else []) + extra)

@@ -109,7 +109,7 @@ def test_cli_prints_the_held_out_errors_and_refuses_a_missing_file(bench_file, t
     text = capsys.readouterr().out
     assert f"held out: {PRESET} nvidia-h200 EP=n at 4 devices: measured" in text
     assert "paper sweep on aurora: efficiency at 12288 tiles" in text and out.is_file()
-    assert main(["perfmodel", "--measured", str(tmp_path / "nope.jsonl")]) == 2
+    assert main(["perfmodel", "--measured", str(tmp_path / "nope.jsonl")]) == 1  # a missing input file: exit 1
     assert "--measured" in capsys.readouterr().err
 
 
