@@ -45,6 +45,7 @@ from tqdm import tqdm
 from optimus_core.atomic import atomic_dir
 from optimus_core.outputs import check_output, mark_output
 from optimus_core.config import ConfigError
+from optimus_core.paths import missing
 
 __all__ = [
     "CorpusConfig", "CorpusInputs", "CorpusOutputs", "CorpusResult", "run_corpus",
@@ -134,7 +135,7 @@ def run_corpus(config: CorpusConfig, inputs: CorpusInputs, outputs: CorpusOutput
         src = Path(inputs.from_dir)
         if not src.is_dir():
             raise FileNotFoundError(f"corpus input from_dir = {str(src)!r}: "
-                                    f"{'is a file, not a' if src.exists() else 'no such'} directory")
+                                    f"{missing(src, 'directory')}")
         files = _scan(src.resolve())
         with atomic_dir(out) as tmp:
             _write_index(tmp, src.resolve(), files)
@@ -169,8 +170,8 @@ def list_corpus(corpus_dir: Path) -> list[CorpusFile]:
     """
     corpus_dir = Path(corpus_dir)
     if not corpus_dir.is_dir():
-        raise CorpusError(f"corpus {corpus_dir}: {'is a file, not a' if corpus_dir.exists() else 'no such'} "
-                          f"directory (give the directory `optimus corpus` wrote)", str(corpus_dir))
+        raise CorpusError(f"corpus {corpus_dir}: {missing(corpus_dir, 'directory')} "
+                          f"(give the directory `optimus corpus` wrote)", str(corpus_dir))
     index = corpus_dir / INDEX_NAME
     if not index.is_file():
         return _scan(corpus_dir)

@@ -46,6 +46,7 @@ from optimus_core.provenance import utc_now
 from optimus_core.store import open_store
 from optimus_core.train.checkpoint import Checkpoint, latest_valid, newest_meta, valid_checkpoints
 from optimus_core.train.evaluate import heldout_metrics
+from optimus_core.paths import missing
 
 BUILTIN_TASKS = ("heldout", "continuation", "docstring")  # anything else is handed to lm-eval by name
 
@@ -118,7 +119,7 @@ def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
     for task_dir in config.task_dirs:  # before any model loads
         if not Path(task_dir).is_dir():
             raise FileNotFoundError(f"task directory {task_dir}: "
-                                    f"{'is a file, not a' if Path(task_dir).exists() else 'no such'} directory "
+                                    f"{missing(task_dir, 'directory')} "
                                     f"(of lm-eval task YAMLs)")
     from optimus_core.parallel.mesh import read_launch_env
 

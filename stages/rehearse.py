@@ -29,6 +29,7 @@ from optimus_core.config import ConfigError, RunConfig
 from optimus_core.device import device_slug
 from optimus_core.log import get_logger
 from optimus_core.rehearsal import fmt, rehearse
+from optimus_core.paths import missing
 
 _log = get_logger(__name__)
 
@@ -140,8 +141,8 @@ def write_store(store: Path, run_id: str, records: list[dict], head: dict) -> No
 
 def ingest(path: Path, store: Path) -> str:
     if not Path(path).is_file():
-        raise FileNotFoundError(f"--ingest {path}: {'is a directory, not a' if Path(path).is_dir() else 'no such'} "
-                                f"file (a rehearsal file: `optimus rehearse --jsonl` writes one)")
+        raise FileNotFoundError(f"--ingest {path}: {missing(path, 'file')} "
+                                f"(a rehearsal file: `optimus rehearse --jsonl` writes one)")
     records = [r for r in _read(path) if "name" in r]
     if not records:
         raise ValueError(f"{path}: no rehearsal records")

@@ -49,6 +49,7 @@ from optimus_core.data.shards import (
     MANIFEST_NAME, SPLITS, TOKENIZER_NAME, Manifest, TokenFile, Totals, IndexRow, sha256_file, token_dtype,
     write_index, write_manifest,
 )
+from optimus_core.paths import missing
 from stages.corpus import CORPUS_SUFFIXES, INDEX_NAME, CorpusError, CorpusFile, list_corpus, read_records
 
 __all__ = ["TokenizeConfig", "TokenizeInputs", "TokenizeOutputs", "TokenizeResult", "run_tokenize",
@@ -128,8 +129,8 @@ def run_tokenize(config: TokenizeConfig, inputs: TokenizeInputs, outputs: Tokeni
     if inputs.tokenizer is not None:  # the user's file, named as given, before anything is built
         given = Path(inputs.tokenizer)
         if not given.is_file():
-            raise FileNotFoundError(f"tokenizer {given}: {'is a directory, not a' if given.is_dir() else 'no such'} "
-                                    f"file (a Hugging Face tokenizer.json)")
+            raise FileNotFoundError(f"tokenizer {given}: {missing(given, 'file')} "
+                                    f"(a Hugging Face tokenizer.json)")
         load_tokenizer(given)
     with atomic_dir(outputs.out_dir) as tmp:
         tokenizer_path = tmp / TOKENIZER_NAME

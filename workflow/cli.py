@@ -286,9 +286,9 @@ def cmd_evaluate(args) -> Summary | None:
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc}: must be >= 1")
-    check_file_output(args.out or Path(args.run) / "eval.json", "--out" if args.out else "the default --out",
-                      "eval.json" if args.out else None)
-    check_writable(Path(args.out or Path(args.run) / "eval.json").parent)  # replaced whole: before evaluating
+    out = args.out or Path(args.run) / "eval.json"
+    check_file_output(out, "--out" if args.out else "the default --out", "eval.json" if args.out else None)
+    check_writable(Path(out).parent)  # replaced whole: before evaluating
     launch = read_launch_env()
     _rank_logging(args, launch)
     if args.nproc > 1 and launch.world_size == 1:
@@ -305,7 +305,6 @@ def cmd_evaluate(args) -> Summary | None:
                             all_checkpoints=args.all_checkpoints or args.downstream_all_checkpoints,
                             downstream_all_checkpoints=args.downstream_all_checkpoints, dtype=args.dtype,
                             device=args.device)
-    out = args.out or Path(args.run) / "eval.json"
     result = run_evaluate(config, EvaluateInputs(run_dir=args.run, data_dir=args.data),
                           EvaluateOutputs(eval_json=out, store=args.store))
     if launch.rank != 0:

@@ -50,6 +50,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 from optimus_core.atomic import atomic_write
 from optimus_core.config import ConfigError
+from optimus_core.paths import missing
 from stages.scaling import POINT_STRINGS
 from workflow import perfmodel as pm
 
@@ -306,5 +307,5 @@ def write_study(store_path: Path, result: dict[str, Any]) -> None:
 def check_paths(measured: Sequence[Path]) -> None:
     for path in measured:  # an input that is not there: exit 1, like every missing input
         if not Path(path).is_file():
-            raise FileNotFoundError(f"--measured {path}: {'is a directory, not a' if Path(path).is_dir() else 'no such'}"
-                                    f" file (a JSON-lines file of bench/distributed.py's strong suite)")
+            raise FileNotFoundError(f"--measured {path}: {missing(path, 'file')}"
+                                    f" (a JSON-lines file of bench/distributed.py's strong suite)")
