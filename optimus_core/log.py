@@ -37,9 +37,10 @@ def get_logger(name: str) -> logging.Logger:
     return logging.getLogger(f"{ROOT}.{short}" if short else ROOT)
 
 
-def configure_logging(rank: int = 0, world: int = 1, *, debug: bool = False) -> logging.Logger:
+def configure_logging(rank: int = 0, world: int = 1, *, debug: bool = False, quiet: bool = False) -> logging.Logger:
     """Send the ``optimus`` loggers (and ``warnings``) to stderr with this rank's prefix; calling
-    it again (a spawned rank, a later phase) replaces the previous setup rather than adding to it."""
+    it again (a spawned rank, a later phase) replaces the previous setup rather than adding to it.
+    ``quiet``: every rank from WARNING up (no plan, no progress lines: what is wrong, only)."""
     if not 0 <= rank < max(world, 1):
         raise ValueError(f"rank {rank} of world {world}: expected 0 <= rank < world")
     prefix = f"[{ROOT} {rank}/{world}]" if world > 1 else f"[{ROOT}]"
@@ -50,7 +51,7 @@ def configure_logging(rank: int = 0, world: int = 1, *, debug: bool = False) -> 
         root.removeHandler(old)
     root.addHandler(handler)
     root.propagate = False
-    root.setLevel(logging.DEBUG if debug else logging.INFO if rank == 0 else logging.WARNING)
+    root.setLevel(logging.DEBUG if debug else logging.INFO if rank == 0 and not quiet else logging.WARNING)
     logging.captureWarnings(True)
     warnings_logger = logging.getLogger("py.warnings")
     for old in [h for h in warnings_logger.handlers if isinstance(h, _TqdmHandler)]:

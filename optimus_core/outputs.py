@@ -21,6 +21,8 @@ import json
 from pathlib import Path
 from typing import Callable, Iterable
 
+from .atomic import atomic_write
+
 MARKER = ".optimus-output.json"
 
 
@@ -81,7 +83,17 @@ def read_marker(path: Path) -> dict | None:
         return None
 
 
+def _marker_text(stage: str, inputs: dict) -> str:
+    return json.dumps({"stage": stage, "inputs": {k: str(v) for k, v in inputs.items() if v is not None}},
+                      indent=1) + "\n"
+
+
 def mark_output(tmp: str | Path, stage: str, inputs: dict) -> None:
     """Write the marker into ``tmp``, the directory being built (atomic_dir publishes it whole)."""
-    (Path(tmp) / MARKER).write_text(json.dumps({
-        "stage": stage, "inputs": {k: str(v) for k, v in inputs.items() if v is not None}}, indent=1) + "\n")
+    (Path(tmp) / MARKER).write_text(_marker_text(stage, inputs))
+
+
+def mark_output_in_place(out: str | Path, stage: str, inputs: dict) -> None:
+    """Write the marker into ``out`` itself, for a stage that writes its files one at a time into
+    a directory it owns (figures): atomically, so two writers of the same marker never tear it."""
+    atomic_write(Path(out) / MARKER, _marker_text(stage, inputs))

@@ -16,6 +16,8 @@ creation order; a run keeps its colour across figures. The strong-scaling figure
 from the scaling study's runs instead (stages/scaling_figure.read_scaling: run ``perfmodel``, or
 the `optimus scaling` runs); ``scaleup.png`` draws the MoE runs among them (stages/scaleup.py).
 PNGs are drawn with the Agg canvas (no pyplot, no global backend) and written atomically.
+The output directory is the figures' own (optimus_core.outputs): absent, empty, or holding figures
+and the marker of an earlier call; a directory of anything else is refused before anything is drawn.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from matplotlib.ticker import MaxNLocator
 
 from optimus_core.config import _Validated
 from optimus_core.atomic import atomic_open
+from optimus_core.outputs import check_output, mark_output_in_place
 from optimus_core.store import ResultsStore, StoreKeyError, open_store
 from stages.scaleup import scaleup_figure, scaleup_runs
 from stages.scaling_figure import breakdown_figure, read_scaling, scaling_figure
@@ -122,10 +125,11 @@ def run_figures(config: FiguresConfig, inputs: FiguresInputs, outputs: FiguresOu
         raise FileExistsError(f"figures output {out} is {'the' if out.resolve() == store.resolve() else 'inside the'} "
                               f"results store {store}: the figures would be written into the store; choose an --out "
                               f"outside it")
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"figures output {out} is a file, not a directory: choose another --out "
-                              f"(nothing was changed)")
-    outputs.out_dir.mkdir(parents=True, exist_ok=True)
+    # The directory is the figures' own: figures are drawn into it one at a time (a workflow draws
+    # each after its stages), so it holds any of FIGURES and the marker, and nothing of the user's.
+    check_output(out, "figures", [store], recognise=lambda p: all(e.name in FIGURES for e in p.iterdir()))
+    out.mkdir(parents=True, exist_ok=True)
+    mark_output_in_place(out, "figures", {"store": store.resolve()})
     draw: dict[str, Callable[[_Data], Union[Figure, str]]] = {
         "loss.png": _loss, "scaleup.png": _scaleup, "heldout.png": _heldout,
         "throughput.png": _throughput, "expert_load.png": _expert_load, "eval_table.png": _eval_table,
@@ -140,7 +144,7 @@ def run_figures(config: FiguresConfig, inputs: FiguresInputs, outputs: FiguresOu
         if isinstance(fig, str):
             result.skipped[name] = fig
             fig = _note(fig)
-        path = outputs.out_dir / name
+        path = out / name
         with atomic_open(path, "wb") as f:
             fig.savefig(f, format="png", dpi=config.dpi)  # a bare Figure saves PNGs with Agg
         result.paths.append(path)

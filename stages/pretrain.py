@@ -24,6 +24,7 @@ that resumes loads its checkpoint instead.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -180,6 +181,7 @@ def _run_rank(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainO
     # which the other ranks may look for checkpoints in run_dir: rank 0 has made it).
     lock = RunLock(run_dir, config.run_id)
     failed: BaseException | None = None
+    made = lead and not run_dir.exists()  # a run refused before it writes anything leaves no directory behind
     if lead:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -193,8 +195,23 @@ def _run_rank(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainO
         raise lock.refusal("rank 0 could not take the run directory's lock (its error says why)")
     try:
         return _train(config, inputs, outputs, cfg, mesh, run_dir)
+    except BaseException:
+        lock.release()
+        if made:
+            _remove_empty(run_dir)
+        raise
     finally:
-        lock.release()  # a no-op on the ranks that did not take it
+        lock.release()  # a no-op on the ranks that did not take it (and once released)
+
+
+def _remove_empty(root: Path) -> None:
+    """Remove ``root`` if it holds only empty directories: what a run refused before its first
+    write made (os.rmdir removes no file, so nothing written can be lost)."""
+    for path in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):
+            path.rmdir()
+    with contextlib.suppress(OSError):
+        root.rmdir()
 
 
 def _read_meta(run_dir: Path) -> dict:

@@ -361,7 +361,7 @@ def test_an_output_that_cannot_be_written_is_named_as_the_user_gave_it(read_only
           "--workers", 1], read_only / "tokens"),
         (["export-hf", "--run", finished_run, "--out", read_only / "hf"], read_only / "hf"),
         (["figures", "--store", store, "--out", read_only / "a" / "figs"], read_only / "a" / "figs"),
-        (["figures", "--store", store, "--out", read_only], read_only / "loss.png"),  # a file in it
+        (["figures", "--store", store, "--out", read_only], read_only),  # an existing directory
         (["report", "--store", store, "--figures", tmp_path, "--out", read_only / "r.md"], read_only / "r.md"),
         (["evaluate", "--run", finished_run, "--max-batches", 1, "--out", read_only / "eval.json"],
          read_only / "eval.json"),
@@ -503,9 +503,8 @@ def test_the_reports_figure_links_work_where_a_path_has_spaces(tmp_path, capsys)
 # ----------------------------------------------------------------------------- the sweep of issue 28: one line each
 
 def one_line(err: str) -> str:
-    """The failure's one line (the last; a training run's plan may be logged above it, "[optimus] ...")."""
-    said = [line for line in err.splitlines() if line.startswith("optimus")]
-    assert "Traceback" not in err and len(said) == 1 and err.strip().endswith(said[0]), err
+    """The failure's one line: all that stderr holds (TINY's --quiet keeps a run's plan off it)."""
+    assert err.count("\n") == 1 and err.startswith("optimus") and err.endswith("\n"), err
     return err
 
 
@@ -580,6 +579,23 @@ def test_a_damaged_token_file_is_named_before_training(damage, said, tokens_dir,
     err = one_line(fails(["pretrain", "--preset", "mula-1b@laptop", "--data", data, "--out", tmp_path / "r",
                           "--steps", 1, *TINY], capsys, 1, f"{shard}: "))
     assert said in err
+    assert not (tmp_path / "r").exists()  # refused before the run wrote anything: no directory left behind
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_missing_held_out_file_is_found_before_training_on_every_rank(nproc, tokens_dir, tmp_path, capfd):
+    """Found when the run is built, not at its first evaluation; from spawned ranks it is the same
+    one line (said once for all of them), not a traceback per rank."""
+    data = tmp_path / "data"
+    shutil.copytree(tokens_dir, data)
+    shard = sorted((data / "val").rglob("*.npy"))[0]
+    shard.unlink()
+    capfd.readouterr()
+    assert main([str(a) for a in ["pretrain", "--preset", "mula-1b@laptop", "--data", data, "--out", tmp_path / "r",
+                                  "--steps", 1, "--nproc", nproc, *TINY]]) == 1
+    err = one_line(capfd.readouterr().err)
+    assert f"{shard}: missing (the manifest lists it)" in err
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize("text, said", [("{oops", "not valid JSON"), ("[1, 2]", "not a run's meta.json")])
@@ -621,7 +637,7 @@ def test_a_damaged_store_is_named_and_a_run_refused_by_it_does_not_say_running(t
     one_line(fails(["figures", "--store", store, "--out", tmp_path / "figs"], capsys, 1, said))
     one_line(fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", tmp_path / "r",
                     "--steps", 1, "--store", store, *TINY], capsys, 1, said))
-    assert not (tmp_path / "r" / "meta.json").exists()  # refused before meta.json could say "running"
+    assert not (tmp_path / "r").exists()  # refused before meta.json could say "running": nothing left behind
 
 
 def test_evaluate_settings_are_configuration_errors_and_a_missing_task_dir_is_named(finished_run, tmp_path, capsys):
@@ -651,6 +667,29 @@ def test_a_one_file_output_that_is_a_directory_is_refused_before_the_work(finish
     assert list(a_dir.iterdir()) == []
     with pytest.raises(FileExistsError, match="is a directory, not a file: nothing was written"):
         atomic_write(a_dir, "x")  # the stages' own writes, under any command
+
+
+def test_figures_replace_only_figures(tmp_path, capsys):
+    """A directory of the user's files is refused, untouched; the figures' own directory (its
+    marker, or only figure files: one drawn before markers existed) is drawn into again."""
+    store = _empty_store(tmp_path)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "loss.png").write_bytes(b"my own plot")
+    (mine / "notes.txt").write_text("x")
+    before = digest(mine)
+    one_line(fails(["figures", "--store", store, "--out", mine], capsys, 1,
+                   f"figures output {mine} holds 2 entries (loss.png, notes.txt) that `optimus figures` did not make"))
+    assert digest(mine) == before
+    figs = tmp_path / "figs"
+    for only in ("loss.png", "scaling.png"):  # one figure a call, into one directory, as the workflow draws them
+        assert main(["figures", "--store", str(store), "--out", str(figs), "--only", only]) == 0
+    assert sorted(p.name for p in figs.iterdir()) == [".optimus-output.json", "loss.png", "scaling.png"]
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "loss.png").write_bytes(b"drawn before markers")
+    assert main(["figures", "--store", str(store), "--out", str(old), "--only", "loss.png"]) == 0
+    assert (old / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_figures_refuse_an_out_that_is_a_file_or_the_store(tmp_path, capsys):

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +63,8 @@ def jsonable(value):
 
 
 def _rank_logging(args, launch) -> None:
-    configure_logging(launch.rank, launch.world_size, debug=getattr(args, "debug", False))
+    configure_logging(launch.rank, launch.world_size, debug=getattr(args, "debug", False),
+                      quiet=getattr(args, "quiet", False))
 
 
 def emit(summary: Summary | None, as_json: bool) -> None:
@@ -78,9 +80,12 @@ def _site_summary(done, args, fallback: str) -> Summary:
                                                "job": job}))
 
 
-def _run_in_own_process(command, args) -> None:
+def _run_in_own_process(command, args, reports: str | None = None) -> None:
     """A spawned rank or a restart attempt: the process that runs ``command`` prints its summary;
-    stopped by a signal after its checkpoint, it exits with the stop status (rank 0 says why)."""
+    stopped by a signal after its checkpoint, it exits with the stop status (rank 0 says why).
+    A failure the user can fix (user_failure) ends it with that status, its one line written to
+    ``reports``/rank-<RANK> for the launching process to say once (printed where ``reports`` is
+    None); a bug keeps its traceback."""
     from optimus_core.train.resilience import Preempted
 
     try:
@@ -89,6 +94,37 @@ def _run_in_own_process(command, args) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"optimus {args.command}: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
+    except Exception as e:  # noqa: BLE001  (a bug is re-raised, with its traceback)
+        failure = user_failure(args, e)
+        if failure is None:
+            raise
+        status, line = failure
+        if args.debug:
+            traceback.print_exception(e, file=sys.stderr)
+        if reports is None:
+            print(line, file=sys.stderr)
+        else:
+            Path(reports, f"rank-{int(os.environ.get('RANK', '0')):06d}").write_text(f"{status}\t{line}\n")
+        sys.exit(status)
+
+
+def reported_failure(reports: str | Path) -> tuple[int, list[str]] | None:
+    """(the lowest failing rank's status, each distinct line once, in rank order) of the failures
+    that processes running _run_in_own_process wrote into ``reports``; None when none wrote one.
+    Ranks that failed alike say it once; different failures each name their rank."""
+    found = []
+    for path in sorted(Path(reports).glob("rank-*")):
+        status, _, line = path.read_text().rstrip("\n").partition("\t")
+        found.append((int(path.name.removeprefix("rank-")), int(status), line))
+    if not found:
+        return None
+    ranks: dict[str, list[int]] = {}
+    for rank, _, line in found:
+        ranks.setdefault(line, []).append(rank)
+    if len(ranks) == 1:
+        return found[0][1], list(ranks)
+    return found[0][1], [f"{line} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})"
+                         for line, r in ranks.items()]
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -225,13 +261,19 @@ def cmd_pretrain(args) -> Summary | None:
                           f"{launch.world_size}): restart the whole job with that launcher instead")
     if max_restarts:
         # Each attempt is a fresh process running this command without --max-restarts; it resumes
-        # from the newest valid checkpoint by itself. Configuration errors (status 2) are final.
-
+        # from the newest valid checkpoint by itself.
         from optimus_core.train.restarts import ChildProcess, run_with_restarts
 
         once = argparse.Namespace(**dict(vars(args), max_restarts=0))
-        status = run_with_restarts(ChildProcess(_run_in_own_process, (cmd_pretrain, once)), max_restarts,
-                                   should_restart=lambda code: code != 2 and code not in STOP_EXIT_CODES)
+        with tempfile.TemporaryDirectory(prefix="optimus-attempts-") as reports:
+            # An attempt that fails for a reason the user must fix (bad data, the run directory
+            # busy with another job, a disk that refused a write) is not retried: a rerun fails alike.
+            status = run_with_restarts(ChildProcess(_run_in_own_process, (cmd_pretrain, once, reports)), max_restarts,
+                                       should_restart=lambda code: code not in STOP_EXIT_CODES
+                                       and reported_failure(reports) is None)
+            failure = reported_failure(reports)
+        if failure is not None:
+            print("\n".join(failure[1]), file=sys.stderr)
         if status:
             raise SystemExit(status)
         return None  # the last attempt printed the summary
@@ -244,12 +286,17 @@ def cmd_pretrain(args) -> Summary | None:
         # No launcher around us: start the ranks here; each re-enters this function as one rank.
         from torch.multiprocessing import ProcessExitedException
 
-        try:
-            spawn_local(_run_in_own_process, args.nproc, (cmd_pretrain, args))
-        except ProcessExitedException as e:
-            if e.exit_code in STOP_EXIT_CODES:  # stopped on request after a checkpoint: rank 0 said so
-                raise SystemExit(e.exit_code) from None
-            raise
+        with tempfile.TemporaryDirectory(prefix="optimus-ranks-") as reports:
+            try:
+                spawn_local(_run_in_own_process, args.nproc, (cmd_pretrain, args, reports))
+            except ProcessExitedException as e:
+                if e.exit_code in STOP_EXIT_CODES:  # stopped on request after a checkpoint: rank 0 said so
+                    raise SystemExit(e.exit_code) from None
+                failure = reported_failure(reports)  # the ranks' one-line errors, each said once
+                if failure is None:
+                    raise
+                print("\n".join(failure[1]), file=sys.stderr)
+                raise SystemExit(failure[0]) from None
         return None  # rank 0 printed the summary
     if args.nproc not in (1, launch.world_size):
         raise ConfigError(f"--nproc = {args.nproc}: this process is rank {launch.rank} of {launch.world_size} "
@@ -332,6 +379,7 @@ def cmd_figures(args) -> Summary:
     from stages.figures import FiguresConfig, FiguresInputs, FiguresOutputs, run_figures
 
     config = FiguresConfig(only=tuple(args.only) if args.only else None)
+    check_writable(args.out)  # the directory named, not the first file drawn into it
     result = run_figures(config, FiguresInputs(store=args.store), FiguresOutputs(out_dir=args.out))
     return Summary("\n".join(map(str, result.paths)), jsonable(result))  # one path a line: for `xargs`
 
@@ -557,7 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launcher", choices=("local", "parsl"), default="local")
     p.add_argument("--site", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no info lines (the plan, resumes): warnings and errors only")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.set_defaults(func=cmd_pretrain)
 
@@ -732,16 +780,31 @@ def _check_site_use(args) -> None:
         raise ConfigError(f"--site {args.site} is used only with --launcher parsl (this command runs here)")
 
 
+def user_failure(args, e: BaseException) -> tuple[int, str] | None:
+    """(exit status, the one line) of a failure the user causes and can fix (the module doc);
+    None for anything else, a bug, which keeps its traceback."""
+    said = f"optimus {args.command}: "
+    if isinstance(e, ConfigError):
+        return 2, f"{said}configuration error: {e}"
+    if isinstance(e, INPUT_ERRORS):
+        return 1, f"{said}error: {e}"
+    if isinstance(e, OSError):  # a write refused: the environment, not a bug
+        from optimus_core.atomic import NOT_WRITABLE
+
+        if e.errno in NOT_WRITABLE and e.filename is not None:
+            return 1, f"{said}error: {not_writable_message(e, args)}"
+        return None
+    if isinstance(e, RuntimeError):  # the device asked for is not here: the environment (valid elsewhere)
+        device = sys.modules.get("optimus_core.device")  # not imported: not its error (and no torch import)
+        if device is not None and isinstance(e, (device.DeviceUnavailableError, device.DeviceBindingError)):
+            return 1, f"{said}error: {e}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(debug=args.debug)  # a command that knows its rank sets it again
+    configure_logging(debug=args.debug, quiet=getattr(args, "quiet", False))  # a command that knows its rank sets it again
     from optimus_core.train.resilience import Preempted
-
-    def fail(kind: str, e: BaseException, code: int, message: str | None = None) -> int:
-        if args.debug:
-            traceback.print_exception(e, file=sys.stderr)
-        print(f"optimus {args.command}: {kind}{e if message is None else message}", file=sys.stderr)
-        return code
 
     try:
         _check_site_use(args)
@@ -749,21 +812,18 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:  # the scheduler asked us to stop: the launcher reruns, which resumes
         print(f"optimus {args.command}: {e}", file=sys.stderr)
         return e.exit_code
-    except ConfigError as e:
-        return fail("configuration error: ", e, 2)
-    except INPUT_ERRORS as e:
-        return fail("error: ", e, 1)
-    except OSError as e:  # a write refused: the environment, not a bug
-        from optimus_core.atomic import NOT_WRITABLE
-
-        if e.errno not in NOT_WRITABLE or e.filename is None:
+    except SystemExit as e:  # the status of the ranks or attempts this command launched (they said why)
+        if not isinstance(e.code, int):
             raise
-        return fail("error: ", e, 1, not_writable_message(e, args))
-    except RuntimeError as e:  # the device asked for is not here: the environment (the config is valid elsewhere)
-        device = sys.modules.get("optimus_core.device")  # not imported: not its error (and no torch import)
-        if device is None or not isinstance(e, (device.DeviceUnavailableError, device.DeviceBindingError)):
+        return e.code
+    except Exception as e:  # noqa: BLE001  (a bug is re-raised, with its traceback)
+        failure = user_failure(args, e)
+        if failure is None:
             raise
-        return fail("error: ", e, 1)
+        if args.debug:
+            traceback.print_exception(e, file=sys.stderr)
+        print(failure[1], file=sys.stderr)
+        return failure[0]
     emit(summary, args.json)
     return 0
 

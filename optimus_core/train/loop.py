@@ -93,6 +93,9 @@ class Trainer:
         self.model: Transformer = build_model(cfg, self.mesh, plan=self.plan)
         self.optimizer = build_run_optimizer(self.model, cfg, self.mesh, self.plan)
         dataset = TokenDataset(self.data_dir, split="train", seq_len=cfg.data.seq_len)
+        # the held-out split opened now, not at the first evaluation: a missing or truncated val
+        # file stops the run before it writes anything (each evaluation maps its source's again)
+        TokenDataset(self.data_dir, split="val", seq_len=cfg.data.seq_len)
         self.loader = BatchLoader(dataset, cfg.train.global_batch, seed=cfg.data.seed,
                                   rank=self.mesh.rank, world_size=self.mesh.world_size)
         self.step = 0

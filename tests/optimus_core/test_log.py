@@ -1,5 +1,6 @@
 """optimus_core.log: one line a record with the rank in front, rank 0 from INFO up and the
-others from WARNING up, warnings through the same lines, and a second setup replacing the first."""
+others from WARNING up, warnings through the same lines, and a second setup replacing the first;
+``quiet``: warnings only, on every rank."""
 import logging
 import warnings
 
@@ -52,3 +53,10 @@ def test_one_process_has_no_rank_and_warnings_share_the_lines(capsys):
 def test_a_rank_outside_the_world_is_refused():
     with pytest.raises(ValueError, match="rank 4 of world 4"):
         configure_logging(rank=4, world=4)
+
+
+def test_quiet_keeps_only_warnings_on_rank_zero_too(capsys):
+    configure_logging(rank=0, world=1, quiet=True)
+    get_logger("optimus_core.train.loop").info("execution plan ...")
+    get_logger("optimus_core.train.loop").warning("took over a stale lock")
+    assert capsys.readouterr().err.splitlines() == ["[optimus] took over a stale lock"]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from optimus_core.config import ConfigError
+from optimus_core.outputs import MARKER
 from optimus_core.store import open_store
 from stages.figures import FIGURE_READS, FIGURES, FiguresConfig, FiguresInputs, FiguresOutputs, run_figures
 from stages.scaleup import scaleup_figure, scaleup_runs
@@ -31,14 +32,14 @@ def test_only_draws_the_named_figures_in_figures_order(store_path, tmp_path):
     result = run_figures(FiguresConfig(only=("throughput.png", "loss.png")), FiguresInputs(store_path),
                          FiguresOutputs(tmp_path))
     assert result.paths == [tmp_path / "loss.png", tmp_path / "throughput.png"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png", "throughput.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MARKER, "loss.png", "throughput.png"]
     assert all(p.read_bytes()[:8] == PNG_MAGIC for p in result.paths)
     assert result.skipped == {}  # both have their data: real plots, not notes
 
 
 def test_only_a_scaling_figure_without_a_study_is_a_note(store_path, tmp_path):
     result = run_figures(FiguresConfig(only=("scaling.png",)), FiguresInputs(store_path), FiguresOutputs(tmp_path))
-    assert [p.name for p in tmp_path.iterdir()] == ["scaling.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MARKER, "scaling.png"]
     assert list(result.skipped) == ["scaling.png"] and "no scaling points" in result.skipped["scaling.png"]
 
 
@@ -52,7 +53,7 @@ def test_only_rejects_unknown_or_empty_names():
 def test_cli_only_flag(store_path, tmp_path, capsys):
     assert main(["figures", "--store", str(store_path), "--out", str(tmp_path), "--only", "expert_load.png",
                  "--only", "loss.png"]) in (0, None)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["expert_load.png", "loss.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [MARKER, "expert_load.png", "loss.png"]
     assert capsys.readouterr().out.split() == [str(tmp_path / "loss.png"), str(tmp_path / "expert_load.png")]
 
 

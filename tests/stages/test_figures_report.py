@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from optimus_core.config import ConfigError
+from optimus_core.outputs import MARKER
 from optimus_core.store import StoreKeyError, open_store
 from stages.figures import (BENCH_FIGURES, FIGURES, SCALING_FIGURES, FiguresConfig, FiguresInputs, FiguresOutputs, FiguresResult,
                             run_figures, select_runs)
@@ -111,7 +112,7 @@ def _assert_pngs(paths: list[Path]) -> None:
         assert path.read_bytes()[:8] == PNG_MAGIC
         height, width, _ = matplotlib.image.imread(path).shape  # decodes: a whole, valid PNG
         assert height > 100 and width > 100
-    assert not [p for p in paths[0].parent.iterdir() if p.name.startswith(".")]  # no temp files
+    assert not [p for p in paths[0].parent.iterdir() if p.name.startswith(".") and p.name != MARKER]  # no temp files
 
 
 # ----------------------------------------------------------------------------- figures

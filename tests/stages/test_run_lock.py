@@ -204,10 +204,6 @@ def test_of_concurrent_takers_exactly_one_holds_the_lock(tmp_path, stale):
 
 # ----------------------------------------------------------------------------- through `optimus pretrain`
 
-
-
-
-
 def test_the_lock_is_gone_after_a_normal_end(finished_run):
     assert (finished_run / "summary.json").is_file() and not (finished_run / "run.lock").exists()
 
@@ -220,6 +216,23 @@ def test_pretrain_into_a_directory_another_live_process_trains_is_refused_untouc
     err = capsys.readouterr().err
     assert f"optimus pretrain: error: {run} is being trained by pid {os.getpid()} on host {HOST} (heartbeat " in err
     assert f"s ago, run run-a): {REFUSAL_END}\n" in err
+    assert digest(run) == before
+
+
+def test_max_restarts_does_not_retry_a_refusal(small_tokens, run, capsys):
+    """The attempt refused by a live lock says so once and is final: a rerun would be refused alike."""
+    from workflow.cli import main
+
+    from tiny_runs import TINY
+
+    write_lock(run, run_id="run-a")
+    before = digest(run)
+    capsys.readouterr()
+    assert main(["pretrain", "--preset", "mula-1b@laptop", "--data", str(small_tokens), "--out", str(run),
+                 "--steps", "2", "--max-restarts", "3", *TINY]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"optimus pretrain: error: {run} is being trained by pid {os.getpid()} on host {HOST}")
+    assert err.count("\n") == 1 and "restarting" not in err, err
     assert digest(run) == before
 
 
