@@ -197,7 +197,7 @@ def _run_rank(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainO
         return _train(config, inputs, outputs, cfg, mesh, run_dir)
     except BaseException:
         lock.release()
-        if made:
+        if made and not (run_dir / "meta.json").exists():  # refused before the run's first write
             _remove_empty(run_dir)
         raise
     finally:

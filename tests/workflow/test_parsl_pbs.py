@@ -69,8 +69,9 @@ def test_pretrain_through_parsl_pbspro_and_mpiexec(tmp_path, tokens_dir, monkeyp
     run_dir, store = tmp_path / "runs" / "pbs-smoke", tmp_path / "store.zarr"
     monkeypatch.setenv("STANDIN_PBS_CUT_FIRST_JOB_WHEN", str(run_dir / "checkpoints" / "step_000002"))
     monkeypatch.setenv("STANDIN_PBS_SITE", str(site))
+    # no --quiet: the launch line read below is an info line
     train = ["--preset", "mula-7b-a1b@laptop", "--data", str(tokens_dir), "--steps", "6", "--checkpoint-every", "2",
-             "--quiet", "--threads", "1", "--set", "train.eval_batches=1", "--set", "train.global_batch=8"]
+             "--threads", "1", "--set", "train.eval_batches=1", "--set", "train.global_batch=8"]
     out = optimus(tmp_path, "pretrain", *train, "--out", str(run_dir), "--run-id", "pbs-smoke", "--store", str(store),
                   "--launcher", "parsl", "--site", str(site), "--nproc", "4", timeout=400)
     log = (tmp_path / "pbs" / "qsub.log").read_text() if (tmp_path / "pbs" / "qsub.log").is_file() else ""
