@@ -195,13 +195,10 @@ def _run_rank(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainO
         raise lock.refusal("rank 0 could not take the run directory's lock (its error says why)")
     try:
         return _train(config, inputs, outputs, cfg, mesh, run_dir)
-    except BaseException:
-        lock.release()
+    finally:
+        lock.release()  # a no-op on the ranks that did not take it
         if made and not (run_dir / "meta.json").exists():  # refused before the run's first write
             _remove_empty(run_dir)
-        raise
-    finally:
-        lock.release()  # a no-op on the ranks that did not take it (and once released)
 
 
 def _remove_empty(root: Path) -> None:
