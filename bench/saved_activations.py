@@ -2,7 +2,8 @@
 """What one transformer block keeps for its backward, tensor by tensor, with no compute.
 
     python bench/saved_activations.py [--preset mula-7b-a1b] [--tokens 8192] [--seq 4096]
-                                      [--backend triton] [--set model.moe.KEY=VALUE]
+                                      [--backend triton] [--qk-norm-rope triton|torch]
+                                      [--set model.moe.KEY=VALUE]
 
 Runs one block's forward under bf16 autocast on fake tensors (torch's FakeTensorMode: shapes and
 dtypes only, so the full OLMoE width at 8192 tokens costs no memory and no time) and records
@@ -45,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=8192, help="tokens in the micro-batch")
     p.add_argument("--seq", type=int, default=4096, help="sequence length (tokens / seq sequences)")
     p.add_argument("--backend", default="triton", choices=["loop", "torch", "triton"], help="experts backend")
+    p.add_argument("--qk-norm-rope", default="triton", choices=["torch", "triton"],
+                   help="execution.qk_norm_rope: the QK-norm and RoPE by the kernel or by torch ops")
     p.add_argument("--set", action="append", default=[], metavar="model.moe.KEY=VALUE",
                    help="a model.moe field, e.g. model.moe.top_k=4")
     return p.parse_args(argv)
@@ -54,7 +57,8 @@ def _value(text: str):
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
-def saved_tensors(preset: str, tokens: int, seq: int, backend: str, moe_overrides: dict) -> list[dict]:
+def saved_tensors(preset: str, tokens: int, seq: int, backend: str, moe_overrides: dict,
+                  qk_norm_rope: str = "triton") -> list[dict]:
     """One record per distinct storage saved by one block's forward: bytes, dtype, shape, the
     autograd node that saved it and whether it is a parameter or weight copy."""
     cfg = presets.get(preset).model
@@ -71,6 +75,7 @@ def saved_tensors(preset: str, tokens: int, seq: int, backend: str, moe_override
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = Transformer(cfg, experts_backend=backend)
+        model.set_qk_norm_rope_kernel(qk_norm_rope == "triton" and cfg.qk_norm)
         if cfg.moe:
             model.set_expert_weight_casts(torch.bfloat16)  # as training keeps them (the plan's expert copies)
         block = model.blocks[0]
@@ -92,7 +97,7 @@ def main(argv=None) -> None:
         if not key.startswith("model.moe.") or not value:
             sys.exit(f"--set {item!r}: expected model.moe.KEY=VALUE")
         overrides[key.removeprefix("model.moe.")] = _value(value)
-    rows = saved_tensors(args.preset, args.tokens, args.seq, args.backend, overrides)
+    rows = saved_tensors(args.preset, args.tokens, args.seq, args.backend, overrides, args.qk_norm_rope)
     print(f"{'MiB':>9} {'dtype':>9}  {'shape':<22} saved by")
     for r in sorted(rows, key=lambda r: -r["bytes"]):
         tag = "  (weight)" if r["weight"] else ""
@@ -100,6 +105,7 @@ def main(argv=None) -> None:
     activations = sum(r["bytes"] for r in rows if not r["weight"])
     print(f"activations saved by one block (eager, weights apart): {activations / 2**30:.3f} GiB")
     print(json.dumps({"preset": args.preset, "tokens": args.tokens, "seq": args.seq, "backend": args.backend,
+                      "qk_norm_rope": args.qk_norm_rope,
                       "moe_overrides": overrides, "activations_gib": activations / 2**30, "per_tensor": rows}))
 
 

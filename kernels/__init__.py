@@ -14,7 +14,9 @@ E = G experts (groups), M rows, K in-features, N out-features, H hidden features
 The triton ops are registered as torch custom ops (namespace `optimus`) so that torch.compile
 traces a layer using them. Beside the experts' ops, for the optimizer and the LM loss (Triton
 only, each with a plain-torch ``*_reference_``): ``adamw_step_`` (kernels.adamw) and
-``softmax_cross_entropy_`` (kernels.cross_entropy: a chunk's logits become their gradient).
+``softmax_cross_entropy_`` (kernels.cross_entropy: a chunk's logits become their gradient); for
+the attention (Triton only, reference ``qk_norm_rope_reference``): ``qk_norm_rope``
+(kernels.qk_norm_rope: QK-norm and RoPE in one pass).
 This package imports only torch and (optionally) triton.
 """
 
@@ -27,12 +29,14 @@ from .adamw import adamw_step_, adamw_step_reference_, squared_norm, squared_nor
 from .cross_entropy import softmax_cross_entropy_, softmax_cross_entropy_reference_
 from .grouped_mm import grouped_mm, grouped_mm_reference, torch_grouped_mm_unsupported
 from .permute import permute, permute_reference, unpermute, unpermute_reference
+from .qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from .swiglu import swiglu, swiglu_reference
 
 __all__ = [
     "adamw_step_", "adamw_step_reference_", "squared_norm", "squared_norm_reference",
     "available_backends", "grouped_mm", "grouped_mm_reference", "permute", "permute_reference",
-    "softmax_cross_entropy_", "softmax_cross_entropy_reference_", "swiglu", "swiglu_reference",
+    "qk_norm_rope", "qk_norm_rope_reference", "softmax_cross_entropy_", "softmax_cross_entropy_reference_",
+    "swiglu", "swiglu_reference",
     "torch_grouped_mm_unsupported", "unpermute", "unpermute_reference",
 ]
 

@@ -13,7 +13,8 @@ and caches the verdict per device name in this process. A failure warns once, na
 the kernel and the error, and the caller takes the reference path instead.
 
 Families: ``experts`` (grouped_mm forward, dx and dW; permute / unpermute; swiglu), ``adamw``
-(the fused step and the squared norm), ``cross_entropy`` (the fused softmax cross-entropy).
+(the fused step and the squared norm), ``cross_entropy`` (the fused softmax cross-entropy),
+``qk_norm_rope`` (the attention's QK-norm and RoPE, forward and both gradients).
 Under TRITON_INTERPRET=1 (the tests' harness, on the CPU) nothing is checked: ``validated`` is
 True wherever the interpreter can launch, and ``check`` runs a family's check on demand.
 """
@@ -124,8 +125,31 @@ def _check_cross_entropy(device: torch.device) -> None:
         _close(f"cross_entropy gradient ({dtype})", a, b, _tolerance(dtype))
 
 
+def _check_qk_norm_rope(device: torch.device) -> None:
+    from .qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+
+    g = torch.Generator().manual_seed(0)
+    # 3 heads of 6 (a tile of 4 x 4 half-heads, masked), 5 positions of a 7-row table, 11 rows
+    B, S, H, Dh = 2, 5, 3, 6
+    angles = torch.rand(7, Dh // 2, generator=g) * 6
+    cos, sin = torch.cat((angles, angles), -1).cos().to(device), torch.cat((angles, angles), -1).sin().to(device)
+    for dtype in _dtypes():
+        x = (torch.randn(B, S, H * Dh, generator=g) * 3).to(device, dtype)
+        w = (torch.rand(H * Dh, generator=g) + 0.5).to(device)
+        dy = torch.randn(B, S, H * Dh, generator=g).to(device, dtype)
+        got, want = [], []
+        for fn, out in ((qk_norm_rope, got), (qk_norm_rope_reference, want)):
+            xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = fn(xa if fn is qk_norm_rope else xa.float(), wa, cos, sin, eps=1e-5)
+            y.backward(dy.to(y.dtype))
+            out.extend((y.detach(), xa.grad, wa.grad))
+        for name, a, b in zip(("forward", "dx", "dweight"), got, want):
+            _close(f"qk_norm_rope {name} ({dtype})", a, b, _tolerance(dtype))
+
+
 CHECKS: dict[str, Callable[[torch.device], None]] = {
     "experts": _check_experts, "adamw": _check_adamw, "cross_entropy": _check_cross_entropy,
+    "qk_norm_rope": _check_qk_norm_rope,
 }
 
 

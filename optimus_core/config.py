@@ -434,6 +434,11 @@ class ExecutionConfig(_Validated):
     # the fused LM loss's log-softmax and gradient: "triton" (kernels.cross_entropy) or torch
     # ops. auto: triton on a GPU where it passed its self-check, else torch
     lm_loss: Literal["auto", "torch", "triton"] = "auto"
+    # the attention's QK-norm and RoPE: "triton" (one pass each way per projection,
+    # kernels.qk_norm_rope; its backward keeps the projection in its own dtype, not two float32
+    # copies) or torch ops. auto: triton on a GPU where it passed its self-check, else torch;
+    # torch for a model without QK-norm
+    qk_norm_rope: Literal["auto", "torch", "triton"] = "auto"
     # What the backward recomputes instead of keeping from the forward: "none"; "full": every
     # ``activation_checkpointing_every``-th block whole (its input is all it keeps); "moe": the
     # experts' GEMMs and SwiGLU only (the routed rows in, not the dispatch). auto: the least

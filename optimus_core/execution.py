@@ -2,7 +2,7 @@
 
     plan = plan_execution(cfg, "cuda", world_size=1)   # probes the device's kernels (kernels.selfcheck)
     print(plan.describe())                             # one line per choice and why
-    plan.dtype, plan.experts, plan.compile, plan.adamw, plan.lm_loss, plan.checkpointing, ...
+    plan.dtype, plan.experts, plan.compile, plan.adamw, plan.lm_loss, plan.qk_norm_rope, ...
     plan_execution(cfg, "xpu", world_size=12288, probe=False)   # planned for a device not here
 
 The config's execution section (optimus_core.config.ExecutionConfig) says what a user asked for;
@@ -14,7 +14,8 @@ this module alone turns it, with the device, the world size and the memory model
   torch._grouped_mm has its fast path (CUDA sm90+, bf16); else the loop.
 - compile: on for one process on CUDA, where it was measured faster (bench/NOTES.md); off
   elsewhere (on XPU and under FSDP2 it has not been measured yet).
-- adamw, lm_loss: the Triton kernel on a GPU where it passed its self-check, else torch.
+- adamw, lm_loss, qk_norm_rope: the Triton kernel on a GPU where it passed its self-check, else
+  torch (qk_norm_rope: torch for a model without QK-norm).
 - the experts' bf16 weight copies, which the optimizer keeps current so the forward does not cast:
   one process under bf16 without recast_expert_weights (sharded units are gathered in bf16).
 - the expert gradients in bf16 on those copies: with the copies, the Triton AdamW (which widens
@@ -55,6 +56,7 @@ class ExecutionPlan:
     compile: bool
     adamw: str  # "torch" | "triton"
     lm_loss: str  # "torch" | "triton"
+    qk_norm_rope: str  # "torch" | "triton"
     recast_expert_weights: bool
     expert_copies: bool  # bf16 copies of the expert weights, written by the optimizer
     bf16_expert_grads: bool  # the expert gradients on those copies, in bf16
@@ -71,6 +73,7 @@ class ExecutionPlan:
         mode, every = self.checkpointing
         rows = [("dtype", self.dtype), ("experts", self.experts or "none (dense)"),
                 ("compile", "on" if self.compile else "off"), ("adamw", self.adamw), ("lm_loss", self.lm_loss),
+                ("qk_norm_rope", self.qk_norm_rope),
                 ("expert weights", "recast in each GEMM" if self.recast_expert_weights else
                  "bf16 copies kept by the optimizer" if self.expert_copies else "as they are"),
                 ("expert gradients", "bf16 on the copies" if self.bf16_expert_grads else "float32"),
@@ -207,6 +210,13 @@ def resolve_choices(cfg: RunConfig, device: torch.device | str, world_size: int 
 
     adamw = _triton_or_torch("adamw", ex.adamw, "adamw", device, probe, why)
     lm_loss = _triton_or_torch("lm_loss", ex.lm_loss, "cross_entropy", device, probe, why)
+    if cfg.model.qk_norm:
+        qk_norm_rope = _triton_or_torch("qk_norm_rope", ex.qk_norm_rope, "qk_norm_rope", device, probe, why)
+    elif ex.qk_norm_rope == "triton":
+        raise ExecutionError("execution.qk_norm_rope = 'triton': the model has no QK-norm (model.qk_norm = false), "
+                             "which the kernel applies; use 'auto' or 'torch'")
+    else:
+        qk_norm_rope, why["qk_norm_rope"] = "torch", "the model has no QK-norm (RoPE alone, by torch ops)"
 
     bf16, moe = dtype == "bfloat16", cfg.model.moe is not None
     recast = bool(ex.recast_expert_weights and moe and bf16)
@@ -231,7 +241,8 @@ def resolve_choices(cfg: RunConfig, device: torch.device | str, world_size: int 
         why["update"] = ("the sharded optimizer's own step" if not one_process else
                          "needs the Triton AdamW" if adamw != "triton" else "needs a CUDA side stream")
     return ExecutionPlan(device_type=device.type, world_size=world_size, dtype=dtype, experts=experts,
-                         compile=compile_on, adamw=adamw, lm_loss=lm_loss, recast_expert_weights=recast,
+                         compile=compile_on, adamw=adamw, lm_loss=lm_loss, qk_norm_rope=qk_norm_rope,
+                         recast_expert_weights=recast,
                          expert_copies=copies, bf16_expert_grads=bf16_grads, grad_norm_under_backward=norm_under,
                          grad_norm_from_dw=from_dw, update_beside_forward=beside, why=why)
 

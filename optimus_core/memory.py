@@ -71,6 +71,7 @@ class MemoryLayout:
     checkpointing: str = "none"  # resolved execution.activation_checkpointing: none | full | moe
     every: int = 1  # full: every k-th block
     lm_loss_kernel: bool = True  # the fused LM loss's softmax by the Triton kernel (execution.lm_loss)
+    qk_norm_rope_kernel: bool = True  # the QK-norm and RoPE by the Triton kernel (execution.qk_norm_rope)
     expert_weight_casts: bool = True  # the experts' bf16 copies (one process under bf16: the plan's)
     bf16_expert_grads: bool = False  # the expert gradients on those copies (the plan's)
 
@@ -114,7 +115,8 @@ class MemoryLayout:
                    micro_batch=micro, accumulation=accumulation,
                    seq_len=cfg.data.seq_len, dtype=plan.dtype, optimizer=cfg.parallel.optimizer,
                    checkpointing=checkpointing[0], every=checkpointing[1],
-                   lm_loss_kernel=plan.lm_loss == "triton", expert_weight_casts=plan.expert_copies,
+                   lm_loss_kernel=plan.lm_loss == "triton", qk_norm_rope_kernel=plan.qk_norm_rope == "triton",
+                   expert_weight_casts=plan.expert_copies,
                    bf16_expert_grads=plan.bf16_expert_grads and accumulation == 1)
 
 
@@ -195,12 +197,16 @@ def checkpointed_blocks(n_layers: int, mode: str, every: int = 1) -> set[int]:
     return set(range(every - 1, n_layers, every)) if mode == "full" else set()
 
 
-def block_activation_bytes(cfg: ModelConfig, tokens: int, checkpointed: bool = False, experts_only: bool = False) -> float:
+def block_activation_bytes(cfg: ModelConfig, tokens: int, checkpointed: bool = False, experts_only: bool = False,
+                           qk_norm_rope_kernel: bool = False) -> float:
     """Bytes one block keeps for its backward over ``tokens`` tokens (eager, Triton experts, bf16
     autocast, the residual stream in float32), counted from the tensors autograd saves:
 
         attention and norms   8 float32 and 7 bf16 (tokens x d_model) tensors, the
-                              attention's log-sum-exp (float32 per head)
+                              attention's log-sum-exp (float32 per head); with the QK-norm +
+                              RoPE kernel (``qk_norm_rope_kernel``) the q and k projections in
+                              bf16 instead of two float32 copies of each (the norm's input and
+                              its normalised value)
         MoE feed-forward      the bf16 input, router logits and probabilities (float32 x E),
                               routing ids and weights (20 bytes per slot), and per routed row
                               (top_k per token) its bf16 input (D), up projection (2F) and
@@ -214,6 +220,8 @@ def block_activation_bytes(cfg: ModelConfig, tokens: int, checkpointed: bool = F
     if checkpointed:
         return 4.0 * D * tokens
     attn = 46 * D + 4 * H
+    if qk_norm_rope_kernel and cfg.qk_norm:
+        attn -= 6 * (D + cfg.kv_heads * cfg.head_dim)  # 8 bytes an element of q and k -> 2
     if cfg.moe is None:
         ffn = 4 * D + 8 * cfg.d_ff
     else:
@@ -276,7 +284,8 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
 
     # activations: blocks recomputed keep their input; the rest what autograd saves
     full = checkpointed_blocks(cfg.n_layers, L.checkpointing, L.every)
-    acts = sum(block_activation_bytes(cfg, T, checkpointed=i in full, experts_only=L.checkpointing == "moe")
+    acts = sum(block_activation_bytes(cfg, T, checkpointed=i in full, experts_only=L.checkpointing == "moe",
+                                      qk_norm_rope_kernel=L.qk_norm_rope_kernel)
                for i in range(cfg.n_layers))
     if bf16 and not sharded:  # autocast's bf16 copies of each kept block's dense weights
         acts += 2.0 * _dense_block_params(cfg) * (cfg.n_layers - len(full))
@@ -286,7 +295,7 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
     lm_chunk = 3 * min(LM_LOSS_CHUNK_ROWS, T) * V * 2.0
     recompute = 0.0
     if L.checkpointing == "full":
-        recompute = block_activation_bytes(cfg, T)
+        recompute = block_activation_bytes(cfg, T, qk_norm_rope_kernel=L.qk_norm_rope_kernel)
     elif L.checkpointing == "moe":
         recompute = 2.0 * T * cfg.moe.top_k * 3 * cfg.moe.d_expert
     dispatch = 0.0

@@ -5,11 +5,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
+
 from ..config import ModelConfig
 from .layers import RMSNorm, apply_rotary
 
 
 class Attention(nn.Module):
+    # QK-norm and RoPE by one Triton kernel per projection (execution.qk_norm_rope; set by
+    # Transformer.set_qk_norm_rope_kernel): the same function, the normed values kept in float32
+    # between the norm and the rotation instead of rounded to the projection's dtype
+    qk_norm_rope_kernel: bool = False
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
@@ -25,13 +32,19 @@ class Attention(nn.Module):
     def forward(self, x_BSD: torch.Tensor, cos_SDh: torch.Tensor, sin_SDh: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
         q, k, v = self.w_q(x_BSD), self.w_k(x_BSD), self.w_v(x_BSD)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # RoPE in the projections' own (B, S, heads, Dh) layout, then the head-major views SDPA
-        # takes: the rotated q and k are written as the norm reads them, token by token.
-        cos_S1Dh, sin_S1Dh = cos_SDh[:, None], sin_SDh[:, None]
-        q_BHSDh = apply_rotary(q.view(B, S, self.n_heads, self.head_dim), cos_S1Dh, sin_S1Dh).transpose(1, 2)
-        k_BGSDh = apply_rotary(k.view(B, S, self.n_kv_heads, self.head_dim), cos_S1Dh, sin_S1Dh).transpose(1, 2)
+        if self.q_norm is not None and self.qk_norm_rope_kernel:
+            q = kernels.qk_norm_rope(q, self.q_norm.weight, cos_SDh, sin_SDh, eps=self.q_norm.eps)
+            k = kernels.qk_norm_rope(k, self.k_norm.weight, cos_SDh, sin_SDh, eps=self.k_norm.eps)
+            q_BHSDh = q.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
+            k_BGSDh = k.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            # RoPE in the projections' own (B, S, heads, Dh) layout, then the head-major views
+            # SDPA takes: the rotated q and k are written as the norm reads them, token by token.
+            cos_S1Dh, sin_S1Dh = cos_SDh[:, None], sin_SDh[:, None]
+            q_BHSDh = apply_rotary(q.view(B, S, self.n_heads, self.head_dim), cos_S1Dh, sin_S1Dh).transpose(1, 2)
+            k_BGSDh = apply_rotary(k.view(B, S, self.n_kv_heads, self.head_dim), cos_S1Dh, sin_S1Dh).transpose(1, 2)
         v_BGSDh = v.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.n_kv_heads != self.n_heads:
             # repeat_interleave keeps query head h paired with kv head h // (H / G), as in Llama.

@@ -87,6 +87,14 @@ class Transformer(nn.Module):
         for layer in self.moe_layers():
             layer.experts.checkpoint_compute = mode == "moe"
 
+    def set_qk_norm_rope_kernel(self, on: bool) -> None:
+        """The attention's QK-norm and RoPE by the Triton kernel (execution.qk_norm_rope) or by
+        torch ops. ValueError for the kernel on a model without QK-norm."""
+        if on and not self.cfg.qk_norm:
+            raise ValueError("the QK-norm + RoPE kernel needs a model with QK-norm (model.qk_norm)")
+        for block in self.blocks:
+            block.attn.qk_norm_rope_kernel = on
+
     def set_recast_expert_weights(self, recast: bool) -> None:
         """Cast expert weights inside each grouped GEMM (less memory) or once per forward."""
         for layer in self.moe_layers():

@@ -83,3 +83,33 @@ def test_compiled_block_bf16_on_gpu(backend, gpu_device, rel_err):
     got = (out, *torch.autograd.grad(out, leaves, grad))
     for g, r in zip(got, (want, *torch.autograd.grad(want, leaves, grad))):
         assert rel_err(g, r) < 1e-2
+
+
+def test_qk_norm_rope_opcheck_and_compiled_attention_inputs(triton_device):
+    """The QK-norm + RoPE op: opcheck (its backward op has no autograd: plain inputs), and under
+    torch.compile (fullgraph, AOTAutograd) the same output and gradients as eager, with the
+    head-major transposed view the attention takes."""
+    from kernels import qk_norm_rope
+    from optimus_core.model.layers import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(3)
+    B, S, H, Dh = 2, 5, 3, 8
+    x = torch.randn(B, S, H * Dh, generator=gen).to(triton_device)
+    w = (torch.rand(H * Dh, generator=gen) + 0.5).to(triton_device)
+    cos, sin = (t.to(triton_device) for t in RotaryEmbedding(Dh, 10000.0, S)(S))
+    ops = torch.ops.optimus
+    torch.library.opcheck(ops.qk_norm_rope, (x.clone().requires_grad_(), w.clone().requires_grad_(), cos, sin, 1e-5))
+    torch.library.opcheck(ops.qk_norm_rope_backward, (x, w, cos, sin, torch.randn_like(x), 1e-5))
+
+    def heads(x, w):
+        return qk_norm_rope(x, w, cos, sin, eps=1e-5).view(B, S, H, Dh).transpose(1, 2)
+
+    torch._dynamo.reset()
+    compiled_leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    eager_leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    out = torch.compile(heads, backend="aot_eager", fullgraph=True)(*compiled_leaves)
+    want = heads(*eager_leaves)
+    grad = torch.randn_like(out)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)  # the same kernels on the same inputs
+    for g, r in zip(torch.autograd.grad(out, compiled_leaves, grad), torch.autograd.grad(want, eager_leaves, grad)):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)

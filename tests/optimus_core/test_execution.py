@@ -25,7 +25,8 @@ def run(model=MOE, train=None, optim=None, **execution) -> RunConfig:
 
 
 def choices(plan: ExecutionPlan) -> dict:
-    return {f: getattr(plan, f) for f in ("dtype", "experts", "compile", "adamw", "lm_loss", "recast_expert_weights",
+    return {f: getattr(plan, f) for f in ("dtype", "experts", "compile", "adamw", "lm_loss", "qk_norm_rope",
+                                          "recast_expert_weights",
                                           "expert_copies", "bf16_expert_grads", "grad_norm_under_backward",
                                           "grad_norm_from_dw", "update_beside_forward")}
 
@@ -40,9 +41,9 @@ def test_auto_on_a_cpu_is_the_plain_torch_path(monkeypatch, interpret):
     plan = resolve_choices(run(), "cpu")
     assert plan.device_type == "cpu" and plan.world_size == 1
     assert choices(plan) == dict(dtype="float32", experts="loop", compile=False, adamw="torch", lm_loss="torch",
-                                 recast_expert_weights=False, expert_copies=False, bf16_expert_grads=False,
+                                 qk_norm_rope="torch", recast_expert_weights=False, expert_copies=False, bf16_expert_grads=False,
                                  grad_norm_under_backward=False, grad_norm_from_dw=False, update_beside_forward=False)
-    for name in ("dtype", "experts", "compile", "adamw", "lm_loss"):
+    for name in ("dtype", "experts", "compile", "adamw", "lm_loss", "qk_norm_rope"):
         assert plan.why[name].startswith("auto: "), name
     assert plan.why["dtype"] == "auto: float32 on a CPU"
     assert plan.why["compile"] == "auto: off on a CPU"
@@ -55,7 +56,7 @@ def test_auto_on_one_cuda_gpu_is_the_fast_path():
     backward (its expert terms from the dW kernel) and the update beside the next forward."""
     plan = resolve_choices(run(), "cuda", probe=False)
     assert choices(plan) == dict(dtype="bfloat16", experts="triton", compile=True, adamw="triton", lm_loss="triton",
-                                 recast_expert_weights=False, expert_copies=True, bf16_expert_grads=True,
+                                 qk_norm_rope="triton", recast_expert_weights=False, expert_copies=True, bf16_expert_grads=True,
                                  grad_norm_under_backward=True, grad_norm_from_dw=True, update_beside_forward=True)
     assert plan.why["experts"] == plan.why["adamw"] == "auto: planned; checked when the run starts"
     assert plan.why["compile"] == "auto: measured faster on one CUDA GPU"
@@ -66,7 +67,7 @@ def test_auto_under_fsdp2_compiles_nothing_and_keeps_no_copies():
     plan = resolve_choices(run(), "cuda", world_size=2, probe=False)
     assert plan.world_size == 2
     assert choices(plan) == dict(dtype="bfloat16", experts="triton", compile=False, adamw="triton", lm_loss="triton",
-                                 recast_expert_weights=False, expert_copies=False, bf16_expert_grads=False,
+                                 qk_norm_rope="triton", recast_expert_weights=False, expert_copies=False, bf16_expert_grads=False,
                                  grad_norm_under_backward=False, grad_norm_from_dw=False, update_beside_forward=False)
     assert plan.why["compile"] == "auto: not measured under FSDP2 yet"
     assert plan.why["expert weights"] == "sharded units are gathered in bf16"
@@ -77,7 +78,7 @@ def test_auto_under_fsdp2_compiles_nothing_and_keeps_no_copies():
 def test_auto_on_xpu_compiles_nothing_and_has_no_side_streams():
     plan = resolve_choices(run(), "xpu", probe=False)
     assert choices(plan) == dict(dtype="bfloat16", experts="triton", compile=False, adamw="triton", lm_loss="triton",
-                                 recast_expert_weights=False, expert_copies=True, bf16_expert_grads=True,
+                                 qk_norm_rope="triton", recast_expert_weights=False, expert_copies=True, bf16_expert_grads=True,
                                  grad_norm_under_backward=False, grad_norm_from_dw=False, update_beside_forward=False)
     assert plan.why["compile"] == "auto: not measured on XPU yet"
     assert plan.why["clip norm"] == plan.why["update"] == "needs a CUDA side stream"
@@ -134,10 +135,21 @@ def test_a_dense_model_has_no_experts_to_plan():
     assert "none (dense)" in plan.describe()
 
 
+def test_a_model_without_qk_norm_has_rope_alone_by_torch():
+    """The kernel applies QK-norm and RoPE together: a model without QK-norm keeps torch's RoPE
+    under auto, and an explicit 'triton' is an error naming the model field."""
+    no_norm = MOE.replace(qk_norm=False)
+    plan = resolve_choices(run(no_norm), "cuda", probe=False)
+    assert plan.qk_norm_rope == "torch" and plan.why["qk_norm_rope"].startswith("the model has no QK-norm")
+    with pytest.raises(ExecutionError, match=r"^execution\.qk_norm_rope = 'triton': the model has no QK-norm "
+                                             r"\(model\.qk_norm = false\)"):
+        resolve_choices(run(no_norm, qk_norm_rope="triton"), "cuda", probe=False)
+
+
 # ----------------------------------------------------------------------------- explicit choices
 
 def test_explicit_choices_win_and_are_marked_asked():
-    asked = dict(dtype="float32", experts="loop", compile=False, adamw="torch", lm_loss="torch")
+    asked = dict(dtype="float32", experts="loop", compile=False, adamw="torch", lm_loss="torch", qk_norm_rope="torch")
     plan = resolve_choices(run(**asked), "cuda", probe=False)
     assert {k: getattr(plan, k) for k in asked} == asked
     assert all(plan.why[k] == "asked" for k in asked)
@@ -157,7 +169,8 @@ def test_torch_experts_in_float32_on_cuda_are_refused_naming_the_choice():
     assert issubclass(ExecutionError, ConfigError)  # the CLI reports it as any bad config
 
 
-@pytest.mark.parametrize("choice, kernel", [("adamw", "adamw"), ("lm_loss", "cross_entropy"), ("experts", "experts")])
+@pytest.mark.parametrize("choice, kernel", [("adamw", "adamw"), ("lm_loss", "cross_entropy"), ("experts", "experts"),
+                                           ("qk_norm_rope", "qk_norm_rope")])
 def test_explicit_triton_on_a_cpu_needs_the_interpreter(monkeypatch, choice, kernel):
     monkeypatch.setattr(kernels._triton, "INTERPRET", False)
     with pytest.raises(ExecutionError, match=rf"^execution\.{choice} = 'triton': the Triton {kernel} kernel "
@@ -203,14 +216,16 @@ def fake_cuda(monkeypatch):
 
 def test_kernels_that_pass_their_self_check_are_validated(fake_cuda):
     plan = resolve_choices(run(), "cuda")
-    assert (plan.experts, plan.adamw, plan.lm_loss) == ("triton",) * 3
-    assert plan.why["experts"] == plan.why["adamw"] == plan.why["lm_loss"] == "auto: validated on this device"
+    assert (plan.experts, plan.adamw, plan.lm_loss, plan.qk_norm_rope) == ("triton",) * 4
+    assert plan.why["experts"] == plan.why["adamw"] == plan.why["lm_loss"] == plan.why["qk_norm_rope"] \
+        == "auto: validated on this device"
 
 
 def test_a_failed_self_check_under_auto_takes_the_next_choice_and_says_why(fake_cuda):
-    fake_cuda.update({"experts", "adamw", "cross_entropy"})
+    fake_cuda.update({"experts", "adamw", "cross_entropy", "qk_norm_rope"})
     plan = resolve_choices(run(), "cuda")
-    assert (plan.experts, plan.adamw, plan.lm_loss) == ("loop", "torch", "torch")
+    assert (plan.experts, plan.adamw, plan.lm_loss, plan.qk_norm_rope) == ("loop", "torch", "torch", "torch")
+    assert "AssertionError: qk_norm_rope off by 0.5" in plan.why["qk_norm_rope"]
     assert "failed its self-check on this device: AssertionError: experts off by 0.5" in plan.why["experts"]
     assert "no torch._grouped_mm fast path" in plan.why["experts"]
     assert "AssertionError: adamw off by 0.5" in plan.why["adamw"]
@@ -224,11 +239,12 @@ def test_a_failed_self_check_under_auto_takes_the_next_choice_and_says_why(fake_
 def test_only_the_failing_family_falls_back(fake_cuda):
     fake_cuda.add("adamw")
     plan = resolve_choices(run(), "cuda")
-    assert (plan.experts, plan.adamw, plan.lm_loss) == ("triton", "torch", "triton")
+    assert (plan.experts, plan.adamw, plan.lm_loss, plan.qk_norm_rope) == ("triton", "torch", "triton", "triton")
     assert plan.grad_norm_from_dw and not plan.update_beside_forward
 
 
-@pytest.mark.parametrize("choice, kernel", [("adamw", "adamw"), ("lm_loss", "cross_entropy"), ("experts", "experts")])
+@pytest.mark.parametrize("choice, kernel", [("adamw", "adamw"), ("lm_loss", "cross_entropy"), ("experts", "experts"),
+                                           ("qk_norm_rope", "qk_norm_rope")])
 def test_a_failed_self_check_under_explicit_triton_is_an_error(fake_cuda, choice, kernel):
     fake_cuda.add(kernel)
     with pytest.raises(ExecutionError, match=rf"^execution\.{choice} = 'triton': the Triton {kernel} kernel failed its "
@@ -240,7 +256,7 @@ def test_triton_that_cannot_launch_falls_back_under_auto(monkeypatch):
     monkeypatch.setattr(kernels._triton, "launchable_on", lambda device: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     plan = resolve_choices(run(), "cuda")
-    assert (plan.experts, plan.adamw, plan.lm_loss) == ("loop", "torch", "torch")
+    assert (plan.experts, plan.adamw, plan.lm_loss, plan.qk_norm_rope) == ("loop", "torch", "torch", "torch")
     assert "Triton cannot launch on cuda" in plan.why["adamw"]
     with pytest.raises(ExecutionError, match="Triton cannot launch on cuda"):
         resolve_choices(run(adamw="triton"), "cuda")
@@ -248,7 +264,7 @@ def test_triton_that_cannot_launch_falls_back_under_auto(monkeypatch):
 
 # ----------------------------------------------------------------------------- the whole plan
 
-ROWS = ["dtype", "experts", "compile", "adamw", "lm_loss", "expert weights", "expert gradients", "clip norm",
+ROWS = ["dtype", "experts", "compile", "adamw", "lm_loss", "qk_norm_rope", "expert weights", "expert gradients", "clip norm",
         "update", "activation checkpointing"]
 
 

@@ -30,7 +30,8 @@ def test_parameter_table_is_the_models(cfg):
     assert sum(p.numel for p in parameter_table(cfg)) == cfg.num_params()
 
 
-def saved_activation_bytes(cfg: ModelConfig, batch: int, seq: int, mode: str = "none") -> int:
+def saved_activation_bytes(cfg: ModelConfig, batch: int, seq: int, mode: str = "none",
+                           qk_norm_rope_kernel: bool = False) -> int:
     """What one block keeps for its backward, counted from autograd's saved tensors on fake
     tensors: the weights in bf16 (as FSDP2 gathers them under bf16), the residual in float32,
     bf16 autocast, weights and buffers apart."""
@@ -47,6 +48,7 @@ def saved_activation_bytes(cfg: ModelConfig, batch: int, seq: int, mode: str = "
         finally:
             torch.set_default_dtype(torch.float32)
         model.set_activation_checkpointing("moe" if mode == "moe" else "none")
+        model.set_qk_norm_rope_kernel(qk_norm_rope_kernel)
         block, (cos, sin) = model.blocks[0], model.rope(seq)
         x = torch.randn(batch, seq, cfg.d_model, requires_grad=True)
         with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -58,15 +60,21 @@ def saved_activation_bytes(cfg: ModelConfig, batch: int, seq: int, mode: str = "
     return sum(t.untyped_storage().nbytes() for key, t in records.items() if key not in weights)
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["qk-torch", "qk-kernel"])
 @pytest.mark.parametrize("cfg, mode", [(MOE, "none"), (MOE, "moe"), (MOE, "full"), (WIDE, "none"), (WIDE, "moe"),
                                        (DENSE, "none"), (DENSE, "full")])
-def test_block_activations_are_what_autograd_saves(cfg, mode):
+def test_block_activations_are_what_autograd_saves(cfg, mode, kernel):
     """Within 3%: the count leaves out the RoPE tables and the norms' statistics (a few bytes per
-    token), which the checkpointed block keeps beside its input."""
+    token), which the checkpointed block keeps beside its input. Both QK-norm paths
+    (execution.qk_norm_rope): the kernel keeps 12 bytes per token and d_model fewer."""
     batch, seq = 2, 64
-    want = saved_activation_bytes(cfg, batch, seq, mode)
-    got = block_activation_bytes(cfg, batch * seq, checkpointed=mode == "full", experts_only=mode == "moe")
+    want = saved_activation_bytes(cfg, batch, seq, mode, qk_norm_rope_kernel=kernel)
+    got = block_activation_bytes(cfg, batch * seq, checkpointed=mode == "full", experts_only=mode == "moe",
+                                 qk_norm_rope_kernel=kernel)
     assert got == pytest.approx(want, rel=0.03 if mode != "full" else 0.2)
+    if kernel and mode != "full":
+        torch_path = block_activation_bytes(cfg, batch * seq, experts_only=mode == "moe")
+        assert torch_path - got == 12 * cfg.d_model * batch * seq
     if mode == "full":  # its float32 input, and the tables it will recompute from
         assert got == 4 * cfg.d_model * batch * seq
 

@@ -1,5 +1,6 @@
 """The model against a straightforward reference written here, with the same weights."""
 import math
+import os
 
 import pytest
 import torch
@@ -285,3 +286,37 @@ def test_aux_loss_with_shares_counted_elsewhere_uses_them_and_the_forwards_proba
     torch.testing.assert_close(got, expected)
     got.backward()
     assert model.blocks[0].ffn.router.gate.weight.grad.abs().sum() > 0
+
+
+KERNEL_ON_CPU = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                   reason="the Triton kernel on CPU needs TRITON_INTERPRET=1 (float32 only)")
+
+
+@KERNEL_ON_CPU
+@pytest.mark.parametrize("cfg", [
+    ModelConfig(vocab_size=97, d_model=30, n_layers=2, n_heads=5, moe=MoEConfig(n_experts=4, top_k=2, d_expert=8)),
+    ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48),
+], ids=["moe-5-heads-of-6", "gqa"])
+def test_the_qk_norm_rope_kernel_is_the_same_model(cfg):
+    """execution.qk_norm_rope = triton: the reference forward above, and every gradient of the
+    torch path (float32: the two differ by float32 rounding only)."""
+    tokens = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for kernel in (False, True):
+        model = build(cfg)
+        model.set_qk_norm_rope_kernel(kernel)
+        logits = model(tokens)
+        if kernel:
+            torch.testing.assert_close(logits.detach().double(), reference_forward(model, tokens), rtol=1e-5, atol=1e-5)
+        logits.float().square().mean().backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    assert grads[1]["blocks.0.attn.q_norm.weight"].abs().sum() > 0
+
+
+def test_the_qk_norm_rope_kernel_needs_qk_norm():
+    model = build(ModelConfig(vocab_size=97, d_model=32, n_layers=1, n_heads=4, d_ff=48, qk_norm=False))
+    model.set_qk_norm_rope_kernel(False)
+    with pytest.raises(ValueError, match="needs a model with QK-norm"):
+        model.set_qk_norm_rope_kernel(True)
