@@ -20,6 +20,7 @@ warm-up, then the median of timed steps, phases from device events):
     +recast                 execution.recast_expert_weights: the float32 expert weights cast inside
                             each GEMM, no bf16 copies kept (less memory, a little more time)
     -xent                   execution.lm_loss = torch: the fused LM loss's softmax by torch ops
+    -torch-qk-norm          execution.qk_norm_rope = torch: the QK-norm and RoPE by torch ops
     +torch-adamw            execution.adamw = torch: torch's fused AdamW (and so no update beside
                             the forward and no bf16 expert gradients: the plan's rules)
 
@@ -79,6 +80,7 @@ def _run(experts: str, compiled: bool, **extra) -> dict:
 
 VARIANTS = {  # name -> (model, execution overrides)
     "7b8l-default": (MODEL_7B, {}),
+    "7b8l-default-torch-qk-norm": (MODEL_7B, {"execution.qk_norm_rope": "torch"}),
     "7b8l-loop": (MODEL_7B, _run("loop", False)),
     "7b8l-torch": (MODEL_7B, _run("torch", False)),
     "7b8l-triton": (MODEL_7B, _run("triton", False)),

@@ -40,8 +40,11 @@ from ._triton import INTERPRET, check_launchable, device_guard, jit, tl, triton
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 MAX_WIDTH = 8192  # a row lives in registers: D up to this (the Mula models have 2048 and 4096)
 # dweight's partial sums: at most this many programs (rows of the buffer), whatever the device,
-# so that its summation order, and so its bits, depend on T alone
+# so that its summation order, and so its bits, depend on T (and the tile) alone
 BACKWARD_PROGRAMS = 512
+# A GPU tile: rows enough for about this many elements of each half, and the warps that run it
+TILE_ELEMENTS = 1024
+WARPS = 4
 
 
 def _check(x_BSD: Tensor, weight_D: Tensor, cos_SDh: Tensor, sin_SDh: Tensor) -> None:
@@ -104,23 +107,24 @@ def _load_halves(ptr, lo, HALF, mask):
 
 
 @jit
-def _qk_norm_rope_fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, S, H, HALF, stride_x, stride_y,
-                             stride_cs, eps, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    p = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (h < H) & (p < HALF)
+def _qk_norm_rope_fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, T, S, H, HALF, stride_x, stride_y,
+                             stride_cs, eps, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                             BLOCK_HALF: tl.constexpr):
+    """Rows [pid * BLOCK_T, +BLOCK_T), each as (heads, half-head) tiles of its two halves."""
+    r = (tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None, None]
+    h = tl.arange(0, BLOCK_H)[None, :, None]
+    p = tl.arange(0, BLOCK_HALF)[None, None, :]
+    in_row = (h < H) & (p < HALF)
+    mask = in_row & (r < T)
     lo = h * (2 * HALF) + p  # each head's first half; its second half is HALF further
-    x1, x2 = _load_halves(x_ptr + row * stride_x, lo, HALF, mask)
-    w1, w2 = _load_halves(w_ptr, lo, HALF, mask)
-    mean_sq = (tl.sum(tl.sum(x1 * x1, 1), 0) + tl.sum(tl.sum(x2 * x2, 1), 0)) / (2 * H * HALF)
-    rstd = tl.rsqrt(mean_sq + eps)
+    x1, x2 = _load_halves(x_ptr + r * stride_x, lo, HALF, mask)
+    w1, w2 = _load_halves(w_ptr, lo, HALF, in_row)
+    mean_sq = (tl.sum(tl.sum(x1 * x1, 2), 1) + tl.sum(tl.sum(x2 * x2, 2), 1)) / (2 * H * HALF)
+    rstd = tl.rsqrt(mean_sq + eps)[:, None, None]
     n1, n2 = x1 * rstd * w1, x2 * rstd * w2
-    cs = (row % S) * stride_cs + p
-    p_ok = p < HALF
-    c1, c2 = _load_halves(cos_ptr, cs, HALF, p_ok)
-    s1, s2 = _load_halves(sin_ptr, cs, HALF, p_ok)
-    y_row = y_ptr + row * stride_y + lo
+    c1, c2 = _load_halves(cos_ptr, (r % S) * stride_cs + p, HALF, (r < T) & (p < HALF))
+    s1, s2 = _load_halves(sin_ptr, (r % S) * stride_cs + p, HALF, (r < T) & (p < HALF))
+    y_row = y_ptr + r * stride_y + lo
     tl.store(y_row, (n1 * c1 - n2 * s1).to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(y_row + HALF, (n2 * c2 + n1 * s2).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -128,52 +132,52 @@ def _qk_norm_rope_fwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, S, H, HALF, 
 @jit
 def _qk_norm_rope_bwd_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, dy_ptr, dx_ptr, dw_partial_ptr, T, S, H, HALF,
                              stride_x, stride_dy, stride_dx, stride_cs, eps, rows_per_program,
-                             BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Rows [pid * rows_per_program, +rows_per_program) of dx, and their sum of dn * xhat into
-    row pid of the partial dweight buffer."""
+                             BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rows [pid * rows_per_program, +rows_per_program) of dx, BLOCK_T at a time, and their sum
+    of dn * xhat into row pid of the partial dweight buffer."""
     pid = tl.program_id(0)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    p = tl.arange(0, BLOCK_HALF)[None, :]
+    h = tl.arange(0, BLOCK_H)[None, :, None]
+    p = tl.arange(0, BLOCK_HALF)[None, None, :]
     in_row = (h < H) & (p < HALF)
     lo = h * (2 * HALF) + p
     w1, w2 = _load_halves(w_ptr, lo, HALF, in_row)
     dw1 = tl.zeros((BLOCK_H, BLOCK_HALF), tl.float32)
     dw2 = tl.zeros((BLOCK_H, BLOCK_HALF), tl.float32)
     D = 2 * H * HALF
-    for i in range(0, rows_per_program):
-        row = pid.to(tl.int64) * rows_per_program + i
-        half_in = tl.where(row < T, HALF, 0)  # no columns past the last row (a scalar bound:
-        mask = (h < H) & (p < half_in)       # the interpreter's & of a scalar mask is not boolean)
-        x1, x2 = _load_halves(x_ptr + row * stride_x, lo, HALF, mask)
-        dy1, dy2 = _load_halves(dy_ptr + row * stride_dy, lo, HALF, mask)
-        cs = (row % S) * stride_cs + p
-        p_ok = p < half_in
-        c1, c2 = _load_halves(cos_ptr, cs, HALF, p_ok)
-        s1, s2 = _load_halves(sin_ptr, cs, HALF, p_ok)
+    for i in range(0, rows_per_program, BLOCK_T):
+        r = (pid.to(tl.int64) * rows_per_program + i + tl.arange(0, BLOCK_T))[:, None, None]
+        mask = in_row & (r < T)
+        x1, x2 = _load_halves(x_ptr + r * stride_x, lo, HALF, mask)
+        dy1, dy2 = _load_halves(dy_ptr + r * stride_dy, lo, HALF, mask)
+        c1, c2 = _load_halves(cos_ptr, (r % S) * stride_cs + p, HALF, (r < T) & (p < HALF))
+        s1, s2 = _load_halves(sin_ptr, (r % S) * stride_cs + p, HALF, (r < T) & (p < HALF))
         dn1 = dy1 * c1 + dy2 * s2  # RoPE's transpose
         dn2 = dy2 * c2 - dy1 * s1
-        rstd = tl.rsqrt((tl.sum(tl.sum(x1 * x1, 1), 0) + tl.sum(tl.sum(x2 * x2, 1), 0)) / D + eps)
+        rstd = tl.rsqrt((tl.sum(tl.sum(x1 * x1, 2), 1) + tl.sum(tl.sum(x2 * x2, 2), 1)) / D + eps)[:, None, None]
         xh1, xh2 = x1 * rstd, x2 * rstd
-        dw1 += dn1 * xh1
-        dw2 += dn2 * xh2
+        dw1 += tl.sum(dn1 * xh1, 0)
+        dw2 += tl.sum(dn2 * xh2, 0)
         g1, g2 = dn1 * w1, dn2 * w2
-        mean_gx = (tl.sum(tl.sum(g1 * xh1, 1), 0) + tl.sum(tl.sum(g2 * xh2, 1), 0)) / D
-        dx_row = dx_ptr + row * stride_dx + lo
+        mean_gx = ((tl.sum(tl.sum(g1 * xh1, 2), 1) + tl.sum(tl.sum(g2 * xh2, 2), 1)) / D)[:, None, None]
+        dx_row = dx_ptr + r * stride_dx + lo
         tl.store(dx_row, (rstd * (g1 - xh1 * mean_gx)).to(dx_ptr.dtype.element_ty), mask=mask)
         tl.store(dx_row + HALF, (rstd * (g2 - xh2 * mean_gx)).to(dx_ptr.dtype.element_ty), mask=mask)
     partial = dw_partial_ptr + pid.to(tl.int64) * D + lo
-    tl.store(partial, dw1, mask=in_row)
-    tl.store(partial + HALF, dw2, mask=in_row)
+    tl.store(partial, tl.reshape(dw1, (1, BLOCK_H, BLOCK_HALF)), mask=in_row)
+    tl.store(partial + HALF, tl.reshape(dw2, (1, BLOCK_H, BLOCK_HALF)), mask=in_row)
 
 
 # ---------------------------------------------------------------- launchers
-def _blocks(D: int, Dh: int) -> dict:
-    """Tile sizes and warps: the row as (heads, half-head) tiles; 16-byte accesses per thread on
-    a GPU (8 bf16 per thread per tile: D / 1024 warps for a (heads, Dh / 2) tile of D / 2)."""
+def _tiles(D: int, Dh: int) -> dict:
+    """The kernels' tile: BLOCK_T rows of (heads, half-head) tiles, about TILE_ELEMENTS elements
+    of each half a tile (a GPU: 8 bf16, 16 bytes, per thread at 256 threads); the interpreter
+    takes 2 rows, so that the tests' odd row counts end in a partial tile."""
     H, half = D // Dh, Dh // 2
     block_h, block_half = triton.next_power_of_2(H), triton.next_power_of_2(half)
-    warps = 1 if INTERPRET else max(1, min(16, block_h * block_half // 256))
-    return dict(BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=warps)
+    if INTERPRET:
+        return dict(BLOCK_T=2, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=1)
+    rows = max(1, TILE_ELEMENTS // (block_h * block_half))
+    return dict(BLOCK_T=rows, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=WARPS)
 
 
 def _rows(x_BSD: Tensor) -> Tensor:
@@ -196,9 +200,10 @@ def _launch_fwd(x_BSD: Tensor, weight_D: Tensor, cos_SDh: Tensor, sin_SDh: Tenso
     if y_TD.numel():
         cos, sin = _tables(cos_SDh, sin_SDh)
         with device_guard(x_BSD):
-            _qk_norm_rope_fwd_kernel[(x_TD.shape[0],)](
-                x_TD, weight_D.contiguous(), cos, sin, y_TD, S, D // Dh, Dh // 2, x_TD.stride(0), y_TD.stride(0),
-                cos.stride(0), eps, **_blocks(D, Dh))
+            tiles = _tiles(D, Dh)
+            _qk_norm_rope_fwd_kernel[(triton.cdiv(x_TD.shape[0], tiles["BLOCK_T"]),)](
+                x_TD, weight_D.contiguous(), cos, sin, y_TD, x_TD.shape[0], S, D // Dh, Dh // 2, x_TD.stride(0),
+                y_TD.stride(0), cos.stride(0), eps, **tiles)
     return y_TD.view(B, S, D)
 
 
@@ -211,16 +216,16 @@ def _launch_bwd(x_BSD: Tensor, weight_D: Tensor, cos_SDh: Tensor, sin_SDh: Tenso
     dx_TD = torch.empty(x_TD.shape, dtype=x_BSD.dtype, device=x_BSD.device)
     if T == 0:
         return dx_TD.view(B, S, D), torch.zeros_like(weight_D)
-    programs = min(T, BACKWARD_PROGRAMS)
-    rows_per_program = triton.cdiv(T, programs)
+    tiles = _tiles(D, Dh)
+    # whole tiles a program: at most BACKWARD_PROGRAMS programs, a number fixed by T (and the tile)
+    rows_per_program = triton.cdiv(triton.cdiv(T, BACKWARD_PROGRAMS), tiles["BLOCK_T"]) * tiles["BLOCK_T"]
     programs = triton.cdiv(T, rows_per_program)
     partial_PD = torch.empty(programs, D, dtype=torch.float32, device=x_BSD.device)
     cos, sin = _tables(cos_SDh, sin_SDh)
     with device_guard(x_BSD):
         _qk_norm_rope_bwd_kernel[(programs,)](
             x_TD, weight_D.contiguous(), cos, sin, dy_TD, dx_TD, partial_PD, T, S, D // Dh, Dh // 2,
-            x_TD.stride(0), dy_TD.stride(0), dx_TD.stride(0), cos.stride(0), eps, rows_per_program,
-            **_blocks(D, Dh))
+            x_TD.stride(0), dy_TD.stride(0), dx_TD.stride(0), cos.stride(0), eps, rows_per_program, **tiles)
     return dx_TD.view(B, S, D), partial_PD.sum(0).to(weight_D.dtype)
 
 

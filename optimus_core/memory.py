@@ -48,6 +48,11 @@ GIB = 2 ** 30
 # the collective library's buffers and the caching allocator's fragmentation (what it reserves
 # beyond what is allocated). bench/NOTES.md has the measured reserved / allocated ratios.
 USABLE_FRACTION = 0.90
+# "auto" activation checkpointing takes the least recomputation whose estimate has this share of
+# itself to spare under the budget: the model has missed a rehearsed rank by up to 8.5 % (under,
+# mula-220b-a10b; bench/NOTES.md), and a mode chosen at the budget's edge measured over it. Where
+# no mode has that headroom, the least recomputation that fits at all.
+FIT_MARGIN = 0.09
 CHECKPOINTING = ("none", "moe", "full")
 LM_LOSS_CHUNK_ROWS = 4096  # optimus_core.model.linear_cross_entropy.DEFAULT_CHUNK_ROWS
 
@@ -351,13 +356,17 @@ def checkpointing_candidates(cfg: ModelConfig) -> list[tuple[str, int]]:
 
 def fit_checkpointing(cfg: ModelConfig, L: MemoryLayout, budget_bytes: float | None, *,
                       run: str = "this run") -> tuple[str, int]:
-    """The (mode, every) of least recomputation whose estimate fits ``budget_bytes`` (None: no
-    budget known: "none"); MemoryBudgetError when even full checkpointing does not fit."""
+    """The (mode, every) of least recomputation whose estimate fits ``budget_bytes`` with
+    FIT_MARGIN to spare, else the least that fits at all (None: no budget known: "none");
+    MemoryBudgetError when even full checkpointing does not fit."""
     if budget_bytes is None:
         return "none", 1
-    for mode, every in checkpointing_candidates(cfg):
-        if estimate(cfg, replace(L, checkpointing=mode, every=every)).peak_bytes <= budget_bytes:
-            return mode, every
+    peaks = {c: estimate(cfg, replace(L, checkpointing=c[0], every=c[1])).peak_bytes
+             for c in checkpointing_candidates(cfg)}
+    for limit in (budget_bytes / (1 + FIT_MARGIN), budget_bytes):
+        for candidate, peak in peaks.items():  # least recomputation first
+            if peak <= limit:
+                return candidate
     raise over_budget(cfg, replace(L, checkpointing="full", every=1), budget_bytes, run)
 
 
