@@ -23,11 +23,12 @@ in its own dtype) for the backward: under eager autograd the torch path keeps tw
 of it (the norm's input and its normalised value), 8 bytes an element against 2 in bf16
 (optimus_core.memory counts both). dweight is summed without atomics: each program adds its
 rows' share into its own float32 row of a (programs, D) buffer, summed after, in an order fixed by
-T alone, so two runs give the same bits.
+T and the tile, so two runs give the same bits.
 
-Why (bench/NOTES.md): Inductor compiles this as a looped reduction that reads q and k three
-times; eager torch as a dozen float32 passes. One row of D <= 8192 fits in registers: x is read
-once, each head's rotate-half partner comes from the same registers, y is written once.
+Why (bench/NOTES.md has the times): eager torch runs this as a dozen float32 passes, and Inductor
+inside a compiled block as a looped reduction that reads q and k three times. Here a program holds
+whole rows of D <= 8192 in registers: x is read once, each head's rotate-half partner comes from
+the same registers, y is written once.
 """
 
 from __future__ import annotations
@@ -187,9 +188,8 @@ def _rows(x_BSD: Tensor) -> Tensor:
 
 
 def _tables(cos_SDh: Tensor, sin_SDh: Tensor) -> tuple[Tensor, Tensor]:
-    """Both tables float32 with rows of unit stride and one row stride."""
-    cos, sin = cos_SDh.float().contiguous(), sin_SDh.float().contiguous()
-    return cos, sin
+    """Both tables as contiguous float32 (no copy where they are: RotaryEmbedding's)."""
+    return cos_SDh.float().contiguous(), sin_SDh.float().contiguous()
 
 
 def _launch_fwd(x_BSD: Tensor, weight_D: Tensor, cos_SDh: Tensor, sin_SDh: Tensor, eps: float) -> Tensor:

@@ -442,7 +442,8 @@ class ExecutionConfig(_Validated):
     # What the backward recomputes instead of keeping from the forward: "none"; "full": every
     # ``activation_checkpointing_every``-th block whole (its input is all it keeps); "moe": the
     # experts' GEMMs and SwiGLU only (the routed rows in, not the dispatch). auto: the least
-    # recomputation that fits memory_budget_gib (optimus_core.memory; "none" where no budget is known)
+    # recomputation that fits memory_budget_gib with the memory model's error to spare, else the
+    # least that fits (optimus_core.memory.fit_checkpointing; "none" where no budget is known)
     activation_checkpointing: Literal["auto", "none", "full", "moe"] = "auto"
     activation_checkpointing_every: int = 1
     # GiB one rank may plan to allocate on its device: the run is checked against it before

@@ -23,7 +23,8 @@ this module alone turns it, with the device, the world size and the memory model
 - the clip's gradient norm under the backward (a side stream): one process on CUDA with
   clipping; its expert terms from the dW kernel's sums of squares with the triton experts.
 - the update beside the next forward: one process on CUDA with the Triton AdamW.
-- activation checkpointing: "auto" is the least recomputation whose estimate fits the budget.
+- activation checkpointing: "auto" is the least recomputation whose estimate fits the budget with
+  the memory model's error to spare (optimus_core.memory.FIT_MARGIN), else the least that fits.
 
 An explicit choice the device cannot run is one ExecutionError naming the choice and the reason;
 under "auto" the next choice is taken and the plan's line says why.

@@ -373,9 +373,9 @@ def fit_checkpointing(cfg: ModelConfig, L: MemoryLayout, budget_bytes: float | N
 def resolve_checkpointing(cfg, world: int, plan, budget_bytes: float | None, *,
                           run: str = "this run") -> tuple[str, int]:
     """execution.activation_checkpointing of ``cfg`` (a RunConfig) as (mode, every): the
-    configured mode, or for "auto" the least recomputation that fits ``budget_bytes`` on ``world``
-    ranks as ``plan`` executes it (MemoryLayout.of_run; fit_checkpointing: MemoryBudgetError when
-    nothing fits)."""
+    configured mode, or for "auto" the least recomputation that fits ``budget_bytes`` (with
+    FIT_MARGIN to spare where one does) on ``world`` ranks as ``plan`` executes it
+    (MemoryLayout.of_run; fit_checkpointing: MemoryBudgetError when nothing fits)."""
     ex = cfg.execution
     if ex.activation_checkpointing != "auto":
         return ex.activation_checkpointing, ex.activation_checkpointing_every

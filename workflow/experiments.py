@@ -47,7 +47,8 @@ the blocks (hybrid sharding): a layer's all-gathers and reduce-scatters then spa
 nodes, not up to 1024 (whose ring latency workflow/perfmodel/ puts at 61% efficiency at
 12288 tiles, against 95% in blocks), and the per-tile state stays within the tile's memory
 (optimus_core/memory.py: at most 1/12 of an EP rank's experts per tile). Activation
-checkpointing is ``auto`` everywhere: the least recomputation that fits a 64 GiB tile, resolved
+checkpointing is ``auto`` everywhere: the least recomputation that fits a 64 GiB tile with the
+memory model's error to spare (optimus_core.memory.FIT_MARGIN), resolved
 by `optimus plan` (its GiB/tile column) and again by each run on its device.
 
 Strong scaling keeps one global batch of 12288 sequences (50M tokens: one sequence per tile at

@@ -40,3 +40,16 @@ def test_the_command_prints_a_table_and_a_json_line(capsys):
     summary = json.loads(out[-1])
     assert summary["moe_overrides"] == {"norm_topk_probs": True} and summary["activations_gib"] > 0
     assert "saved by" in out[0]
+
+
+def test_the_qk_norm_kernel_keeps_q_and_k_in_bf16_not_two_float32_copies():
+    """torch's eager QK-norm keeps its float32 input and normalised value of q and of k (8 bytes
+    an element) and each norm's float32 rsqrt per token, the kernel q and k in bf16 (2 bytes an
+    element): 12 x d_model + 8 bytes per token less."""
+    cfg = presets.get("mula-7b-a1b@laptop").model
+    kept = {}
+    for path in ("torch", "triton"):
+        rows = saved_tensors("mula-7b-a1b@laptop", tokens=64, seq=32, backend="triton", moe_overrides={},
+                             qk_norm_rope=path)
+        kept[path] = sum(r["bytes"] for r in rows if not r["weight"])
+    assert kept["torch"] - kept["triton"] == (12 * cfg.d_model + 8) * 64
