@@ -56,9 +56,11 @@ def copy_bandwidth(device, n_bytes: int = 2 << 30) -> float:
     """Bytes per second of a device-to-device copy (read + write counted)."""
     import torch
 
+    from bench.kernels import Timer
+
     a = torch.empty(n_bytes // 2, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
-    return 2 * a.numel() / (median_ms(lambda: b.copy_(a), 20) / 1e3)
+    return 2 * a.numel() / (Timer(device, reps=20, warmup=3)(lambda: b.copy_(a)) / 1e3)
 
 
 def kernel_ms(fn, reps: int) -> float:
@@ -75,22 +77,6 @@ def kernel_ms(fn, reps: int) -> float:
     us = sum(e.time_range.elapsed_us() for e in prof.events()
              if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
     return us / 1e3 / reps
-
-
-def median_ms(fn, reps: int) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def path_fn(path: str, norm, cos, sin):
@@ -115,6 +101,7 @@ def path_fn(path: str, norm, cos, sin):
 def measure(shape: str, path: str, reps: int, bandwidth: float, device) -> dict:
     import torch
 
+    from bench.kernels import Timer
     from kernels import qk_norm_rope_reference
     from optimus_core.model.layers import RMSNorm, RotaryEmbedding
 
@@ -147,7 +134,8 @@ def measure(shape: str, path: str, reps: int, bandwidth: float, device) -> dict:
         fn(xa).backward(dy)
 
     fwd_ms, both_ms = kernel_ms(forward, reps), kernel_ms(both, reps)
-    wall_fwd_ms, wall_both_ms = median_ms(forward, reps), median_ms(both, reps)
+    wall = Timer(device, reps, warmup=3)  # device events around each call: the host's launches included
+    wall_fwd_ms, wall_both_ms = wall(forward), wall(both)
     elem = B * S * D
     floor_fwd_ms = 4 * elem / bandwidth * 1e3  # read x, write y (bf16)
     floor_bwd_ms = 6 * elem / bandwidth * 1e3  # read x and dy, write dx
