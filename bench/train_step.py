@@ -21,8 +21,6 @@ warm-up, then the median of timed steps, phases from device events):
                             each GEMM, no bf16 copies kept (less memory, a little more time)
     -xent                   execution.lm_loss = torch: the fused LM loss's softmax by torch ops
     -torch-qk-norm          execution.qk_norm_rope = torch: the QK-norm and RoPE by torch ops
-    -unfused-mlp            the experts' up projection, SwiGLU and down projection as three ops
-                            (Experts.fused_mlp = False) instead of kernels.expert_mlp
     +torch-adamw            execution.adamw = torch: torch's fused AdamW (and so no update beside
                             the forward and no bf16 expert gradients: the plan's rules)
 
@@ -83,7 +81,6 @@ def _run(experts: str, compiled: bool, **extra) -> dict:
 VARIANTS = {  # name -> (model, execution overrides)
     "7b8l-default": (MODEL_7B, {}),
     "7b8l-default-torch-qk-norm": (MODEL_7B, {"execution.qk_norm_rope": "torch"}),
-    "7b8l-default-unfused-mlp": (MODEL_7B, {}),
     "7b8l-loop": (MODEL_7B, _run("loop", False)),
     "7b8l-torch": (MODEL_7B, _run("torch", False)),
     "7b8l-triton": (MODEL_7B, _run("triton", False)),
@@ -100,9 +97,6 @@ VARIANTS = {  # name -> (model, execution overrides)
 
 
 DEFAULT_VARIANT = "7b8l-default"  # what a run gets without overrides
-# A/B of a kernel path that is no execution choice (the fused expert MLP is taken wherever it
-# runs): the variant sets these optimus_core.model.experts.Experts attributes for its run only.
-EXPERTS_SETTINGS = {"7b8l-default-unfused-mlp": {"fused_mlp": False}}
 
 
 def parse_args(argv=None):
@@ -154,7 +148,6 @@ def run_variant(name: str, args, device, batch: int) -> dict:
     import torch
 
     from optimus_core import presets
-    from optimus_core.model.experts import Experts
     from optimus_core.parallel import Mesh
     from optimus_core.train.measure import measure_steps
 
@@ -177,15 +170,7 @@ def run_variant(name: str, args, device, batch: int) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    settings = EXPERTS_SETTINGS.get(name, {})
-    before = {key: getattr(Experts, key) for key in settings}
-    try:
-        for key, value in settings.items():
-            setattr(Experts, key, value)
-        point = measure_steps(cfg, Mesh.single(device), steps=args.steps, warmup=args.warmup)
-    finally:
-        for key, value in before.items():
-            setattr(Experts, key, value)
+    point = measure_steps(cfg, Mesh.single(device), steps=args.steps, warmup=args.warmup)
     plan = point["plan"]
     flops = cfg.model.flops_per_token(cfg.data.seq_len)
     return {"bench": "train_step", "variant": name, "series": series(name, batch), "preset": preset,

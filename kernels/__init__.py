@@ -5,15 +5,12 @@
     permute(x_TD, topk_idx_Tk, E)              -> x_sorted_RD, offsets_E (int32), sorted_idx_R (int64)
     grouped_mm(x_MK, w_GKN, offsets_G)         -> y_MN
     swiglu(h_M2H, row_weight=None)             -> out_MH   (row_weight (M,): each row scaled)
-    expert_mlp(x_MD, w_up_EDF2, w_down_EFD, offsets_E, row_weight_M) -> y_MD
-                                               (the three above in two fused GEMMs each way:
-                                                Triton only, where expert_mlp_unsupported is None)
     unpermute(y_sorted_RD, sorted_idx_R, w_Tk) -> out_TD   (w_Tk None, top_k=k: a plain sum)
 
 Every op takes backend="loop" | "torch" | "triton" (default "triton") and has a plain-torch
 reference (`*_reference`) in its module; shapes, dtypes and semantics are in each module's
 docstring. Suffix legend: T tokens, k top-k, R = T*k rows sorted by expert, D model features,
-E = G experts (groups), M rows, K in-features, N out-features, H (F) hidden features.
+E = G experts (groups), M rows, K in-features, N out-features, H hidden features.
 The triton ops are registered as torch custom ops (namespace `optimus`) so that torch.compile
 traces a layer using them. Beside the experts' ops, for the optimizer and the LM loss (Triton
 only, each with a plain-torch ``*_reference_``): ``adamw_step_`` (kernels.adamw) and
@@ -30,7 +27,6 @@ import torch
 from ._triton import INTERPRET, triton
 from .adamw import adamw_step_, adamw_step_reference_, squared_norm, squared_norm_reference
 from .cross_entropy import softmax_cross_entropy_, softmax_cross_entropy_reference_
-from .expert_mlp import expert_mlp, expert_mlp_reference, expert_mlp_unsupported
 from .grouped_mm import grouped_mm, grouped_mm_reference, torch_grouped_mm_unsupported
 from .permute import permute, permute_reference, unpermute, unpermute_reference
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
@@ -38,7 +34,7 @@ from .swiglu import swiglu, swiglu_reference
 
 __all__ = [
     "adamw_step_", "adamw_step_reference_", "squared_norm", "squared_norm_reference",
-    "available_backends", "expert_mlp", "expert_mlp_reference", "expert_mlp_unsupported", "grouped_mm", "grouped_mm_reference", "permute", "permute_reference",
+    "available_backends", "grouped_mm", "grouped_mm_reference", "permute", "permute_reference",
     "qk_norm_rope", "qk_norm_rope_reference", "softmax_cross_entropy_", "softmax_cross_entropy_reference_",
     "swiglu", "swiglu_reference",
     "torch_grouped_mm_unsupported", "unpermute", "unpermute_reference",

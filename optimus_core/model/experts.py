@@ -18,14 +18,6 @@ rank whole experts, sharding a range of rows within them (optimus_core.parallel.
 seeded init draws rows (optimus_core.model.init). State dicts of the earlier (E, D, 2F) layout
 load as they are (``_load_from_state_dict`` reshapes them).
 
-The fused path: with the triton backend, where both weights reach the GEMMs in the activations'
-dtype (the bf16 copies that carry the gradients on one GPU, the bf16 all-gather under sharding,
-float32 throughout in the CPU interpreter), ``grouped_mm -> swiglu -> grouped_mm`` is one op,
-kernels.expert_mlp: on Hopper the SwiGLU in the up projection's epilogue and its backward in the
-down projection's dx epilogue, elsewhere the same kernels as apart; the same values but
-row_weight's gradient (added in another order). With float32 master weights cast in the op, or
-copies without gradients (up_cast: w stays float32), the three ops run apart.
-
 Routing weights: each row's routing weight scales its SwiGLU output, before the down
 projection, and the combine is a plain sum. The down projection is linear, so the output is the
 same as weighting the combine, up to rounding; the backward needs less memory: a weighted
@@ -72,9 +64,6 @@ class Experts(nn.Module):
     # The backward recomputes the GEMMs and SwiGLU from the sorted rows instead of keeping their
     # intermediates (execution.activation_checkpointing = "moe"); the dispatch is not repeated.
     checkpoint_compute: bool = False
-    # The triton backend runs the MLP as kernels.expert_mlp (SwiGLU inside the GEMMs) wherever
-    # it can (module docstring); False runs the three ops apart: for benchmarks' A/B only.
-    fused_mlp: bool = True
     WEIGHTS = ("w_up", "w_down")
 
     def __init__(self, n_experts: int, d_model: int, d_expert: int, backend: str = "loop"):
@@ -210,10 +199,6 @@ class Experts(nn.Module):
         squares, E = self.dw_square_of, self.n_held
         w_up_EDF2, w_down_EFD, up_cast, down_cast = (None if w is None else w.view(E, -1, w.shape[-1])
                                                      for w in (w_up, w_down, up_cast, down_cast))
-        if self.fused_mlp and self.backend == "triton" and row_weight_M is not None \
-                and kernels.expert_mlp_unsupported(x_MD, w_up_EDF2, w_down_EFD) is None:
-            return kernels.expert_mlp(x_MD, w_up_EDF2, w_down_EFD, offsets_E, row_weight_M,
-                                      up_square=squares.get("w_up"), down_square=squares.get("w_down"))
         h_MF2 = kernels.grouped_mm(x_MD, w_up_EDF2, offsets_E, backend=self.backend, keep_cast=keep_cast,
                                    w_cast=up_cast, dw_square=squares.get("w_up"))
         h_MF = kernels.swiglu(h_MF2, row_weight=row_weight_M, backend=self.backend)

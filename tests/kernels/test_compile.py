@@ -113,26 +113,3 @@ def test_qk_norm_rope_opcheck_and_compiled_attention_inputs(triton_device):
     torch.testing.assert_close(out, want, rtol=0, atol=0)  # the same kernels on the same inputs
     for g, r in zip(torch.autograd.grad(out, compiled_leaves, grad), torch.autograd.grad(want, eager_leaves, grad)):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
-
-
-def test_expert_mlp_opcheck_and_compiled(triton_device):
-    """The fused MLP op (kernels.expert_mlp) through opcheck, and compiled (fullgraph) equal to
-    eager in its output and every gradient."""
-    (x, _, w_up, w_down), topk_idx = inputs(triton_device)
-    x_sorted, offsets, _ = (t.detach() for t in permute(x, topk_idx, w_up.shape[0]))
-    row_weight = torch.rand(len(x_sorted), device=triton_device)
-    grad = lambda t: t.detach().requires_grad_()  # noqa: E731
-    ops = torch.ops.optimus
-    torch.library.opcheck(ops.expert_mlp, (grad(x_sorted), grad(w_up), grad(w_down), offsets, grad(row_weight)))
-    h = torch.randn(len(x_sorted), w_up.shape[2], device=triton_device)
-    torch.library.opcheck(ops.expert_mlp_down_dx, (x_sorted, w_down.detach(), offsets, h, row_weight))
-
-    torch._dynamo.reset()
-    leaves = [grad(t) for t in (x_sorted, w_up, w_down, row_weight)]
-    mlp = lambda a, b, c, r: kernels.expert_mlp(a, b, c, offsets, r)  # noqa: E731
-    compiled = torch.compile(mlp, backend="aot_eager", fullgraph=True)
-    dy = torch.randn(len(x_sorted), x.shape[1], device=triton_device)
-    got = [compiled(*leaves), *torch.autograd.grad(compiled(*leaves), leaves, dy)]
-    want = [mlp(*leaves), *torch.autograd.grad(mlp(*leaves), leaves, dy)]
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
