@@ -2,7 +2,8 @@
 """Benchmark of the expert kernels on the OLMoE expert shapes (not a test).
 
     python bench/kernels.py [--quick] [--tokens 8192,16384,32768] [--only up,down,permute]
-                            [--backends triton,triton-pointer,...] [--dw-configs] [--store results/store.zarr]
+                            [--backends triton,triton-pointer,...] [--dw-configs] [--tma-configs]
+                            [--store results/store.zarr]
 
 Shapes (OLMoE-1B-7B / Mula-7B-A1B): 64 experts, top-8, d_model 2048, expert hidden 1024, bf16.
   up    grouped_mm (T*8, 2048) x (64, 2048, 2048) -> gate+up   (K=2048, N=2*1024)
@@ -106,6 +107,8 @@ def parse_args(argv=None):
                         f"loop, triton, {', '.join(PERMUTE_VARIANTS)}")
     p.add_argument("--dw-configs", action="store_true",
                    help="also time each config of the TMA dW kernel alone (float32 out)")
+    p.add_argument("--tma-configs", action="store_true",
+                   help="also time each config of the forward / dx TMA kernel alone")
     p.add_argument("--reps", type=int, default=50, help="timed repeats per measurement (median taken)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the JSON lines file")
     p.add_argument("--store", default=str(ROOT / "results" / "store.zarr"), help="results store ('' to skip)")
@@ -307,6 +310,17 @@ def _launcher_passes(x, w, offsets, dy, tma: dict, flop: int) -> dict:
             "bwd-dw": (dw(False), flop), "dw": (dw(True), flop)}
 
 
+def tma_configs_chosen(device, dtype) -> dict[str, str]:
+    """What the autotuner chose for the forward / dx TMA kernel, per autotune key (N, K, the row
+    bucket, forward or dx, transposed w, and the argument dtypes)."""
+    from kernels.grouped_mm_tma import _grouped_mm_tma_tuned
+
+    if tma_unsupported(torch.empty(1, 8, device=device, dtype=dtype), torch.empty(1, 8, 8, device=device, dtype=dtype),
+                       torch.empty(1, 8, device=device, dtype=dtype)) is not None:
+        return {}
+    return {str(key): str(config) for key, config in _grouped_mm_tma_tuned(device.type, dtype).cache.items()}
+
+
 def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
     """Each config of the TMA dW kernel's autotuning list timed alone, in turns, float32 out
     (--dw-configs): what the autotuner chose among, and by how much."""
@@ -327,6 +341,41 @@ def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
         for name, ms in timer.interleaved(fns).items():
             rec(op=gemm, pass_="dw", backend="triton-dw-config", config=configs[name], tokens=T, routing=routing,
                 ms=ms, tflops=2 * M * K * N / ms / 1e9, flop=2 * M * K * N, M=M, K=K, N=N, experts=E)
+
+
+def bench_tma_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
+    """Each config of the forward / dx TMA kernel's autotuning list timed alone, in turns
+    (--tma-configs): the up and down projections' forward and dx."""
+    from kernels.grouped_mm_tma import _tma_configs, launch_grouped_mm_tma
+    E, k, D, H = shape["experts"], shape["top_k"], shape["d_model"], shape["hidden"]
+    M = T * k
+    offsets = permute(torch.empty(T, 0, device=device), topk_idx, E, backend="loop")[1]
+    gen = torch.Generator(device=device).manual_seed(0)
+    configs = {}
+    for cfg in _tma_configs(device.type, dtype):
+        config = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        configs[",".join(f"{k}={v}" for k, v in config.items())] = config
+    for gemm, K, N in (("up", D, 2 * H), ("down", H, D)):
+        w = torch.randn(E, K, N, device=device, dtype=dtype, generator=gen) / K**0.5
+        for pass_, trans_w in (("fwd", False), ("bwd-dx", True)):
+            rows_in, cols_out = (K, N) if not trans_w else (N, K)
+            x = torch.randn(M, rows_in, device=device, dtype=dtype, generator=gen)
+            y = torch.empty(M, cols_out, device=device, dtype=dtype)
+            want = launch_grouped_mm_tma(x, w, offsets, torch.empty_like(y), trans_w=trans_w, dx=trans_w)
+            fns = {}
+            for name, c in configs.items():
+                try:  # a config that does not compile here (shared memory, registers) is skipped
+                    got = launch_grouped_mm_tma(x, w, offsets, y, trans_w=trans_w, dx=trans_w, config=c)
+                    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+                except Exception as e:  # noqa: BLE001  (recorded, not fatal)
+                    rec(op=gemm, pass_=pass_, backend="triton-tma-config", config=c, tokens=T, routing=routing,
+                        error=f"{type(e).__name__}: {str(e)[:200]}")
+                    continue
+                fns[name] = lambda c=c: launch_grouped_mm_tma(x, w, offsets, y, trans_w=trans_w, dx=trans_w, config=c)
+            for name, ms in timer.interleaved(fns).items():
+                rec(op=gemm, pass_=pass_, backend="triton-tma-config", config=configs[name], tokens=T,
+                    routing=routing, ms=ms, tflops=2 * M * K * N / ms / 1e9, flop=2 * M * K * N, M=M, K=K, N=N,
+                    experts=E)
 
 
 def bench_permute(rec, timer, device, dtype, T, routing, topk_idx, shape, backends):
@@ -444,6 +493,8 @@ def main(argv=None) -> None:
         for routing in routings:
             topk_idx = route(T, shape["experts"], shape["top_k"], routing, gen).to(device)
             bench_gemms(rec, timer, device, dtype, T, routing, topk_idx, shape, gemm_rows, ops)
+            if args.tma_configs and device.type == "cuda":
+                bench_tma_configs(rec, timer, device, dtype, T, routing, topk_idx, shape)
             if args.dw_configs and device.type == "cuda":
                 bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape)
             if "permute" in ops:
@@ -459,6 +510,7 @@ def main(argv=None) -> None:
         "triton": getattr(sys.modules.get("triton"), "__version__", None), "dtype": str(dtype),
         "shape": shape, "backends": gemm_rows, "reps": reps, "quick": args.quick,
         "triton_variants": {k: v[0] for k, v in TRITON_VARIANTS.items()},
+        "tma_configs_chosen": tma_configs_chosen(device, dtype),
         "flops_formula": "fwd 2*M*K*N, bwd 4*M*K*N (dx and dw), M = tokens*top_k; "
                          "tflops = flop / median time",
         "bytes_formula": "minimal traffic: each input read once, each output written once",

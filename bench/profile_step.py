@@ -10,6 +10,9 @@ copies and casts, ...) and reported as ms per step, with the 25 most expensive k
 table, and one JSON line (categories + top kernels) in bench/results/profile-<device>.jsonl.
 With ``--trace DIR`` the host is profiled too and the timeline is written to
 DIR/trace-<variant>.json.gz, for bench/trace_gaps.py (where the device idles, and why).
+With ``--sources N`` the host is profiled with Python stacks, and for the N most expensive
+kernels that are not GEMMs, attention or the optimizer's, the table says what launched them:
+the op, its callers (autograd's backward nodes among them) and the project's Python frames.
 """
 from __future__ import annotations
 
@@ -104,10 +107,41 @@ def warmed_up_step(args, tool: str):
     return model, optimizer, step
 
 
+NOT_SOURCED = ("expert GEMM (ours)", "expert GEMM (CUTLASS)", "dense GEMM", "attention", "AdamW")
+
+
+def kernel_sources(prof, kernels: dict[str, float], n: int, steps: int) -> list[dict]:
+    """For the ``n`` most expensive kernels outside NOT_SOURCED: ms per step by launcher, a
+    launcher being the op that launched the kernel, its callers (innermost first, up to 5) and
+    the project's Python frames of the launch (innermost first, up to 4). Printed and returned."""
+    wanted = [name for name, _ in sorted(kernels.items(), key=lambda kv: -kv[1]) if category(name) not in NOT_SOURCED][:n]
+    by_source: dict[tuple, float] = {}
+    for event in prof.events():
+        for kernel in getattr(event, "kernels", []):
+            if kernel.name not in wanted:
+                continue
+            callers, parent = [], event.cpu_parent
+            while parent is not None and len(callers) < 5:
+                callers.append(parent.name)
+                parent = parent.cpu_parent
+            frames = [f for f in (event.stack or []) if any(part in f for part in ("optimus_core", "kernels/", "bench/"))][:4]
+            key = (kernel.name, event.name, tuple(callers), tuple(frames))
+            by_source[key] = by_source.get(key, 0.0) + kernel.duration / 1e3 / steps
+    rows = [{"kernel": k[0][:200], "op": k[1], "callers": list(k[2]), "frames": list(k[3]), "ms": ms}
+            for k, ms in sorted(by_source.items(), key=lambda kv: (wanted.index(kv[0][0]), -kv[1]))]
+    for row in rows:
+        if row["ms"] >= 0.05:
+            print(f"  {row['ms']:7.2f} ms  {row['kernel'][:70]}\n      op {row['op']}  <- {' <- '.join(row['callers'])}"
+                  f"\n      {' | '.join(row['frames'])}")
+    return rows
+
+
 def main(argv=None) -> None:
     p = variant_arguments(__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--trace", default=None, help="also profile the host and write the timeline to this folder")
+    p.add_argument("--sources", type=int, default=0,
+                   help="name what launched the N most expensive kernels outside GEMMs, attention and AdamW")
     args = p.parse_args(argv)
 
     import torch
@@ -117,9 +151,9 @@ def main(argv=None) -> None:
     _, _, step = warmed_up_step(args, "bench/profile_step.py")
     device = torch.device("cuda")
     activities = [torch.profiler.ProfilerActivity.CUDA]
-    if args.trace:
+    if args.trace or args.sources:
         activities.append(torch.profiler.ProfilerActivity.CPU)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, with_stack=bool(args.sources)) as prof:
         for _ in range(args.steps):
             with torch.profiler.record_function("optimus.step"):
                 step()
@@ -148,6 +182,8 @@ def main(argv=None) -> None:
     record = {"bench": "profile_step", "variant": args.variant, "batch": args.batch, "device": device_slug(device),
               "kernel_ms_per_step": total, "categories_ms": by_category,
               "top_kernels_ms": [{"name": n[:300], "ms": ms, "category": category(n)} for n, ms in top]}
+    if args.sources:
+        record["sources"] = kernel_sources(prof, kernels, args.sources, args.steps)
     path = Path(args.out) / f"profile-{device_slug(device)}.jsonl"
     write_jsonl(path, [record])
     print(f"wrote {path}")

@@ -77,14 +77,15 @@ def tma_unsupported(x: Tensor, w: Tensor, y: Tensor) -> str | None:
 def _tma_configs(device_type: str, dtype: torch.dtype):
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Shared memory per stage is (BM + BN) * BK * 2
     bytes, plus BM * BN * 2 for the TMA store's staging tile: 128 x 256 x 64 with 3 stages is
-    208 KB of the H200's 227 KB."""
+    208 KB of the H200's 227 KB. One program per SM: configs small enough for two per SM, so
+    that one's epilogue would run under the other's products, measured 0.88-1.02x the best of
+    these (bench/NOTES.md) and were dropped."""
     if INTERPRET:
         return tile_configs([(16, 16, 16, 1, 1)])
     return tile_configs([(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
                          (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (256, 128, 64, 8, 3)])
 
 
-@autotuned(_tma_configs, key=["N", "K", "M_BUCKET", "DX", "TRANS_W"])
 @jit(do_not_specialize=["DX"])  # a key only: one compiled kernel for both
 def _grouped_mm_tma_kernel(
     x_ptr, w_ptr, y_ptr, offsets_ptr,
@@ -143,6 +144,9 @@ def _grouped_mm_tma_kernel(
                      mask=(rows < row_end)[:, None] & (cols < N)[None, :])
 
 
+_grouped_mm_tma_tuned = autotuned(_tma_configs, key=["N", "K", "M_BUCKET", "DX", "TRANS_W"])(_grouped_mm_tma_kernel)
+
+
 @functools.cache
 def _num_programs(device: torch.device) -> int:
     """One program per SM; in the interpreter a few, so that each loops over several tiles."""
@@ -166,9 +170,11 @@ def _scratch(device: torch.device):
 
 
 def launch_grouped_mm_tma(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *,
-                          trans_w: bool = False, dx: bool = False) -> Tensor:
+                          trans_w: bool = False, dx: bool = False, config: dict | None = None) -> Tensor:
     """Fill y (M, N) with the grouped product; w is (G, K, N), or (G, N, K) with trans_w. The
-    caller checks tma_unsupported first. dx: an autotune key only (the forward and dx tune apart)."""
+    caller checks tma_unsupported first. dx: an autotune key only (the forward and dx tune apart).
+    config: fixed meta-parameters instead of autotuning, e.g. {"BLOCK_M": 128, "BLOCK_N": 256,
+    "BLOCK_K": 64, "num_warps": 8, "num_stages": 3} (bench/kernels.py --tma-configs)."""
     (M, K), G, N = x.shape, offsets.shape[0], y.shape[1]
     if y.numel() == 0:
         return y
@@ -180,10 +186,13 @@ def launch_grouped_mm_tma(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *,
     # The allocator is a context variable: set it on every launch, since the backward runs
     # on autograd's own thread, which does not see the main thread's setting.
     triton.set_allocator(_scratch(x.device))
+    args = (x, w, y, offsets, M, N, K, G, x.stride(0), y.stride(0), bucket(M), int(dx))
     with device_guard(x):
-        _grouped_mm_tma_kernel(x.device.type, x.dtype)[grid](
-            x, w, y, offsets, M, N, K, G, x.stride(0), y.stride(0), bucket(M), int(dx),
-            SEGMENTS=triton.next_power_of_2(G + 1), TRANS_W=trans_w)
+        if config is None:
+            _grouped_mm_tma_tuned(x.device.type, x.dtype)[grid](
+                *args, SEGMENTS=triton.next_power_of_2(G + 1), TRANS_W=trans_w)
+        else:
+            _grouped_mm_tma_kernel[grid](*args, SEGMENTS=triton.next_power_of_2(G + 1), TRANS_W=trans_w, **config)
     return y
 
 

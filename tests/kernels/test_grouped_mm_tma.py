@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import kernels.grouped_mm_tma as gm_tma
-from kernels import grouped_mm
+from kernels import grouped_mm, grouped_mm_reference
 from kernels._triton import jit, tl
 from kernels.grouped_mm_tiles import group_of_rank, groups_by_size
 from test_grouped_mm import GPU_CASES, forward_backward, make
@@ -375,6 +375,31 @@ def test_every_dw_tma_config_compiles_and_matches(gpu_device, rel_err):
             continue
         if not err < 1e-5:
             failures.append(f"{config}: rel_err {err}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+def test_every_forward_tma_config_compiles_and_matches(gpu_device, rel_err):
+    """Each config of the forward / dx kernel's list on its own, forward and dx (w read
+    transposed): partial row, column and K tiles, empty groups, a tail."""
+    x, w, offsets, dy = make([0, 300, 1, 0, 517, 64, 129, 0], 7, 200, 392, gpu_device, torch.bfloat16)
+    x, w = x.detach(), w.detach()
+    if gm_tma.tma_unsupported(x, w, dy) is not None:
+        pytest.skip("the TMA kernel does not run on this GPU")
+    failures = []
+    for trans_w, a in ((False, x), (True, dy)):
+        want = grouped_mm_reference(a.float(), (w.transpose(1, 2) if trans_w else w).float(), offsets)
+        for cfg in gm_tma._tma_configs(gpu_device.type, x.dtype):
+            config = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+            y = torch.full(tuple(want.shape), float("nan"), device=gpu_device, dtype=x.dtype)
+            try:
+                gm_tma.launch_grouped_mm_tma(a, w, offsets, y, trans_w=trans_w, dx=trans_w, config=config)
+                err = rel_err(y, want)
+            except Exception as e:  # e.g. OutOfResources: drop the config from the list
+                failures.append(f"{config} trans_w={trans_w}: {type(e).__name__}: {e}"[:300])
+                continue
+            if not err < 5e-3:
+                failures.append(f"{config} trans_w={trans_w}: rel_err {err}")
     assert not failures, "\n".join(failures)
 
 
