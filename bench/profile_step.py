@@ -12,7 +12,8 @@ With ``--trace DIR`` the host is profiled too and the timeline is written to
 DIR/trace-<variant>.json.gz, for bench/trace_gaps.py (where the device idles, and why).
 With ``--sources N`` the host is profiled with Python stacks, and for the N most expensive
 kernels that are not GEMMs, attention or the optimizer's, the table says what launched them:
-the op, its callers (autograd's backward nodes among them) and the project's Python frames.
+the ATen op, its callers (autograd's backward nodes among them) and the project's Python frames
+(kernels launched from Python, Triton's, have no op and are not listed).
 """
 from __future__ import annotations
 

@@ -609,6 +609,12 @@ def _flops_per_token(self: ModelConfig, seq_len: int) -> int:
     return flops.flops_per_token(self, seq_len)
 
 
+def _recompute_flops_per_token(self: ModelConfig, seq_len: int, mode: str, every: int = 1) -> int:
+    from . import flops
+    return flops.recompute_flops_per_token(self, seq_len, mode, every)
+
+
 ModelConfig.num_params = _num_params
 ModelConfig.num_active_params = _num_active_params
 ModelConfig.flops_per_token = _flops_per_token
+ModelConfig.recompute_flops_per_token = _recompute_flops_per_token

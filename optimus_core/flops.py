@@ -10,6 +10,10 @@ Conventions (as PaLM appendix B / Megatron / torchtitan):
   FLOPs per (query, key, dim), x3 for backward, no discount for the causal mask). Norms,
   softmax and activations are not counted. Activation recomputation is not counted either:
   MFU measures useful work.
+- ``recompute_flops_per_token(seq_len, mode, every)`` is what activation checkpointing adds to
+  a step's work, not to its useful work: the forward FLOPs the backward repeats, one third of
+  the checkpointed blocks' share of the count above ("full": every ``every``-th block whole,
+  attention included; "moe": the experts' GEMMs of every MoE layer; "none": 0).
 """
 from __future__ import annotations
 
@@ -61,3 +65,22 @@ def active_matmul_params(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Training FLOPs (forward + backward) per token at ``seq_len``; see the module docstring."""
     return 6 * active_matmul_params(cfg) + 12 * cfg.n_layers * cfg.d_model * seq_len
+
+
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, mode: str, every: int = 1) -> int:
+    """Forward FLOPs per token the backward repeats under execution.activation_checkpointing
+    ``mode`` (resolved: none | full | moe) with every ``every``-th block checkpointed ("full"),
+    as optimus_core.memory.checkpointed_blocks picks them; see the module docstring."""
+    if mode == "none":
+        return 0
+    if mode == "moe":
+        if cfg.moe is None:
+            raise ValueError("activation checkpointing 'moe' needs an MoE model")
+        return cfg.n_layers * 2 * cfg.moe.top_k * 3 * cfg.d_model * cfg.moe.d_expert
+    if mode != "full" or every < 1:
+        raise ValueError(f"activation checkpointing ({mode!r}, every {every}): mode must be none, full or moe, "
+                         "every >= 1")
+    kv_dim = cfg.kv_heads * cfg.head_dim
+    block = 2 * (2 * cfg.d_model * cfg.d_model + 2 * cfg.d_model * kv_dim + _ffn_params(cfg, active=True))
+    blocks = len(range(every - 1, cfg.n_layers, every))
+    return blocks * (block + 4 * cfg.d_model * seq_len)

@@ -254,14 +254,18 @@ def test_node_hours_from_the_model_and_the_site_fallback(monkeypatch, tmp_path):
     aurora = pm.load_machine("aurora")
     run = get("scaling-mula-220b-a10b-768").paper
     est = pm.estimate_node_hours(run, aurora)
+    # what the run does: sharded in blocks, every 2nd block recomputed (its checkpointing as the
+    # run resolves it on a 64 GiB tile: the plan's memory column says the same)
+    assert est["checkpointing"] == ("full", 2)
     step = pm.predict(presets.get("mula-220b-a10b").model,
                       pm.Layout(devices=768, ep=32, global_batch=12288, micro_batch=1, seq_len=4096,
-                                overlap="layers", dp_shard=384), aurora)  # what the run does: sharded in blocks
+                                overlap="layers", dp_shard=384, checkpointing="full", checkpointing_every=2), aurora)
     assert est["step_s"] == pytest.approx(step.step_s) and est["nodes"] == 64
     assert est["node_hours"] == pytest.approx(run.steps * step.step_s / 3600 * 64)
     site = sites.load_site("aurora", account="A", machine="aurora")
     job = plan(run, site)
     assert job.est_source == "perfmodel:aurora" and job.est_hours == pytest.approx(est["hours"])
+    assert job.checkpointing == "full/2"
     # A run the machine cannot price (a machine file without float32 matmuls, a float32 run): the
     # throughput estimate stays, and the table says which jobs used which.
     machine = yaml.safe_load((REPO / "workflow/machines/aurora.yaml").read_text())
@@ -410,3 +414,53 @@ def test_role_scheme_fits_on_the_fitted_points_only():
     assert rows[1]["measured_a2a_s"] == pytest.approx(rows[1]["predicted_a2a_s"], rel=0.05)
     with pytest.raises(ConfigError, match=r"'role' needs points of role 'held-out'"):
         pm.holdout_error([{**p, "role": "fitted"} for p in points], base, scheme="role")
+
+
+def test_recomputation_is_priced_as_compute_and_a_redispatch():
+    """Activation checkpointing: the forward FLOPs the backward repeats at the compute rate
+    (optimus_core.flops.recompute_flops_per_token), and under expert parallelism a block recomputed
+    whole dispatches again: its forward all-to-alls and the forward half of the dispatch's passes
+    once more per recomputed block; "moe" recomputes from the rows already there."""
+    m = replace(_machine(), dispatch_passes=2.0)
+    kw = dict(devices=1, global_batch=4, micro_batch=2, seq_len=32, optimizer="local", dtype="float32")
+    rate = 1e12 * 0.5
+    plain = pm.predict(DENSE, pm.Layout(**kw), m)
+    full = pm.predict(DENSE, pm.Layout(**kw, checkpointing="full"), m)
+    assert full.compute_s - plain.compute_s == pytest.approx(4 * 32 * DENSE.recompute_flops_per_token(32, "full") / rate)
+    every2 = pm.predict(DENSE, pm.Layout(**kw, checkpointing="full", checkpointing_every=2), m)  # block 1 of 2
+    assert every2.compute_s - plain.compute_s == pytest.approx((full.compute_s - plain.compute_s) / 2)
+
+    ep = dict(devices=2, ep=2, global_batch=4, micro_batch=1, seq_len=32, dtype="float32")
+    base = pm.predict(MOE, pm.Layout(**ep), m)
+    moe = pm.predict(MOE, pm.Layout(**ep, checkpointing="moe"), m)
+    assert moe.a2a_s == base.a2a_s  # the experts recomputed from the dispatched rows
+    world = np.arange(2)[None, :]
+    rows = 32 * pm.ranks_visited(MOE, 2)
+    forward = (2 * pm._collective_s("all_to_all", rows * 64 * 4, world, m)
+               + pm._collective_s("all_to_all", rows * 2 * 2 * 4, world, m)
+               + pm._collective_s("all_to_all", 2 * 2 * 8, world, m))
+    whole = pm.predict(MOE, pm.Layout(**ep, checkpointing="full"), m)
+    assert whole.a2a_s - base.a2a_s == pytest.approx(forward * 2 * 2)  # 2 blocks, 2 micro-batches
+    dispatch_half = 2.0 * rows * 64 * 4 / 1e11 * 2 * 2 / 2  # passes x bytes / bandwidth x blocks x mbs / 2
+    flops = 2 * 32 * MOE.recompute_flops_per_token(32, "full") / rate
+    assert whole.compute_s - base.compute_s == pytest.approx(flops + dispatch_half)
+    with pytest.raises(ConfigError, match="checkpointing"):
+        pm.Layout(**kw, checkpointing="selective")
+    with pytest.raises(ConfigError, match="needs an MoE model"):
+        pm.predict(DENSE, pm.Layout(**kw, checkpointing="moe"), m)
+
+
+def test_a_points_checkpointing_is_what_its_plan_recorded():
+    assert pm.point_checkpointing({}) == {"checkpointing": "none", "checkpointing_every": 1}
+    assert pm.point_checkpointing({"checkpointing": "full/2"}) == {"checkpointing": "full", "checkpointing_every": 2}
+    assert pm.point_checkpointing({"plan": {"checkpointing": ["moe", 1]}}) == {"checkpointing": "moe",
+                                                                             "checkpointing_every": 1}
+
+
+def test_the_paper_sweep_recomputes_as_its_runs_resolve():
+    aurora = pm.load_machine("aurora")
+    rows = pm.paper_sweep(aurora)
+    assert {r["checkpointing"] for r in rows} == {"full/2"}  # 64 GiB tiles: every 2nd block, at every size
+    plain = pm.predict_sweep("mula-220b-a10b", [r["devices"] for r in rows], aurora, global_batch=rows[0]["global_batch"],
+                             ep=rows[0]["ep"], micro_batch=1, dp_shard=rows[0]["dp_shard"] or 384)
+    assert all(r["step_s"] > p["step_s"] for r, p in zip(rows, plain))

@@ -5,8 +5,8 @@ from optimus_core.config import ConfigError
 from optimus_core.execution import resolve_choices
 from workflow.cli import build_parser, resolve_run_config
 from optimus_core import presets
-from workflow.experiments import (ABLATION_VARIANTS, EXPERIMENTS, LAPTOP_SCALEUP_STEPS, SCALING_TILES, TILES_PER_NODE,
-                                  RunScale, dag, get, of_kind, pretraining, scaleup, scaleup_figure)
+from workflow.experiments import (ABLATION_VARIANTS, EXPERIMENTS, LAPTOP_SCALEUP_STEPS, SCALING_STEPS, SCALING_TILES,
+                                  TILES_PER_NODE, RunScale, dag, get, of_kind, pretraining, scaleup, scaleup_figure)
 
 
 def test_every_paper_run_of_the_study_is_registered():
@@ -58,7 +58,7 @@ def test_every_paper_batch_is_whole_micro_batches_on_every_rank():
 
 def test_strong_scaling_changes_only_the_tiles():
     runs = [e.paper for e in of_kind("scaling")]
-    assert {(r.preset, r.steps, r.batch, r.tokens, r.ep) for r in runs} == {("mula-220b-a10b", 8, 12288, 8 * 12288 * 4096, 32)}
+    assert {(r.preset, r.steps, r.batch, r.tokens, r.ep) for r in runs} == {("mula-220b-a10b", SCALING_STEPS, 12288, SCALING_STEPS * 12288 * 4096, 32)}
     assert [r.nodes for r in runs] == [32, 64, 128, 256, 512, 1024]
 
 
@@ -116,7 +116,7 @@ def test_cli_resolves_registry_runs_at_both_scales(tmp_path):
                                       "--data", "d", "--out", str(tmp_path / "r")])
     cfg, run_id, experiment = resolve_run_config(args)
     assert (run_id, experiment) == ("paper-scaling-mula-220b-a10b-1536", "scaling-mula-220b-a10b-1536")
-    assert (cfg.train.steps, cfg.train.global_batch, cfg.parallel.ep, cfg.execution.dtype) == (8, 12288, 32, "auto")
+    assert (cfg.train.steps, cfg.train.global_batch, cfg.parallel.ep, cfg.execution.dtype) == (SCALING_STEPS, 12288, 32, "auto")
     assert resolve_choices(cfg, "xpu", 1536, probe=False).dtype == "bfloat16"
     args = build_parser().parse_args(["pretrain", "--experiment", "pretrain-mula-100b-a7b", "--data", "d",
                                       "--out", str(tmp_path / "r")])

@@ -13,7 +13,9 @@ What one step does (optimus_core/train/step.py and sharded_adamw.py, optimus_cor
 {expert_parallel,dispatch,sharding}.py), and therefore what this package adds up, per rank:
 
 1. compute: forward + backward of ``global_batch / devices`` sequences in micro-batches:
-   ``ModelConfig.flops_per_token(seq_len)`` FLOPs per token (optimus_core/flops.py) at the
+   ``ModelConfig.flops_per_token(seq_len)`` FLOPs per token (optimus_core/flops.py), plus the
+   forward the backward repeats under activation checkpointing (``Layout.checkpointing``,
+   ``recompute_flops_per_token``: resolved as the run resolves it on the machine's memory), at the
    device's measured matmul rate times an achieved fraction (``compute_efficiency``), plus a
    fixed host overhead per micro-batch (Python, kernel launches: what dominates tiny models),
    per local expert with the ``loop`` backend, and with EP the dispatch's own memory passes
@@ -70,22 +72,25 @@ from .calibration import (DEFAULT_FIT, FIELD_KNOBS, HOLDOUT_SCHEMES, KNOBS, TARG
                           holdout_error, knob_values, split_points)
 from .machine import DTYPES, KINDS, MACHINES_DIR, Link, Machine, load_machine, machine_from_dict
 from .step import (ADAMW_BYTES_PER_ELEMENT, FLAT_GRAD_BYTES_PER_ELEMENT, MASTER_BYTES, OPTIMIZERS, OVERLAPS, PHASES,
-                   WHATIFS, Layout, Prediction, _collective_s, _expert_params, point_experts, point_layout,
-                   point_model, point_overlap, predict, predict_point, rank_groups, ranks_visited, sharding_groups)
-from .sweep import (code_overlap, efficiency, estimate_node_hours, paper_sweep, planned_execution, predict_points,
-                    predict_sweep)
+                   WHATIFS, CHECKPOINTING, Layout, Prediction, _collective_s, _expert_params, point_checkpointing,
+                   point_experts, point_layout, point_model, point_overlap, predict, predict_point, rank_groups,
+                   ranks_visited, sharding_groups)
+from .sweep import (code_overlap, efficiency, estimate_node_hours, paper_sweep, planned_checkpointing,
+                    planned_execution, predict_points, predict_sweep)
 
 __all__ = [
     # machine
     "MACHINES_DIR", "KINDS", "DTYPES", "Link", "Machine", "machine_from_dict", "load_machine",
     # step
     "OPTIMIZERS", "PHASES", "OVERLAPS", "WHATIFS", "ADAMW_BYTES_PER_ELEMENT", "FLAT_GRAD_BYTES_PER_ELEMENT",
-    "MASTER_BYTES", "Layout", "Prediction", "rank_groups", "ranks_visited", "predict", "sharding_groups",
-    "point_model", "point_layout", "point_experts", "point_overlap", "predict_point",
+    "MASTER_BYTES", "CHECKPOINTING", "Layout", "Prediction", "rank_groups", "ranks_visited", "predict",
+    "sharding_groups", "point_model", "point_layout", "point_experts", "point_overlap", "point_checkpointing",
+    "predict_point",
     # calibration
     "HOLDOUT_SCHEMES", "KNOBS", "DEFAULT_FIT", "TARGETS", "FIELD_KNOBS", "calibrate", "knob_values",
     "split_points", "holdout_error", "error_rows",
     # sweep
-    "efficiency", "predict_sweep", "code_overlap", "planned_execution", "paper_sweep", "estimate_node_hours",
+    "efficiency", "predict_sweep", "code_overlap", "planned_checkpointing", "planned_execution", "paper_sweep",
+    "estimate_node_hours",
     "predict_points",
 ]

@@ -16,6 +16,7 @@ from .machine import DTYPES, Machine
 OPTIMIZERS = ("ep_aware", "ep_unaware", "local")
 PHASES = ("compute_s", "a2a_s", "grad_sync_s", "optimizer_s", "idle_s")
 OVERLAPS = ("none", "chunks", "layers", "grad_sync")
+CHECKPOINTING = ("none", "full", "moe")
 WHATIFS = ("grad_sync",)  # overlaps our step does not do: priced to show what they would buy
 
 # Bytes one parameter element costs torch's (non-fused, foreach) AdamW step in float32: decay
@@ -51,6 +52,10 @@ class Layout:
     reduce_bytes: int = 4  # parallel.reduce_dtype's bytes (overlap "layers")
     dp_shard: int = 0  # parallel.dp_shard: ranks a parameter is sharded over (0 = every rank)
     experts: str = "triton"  # the experts' backend as the run's execution plan resolves it
+    # execution.activation_checkpointing as the run resolves it: none | full (every
+    # ``checkpointing_every``-th block) | moe; the backward's recomputation is priced as compute
+    checkpointing: str = "none"
+    checkpointing_every: int = 1
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -73,6 +78,10 @@ class Layout:
             bad("overlap", f"must be one of {', '.join(repr(o) for o in OVERLAPS)}")
         if not self.chunk_mb > 0:
             bad("chunk_mb", "must be > 0 (MiB)")
+        if self.checkpointing not in CHECKPOINTING:
+            bad("checkpointing", f"must be one of {', '.join(CHECKPOINTING)}")
+        if not isinstance(self.checkpointing_every, int) or self.checkpointing_every < 1:
+            bad("checkpointing_every", "must be an integer >= 1")
         shard = self.dp_shard or self.devices
         if self.dp_shard < 0 or self.devices % shard or shard % self.ep:
             bad("dp_shard", f"must be 0 or divide devices ({self.devices}) and be a multiple of ep ({self.ep})")
@@ -195,6 +204,22 @@ def _expert_flops_per_token(cfg: ModelConfig) -> int:
     return 0 if cfg.moe is None else 6 * cfg.n_layers * cfg.moe.top_k * 3 * cfg.d_model * cfg.moe.d_expert
 
 
+def _recompute_flops_per_token(cfg: ModelConfig, L: "Layout") -> tuple[int, int]:
+    """(all, the experts' part) of the forward FLOPs per token the backward repeats under L's
+    activation checkpointing (optimus_core.flops.recompute_flops_per_token)."""
+    if L.checkpointing == "moe" and cfg.moe is None:
+        raise ConfigError("layout.checkpointing = 'moe': needs an MoE model")
+    total = cfg.recompute_flops_per_token(L.seq_len, L.checkpointing, L.checkpointing_every)
+    if cfg.moe is None or L.checkpointing != "full":
+        return total, total if L.checkpointing == "moe" else 0
+    return total, cfg.recompute_flops_per_token(L.seq_len, "moe") * _recomputed_blocks(cfg, L) // cfg.n_layers
+
+
+def _recomputed_blocks(cfg: ModelConfig, L: "Layout") -> int:
+    """Blocks the backward recomputes whole (checkpointing "full"; optimus_core.memory.checkpointed_blocks)."""
+    return len(range(L.checkpointing_every - 1, cfg.n_layers, L.checkpointing_every)) if L.checkpointing == "full" else 0
+
+
 def ranks_visited(cfg: ModelConfig, ep: int) -> float:
     """Expected EP ranks one token is sent to: each holds n_experts / ep experts, and a token goes
     once to every rank holding at least one of its top_k (expert_parallel.apply_routed: one row
@@ -229,9 +254,13 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
     # discounts that part); the most loaded rank's share counts.
     rows = L.tokens_per_rank / L.micro_batches * ranks_visited(cfg, L.ep) * m.moe_imbalance
 
-    # Compute: FLOPs / achieved rate; the experts' part waits on the most loaded EP rank.
+    # Compute: FLOPs / achieved rate, the backward's recomputation included (activation
+    # checkpointing); the experts' part waits on the most loaded EP rank.
     expert_f = _expert_flops_per_token(cfg)
-    flops = tokens * ((cfg.flops_per_token(L.seq_len) - expert_f) + expert_f * (m.moe_imbalance if L.ep > 1 else 1))
+    recompute_f, recompute_expert_f = _recompute_flops_per_token(cfg, L)
+    imbalance = m.moe_imbalance if L.ep > 1 else 1
+    flops = tokens * ((cfg.flops_per_token(L.seq_len) - expert_f) + expert_f * imbalance
+                      + (recompute_f - recompute_expert_f) + recompute_expert_f * imbalance)
     # Host time: per micro-batch (Python, launches), and with the ``loop`` experts backend per
     # local expert too (it runs each expert's matmuls separately; torch / triton group them).
     per_mb = m.microbatch_overhead
@@ -240,9 +269,14 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
     # EP dispatch outside the all-to-alls: gathering the rows to send, sorting what arrives by
     # expert, weighting and summing the partials back, forward and backward: passes over the
     # dispatched float32 rows in memory (``dispatch_passes``, calibrated).
+    # A block recomputed whole (checkpointing "full") dispatches its tokens again: its forward's
+    # share (half) of the dispatch's passes and its forward all-to-alls come back; "moe"
+    # recomputes the experts from the rows already dispatched.
+    redispatched = _recomputed_blocks(cfg, L) if L.checkpointing == "full" else 0
     dispatch_s = 0.0
     if cfg.moe is not None and L.ep > 1:
-        dispatch_s = m.dispatch_passes * rows * cfg.d_model * 4 / m.memory_bandwidth * cfg.n_layers * L.micro_batches
+        dispatch_s = m.dispatch_passes * rows * cfg.d_model * 4 / m.memory_bandwidth * L.micro_batches \
+            * (cfg.n_layers + redispatched / 2)
     compute_s = (flops / rate + L.micro_batches * per_mb + dispatch_s) * share
 
     ep_groups, edp_groups = rank_groups(W, L.ep)
@@ -255,11 +289,11 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
     a2a_s = 0.0
     if cfg.moe is not None and L.ep > 1:
         act_bytes = 2 if L.dtype == "bfloat16" else 4
-        per_layer = 0.0
-        for row_bytes in (cfg.d_model * act_bytes, 2 * cfg.moe.top_k * 4, cfg.d_model * act_bytes):
-            per_layer += 2 * _collective_s("all_to_all", rows * row_bytes * share, ep_groups, m)  # fwd + bwd
-        per_layer += _collective_s("all_to_all", L.ep * 2 * 8, ep_groups, m)
-        a2a_s = per_layer * cfg.n_layers * L.micro_batches
+        forward = sum(_collective_s("all_to_all", rows * row_bytes * share, ep_groups, m)
+                      for row_bytes in (cfg.d_model * act_bytes, 2 * cfg.moe.top_k * 4, cfg.d_model * act_bytes))
+        counts = _collective_s("all_to_all", L.ep * 2 * 8, ep_groups, m)
+        per_layer = 2 * forward + counts  # the backward's three mirror the forward's
+        a2a_s = (per_layer * cfg.n_layers + (forward + counts) * redispatched) * L.micro_batches
 
     exposed_s = 0.0
     if L.overlap in ("layers", "grad_sync") and W > 1 and L.optimizer != "local":
@@ -434,7 +468,21 @@ def point_layout(point: dict) -> Layout:
                   dtype=point.get("dtype", "float32"), overlap=point_overlap(point),
                   chunk_mb=float(point.get("grad_sync_chunk_mb") or 128.0),
                   reduce_bytes=4 if point.get("reduce_dtype", "float32") == "float32" else 2,
-                  dp_shard=int(point.get("dp_shard") or 0), experts=point_experts(point))
+                  dp_shard=int(point.get("dp_shard") or 0), experts=point_experts(point),
+                  **point_checkpointing(point))
+
+
+def point_checkpointing(point: dict) -> dict:
+    """Layout fields of the activation checkpointing a measured point ran, as its plan recorded
+    it ("full/2", "moe", a [mode, every] pair); none where it recorded none (the points measured
+    before the execution plan ran without)."""
+    value = point.get("checkpointing") or (point.get("plan") or {}).get("checkpointing") or "none"
+    if isinstance(value, (list, tuple)):
+        mode, every = value[0], int(value[1])
+    else:
+        mode, _, every = str(value).partition("/")
+        every = int(every or 1)
+    return {"checkpointing": mode, "checkpointing_every": every}
 
 
 def point_experts(point: dict) -> str:

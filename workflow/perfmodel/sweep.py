@@ -26,25 +26,30 @@ def efficiency(devices: Sequence[int], step_s: Sequence[float]) -> list[float]:
 def predict_sweep(preset: str, tiles_list: Sequence[int], machine: Machine, *, global_batch: int,
                   ep: int, micro_batch: int = 1, seq_len: int = 0, dtype: str = "bfloat16",
                   optimizer: str = "ep_aware", overrides: Optional[dict] = None, overlap: str = "layers",
-                  chunk_mb: float = 128.0, dp_shard: int = 0, experts: str = "triton") -> list[dict]:
+                  chunk_mb: float = 128.0, dp_shard: int = 0, experts: str = "triton",
+                  checkpointing: Optional[dict] = None) -> list[dict]:
     """One row per tile count: the layout (``overlap`` included), each phase, tokens/s and
     efficiency within the sweep. ``dp_shard``: the shard block (parallel.dp_shard), capped at
-    each point's tile count. A what-if ``overlap`` (WHATIFS: one our step does not do) marks
-    its rows with ``scenario`` so they never mix with the plain sweep."""
+    each point's tile count. ``checkpointing``: {tiles: (mode, every)}, the activation
+    checkpointing each point runs (none where absent). A what-if ``overlap`` (WHATIFS: one our
+    step does not do) marks its rows with ``scenario`` so they never mix with the plain sweep."""
     p = presets.get(preset)
     cfg = p.run_config(**overrides).model if overrides else p.model
     seq_len = seq_len or p.seq_len
     rows = []
     for tiles in tiles_list:
+        mode, every = (checkpointing or {}).get(tiles, ("none", 1))
         layout = Layout(devices=tiles, ep=ep, global_batch=global_batch, micro_batch=micro_batch,
                         seq_len=seq_len, optimizer=optimizer if tiles > 1 else "local", dtype=dtype, overlap=overlap,
-                        chunk_mb=chunk_mb, dp_shard=dp_shard if 0 < dp_shard < tiles else 0, experts=experts)
+                        chunk_mb=chunk_mb, dp_shard=dp_shard if 0 < dp_shard < tiles else 0, experts=experts,
+                        checkpointing=mode, checkpointing_every=every)
         pred = predict(cfg, layout, machine)
         rows.append({"preset": preset, "machine": machine.name, "devices": tiles, "ep": ep, "overlap": overlap,
                      "dp_shard": layout.dp_shard,
                      **({"scenario": f"overlap {overlap}"} if overlap in WHATIFS else {}),
                      "nodes": math.ceil(tiles / machine.devices_per_node), "global_batch": global_batch,
                      "micro_batch": micro_batch, "seq_len": seq_len, "dtype": dtype, "optimizer": layout.optimizer,
+                     "checkpointing": mode + (f"/{every}" if mode == "full" and every > 1 else ""),
                      **pred.as_dict(), "tokens_per_s": global_batch * seq_len / pred.step_s})
     for row, eff in zip(rows, efficiency([r["devices"] for r in rows], [r["step_s"] for r in rows])):
         row["efficiency"] = eff
@@ -64,6 +69,18 @@ def planned_execution(cfg, machine: Machine, devices: int):
     return resolve_choices(cfg, machine.device_kind, devices, probe=False)
 
 
+def planned_checkpointing(cfg, machine: Machine, devices: int) -> tuple[str, int]:
+    """execution.activation_checkpointing of ``cfg`` (a RunConfig) on ``devices`` of ``machine``,
+    resolved as the run will resolve it there (optimus_core.memory.resolve_checkpointing, against
+    the device's budget; unknown memory: as configured, "auto" meaning none). MemoryBudgetError
+    where nothing fits."""
+    from optimus_core.memory import device_budget, resolve_checkpointing
+
+    budget = device_budget(machine.memory_bytes) if machine.memory_bytes else None
+    return resolve_checkpointing(cfg, devices, planned_execution(cfg, machine, devices), budget,
+                                 run=f"{cfg.preset} on {devices} {machine.name} devices")
+
+
 def paper_sweep(machine: Machine, overlap: Optional[str] = None) -> list[dict]:
     """The paper's strong-scaling sweep of Mula-220B-A10B as the registry defines it
     (workflow/experiments.py: SCALING_TILES, SCALING_BATCH, ep 32, bf16), one sequence per
@@ -71,12 +88,14 @@ def paper_sweep(machine: Machine, overlap: Optional[str] = None) -> list[dict]:
     the run's configuration does (code_overlap); a what-if otherwise."""
     from workflow import experiments as ex
 
-    run = ex.get(f"scaling-mula-220b-a10b-{ex.SCALING_TILES[0]}").paper
+    runs = {tiles: ex.get(f"scaling-mula-220b-a10b-{tiles}").paper for tiles in ex.SCALING_TILES}
+    run = runs[ex.SCALING_TILES[0]]
     cfg = run.run_config()
     plan = planned_execution(cfg, machine, run.devices)
+    checkpointing = {tiles: planned_checkpointing(r.run_config(), machine, tiles) for tiles, r in runs.items()}
     return predict_sweep(run.preset, ex.SCALING_TILES, machine, global_batch=ex.SCALING_BATCH, ep=run.ep,
                          micro_batch=1, dtype=plan.dtype, experts=plan.experts or "loop", overlap=overlap or code_overlap(cfg.parallel),
-                         dp_shard=ex.get(f"scaling-mula-220b-a10b-{ex.SCALING_TILES[-1]}").paper.run_config().parallel.dp_shard)
+                         dp_shard=runs[ex.SCALING_TILES[-1]].run_config().parallel.dp_shard, checkpointing=checkpointing)
 
 
 def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> dict[str, Any]:
@@ -89,15 +108,18 @@ def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> di
                           f"{run_scale.devices} devices for the performance model")
     mb = cfg.train.micro_batch or (micro_batch if local % micro_batch == 0 else 0)
     plan = planned_execution(cfg, machine, run_scale.devices)
+    mode, every = planned_checkpointing(cfg, machine, run_scale.devices)
     layout = Layout(devices=run_scale.devices, ep=cfg.parallel.ep, global_batch=cfg.train.global_batch,
                     micro_batch=mb, seq_len=cfg.data.seq_len, experts=plan.experts or "loop",
                     optimizer=cfg.parallel.optimizer if run_scale.devices > 1 else "local", dtype=plan.dtype,
                     overlap=code_overlap(cfg.parallel), dp_shard=cfg.parallel.dp_shard,
-                    reduce_bytes=4 if cfg.parallel.reduce_dtype == "float32" else 2)
+                    reduce_bytes=4 if cfg.parallel.reduce_dtype == "float32" else 2,
+                    checkpointing=mode, checkpointing_every=every)
     pred = predict(cfg.model, layout, machine)
     hours = run_scale.steps * pred.step_s / 3600
     nodes = math.ceil(run_scale.devices / machine.devices_per_node)
     return {"source": f"perfmodel:{machine.name}", "step_s": pred.step_s, "steps": run_scale.steps,
+            "checkpointing": (mode, every),
             "hours": hours, "nodes": nodes, "node_hours": hours * nodes, "prediction": pred}
 
 
