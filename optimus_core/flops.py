@@ -80,7 +80,8 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, mode: str, every: 
     if mode != "full" or every < 1:
         raise ValueError(f"activation checkpointing ({mode!r}, every {every}): mode must be none, full or moe, "
                          "every >= 1")
+    from .memory import checkpointed_blocks
+
     kv_dim = cfg.kv_heads * cfg.head_dim
     block = 2 * (2 * cfg.d_model * cfg.d_model + 2 * cfg.d_model * kv_dim + _ffn_params(cfg, active=True))
-    blocks = len(range(every - 1, cfg.n_layers, every))
-    return blocks * (block + 4 * cfg.d_model * seq_len)
+    return len(checkpointed_blocks(cfg.n_layers, "full", every)) * (block + 4 * cfg.d_model * seq_len)

@@ -10,6 +10,7 @@ import numpy as np
 
 from optimus_core import presets
 from optimus_core.config import MOVED, RETIRED, ConfigError, ModelConfig
+from optimus_core.memory import checkpointed_blocks
 
 from .machine import DTYPES, Machine
 
@@ -217,7 +218,7 @@ def _recompute_flops_per_token(cfg: ModelConfig, L: "Layout") -> tuple[int, int]
 
 def _recomputed_blocks(cfg: ModelConfig, L: "Layout") -> int:
     """Blocks the backward recomputes whole (checkpointing "full"; optimus_core.memory.checkpointed_blocks)."""
-    return len(range(L.checkpointing_every - 1, cfg.n_layers, L.checkpointing_every)) if L.checkpointing == "full" else 0
+    return len(checkpointed_blocks(cfg.n_layers, L.checkpointing, L.checkpointing_every))
 
 
 def ranks_visited(cfg: ModelConfig, ep: int) -> float:
@@ -272,7 +273,7 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
     # A block recomputed whole (checkpointing "full") dispatches its tokens again: its forward's
     # share (half) of the dispatch's passes and its forward all-to-alls come back; "moe"
     # recomputes the experts from the rows already dispatched.
-    redispatched = _recomputed_blocks(cfg, L) if L.checkpointing == "full" else 0
+    redispatched = _recomputed_blocks(cfg, L)  # 0 but under "full"
     dispatch_s = 0.0
     if cfg.moe is not None and L.ep > 1:
         dispatch_s = m.dispatch_passes * rows * cfg.d_model * 4 / m.memory_bandwidth * L.micro_batches \
