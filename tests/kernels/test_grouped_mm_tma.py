@@ -355,51 +355,59 @@ def test_bf16_dw_tma_on_gpu(case, float32_out, gpu_device, rel_err, tma_calls):
     assert tma_calls == ([("dw", tuple(x.shape), dw.dtype)] if tma_runs(x, dw) else [])
 
 
+def config_failures(configs, run, tolerance: float) -> list[str]:
+    """Each config of an autotuning list on its own (the autotuner skips one that runs out of
+    shared memory without a word): ``run(config)`` -> its relative error, raising where the
+    config does not compile or launch. The failures, each named by its config."""
+    failures = []
+    for cfg in configs:
+        config = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        try:
+            err = run(config)
+        except Exception as e:  # e.g. OutOfResources: drop the config from the list
+            failures.append(f"{config}: {type(e).__name__}: {e}"[:300])
+            continue
+        if not err < tolerance:
+            failures.append(f"{config}: rel_err {err}")
+    return failures
+
+
 @pytest.mark.gpu
 def test_every_dw_tma_config_compiles_and_matches(gpu_device, rel_err):
-    """Each of the autotuner's configs on its own (the autotuner skips one that runs out of
-    shared memory without a word): float32 dw, partial N and K tiles, empty groups, a tail."""
+    """float32 dw, partial N and K tiles, empty groups, a tail."""
     x, _, offsets, dy = make([0, 300, 1, 0, 517, 64, 129, 0], 7, 200, 392, gpu_device, torch.bfloat16)
     x = x.detach()
     if gm_tma.tma_unsupported(x, torch.empty(8, 200, 392, device=gpu_device), dy) is not None:
         pytest.skip("the TMA kernel does not run on this GPU")
-    want, failures = dw_reference(x, dy, offsets), []
-    for cfg in gm_tma._dw_tma_configs(gpu_device.type, x.dtype):
-        config = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    want = dw_reference(x, dy, offsets)
+
+    def run(config):
         dw = torch.full((8, 200, 392), float("nan"), device=gpu_device)
-        try:
-            gm_tma.launch_grouped_mm_dw_tma(x, dy, offsets, dw, config=config)
-            err = rel_err(dw, want)
-        except Exception as e:  # e.g. OutOfResources: drop the config from the list
-            failures.append(f"{config}: {type(e).__name__}: {e}"[:300])
-            continue
-        if not err < 1e-5:
-            failures.append(f"{config}: rel_err {err}")
+        gm_tma.launch_grouped_mm_dw_tma(x, dy, offsets, dw, config=config)
+        return rel_err(dw, want)
+
+    failures = config_failures(gm_tma._dw_tma_configs(gpu_device.type, x.dtype), run, 1e-5)
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.gpu
-def test_every_forward_tma_config_compiles_and_matches(gpu_device, rel_err):
-    """Each config of the forward / dx kernel's list on its own, forward and dx (w read
-    transposed): partial row, column and K tiles, empty groups, a tail."""
+@pytest.mark.parametrize("trans_w", [False, True], ids=["forward", "dx"])
+def test_every_forward_tma_config_compiles_and_matches(trans_w, gpu_device, rel_err):
+    """The forward / dx kernel's list, forward and dx (w read transposed): partial row, column
+    and K tiles, empty groups, a tail."""
     x, w, offsets, dy = make([0, 300, 1, 0, 517, 64, 129, 0], 7, 200, 392, gpu_device, torch.bfloat16)
     x, w = x.detach(), w.detach()
     if gm_tma.tma_unsupported(x, w, dy) is not None:
         pytest.skip("the TMA kernel does not run on this GPU")
-    failures = []
-    for trans_w, a in ((False, x), (True, dy)):
-        want = grouped_mm_reference(a.float(), (w.transpose(1, 2) if trans_w else w).float(), offsets)
-        for cfg in gm_tma._tma_configs(gpu_device.type, x.dtype):
-            config = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-            y = torch.full(tuple(want.shape), float("nan"), device=gpu_device, dtype=x.dtype)
-            try:
-                gm_tma.launch_grouped_mm_tma(a, w, offsets, y, trans_w=trans_w, dx=trans_w, config=config)
-                err = rel_err(y, want)
-            except Exception as e:  # e.g. OutOfResources: drop the config from the list
-                failures.append(f"{config} trans_w={trans_w}: {type(e).__name__}: {e}"[:300])
-                continue
-            if not err < 5e-3:
-                failures.append(f"{config} trans_w={trans_w}: rel_err {err}")
+    a = dy if trans_w else x
+    want = grouped_mm_reference(a.float(), (w.transpose(1, 2) if trans_w else w).float(), offsets)
+
+    def run(config):
+        y = torch.full(tuple(want.shape), float("nan"), device=gpu_device, dtype=x.dtype)
+        gm_tma.launch_grouped_mm_tma(a, w, offsets, y, trans_w=trans_w, dx=trans_w, config=config)
+        return rel_err(y, want)
+
+    failures = config_failures(gm_tma._tma_configs(gpu_device.type, x.dtype), run, 5e-3)
     assert not failures, "\n".join(failures)
 
 
