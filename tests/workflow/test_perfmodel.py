@@ -452,6 +452,7 @@ def test_recomputation_is_priced_as_compute_and_a_redispatch():
 
 def test_a_points_checkpointing_is_what_its_plan_recorded():
     assert pm.point_checkpointing({}) == {"checkpointing": "none", "checkpointing_every": 1}
+    assert pm.point_checkpointing({"plan": "a plan's description"}) == {"checkpointing": "none", "checkpointing_every": 1}
     assert pm.point_checkpointing({"checkpointing": "full/2"}) == {"checkpointing": "full", "checkpointing_every": 2}
     assert pm.point_checkpointing({"plan": {"checkpointing": ["moe", 1]}}) == {"checkpointing": "moe",
                                                                              "checkpointing_every": 1}

@@ -477,7 +477,8 @@ def point_checkpointing(point: dict) -> dict:
     """Layout fields of the activation checkpointing a measured point ran, as its plan recorded
     it ("full/2", "moe", a [mode, every] pair); none where it recorded none (the points measured
     before the execution plan ran without)."""
-    value = point.get("checkpointing") or (point.get("plan") or {}).get("checkpointing") or "none"
+    plan = point.get("plan")
+    value = point.get("checkpointing") or (plan.get("checkpointing") if isinstance(plan, dict) else None) or "none"
     if isinstance(value, (list, tuple)):
         mode, every = value[0], int(value[1])
     else:
