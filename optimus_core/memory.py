@@ -335,23 +335,18 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
     return MemoryEstimate(backward, "backward start")
 
 
-def recompute_fraction(cfg: ModelConfig, checkpointing: str, every: int = 1) -> float:
-    """The share of one forward's FLOPs a checkpointing mode repeats in the backward (what it costs)."""
-    if checkpointing == "none":
-        return 0.0
-    if checkpointing == "full":
-        return len(checkpointed_blocks(cfg.n_layers, "full", every)) / cfg.n_layers
-    from .flops import active_matmul_params
-
-    moe = cfg.moe  # "moe": the experts' GEMMs of every layer, a share of the matmul FLOPs
-    return 3 * cfg.d_model * moe.d_expert * moe.top_k * cfg.n_layers / active_matmul_params(cfg)
+def recompute_fraction(cfg: ModelConfig, checkpointing: str, every: int, seq_len: int) -> float:
+    """The share of one forward's FLOPs a checkpointing mode repeats in the backward (what it
+    costs), at ``seq_len``: optimus_core.flops.recompute_flops_per_token over the forward's third
+    of flops_per_token."""
+    return 3 * cfg.recompute_flops_per_token(seq_len, checkpointing, every) / cfg.flops_per_token(seq_len)
 
 
-def checkpointing_candidates(cfg: ModelConfig) -> list[tuple[str, int]]:
-    """(mode, every) from the least recomputation to the most."""
+def checkpointing_candidates(cfg: ModelConfig, seq_len: int) -> list[tuple[str, int]]:
+    """(mode, every) from the least recomputation to the most, at ``seq_len``."""
     out = [("none", 1)] + ([("moe", 1)] if cfg.moe is not None else [])
     out += [("full", k) for k in (4, 2) if k <= cfg.n_layers] + [("full", 1)]
-    return sorted(out, key=lambda c: recompute_fraction(cfg, *c))
+    return sorted(out, key=lambda c: recompute_fraction(cfg, *c, seq_len))
 
 
 def fit_checkpointing(cfg: ModelConfig, L: MemoryLayout, budget_bytes: float | None, *,
@@ -362,7 +357,7 @@ def fit_checkpointing(cfg: ModelConfig, L: MemoryLayout, budget_bytes: float | N
     if budget_bytes is None:
         return "none", 1
     peaks = {c: estimate(cfg, replace(L, checkpointing=c[0], every=c[1])).peak_bytes
-             for c in checkpointing_candidates(cfg)}
+             for c in checkpointing_candidates(cfg, L.seq_len)}
     for limit in (budget_bytes / (1 + FIT_MARGIN), budget_bytes):
         for candidate, peak in peaks.items():  # least recomputation first
             if peak <= limit:

@@ -100,7 +100,7 @@ def test_terms_move_the_right_way():
 def test_the_fit_takes_the_least_recomputation_that_fits():
     cfg = presets.get("mula-220b-a10b").model
     layout = MemoryLayout(world=3072, ep=32, dp_shard=384, micro_batch=1, accumulation=2, seq_len=4096)
-    order = checkpointing_candidates(cfg)
+    order = checkpointing_candidates(cfg, layout.seq_len)
     assert order[0] == ("none", 1) and order[-1] == ("full", 1)
     peaks = {c: estimate(cfg, MemoryLayout(**{**layout.__dict__, "checkpointing": c[0], "every": c[1]})).peak_bytes
              for c in order}
