@@ -312,13 +312,22 @@ def _launcher_passes(x, w, offsets, dy, tma: dict, flop: int) -> dict:
 
 def tma_configs_chosen(device, dtype) -> dict[str, str]:
     """What the autotuner chose for the forward / dx TMA kernel, per autotune key (N, K, the row
-    bucket, forward or dx, transposed w, and the argument dtypes)."""
+    bucket, forward or dx, transposed w, and the argument dtypes); empty where it never ran."""
+    from kernels._triton import triton
     from kernels.grouped_mm_tma import _grouped_mm_tma_tuned
 
-    if tma_unsupported(torch.empty(1, 8, device=device, dtype=dtype), torch.empty(1, 8, 8, device=device, dtype=dtype),
-                       torch.empty(1, 8, device=device, dtype=dtype)) is not None:
+    if triton is None:
         return {}
     return {str(key): str(config) for key, config in _grouped_mm_tma_tuned(device.type, dtype).cache.items()}
+
+
+def named_configs(configs) -> dict[str, dict]:
+    """{"BLOCK_M=128,...,num_stages=3": launch keywords} of an autotuning list's triton.Configs."""
+    out = {}
+    for cfg in configs:
+        config = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        out[",".join(f"{k}={v}" for k, v in config.items())] = config
+    return out
 
 
 def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
@@ -333,10 +342,7 @@ def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
         x = torch.randn(M, K, device=device, dtype=dtype, generator=gen)
         dy = torch.randn(M, N, device=device, dtype=dtype, generator=gen)
         dw = torch.empty(E, K, N, device=device, dtype=torch.float32)
-        configs = {}
-        for cfg in _dw_tma_configs(device.type, dtype):
-            config = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-            configs[",".join(f"{k}={v}" for k, v in config.items())] = config
+        configs = named_configs(_dw_tma_configs(device.type, dtype))
         fns = {name: (lambda c=c: launch_grouped_mm_dw_tma(x, dy, offsets, dw, config=c)) for name, c in configs.items()}
         for name, ms in timer.interleaved(fns).items():
             rec(op=gemm, pass_="dw", backend="triton-dw-config", config=configs[name], tokens=T, routing=routing,
@@ -351,10 +357,7 @@ def bench_tma_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
     M = T * k
     offsets = permute(torch.empty(T, 0, device=device), topk_idx, E, backend="loop")[1]
     gen = torch.Generator(device=device).manual_seed(0)
-    configs = {}
-    for cfg in _tma_configs(device.type, dtype):
-        config = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-        configs[",".join(f"{k}={v}" for k, v in config.items())] = config
+    configs = named_configs(_tma_configs(device.type, dtype))
     for gemm, K, N in (("up", D, 2 * H), ("down", H, D)):
         w = torch.randn(E, K, N, device=device, dtype=dtype, generator=gen) / K**0.5
         for pass_, trans_w in (("fwd", False), ("bwd-dx", True)):
