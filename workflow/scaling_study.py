@@ -259,12 +259,11 @@ def run_study(store: Optional[Path], measured: Sequence[Path], out_json: Optiona
             result[table] += one.pop(table)
         result["sweeps"].append(one)
     aurora = pm.load_machine(PAPER_MACHINE)
-    result["predicted"] += pm.paper_sweep(aurora) + pm.paper_sweep(aurora, overlap=OVERLAP_WHATIF)
-    paper = pm.paper_sweep(aurora)
+    paper, whatif = pm.paper_sweep(aurora), pm.paper_sweep(aurora, overlap=OVERLAP_WHATIF)
+    result["predicted"] += paper + whatif
     result["paper"] = {"machine": aurora.name, "tiles": [r["devices"] for r in paper],
                        "efficiency": [r["efficiency"] for r in paper],
-                       "efficiency_overlap_grad_sync": [r["efficiency"] for r in
-                                                        pm.paper_sweep(aurora, overlap=OVERLAP_WHATIF)]}
+                       "efficiency_overlap_grad_sync": [r["efficiency"] for r in whatif]}
     result = _plain(result)
     if out_json:
         Path(out_json).parent.mkdir(parents=True, exist_ok=True)
