@@ -67,10 +67,17 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     return 6 * active_matmul_params(cfg) + 12 * cfg.n_layers * cfg.d_model * seq_len
 
 
+def checkpointed_blocks(n_layers: int, mode: str, every: int = 1) -> set[int]:
+    """The blocks the backward recomputes whole: under "full", every ``every``-th from the
+    ``every``-th on; none otherwise. The model's rule (Transformer.set_activation_checkpointing),
+    here because both this module's and optimus_core.memory's counts follow it."""
+    return set(range(every - 1, n_layers, every)) if mode == "full" else set()
+
+
 def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, mode: str, every: int = 1) -> int:
     """Forward FLOPs per token the backward repeats under execution.activation_checkpointing
     ``mode`` (resolved: none | full | moe) with every ``every``-th block checkpointed ("full"),
-    as optimus_core.memory.checkpointed_blocks picks them; see the module docstring."""
+    as checkpointed_blocks picks them; see the module docstring."""
     if mode == "none":
         return 0
     if mode == "moe":
@@ -80,8 +87,6 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, mode: str, every: 
     if mode != "full" or every < 1:
         raise ValueError(f"activation checkpointing ({mode!r}, every {every}): mode must be none, full or moe, "
                          "every >= 1")
-    from .memory import checkpointed_blocks
-
     kv_dim = cfg.kv_heads * cfg.head_dim
     block = 2 * (2 * cfg.d_model * cfg.d_model + 2 * cfg.d_model * kv_dim + _ffn_params(cfg, active=True))
     return len(checkpointed_blocks(cfg.n_layers, "full", every)) * (block + 4 * cfg.d_model * seq_len)

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 from .config import ConfigError, ModelConfig
+from .flops import checkpointed_blocks
 
 GIB = 2 ** 30
 # The share of a device's memory a run may plan to allocate: the rest is the runtime's context,
@@ -195,12 +196,6 @@ def _share_elements(p: ParamShape, L: MemoryLayout) -> int:
 
 
 # ----------------------------------------------------------------------------- activations
-
-def checkpointed_blocks(n_layers: int, mode: str, every: int = 1) -> set[int]:
-    """The blocks the backward recomputes whole: under "full", every ``every``-th from the
-    ``every``-th on; none otherwise. The model's rule (Transformer.set_activation_checkpointing)."""
-    return set(range(every - 1, n_layers, every)) if mode == "full" else set()
-
 
 def block_activation_bytes(cfg: ModelConfig, tokens: int, checkpointed: bool = False, experts_only: bool = False,
                            qk_norm_rope_kernel: bool = False) -> float:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
-from ..memory import checkpointed_blocks
+from ..flops import checkpointed_blocks
 from .attention import Attention
 from .init import init_parameter_
 from .layers import RMSNorm, RotaryEmbedding, SwiGLU

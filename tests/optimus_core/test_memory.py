@@ -10,8 +10,9 @@ from torch.utils.checkpoint import checkpoint
 
 from optimus_core import presets
 from optimus_core.config import ConfigError, ModelConfig, MoEConfig
+from optimus_core.flops import checkpointed_blocks
 from optimus_core.memory import (FIT_MARGIN, GIB, LM_LOSS_CHUNK_ROWS, MemoryBudgetError, MemoryLayout, block_activation_bytes,
-                                 check_fits, checkpointed_blocks, checkpointing_candidates, estimate, fit_checkpointing,
+                                 check_fits, checkpointing_candidates, estimate, fit_checkpointing,
                                  parameter_table, static_bytes)
 from optimus_core.model.transformer import Transformer
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from optimus_core import presets
 from optimus_core.config import MOVED, RETIRED, ConfigError, ModelConfig
-from optimus_core.memory import checkpointed_blocks
+from optimus_core.flops import checkpointed_blocks
 
 from .machine import DTYPES, Machine
 
@@ -217,7 +217,7 @@ def _recompute_flops_per_token(cfg: ModelConfig, L: "Layout") -> tuple[int, int]
 
 
 def _recomputed_blocks(cfg: ModelConfig, L: "Layout") -> int:
-    """Blocks the backward recomputes whole (checkpointing "full"; optimus_core.memory.checkpointed_blocks)."""
+    """Blocks the backward recomputes whole (checkpointing "full"; optimus_core.flops.checkpointed_blocks)."""
     return len(checkpointed_blocks(cfg.n_layers, L.checkpointing, L.checkpointing_every))
 
 
