@@ -2,7 +2,7 @@
 """Benchmark of the expert kernels on the OLMoE expert shapes (not a test).
 
     python bench/kernels.py [--quick] [--tokens 8192,16384,32768] [--only up,down,permute]
-                            [--backends triton,triton-pointer,...] [--dw-configs] [--tma-configs]
+                            [--backends triton,triton-pointer,...] [--dw-configs] [--tma-configs] [--ws]
                             [--store results/store.zarr]
 
 Shapes (OLMoE-1B-7B / Mula-7B-A1B): 64 experts, top-8, d_model 2048, expert hidden 1024, bf16.
@@ -41,6 +41,9 @@ group, as capacity dropping and expert parallelism sort (65 groups: the counting
 tiles): for "triton" the sort permute runs (the counting sort where it applies), for
 "triton-sort-torch" torch.sort + searchsorted (expert_sort's private counting=False; the
 sort rows only, since permute itself takes no choice of sort).
+--ws (Hopper): the warp-specialized Gluon forward / dx kernel (kernels/grouped_mm_ws.py), each
+config checked against a float32 reference, then timed in turns with the default TMA kernel
+("triton-tma") and torch._grouped_mm ("torch_raw"); the summary's ws_over_* hold the ratios.
 
 Timing: device events around each call, warm-up (which also runs Triton's autotuning) then
 the median of --reps repeats; the GEMM rows of one pass are timed in turns (Timer.interleaved),
@@ -109,6 +112,9 @@ def parse_args(argv=None):
                    help="also time each config of the TMA dW kernel alone (float32 out)")
     p.add_argument("--tma-configs", action="store_true",
                    help="also time each config of the forward / dx TMA kernel alone")
+    p.add_argument("--ws", action="store_true",
+                   help="also time the warp-specialized Gluon forward / dx kernel, each config, beside "
+                        "the TMA kernel and torch._grouped_mm (Hopper)")
     p.add_argument("--reps", type=int, default=50, help="timed repeats per measurement (median taken)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the JSON lines file")
     p.add_argument("--store", default=str(ROOT / "results" / "store.zarr"), help="results store ('' to skip)")
@@ -349,36 +355,78 @@ def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
                 ms=ms, tflops=2 * M * K * N / ms / 1e9, flop=2 * M * K * N, M=M, K=K, N=N, experts=E)
 
 
-def bench_tma_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
-    """Each config of the forward / dx TMA kernel's autotuning list timed alone, in turns
-    (--tma-configs): the up and down projections' forward and dx."""
-    from kernels.grouped_mm_tma import _tma_configs, launch_grouped_mm_tma
+def _fwd_dx_operands(device, dtype, T, topk_idx, shape):
+    """(gemm, pass, trans_w, x, w, offsets, y, flop) of the up and down projections' forward
+    and dx (w read transposed): what the forward / dx kernels' config rows time."""
     E, k, D, H = shape["experts"], shape["top_k"], shape["d_model"], shape["hidden"]
     M = T * k
     offsets = permute(torch.empty(T, 0, device=device), topk_idx, E, backend="loop")[1]
     gen = torch.Generator(device=device).manual_seed(0)
-    configs = named_configs(_tma_configs(device.type, dtype))
     for gemm, K, N in (("up", D, 2 * H), ("down", H, D)):
         w = torch.randn(E, K, N, device=device, dtype=dtype, generator=gen) / K**0.5
         for pass_, trans_w in (("fwd", False), ("bwd-dx", True)):
             rows_in, cols_out = (K, N) if not trans_w else (N, K)
             x = torch.randn(M, rows_in, device=device, dtype=dtype, generator=gen)
             y = torch.empty(M, cols_out, device=device, dtype=dtype)
-            want = launch_grouped_mm_tma(x, w, offsets, torch.empty_like(y), trans_w=trans_w, dx=trans_w)
-            fns = {}
-            for name, c in configs.items():
-                try:  # a config that does not compile here (shared memory, registers) is skipped
-                    got = launch_grouped_mm_tma(x, w, offsets, y, trans_w=trans_w, dx=trans_w, config=c)
-                    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-                except Exception as e:  # noqa: BLE001  (recorded, not fatal)
-                    rec(op=gemm, pass_=pass_, backend="triton-tma-config", config=c, tokens=T, routing=routing,
-                        error=f"{type(e).__name__}: {str(e)[:200]}")
-                    continue
-                fns[name] = lambda c=c: launch_grouped_mm_tma(x, w, offsets, y, trans_w=trans_w, dx=trans_w, config=c)
-            for name, ms in timer.interleaved(fns).items():
-                rec(op=gemm, pass_=pass_, backend="triton-tma-config", config=configs[name], tokens=T,
-                    routing=routing, ms=ms, tflops=2 * M * K * N / ms / 1e9, flop=2 * M * K * N, M=M, K=K, N=N,
-                    experts=E)
+            yield gemm, pass_, trans_w, x, w, offsets, y, 2 * M * K * N
+
+
+def bench_tma_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
+    """Each config of the forward / dx TMA kernel's autotuning list timed alone, in turns
+    (--tma-configs): the up and down projections' forward and dx."""
+    from kernels.grouped_mm_tma import _tma_configs, launch_grouped_mm_tma
+    configs = named_configs(_tma_configs(device.type, dtype))
+    for gemm, pass_, trans_w, x, w, offsets, y, flop in _fwd_dx_operands(device, dtype, T, topk_idx, shape):
+        M, K, N = x.shape[0], *w.shape[1:]
+        want = launch_grouped_mm_tma(x, w, offsets, torch.empty_like(y), trans_w=trans_w, dx=trans_w)
+        fns = {}
+        for name, c in configs.items():
+            try:  # a config that does not compile here (shared memory, registers) is skipped
+                got = launch_grouped_mm_tma(x, w, offsets, y, trans_w=trans_w, dx=trans_w, config=c)
+                torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+            except Exception as e:  # noqa: BLE001  (recorded, not fatal)
+                rec(op=gemm, pass_=pass_, backend="triton-tma-config", config=c, tokens=T, routing=routing,
+                    error=f"{type(e).__name__}: {str(e)[:200]}")
+                continue
+            fns[name] = lambda c=c: launch_grouped_mm_tma(x, w, offsets, y, trans_w=trans_w, dx=trans_w, config=c)
+        for name, ms in timer.interleaved(fns).items():
+            rec(op=gemm, pass_=pass_, backend="triton-tma-config", config=configs[name], tokens=T,
+                routing=routing, ms=ms, tflops=flop / ms / 1e9, flop=flop, M=M, K=K, N=N, experts=w.shape[0])
+
+
+def bench_ws(rec, timer, device, dtype, T, routing, topk_idx, shape):
+    """The warp-specialized Gluon kernel (--ws; kernels/grouped_mm_ws.py), each config checked
+    against a float32 reference and then timed, in turns with the default TMA kernel
+    ("triton-tma", autotuned) and torch._grouped_mm ("torch_raw"): the forward and dx of the
+    up and down projections."""
+    from kernels import grouped_mm_reference
+    from kernels.grouped_mm_tma import launch_grouped_mm_tma
+    from kernels.grouped_mm_ws import CONFIGS, config_dict, launch_grouped_mm_ws, ws_unsupported
+    for gemm, pass_, trans_w, x, w, offsets, y, flop in _fwd_dx_operands(device, dtype, T, topk_idx, shape):
+        M, K, N = x.shape[0], *w.shape[1:]
+        b = w.transpose(1, 2) if trans_w else w
+        fields = dict(op=gemm, pass_=pass_, tokens=T, routing=routing)
+        fns = {"triton-tma": lambda: launch_grouped_mm_tma(x, w, offsets, y, trans_w=trans_w, dx=trans_w),
+               "torch_raw": lambda: torch._grouped_mm(x, b, offs=offsets)}
+        if (reason := ws_unsupported(x, w, y, trans_w)) is not None:
+            rec(backend="triton-ws", error=reason, **fields)
+            continue
+        want = grouped_mm_reference(x.float(), b.float(), offsets)
+        for c in map(config_dict, *zip(*CONFIGS)):
+            try:  # a config that fails to compile or to match costs its row only
+                got = launch_grouped_mm_ws(x, w, offsets, torch.full_like(y, float("nan")), trans_w=trans_w, config=c)
+                err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+                if not err < 5e-3:  # NaN too: a row left unwritten
+                    raise AssertionError(f"relative error {err:.3g} against the float32 reference")
+            except Exception as e:  # noqa: BLE001  (recorded, not fatal)
+                rec(backend="triton-ws", config=c, error=f"{type(e).__name__}: {str(e)[:300]}", **fields)
+                continue
+            fns[",".join(f"{k}={v}" for k, v in c.items())] = \
+                lambda c=c: launch_grouped_mm_ws(x, w, offsets, y, trans_w=trans_w, config=c)
+        for name, ms in timer.interleaved(fns).items():
+            config = {} if name in ("triton-tma", "torch_raw") else dict(kv.split("=") for kv in name.split(","))
+            rec(backend="triton-ws" if config else name, config={k: int(v) for k, v in config.items()},
+                ms=ms, tflops=flop / ms / 1e9, flop=flop, M=M, K=K, N=N, experts=w.shape[0], **fields)
 
 
 def bench_permute(rec, timer, device, dtype, T, routing, topk_idx, shape, backends):
@@ -498,6 +546,8 @@ def main(argv=None) -> None:
             bench_gemms(rec, timer, device, dtype, T, routing, topk_idx, shape, gemm_rows, ops)
             if args.tma_configs and device.type == "cuda":
                 bench_tma_configs(rec, timer, device, dtype, T, routing, topk_idx, shape)
+            if args.ws and device.type == "cuda":
+                bench_ws(rec, timer, device, dtype, T, routing, topk_idx, shape)
             if args.dw_configs and device.type == "cuda":
                 bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape)
             if "permute" in ops:
@@ -530,6 +580,11 @@ def main(argv=None) -> None:
                                       ratio(r, other) for r in records
                                       if r["backend"] in TRITON_VARIANTS and "tflops" in r}
            for other in ("triton", "torch_raw")},
+        # the warp-specialized kernel's configs over the TMA kernel and torch._grouped_mm (--ws)
+        **{f"ws_over_{other}": {
+            f"{','.join(map(str, r['config'].values()))}/{r['op']}/{r['pass']}/{r['tokens']}/{r['routing']}":
+            ratio(r, other) for r in records if r["backend"] == "triton-ws" and "tflops" in r}
+           for other in ("triton-tma", "torch_raw")},
         # the permute A/B: time with torch.sort over time with the default (counting) sort
         "permute_variants": PERMUTE_VARIANTS,
         "triton_sort_torch_ms_over_triton": {

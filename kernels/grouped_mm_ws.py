@@ -1,0 +1,315 @@
+"""The grouped GEMM's forward and dx as a warp-specialized Hopper kernel, written in Gluon.
+
+    launch_grouped_mm_ws(x_MK, w, offsets_G, y_MN, *, trans_w=False, config=None)
+    ws_unsupported(x_MK, w, y_MN, trans_w=False) -> str | None   # why it cannot run these, or None
+
+The same contract as grouped_mm_tma.launch_grouped_mm_tma (y[rows of g] = x[rows of g] @ w[g],
+or @ w[g]^T with trans_w; rows past offsets[-1] come out zero; empty groups; no host sync), and
+the same work items (grouped_mm_tiles' numbering, rebuilt here in Gluon, whose tensors need
+explicit layouts). What differs is who does what on an SM. The Triton kernel's warps do
+everything in turn, so each output tile's epilogue (convert, store) and the next tile's
+pipeline fill run with the tensor cores idle: at K = 1024 that is the measured gap to CUTLASS
+(bench/NOTES.md). Here one persistent program per SM holds three partitions:
+
+    loader      1 warp: TMA loads of x's and w's K blocks into a STAGES-deep ring, running
+                ahead across work items (the next tile's first blocks arrive during this
+                tile's last products and epilogue)
+    consumer 0  4 warps (the default partition) and
+    consumer 1  4 warps: each takes every other work item of the program, wgmma from the
+                ring into a float32 accumulator in registers, then its own epilogue
+
+The ring is filled in item order, so while one consumer runs its epilogue the other runs its
+products: CUTLASS's "ping-pong" schedule. A consumer's item j (the program's j-th) reads ring
+positions j*KT .. (j+1)*KT - 1 (KT K blocks per item); items of the tail segment (rows past
+offsets[-1]) are numbered last, need no loads, and are stored as zeros.
+
+Clipping is TMA's, as in grouped_mm_tma: x's rows past a group's end feed only output rows
+that are never stored; a partial last row tile is stored with masked pointer stores (a TMA
+store would write the next group's rows); transposed, w's rows past the group land in output
+columns >= N, which the store drops. The forward's K must be a multiple of BLOCK_K (a partial K
+block would read the next group's rows of w into the product; the Triton kernel zeroes them in
+registers, which wgmma from shared memory cannot): ws_unsupported says so.
+
+Needs Triton with Gluon's Hopper language (3.5+), an NVIDIA sm90 GPU and 16-bit inputs; no
+interpreter (Gluon has none), so on a CPU the kernel is only compiled (compile_for_sm90).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._triton import device_guard, triton
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    # Triton 3.7 renamed the TMA copies (3.6 is on the GPU machine, 3.9 in the CPU tests)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+except ImportError:  # no Triton, or one without Gluon's Hopper language
+    gluon = None
+
+CONSUMER_WARPS = 4  # one warpgroup: its 128 threads hold a 128 x 128 float32 accumulator in 128 registers each
+LOADER_REGISTERS = 40  # scalar TMA issue plus the SEGMENTS-lane work numbering, over 32 lanes
+CONSUMER_REGISTERS = 232  # what is left of the SM's 64K for the two consumer warpgroups
+MAX_REGISTERS = 168  # per thread at launch, over 3 warpgroups; setmaxnreg then moves them as above
+
+
+def ws_unsupported(x: Tensor, w: Tensor, y: Tensor, trans_w: bool = False) -> str | None:
+    """Why the warp-specialized kernel cannot run on these tensors (w as the kernel reads it:
+    (G, K, N), or (G, N, K) with trans_w), or None."""
+    if gluon is None:
+        return f"Triton {getattr(triton, '__version__', None)} has no Gluon Hopper language"
+    if x.device.type != "cuda" or torch.version.cuda is None:
+        return f"the warp-specialized kernel needs an NVIDIA GPU, got {x.device.type}"
+    if torch.cuda.get_device_capability(x.device)[0] != 9:
+        return "the warp-specialized kernel is for Hopper (compute capability 9.x: wgmma)"
+    return _shape_unsupported(x, w, y, trans_w)
+
+
+def _shape_unsupported(x: Tensor, w: Tensor, y: Tensor, trans_w: bool) -> str | None:
+    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype or y.dtype != x.dtype:
+        return f"the warp-specialized kernel is for one 16-bit dtype, got {x.dtype}, {w.dtype}, {y.dtype}"
+    K = x.shape[1]
+    if K == 0:
+        return "K = 0: nothing for a descriptor to load"
+    if not trans_w and K % 64:  # every config's BLOCK_K
+        return f"K = {K} is not a multiple of 64: a partial K block would read the next group's weights"
+    if not w.is_contiguous():
+        return "w must be contiguous (it is read as one (G*K, N) matrix)"
+    for name, t in (("x", x), ("w", w), ("y", y)):
+        if t.stride(-1) != 1 or any(s * t.element_size() % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            return f"{name} needs 16-byte aligned rows and base for TMA, got strides {t.stride()}"
+    return None
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES): one consumer's tile and the ring's depth. Shared memory:
+# STAGES * (BM + BN) * BK * 2 bytes of ring and 2 * BM * BN * 2 of store staging (one tile per
+# consumer), at most the H200's 227 KB: 128 x 128 x 64 with 4 stages is 192 KB, with 5 224 KB.
+# A 128 x 256 tile would hold 256 float32 accumulator registers per thread of one warpgroup:
+# more than a thread has. BLOCK_K is 64 throughout (ws_unsupported's K rule).
+CONFIGS = [(128, 128, 64, 4), (128, 128, 64, 5), (64, 256, 64, 4)]
+SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use (227 KB)
+
+
+def config_dict(block_m: int, block_n: int, block_k: int, stages: int) -> dict:
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages}
+
+
+if gluon is not None:
+
+    _WARPS = gl.constexpr(CONSUMER_WARPS)  # a kernel reads module globals only as constexprs
+    _CONSUMER_REGISTERS = gl.constexpr(CONSUMER_REGISTERS)
+    _LOADER_REGISTERS = gl.constexpr(LOADER_REGISTERS)
+
+    @gluon.constexpr_function
+    def _y_block_n(w_block_shape, trans_w):
+        """BLOCK_N from w's block: (BLOCK_K, BLOCK_N), or (BLOCK_N, BLOCK_K) transposed."""
+        return w_block_shape[0] if trans_w else w_block_shape[1]
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _segment_tiles(offsets_ptr, M, G, SEGMENTS: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+        """grouped_mm_tiles.segment_tiles with its lanes in ``layout``."""
+        seg = gl.arange(0, SEGMENTS, layout=layout)
+        ends = gl.minimum(gl.load(offsets_ptr + seg, mask=seg < G, other=M), M)
+        starts = gl.load(offsets_ptr + seg - 1, mask=(seg > 0) & (seg <= G), other=0)
+        starts = gl.where(seg > G, M, gl.minimum(starts, M))
+        tiles = gl.cdiv(gl.maximum(ends - starts, 0), BLOCK_M)
+        return seg, starts, ends, tiles, gl.associative_scan(tiles, 0, _add)
+
+    @gluon.jit
+    def _locate_tile(tile, seg, starts, ends, tiles, tiles_end, BLOCK_M: gl.constexpr):
+        """grouped_mm_tiles.locate_tile: the tile's segment g (G: the tail) and rows."""
+        g = gl.sum((tiles_end <= tile).to(gl.int32), 0)
+        row_end = gl.sum(gl.where(seg == g, ends, 0), 0)
+        row_start = gl.sum(gl.where(seg == g, starts + (tile - tiles_end + tiles) * BLOCK_M, 0), 0)
+        return g, row_start, row_end
+
+    @gluon.jit
+    def _loader(x_desc, w_desc, x_ring, w_ring, ready, empty, offsets_ptr, M, N, K, G,
+                SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, layout: gl.constexpr):
+        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = _y_block_n(w_desc.block_type.shape, TRANS_W)
+        STAGES: gl.constexpr = x_ring.type.shape[0]
+        seg, starts, ends, tiles, tiles_end = _segment_tiles(offsets_ptr, M, G, SEGMENTS, BLOCK_M, layout)
+        num_n = gl.cdiv(N, BLOCK_N)
+        work = gl.sum(tiles, 0) * num_n
+        k_blocks = gl.cdiv(K, BLOCK_K)
+        pos = 0
+        for item in range(gl.program_id(0), work, gl.num_programs(0)):
+            tile = item // num_n
+            n0 = item % num_n * BLOCK_N
+            g, row_start, row_end = _locate_tile(tile, seg, starts, ends, tiles, tiles_end, BLOCK_M)
+            if g < G:  # tail tiles (numbered last) load nothing
+                for kb in range(k_blocks):
+                    s = pos % STAGES
+                    mbarrier.wait(empty.index(s), (pos // STAGES & 1) ^ 1)  # fresh barriers pass phase 1
+                    bar = ready.index(s)
+                    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                    _tma_load(x_desc, [row_start, kb * BLOCK_K], bar, x_ring.index(s))
+                    if TRANS_W:
+                        _tma_load(w_desc, [g * N + n0, kb * BLOCK_K], bar, w_ring.index(s))
+                    else:
+                        _tma_load(w_desc, [g * K + kb * BLOCK_K, n0], bar, w_ring.index(s))
+                    pos += 1
+
+    @gluon.jit
+    def _consumer(x_desc, w_desc, y_desc, x_ring, w_ring, ready, empty, y_stage, y_ptr, stride_ym,
+                  offsets_ptr, M, N, K, G, WHICH: gl.constexpr,
+                  SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, layout: gl.constexpr):
+        BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
+        BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+        STAGES: gl.constexpr = x_ring.type.shape[0]
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_WARPS, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        # 16-byte vectors along a row for the partial tiles' pointer stores
+        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_WARPS, 1], [1, 0])
+        seg, starts, ends, tiles, tiles_end = _segment_tiles(offsets_ptr, M, G, SEGMENTS, BLOCK_M, layout)
+        num_n = gl.cdiv(N, BLOCK_N)
+        work = gl.sum(tiles, 0) * num_n
+        k_blocks = gl.cdiv(K, BLOCK_K)
+        first = gl.program_id(0) + WHICH * gl.num_programs(0)
+        j = WHICH  # the item's rank among this program's items
+        for item in range(first, work, 2 * gl.num_programs(0)):
+            tile = item // num_n
+            n0 = item % num_n * BLOCK_N
+            g, row_start, row_end = _locate_tile(tile, seg, starts, ends, tiles, tiles_end, BLOCK_M)
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+            if g < G:
+                pos = j * k_blocks
+                for kb in range(k_blocks):
+                    s = pos % STAGES
+                    mbarrier.wait(ready.index(s), pos // STAGES & 1)
+                    if TRANS_W:
+                        b = w_ring.index(s).permute((1, 0))
+                    else:
+                        b = w_ring.index(s)
+                    acc = warpgroup_mma(x_ring.index(s), b, acc, use_acc=kb > 0, is_async=True)
+                    # one product in flight: the one before it has read its stage, which goes back
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                    mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), count=1, pred=kb > 0)
+                    pos += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), count=1)
+            # Both stores go through y_stage, so the accumulator has one reader: a second
+            # (masked pointer stores straight from it) makes ptxas serialize the wgmmas (C7514).
+            tma.store_wait(pendings=0)  # this consumer's last store has left y_stage
+            y_stage.store(acc.to(y_desc.dtype))
+            if row_start + BLOCK_M <= row_end:
+                fence_async_shared()
+                _tma_store(y_desc, [row_start, n0], y_stage)  # columns past N dropped
+            else:  # the group's last, partial row tile: its rows past row_end are the next group's
+                rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
+                cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+                ptrs = y_ptr + gl.expand_dims(rows.to(gl.int64) * stride_ym, 1) + gl.expand_dims(cols, 0)
+                mask = gl.expand_dims(rows < row_end, 1) & gl.expand_dims(cols < N, 0)
+                gl.store(ptrs, y_stage.load(store_layout), mask=mask)
+            j += 2
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _grouped_mm_ws_kernel(x_desc, w_desc, y_desc, y_ptr, offsets_ptr, M, N, K, G, stride_ym,
+                              SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, STAGES: gl.constexpr):
+        BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
+        BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
+        x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+        w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        stage0 = gl.allocate_shared_memory(y_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
+        stage1 = gl.allocate_shared_memory(y_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
+        lanes: gl.constexpr = gl.BlockedLayout([1], [32], [_WARPS], [0])
+        loader_lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        gl.warp_specialize([
+            (_consumer, (x_desc, w_desc, y_desc, x_ring, w_ring, ready, empty, stage0, y_ptr, stride_ym,
+                         offsets_ptr, M, N, K, G, 0, SEGMENTS, TRANS_W, lanes)),
+            (_consumer, (x_desc, w_desc, y_desc, x_ring, w_ring, ready, empty, stage1, y_ptr, stride_ym,
+                         offsets_ptr, M, N, K, G, 1, SEGMENTS, TRANS_W, lanes)),
+            (_loader, (x_desc, w_desc, x_ring, w_ring, ready, empty, offsets_ptr, M, N, K, G,
+                       SEGMENTS, TRANS_W, loader_lanes)),
+        ], [_WARPS, 1], [_CONSUMER_REGISTERS, _LOADER_REGISTERS])
+
+
+def _layouts(dtype, block_m: int, block_n: int, block_k: int, trans_w: bool):
+    """NVMMA shared layouts of x's, w's and y's blocks (the swizzle TMA and wgmma share)."""
+    gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    w_block = [block_n, block_k] if trans_w else [block_k, block_n]
+    return ([block_m, block_k], gl.NVMMASharedLayout.get_default_for([block_m, block_k], gdt)), \
+        (w_block, gl.NVMMASharedLayout.get_default_for(w_block, gdt)), \
+        ([block_m, block_n], gl.NVMMASharedLayout.get_default_for([block_m, block_n], gdt))
+
+
+def launch_grouped_mm_ws(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *, trans_w: bool = False,
+                         config: dict | None = None) -> Tensor:
+    """Fill y (M, N) with the grouped product; w is (G, K, N), or (G, N, K) with trans_w. The
+    caller checks ws_unsupported first. config: {"BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES"}
+    (config_dict); None: the first of CONFIGS until one is measured best (bench/kernels.py)."""
+    (M, K), G, N = x.shape, offsets.shape[0], y.shape[1]
+    if y.numel() == 0:
+        return y
+    cfg = config or config_dict(*CONFIGS[0])
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    (xb, xl), (wb, wl), (yb, yl) = _layouts(x.dtype, bm, bn, bk, trans_w)
+    x_desc = TensorDescriptor.from_tensor(x, xb, xl)
+    w_desc = TensorDescriptor(w, [G * w.shape[1], w.shape[2]], [w.shape[2], 1], wb, wl)
+    y_desc = TensorDescriptor.from_tensor(y, yb, yl)
+    from .grouped_mm_tma import _num_programs
+    items = (triton.cdiv(M, bm) + G) * triton.cdiv(N, bn)
+    grid = (min(_num_programs(x.device), items),)
+    with device_guard(x):
+        _grouped_mm_ws_kernel[grid](x_desc, w_desc, y_desc, y, offsets, M, N, K, G, y.stride(0),
+                                    SEGMENTS=triton.next_power_of_2(G + 1), TRANS_W=trans_w,
+                                    STAGES=cfg["STAGES"], num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS)
+    return y
+
+
+def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, *, trans_w: bool = False, config: dict | None = None,
+                     groups: int = 8):
+    """Compile the kernel for an sm90 (Hopper) target without a GPU: Triton's front end, its
+    passes and ptxas all run on the CPU. Returns the compiled kernel (its .asm holds the TTGIR,
+    PTX and cubin, its .metadata the shared memory). For the CPU tests and for bench/kernels.py's
+    register and shared-memory report before a GPU is lent."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = config or config_dict(*CONFIGS[0])
+    (xb, xl), (wb, wl), (yb, yl) = _layouts(dtype, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], trans_w)
+    ty = "bf16" if dtype == torch.bfloat16 else "fp16"
+    desc = lambda block, layout: f"tensordesc<{ty}[{', '.join(map(str, block))}],{layout!r}>"  # noqa: E731
+    signature = {"x_desc": desc(xb, xl), "w_desc": desc(wb, wl), "y_desc": desc(yb, yl), "y_ptr": f"*{ty}",
+                 "offsets_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "stride_ym": "i32",
+                 "SEGMENTS": "constexpr", "TRANS_W": "constexpr", "STAGES": "constexpr"}
+    constexprs = {"SEGMENTS": triton.next_power_of_2(groups + 1), "TRANS_W": trans_w, "STAGES": cfg["STAGES"]}
+    source = GluonASTSource(_grouped_mm_ws_kernel, signature, constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": CONSUMER_WARPS, "maxnreg": MAX_REGISTERS})
+
+
+def ptxas_report(compiled) -> str:
+    """ptxas's verbose report on a compile_for_sm90 kernel's PTX (the ptxas Triton itself uses
+    for sm90): its registers and spills, and its performance warnings, e.g. C7514 (wgmmas
+    serialized because other instructions read their accumulator mid-pipeline)."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(compiled.asm["ptx"])
+        ptx.flush()
+        run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", ptx.name, "-o", "/dev/null"],
+                             capture_output=True, text=True)
+    return run.stdout + run.stderr

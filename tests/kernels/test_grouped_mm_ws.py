@@ -1,0 +1,92 @@
+"""The warp-specialized Gluon forward / dx kernel (kernels/grouped_mm_ws.py).
+
+Gluon has no interpreter, so on a CPU the kernel is compiled for sm90 and ptxas's report is
+read: it must fit the H200's shared memory, spill nothing, and keep its wgmmas pipelined (no
+C7514 warning: the reason the epilogue goes through shared memory). On a Hopper GPU each config
+runs against a float32 reference on odd shapes: empty groups, partial row, column and K tiles, a
+tail of rows past offsets[-1] (must come out zero: the output starts as NaN), a few programs
+with many items each (both consumers and the ring's wrap-around) and the whole GPU's.
+"""
+
+import pytest
+import torch
+
+import kernels.grouped_mm_tma as gm_tma
+import kernels.grouped_mm_ws as ws
+from kernels import grouped_mm_reference
+from test_grouped_mm import make
+
+needs_gluon = pytest.mark.skipif(ws.gluon is None, reason="this Triton has no Gluon Hopper language")
+CONFIGS = pytest.mark.parametrize("config", [ws.config_dict(*c) for c in ws.CONFIGS],
+                                  ids=["x".join(map(str, c)) for c in ws.CONFIGS])
+TRANS = pytest.mark.parametrize("trans_w", [False, True], ids=["forward", "dx"])
+
+
+@needs_gluon
+@TRANS
+@CONFIGS
+def test_compiles_for_hopper_within_shared_memory(config, trans_w):
+    compiled = ws.compile_for_sm90(trans_w=trans_w, config=config, groups=64)
+    assert compiled.metadata.shared <= ws.SHARED_MEMORY_LIMIT
+    assert "ttg.warp_specialize" in compiled.asm["ttgir"]  # the partitions survived to the TTGIR
+    assert "wgmma.mma_async" in compiled.asm["ptx"]
+
+
+@needs_gluon
+@TRANS
+def test_ptxas_keeps_the_wgmmas_pipelined_and_spills_nothing(trans_w):
+    report = ws.ptxas_report(ws.compile_for_sm90(trans_w=trans_w, groups=64))
+    assert "Used " in report, report  # ptxas ran and reported
+    assert "C7514" not in report, report  # wgmmas serialized by a second reader of the accumulator
+    assert "0 bytes spill stores" in report, report
+
+
+def test_says_why_it_cannot_run():
+    x, w, y = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(2, 64, 32, dtype=torch.bfloat16), \
+        torch.zeros(8, 32, dtype=torch.bfloat16)
+    assert "GPU" in ws.ws_unsupported(x, w, y) or "Gluon" in ws.ws_unsupported(x, w, y)
+    assert ws._shape_unsupported(x, w, y, False) is None
+    assert "multiple of 64" in ws._shape_unsupported(x[:, :40], w[:, :40], y, False)
+    assert ws._shape_unsupported(x[:, :40], w[:, :, :40].contiguous(), y, True) is None  # dx: TMA zero-fills K
+    assert "16-bit" in ws._shape_unsupported(x.float(), w.float(), y.float(), False)
+    assert "16-byte" in ws._shape_unsupported(x, w, torch.zeros(8, 33, dtype=torch.bfloat16)[:, :32], False)
+    assert "K = 0" in ws._shape_unsupported(x[:, :0], w[:, :0], y, False)
+
+
+# --------------------------------------------------------------------------- on a Hopper GPU
+@pytest.mark.gpu
+@TRANS
+@CONFIGS
+@pytest.mark.parametrize("programs", [3, None], ids=["3 programs", "one per SM"])
+def test_matches_reference_on_hopper(config, trans_w, programs, gpu_device, rel_err, monkeypatch):
+    sizes = [0, 3000, 1, 0, 5170, 640, 1290, 0, 77] if programs is None else [0, 300, 1, 0, 517, 64, 129, 0]
+    x, w, offsets, dy = make(sizes, 7, 192, 392, gpu_device, torch.bfloat16)  # K = 3 blocks, N: partial tiles
+    a, w = (dy if trans_w else x).detach(), w.detach()
+    if (reason := ws.ws_unsupported(a, w, dy if not trans_w else x, trans_w)) is not None:
+        pytest.skip(reason)
+    if programs is not None:
+        monkeypatch.setattr(gm_tma, "_num_programs", lambda device: programs)
+    b = w.transpose(1, 2) if trans_w else w
+    want = grouped_mm_reference(a.float(), b.float(), offsets)
+    y = torch.full(tuple(want.shape), float("nan"), device=gpu_device, dtype=a.dtype)
+    ws.launch_grouped_mm_ws(a, w, offsets, y, trans_w=trans_w, config=config)
+    assert rel_err(y, want) < 5e-3
+    assert not y[int(offsets[-1]):].any()  # the tail: zeros, not NaN
+
+
+@pytest.mark.gpu
+@TRANS
+def test_non_finite_weights_of_an_empty_group_never_leak(trans_w, gpu_device):
+    """dx reads w's rows past a group's N (here group 0's second column tile: 64 rows of group 1)
+    into output columns >= N, which the stores drop; the forward never reads an empty group's
+    weights."""
+    x, w, offsets, dy = make([40, 0, 200, 0], 3, 192, 72, gpu_device, torch.bfloat16)
+    w = w.detach().clone()
+    w[[1, 3]] = float("inf")
+    a = (dy if trans_w else x).detach()
+    if (reason := ws.ws_unsupported(a, w, dy if not trans_w else x, trans_w)) is not None:
+        pytest.skip(reason)
+    out_cols = w.shape[1] if trans_w else w.shape[2]
+    y = torch.full((a.shape[0], out_cols), float("nan"), device=gpu_device, dtype=a.dtype)
+    ws.launch_grouped_mm_ws(a, w, offsets, y, trans_w=trans_w)
+    assert torch.isfinite(y).all()
