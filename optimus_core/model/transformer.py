@@ -115,13 +115,15 @@ class Transformer(nn.Module):
             layer.experts.keep_grads_on_casts(on)
 
     def compile_blocks(self) -> None:
-        """torch.compile each block's forward, in place: parameter names (and so checkpoints) stay
-        those of the eager model, and hooks on a block (the optimizer's per-stage waits,
-        optimus_core.train.update_stream) run as plain Python before its compiled code, not
-        traced into it. (Each compiled forward is bound to its block: a deep copy of a compiled
-        model would call the original's; copy, then compile.)"""
-        for block in self.blocks:
-            block.forward = torch.compile(block.forward)
+        """torch.compile each block's forward and the final norm's, in place: parameter names (and
+        so checkpoints) stay those of the eager model, and hooks on a module (the optimizer's
+        per-stage waits, optimus_core.train.update_stream) run as plain Python before its
+        compiled code, not traced into it. The final norm, eager, is ~20 float32 passes over the
+        (tokens x d_model) residual stream each step (its pow, mean, rsqrt, products and their
+        gradients); compiled, one kernel each way. (Each compiled forward is bound to its module:
+        a deep copy of a compiled model would call the original's; copy, then compile.)"""
+        for module in (*self.blocks, self.final_norm):
+            module.forward = torch.compile(module.forward)
 
     def moe_layers(self) -> list[MoEFeedForward]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoEFeedForward)]

@@ -243,6 +243,36 @@ def test_activation_checkpointing_gives_the_same_gradients(mode, every):
         assert model.checkpoint_blocks == set(range(every - 1, cfg.n_layers, every))
 
 
+def test_compiled_blocks_and_final_norm_are_the_same_model(monkeypatch):
+    """compile_blocks compiles every block and the final norm (traced here by AOTAutograd with
+    eager kernels: the graphs and their backward, without Inductor's C++ build): same loss and
+    gradients as the eager model, the final norm among the graphs."""
+    cfg = ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    traced = []
+
+    def counting_backend(gm, example_inputs):
+        traced.append(gm)
+        return torch._dynamo.backends.common.aot_autograd(fw_compiler=lambda g, _: g)(gm, example_inputs)
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn: real_compile(fn, backend=counting_backend))
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        model = build(cfg)
+        if compiled:
+            model.compile_blocks()
+        loss = model(tokens).float().pow(2).mean()
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=0)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    final_norm = [gm for gm in traced if len(gm.graph.find_nodes(op="placeholder")) == 2]  # x and the scale
+    assert len(final_norm) == 1 and "rsqrt" in final_norm[0].code
+
+
 def test_activation_checkpointing_modes_are_checked():
     with pytest.raises(ValueError, match="'moe' needs MoE layers"):
         build(presets.get("mula-1b@laptop").model).set_activation_checkpointing("moe")
