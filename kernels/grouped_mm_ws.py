@@ -260,6 +260,8 @@ def launch_grouped_mm_ws(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *, tr
     (M, K), G, N = x.shape, offsets.shape[0], y.shape[1]
     if y.numel() == 0:
         return y
+    if G == 0:  # every row is past offsets[-1]; a descriptor of w needs at least one row
+        return y.zero_()
     cfg = config or config_dict(*CONFIGS[0])
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     (xb, xl), (wb, wl), (yb, yl) = _layouts(x.dtype, bm, bn, bk, trans_w)
