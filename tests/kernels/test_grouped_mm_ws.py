@@ -1,11 +1,13 @@
-"""The warp-specialized Gluon forward / dx kernel (kernels/grouped_mm_ws.py).
+"""The warp-specialized Gluon kernels (kernels/grouped_mm_ws.py): forward / dx and dW.
 
 Gluon has no interpreter, so on a CPU the kernel is compiled for sm90 and ptxas's report is
 read: it must fit the H200's shared memory, spill nothing, and keep its wgmmas pipelined (no
 C7514 warning: the reason the epilogue goes through shared memory). On a Hopper GPU each config
 runs against a float32 reference on odd shapes: empty groups, partial row, column and K tiles, a
 tail of rows past offsets[-1] (must come out zero: the output starts as NaN), a few programs
-with many items each (both consumers and the ring's wrap-around) and the whole GPU's.
+with many items each (both consumers and the ring's wrap-around) and the whole GPU's. The dW
+kernel's deal (the groups ranked largest first into a table) is a Triton kernel and runs in the
+interpreter.
 """
 
 import pytest
@@ -15,6 +17,7 @@ import kernels.grouped_mm_tma as gm_tma
 import kernels.grouped_mm_ws as ws
 from kernels import grouped_mm_reference
 from test_grouped_mm import make
+from test_grouped_mm_tma import dw_reference
 
 needs_gluon = pytest.mark.skipif(ws.gluon is None, reason="this Triton has no Gluon Hopper language")
 CONFIGS = pytest.mark.parametrize("config", [ws.config_dict(*c) for c in ws.CONFIGS],
@@ -41,6 +44,35 @@ def test_ptxas_keeps_the_wgmmas_pipelined_and_spills_nothing(trans_w):
     assert "0 bytes spill stores" in report, report
 
 
+@needs_gluon
+@pytest.mark.parametrize("config", [ws.dw_config_dict(*c) for c in ws.DW_CONFIGS],
+                         ids=["x".join(map(str, c)) for c in ws.DW_CONFIGS])
+def test_dw_compiles_for_hopper_within_shared_memory(config):
+    compiled = ws.compile_dw_for_sm90(config=config)
+    assert compiled.metadata.shared <= ws.SHARED_MEMORY_LIMIT
+    assert "ttg.warp_specialize" in compiled.asm["ttgir"]
+    assert compiled.metadata.global_scratch_size >= 2 * 128  # the loader's two descriptors
+
+
+@needs_gluon
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_dw_ptxas_keeps_the_wgmmas_pipelined_and_spills_nothing(out_dtype):
+    report = ws.ptxas_report(ws.compile_dw_for_sm90(out_dtype=out_dtype))
+    assert "Used " in report and "C7514" not in report and "0 bytes spill stores" in report, report
+
+
+@pytest.mark.parametrize("sizes", [[5], [0, 7, 7, 0, 30, 1], [3] * 40 + [9, 0, 9]])
+def test_rank_table_deals_the_largest_groups_first(sizes, triton_device):
+    """Ranked by row count, largest first, ties by index (grouped_mm_tiles.groups_by_size):
+    each group once, with its rows."""
+    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    M = int(offsets[-1]) + 4  # a tail past offsets[-1]
+    table = ws.rank_table(offsets.to(triton_device), M).cpu()
+    order = sorted(range(len(sizes)), key=lambda g: (-sizes[g], g))
+    starts = [0] + offsets.tolist()[:-1]
+    assert table.tolist() == [[g, starts[g], starts[g] + sizes[g]] for g in order]
+
+
 def test_says_why_it_cannot_run():
     x, w, y = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(2, 64, 32, dtype=torch.bfloat16), \
         torch.zeros(8, 32, dtype=torch.bfloat16)
@@ -51,6 +83,11 @@ def test_says_why_it_cannot_run():
     assert "16-bit" in ws._shape_unsupported(x.float(), w.float(), y.float(), False)
     assert "16-byte" in ws._shape_unsupported(x, w, torch.zeros(8, 33, dtype=torch.bfloat16)[:, :32], False)
     assert "K = 0" in ws._shape_unsupported(x[:, :0], w[:, :0], y, False)
+    dw = torch.zeros(2, 64, 32)
+    assert "GPU" in ws.dw_ws_unsupported(x, y, dw) or "Gluon" in ws.dw_ws_unsupported(x, y, dw)
+    assert ws._dw_shape_unsupported(x, y, dw) is None
+    assert "contiguous" in ws._dw_shape_unsupported(x, y, dw.transpose(1, 2))
+    assert "16-bit" in ws._dw_shape_unsupported(x.float(), y.float(), dw)
 
 
 # --------------------------------------------------------------------------- on a Hopper GPU
@@ -90,3 +127,30 @@ def test_non_finite_weights_of_an_empty_group_never_leak(trans_w, gpu_device):
     y = torch.full((a.shape[0], out_cols), float("nan"), device=gpu_device, dtype=a.dtype)
     ws.launch_grouped_mm_ws(a, w, offsets, y, trans_w=trans_w)
     assert torch.isfinite(y).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [ws.dw_config_dict(*c) for c in ws.DW_CONFIGS],
+                         ids=["x".join(map(str, c)) for c in ws.DW_CONFIGS])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("programs", [3, None], ids=["3 programs", "one per SM"])
+def test_dw_matches_reference_on_hopper(config, out_dtype, programs, gpu_device, rel_err, monkeypatch):
+    """Groups of 0, 1 and thousands of rows, K and N off the tile grid, NaN past offsets[-1]
+    (must never enter): dw against float64, its squares against dw's own, the same bits twice."""
+    sizes = [0, 1300, 1, 0, 2517, 64, 700, 0] if programs is None else [0, 300, 1, 0, 517, 64, 129, 0]
+    x, _, offsets, dy = make(sizes, 7, 200, 392, gpu_device, torch.bfloat16)
+    x = x.detach()
+    dw = torch.full((len(sizes), 200, 392), float("nan"), device=gpu_device, dtype=out_dtype)
+    if (reason := ws.dw_ws_unsupported(x, dy, dw)) is not None:
+        pytest.skip(reason)
+    if programs is not None:
+        monkeypatch.setattr(gm_tma, "_num_programs", lambda device: programs)
+    runs = []
+    for _ in range(2):
+        squares = torch.zeros(gm_tma._num_programs(x.device), device=gpu_device)
+        out = ws.launch_grouped_mm_dw_ws(x, dy, offsets, dw.clone(), config=config, squares=squares)
+        runs.append((out, squares.sum()))
+    (got, square), (again, square_again) = runs
+    assert torch.equal(got, again) and torch.equal(square, square_again)
+    assert rel_err(got, dw_reference(x.double(), dy.double(), offsets)) < 5e-3
+    torch.testing.assert_close(square.double(), got.double().square().sum(), rtol=1e-5, atol=0)
