@@ -341,19 +341,26 @@ def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
     """Each config of the TMA dW kernel's autotuning list timed alone, in turns, float32 out
     (--dw-configs): what the autotuner chose among, and by how much."""
     from kernels.grouped_mm_tma import _dw_tma_configs, launch_grouped_mm_dw_tma
+    configs = named_configs(_dw_tma_configs(device.type, dtype))
+    for gemm, x, dy, offsets, dw in _dw_operands(device, dtype, T, topk_idx, shape):
+        (M, K), (E, _, N) = x.shape, dw.shape
+        fns = {name: (lambda c=c: launch_grouped_mm_dw_tma(x, dy, offsets, dw, config=c)) for name, c in configs.items()}
+        for name, ms in timer.interleaved(fns).items():
+            rec(op=gemm, pass_="dw", backend="triton-dw-config", config=configs[name], tokens=T, routing=routing,
+                ms=ms, tflops=2 * M * K * N / ms / 1e9, flop=2 * M * K * N, M=M, K=K, N=N, experts=E)
+
+
+def _dw_operands(device, dtype, T, topk_idx, shape):
+    """(gemm, x, dy, offsets, dw) of the up and down projections' dW: x (M, K), dy (M, N) in
+    ``dtype``, dw (E, K, N) float32 as the training's master weights take it."""
     E, k, D, H = shape["experts"], shape["top_k"], shape["d_model"], shape["hidden"]
     M = T * k
     offsets = permute(torch.empty(T, 0, device=device), topk_idx, E, backend="loop")[1]
     gen = torch.Generator(device=device).manual_seed(0)
     for gemm, K, N in (("up", D, 2 * H), ("down", H, D)):
         x = torch.randn(M, K, device=device, dtype=dtype, generator=gen)
-        dy = torch.randn(M, N, device=device, dtype=dtype, generator=gen)
-        dw = torch.empty(E, K, N, device=device, dtype=torch.float32)
-        configs = named_configs(_dw_tma_configs(device.type, dtype))
-        fns = {name: (lambda c=c: launch_grouped_mm_dw_tma(x, dy, offsets, dw, config=c)) for name, c in configs.items()}
-        for name, ms in timer.interleaved(fns).items():
-            rec(op=gemm, pass_="dw", backend="triton-dw-config", config=configs[name], tokens=T, routing=routing,
-                ms=ms, tflops=2 * M * K * N / ms / 1e9, flop=2 * M * K * N, M=M, K=K, N=N, experts=E)
+        dy = torch.randn(M, N, device=device, dtype=dtype, generator=gen) / N**0.5
+        yield gemm, x, dy, offsets, torch.empty(E, K, N, device=device, dtype=torch.float32)
 
 
 def _fwd_dx_operands(device, dtype, T, topk_idx, shape):
@@ -434,14 +441,8 @@ def bench_dw_ws(rec, timer, device, dtype, T, routing, topk_idx, shape):
     with the TMA dW kernel ("triton-tma") and torch._grouped_mm's dW (bf16 out, "torch_raw")."""
     from kernels.grouped_mm_tma import _num_programs, launch_grouped_mm_dw_tma
     from kernels.grouped_mm_ws import DW_CONFIGS, dw_config_dict, dw_ws_unsupported, launch_grouped_mm_dw_ws
-    E, k, D, H = shape["experts"], shape["top_k"], shape["d_model"], shape["hidden"]
-    M = T * k
-    offsets = permute(torch.empty(T, 0, device=device), topk_idx, E, backend="loop")[1]
-    gen = torch.Generator(device=device).manual_seed(1)
-    for gemm, K, N in (("up", D, 2 * H), ("down", H, D)):
-        x = torch.randn(M, K, device=device, dtype=dtype, generator=gen)
-        dy = torch.randn(M, N, device=device, dtype=dtype, generator=gen) / N**0.5
-        dw = torch.empty(E, K, N, device=device, dtype=torch.float32)
+    for gemm, x, dy, offsets, dw in _dw_operands(device, dtype, T, topk_idx, shape):
+        (M, K), (E, _, N) = x.shape, dw.shape
         fields, flop = dict(op=gemm, pass_="dw", tokens=T, routing=routing), 2 * M * K * N
         fns = {"triton-tma": lambda: launch_grouped_mm_dw_tma(x, dy, offsets, dw),
                "torch_raw": lambda: torch._grouped_mm(x.t(), dy, offs=offsets)}

@@ -76,13 +76,25 @@ MAX_REGISTERS = 168  # per thread at launch, over 3 warpgroups; setmaxnreg then 
 def ws_unsupported(x: Tensor, w: Tensor, y: Tensor, trans_w: bool = False) -> str | None:
     """Why the warp-specialized kernel cannot run on these tensors (w as the kernel reads it:
     (G, K, N), or (G, N, K) with trans_w), or None."""
+    return _device_unsupported(x) or _shape_unsupported(x, w, y, trans_w)
+
+
+def _device_unsupported(x: Tensor) -> str | None:
     if gluon is None:
         return f"Triton {getattr(triton, '__version__', None)} has no Gluon Hopper language"
     if x.device.type != "cuda" or torch.version.cuda is None:
         return f"the warp-specialized kernel needs an NVIDIA GPU, got {x.device.type}"
     if torch.cuda.get_device_capability(x.device)[0] != 9:
         return "the warp-specialized kernel is for Hopper (compute capability 9.x: wgmma)"
-    return _shape_unsupported(x, w, y, trans_w)
+    return None
+
+
+def _unaligned(**tensors: Tensor) -> str | None:
+    """Which tensor TMA cannot address: rows and base must be 16-byte aligned, rows contiguous."""
+    for name, t in tensors.items():
+        if t.stride(-1) != 1 or any(s * t.element_size() % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            return f"{name} needs 16-byte aligned rows and base for TMA, got strides {t.stride()}"
+    return None
 
 
 def _shape_unsupported(x: Tensor, w: Tensor, y: Tensor, trans_w: bool) -> str | None:
@@ -95,10 +107,7 @@ def _shape_unsupported(x: Tensor, w: Tensor, y: Tensor, trans_w: bool) -> str | 
         return f"K = {K} is not a multiple of 64: a partial K block would read the next group's weights"
     if not w.is_contiguous():
         return "w must be contiguous (it is read as one (G*K, N) matrix)"
-    for name, t in (("x", x), ("w", w), ("y", y)):
-        if t.stride(-1) != 1 or any(s * t.element_size() % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            return f"{name} needs 16-byte aligned rows and base for TMA, got strides {t.stride()}"
-    return None
+    return _unaligned(x=x, w=w, y=y)
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES): one consumer's tile and the ring's depth. Shared memory:
@@ -126,13 +135,7 @@ def dw_config_dict(block_r: int, block_k: int, block_n: int, stages: int) -> dic
 
 def dw_ws_unsupported(x: Tensor, dy: Tensor, dw: Tensor) -> str | None:
     """Why the warp-specialized dW kernel cannot run on these tensors, or None."""
-    if gluon is None:
-        return f"Triton {getattr(triton, '__version__', None)} has no Gluon Hopper language"
-    if x.device.type != "cuda" or torch.version.cuda is None:
-        return f"the warp-specialized kernel needs an NVIDIA GPU, got {x.device.type}"
-    if torch.cuda.get_device_capability(x.device)[0] != 9:
-        return "the warp-specialized kernel is for Hopper (compute capability 9.x: wgmma)"
-    return _dw_shape_unsupported(x, dy, dw)
+    return _device_unsupported(x) or _dw_shape_unsupported(x, dy, dw)
 
 
 def _dw_shape_unsupported(x: Tensor, dy: Tensor, dw: Tensor) -> str | None:
@@ -140,10 +143,7 @@ def _dw_shape_unsupported(x: Tensor, dy: Tensor, dw: Tensor) -> str | None:
         return f"the warp-specialized kernel is for 16-bit inputs of one dtype, got {x.dtype}, {dy.dtype}"
     if not dw.is_contiguous():
         return "dw must be contiguous"
-    for name, t in (("x", x), ("dy", dy)):
-        if t.stride(-1) != 1 or t.stride(0) * t.element_size() % 16 or t.data_ptr() % 16:
-            return f"{name} needs 16-byte aligned rows and base for TMA, got strides {t.stride()}"
-    return None
+    return _unaligned(x=x, dy=dy)
 
 
 @jit
@@ -209,6 +209,31 @@ if gluon is not None:
         return g, row_start, row_end
 
     @gluon.jit
+    def _ring_products(a_ring, b_ring, ready, empty, acc, pos, blocks,
+                       TRANS_A: gl.constexpr, TRANS_B: gl.constexpr):
+        """acc = the sum of A @ B over ``blocks`` ring stages from position ``pos`` (A, B each
+        stage's tiles, transposed views where asked), by wgmma with one product in flight; each
+        stage goes back to the loader once the product reading it is done. Returns (acc, the
+        position after). blocks = 0: acc unchanged."""
+        STAGES: gl.constexpr = a_ring.type.shape[0]
+        for b in range(blocks):
+            s = pos % STAGES
+            mbarrier.wait(ready.index(s), pos // STAGES & 1)
+            a = a_ring.index(s)
+            if TRANS_A:
+                a = a.permute((1, 0))
+            w = b_ring.index(s)
+            if TRANS_B:
+                w = w.permute((1, 0))
+            acc = warpgroup_mma(a, w, acc, use_acc=b > 0, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # the product before has read its stage
+            mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), count=1, pred=b > 0)
+            pos += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), count=1, pred=blocks > 0)
+        return acc, pos
+
+    @gluon.jit
     def _loader(x_desc, w_desc, x_ring, w_ring, ready, empty, offsets_ptr, M, N, K, G,
                 SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, layout: gl.constexpr):
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
@@ -244,7 +269,6 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-        STAGES: gl.constexpr = x_ring.type.shape[0]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         # 16-byte vectors along a row for the partial tiles' pointer stores
@@ -261,21 +285,7 @@ if gluon is not None:
             g, row_start, row_end = _locate_tile(tile, seg, starts, ends, tiles, tiles_end, BLOCK_M)
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
             if g < G:
-                pos = j * k_blocks
-                for kb in range(k_blocks):
-                    s = pos % STAGES
-                    mbarrier.wait(ready.index(s), pos // STAGES & 1)
-                    if TRANS_W:
-                        b = w_ring.index(s).permute((1, 0))
-                    else:
-                        b = w_ring.index(s)
-                    acc = warpgroup_mma(x_ring.index(s), b, acc, use_acc=kb > 0, is_async=True)
-                    # one product in flight: the one before it has read its stage, which goes back
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                    mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), count=1, pred=kb > 0)
-                    pos += 1
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), count=1)
+                acc, _ = _ring_products(x_ring, w_ring, ready, empty, acc, j * k_blocks, k_blocks, False, TRANS_W)
             # Both stores go through y_stage, so the accumulator has one reader: a second
             # (masked pointer stores straight from it) makes ptxas serialize the wgmmas (C7514).
             tma.store_wait(pendings=0)  # this consumer's last store has left y_stage
@@ -370,7 +380,6 @@ if gluon is not None:
         BLOCK_R: gl.constexpr = x_ring.type.shape[1]
         BLOCK_K: gl.constexpr = x_ring.type.shape[2]
         BLOCK_N: gl.constexpr = dy_ring.type.shape[2]
-        STAGES: gl.constexpr = x_ring.type.shape[0]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         items = G * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
@@ -382,16 +391,7 @@ if gluon is not None:
             g, row_start, rows, k0, n0, blocks = _dw_item(item, table_ptr, K, N, BLOCK_K, BLOCK_N, BLOCK_R)
             if j % 2 == WHICH:
                 acc = gl.zeros([BLOCK_K, BLOCK_N], gl.float32, acc_layout)
-                for b in range(blocks):
-                    s = pos % STAGES
-                    mbarrier.wait(ready.index(s), pos // STAGES & 1)
-                    acc = warpgroup_mma(x_ring.index(s).permute((1, 0)), dy_ring.index(s), acc,
-                                        use_acc=b > 0, is_async=True)
-                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                    mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), count=1, pred=b > 0)
-                    pos += 1
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), count=1, pred=blocks > 0)
+                acc, pos = _ring_products(x_ring, dy_ring, ready, empty, acc, pos, blocks, True, False)
                 out = acc.to(dw_ptr.dtype.element_ty)  # an empty group's tile: zeros
                 ks = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, acc_layout))
                 ns = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
