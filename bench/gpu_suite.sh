@@ -12,6 +12,8 @@
 #   bench/gpu_suite.sh memory     # where the step's peak memory lies and what is allocated then
 #                                 # (bench/memory_step.py; VARIANTS="..." for others than the default)
 #   bench/gpu_suite.sh tests      # the one-GPU tests (gpu-marked, kernels and core): ~3+ minutes on an H200
+#   bench/gpu_suite.sh ws         # the warp-specialized Gluon kernels (Hopper): their GPU tests, then
+#                                 # bench/kernels.py --ws; each under a timeout, so that a hang costs only it
 #   bench/gpu_suite.sh rehearse   # one rank of every paper layout (optimus rehearse): the five models at 384
 #                                 # and 12288 tiles, then the registry's own layouts; RUNS="..." TILES="..." for others
 #   VARIANTS="7b8l-loop 7b8l-triton+compile" bench/gpu_suite.sh speed    # a subset of train_step
@@ -24,7 +26,7 @@
 # peer and ours are measured in the same call on identical GPUs.
 set -u
 cd "$(dirname "$0")/.."
-part=${1:?usage: bench/gpu_suite.sh speed|scaling|all|trace|weak|memory|tests|rehearse}
+part=${1:?usage: bench/gpu_suite.sh speed|scaling|all|trace|weak|memory|tests|ws|rehearse}
 out=${OUT:-bench/results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -32,6 +34,11 @@ n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 echo "host: $n GPU(s); torch $(python3 -c 'import torch, triton; print(torch.__version__, "triton", triton.__version__)')"
 
 case $part in
+ws)
+  timeout 300 python3 -m pytest -q -m gpu tests/kernels/test_grouped_mm_ws.py 2>&1 | tee "$out/ws-tests.log"
+  timeout 480 python3 bench/kernels.py --tokens "${TOKENS:-8192,32768}" --only up,down --backends triton,torch_raw \
+    --ws --out "$out" --store '' 2>&1 | tee "$out/ws-kernels.log"
+  ;;
 rehearse)
   slug=$(python3 -c 'import torch, re; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-"))')
   runs=${RUNS:-pretrain-mula-1b pretrain-mula-7b-a1b pretrain-mula-20b-a2b pretrain-mula-100b-a7b pretrain-mula-220b-a10b}
@@ -88,8 +95,9 @@ memory)
   done
   grep -vE "^\{" "$out/memory.log" | cut -c1-200
   ;;
-tests)
-  timeout 540 python3 -m pytest -q -m "gpu and not multi_gpu" tests/kernels tests/optimus_core >"$out/gpu-tests.log" 2>&1
+tests)  # the warp-specialized kernels' tests run in `ws` until a GPU has passed them once (a hang there)
+  timeout 540 python3 -m pytest -q -m "gpu and not multi_gpu" --ignore=tests/kernels/test_grouped_mm_ws.py \
+    tests/kernels tests/optimus_core >"$out/gpu-tests.log" 2>&1
   grep -E "passed|failed|FAILED|ERROR" "$out/gpu-tests.log" | tail -n 20 | cut -c1-300
   ;;
 scaling)
