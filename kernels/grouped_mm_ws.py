@@ -10,8 +10,8 @@ or @ w[g]^T with trans_w; rows past offsets[-1] come out zero; empty groups; no 
 the same work items (grouped_mm_tiles' numbering, rebuilt here in Gluon, whose tensors need
 explicit layouts). What differs is who does what on an SM. The Triton kernel's warps do
 everything in turn, so each output tile's epilogue (convert, store) and the next tile's
-pipeline fill run with the tensor cores idle: at K = 1024 that is the measured gap to CUTLASS
-(bench/NOTES.md). Here one persistent program per SM holds three partitions:
+pipeline fill run with the tensor cores idle: the fixed cost per tile that bench/NOTES.md's fit
+finds, and what keeps those kernels level with CUTLASS's instead of ahead. Here one persistent program per SM holds three partitions:
 
     loader      1 warp: TMA loads of x's and w's K blocks into a STAGES-deep ring, running
                 ahead across work items (the next tile's first blocks arrive during this
@@ -52,6 +52,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import grouped_mm_tma
 from ._triton import device_guard, jit, tl, triton
 from .grouped_mm_tiles import groups_by_size
 
@@ -452,9 +453,8 @@ def launch_grouped_mm_ws(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *, tr
     x_desc = TensorDescriptor.from_tensor(x, xb, xl)
     w_desc = TensorDescriptor(w, [G * w.shape[1], w.shape[2]], [w.shape[2], 1], wb, wl)
     y_desc = TensorDescriptor.from_tensor(y, yb, yl)
-    from .grouped_mm_tma import _num_programs
     items = (triton.cdiv(M, bm) + G) * triton.cdiv(N, bn)
-    grid = (min(_num_programs(x.device), items),)
+    grid = (min(grouped_mm_tma._num_programs(x.device), items),)
     with device_guard(x):
         _grouped_mm_ws_kernel[grid](x_desc, w_desc, y_desc, y, offsets, M, N, K, G, y.stride(0),
                                     SEGMENTS=triton.next_power_of_2(G + 1), TRANS_W=trans_w,
@@ -469,22 +469,21 @@ def launch_grouped_mm_dw_ws(x: Tensor, dy: Tensor, offsets: Tensor, dw: Tensor, 
     the first of DW_CONFIGS until one is measured best. squares: a float32 buffer of at least
     _num_programs(x.device) zeros; each program adds the sum of the squares of the values it
     stored to its own entry (grouped_mm_tma.launch_grouped_mm_dw_tma's contract)."""
-    from .grouped_mm_tma import _num_programs, _no_squares, _scratch
     (M, K), (G, _, N) = x.shape, dw.shape
     if dw.numel() == 0:
         return dw
     if M == 0:
         return dw.zero_()
-    programs = _num_programs(x.device)
+    programs = grouped_mm_tma._num_programs(x.device)
     if squares is not None and (squares.dtype != torch.float32 or squares.numel() < programs):
         raise ValueError(f"launch_grouped_mm_dw_ws: squares must be >= {programs} float32 zeros")
     cfg = config or dw_config_dict(*DW_CONFIGS[0])
     items = G * triton.cdiv(K, cfg["BLOCK_K"]) * triton.cdiv(N, cfg["BLOCK_N"])
     table = rank_table(offsets, M)
-    triton.set_allocator(_scratch(x.device))  # the loader's per-item descriptors
+    triton.set_allocator(grouped_mm_tma._scratch(x.device))  # the loader's per-item descriptors
     with device_guard(x):
         _grouped_mm_dw_ws_kernel[(min(programs, items),)](
-            x, dy, dw, table, _no_squares(x.device) if squares is None else squares, N, K, G,
+            x, dy, dw, table, grouped_mm_tma._no_squares(x.device) if squares is None else squares, N, K, G,
             x.stride(0), dy.stride(0), SQUARES=squares is not None, num_warps=CONSUMER_WARPS,
             maxnreg=MAX_REGISTERS, **cfg)
     return dw
@@ -511,8 +510,8 @@ def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, *, trans_w: bool = Fal
                      groups: int = 8):
     """Compile the kernel for an sm90 (Hopper) target without a GPU: Triton's front end, its
     passes and ptxas all run on the CPU. Returns the compiled kernel (its .asm holds the TTGIR,
-    PTX and cubin, its .metadata the shared memory). For the CPU tests and for bench/kernels.py's
-    register and shared-memory report before a GPU is lent."""
+    PTX and cubin, its .metadata the shared memory): the CPU tests check what can be checked
+    before a GPU runs it (shared memory, the partitions, ptxas_report)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
