@@ -528,6 +528,31 @@ def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, *, trans_w: bool = Fal
                           options={"num_warps": CONSUMER_WARPS, "maxnreg": MAX_REGISTERS})
 
 
+def sm90_report() -> dict[str, dict]:
+    """Every config of both kernels compiled for sm90 on this machine (no GPU needed):
+    {"forward/128x128x64x4": {"shared": bytes, "warp_specialized": TTGIR has the partitions,
+    "wgmma": PTX has wgmma, "ptxas": ptxas's register, spill and warning lines}, ...} for the
+    forward, dx and dW (float32 and bf16 out). Run it in a fresh process: a Triton interpreter
+    run earlier in the same process leaves state that breaks Gluon's compiler (the CPU tests
+    call it through a subprocess for that reason)."""
+    def summary(compiled) -> dict:
+        lines = [line.split("ptxas info    :")[-1].strip() for line in ptxas_report(compiled).splitlines()
+                 if any(word in line for word in ("Used", "spill", "C75", "rror", "arning"))]
+        return {"shared": compiled.metadata.shared, "warp_specialized": "ttg.warp_specialize" in compiled.asm["ttgir"],
+                "wgmma": "wgmma.mma_async" in compiled.asm["ptx"], "ptxas": "\n".join(lines)}
+
+    out = {}
+    for c in CONFIGS:
+        for trans_w, name in ((False, "forward"), (True, "dx")):
+            out[f"{name}/{'x'.join(map(str, c))}"] = summary(compile_for_sm90(trans_w=trans_w, config=config_dict(*c),
+                                                                              groups=64))
+    for c in DW_CONFIGS:
+        for out_dtype in (torch.float32, torch.bfloat16):
+            key = f"dw-{str(out_dtype).split('.')[-1]}/{'x'.join(map(str, c))}"
+            out[key] = summary(compile_dw_for_sm90(out_dtype=out_dtype, config=dw_config_dict(*c)))
+    return out
+
+
 def ptxas_report(compiled) -> str:
     """ptxas's verbose report on a compile_for_sm90 kernel's PTX (the ptxas Triton itself uses
     for sm90): its registers and spills, and its performance warnings, e.g. C7514 (wgmmas
