@@ -474,7 +474,7 @@ def _time_ws_rows(rec, timer, fns, fields, flop, **shape):
     for name, ms in timer.interleaved(fns).items():
         config = {} if name in ("triton-tma", "torch_raw") else dict(kv.split("=") for kv in name.split(","))
         rec(backend="triton-ws" if config else name, config={k: int(v) for k, v in config.items()},
-            ms=ms, tflops=flop / ms / 1e9, flop=flop, **shape, **fields)
+            ms=ms, tflops=flop / ms / 1e9, flop=flop, turns="ws", **shape, **fields)
 
 
 def bench_permute(rec, timer, device, dtype, T, routing, topk_idx, shape, backends):
@@ -601,9 +601,11 @@ def main(argv=None) -> None:
             if "permute" in ops:
                 bench_permute(rec, timer, device, dtype, T, routing, topk_idx, shape, permute_rows)
 
-    def ratio(r, other):
+    def ratio(r, other, same_turns=False):
+        """r's rate over the ``other`` row of its op, pass, tokens and routing; ``same_turns``:
+        the one timed in r's own interleaved set (the --ws rows time their own baselines)."""
         base = [o for o in records if all(o[f] == r[f] for f in ("op", "pass", "tokens", "routing"))
-                and o["backend"] == other]
+                and o["backend"] == other and "tflops" in o and (not same_turns or o.get("turns") == r.get("turns"))]
         return r["tflops"] / base[0]["tflops"] if base else None
 
     summary = {
@@ -631,7 +633,7 @@ def main(argv=None) -> None:
         # the warp-specialized kernel's configs over the TMA kernel and torch._grouped_mm (--ws)
         **{f"ws_over_{other}": {
             f"{','.join(map(str, r['config'].values()))}/{r['op']}/{r['pass']}/{r['tokens']}/{r['routing']}":
-            ratio(r, other) for r in records if r["backend"] == "triton-ws" and "tflops" in r}
+            ratio(r, other, same_turns=True) for r in records if r["backend"] == "triton-ws" and "tflops" in r}
            for other in ("triton-tma", "torch_raw")},
         # the permute A/B: time with torch.sort over time with the default (counting) sort
         "permute_variants": PERMUTE_VARIANTS,
