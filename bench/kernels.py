@@ -601,11 +601,11 @@ def main(argv=None) -> None:
             if "permute" in ops:
                 bench_permute(rec, timer, device, dtype, T, routing, topk_idx, shape, permute_rows)
 
-    def ratio(r, other, same_turns=False):
-        """r's rate over the ``other`` row of its op, pass, tokens and routing; ``same_turns``:
-        the one timed in r's own interleaved set (the --ws rows time their own baselines)."""
-        base = [o for o in records if all(o[f] == r[f] for f in ("op", "pass", "tokens", "routing"))
-                and o["backend"] == other and "tflops" in o and (not same_turns or o.get("turns") == r.get("turns"))]
+    def ratio(r, other):
+        """r's rate over the ``other`` row of its op, pass, tokens and routing, timed in the same
+        turns (the --ws rows time their own baselines: turns="ws")."""
+        base = [o for o in records if all(o.get(f) == r.get(f) for f in ("op", "pass", "tokens", "routing", "turns"))
+                and o["backend"] == other and "tflops" in o]
         return r["tflops"] / base[0]["tflops"] if base else None
 
     summary = {
@@ -633,7 +633,7 @@ def main(argv=None) -> None:
         # the warp-specialized kernel's configs over the TMA kernel and torch._grouped_mm (--ws)
         **{f"ws_over_{other}": {
             f"{','.join(map(str, r['config'].values()))}/{r['op']}/{r['pass']}/{r['tokens']}/{r['routing']}":
-            ratio(r, other, same_turns=True) for r in records if r["backend"] == "triton-ws" and "tflops" in r}
+            ratio(r, other) for r in records if r["backend"] == "triton-ws" and "tflops" in r}
            for other in ("triton-tma", "torch_raw")},
         # the permute A/B: time with torch.sort over time with the default (counting) sort
         "permute_variants": PERMUTE_VARIANTS,
