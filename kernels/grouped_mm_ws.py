@@ -49,6 +49,8 @@ interpreter (Gluon has none), so on a CPU the kernel is only compiled (compile_f
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import Tensor
 
@@ -111,17 +113,26 @@ def _shape_unsupported(x: Tensor, w: Tensor, y: Tensor, trans_w: bool) -> str | 
     return _unaligned(x=x, w=w, y=y)
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES): one consumer's tile and the ring's depth. Shared memory:
-# STAGES * (BM + BN) * BK * 2 bytes of ring and 2 * BM * BN * 2 of store staging (one tile per
-# consumer), at most the H200's 227 KB: 128 x 128 x 64 with 4 stages is 192 KB, with 5 224 KB.
-# A 128 x 256 tile would hold 256 float32 accumulator registers per thread of one warpgroup:
-# more than a thread has. BLOCK_K is 64 throughout (ws_unsupported's K rule).
-CONFIGS = [(128, 128, 64, 4), (128, 128, 64, 5), (64, 256, 64, 4)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, COOP): the tile, the ring's depth and the schedule.
+# COOP = 0, ping-pong: each consumer takes every other tile whole. COOP = 1, cooperative (CUTLASS's
+# other Hopper schedule): both consumers work on every tile, half of its rows each, so the tile
+# can be 128 x 256 (a whole 128 x 256 float32 accumulator would be 256 registers a thread of one
+# warpgroup, more than a thread has); the epilogues then do not overlap the products, only the
+# loads run ahead of them. Shared memory: STAGES * (BM + BN) * BK * 2 bytes of ring and two
+# store staging tiles (BM x BN each for ping-pong, half that cooperative), at most the H200's
+# 227 KB. BLOCK_K is 64 throughout (ws_unsupported's K rule).
+CONFIGS = [(128, 128, 64, 4, 0), (128, 128, 64, 5, 0), (64, 256, 64, 4, 0), (128, 256, 64, 3, 1),
+           (128, 128, 64, 5, 1)]
 SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use (227 KB)
 
 
-def config_dict(block_m: int, block_n: int, block_k: int, stages: int) -> dict:
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages}
+def config_dict(block_m: int, block_n: int, block_k: int, stages: int, coop: int) -> dict:
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages, "COOP": coop}
+
+
+def config_name(config: tuple) -> str:
+    """"128x256x64x3-coop" for a CONFIGS or DW_CONFIGS entry."""
+    return "x".join(map(str, config[:4])) + ("-coop" if config[4:] == (1,) else "")
 
 
 # dW: (BLOCK_R, BLOCK_K, BLOCK_N, STAGES): rows reduced per step, one consumer's tile of dw[g]
@@ -210,17 +221,20 @@ if gluon is not None:
         return g, row_start, row_end
 
     @gluon.jit
-    def _ring_products(a_ring, b_ring, ready, empty, acc, pos, blocks,
+    def _ring_products(a_ring, b_ring, ready, empty, acc, pos, blocks, A_ROW0: gl.constexpr, A_ROWS: gl.constexpr,
                        TRANS_A: gl.constexpr, TRANS_B: gl.constexpr):
-        """acc = the sum of A @ B over ``blocks`` ring stages from position ``pos`` (A, B each
-        stage's tiles, transposed views where asked), by wgmma with one product in flight; each
-        stage goes back to the loader once the product reading it is done. Returns (acc, the
+        """acc = the sum of A @ B over ``blocks`` ring stages from position ``pos`` (A: rows
+        A_ROW0 .. A_ROW0 + A_ROWS of each stage's A tile, B the stage's B tile; transposed views
+        where asked), by wgmma with one product in flight; each stage goes back to the loader once
+        the product reading it is done (an arrival on its empty barrier). Returns (acc, the
         position after). blocks = 0: acc unchanged."""
         STAGES: gl.constexpr = a_ring.type.shape[0]
         for b in range(blocks):
             s = pos % STAGES
             mbarrier.wait(ready.index(s), pos // STAGES & 1)
             a = a_ring.index(s)
+            if A_ROWS < a_ring.type.shape[1]:  # the cooperative schedule: this consumer's half
+                a = a.slice(A_ROW0, A_ROWS)
             if TRANS_A:
                 a = a.permute((1, 0))
             w = b_ring.index(s)
@@ -263,13 +277,24 @@ if gluon is not None:
                         _tma_load(w_desc, [g * K + kb * BLOCK_K, n0], bar, w_ring.index(s))
                     pos += 1
 
+    @gluon.constexpr_function
+    def _schedule(coop, which, rows):
+        """(first item offset in programs, item step in programs, first row of the tile) of
+        consumer ``which``: ping-pong, every other item from its own; cooperative, every item,
+        its half of the rows."""
+        return (0, 1, which * rows) if coop else (which, 2, 0)
+
     @gluon.jit
     def _consumer(x_desc, w_desc, y_desc, x_ring, w_ring, ready, empty, y_stage, y_ptr, stride_ym,
-                  offsets_ptr, M, N, K, G, WHICH: gl.constexpr,
+                  offsets_ptr, M, N, K, G, WHICH: gl.constexpr, COOP: gl.constexpr,
                   SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, layout: gl.constexpr):
-        BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
+        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]  # the tile's rows
+        ROWS: gl.constexpr = y_desc.block_type.shape[0]  # this consumer's rows of it
         BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+        FIRST: gl.constexpr = _schedule(COOP, WHICH, ROWS)[0]
+        STEP: gl.constexpr = _schedule(COOP, WHICH, ROWS)[1]
+        ROW0: gl.constexpr = _schedule(COOP, WHICH, ROWS)[2]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         # 16-byte vectors along a row for the partial tiles' pointer stores
@@ -278,35 +303,38 @@ if gluon is not None:
         num_n = gl.cdiv(N, BLOCK_N)
         work = gl.reduce(tiles, 0, _add) * num_n
         k_blocks = gl.cdiv(K, BLOCK_K)
-        first = gl.program_id(0) + WHICH * gl.num_programs(0)
-        j = WHICH  # the item's rank among this program's items
-        for item in range(first, work, 2 * gl.num_programs(0)):
+        first = gl.program_id(0) + FIRST * gl.num_programs(0)
+        j = FIRST  # the item's rank among this program's items
+        for item in range(first, work, STEP * gl.num_programs(0)):
             tile = item // num_n
             n0 = item % num_n * BLOCK_N
             g, row_start, row_end = _locate_tile(tile, seg, starts, ends, tiles, tiles_end, BLOCK_M)
-            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+            acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
             if g < G:
-                acc, _ = _ring_products(x_ring, w_ring, ready, empty, acc, j * k_blocks, k_blocks, False, TRANS_W)
+                acc, _ = _ring_products(x_ring, w_ring, ready, empty, acc, j * k_blocks, k_blocks, ROW0, ROWS,
+                                        False, TRANS_W)
+            row_start += ROW0
             # Both stores go through y_stage, so the accumulator has one reader: a second
             # (masked pointer stores straight from it) makes ptxas serialize the wgmmas (C7514).
             tma.store_wait(pendings=0)  # this consumer's last store has left y_stage
             y_stage.store(acc.to(y_desc.dtype))
-            if row_start + BLOCK_M <= row_end:
+            if row_start + ROWS <= row_end:
                 fence_async_shared()
                 _tma_store(y_desc, [row_start, n0], y_stage)  # columns past N dropped
             else:  # the group's last, partial row tile: its rows past row_end are the next group's
-                rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
+                rows = row_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
                 cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
                 ptrs = y_ptr + gl.expand_dims(rows.to(gl.int64) * stride_ym, 1) + gl.expand_dims(cols, 0)
                 mask = gl.expand_dims(rows < row_end, 1) & gl.expand_dims(cols < N, 0)
                 gl.store(ptrs, y_stage.load(store_layout), mask=mask)
-            j += 2
+            j += STEP
         tma.store_wait(pendings=0)
 
     @gluon.jit
     def _grouped_mm_ws_kernel(x_desc, w_desc, y_desc, y_ptr, offsets_ptr, M, N, K, G, stride_ym,
-                              SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, STAGES: gl.constexpr):
-        BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
+                              SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, STAGES: gl.constexpr,
+                              COOP: gl.constexpr):
+        ROWS: gl.constexpr = y_desc.block_type.shape[0]  # one consumer's rows of a tile
         BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
         x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
         w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -314,20 +342,19 @@ if gluon is not None:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1)
-        stage0 = gl.allocate_shared_memory(y_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
-        stage1 = gl.allocate_shared_memory(y_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
+            mbarrier.init(empty.index(s), count=1 + COOP)  # cooperative: both consumers read each stage
+        stage0 = gl.allocate_shared_memory(y_desc.dtype, [ROWS, BLOCK_N], y_desc.layout)
+        stage1 = gl.allocate_shared_memory(y_desc.dtype, [ROWS, BLOCK_N], y_desc.layout)
         lanes: gl.constexpr = gl.BlockedLayout([1], [32], [_WARPS], [0])
         loader_lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         gl.warp_specialize([
             (_consumer, (x_desc, w_desc, y_desc, x_ring, w_ring, ready, empty, stage0, y_ptr, stride_ym,
-                         offsets_ptr, M, N, K, G, 0, SEGMENTS, TRANS_W, lanes)),
+                         offsets_ptr, M, N, K, G, 0, COOP, SEGMENTS, TRANS_W, lanes)),
             (_consumer, (x_desc, w_desc, y_desc, x_ring, w_ring, ready, empty, stage1, y_ptr, stride_ym,
-                         offsets_ptr, M, N, K, G, 1, SEGMENTS, TRANS_W, lanes)),
+                         offsets_ptr, M, N, K, G, 1, COOP, SEGMENTS, TRANS_W, lanes)),
             (_loader, (x_desc, w_desc, x_ring, w_ring, ready, empty, offsets_ptr, M, N, K, G,
                        SEGMENTS, TRANS_W, loader_lanes)),
         ], [_WARPS, 1], [_CONSUMER_REGISTERS, _LOADER_REGISTERS])
-
 
     @gluon.jit
     def _dw_item(item, table_ptr, K, N, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr):
@@ -392,7 +419,7 @@ if gluon is not None:
             g, row_start, rows, k0, n0, blocks = _dw_item(item, table_ptr, K, N, BLOCK_K, BLOCK_N, BLOCK_R)
             if j % 2 == WHICH:
                 acc = gl.zeros([BLOCK_K, BLOCK_N], gl.float32, acc_layout)
-                acc, pos = _ring_products(x_ring, dy_ring, ready, empty, acc, pos, blocks, True, False)
+                acc, pos = _ring_products(x_ring, dy_ring, ready, empty, acc, pos, blocks, 0, BLOCK_R, True, False)
                 out = acc.to(dw_ptr.dtype.element_ty)  # an empty group's tile: zeros
                 ks = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, acc_layout))
                 ns = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
@@ -428,19 +455,19 @@ if gluon is not None:
         ], [_WARPS, 1], [_CONSUMER_REGISTERS, _LOADER_REGISTERS])
 
 
-def _layouts(dtype, block_m: int, block_n: int, block_k: int, trans_w: bool):
-    """NVMMA shared layouts of x's, w's and y's blocks (the swizzle TMA and wgmma share)."""
+def _layouts(dtype, cfg: dict, trans_w: bool):
+    """(block, NVMMA shared layout) of x's, w's and y's descriptors (the swizzle TMA and wgmma
+    share); y's block is one consumer's rows: half the tile's under the cooperative schedule."""
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    w_block = [block_n, block_k] if trans_w else [block_k, block_n]
-    return ([block_m, block_k], gl.NVMMASharedLayout.get_default_for([block_m, block_k], gdt)), \
-        (w_block, gl.NVMMASharedLayout.get_default_for(w_block, gdt)), \
-        ([block_m, block_n], gl.NVMMASharedLayout.get_default_for([block_m, block_n], gdt))
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    blocks = ([bm, bk], [bn, bk] if trans_w else [bk, bn], [bm // 2 if cfg["COOP"] else bm, bn])
+    return [(block, gl.NVMMASharedLayout.get_default_for(block, gdt)) for block in blocks]
 
 
 def launch_grouped_mm_ws(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *, trans_w: bool = False,
                          config: dict | None = None) -> Tensor:
     """Fill y (M, N) with the grouped product; w is (G, K, N), or (G, N, K) with trans_w. The
-    caller checks ws_unsupported first. config: {"BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES"}
+    caller checks ws_unsupported first. config: {"BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "COOP"}
     (config_dict); None: the first of CONFIGS until one is measured best (bench/kernels.py)."""
     (M, K), G, N = x.shape, offsets.shape[0], y.shape[1]
     if y.numel() == 0:
@@ -448,8 +475,8 @@ def launch_grouped_mm_ws(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *, tr
     if G == 0:  # every row is past offsets[-1]; a descriptor of w needs at least one row
         return y.zero_()
     cfg = config or config_dict(*CONFIGS[0])
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    (xb, xl), (wb, wl), (yb, yl) = _layouts(x.dtype, bm, bn, bk, trans_w)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    (xb, xl), (wb, wl), (yb, yl) = _layouts(x.dtype, cfg, trans_w)
     x_desc = TensorDescriptor.from_tensor(x, xb, xl)
     w_desc = TensorDescriptor(w, [G * w.shape[1], w.shape[2]], [w.shape[2], 1], wb, wl)
     y_desc = TensorDescriptor.from_tensor(y, yb, yl)
@@ -458,7 +485,8 @@ def launch_grouped_mm_ws(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *, tr
     with device_guard(x):
         _grouped_mm_ws_kernel[grid](x_desc, w_desc, y_desc, y, offsets, M, N, K, G, y.stride(0),
                                     SEGMENTS=triton.next_power_of_2(G + 1), TRANS_W=trans_w,
-                                    STAGES=cfg["STAGES"], num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS)
+                                    STAGES=cfg["STAGES"], COOP=cfg["COOP"], num_warps=CONSUMER_WARPS,
+                                    maxnreg=MAX_REGISTERS)
     return y
 
 
@@ -516,13 +544,14 @@ def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, *, trans_w: bool = Fal
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = config or config_dict(*CONFIGS[0])
-    (xb, xl), (wb, wl), (yb, yl) = _layouts(dtype, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], trans_w)
+    (xb, xl), (wb, wl), (yb, yl) = _layouts(dtype, cfg, trans_w)
     ty = "bf16" if dtype == torch.bfloat16 else "fp16"
     desc = lambda block, layout: f"tensordesc<{ty}[{', '.join(map(str, block))}],{layout!r}>"  # noqa: E731
     signature = {"x_desc": desc(xb, xl), "w_desc": desc(wb, wl), "y_desc": desc(yb, yl), "y_ptr": f"*{ty}",
                  "offsets_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "stride_ym": "i32",
-                 "SEGMENTS": "constexpr", "TRANS_W": "constexpr", "STAGES": "constexpr"}
-    constexprs = {"SEGMENTS": triton.next_power_of_2(groups + 1), "TRANS_W": trans_w, "STAGES": cfg["STAGES"]}
+                 "SEGMENTS": "constexpr", "TRANS_W": "constexpr", "STAGES": "constexpr", "COOP": "constexpr"}
+    constexprs = {"SEGMENTS": triton.next_power_of_2(groups + 1), "TRANS_W": trans_w, "STAGES": cfg["STAGES"],
+                  "COOP": cfg["COOP"]}
     source = GluonASTSource(_grouped_mm_ws_kernel, signature, constexprs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": CONSUMER_WARPS, "maxnreg": MAX_REGISTERS})
@@ -536,7 +565,7 @@ def sm90_report() -> dict[str, dict]:
     run earlier in the same process leaves state that breaks Gluon's compiler (the CPU tests
     call it through a subprocess for that reason)."""
     def summary(compiled) -> dict:
-        lines = [line.split("ptxas info    :")[-1].strip() for line in ptxas_report(compiled).splitlines()
+        lines = [re.sub(r"^ptxas\S*\s+\w+\s*:\s*", "", line.strip()) for line in ptxas_report(compiled).splitlines()
                  if any(word in line for word in ("Used", "spill", "C75", "rror", "arning"))]
         return {"shared": compiled.metadata.shared, "warp_specialized": "ttg.warp_specialize" in compiled.asm["ttgir"],
                 "wgmma": "wgmma.mma_async" in compiled.asm["ptx"], "ptxas": "\n".join(lines)}
@@ -544,11 +573,11 @@ def sm90_report() -> dict[str, dict]:
     out = {}
     for c in CONFIGS:
         for trans_w, name in ((False, "forward"), (True, "dx")):
-            out[f"{name}/{'x'.join(map(str, c))}"] = summary(compile_for_sm90(trans_w=trans_w, config=config_dict(*c),
-                                                                              groups=64))
+            out[f"{name}/{config_name(c)}"] = summary(compile_for_sm90(trans_w=trans_w, config=config_dict(*c),
+                                                                       groups=64))
     for c in DW_CONFIGS:
         for out_dtype in (torch.float32, torch.bfloat16):
-            key = f"dw-{str(out_dtype).split('.')[-1]}/{'x'.join(map(str, c))}"
+            key = f"dw-{str(out_dtype).split('.')[-1]}/{config_name(c)}"
             out[key] = summary(compile_dw_for_sm90(out_dtype=out_dtype, config=dw_config_dict(*c)))
     return out
 

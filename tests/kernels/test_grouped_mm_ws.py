@@ -3,8 +3,8 @@
 Gluon has no interpreter, so on a CPU every config is compiled for sm90 (in a fresh process:
 grouped_mm_ws.sm90_report) and ptxas's report is read: it must fit the H200's shared memory,
 spill nothing, and keep its wgmmas pipelined (no C7514 warning: the reason the forward's epilogue
-goes through shared memory). On a Hopper GPU each config
-runs against a float32 reference on odd shapes: empty groups, partial row, column and K tiles, a
+goes through shared memory). On a Hopper GPU each config (both schedules: ping-pong and
+cooperative) runs against a float32 reference on odd shapes: empty groups, partial row, column and K tiles, a
 tail of rows past offsets[-1] (must come out zero: the output starts as NaN), a few programs
 with many items each (both consumers and the ring's wrap-around) and the whole GPU's. The dW
 kernel's deal (the groups ranked largest first into a table) is a Triton kernel and runs in the
@@ -29,7 +29,7 @@ from test_grouped_mm_tma import dw_reference
 ROOT = Path(__file__).resolve().parents[2]
 needs_gluon = pytest.mark.skipif(ws.gluon is None, reason="this Triton has no Gluon Hopper language")
 CONFIGS = pytest.mark.parametrize("config", [ws.config_dict(*c) for c in ws.CONFIGS],
-                                  ids=["x".join(map(str, c)) for c in ws.CONFIGS])
+                                  ids=[ws.config_name(c) for c in ws.CONFIGS])
 TRANS = pytest.mark.parametrize("trans_w", [False, True], ids=["forward", "dx"])
 
 
@@ -45,8 +45,8 @@ def sm90():
     return json.loads(run.stdout.splitlines()[-1])
 
 
-KERNELS = [f"{name}/{'x'.join(map(str, c))}" for c in ws.CONFIGS for name in ("forward", "dx")] + \
-    [f"dw-{out}/{'x'.join(map(str, c))}" for c in ws.DW_CONFIGS for out in ("float32", "bfloat16")]
+KERNELS = [f"{name}/{ws.config_name(c)}" for c in ws.CONFIGS for name in ("forward", "dx")] + \
+    [f"dw-{out}/{ws.config_name(c)}" for c in ws.DW_CONFIGS for out in ("float32", "bfloat16")]
 
 
 @needs_gluon
@@ -133,7 +133,7 @@ def test_non_finite_weights_of_an_empty_group_never_leak(trans_w, gpu_device):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [ws.dw_config_dict(*c) for c in ws.DW_CONFIGS],
-                         ids=["x".join(map(str, c)) for c in ws.DW_CONFIGS])
+                         ids=[ws.config_name(c) for c in ws.DW_CONFIGS])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("programs", [3, None], ids=["3 programs", "one per SM"])
 def test_dw_matches_reference_on_hopper(config, out_dtype, programs, gpu_device, rel_err, monkeypatch):
