@@ -17,13 +17,17 @@ finds, and what keeps those kernels level with CUTLASS's instead of ahead. Here 
                 ahead across work items (the next tile's first blocks arrive during this
                 tile's last products and epilogue)
     consumer 0  4 warps (the default partition) and
-    consumer 1  4 warps: each takes every other work item of the program, wgmma from the
-                ring into a float32 accumulator in registers, then its own epilogue
+    consumer 1  4 warps: wgmma from the ring into a float32 accumulator in registers, then
+                their own epilogues, on a schedule the config picks (CONFIGS):
+      ping-pong    each takes every other work item of the program, whole. The ring is filled
+                   in item order, so while one consumer runs its epilogue the other runs its
+                   products.
+      cooperative  both take every item, half its rows each (a 128 x 256 tile at 128
+                   accumulator registers a thread); only the loads run ahead of the epilogues.
 
-The ring is filled in item order, so while one consumer runs its epilogue the other runs its
-products: CUTLASS's "ping-pong" schedule. A consumer's item j (the program's j-th) reads ring
-positions j*KT .. (j+1)*KT - 1 (KT K blocks per item); items of the tail segment (rows past
-offsets[-1]) are numbered last, need no loads, and are stored as zeros.
+The program's item j reads ring positions j*KT .. (j+1)*KT - 1 (KT K blocks per item); items of
+the tail segment (rows past offsets[-1]) are numbered last, need no loads, and are stored as
+zeros.
 
 Clipping is TMA's, as in grouped_mm_tma: x's rows past a group's end feed only output rows
 that are never stored; a partial last row tile is stored with masked pointer stores (a TMA
