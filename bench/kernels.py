@@ -387,16 +387,12 @@ def bench_tma_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
     for gemm, pass_, trans_w, x, w, offsets, y, flop in _fwd_dx_operands(device, dtype, T, topk_idx, shape):
         M, K, N = x.shape[0], *w.shape[1:]
         want = launch_grouped_mm_tma(x, w, offsets, torch.empty_like(y), trans_w=trans_w, dx=trans_w)
-        fns = {}
-        for name, c in configs.items():
-            try:  # a config that does not compile here (shared memory, registers) is skipped
-                got = launch_grouped_mm_tma(x, w, offsets, y, trans_w=trans_w, dx=trans_w, config=c)
-                torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-            except Exception as e:  # noqa: BLE001  (recorded, not fatal)
-                rec(op=gemm, pass_=pass_, backend="triton-tma-config", config=c, tokens=T, routing=routing,
-                    error=f"{type(e).__name__}: {str(e)[:200]}")
-                continue
-            fns[name] = lambda c=c: launch_grouped_mm_tma(x, w, offsets, y, trans_w=trans_w, dx=trans_w, config=c)
+
+        def run(c):
+            return launch_grouped_mm_tma(x, w, offsets, y, trans_w=trans_w, dx=trans_w, config=c)
+        fields = dict(op=gemm, pass_=pass_, backend="triton-tma-config", tokens=T, routing=routing)
+        fns = checked_configs(rec, fields, configs, lambda c: torch.testing.assert_close(run(c), want, rtol=2e-2,
+                                                                                         atol=2e-2), run)
         for name, ms in timer.interleaved(fns).items():
             rec(op=gemm, pass_=pass_, backend="triton-tma-config", config=configs[name], tokens=T,
                 routing=routing, ms=ms, tflops=flop / ms / 1e9, flop=flop, M=M, K=K, N=N, experts=w.shape[0])
@@ -409,7 +405,8 @@ def bench_ws(rec, timer, device, dtype, T, routing, topk_idx, shape):
     up and down projections, then their dW (bench_dw_ws)."""
     from kernels import grouped_mm_reference
     from kernels.grouped_mm_tma import launch_grouped_mm_tma
-    from kernels.grouped_mm_ws import CONFIGS, config_dict, launch_grouped_mm_ws, ws_unsupported
+    from kernels.grouped_mm_ws import CONFIGS, config_dict, config_name, launch_grouped_mm_ws, ws_unsupported
+    configs = {config_name(c): config_dict(*c) for c in CONFIGS}
     for gemm, pass_, trans_w, x, w, offsets, y, flop in _fwd_dx_operands(device, dtype, T, topk_idx, shape):
         M, K, N = x.shape[0], *w.shape[1:]
         b = w.transpose(1, 2) if trans_w else w
@@ -419,19 +416,17 @@ def bench_ws(rec, timer, device, dtype, T, routing, topk_idx, shape):
         if (reason := ws_unsupported(x, w, y, trans_w)) is not None:
             rec(backend="triton-ws", error=reason, **fields)
             continue
-        want = grouped_mm_reference(x.float(), b.float(), offsets)
-        for c in map(config_dict, *zip(*CONFIGS)):
-            try:  # a config that fails to compile or to match costs its row only
-                got = launch_grouped_mm_ws(x, w, offsets, torch.full_like(y, float("nan")), trans_w=trans_w, config=c)
-                err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-                if not err < 5e-3:  # NaN too: a row left unwritten
-                    raise AssertionError(f"relative error {err:.3g} against the float32 reference")
-            except Exception as e:  # noqa: BLE001  (recorded, not fatal)
-                rec(backend="triton-ws", config=c, error=f"{type(e).__name__}: {str(e)[:300]}", **fields)
-                continue
-            fns[",".join(f"{k}={v}" for k, v in c.items())] = \
-                lambda c=c: launch_grouped_mm_ws(x, w, offsets, y, trans_w=trans_w, config=c)
-        _time_ws_rows(rec, timer, fns, fields, flop, M=M, K=K, N=N, experts=w.shape[0])
+        want = grouped_mm_reference(x.float(), b.float(), offsets).double()
+
+        def run(c, out=y):
+            return launch_grouped_mm_ws(x, w, offsets, out, trans_w=trans_w, config=c)
+
+        def check(c):
+            err = ((run(c, torch.full_like(y, float("nan"))).double() - want).norm() / want.norm()).item()
+            if not err < 5e-3:  # NaN too: a row left unwritten
+                raise AssertionError(f"relative error {err:.3g} against the float32 reference")
+        fns.update(checked_configs(rec, {**fields, "backend": "triton-ws"}, configs, check, run))
+        _time_ws_rows(rec, timer, fns, configs, fields, flop, M=M, K=K, N=N, experts=w.shape[0])
     bench_dw_ws(rec, timer, device, dtype, T, routing, topk_idx, shape)
 
 
@@ -440,7 +435,9 @@ def bench_dw_ws(rec, timer, device, dtype, T, routing, topk_idx, shape):
     take it), each checked against the TMA dW kernel's and its squares against dw's, in turns
     with the TMA dW kernel ("triton-tma") and torch._grouped_mm's dW (bf16 out, "torch_raw")."""
     from kernels.grouped_mm_tma import _num_programs, launch_grouped_mm_dw_tma
-    from kernels.grouped_mm_ws import DW_CONFIGS, dw_config_dict, dw_ws_unsupported, launch_grouped_mm_dw_ws
+    from kernels.grouped_mm_ws import (DW_CONFIGS, config_name, dw_config_dict, dw_ws_unsupported,
+                                       launch_grouped_mm_dw_ws)
+    configs = {config_name(c): dw_config_dict(*c) for c in DW_CONFIGS}
     for gemm, x, dy, offsets, dw in _dw_operands(device, dtype, T, topk_idx, shape):
         (M, K), (E, _, N) = x.shape, dw.shape
         fields, flop = dict(op=gemm, pass_="dw", tokens=T, routing=routing), 2 * M * K * N
@@ -450,30 +447,41 @@ def bench_dw_ws(rec, timer, device, dtype, T, routing, topk_idx, shape):
             rec(backend="triton-ws", error=reason, **fields)
             continue
         want = launch_grouped_mm_dw_tma(x, dy, offsets, torch.empty_like(dw)).double()
-        for c in map(dw_config_dict, *zip(*DW_CONFIGS)):
-            try:  # a config that fails to compile or to match costs its row only
-                squares = torch.zeros(_num_programs(device), device=device)
-                got = launch_grouped_mm_dw_ws(x, dy, offsets, torch.full_like(dw, float("nan")), config=c,
-                                              squares=squares)
-                err = ((got.double() - want).norm() / want.norm()).item()
-                if not err < 1e-5:  # the same float32 sums in another order; NaN: a tile left unwritten
-                    raise AssertionError(f"relative error {err:.3g} against the TMA dW kernel")
-                sq_err = abs(squares.double().sum() / got.double().square().sum() - 1).item()
-                if not sq_err < 1e-5:
-                    raise AssertionError(f"squares off by {sq_err:.3g} relative")
-            except Exception as e:  # noqa: BLE001  (recorded, not fatal)
-                rec(backend="triton-ws", config=c, error=f"{type(e).__name__}: {str(e)[:300]}", **fields)
-                continue
-            fns[",".join(f"{k}={v}" for k, v in c.items())] = \
-                lambda c=c: launch_grouped_mm_dw_ws(x, dy, offsets, dw, config=c)
-        _time_ws_rows(rec, timer, fns, fields, flop, M=M, K=K, N=N, experts=E)
+
+        def check(c):
+            squares = torch.zeros(_num_programs(device), device=device)
+            got = launch_grouped_mm_dw_ws(x, dy, offsets, torch.full_like(dw, float("nan")), config=c, squares=squares)
+            err = ((got.double() - want).norm() / want.norm()).item()
+            if not err < 1e-5:  # the same float32 sums in another order; NaN: a tile left unwritten
+                raise AssertionError(f"relative error {err:.3g} against the TMA dW kernel")
+            sq_err = abs(squares.double().sum() / got.double().square().sum() - 1).item()
+            if not sq_err < 1e-5:
+                raise AssertionError(f"squares off by {sq_err:.3g} relative")
+        fns.update(checked_configs(rec, {**fields, "backend": "triton-ws"}, configs, check,
+                                   lambda c: launch_grouped_mm_dw_ws(x, dy, offsets, dw, config=c)))
+        _time_ws_rows(rec, timer, fns, configs, fields, flop, M=M, K=K, N=N, experts=E)
 
 
-def _time_ws_rows(rec, timer, fns, fields, flop, **shape):
-    """Time the --ws rows in turns: named configs ("BLOCK_M=128,...") as "triton-ws" rows."""
+def checked_configs(rec, fields: dict, configs: dict[str, dict], check, run) -> dict:
+    """{name: () -> run(config)} of the ``configs`` that pass ``check(config)``: one that raises
+    (it does not compile here, or does not match) is recorded as an error row of ``fields`` and
+    not timed."""
+    fns = {}
+    for name, c in configs.items():
+        try:
+            check(c)
+        except Exception as e:  # noqa: BLE001  (recorded, not fatal)
+            rec(config=c, error=f"{type(e).__name__}: {str(e)[:300]}", **fields)
+            continue
+        fns[name] = lambda c=c: run(c)
+    return fns
+
+
+def _time_ws_rows(rec, timer, fns, configs, fields, flop, **shape):
+    """Time the --ws rows in turns: the ``configs`` (by name) as "triton-ws" rows, the baselines
+    under their own names."""
     for name, ms in timer.interleaved(fns).items():
-        config = {} if name in ("triton-tma", "torch_raw") else dict(kv.split("=") for kv in name.split(","))
-        rec(backend="triton-ws" if config else name, config={k: int(v) for k, v in config.items()},
+        rec(backend="triton-ws" if name in configs else name, config=configs.get(name, {}),
             ms=ms, tflops=flop / ms / 1e9, flop=flop, turns="ws", **shape, **fields)
 
 

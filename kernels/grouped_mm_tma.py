@@ -63,13 +63,24 @@ def tma_unsupported(x: Tensor, w: Tensor, y: Tensor) -> str | None:
             return "tensor descriptors (TMA) need compute capability 9.0+"
         if x.dtype not in (torch.bfloat16, torch.float16):
             return f"the TMA kernel is for 16-bit inputs (float32 runs on FMA units), got {x.dtype}"
+    return tma_layout_unsupported(x, w, y)
+
+
+def tma_layout_unsupported(x: Tensor, w: Tensor, y: Tensor) -> str | None:
+    """What in these tensors' shapes and strides no TMA kernel here can read (w as one (G*K, N)
+    matrix), or None: tma_unsupported less its Triton and device checks."""
     if x.shape[1] == 0:
         return "K = 0: nothing for a descriptor to load"
     if not w.is_contiguous():
         return "w must be contiguous (it is read as one (G*K, N) matrix)"
-    for name, t in (("x", x), ("w", w), ("y", y)):
-        if t.stride(-1) != 1 or any(s * t.element_size() % 16 for s in t.stride()[:-1]) \
-                or t.data_ptr() % 16:
+    return tma_unaligned(x=x, w=w, y=y)
+
+
+def tma_unaligned(**tensors: Tensor) -> str | None:
+    """Which of the named tensors TMA cannot address (rows contiguous, rows and base 16-byte
+    aligned), or None."""
+    for name, t in tensors.items():
+        if t.stride(-1) != 1 or any(s * t.element_size() % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
             return f"{name} needs 16-byte aligned rows and base for TMA, got strides {t.stride()}"
     return None
 

@@ -96,25 +96,12 @@ def _device_unsupported(x: Tensor) -> str | None:
     return None
 
 
-def _unaligned(**tensors: Tensor) -> str | None:
-    """Which tensor TMA cannot address: rows and base must be 16-byte aligned, rows contiguous."""
-    for name, t in tensors.items():
-        if t.stride(-1) != 1 or any(s * t.element_size() % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            return f"{name} needs 16-byte aligned rows and base for TMA, got strides {t.stride()}"
-    return None
-
-
 def _shape_unsupported(x: Tensor, w: Tensor, y: Tensor, trans_w: bool) -> str | None:
     if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype or y.dtype != x.dtype:
         return f"the warp-specialized kernel is for one 16-bit dtype, got {x.dtype}, {w.dtype}, {y.dtype}"
-    K = x.shape[1]
-    if K == 0:
-        return "K = 0: nothing for a descriptor to load"
-    if not trans_w and K % 64:  # every config's BLOCK_K
-        return f"K = {K} is not a multiple of 64: a partial K block would read the next group's weights"
-    if not w.is_contiguous():
-        return "w must be contiguous (it is read as one (G*K, N) matrix)"
-    return _unaligned(x=x, w=w, y=y)
+    if not trans_w and x.shape[1] % 64:  # every config's BLOCK_K
+        return f"K = {x.shape[1]} is not a multiple of 64: a partial K block would read the next group's weights"
+    return grouped_mm_tma.tma_layout_unsupported(x, w, y)
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, COOP): the tile, the ring's depth and the schedule.
@@ -159,7 +146,7 @@ def _dw_shape_unsupported(x: Tensor, dy: Tensor, dw: Tensor) -> str | None:
         return f"the warp-specialized kernel is for 16-bit inputs of one dtype, got {x.dtype}, {dy.dtype}"
     if not dw.is_contiguous():
         return "dw must be contiguous"
-    return _unaligned(x=x, dy=dy)
+    return grouped_mm_tma.tma_unaligned(x=x, dy=dy)
 
 
 @jit
@@ -524,16 +511,21 @@ def launch_grouped_mm_dw_ws(x: Tensor, dy: Tensor, offsets: Tensor, dw: Tensor, 
 def compile_dw_for_sm90(dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.float32, *,
                         config: dict | None = None, squares: bool = True):
     """compile_for_sm90 for the dW kernel."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
     ty, out = names[dtype], names[out_dtype]
     cfg = config or dw_config_dict(*DW_CONFIGS[0])
     signature = {"x_ptr": f"*{ty}", "dy_ptr": f"*{ty}", "dw_ptr": f"*{out}", "table_ptr": "*i32",
-                 "squares_ptr": "*fp32", "N": "i32", "K": "i32", "G": "i32", "stride_xm": "i32", "stride_dym": "i32",
-                 **{name: "constexpr" for name in ("BLOCK_R", "BLOCK_K", "BLOCK_N", "STAGES", "SQUARES")}}
-    source = GluonASTSource(_grouped_mm_dw_ws_kernel, signature, {**cfg, "SQUARES": squares})
+                 "squares_ptr": "*fp32", "N": "i32", "K": "i32", "G": "i32", "stride_xm": "i32", "stride_dym": "i32"}
+    return _compile_sm90(_grouped_mm_dw_ws_kernel, signature, {**cfg, "SQUARES": squares})
+
+
+def _compile_sm90(kernel, signature: dict, constexprs: dict):
+    """Compile a Gluon ``kernel`` of this module for sm90 on the CPU; ``signature`` holds the
+    runtime arguments' types, ``constexprs`` the values of the rest."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    source = GluonASTSource(kernel, {**signature, **{name: "constexpr" for name in constexprs}}, constexprs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": CONSUMER_WARPS, "maxnreg": MAX_REGISTERS})
 
@@ -544,21 +536,15 @@ def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, *, trans_w: bool = Fal
     passes and ptxas all run on the CPU. Returns the compiled kernel (its .asm holds the TTGIR,
     PTX and cubin, its .metadata the shared memory): the CPU tests check what can be checked
     before a GPU runs it (shared memory, the partitions, ptxas_report)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     cfg = config or config_dict(*CONFIGS[0])
     (xb, xl), (wb, wl), (yb, yl) = _layouts(dtype, cfg, trans_w)
     ty = "bf16" if dtype == torch.bfloat16 else "fp16"
     desc = lambda block, layout: f"tensordesc<{ty}[{', '.join(map(str, block))}],{layout!r}>"  # noqa: E731
     signature = {"x_desc": desc(xb, xl), "w_desc": desc(wb, wl), "y_desc": desc(yb, yl), "y_ptr": f"*{ty}",
-                 "offsets_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "stride_ym": "i32",
-                 "SEGMENTS": "constexpr", "TRANS_W": "constexpr", "STAGES": "constexpr", "COOP": "constexpr"}
+                 "offsets_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "stride_ym": "i32"}
     constexprs = {"SEGMENTS": triton.next_power_of_2(groups + 1), "TRANS_W": trans_w, "STAGES": cfg["STAGES"],
                   "COOP": cfg["COOP"]}
-    source = GluonASTSource(_grouped_mm_ws_kernel, signature, constexprs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": CONSUMER_WARPS, "maxnreg": MAX_REGISTERS})
+    return _compile_sm90(_grouped_mm_ws_kernel, signature, constexprs)
 
 
 def sm90_report() -> dict[str, dict]:
