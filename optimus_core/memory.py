@@ -50,9 +50,12 @@ GIB = 2 ** 30
 # beyond what is allocated). bench/NOTES.md has the measured reserved / allocated ratios.
 USABLE_FRACTION = 0.90
 # "auto" activation checkpointing takes the least recomputation whose estimate has this share of
-# itself to spare under the budget: the model has missed a rehearsed rank by up to 8.5 % (under,
-# mula-220b-a10b; bench/NOTES.md), and a mode chosen at the budget's edge measured over it. Where
-# no mode has that headroom, the least recomputation that fits at all.
+# itself to spare under the budget. Rehearsed, the model is over every rank's allocated peak
+# (+0.1 to +9.2 %, bench/NOTES.md: the misses under were an earlier rehearsal's weights still
+# allocated), but the caching allocator reserves 1.12-1.15x the allocated peak on these layouts:
+# mula-220b-a10b chosen at the budget's edge (57.7 GiB allocated) reserved 64.9, past a 64 GiB
+# tile. With this margin a chosen mode reserves about 61. Where no mode has that headroom, the
+# least recomputation that fits at all.
 FIT_MARGIN = 0.09
 CHECKPOINTING = ("none", "moe", "full")
 LM_LOSS_CHUNK_ROWS = 4096  # optimus_core.model.linear_cross_entropy.DEFAULT_CHUNK_ROWS

@@ -169,6 +169,11 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
               "model_gib": predicted.peak_gib, "model_at": predicted.at,
               "terms_gib": {k: v / GIB for k, v in predicted.terms.items()}, "device": dev.type,
               "torch": torch.__version__}
+    gpu = getattr(torch, dev.type) if dev.type in ("cuda", "xpu") else None
+    # What the device held before this rehearsal built anything (an earlier rehearsal's model
+    # still alive, another user of the device) is held throughout: the peak recorded is the
+    # rehearsal's own, that subtracted, and the record says how much it was.
+    held_before = gpu.memory_allocated(dev) if gpu is not None else 0
     # the meta rehearsal's mesh is the CPU's (torch has no meta process groups); its shares stay meta
     with loopback_world(cfg, world, rank, torch.device("cpu") if dev.type == "meta" else dev) as mesh:
         model = build_model(cfg, mesh, device=dev, plan=plan)
@@ -177,7 +182,6 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
         record["model_shares_gib"] = {k: v / GIB for k, v in static_bytes(cfg.model, layout).items()}
         if dev.type == "meta":
             return record
-        gpu = getattr(torch, dev.type) if dev.type in ("cuda", "xpu") else None
         per_step = layout.micro_batch * layout.accumulation
         generator = torch.Generator(device=dev).manual_seed(cfg.train.seed * 7919 + rank)
         times = []
@@ -195,7 +199,8 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
             times.append(time.perf_counter() - t0)
         record.update(steps=steps, step_s=times, loss=float(stats.loss))
         if gpu is not None:  # the caching allocator's peaks over the steps: what the device had to hold
-            record.update(peak_allocated_gib=gpu.max_memory_allocated(dev) / GIB,
+            record.update(peak_allocated_gib=(gpu.max_memory_allocated(dev) - held_before) / GIB,
+                          held_before_gib=held_before / GIB,
                           peak_reserved_gib=gpu.max_memory_reserved(dev) / GIB,
                           device_name=gpu.get_device_name(dev),
                           device_total_gib=gpu.get_device_properties(dev).total_memory / GIB)

@@ -29,7 +29,8 @@ class MoEFeedForward(nn.Module):
     router probabilities (graph-connected: the load-balancing loss of counts summed elsewhere,
     Transformer.aux_loss(share_LE)). They are overwritten, never
     accumulated, so an activation-checkpointing recompute cannot count a micro-batch twice; the
-    training step reads them right after each forward.
+    training step reads them right after each forward and drops them (``clear_routing``) once the
+    micro-batch's backward has run.
     """
 
     def __init__(self, d_model: int, cfg: MoEConfig, experts_backend: str = "loop"):
@@ -37,8 +38,7 @@ class MoEFeedForward(nn.Module):
         self.cfg = cfg
         self.router = TopKRouter(d_model, cfg)
         self.experts = Experts(cfg.n_experts, d_model, cfg.d_expert, experts_backend)
-        self.aux_loss = self.last_lb_loss = self.last_z_loss = self.last_tokens_per_expert_E = None
-        self.last_mean_probs_E = None
+        self.clear_routing()
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         B, S, D = x_BSD.shape
@@ -62,3 +62,14 @@ class MoEFeedForward(nn.Module):
         self.last_tokens_per_expert_E = routing.tokens_per_expert_E
         self.last_mean_probs_E = routing.mean_probs_E
         return out_TD.view(B, S, D).to(x_BSD.dtype)
+
+    def clear_routing(self) -> None:
+        """Drop the last forward's losses and statistics. Kept on the module, the graph-connected
+        ones close a reference cycle through the autograd graph wherever an autograd function of
+        that graph holds the module (FSDP2's hold their states, which hold the modules): the
+        cycle runs through C++ graph nodes, which Python's collector cannot see, so the whole
+        model, its shares included, would outlive its last use (a second model built in the
+        process, as the rehearsals of several layouts do, would then be measured with the
+        first one's weights still allocated)."""
+        self.aux_loss = self.last_lb_loss = self.last_z_loss = self.last_tokens_per_expert_E = None
+        self.last_mean_probs_E = None

@@ -128,6 +128,12 @@ class Transformer(nn.Module):
     def moe_layers(self) -> list[MoEFeedForward]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoEFeedForward)]
 
+    def clear_routing(self) -> None:
+        """Drop every MoE layer's losses and statistics of the last forward (MoEFeedForward.
+        clear_routing: once read and back-propagated, they only keep the graph alive)."""
+        for layer in self.moe_layers():
+            layer.clear_routing()
+
     def aux_loss(self, share_LE: torch.Tensor | None = None) -> torch.Tensor | None:
         """The MoE layers' auxiliary losses of the last forward, averaged over the layers: how
         OLMoE's trainer (OLMo-core over megablocks) weighs them -- megablocks' batched

@@ -103,6 +103,7 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
                     load_LE = counts if load_LE is None else load_LE + counts
                 else:
                     sums_4[0] += ce.detach().double() * weight
+            model.clear_routing()  # read and back-propagated (a recompute set them again): drop the graph
 
     if mesh is not None and mesh.distributed:
         with phase("grad_sync"):  # a few numbers: latency, counted with the gradient traffic

@@ -43,3 +43,13 @@ def test_later_micro_batches_use_the_running_counts():
     (forward, _), (global_, _) = _step("forward", 2), _step("global", 2)
     assert global_.loss == forward.loss  # the first forward is the same; the losses are of it and the second's
     assert abs(global_.lb_loss - forward.lb_loss) > 1e-6
+
+
+def test_a_step_leaves_no_routing_tensors_on_the_layers():
+    """Read (both scopes: "global" reads the mean probabilities after the backward) and then
+    dropped: kept, they would hold the micro-batch's graph (MoEFeedForward.clear_routing)."""
+    for scope in ("forward", "global"):
+        stats, model = _step(scope, 2)
+        assert stats.tokens_per_expert_LE.sum() == 2 * 4 * 8 * 2  # layers x tokens x top_k, both micro-batches
+        for layer in model.moe_layers():
+            assert layer.aux_loss is None and layer.last_mean_probs_E is None and layer.last_lb_loss is None
