@@ -455,10 +455,19 @@ def cmd_plan(args) -> Summary:
     return Summary(table, {"site": site.name, "jobs": jobs, "node_hours": sum(job.node_hours for job in plans)})
 
 
-def rehearsal_jobs(names, tiles, site):
+def parse_checkpointing(text: str) -> tuple[str, int]:
+    """``none``, ``moe``, ``full`` or ``full/K`` (every K-th block) as (mode, every)."""
+    mode, _, every = text.partition("/")
+    if mode not in ("none", "moe", "full") or (every and (mode != "full" or not every.isdigit() or int(every) < 1)):
+        raise ConfigError(f"--checkpointing {text}: must be none, moe, full or full/K (every K-th block, K >= 1)")
+    return mode, int(every or 1)
+
+
+def rehearsal_jobs(names, tiles, site, checkpointing: tuple[str, int] | None = None):
     """The registry's paper runs (``names``; default every run of the paper DAG) as rehearsals,
     each at its own tile count or at each of ``tiles``, its checkpointing resolved for the site's
-    machine as `optimus plan` resolves it (workflow.plan.plan_memory)."""
+    machine as `optimus plan` resolves it (workflow.plan.plan_memory), or ``checkpointing``
+    (mode, every) where given: a choice rehearsed before the plan makes it."""
     from stages.rehearse import Rehearsal
     from workflow.experiments import dag, get as get_experiment
     from workflow.plan import plan_memory
@@ -468,8 +477,8 @@ def rehearsal_jobs(names, tiles, site):
     for exp in experiments:
         for n in tiles or [exp.paper.devices]:
             run = exp.paper.at_tiles(n)
-            _, budget, checkpointing = plan_memory(run, site, n)  # MemoryBudgetError: over the budget
-            jobs.append(Rehearsal(exp.name, run.run_config(), n, checkpointing or ("none", 1),
+            _, budget, resolved = plan_memory(run, site, n)  # MemoryBudgetError: over the budget
+            jobs.append(Rehearsal(exp.name, run.run_config(), n, checkpointing or resolved or ("none", 1),
                                   budget if budget == budget else None))
     return jobs
 
@@ -489,7 +498,8 @@ def cmd_rehearse(args) -> Summary:
         from optimus_core.device import resolve_device_type
 
         resolve_device_type(args.device, field="--device")  # not here: one sentence, before any layout is built
-    jobs = rehearsal_jobs(args.experiment, args.tiles, load_site(args.site, account=args.site_account))
+    asked = parse_checkpointing(args.checkpointing) if args.checkpointing else None
+    jobs = rehearsal_jobs(args.experiment, args.tiles, load_site(args.site, account=args.site_account), asked)
     result = run_rehearse(RehearseConfig(jobs, rank=args.rank, steps=args.steps, device=args.device,
                                          micro_batches=args.micro_batches or None, save=not args.no_save),
                           RehearseOutputs(jsonl=args.jsonl, store=args.store))
@@ -710,6 +720,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda", choices=["cuda", "xpu", "cpu", "meta"],
                    help="meta: no device, the shares' sizes only (checked against the memory model)")
     p.add_argument("--site", default="aurora", help="whose machine's memory budget the layouts are planned for")
+    p.add_argument("--checkpointing", default=None, metavar="MODE",
+                   help="none, moe, full or full/K: rehearse this activation checkpointing instead of the one "
+                        "the plan resolves (to measure a choice before the plan makes it)")
     p.add_argument("--no-save", action="store_true", help="skip the checkpoint write after the steps")
     p.add_argument("--site-account", default="rehearsal", help=argparse.SUPPRESS)
     p.add_argument("--jsonl", type=Path, default=None, help="write the records here (bench/results/rehearsal-*.jsonl)")

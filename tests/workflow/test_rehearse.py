@@ -34,3 +34,19 @@ def test_a_run_at_another_tile_count_keeps_its_layout():
     small, = rehearsal_jobs(["scaling-mula-220b-a10b-768"], [384], site)
     assert small.run.parallel.dp_shard == 0 and small.checkpointing[0] == "full"  # 384 tiles: one block
     assert small.budget_gib * GIB > 0
+
+
+def test_a_checkpointing_can_be_rehearsed_before_the_plan_chooses_it(tmp_path):
+    def rehearsed(checkpointing):
+        out = tmp_path / f"{checkpointing.replace('/', '-')}.jsonl"
+        assert main(["rehearse", "--device", "meta", "--experiment", "pretrain-mula-220b-a10b", "--tiles", "3072",
+                     "--checkpointing", checkpointing, "--jsonl", str(out)]) == 0
+        return json.loads(out.read_text().splitlines()[0])
+
+    planned, = rehearsal_jobs(["pretrain-mula-220b-a10b"], [3072], load_site("aurora", account="x"))
+    assert planned.checkpointing != ("full", 3)
+    third, half = rehearsed("full/3"), rehearsed("full/2")
+    assert third["checkpointing"] == "full/3" and third["world"] == 3072
+    assert third["model_gib"] > half["model_gib"]  # fewer blocks recomputed: more activations held
+    for bad in ("full/0", "moe/2", "half", "full/x"):
+        assert main(["rehearse", "--device", "meta", "--checkpointing", bad]) == 2
