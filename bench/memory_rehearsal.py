@@ -84,7 +84,14 @@ def main(argv=None) -> None:
 
         step()
         torch.cuda.synchronize()
-        result, measured = record_step(step, known_blocks(model, optimizer))
+        # Checkpoint's early stop ends a recomputation by raising inside a saved-tensor hook; under
+        # the allocator's Python-stack recording that failed on torch 2.11 (SystemError: "apply ...
+        # returned NULL without setting an exception", as in pytorch/pytorch#179536). Without the
+        # early stop a recomputation runs its block to the end: its extra tensors are transient.
+        from torch.utils.checkpoint import set_checkpoint_early_stop
+
+        with set_checkpoint_early_stop(False):
+            result, measured = record_step(step, known_blocks(model, optimizer))
     model_terms = {k: v / GIB for k, v in estimate(cfg.model, layout).terms.items()}
     print(f"{job.name} at {job.world} tiles ({job.checkpointing}): peak {result['peak_bytes'] / GIB:.2f} GiB in the "
           f"{result['peak_phase']} (max_memory_allocated {measured / GIB:.2f}); model {sum(model_terms.values()):.2f}: "
@@ -94,7 +101,7 @@ def main(argv=None) -> None:
         for what, size in list(result[key].items())[:args.top]:
             print(f"    {size / GIB:7.3f} GiB  {what[:120]}")
     record = {"bench": "memory_rehearsal", "name": job.name, "world": job.world, "device": device_slug(device),
-              "checkpointing": list(job.checkpointing), "max_memory_allocated_bytes": measured,
+              "checkpointing": list(job.checkpointing), "checkpoint_early_stop": False, "max_memory_allocated_bytes": measured,
               "model_terms_gib": model_terms, **{k: v for k, v in result.items() if k not in ("at_peak", "at_backward_start")},
               "at_peak": dict(list(result["at_peak"].items())[:40]),
               "at_backward_start": dict(list(result["at_backward_start"].items())[:40])}
