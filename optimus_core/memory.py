@@ -50,8 +50,8 @@ GIB = 2 ** 30
 # beyond what is allocated). bench/NOTES.md has the measured reserved / allocated ratios.
 USABLE_FRACTION = 0.90
 # "auto" activation checkpointing takes the least recomputation whose estimate has this share of
-# itself to spare under the budget. Rehearsed, the model is over every rank's allocated peak
-# (+0.1 to +9.2 %, bench/NOTES.md: the misses under were an earlier rehearsal's weights still
+# itself to spare under the budget. Rehearsed, the model is within -0.3 to +9.2 % of every rank's
+# allocated peak (bench/NOTES.md: the larger misses under were an earlier rehearsal's weights still
 # allocated), but the caching allocator reserves 1.12-1.15x the allocated peak on these layouts:
 # mula-220b-a10b chosen at the budget's edge (57.7 GiB allocated) reserved 64.9, past a 64 GiB
 # tile. With this margin a chosen mode reserves about 61. Where no mode has that headroom, the
