@@ -15,7 +15,8 @@
 #   bench/gpu_suite.sh ws         # the warp-specialized Gluon kernels (Hopper): their GPU tests, then
 #                                 # bench/kernels.py --ws; each under a timeout, so that a hang costs only it
 #   bench/gpu_suite.sh rehearse   # one rank of every paper layout (optimus rehearse): the five models at 384
-#                                 # and 12288 tiles, then the registry's own layouts; RUNS="..." TILES="..." for others
+#                                 # and 12288 tiles, then the registry's own layouts; RUNS="..." TILES="..." for others,
+#                                 # CHECKPOINTING=full/3 to rehearse that instead of what the plan resolves
 #   VARIANTS="7b8l-loop 7b8l-triton+compile" bench/gpu_suite.sh speed    # a subset of train_step
 #   REPEAT=2 VARIANTS="..." bench/gpu_suite.sh speed                       # each variant twice, in turns
 #   MICRO_BATCHES="2 4 8" bench/gpu_suite.sh speed    # the micro-batch axis: ours and OLMo-core at each
@@ -42,10 +43,11 @@ ws)
 rehearse)
   slug=$(python3 -c 'import torch, re; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-"))')
   runs=${RUNS:-pretrain-mula-1b pretrain-mula-7b-a1b pretrain-mula-20b-a2b pretrain-mula-100b-a7b pretrain-mula-220b-a10b}
-  python3 -m workflow.cli rehearse --experiment $runs --tiles ${TILES:-384 12288} --jsonl "$out/rehearsal-$slug.jsonl" \
-    2>&1 | tee "$out/rehearsal.log"
-  [ -n "${TILES:-}" ] || python3 -m workflow.cli rehearse --experiment $runs --jsonl "$out/rehearsal-$slug.jsonl" \
-    2>&1 | tee -a "$out/rehearsal.log"
+  asked=${CHECKPOINTING:+--checkpointing $CHECKPOINTING}
+  python3 -m workflow.cli rehearse --experiment $runs --tiles ${TILES:-384 12288} $asked \
+    --jsonl "$out/rehearsal-$slug${CHECKPOINTING:+-${CHECKPOINTING//\//-}}.jsonl" 2>&1 | tee -a "$out/rehearsal.log"
+  [ -n "${TILES:-}" ] || python3 -m workflow.cli rehearse --experiment $runs $asked \
+    --jsonl "$out/rehearsal-$slug${CHECKPOINTING:+-${CHECKPOINTING//\//-}}.jsonl" 2>&1 | tee -a "$out/rehearsal.log"
   ;;
 all)
   bash "$0" speed && bash "$0" scaling
