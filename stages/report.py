@@ -179,7 +179,7 @@ def _memory(store: ResultsStore) -> list[str]:
     for run_id in runs:
         records = store.attrs(run_id).get("records", {})
         rows = [["run", "tiles", "act. ckpt", "model GiB", "rehearsal GiB (allocated)", "reserved", "budget",
-                 "model error", "checkpoint write GiB"]]
+                 "model error", "checkpoint write GiB", "held before GiB"]]
         found = []
         for table in store.tables(run_id):
             frame = _table(store, run_id, table)
@@ -190,7 +190,7 @@ def _memory(store: ResultsStore) -> list[str]:
                          _num(row.get("model_gib"), ".1f"), _num(row.get("peak_allocated_gib"), ".1f"),
                          _num(row.get("peak_reserved_gib"), ".1f"), _num(row.get("budget_gib"), ".1f"),
                          DASH if _missing(row.get("model_error")) else f"{float(row['model_error']):+.1%}",
-                         _num(row.get("save_peak_allocated_gib"), ".1f")])
+                         _num(row.get("save_peak_allocated_gib"), ".1f"), _num(row.get("held_before_gib"), ".2f")])
         if len(rows) == 1:
             continue
         device = run_id.removeprefix("rehearsal-")
@@ -199,8 +199,11 @@ def _memory(store: ResultsStore) -> list[str]:
                   "group stands in for the other ranks; real kernels, sizes and steps): the memory model's bytes per "
                   "tile (optimus_core/memory.py, with the activation checkpointing the plan resolves) beside the "
                   "allocator's peak, the tile's budget (the usable share of a 64 GiB Aurora tile) and the device's "
-                  "peak while the rank wrote its part of a checkpoint.", "",
-                  *_markdown_table(rows, "lrlrrrrrr"), ""]
+                  "peak while the rank wrote its part of a checkpoint. \"Held before\": what the device held "
+                  "before the rehearsal built anything, subtracted from its peak. GPU records without it (those before "
+                  "2026-12-05) count the weights of the rehearsals run before them in the same process; bench/NOTES.md "
+                  "has them corrected.", "",
+                  *_markdown_table(rows, "lrlrrrrrrr"), ""]
     return lines
 
 
