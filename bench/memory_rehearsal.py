@@ -101,7 +101,8 @@ def main(argv=None) -> None:
         for what, size in list(result[key].items())[:args.top]:
             print(f"    {size / GIB:7.3f} GiB  {what[:120]}")
     record = {"bench": "memory_rehearsal", "name": job.name, "world": job.world, "device": device_slug(device),
-              "checkpointing": list(job.checkpointing), "checkpoint_early_stop": False, "max_memory_allocated_bytes": measured,
+              "checkpointing": list(job.checkpointing), "checkpoint_early_stop": False,
+              "max_memory_allocated_bytes": measured,
               "model_terms_gib": model_terms, **{k: v for k, v in result.items() if k not in ("at_peak", "at_backward_start")},
               "at_peak": dict(list(result["at_peak"].items())[:40]),
               "at_backward_start": dict(list(result["at_backward_start"].items())[:40])}
