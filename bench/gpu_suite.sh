@@ -35,9 +35,9 @@ n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 echo "host: $n GPU(s); torch $(python3 -c 'import torch, triton; print(torch.__version__, "triton", triton.__version__)')"
 
 case $part in
-ws)
-  timeout 300 python3 -m pytest -q -m gpu tests/kernels/test_grouped_mm_ws.py 2>&1 | tee "$out/ws-tests.log"
-  timeout 480 python3 bench/kernels.py --tokens "${TOKENS:-8192,32768}" --only up,down --backends triton,torch_raw \
+ws)  # both timeouts within one device call's 600 s
+  timeout 200 python3 -m pytest -q -m gpu tests/kernels/test_grouped_mm_ws.py 2>&1 | tee "$out/ws-tests.log"
+  timeout 380 python3 bench/kernels.py --tokens "${TOKENS:-8192,32768}" --only up,down --backends triton,torch_raw \
     --ws --out "$out" --store '' 2>&1 | tee "$out/ws-kernels.log"
   ;;
 rehearse)
