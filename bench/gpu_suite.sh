@@ -44,10 +44,11 @@ rehearse)
   slug=$(python3 -c 'import torch, re; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-"))')
   runs=${RUNS:-pretrain-mula-1b pretrain-mula-7b-a1b pretrain-mula-20b-a2b pretrain-mula-100b-a7b pretrain-mula-220b-a10b}
   asked=${CHECKPOINTING:+--checkpointing $CHECKPOINTING}
-  python3 -m workflow.cli rehearse --experiment $runs --tiles ${TILES:-384 12288} $asked \
-    --jsonl "$out/rehearsal-$slug${CHECKPOINTING:+-${CHECKPOINTING//\//-}}.jsonl" 2>&1 | tee -a "$out/rehearsal.log"
-  [ -n "${TILES:-}" ] || python3 -m workflow.cli rehearse --experiment $runs $asked \
-    --jsonl "$out/rehearsal-$slug${CHECKPOINTING:+-${CHECKPOINTING//\//-}}.jsonl" 2>&1 | tee -a "$out/rehearsal.log"
+  records="$out/rehearsal-$slug${CHECKPOINTING:+-${CHECKPOINTING//\//-}}.jsonl"  # its own file per asked mode
+  python3 -m workflow.cli rehearse --experiment $runs --tiles ${TILES:-384 12288} $asked --jsonl "$records" \
+    2>&1 | tee -a "$out/rehearsal.log"
+  [ -n "${TILES:-}" ] || python3 -m workflow.cli rehearse --experiment $runs $asked --jsonl "$records" \
+    2>&1 | tee -a "$out/rehearsal.log"
   ;;
 all)
   bash "$0" speed && bash "$0" scaling
