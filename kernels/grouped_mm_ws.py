@@ -21,7 +21,11 @@ finds, and what keeps those kernels level with CUTLASS's instead of ahead. Here 
                 their own epilogues, on a schedule the config picks (CONFIGS):
       ping-pong    each takes every other work item of the program, whole. The ring is filled
                    in item order, so while one consumer runs its epilogue the other runs its
-                   products.
+                   products. The mainloops take turns (an order barrier, CUTLASS's ordered
+                   barrier): a consumer may wait on a ring position only once every earlier
+                   position has been waited on, since an mbarrier's parity cannot tell position
+                   p from p - 2 * STAGES, and a consumer that ran ahead would read a stage the
+                   loader has not filled.
       cooperative  both take every item, half its rows each (a 128 x 256 tile at 128
                    accumulator registers a thread); only the loads run ahead of the epilogues.
 
@@ -42,7 +46,8 @@ N tile) items, groups largest first (grouped_mm_tiles.groups_by_size, ranked onc
 a small table by a Triton kernel, since the loader's single warp has no registers for the
 SEGMENTS x CHUNK comparison). An item reduces over its group's rows, so its ring positions
 depend on the row counts of the program's earlier items: each consumer walks all of them and
-counts. The loader makes per-item descriptors of the group's rows of x and dy (device-side, in
+counts, and takes every other one, its mainloop in turn with the other's (ping-pong and its
+order barrier, as above). The loader makes per-item descriptors of the group's rows of x and dy (device-side, in
 the allocator's scratch), so TMA zero-fills past the group's end: rows of the next group, or
 NaN past offsets[-1], never enter. The tile is stored with pointer stores from the registers
 (masked at K and N; no staging tile, which at float32 would cost the ring two stages).
@@ -240,6 +245,28 @@ if gluon is not None:
         return acc, pos
 
     @gluon.jit
+    def _wait_turn(order, j, WHICH: gl.constexpr):
+        """Ping-pong: block consumer WHICH until the other has finished the mainloop of the
+        program's item j - 1 (its items are j = WHICH, WHICH + 2, ...). order[c] counts the
+        mainloops the other consumer finished before c's; the first wait of consumer 0 passes on
+        a fresh barrier (parity 1, as the loader's first waits on the empty barriers)."""
+        mbarrier.wait(order.index(WHICH), (j // 2 & 1) ^ (1 - WHICH))
+
+    @gluon.jit
+    def _pass_turn(order, WHICH: gl.constexpr):
+        """Ping-pong: this consumer's mainloop is done (every ring position of its item waited
+        on and released); the other's may start. The epilogue runs after, beside it."""
+        mbarrier.arrive(order.index(1 - WHICH), count=1)
+
+    @gluon.jit
+    def _order_barriers():
+        """The two order barriers of the ping-pong schedule, one per consumer."""
+        order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(2):
+            mbarrier.init(order.index(c), count=1)
+        return order
+
+    @gluon.jit
     def _loader(x_desc, w_desc, x_ring, w_ring, ready, empty, offsets_ptr, M, N, K, G,
                 SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, layout: gl.constexpr):
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
@@ -276,7 +303,7 @@ if gluon is not None:
         return (0, 1, which * rows) if coop else (which, 2, 0)
 
     @gluon.jit
-    def _consumer(x_desc, w_desc, y_desc, x_ring, w_ring, ready, empty, y_stage, y_ptr, stride_ym,
+    def _consumer(x_desc, w_desc, y_desc, x_ring, w_ring, ready, empty, order, y_stage, y_ptr, stride_ym,
                   offsets_ptr, M, N, K, G, WHICH: gl.constexpr, COOP: gl.constexpr,
                   SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, layout: gl.constexpr):
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]  # the tile's rows
@@ -301,9 +328,13 @@ if gluon is not None:
             n0 = item % num_n * BLOCK_N
             g, row_start, row_end = _locate_tile(tile, seg, starts, ends, tiles, tiles_end, BLOCK_M)
             acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
+            if not COOP:
+                _wait_turn(order, j, WHICH)
             if g < G:
                 acc, _ = _ring_products(x_ring, w_ring, ready, empty, acc, j * k_blocks, k_blocks, ROW0, ROWS,
                                         False, TRANS_W)
+            if not COOP:
+                _pass_turn(order, WHICH)
             row_start += ROW0
             # Both stores go through y_stage, so the accumulator has one reader: a second
             # (masked pointer stores straight from it) makes ptxas serialize the wgmmas (C7514).
@@ -334,14 +365,15 @@ if gluon is not None:
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=1 + COOP)  # cooperative: both consumers read each stage
+        order = _order_barriers()  # unused by the cooperative schedule
         stage0 = gl.allocate_shared_memory(y_desc.dtype, [ROWS, BLOCK_N], y_desc.layout)
         stage1 = gl.allocate_shared_memory(y_desc.dtype, [ROWS, BLOCK_N], y_desc.layout)
         lanes: gl.constexpr = gl.BlockedLayout([1], [32], [_WARPS], [0])
         loader_lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         gl.warp_specialize([
-            (_consumer, (x_desc, w_desc, y_desc, x_ring, w_ring, ready, empty, stage0, y_ptr, stride_ym,
+            (_consumer, (x_desc, w_desc, y_desc, x_ring, w_ring, ready, empty, order, stage0, y_ptr, stride_ym,
                          offsets_ptr, M, N, K, G, 0, COOP, SEGMENTS, TRANS_W, lanes)),
-            (_consumer, (x_desc, w_desc, y_desc, x_ring, w_ring, ready, empty, stage1, y_ptr, stride_ym,
+            (_consumer, (x_desc, w_desc, y_desc, x_ring, w_ring, ready, empty, order, stage1, y_ptr, stride_ym,
                          offsets_ptr, M, N, K, G, 1, COOP, SEGMENTS, TRANS_W, lanes)),
             (_loader, (x_desc, w_desc, x_ring, w_ring, ready, empty, offsets_ptr, M, N, K, G,
                        SEGMENTS, TRANS_W, loader_lanes)),
@@ -394,7 +426,7 @@ if gluon is not None:
                     pos += 1
 
     @gluon.jit
-    def _dw_consumer(x_ring, dy_ring, ready, empty, dw_ptr, squares_ptr, table_ptr, N, K, G,
+    def _dw_consumer(x_ring, dy_ring, ready, empty, order, dw_ptr, squares_ptr, table_ptr, N, K, G,
                      WHICH: gl.constexpr, SQUARES: gl.constexpr):
         BLOCK_R: gl.constexpr = x_ring.type.shape[1]
         BLOCK_K: gl.constexpr = x_ring.type.shape[2]
@@ -410,7 +442,9 @@ if gluon is not None:
             g, row_start, rows, k0, n0, blocks = _dw_item(item, table_ptr, K, N, BLOCK_K, BLOCK_N, BLOCK_R)
             if j % 2 == WHICH:
                 acc = gl.zeros([BLOCK_K, BLOCK_N], gl.float32, acc_layout)
+                _wait_turn(order, j, WHICH)
                 acc, pos = _ring_products(x_ring, dy_ring, ready, empty, acc, pos, blocks, 0, BLOCK_R, True, False)
+                _pass_turn(order, WHICH)
                 out = acc.to(dw_ptr.dtype.element_ty)  # an empty group's tile: zeros
                 ks = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, acc_layout))
                 ns = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
@@ -439,9 +473,11 @@ if gluon is not None:
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
+        order = _order_barriers()
         gl.warp_specialize([
-            (_dw_consumer, (x_ring, dy_ring, ready, empty, dw_ptr, squares_ptr, table_ptr, N, K, G, 0, SQUARES)),
-            (_dw_consumer, (x_ring, dy_ring, ready, empty, dw_ptr, squares_ptr, table_ptr, N, K, G, 1, SQUARES)),
+            (_dw_consumer, (x_ring, dy_ring, ready, empty, order, dw_ptr, squares_ptr, table_ptr, N, K, G, 0, SQUARES)),
+            (_dw_consumer, (x_ring, dy_ring, ready, empty, order, dw_ptr, squares_ptr, table_ptr, N, K, G, 1,
+                            SQUARES)),
             (_dw_loader, (x_ptr, dy_ptr, x_ring, dy_ring, ready, empty, table_ptr, N, K, G, stride_xm, stride_dym)),
         ], [_WARPS, 1], [_CONSUMER_REGISTERS, _LOADER_REGISTERS])
 
