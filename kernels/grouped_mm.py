@@ -36,13 +36,17 @@ Backends:
   zeroes them in y and dx with a small Triton kernel that touches only those rows.
 - "triton": our kernels, no host sync and no loop over groups. Products accumulate in float32;
   float32 inputs multiply in full fp32 ("ieee", not tf32), as torch.mm does by default. There
-  is no kernel choice to configure: each launch takes the Hopper TMA kernel
-  (grouped_mm_tma.py) where grouped_mm_tma.tma_unsupported(...) says it can run on these
-  tensors (Triton with device-side descriptors, an NVIDIA sm90+ GPU, 16-bit inputs, 16-byte
-  aligned rows; or the interpreter), and the pointer kernel below otherwise (Intel XPU,
-  pre-sm90 GPUs, float32 on a GPU, unaligned rows), decided per call:
-    forward  the persistent TMA kernel, else one program per output tile by pointer loads;
-    dx       the TMA kernel reading w as stored and transposing its tiles in shared memory,
+  is no kernel choice to configure: the forward and dx take the warp-specialized Gluon kernel
+  (grouped_mm_ws.py) where grouped_mm_ws.ws_unsupported(...) says it runs (Hopper, 16-bit
+  inputs, the forward's K a multiple of 64), else the TMA kernel (grouped_mm_tma.py) where
+  grouped_mm_tma.tma_unsupported(...) says it can run on these tensors (Triton with
+  device-side descriptors, an NVIDIA sm90+ GPU, 16-bit inputs, 16-byte aligned rows; or the
+  interpreter), and the pointer kernel below otherwise (Intel XPU, pre-sm90 GPUs, float32 on a
+  GPU, unaligned rows), decided per call:
+    forward  the warp-specialized kernel (a TMA loader warp and two wgmma warpgroups taking
+             turns, so one's epilogue runs under the other's products), else the persistent
+             TMA kernel, else one program per output tile by pointer loads;
+    dx       the same two reading w as stored and transposing its tiles in shared memory,
              else the forward's pointer kernel reading w^T through transposed strides (no copy);
     dw       the persistent TMA dW kernel (items dealt round-robin, largest group first),
              else one program per (group, K tile, N tile) by pointer loads.
@@ -61,6 +65,7 @@ from torch import Tensor
 from ._triton import INTERPRET, autotuned, bucket, check_launchable, device_guard, jit, tile_configs, tl, triton
 from .grouped_mm_tiles import locate_tile, segment_tiles
 from .grouped_mm_tma import _num_programs, launch_grouped_mm_dw_tma, launch_grouped_mm_tma, tma_unsupported
+from .grouped_mm_ws import launch_grouped_mm_ws, ws_unsupported
 
 BACKENDS = ("loop", "torch", "triton")
 
@@ -296,12 +301,15 @@ def _grouped_mm_dw_kernel(
 
 # ---------------------------------------------------------------- backend "triton": launchers
 def _launch_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, dx: bool = False, tma: bool = True) -> Tensor:
-    """y = x @ w[g] per group, w (G, K, N) in any strides: the TMA kernel where it runs on these
-    tensors, else the pointer kernel (always the pointer kernel with ``tma=False``)."""
+    """y = x @ w[g] per group, w (G, K, N) in any strides: the warp-specialized kernel where it
+    runs on these tensors, else the TMA kernel where it does, else the pointer kernel (always
+    the pointer kernel with ``tma=False``)."""
     (M, K), (G, _, N) = x.shape, w.shape
     y = x.new_empty(M, N)
     if y.numel() == 0:
         return y
+    if tma and ws_unsupported(x, w, y) is None:
+        return launch_grouped_mm_ws(x, w, offsets, y)
     if tma and tma_unsupported(x, w, y) is None:
         return launch_grouped_mm_tma(x, w, offsets, y, dx=dx)
 
@@ -317,11 +325,14 @@ def _launch_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, dx: bool = Fals
 
 def _launch_grouped_mm_dx(dy: Tensor, w: Tensor, offsets: Tensor, *, tma: bool = True) -> Tensor:
     """dx = dy @ w[g]^T per group, w (G, K, N) as the forward got it (float32 master weights
-    are cast here): the TMA kernel reading w as stored where it runs on these tensors, else
-    (and with ``tma=False``) the pointer kernel reading w^T through transposed strides."""
+    are cast here): the warp-specialized kernel, else the TMA kernel, reading w as stored where
+    they run on these tensors, else (and with ``tma=False``) the pointer kernel reading w^T
+    through transposed strides."""
     w = w.to(dy.dtype)
     if tma:
         dx = dy.new_empty(dy.shape[0], w.shape[1])
+        if ws_unsupported(dy, w, dx, trans_w=True) is None:
+            return launch_grouped_mm_ws(dy, w, offsets, dx, trans_w=True)
         if tma_unsupported(dy, w, dx) is None:
             if dx.numel():
                 launch_grouped_mm_tma(dy, w, offsets, dx, trans_w=True, dx=True)

@@ -18,16 +18,13 @@ finds, and what keeps those kernels level with CUTLASS's instead of ahead. Here 
                 tile's last products and epilogue)
     consumer 0  4 warps (the default partition) and
     consumer 1  4 warps: wgmma from the ring into a float32 accumulator in registers, then
-                their own epilogues, on a schedule the config picks (CONFIGS):
-      ping-pong    each takes every other work item of the program, whole. The ring is filled
-                   in item order, so while one consumer runs its epilogue the other runs its
-                   products. The mainloops take turns (an order barrier, CUTLASS's ordered
-                   barrier): a consumer may wait on a ring position only once every earlier
-                   position has been waited on, since an mbarrier's parity cannot tell position
-                   p from p - 2 * STAGES, and a consumer that ran ahead would read a stage the
-                   loader has not filled.
-      cooperative  both take every item, half its rows each (a 128 x 256 tile at 128
-                   accumulator registers a thread); only the loads run ahead of the epilogues.
+                their own epilogues, on CUTLASS's ping-pong schedule: each takes every other
+                work item of the program, whole. The ring is filled in item order, so while
+                one consumer runs its epilogue the other runs its products. The mainloops
+                take turns (an order barrier, CUTLASS's ordered barrier): a consumer may wait
+                on a ring position only once every earlier position has been waited on, since
+                an mbarrier's parity cannot tell position p from p - 2 * STAGES, and a consumer
+                that ran ahead would read a stage the loader has not filled.
 
 The program's item j reads ring positions j*KT .. (j+1)*KT - 1 (KT K blocks per item); items of
 the tail segment (rows past offsets[-1]) are numbered last, need no loads, and are stored as
@@ -109,26 +106,24 @@ def _shape_unsupported(x: Tensor, w: Tensor, y: Tensor, trans_w: bool) -> str | 
     return grouped_mm_tma.tma_layout_unsupported(x, w, y)
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, COOP): the tile, the ring's depth and the schedule.
-# COOP = 0, ping-pong: each consumer takes every other tile whole. COOP = 1, cooperative (CUTLASS's
-# other Hopper schedule): both consumers work on every tile, half of its rows each, so the tile
-# can be 128 x 256 (a whole 128 x 256 float32 accumulator would be 256 registers a thread of one
-# warpgroup, more than a thread has); the epilogues then do not overlap the products, only the
-# loads run ahead of them. Shared memory: STAGES * (BM + BN) * BK * 2 bytes of ring and two
-# store staging tiles (BM x BN each for ping-pong, half that cooperative), at most the H200's
-# 227 KB. BLOCK_K is 64 throughout (ws_unsupported's K rule).
-CONFIGS = [(128, 128, 64, 4, 0), (128, 128, 64, 5, 0), (64, 256, 64, 4, 0), (128, 256, 64, 3, 1),
-           (128, 128, 64, 5, 1)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES): the tile and the ring's depth; the first is the default.
+# Shared memory: STAGES * (BM + BN) * BK * 2 bytes of ring and two BM x BN store staging tiles,
+# at most the H200's 227 KB. On one H200 (bench/NOTES.md, eighteenth session) 128 x 128 x 64 with
+# 5 stages was the fastest at every shape measured (8k and 32k tokens, balanced and Zipf, up and
+# down projections, forward and dx), 4 stages 0.3-1 % behind; a 64 x 256 tile and CUTLASS's
+# cooperative schedule (both consumers on every 128 x 256 tile, half its rows each) were 2-15 %
+# behind and are deleted. BLOCK_K is 64 (ws_unsupported's K rule).
+CONFIGS = [(128, 128, 64, 5), (128, 128, 64, 4)]
 SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use (227 KB)
 
 
-def config_dict(block_m: int, block_n: int, block_k: int, stages: int, coop: int) -> dict:
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages, "COOP": coop}
+def config_dict(block_m: int, block_n: int, block_k: int, stages: int) -> dict:
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages}
 
 
 def config_name(config: tuple) -> str:
-    """"128x256x64x3-coop" for a CONFIGS or DW_CONFIGS entry."""
-    return "x".join(map(str, config[:4])) + ("-coop" if config[4:] == (1,) else "")
+    """"128x128x64x5" for a CONFIGS or DW_CONFIGS entry."""
+    return "x".join(map(str, config))
 
 
 # dW: (BLOCK_R, BLOCK_K, BLOCK_N, STAGES): rows reduced per step, one consumer's tile of dw[g]
@@ -217,11 +212,9 @@ if gluon is not None:
         return g, row_start, row_end
 
     @gluon.jit
-    def _ring_products(a_ring, b_ring, ready, empty, acc, pos, blocks, A_ROW0: gl.constexpr, A_ROWS: gl.constexpr,
-                       TRANS_A: gl.constexpr, TRANS_B: gl.constexpr):
-        """acc = the sum of A @ B over ``blocks`` ring stages from position ``pos`` (A: rows
-        A_ROW0 .. A_ROW0 + A_ROWS of each stage's A tile, B the stage's B tile; transposed views
-        where asked), by wgmma with one product in flight; each stage goes back to the loader once
+    def _ring_products(a_ring, b_ring, ready, empty, acc, pos, blocks, TRANS_A: gl.constexpr, TRANS_B: gl.constexpr):
+        """acc = the sum of A @ B over ``blocks`` ring stages from position ``pos`` (A and B the
+        stage's tiles, transposed views where asked), by wgmma with one product in flight; each stage goes back to the loader once
         the product reading it is done (an arrival on its empty barrier). Returns (acc, the
         position after). blocks = 0: acc unchanged."""
         STAGES: gl.constexpr = a_ring.type.shape[0]
@@ -229,8 +222,6 @@ if gluon is not None:
             s = pos % STAGES
             mbarrier.wait(ready.index(s), pos // STAGES & 1)
             a = a_ring.index(s)
-            if A_ROWS < a_ring.type.shape[1]:  # the cooperative schedule: this consumer's half
-                a = a.slice(A_ROW0, A_ROWS)
             if TRANS_A:
                 a = a.permute((1, 0))
             w = b_ring.index(s)
@@ -295,24 +286,13 @@ if gluon is not None:
                         _tma_load(w_desc, [g * K + kb * BLOCK_K, n0], bar, w_ring.index(s))
                     pos += 1
 
-    @gluon.constexpr_function
-    def _schedule(coop, which, rows):
-        """(first item offset in programs, item step in programs, first row of the tile) of
-        consumer ``which``: ping-pong, every other item from its own; cooperative, every item,
-        its half of the rows."""
-        return (0, 1, which * rows) if coop else (which, 2, 0)
-
     @gluon.jit
     def _consumer(x_desc, w_desc, y_desc, x_ring, w_ring, ready, empty, order, y_stage, y_ptr, stride_ym,
-                  offsets_ptr, M, N, K, G, WHICH: gl.constexpr, COOP: gl.constexpr,
-                  SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, layout: gl.constexpr):
-        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]  # the tile's rows
-        ROWS: gl.constexpr = y_desc.block_type.shape[0]  # this consumer's rows of it
+                  offsets_ptr, M, N, K, G, WHICH: gl.constexpr, SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr,
+                  layout: gl.constexpr):
+        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-        FIRST: gl.constexpr = _schedule(COOP, WHICH, ROWS)[0]
-        STEP: gl.constexpr = _schedule(COOP, WHICH, ROWS)[1]
-        ROW0: gl.constexpr = _schedule(COOP, WHICH, ROWS)[2]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         # 16-byte vectors along a row for the partial tiles' pointer stores
@@ -321,42 +301,36 @@ if gluon is not None:
         num_n = gl.cdiv(N, BLOCK_N)
         work = gl.reduce(tiles, 0, _add) * num_n
         k_blocks = gl.cdiv(K, BLOCK_K)
-        first = gl.program_id(0) + FIRST * gl.num_programs(0)
-        j = FIRST  # the item's rank among this program's items
-        for item in range(first, work, STEP * gl.num_programs(0)):
+        j = WHICH  # the item's rank among this program's items: every other one, from WHICH
+        for item in range(gl.program_id(0) + WHICH * gl.num_programs(0), work, 2 * gl.num_programs(0)):
             tile = item // num_n
             n0 = item % num_n * BLOCK_N
             g, row_start, row_end = _locate_tile(tile, seg, starts, ends, tiles, tiles_end, BLOCK_M)
-            acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
-            if not COOP:
-                _wait_turn(order, j, WHICH)
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+            _wait_turn(order, j, WHICH)
             if g < G:
-                acc, _ = _ring_products(x_ring, w_ring, ready, empty, acc, j * k_blocks, k_blocks, ROW0, ROWS,
-                                        False, TRANS_W)
-            if not COOP:
-                _pass_turn(order, WHICH)
-            row_start += ROW0
+                acc, _ = _ring_products(x_ring, w_ring, ready, empty, acc, j * k_blocks, k_blocks, False, TRANS_W)
+            _pass_turn(order, WHICH)
             # Both stores go through y_stage, so the accumulator has one reader: a second
             # (masked pointer stores straight from it) makes ptxas serialize the wgmmas (C7514).
             tma.store_wait(pendings=0)  # this consumer's last store has left y_stage
             y_stage.store(acc.to(y_desc.dtype))
-            if row_start + ROWS <= row_end:
+            if row_start + BLOCK_M <= row_end:
                 fence_async_shared()
                 _tma_store(y_desc, [row_start, n0], y_stage)  # columns past N dropped
             else:  # the group's last, partial row tile: its rows past row_end are the next group's
-                rows = row_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
+                rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
                 cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
                 ptrs = y_ptr + gl.expand_dims(rows.to(gl.int64) * stride_ym, 1) + gl.expand_dims(cols, 0)
                 mask = gl.expand_dims(rows < row_end, 1) & gl.expand_dims(cols < N, 0)
                 gl.store(ptrs, y_stage.load(store_layout), mask=mask)
-            j += STEP
+            j += 2
         tma.store_wait(pendings=0)
 
     @gluon.jit
     def _grouped_mm_ws_kernel(x_desc, w_desc, y_desc, y_ptr, offsets_ptr, M, N, K, G, stride_ym,
-                              SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, STAGES: gl.constexpr,
-                              COOP: gl.constexpr):
-        ROWS: gl.constexpr = y_desc.block_type.shape[0]  # one consumer's rows of a tile
+                              SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, STAGES: gl.constexpr):
+        BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
         x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
         w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -364,17 +338,17 @@ if gluon is not None:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1 + COOP)  # cooperative: both consumers read each stage
-        order = _order_barriers()  # unused by the cooperative schedule
-        stage0 = gl.allocate_shared_memory(y_desc.dtype, [ROWS, BLOCK_N], y_desc.layout)
-        stage1 = gl.allocate_shared_memory(y_desc.dtype, [ROWS, BLOCK_N], y_desc.layout)
+            mbarrier.init(empty.index(s), count=1)
+        order = _order_barriers()
+        stage0 = gl.allocate_shared_memory(y_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
+        stage1 = gl.allocate_shared_memory(y_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
         lanes: gl.constexpr = gl.BlockedLayout([1], [32], [_WARPS], [0])
         loader_lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         gl.warp_specialize([
             (_consumer, (x_desc, w_desc, y_desc, x_ring, w_ring, ready, empty, order, stage0, y_ptr, stride_ym,
-                         offsets_ptr, M, N, K, G, 0, COOP, SEGMENTS, TRANS_W, lanes)),
+                         offsets_ptr, M, N, K, G, 0, SEGMENTS, TRANS_W, lanes)),
             (_consumer, (x_desc, w_desc, y_desc, x_ring, w_ring, ready, empty, order, stage1, y_ptr, stride_ym,
-                         offsets_ptr, M, N, K, G, 1, COOP, SEGMENTS, TRANS_W, lanes)),
+                         offsets_ptr, M, N, K, G, 1, SEGMENTS, TRANS_W, lanes)),
             (_loader, (x_desc, w_desc, x_ring, w_ring, ready, empty, offsets_ptr, M, N, K, G,
                        SEGMENTS, TRANS_W, loader_lanes)),
         ], [_WARPS, 1], [_CONSUMER_REGISTERS, _LOADER_REGISTERS])
@@ -394,6 +368,39 @@ if gluon is not None:
         return g, row_start, rows, k0, n0, gl.cdiv(rows, BLOCK_R)
 
     @gluon.jit
+    def _await_loads(ready, first, end):
+        """Wait until the loads of ring positions first .. end - 1 have landed; none of their
+        stages may have been re-armed since (each ready barrier's parity is then that position's)."""
+        STAGES: gl.constexpr = ready.type.shape[0]
+        for q in range(gl.maximum(first, 0), end):
+            mbarrier.wait(ready.index(q % STAGES), q // STAGES & 1)
+
+    @gluon.jit
+    def _dw_load_item(x_ptr, dy_ptr, x_ring, dy_ring, ready, empty, pos, row_start, rows, k0, n0, blocks, N, K,
+                      stride_xm, stride_dym):
+        """Load an item's ``blocks`` row blocks of x (columns k0..) and dy (columns n0..) into the
+        ring from position ``pos``, through descriptors of the group's rows alone: TMA reads zeros
+        past them (the next group's rows, or NaN past offsets[-1], never enter the product).
+        Returns the position after."""
+        BLOCK_R: gl.constexpr = x_ring.type.shape[1]
+        BLOCK_K: gl.constexpr = x_ring.type.shape[2]
+        BLOCK_N: gl.constexpr = dy_ring.type.shape[2]
+        STAGES: gl.constexpr = x_ring.type.shape[0]
+        x_desc = tma.make_tensor_descriptor(x_ptr + row_start.to(gl.int64) * stride_xm, [rows, K],
+                                            [stride_xm, 1], [BLOCK_R, BLOCK_K], x_ring.type.layout)
+        dy_desc = tma.make_tensor_descriptor(dy_ptr + row_start.to(gl.int64) * stride_dym, [rows, N],
+                                             [stride_dym, 1], [BLOCK_R, BLOCK_N], dy_ring.type.layout)
+        for b in range(blocks):
+            s = pos % STAGES
+            mbarrier.wait(empty.index(s), (pos // STAGES & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, x_desc.block_type.nbytes + dy_desc.block_type.nbytes)
+            _tma_load(x_desc, [b * BLOCK_R, k0], bar, x_ring.index(s))
+            _tma_load(dy_desc, [b * BLOCK_R, n0], bar, dy_ring.index(s))
+            pos += 1
+        return pos
+
+    @gluon.jit
     def _dw_loader(x_ptr, dy_ptr, x_ring, dy_ring, ready, empty, table_ptr, N, K, G, stride_xm, stride_dym):
         BLOCK_R: gl.constexpr = x_ring.type.shape[1]
         BLOCK_K: gl.constexpr = x_ring.type.shape[2]
@@ -401,29 +408,29 @@ if gluon is not None:
         STAGES: gl.constexpr = x_ring.type.shape[0]
         items = G * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
         pos = 0
+        # Each item's descriptors are written on the device into a scratch slot per call site of
+        # _dw_load_item, rewritten in place: a load still in flight through the slot's last item
+        # would read the new one. Two call sites, taken in turns, so that the slot's last item is
+        # the one before the last: its loads have landed unless the last item had fewer than
+        # STAGES blocks (a position p of it is known landed once p + STAGES was armed, which
+        # needed p consumed), so only those are waited on, and only then does the ring drain.
+        end0 = 0  # the position after the last item loaded through slot 0, 1
+        end1 = 0
+        j = 0
         for item in range(gl.program_id(0), items, gl.num_programs(0)):
             g, row_start, rows, k0, n0, blocks = _dw_item(item, table_ptr, K, N, BLOCK_K, BLOCK_N, BLOCK_R)
             if blocks > 0:
-                # The descriptors below are rewritten in place (one scratch slot per call site),
-                # so the loads still in flight through the last item's must land first: the last
-                # STAGES positions (older ones were consumed before their slot was reused). No
-                # slot was re-armed since, so each ready barrier's parity is that position's.
-                for q in range(gl.maximum(pos - STAGES, 0), pos):
-                    mbarrier.wait(ready.index(q % STAGES), q // STAGES & 1)
-                # this group's rows alone: TMA reads zeros past them (the next group's rows, or
-                # NaN past offsets[-1], never enter the product)
-                x_desc = tma.make_tensor_descriptor(x_ptr + row_start.to(gl.int64) * stride_xm, [rows, K],
-                                                    [stride_xm, 1], [BLOCK_R, BLOCK_K], x_ring.type.layout)
-                dy_desc = tma.make_tensor_descriptor(dy_ptr + row_start.to(gl.int64) * stride_dym, [rows, N],
-                                                     [stride_dym, 1], [BLOCK_R, BLOCK_N], dy_ring.type.layout)
-                for b in range(blocks):
-                    s = pos % STAGES
-                    mbarrier.wait(empty.index(s), (pos // STAGES & 1) ^ 1)
-                    bar = ready.index(s)
-                    mbarrier.expect(bar, x_desc.block_type.nbytes + dy_desc.block_type.nbytes)
-                    _tma_load(x_desc, [b * BLOCK_R, k0], bar, x_ring.index(s))
-                    _tma_load(dy_desc, [b * BLOCK_R, n0], bar, dy_ring.index(s))
-                    pos += 1
+                if j % 2 == 0:
+                    _await_loads(ready, pos - STAGES, end0)
+                    pos = _dw_load_item(x_ptr, dy_ptr, x_ring, dy_ring, ready, empty, pos, row_start, rows, k0, n0,
+                                        blocks, N, K, stride_xm, stride_dym)
+                    end0 = pos
+                else:
+                    _await_loads(ready, pos - STAGES, end1)
+                    pos = _dw_load_item(x_ptr, dy_ptr, x_ring, dy_ring, ready, empty, pos, row_start, rows, k0, n0,
+                                        blocks, N, K, stride_xm, stride_dym)
+                    end1 = pos
+                j += 1
 
     @gluon.jit
     def _dw_consumer(x_ring, dy_ring, ready, empty, order, dw_ptr, squares_ptr, table_ptr, N, K, G,
@@ -443,7 +450,7 @@ if gluon is not None:
             if j % 2 == WHICH:
                 acc = gl.zeros([BLOCK_K, BLOCK_N], gl.float32, acc_layout)
                 _wait_turn(order, j, WHICH)
-                acc, pos = _ring_products(x_ring, dy_ring, ready, empty, acc, pos, blocks, 0, BLOCK_R, True, False)
+                acc, pos = _ring_products(x_ring, dy_ring, ready, empty, acc, pos, blocks, True, False)
                 _pass_turn(order, WHICH)
                 out = acc.to(dw_ptr.dtype.element_ty)  # an empty group's tile: zeros
                 ks = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, acc_layout))
@@ -484,18 +491,18 @@ if gluon is not None:
 
 def _layouts(dtype, cfg: dict, trans_w: bool):
     """(block, NVMMA shared layout) of x's, w's and y's descriptors (the swizzle TMA and wgmma
-    share); y's block is one consumer's rows: half the tile's under the cooperative schedule."""
+    share)."""
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    blocks = ([bm, bk], [bn, bk] if trans_w else [bk, bn], [bm // 2 if cfg["COOP"] else bm, bn])
+    blocks = ([bm, bk], [bn, bk] if trans_w else [bk, bn], [bm, bn])
     return [(block, gl.NVMMASharedLayout.get_default_for(block, gdt)) for block in blocks]
 
 
 def launch_grouped_mm_ws(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *, trans_w: bool = False,
                          config: dict | None = None) -> Tensor:
     """Fill y (M, N) with the grouped product; w is (G, K, N), or (G, N, K) with trans_w. The
-    caller checks ws_unsupported first. config: {"BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "COOP"}
-    (config_dict); None: the first of CONFIGS until one is measured best (bench/kernels.py)."""
+    caller checks ws_unsupported first. config: {"BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES"}
+    (config_dict); None: the first of CONFIGS, the fastest measured (bench/kernels.py --ws)."""
     (M, K), G, N = x.shape, offsets.shape[0], y.shape[1]
     if y.numel() == 0:
         return y
@@ -512,7 +519,7 @@ def launch_grouped_mm_ws(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *, tr
     with device_guard(x):
         _grouped_mm_ws_kernel[grid](x_desc, w_desc, y_desc, y, offsets, M, N, K, G, y.stride(0),
                                     SEGMENTS=triton.next_power_of_2(G + 1), TRANS_W=trans_w,
-                                    STAGES=cfg["STAGES"], COOP=cfg["COOP"], num_warps=CONSUMER_WARPS,
+                                    STAGES=cfg["STAGES"], num_warps=CONSUMER_WARPS,
                                     maxnreg=MAX_REGISTERS)
     return y
 
@@ -578,8 +585,7 @@ def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, *, trans_w: bool = Fal
     desc = lambda block, layout: f"tensordesc<{ty}[{', '.join(map(str, block))}],{layout!r}>"  # noqa: E731
     signature = {"x_desc": desc(xb, xl), "w_desc": desc(wb, wl), "y_desc": desc(yb, yl), "y_ptr": f"*{ty}",
                  "offsets_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "stride_ym": "i32"}
-    constexprs = {"SEGMENTS": triton.next_power_of_2(groups + 1), "TRANS_W": trans_w, "STAGES": cfg["STAGES"],
-                  "COOP": cfg["COOP"]}
+    constexprs = {"SEGMENTS": triton.next_power_of_2(groups + 1), "TRANS_W": trans_w, "STAGES": cfg["STAGES"]}
     return _compile_sm90(_grouped_mm_ws_kernel, signature, constexprs)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import time
 from pathlib import Path
 
@@ -170,9 +171,15 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
               "terms_gib": {k: v / GIB for k, v in predicted.terms.items()}, "device": dev.type,
               "torch": torch.__version__}
     gpu = getattr(torch, dev.type) if dev.type in ("cuda", "xpu") else None
-    # What the device held before this rehearsal built anything (an earlier rehearsal's model
-    # still alive, another user of the device) is held throughout: the peak recorded is the
-    # rehearsal's own, that subtracted, and the record says how much it was.
+    # What the device held before this rehearsal built anything (another user of the device) is
+    # held throughout: the peak recorded is the rehearsal's own, that subtracted, and the record
+    # says how much it was. An earlier rehearsal's model is collected first: on an H200 one
+    # outlived its rehearsal as cyclic garbage until some later collection, which then fell
+    # inside the next rehearsal and made the subtraction count it twice (bench/NOTES.md,
+    # eighteenth session); its cached blocks are returned, so the reserved peak is this one's.
+    gc.collect()
+    if gpu is not None:
+        gpu.empty_cache()
     held_before = gpu.memory_allocated(dev) if gpu is not None else 0
     # the meta rehearsal's mesh is the CPU's (torch has no meta process groups); its shares stay meta
     with loopback_world(cfg, world, rank, torch.device("cpu") if dev.type == "meta" else dev) as mesh:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import kernels.grouped_mm_tma as gm_tma
+import kernels.grouped_mm_ws as gm_ws
 from kernels import grouped_mm, grouped_mm_reference
 from kernels._triton import jit, tl
 from kernels.grouped_mm_tiles import group_of_rank, groups_by_size
@@ -42,19 +43,24 @@ ALIGNED = pytest.mark.parametrize("K,N", [(8, 12), (6, 10)], ids=["aligned", "mi
 
 @pytest.fixture
 def tma_calls(monkeypatch):
-    """The TMA launches of a test: (x shape, trans_w) for the forward / dx kernel, ("dw", x shape,
-    dw dtype) for the dW kernel."""
+    """The TMA launches of a test: (kernel, x shape, trans_w) for the forward / dx kernels, kernel
+    "ws" (warp-specialized) or "tma"; ("dw", x shape, dw dtype) for the dW kernel."""
     calls = []
 
     def spy(x, w, offsets, y, **kw):
-        calls.append((tuple(x.shape), kw.get("trans_w", False)))
+        calls.append(("tma", tuple(x.shape), kw.get("trans_w", False)))
         return gm_tma.launch_grouped_mm_tma(x, w, offsets, y, **kw)
+
+    def spy_ws(x, w, offsets, y, **kw):
+        calls.append(("ws", tuple(x.shape), kw.get("trans_w", False)))
+        return gm_ws.launch_grouped_mm_ws(x, w, offsets, y, **kw)
 
     def spy_dw(x, dy, offsets, dw, **kw):
         calls.append(("dw", tuple(x.shape), dw.dtype))
         return gm_tma.launch_grouped_mm_dw_tma(x, dy, offsets, dw, **kw)
 
     monkeypatch.setattr(gm, "launch_grouped_mm_tma", spy)
+    monkeypatch.setattr(gm, "launch_grouped_mm_ws", spy_ws)
     monkeypatch.setattr(gm, "launch_grouped_mm_dw_tma", spy_dw)
     return calls
 
@@ -75,9 +81,13 @@ def launch(x, w, offsets, dy, tma):
 
 def expected_tma_calls(x, w, dw_dtype):
     """The TMA launches of a forward, dx and dw where the TMA kernels run: the forward and dx
-    only with rows (an empty product launches nothing), the dW kernel always (it zeroes dw)."""
+    only with rows (an empty product launches nothing), each by the warp-specialized kernel
+    where it runs (Hopper); the dW kernel always (it zeroes dw)."""
     (M, K), N = x.shape, w.shape[2]
-    return ([((M, K), False), ((M, N), True)] if M else []) + [("dw", (M, K), dw_dtype)]
+    w = w.detach().to(x.dtype)
+    forward = "ws" if gm_ws.ws_unsupported(x, w, x.new_empty(M, N)) is None else "tma"
+    dx = "ws" if gm_ws.ws_unsupported(x.new_empty(M, N), w, x.new_empty(M, K), trans_w=True) is None else "tma"
+    return ([(forward, (M, K), False), (dx, (M, N), True)] if M else []) + [("dw", (M, K), dw_dtype)]
 
 
 def check_against_loop(x, w, offsets, dy, what, tma=None):
@@ -112,6 +122,25 @@ def test_entry_point_takes_the_tma_kernels_where_they_run(case, triton_device, t
     check_against_loop(x, w, offsets, dy, "grouped_mm")
     want = expected_tma_calls(x, w, x.dtype) if tma_runs(x, w) else []
     assert sorted(tma_calls, key=str) == sorted(want, key=str)  # autograd orders dx and dw as it likes
+
+
+def test_forward_and_dx_take_the_warp_specialized_kernel_where_it_runs(triton_device, monkeypatch):
+    """Where grouped_mm_ws.ws_unsupported says it runs (Hopper: faked here, the Gluon kernel has no
+    interpreter), the entry point's forward and dx take the warp-specialized kernel, before the
+    TMA kernel; dW stays with the TMA dW kernel."""
+    calls = []
+
+    def fake_ws(x, w, offsets, y, *, trans_w=False):
+        calls.append(("ws", tuple(x.shape), trans_w))
+        return y.copy_(grouped_mm_reference(x, w.transpose(1, 2) if trans_w else w, offsets))
+
+    monkeypatch.setattr(gm, "ws_unsupported", lambda *args, **kw: None)
+    monkeypatch.setattr(gm, "launch_grouped_mm_ws", fake_ws)
+    sizes, tail, K, N = CASES["ragged, many tiles per program"]
+    x, w, offsets, dy = make(sizes, tail, K, N, triton_device)
+    check_against_loop(x, w, offsets, dy, "grouped_mm")
+    M = x.shape[0]
+    assert sorted(calls) == [("ws", (M, K), False), ("ws", (M, N), True)]
 
 
 @pytest.mark.parametrize("K,N", [(20, 12), (6, 10)], ids=["aligned", "misaligned"])

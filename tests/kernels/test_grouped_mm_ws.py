@@ -3,10 +3,10 @@
 Gluon has no interpreter, so on a CPU every config is compiled for sm90 (in a fresh process:
 grouped_mm_ws.sm90_report) and ptxas's report is read: it must fit the H200's shared memory,
 spill nothing, and keep its wgmmas pipelined (no C7514 warning: the reason the forward's epilogue
-goes through shared memory). On a Hopper GPU each config (both schedules: ping-pong and
-cooperative) runs against a float32 reference on odd shapes: empty groups, partial row, column and K tiles, a
-tail of rows past offsets[-1] (must come out zero: the output starts as NaN), a few programs
-with many items each (both consumers and the ring's wrap-around) and the whole GPU's. The dW
+goes through shared memory). On a Hopper GPU each config runs against a float32 reference on odd
+shapes: empty groups, partial row, column and K tiles, a tail of rows past offsets[-1] (must
+come out zero: the output starts as NaN), a few programs with many items each (both consumers
+taking turns, the ring's wrap-around) and the whole GPU's. The dW
 kernel's deal (the groups ranked largest first into a table) is a Triton kernel and runs in the
 interpreter.
 """
