@@ -12,7 +12,7 @@
 #   bench/gpu_suite.sh memory     # where the step's peak memory lies and what is allocated then
 #                                 # (bench/memory_step.py; VARIANTS="..." for others than the default)
 #   bench/gpu_suite.sh tests      # the one-GPU tests (gpu-marked, kernels and core): ~3+ minutes on an H200
-#   bench/gpu_suite.sh ws         # the warp-specialized Gluon kernels (Hopper): their GPU tests, then
+#   bench/gpu_suite.sh ws         # the warp-specialized Gluon kernel (Hopper): its GPU tests, then
 #                                 # bench/kernels.py --ws; each under a timeout, so that a hang costs only it
 #   bench/gpu_suite.sh rehearse   # one rank of every paper layout (optimus rehearse): the five models at 384
 #                                 # and 12288 tiles, then the registry's own layouts; RUNS="..." TILES="..." for others,
@@ -37,8 +37,7 @@ echo "host: $n GPU(s); torch $(python3 -c 'import torch, triton; print(torch.__v
 case $part in
 ws)  # within one device call's 600 s (the bench gets what the tests left); a hang costs only its group, and -v names the test it hung in
   : >"$out/ws-tests.log"
-  for group in "programs and forward" "programs and dx" "SM and forward" "SM and dx" non_finite "dw and programs" \
-               "dw and SM"; do
+  for group in "programs and forward" "programs and dx" "SM and forward" "SM and dx" non_finite; do
     timeout 60 python3 -m pytest -v -p no:cacheprovider -m gpu tests/kernels/test_grouped_mm_ws.py -k "$group" \
       2>&1 | grep -vE "^(=+ test session|platform|cachedir|rootdir|configfile|plugins|collect)" | cut -c1-240 \
       | tee -a "$out/ws-tests.log"

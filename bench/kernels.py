@@ -41,10 +41,10 @@ group, as capacity dropping and expert parallelism sort (65 groups: the counting
 tiles): for "triton" the sort permute runs (the counting sort where it applies), for
 "triton-sort-torch" torch.sort + searchsorted (expert_sort's private counting=False; the
 sort rows only, since permute itself takes no choice of sort).
---ws (Hopper): the warp-specialized Gluon kernels (kernels/grouped_mm_ws.py), forward, dx and
-dW (float32 out), each config checked against a float32 reference, then timed in turns with the
-default TMA kernels ("triton-tma") and torch._grouped_mm ("torch_raw"); the summary's ws_over_*
-hold the ratios.
+--ws (Hopper): each config of the warp-specialized Gluon kernel (kernels/grouped_mm_ws.py, what
+"triton" runs there for the forward and dx), forward and dx, checked against a float32
+reference, then timed in turns with the TMA kernel ("triton-tma") and torch._grouped_mm
+("torch_raw"); the summary's ws_over_* hold the ratios.
 
 Timing: device events around each call, warm-up (which also runs Triton's autotuning) then
 the median of --reps repeats; the GEMM rows of one pass are timed in turns (Timer.interleaved),
@@ -114,8 +114,8 @@ def parse_args(argv=None):
     p.add_argument("--tma-configs", action="store_true",
                    help="also time each config of the forward / dx TMA kernel alone")
     p.add_argument("--ws", action="store_true",
-                   help="also time the warp-specialized Gluon forward, dx and dW kernels, each config, "
-                        "beside the TMA kernels and torch._grouped_mm (Hopper)")
+                   help="also time the warp-specialized Gluon forward / dx kernel, each config, "
+                        "beside the TMA kernel and torch._grouped_mm (Hopper)")
     p.add_argument("--reps", type=int, default=50, help="timed repeats per measurement (median taken)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the JSON lines file")
     p.add_argument("--store", default=str(ROOT / "results" / "store.zarr"), help="results store ('' to skip)")
@@ -399,10 +399,10 @@ def bench_tma_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
 
 
 def bench_ws(rec, timer, device, dtype, T, routing, topk_idx, shape):
-    """The warp-specialized Gluon kernels (--ws; kernels/grouped_mm_ws.py), each config checked
-    against a float32 reference and then timed, in turns with the default TMA kernel
-    ("triton-tma", autotuned) and torch._grouped_mm ("torch_raw"): the forward and dx of the
-    up and down projections, then their dW (bench_dw_ws)."""
+    """The warp-specialized Gluon kernel (--ws; kernels/grouped_mm_ws.py), each config checked
+    against a float32 reference and then timed, in turns with the TMA kernel ("triton-tma",
+    autotuned) and torch._grouped_mm ("torch_raw"): the forward and dx of the up and down
+    projections."""
     from kernels import grouped_mm_reference
     from kernels.grouped_mm_tma import launch_grouped_mm_tma
     from kernels.grouped_mm_ws import CONFIGS, config_dict, config_name, launch_grouped_mm_ws, ws_unsupported
@@ -427,39 +427,6 @@ def bench_ws(rec, timer, device, dtype, T, routing, topk_idx, shape):
                 raise AssertionError(f"relative error {err:.3g} against the float32 reference")
         fns.update(checked_configs(rec, {**fields, "backend": "triton-ws"}, configs, check, run))
         _time_ws_rows(rec, timer, fns, configs, fields, flop, M=M, K=K, N=N, experts=w.shape[0])
-    bench_dw_ws(rec, timer, device, dtype, T, routing, topk_idx, shape)
-
-
-def bench_dw_ws(rec, timer, device, dtype, T, routing, topk_idx, shape):
-    """The warp-specialized dW kernel's configs (float32 dw, as the training's master weights
-    take it), each checked against the TMA dW kernel's and its squares against dw's, in turns
-    with the TMA dW kernel ("triton-tma") and torch._grouped_mm's dW (bf16 out, "torch_raw")."""
-    from kernels.grouped_mm_tma import _num_programs, launch_grouped_mm_dw_tma
-    from kernels.grouped_mm_ws import (DW_CONFIGS, config_name, dw_config_dict, dw_ws_unsupported,
-                                       launch_grouped_mm_dw_ws)
-    configs = {config_name(c): dw_config_dict(*c) for c in DW_CONFIGS}
-    for gemm, x, dy, offsets, dw in _dw_operands(device, dtype, T, topk_idx, shape):
-        (M, K), (E, _, N) = x.shape, dw.shape
-        fields, flop = dict(op=gemm, pass_="dw", tokens=T, routing=routing), 2 * M * K * N
-        fns = {"triton-tma": lambda: launch_grouped_mm_dw_tma(x, dy, offsets, dw),
-               "torch_raw": lambda: torch._grouped_mm(x.t(), dy, offs=offsets)}
-        if (reason := dw_ws_unsupported(x, dy, dw)) is not None:
-            rec(backend="triton-ws", error=reason, **fields)
-            continue
-        want = launch_grouped_mm_dw_tma(x, dy, offsets, torch.empty_like(dw)).double()
-
-        def check(c):
-            squares = torch.zeros(_num_programs(device), device=device)
-            got = launch_grouped_mm_dw_ws(x, dy, offsets, torch.full_like(dw, float("nan")), config=c, squares=squares)
-            err = ((got.double() - want).norm() / want.norm()).item()
-            if not err < 1e-5:  # the same float32 sums in another order; NaN: a tile left unwritten
-                raise AssertionError(f"relative error {err:.3g} against the TMA dW kernel")
-            sq_err = abs(squares.double().sum() / got.double().square().sum() - 1).item()
-            if not sq_err < 1e-5:
-                raise AssertionError(f"squares off by {sq_err:.3g} relative")
-        fns.update(checked_configs(rec, {**fields, "backend": "triton-ws"}, configs, check,
-                                   lambda c: launch_grouped_mm_dw_ws(x, dy, offsets, dw, config=c)))
-        _time_ws_rows(rec, timer, fns, configs, fields, flop, M=M, K=K, N=N, experts=E)
 
 
 def checked_configs(rec, fields: dict, configs: dict[str, dict], check, run) -> dict:

@@ -1,9 +1,9 @@
-"""The grouped GEMM's forward, dx and dW as warp-specialized Hopper kernels, written in Gluon.
+"""The grouped GEMM's forward and dx as a warp-specialized Hopper kernel, written in Gluon.
 
     launch_grouped_mm_ws(x_MK, w, offsets_G, y_MN, *, trans_w=False, config=None)
     ws_unsupported(x_MK, w, y_MN, trans_w=False) -> str | None   # why it cannot run these, or None
-    launch_grouped_mm_dw_ws(x_MK, dy_MN, offsets_G, dw_GKN, *, config=None, squares=None)
-    dw_ws_unsupported(x_MK, dy_MN, dw_GKN) -> str | None
+
+grouped_mm's forward and dx take it wherever ws_unsupported returns None (kernels/grouped_mm.py).
 
 The same contract as grouped_mm_tma.launch_grouped_mm_tma (y[rows of g] = x[rows of g] @ w[g],
 or @ w[g]^T with trans_w; rows past offsets[-1] come out zero; empty groups; no host sync), and
@@ -11,7 +11,8 @@ the same work items (grouped_mm_tiles' numbering, rebuilt here in Gluon, whose t
 explicit layouts). What differs is who does what on an SM. The Triton kernel's warps do
 everything in turn, so each output tile's epilogue (convert, store) and the next tile's
 pipeline fill run with the tensor cores idle: the fixed cost per tile that bench/NOTES.md's fit
-finds, and what keeps those kernels level with CUTLASS's instead of ahead. Here one persistent program per SM holds three partitions:
+finds, and what keeps those kernels level with CUTLASS's instead of ahead. Here one
+persistent program per SM holds three partitions:
 
     loader      1 warp: TMA loads of x's and w's K blocks into a STAGES-deep ring, running
                 ahead across work items (the next tile's first blocks arrive during this
@@ -37,17 +38,9 @@ columns >= N, which the store drops. The forward's K must be a multiple of BLOCK
 block would read the next group's rows of w into the product; the Triton kernel zeroes them in
 registers, which wgmma from shared memory cannot): ws_unsupported says so.
 
-dW (dw[g] = x[rows of g]^T @ dy[rows of g], the contract of grouped_mm_tma's dW kernel, the
-sum of the squares of what it stores included): the same three partitions over (group, K tile,
-N tile) items, groups largest first (grouped_mm_tiles.groups_by_size, ranked once per call into
-a small table by a Triton kernel, since the loader's single warp has no registers for the
-SEGMENTS x CHUNK comparison). An item reduces over its group's rows, so its ring positions
-depend on the row counts of the program's earlier items: each consumer walks all of them and
-counts, and takes every other one, its mainloop in turn with the other's (ping-pong and its
-order barrier, as above). The loader makes per-item descriptors of the group's rows of x and dy (device-side, in
-the allocator's scratch), so TMA zero-fills past the group's end: rows of the next group, or
-NaN past offsets[-1], never enter. The tile is stored with pointer stores from the registers
-(masked at K and N; no staging tile, which at float32 would cost the ring two stages).
+A dW kernel built the same way (items of (group, K tile, N tile), per-item device-side
+descriptors of the group's rows) measured level with the TMA dW kernel and was deleted
+(bench/NOTES.md, eighteenth session).
 
 Needs Triton with Gluon's Hopper language (3.5+), an NVIDIA sm90 GPU and 16-bit inputs; no
 interpreter (Gluon has none), so on a CPU the kernel is only compiled (compile_for_sm90).
@@ -61,8 +54,7 @@ import torch
 from torch import Tensor
 
 from . import grouped_mm_tma
-from ._triton import device_guard, jit, tl, triton
-from .grouped_mm_tiles import groups_by_size
+from ._triton import device_guard, triton
 
 try:
     from triton.experimental import gluon
@@ -122,53 +114,8 @@ def config_dict(block_m: int, block_n: int, block_k: int, stages: int) -> dict:
 
 
 def config_name(config: tuple) -> str:
-    """"128x128x64x5" for a CONFIGS or DW_CONFIGS entry."""
+    """"128x128x64x5" for a CONFIGS entry."""
     return "x".join(map(str, config))
-
-
-# dW: (BLOCK_R, BLOCK_K, BLOCK_N, STAGES): rows reduced per step, one consumer's tile of dw[g]
-# (BLOCK_K x BLOCK_N float32: 128 registers a thread at 128 x 128), the ring's depth. Shared
-# memory: STAGES * BLOCK_R * (BLOCK_K + BLOCK_N) * 2 bytes.
-DW_CONFIGS = [(64, 128, 128, 4), (64, 128, 128, 6), (128, 128, 128, 3), (64, 64, 256, 4)]
-
-
-def dw_config_dict(block_r: int, block_k: int, block_n: int, stages: int) -> dict:
-    return {"BLOCK_R": block_r, "BLOCK_K": block_k, "BLOCK_N": block_n, "STAGES": stages}
-
-
-def dw_ws_unsupported(x: Tensor, dy: Tensor, dw: Tensor) -> str | None:
-    """Why the warp-specialized dW kernel cannot run on these tensors, or None."""
-    return _device_unsupported(x) or _dw_shape_unsupported(x, dy, dw)
-
-
-def _dw_shape_unsupported(x: Tensor, dy: Tensor, dw: Tensor) -> str | None:
-    if x.dtype not in (torch.bfloat16, torch.float16) or dy.dtype != x.dtype:
-        return f"the warp-specialized kernel is for 16-bit inputs of one dtype, got {x.dtype}, {dy.dtype}"
-    if not dw.is_contiguous():
-        return "dw must be contiguous"
-    return grouped_mm_tma.tma_unaligned(x=x, dy=dy)
-
-
-@jit
-def _rank_table_kernel(offsets_ptr, table_ptr, M, G, SEGMENTS: tl.constexpr, CHUNK: tl.constexpr):
-    """table[j] = (g, first row, end row) of the group ranked j by groups_by_size (largest
-    first): the dW kernel's deal, made once per call instead of once per partition."""
-    seg, starts, ends, rank = groups_by_size(offsets_ptr, M, G, SEGMENTS, CHUNK)
-    mine = seg < G
-    tl.store(table_ptr + rank * 3, seg, mask=mine)
-    tl.store(table_ptr + rank * 3 + 1, starts, mask=mine)
-    tl.store(table_ptr + rank * 3 + 2, ends, mask=mine)
-
-
-def rank_table(offsets: Tensor, M: int) -> Tensor:
-    """(G, 3) int32 on offsets' device: per rank j, the group's index, first row and end row."""
-    G = offsets.shape[0]
-    table = torch.empty(G, 3, dtype=torch.int32, device=offsets.device)
-    if G:
-        segments = triton.next_power_of_2(G)
-        with device_guard(offsets):
-            _rank_table_kernel[(1,)](offsets, table, M, G, SEGMENTS=segments, CHUNK=min(segments, 32))
-    return table
 
 
 if gluon is not None:
@@ -187,11 +134,6 @@ if gluon is not None:
     @gluon.jit
     def _add(a, b):
         return a + b
-
-    @gluon.jit
-    def _total(x):
-        """The sum of a 2-D tensor's elements."""
-        return gl.reduce(gl.reduce(x, 1, _add), 0, _add)
 
     @gluon.jit
     def _segment_tiles(offsets_ptr, M, G, SEGMENTS: gl.constexpr, BLOCK_M: gl.constexpr, layout: gl.constexpr):
@@ -353,141 +295,6 @@ if gluon is not None:
                        SEGMENTS, TRANS_W, loader_lanes)),
         ], [_WARPS, 1], [_CONSUMER_REGISTERS, _LOADER_REGISTERS])
 
-    @gluon.jit
-    def _dw_item(item, table_ptr, K, N, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_R: gl.constexpr):
-        """The dW item's group g, its first row, its row count, its tile (k0, n0) of dw[g] and
-        its row blocks."""
-        num_n = gl.cdiv(N, BLOCK_N)
-        tiles = gl.cdiv(K, BLOCK_K) * num_n  # per group
-        entry = table_ptr + item // tiles * 3
-        g = gl.load(entry)
-        row_start = gl.load(entry + 1)
-        rows = gl.load(entry + 2) - row_start
-        k0 = item % tiles // num_n * BLOCK_K
-        n0 = item % num_n * BLOCK_N
-        return g, row_start, rows, k0, n0, gl.cdiv(rows, BLOCK_R)
-
-    @gluon.jit
-    def _await_loads(ready, first, end):
-        """Wait until the loads of ring positions first .. end - 1 have landed; none of their
-        stages may have been re-armed since (each ready barrier's parity is then that position's)."""
-        STAGES: gl.constexpr = ready.type.shape[0]
-        for q in range(gl.maximum(first, 0), end):
-            mbarrier.wait(ready.index(q % STAGES), q // STAGES & 1)
-
-    @gluon.jit
-    def _dw_load_item(x_ptr, dy_ptr, x_ring, dy_ring, ready, empty, pos, row_start, rows, k0, n0, blocks, N, K,
-                      stride_xm, stride_dym):
-        """Load an item's ``blocks`` row blocks of x (columns k0..) and dy (columns n0..) into the
-        ring from position ``pos``, through descriptors of the group's rows alone: TMA reads zeros
-        past them (the next group's rows, or NaN past offsets[-1], never enter the product).
-        Returns the position after."""
-        BLOCK_R: gl.constexpr = x_ring.type.shape[1]
-        BLOCK_K: gl.constexpr = x_ring.type.shape[2]
-        BLOCK_N: gl.constexpr = dy_ring.type.shape[2]
-        STAGES: gl.constexpr = x_ring.type.shape[0]
-        x_desc = tma.make_tensor_descriptor(x_ptr + row_start.to(gl.int64) * stride_xm, [rows, K],
-                                            [stride_xm, 1], [BLOCK_R, BLOCK_K], x_ring.type.layout)
-        dy_desc = tma.make_tensor_descriptor(dy_ptr + row_start.to(gl.int64) * stride_dym, [rows, N],
-                                             [stride_dym, 1], [BLOCK_R, BLOCK_N], dy_ring.type.layout)
-        for b in range(blocks):
-            s = pos % STAGES
-            mbarrier.wait(empty.index(s), (pos // STAGES & 1) ^ 1)
-            bar = ready.index(s)
-            mbarrier.expect(bar, x_desc.block_type.nbytes + dy_desc.block_type.nbytes)
-            _tma_load(x_desc, [b * BLOCK_R, k0], bar, x_ring.index(s))
-            _tma_load(dy_desc, [b * BLOCK_R, n0], bar, dy_ring.index(s))
-            pos += 1
-        return pos
-
-    @gluon.jit
-    def _dw_loader(x_ptr, dy_ptr, x_ring, dy_ring, ready, empty, table_ptr, N, K, G, stride_xm, stride_dym):
-        BLOCK_R: gl.constexpr = x_ring.type.shape[1]
-        BLOCK_K: gl.constexpr = x_ring.type.shape[2]
-        BLOCK_N: gl.constexpr = dy_ring.type.shape[2]
-        STAGES: gl.constexpr = x_ring.type.shape[0]
-        items = G * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
-        pos = 0
-        # Each item's descriptors are written on the device into a scratch slot per call site of
-        # _dw_load_item, rewritten in place: a load still in flight through the slot's last item
-        # would read the new one. Two call sites, taken in turns, so that the slot's last item is
-        # the one before the last: its loads have landed unless the last item had fewer than
-        # STAGES blocks (a position p of it is known landed once p + STAGES was armed, which
-        # needed p consumed), so only those are waited on, and only then does the ring drain.
-        end0 = 0  # the position after the last item loaded through slot 0, 1
-        end1 = 0
-        j = 0
-        for item in range(gl.program_id(0), items, gl.num_programs(0)):
-            g, row_start, rows, k0, n0, blocks = _dw_item(item, table_ptr, K, N, BLOCK_K, BLOCK_N, BLOCK_R)
-            if blocks > 0:
-                if j % 2 == 0:
-                    _await_loads(ready, pos - STAGES, end0)
-                    pos = _dw_load_item(x_ptr, dy_ptr, x_ring, dy_ring, ready, empty, pos, row_start, rows, k0, n0,
-                                        blocks, N, K, stride_xm, stride_dym)
-                    end0 = pos
-                else:
-                    _await_loads(ready, pos - STAGES, end1)
-                    pos = _dw_load_item(x_ptr, dy_ptr, x_ring, dy_ring, ready, empty, pos, row_start, rows, k0, n0,
-                                        blocks, N, K, stride_xm, stride_dym)
-                    end1 = pos
-                j += 1
-
-    @gluon.jit
-    def _dw_consumer(x_ring, dy_ring, ready, empty, order, dw_ptr, squares_ptr, table_ptr, N, K, G,
-                     WHICH: gl.constexpr, SQUARES: gl.constexpr):
-        BLOCK_R: gl.constexpr = x_ring.type.shape[1]
-        BLOCK_K: gl.constexpr = x_ring.type.shape[2]
-        BLOCK_N: gl.constexpr = dy_ring.type.shape[2]
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_WARPS, 1],
-                                                             instr_shape=[16, BLOCK_N, 16])
-        items = G * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
-        squares = 0.0
-        pos = 0
-        j = 0
-        # every item of the program, to count the ring positions of the other consumer's
-        for item in range(gl.program_id(0), items, gl.num_programs(0)):
-            g, row_start, rows, k0, n0, blocks = _dw_item(item, table_ptr, K, N, BLOCK_K, BLOCK_N, BLOCK_R)
-            if j % 2 == WHICH:
-                acc = gl.zeros([BLOCK_K, BLOCK_N], gl.float32, acc_layout)
-                _wait_turn(order, j, WHICH)
-                acc, pos = _ring_products(x_ring, dy_ring, ready, empty, acc, pos, blocks, True, False)
-                _pass_turn(order, WHICH)
-                out = acc.to(dw_ptr.dtype.element_ty)  # an empty group's tile: zeros
-                ks = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, acc_layout))
-                ns = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-                ptrs = dw_ptr + g.to(gl.int64) * K * N + gl.expand_dims(ks * N, 1) + gl.expand_dims(ns, 0)
-                gl.store(ptrs, out, mask=gl.expand_dims(ks < K, 1) & gl.expand_dims(ns < N, 0))
-                if SQUARES:  # past K and N the tile is zeros: TMA zero-filled both operands
-                    stored = out.to(gl.float32)
-                    squares += _total(stored * stored)
-            else:
-                pos += blocks
-            j += 1
-        if SQUARES:  # two adds onto a zero: the same sum in either order
-            gl.atomic_add(squares_ptr + gl.program_id(0), squares)
-
-    @gluon.jit
-    def _grouped_mm_dw_ws_kernel(x_ptr, dy_ptr, dw_ptr, table_ptr, squares_ptr, N, K, G, stride_xm, stride_dym,
-                                 BLOCK_R: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
-                                 STAGES: gl.constexpr, SQUARES: gl.constexpr):
-        dtype: gl.constexpr = x_ptr.dtype.element_ty
-        x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_K], dtype)
-        dy_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], dtype)
-        x_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_K], x_layout)
-        dy_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_N], dy_layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1)
-        order = _order_barriers()
-        gl.warp_specialize([
-            (_dw_consumer, (x_ring, dy_ring, ready, empty, order, dw_ptr, squares_ptr, table_ptr, N, K, G, 0, SQUARES)),
-            (_dw_consumer, (x_ring, dy_ring, ready, empty, order, dw_ptr, squares_ptr, table_ptr, N, K, G, 1,
-                            SQUARES)),
-            (_dw_loader, (x_ptr, dy_ptr, x_ring, dy_ring, ready, empty, table_ptr, N, K, G, stride_xm, stride_dym)),
-        ], [_WARPS, 1], [_CONSUMER_REGISTERS, _LOADER_REGISTERS])
-
 
 def _layouts(dtype, cfg: dict, trans_w: bool):
     """(block, NVMMA shared layout) of x's, w's and y's descriptors (the swizzle TMA and wgmma
@@ -524,44 +331,6 @@ def launch_grouped_mm_ws(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *, tr
     return y
 
 
-def launch_grouped_mm_dw_ws(x: Tensor, dy: Tensor, offsets: Tensor, dw: Tensor, *, config: dict | None = None,
-                            squares: Tensor | None = None) -> Tensor:
-    """Fill dw (G, K, N), contiguous, bf16 / fp16 / float32, with dw[g] = x[rows of g]^T @
-    dy[rows of g]. The caller checks dw_ws_unsupported first. config: dw_config_dict(...); None:
-    the first of DW_CONFIGS until one is measured best. squares: a float32 buffer of at least
-    _num_programs(x.device) zeros; each program adds the sum of the squares of the values it
-    stored to its own entry (grouped_mm_tma.launch_grouped_mm_dw_tma's contract)."""
-    (M, K), (G, _, N) = x.shape, dw.shape
-    if dw.numel() == 0:
-        return dw
-    if M == 0:
-        return dw.zero_()
-    programs = grouped_mm_tma._num_programs(x.device)
-    if squares is not None and (squares.dtype != torch.float32 or squares.numel() < programs):
-        raise ValueError(f"launch_grouped_mm_dw_ws: squares must be >= {programs} float32 zeros")
-    cfg = config or dw_config_dict(*DW_CONFIGS[0])
-    items = G * triton.cdiv(K, cfg["BLOCK_K"]) * triton.cdiv(N, cfg["BLOCK_N"])
-    table = rank_table(offsets, M)
-    triton.set_allocator(grouped_mm_tma._scratch(x.device))  # the loader's per-item descriptors
-    with device_guard(x):
-        _grouped_mm_dw_ws_kernel[(min(programs, items),)](
-            x, dy, dw, table, grouped_mm_tma._no_squares(x.device) if squares is None else squares, N, K, G,
-            x.stride(0), dy.stride(0), SQUARES=squares is not None, num_warps=CONSUMER_WARPS,
-            maxnreg=MAX_REGISTERS, **cfg)
-    return dw
-
-
-def compile_dw_for_sm90(dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.float32, *,
-                        config: dict | None = None, squares: bool = True):
-    """compile_for_sm90 for the dW kernel."""
-    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-    ty, out = names[dtype], names[out_dtype]
-    cfg = config or dw_config_dict(*DW_CONFIGS[0])
-    signature = {"x_ptr": f"*{ty}", "dy_ptr": f"*{ty}", "dw_ptr": f"*{out}", "table_ptr": "*i32",
-                 "squares_ptr": "*fp32", "N": "i32", "K": "i32", "G": "i32", "stride_xm": "i32", "stride_dym": "i32"}
-    return _compile_sm90(_grouped_mm_dw_ws_kernel, signature, {**cfg, "SQUARES": squares})
-
-
 def _compile_sm90(kernel, signature: dict, constexprs: dict):
     """Compile a Gluon ``kernel`` of this module for sm90 on the CPU; ``signature`` holds the
     runtime arguments' types, ``constexprs`` the values of the rest."""
@@ -590,10 +359,9 @@ def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, *, trans_w: bool = Fal
 
 
 def sm90_report() -> dict[str, dict]:
-    """Every config of both kernels compiled for sm90 on this machine (no GPU needed):
-    {"forward/128x128x64x4": {"shared": bytes, "warp_specialized": TTGIR has the partitions,
-    "wgmma": PTX has wgmma, "ptxas": ptxas's register, spill and warning lines}, ...} for the
-    forward, dx and dW (float32 and bf16 out). Run it in a fresh process: a Triton interpreter
+    """Every config compiled for sm90 on this machine (no GPU needed), forward and dx:
+    {"forward/128x128x64x5": {"shared": bytes, "warp_specialized": TTGIR has the partitions,
+    "wgmma": PTX has wgmma, "ptxas": ptxas's register, spill and warning lines}, ...}. Run it in a fresh process: a Triton interpreter
     run earlier in the same process leaves state that breaks Gluon's compiler (the CPU tests
     call it through a subprocess for that reason)."""
     def summary(compiled) -> dict:
@@ -607,10 +375,6 @@ def sm90_report() -> dict[str, dict]:
         for trans_w, name in ((False, "forward"), (True, "dx")):
             out[f"{name}/{config_name(c)}"] = summary(compile_for_sm90(trans_w=trans_w, config=config_dict(*c),
                                                                        groups=64))
-    for c in DW_CONFIGS:
-        for out_dtype in (torch.float32, torch.bfloat16):
-            key = f"dw-{str(out_dtype).split('.')[-1]}/{config_name(c)}"
-            out[key] = summary(compile_dw_for_sm90(out_dtype=out_dtype, config=dw_config_dict(*c)))
     return out
 
 

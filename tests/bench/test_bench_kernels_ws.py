@@ -1,4 +1,4 @@
-"""bench/kernels.py --ws's rows, on the CPU with stand-ins for the Gluon kernels (which need a
+"""bench/kernels.py --ws's rows, on the CPU with a stand-in for the Gluon kernel (which needs a
 Hopper GPU): each config is checked before it is timed (a wrong one is recorded as an error,
 not timed), the baselines are timed in the same turns, and every row says which turns."""
 import pytest
@@ -13,7 +13,6 @@ pytestmark = pytest.mark.skipif(triton is None or not INTERPRET,
                                 reason="the TMA baselines run here in Triton's interpreter (TRITON_INTERPRET=1)")
 
 BROKEN = ws.config_dict(*ws.CONFIGS[1])
-BROKEN_DW = ws.dw_config_dict(*ws.DW_CONFIGS[1])
 
 
 def fake_forward(x, w, offsets, y, *, trans_w=False, config=None):
@@ -22,25 +21,11 @@ def fake_forward(x, w, offsets, y, *, trans_w=False, config=None):
     return y.copy_(grouped_mm_reference(x.float(), (w.transpose(1, 2) if trans_w else w).float(), offsets))
 
 
-def fake_dw(x, dy, offsets, dw, *, config=None, squares=None):
-    start = 0
-    for g, end in enumerate(offsets.tolist()):
-        dw[g] = x[start:end].T @ dy[start:end]
-        start = end
-    if config == BROKEN_DW:
-        dw.mul_(2)
-    if squares is not None:
-        squares[0] = dw.double().square().sum()
-    return dw
-
-
 @pytest.fixture
 def records(monkeypatch):
     device = torch.device("cpu")
     monkeypatch.setattr(ws, "ws_unsupported", lambda *a, **k: None)
-    monkeypatch.setattr(ws, "dw_ws_unsupported", lambda *a, **k: None)
     monkeypatch.setattr(ws, "launch_grouped_mm_ws", fake_forward)
-    monkeypatch.setattr(ws, "launch_grouped_mm_dw_ws", fake_dw)
     out = []
     topk_idx = route(64, TINY["experts"], TINY["top_k"], "zipf", torch.Generator().manual_seed(0))
     bench_ws(lambda pass_, **fields: out.append({"pass": pass_, **fields}), Timer(device, reps=1, warmup=1),
@@ -51,17 +36,16 @@ def records(monkeypatch):
 def test_every_pass_has_its_baselines_and_good_configs_timed_in_the_same_turns(records):
     timed = [r for r in records if "ms" in r]
     passes = {(r["op"], r["pass"]) for r in timed}
-    assert passes == {(op, p) for op in ("up", "down") for p in ("fwd", "bwd-dx", "dw")}
+    assert passes == {(op, p) for op in ("up", "down") for p in ("fwd", "bwd-dx")}
     for op, pass_ in passes:
         rows = [r for r in timed if (r["op"], r["pass"]) == (op, pass_)]
         assert all(r["turns"] == "ws" for r in rows)
         assert {r["backend"] for r in rows} == {"triton-tma", "torch_raw", "triton-ws"}
-        configs = ws.CONFIGS if pass_ != "dw" else ws.DW_CONFIGS
-        assert len([r for r in rows if r["backend"] == "triton-ws"]) == len(configs) - 1  # all but the broken one
+        assert len([r for r in rows if r["backend"] == "triton-ws"]) == len(ws.CONFIGS) - 1  # all but the broken one
 
 
 def test_a_wrong_config_is_recorded_not_timed(records):
     errors = [r for r in records if "error" in r]
-    assert len(errors) == 6  # one per pass and op
-    assert all(r["config"] in (BROKEN, BROKEN_DW) for r in errors)
+    assert len(errors) == 4  # one per pass and op
+    assert all(r["config"] == BROKEN for r in errors)
     assert any("relative error" in r["error"] for r in errors)

@@ -1,4 +1,4 @@
-"""The warp-specialized Gluon kernels (kernels/grouped_mm_ws.py): forward / dx and dW.
+"""The warp-specialized Gluon kernel (kernels/grouped_mm_ws.py): the grouped GEMM's forward and dx.
 
 Gluon has no interpreter, so on a CPU every config is compiled for sm90 (in a fresh process:
 grouped_mm_ws.sm90_report) and ptxas's report is read: it must fit the H200's shared memory,
@@ -6,9 +6,7 @@ spill nothing, and keep its wgmmas pipelined (no C7514 warning: the reason the f
 goes through shared memory). On a Hopper GPU each config runs against a float32 reference on odd
 shapes: empty groups, partial row, column and K tiles, a tail of rows past offsets[-1] (must
 come out zero: the output starts as NaN), a few programs with many items each (both consumers
-taking turns, the ring's wrap-around) and the whole GPU's. The dW
-kernel's deal (the groups ranked largest first into a table) is a Triton kernel and runs in the
-interpreter.
+taking turns, the ring's wrap-around) and the whole GPU's.
 """
 
 import json
@@ -24,7 +22,6 @@ import kernels.grouped_mm_tma as gm_tma
 import kernels.grouped_mm_ws as ws
 from kernels import grouped_mm_reference
 from test_grouped_mm import make
-from test_grouped_mm_tma import dw_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_gluon = pytest.mark.skipif(ws.gluon is None, reason="this Triton has no Gluon Hopper language")
@@ -45,8 +42,7 @@ def sm90():
     return json.loads(run.stdout.splitlines()[-1])
 
 
-KERNELS = [f"{name}/{ws.config_name(c)}" for c in ws.CONFIGS for name in ("forward", "dx")] + \
-    [f"dw-{out}/{ws.config_name(c)}" for c in ws.DW_CONFIGS for out in ("float32", "bfloat16")]
+KERNELS = [f"{name}/{ws.config_name(c)}" for c in ws.CONFIGS for name in ("forward", "dx")]
 
 
 @needs_gluon
@@ -63,18 +59,6 @@ def test_compiles_for_hopper_pipelined_within_shared_memory(kernel, sm90):
     assert "C7514" not in report["ptxas"] and "0 bytes spill stores" in report["ptxas"], report["ptxas"]
 
 
-@pytest.mark.parametrize("sizes", [[5], [0, 7, 7, 0, 30, 1], [3] * 40 + [9, 0, 9]])
-def test_rank_table_deals_the_largest_groups_first(sizes, triton_device):
-    """Ranked by row count, largest first, ties by index (grouped_mm_tiles.groups_by_size):
-    each group once, with its rows."""
-    offsets = torch.tensor(sizes).cumsum(0).to(torch.int32)
-    M = int(offsets[-1]) + 4  # a tail past offsets[-1]
-    table = ws.rank_table(offsets.to(triton_device), M).cpu()
-    order = sorted(range(len(sizes)), key=lambda g: (-sizes[g], g))
-    starts = [0] + offsets.tolist()[:-1]
-    assert table.tolist() == [[g, starts[g], starts[g] + sizes[g]] for g in order]
-
-
 def test_says_why_it_cannot_run():
     x, w, y = torch.zeros(8, 64, dtype=torch.bfloat16), torch.zeros(2, 64, 32, dtype=torch.bfloat16), \
         torch.zeros(8, 32, dtype=torch.bfloat16)
@@ -85,11 +69,6 @@ def test_says_why_it_cannot_run():
     assert "16-bit" in ws._shape_unsupported(x.float(), w.float(), y.float(), False)
     assert "16-byte" in ws._shape_unsupported(x, w, torch.zeros(8, 33, dtype=torch.bfloat16)[:, :32], False)
     assert "K = 0" in ws._shape_unsupported(x[:, :0], w[:, :0], y, False)
-    dw = torch.zeros(2, 64, 32)
-    assert "GPU" in ws.dw_ws_unsupported(x, y, dw) or "Gluon" in ws.dw_ws_unsupported(x, y, dw)
-    assert ws._dw_shape_unsupported(x, y, dw) is None
-    assert "contiguous" in ws._dw_shape_unsupported(x, y, dw.transpose(1, 2))
-    assert "16-bit" in ws._dw_shape_unsupported(x.float(), y.float(), dw)
 
 
 # --------------------------------------------------------------------------- on a Hopper GPU
@@ -129,30 +108,3 @@ def test_non_finite_weights_of_an_empty_group_never_leak(trans_w, gpu_device):
     y = torch.full((a.shape[0], out_cols), float("nan"), device=gpu_device, dtype=a.dtype)
     ws.launch_grouped_mm_ws(a, w, offsets, y, trans_w=trans_w)
     assert torch.isfinite(y).all()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", [ws.dw_config_dict(*c) for c in ws.DW_CONFIGS],
-                         ids=[ws.config_name(c) for c in ws.DW_CONFIGS])
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("programs", [3, None], ids=["3 programs", "one per SM"])
-def test_dw_matches_reference_on_hopper(config, out_dtype, programs, gpu_device, rel_err, monkeypatch):
-    """Groups of 0, 1 and thousands of rows, K and N off the tile grid, NaN past offsets[-1]
-    (must never enter): dw against float64, its squares against dw's own, the same bits twice."""
-    sizes = [0, 1300, 1, 0, 2517, 64, 700, 0] if programs is None else [0, 300, 1, 0, 517, 64, 129, 0]
-    x, _, offsets, dy = make(sizes, 7, 200, 392, gpu_device, torch.bfloat16)
-    x = x.detach()
-    dw = torch.full((len(sizes), 200, 392), float("nan"), device=gpu_device, dtype=out_dtype)
-    if (reason := ws.dw_ws_unsupported(x, dy, dw)) is not None:
-        pytest.skip(reason)
-    if programs is not None:
-        monkeypatch.setattr(gm_tma, "_num_programs", lambda device: programs)
-    runs = []
-    for _ in range(2):
-        squares = torch.zeros(gm_tma._num_programs(x.device), device=gpu_device)
-        out = ws.launch_grouped_mm_dw_ws(x, dy, offsets, dw.clone(), config=config, squares=squares)
-        runs.append((out, squares.sum()))
-    (got, square), (again, square_again) = runs
-    assert torch.equal(got, again) and torch.equal(square, square_again)
-    assert rel_err(got, dw_reference(x.double(), dy.double(), offsets)) < 5e-3
-    torch.testing.assert_close(square.double(), got.double().square().sum(), rtol=1e-5, atol=0)
