@@ -117,14 +117,15 @@ def test_the_fit_takes_the_least_recomputation_that_fits():
 
 def test_auto_checkpointing_keeps_the_margin_the_rehearsals_asked_for():
     """mula-220b-a10b on 12288 tiles with the QK-norm kernel: every 4th block recomputed was
-    estimated 57.56 GiB, under the 57.6 budget, and rehearsed at 59.86 GiB allocated (67.0
-    reserved, over a 64 GiB tile); the fit takes every 2nd block instead."""
+    estimated 57.56 GiB, under the 57.6 budget, and rehearsed at 57.7 GiB allocated (64.9
+    reserved, over a 64 GiB tile); the fit takes every 3rd block instead, rehearsed at 52.8
+    allocated and 59.6 reserved (bench/NOTES.md, eighteenth session)."""
     cfg = presets.get("mula-220b-a10b").model
     layout = MemoryLayout(world=12288, ep=32, dp_shard=384, micro_batch=1, accumulation=1, seq_len=4096,
                           expert_weight_casts=False)
     every_4th = estimate(cfg, MemoryLayout(**{**layout.__dict__, "checkpointing": "full", "every": 4}))
     assert every_4th.peak_bytes <= 57.6 * GIB < every_4th.peak_bytes * (1 + FIT_MARGIN)
-    assert fit_checkpointing(cfg, layout, 57.6 * GIB) == ("full", 2)
+    assert fit_checkpointing(cfg, layout, 57.6 * GIB) == ("full", 3)
 
 
 def test_the_estimate_counts_what_the_model_does():

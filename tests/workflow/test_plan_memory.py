@@ -1,10 +1,12 @@
 """Memory per tile before anything runs: `optimus plan` prints it and refuses a job over the
 tile's budget; `optimus pretrain` refuses a run over its budget before allocating."""
+from dataclasses import replace
+
 import pytest
 
 from optimus_core.config import ConfigError
 from optimus_core.memory import MemoryBudgetError
-from workflow.experiments import Experiment, RunScale, dag, get
+from workflow.experiments import SCALING_CHECKPOINTING, SCALING_TILES, Experiment, RunScale, dag, get
 from workflow.plan import plan, plan_table
 from workflow.sites import load_site
 
@@ -20,7 +22,21 @@ def test_every_paper_job_has_its_memory_per_tile_within_the_budget(aurora):
     assert all(0 < p.memory_gib <= p.budget_gib == pytest.approx(57.6) for p in plans)
     assert table.splitlines()[-1].endswith("every job within the 57.6 GiB budget per tile")
     big = plan(get("pretrain-mula-220b-a10b").paper, aurora)
-    assert big.checkpointing == "full/2"  # what "auto" resolves to on a 64 GiB tile
+    assert big.checkpointing == "full/3"  # what "auto" resolves to on a 64 GiB tile (rehearsed: 52.8 GiB)
+
+
+def test_the_strong_scaling_sweep_recomputes_alike_what_its_smallest_size_needs(aurora):
+    """Every point of the sweep runs SCALING_CHECKPOINTING: what "auto" takes at the smallest
+    size, which every size fits, though larger ones alone would take less (the pin's reason)."""
+    pinned = "full/%d" % SCALING_CHECKPOINTING[1]
+    runs = {t: get(f"scaling-mula-220b-a10b-{t}").paper for t in SCALING_TILES}
+    auto = {t: plan(replace(run, extra={**run.extra, "execution.activation_checkpointing": "auto"}), aurora)
+            for t, run in runs.items()}
+    assert auto[min(SCALING_TILES)].checkpointing == pinned
+    assert any(p.checkpointing != pinned for p in auto.values())  # else nothing to pin
+    for run in runs.values():
+        job = plan(run, aurora)
+        assert job.checkpointing == pinned and job.memory_gib <= job.budget_gib
 
 
 def test_a_job_over_the_tile_is_refused_at_planning_time(aurora):

@@ -44,9 +44,9 @@ def test_a_checkpointing_can_be_rehearsed_before_the_plan_chooses_it(tmp_path):
         return json.loads(out.read_text().splitlines()[0])
 
     planned, = rehearsal_jobs(["pretrain-mula-220b-a10b"], [3072], load_site("aurora", account="x"))
-    assert planned.checkpointing != ("full", 3)
+    assert planned.checkpointing != ("full", 2)
     third, half = rehearsed("full/3"), rehearsed("full/2")
-    assert third["checkpointing"] == "full/3" and third["world"] == 3072
+    assert half["checkpointing"] == "full/2" and half["world"] == 3072
     assert third["model_gib"] > half["model_gib"]  # fewer blocks recomputed: more activations held
     for bad in ("full/0", "moe/2", "half", "full/x"):
         assert main(["rehearse", "--device", "meta", "--checkpointing", bad]) == 2
