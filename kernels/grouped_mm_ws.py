@@ -65,8 +65,12 @@ try:
     # Triton 3.7 renamed the TMA copies (3.6 is on the GPU machine, 3.9 in the CPU tests)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-except ImportError:  # no Triton, or one without Gluon's Hopper language
+except (ImportError, AttributeError):  # no Triton, or one without Gluon's Hopper language
     gluon = None
+
+# Gluon's API moves between Triton releases (warp_specialize's arguments, the TMA copies' names):
+# these kernels are written to 3.6's, run on a GPU under 3.6 and compiled on the CPU under 3.9.
+MIN_TRITON = (3, 6)
 
 CONSUMER_WARPS = 4  # one warpgroup: its 128 threads hold a 128 x 128 float32 accumulator in 128 registers each
 LOADER_REGISTERS = 40  # scalar TMA issue plus the SEGMENTS-lane work numbering, over 32 lanes
@@ -81,8 +85,11 @@ def ws_unsupported(x: Tensor, w: Tensor, y: Tensor, trans_w: bool = False) -> st
 
 
 def _device_unsupported(x: Tensor) -> str | None:
+    version = getattr(triton, "__version__", None)
     if gluon is None:
-        return f"Triton {getattr(triton, '__version__', None)} has no Gluon Hopper language"
+        return f"Triton {version} has no Gluon Hopper language"
+    if tuple(int(part) for part in re.findall(r"\d+", version)[:2]) < MIN_TRITON:
+        return f"Triton {version}: the warp-specialized kernel is written to Gluon's API of Triton 3.6+"
     if x.device.type != "cuda" or torch.version.cuda is None:
         return f"the warp-specialized kernel needs an NVIDIA GPU, got {x.device.type}"
     if torch.cuda.get_device_capability(x.device)[0] != 9:

@@ -227,7 +227,7 @@ SCALING_STEPS, SCALING_BATCH = 6, 12288
 # One recomputation for the whole strong-scaling sweep, so that every point does the same work
 # per step: what "auto" takes at its smallest size (384 tiles, where every 3rd block does not
 # keep the margin), pinned because larger points have room for less (every 3rd block at 12288),
-# which would flatter their efficiency. tests/workflow/test_experiments.py checks it is still
+# which would flatter their efficiency. tests/workflow/test_plan_memory.py checks it is still
 # that choice and fits every size.
 SCALING_CHECKPOINTING = ("full", 2)
 ABLATION_STEPS, LAPTOP_TIMED_STEPS = 20, 20

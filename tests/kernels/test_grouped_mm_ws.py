@@ -71,6 +71,17 @@ def test_says_why_it_cannot_run():
     assert "K = 0" in ws._shape_unsupported(x[:, :0], w[:, :0], y, False)
 
 
+@needs_gluon
+def test_an_older_triton_with_gluon_is_not_taken(monkeypatch):
+    """Gluon's API moved between releases: a Triton before 3.6 falls back to the TMA kernel
+    instead of failing to compile this one."""
+    x = torch.zeros(8, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(ws.triton, "__version__", "3.5.1")
+    assert "3.6+" in ws._device_unsupported(x)
+    monkeypatch.setattr(ws.triton, "__version__", "3.10.0")
+    assert "3.6+" not in ws._device_unsupported(x)
+
+
 # --------------------------------------------------------------------------- on a Hopper GPU
 @pytest.mark.gpu
 @TRANS
