@@ -19,6 +19,33 @@ def test_each_family_passes_its_check_in_the_interpreter(kernel):
     assert selfcheck.check(kernel, "cpu") is None
 
 
+@interpreted
+def test_the_experts_check_takes_the_forward_and_dx_kernels_a_run_takes_on_hopper(monkeypatch):
+    """Its shapes pass the warp-specialized kernel's shape rules (ws_unsupported less the device,
+    which the interpreter is not, for bf16, the self-check's dtype on a GPU), so on Hopper the
+    self-check runs the kernels a run's experts run; the kernel itself is stood in for by the
+    reference here (Gluon has no interpreter)."""
+    import importlib
+
+    import kernels.grouped_mm_ws as ws
+    from kernels import grouped_mm_reference
+
+    gm = importlib.import_module("kernels.grouped_mm")
+    calls = []
+
+    def stand_in(x, w, offsets, y, *, trans_w=False):
+        calls.append(trans_w)
+        return y.copy_(grouped_mm_reference(x, w.transpose(1, 2) if trans_w else w, offsets))
+
+    def shape_rules(x, w, y, trans_w=False):
+        return ws._shape_unsupported(*(t.bfloat16() for t in (x, w, y)), trans_w)
+
+    monkeypatch.setattr(gm, "ws_unsupported", shape_rules)
+    monkeypatch.setattr(gm, "launch_grouped_mm_ws", stand_in)
+    assert selfcheck.check("experts", "cpu") is None
+    assert sorted(set(calls)) == [False, True]  # the forward and dx both
+
+
 def test_a_wrong_or_broken_kernel_is_named(monkeypatch):
     def wrong(device):
         selfcheck._close("grouped_mm dx (torch.bfloat16)", torch.ones(3), torch.zeros(3) + 0.5, 1e-2)
