@@ -20,8 +20,8 @@ launchers' keyword (tma=False). The pointer kernels are the path on Intel XPU, p
 and unaligned shapes; these rows time them on the same GPU. They call the launchers directly,
 without autograd and the custom ops' dispatch: less host time per call, which favours them
 where the host bounds an eager call (small GEMMs, e.g. --quick's 2048 tokens); compare them
-with "triton" at 8k+ tokens. Each row records the kernels that really ran ("kernels";
-"fallback" names the reason where the TMA kernels could not):
+with "triton" at 8k+ tokens. Each row records the kernels that really ran ("kernels": "ws",
+"tma" or "pointer" per pass; "fallback" names the reason where the TMA kernels could not):
   triton-pointer    forward, dx (w^T read through strides) and dw by the pointer kernels
   triton-dw-pointer dw by the pointer kernel, dx by the TMA kernel (bwd and dw)
   triton-dense      grouped_mm's triton kernels on one group (G = 1): a dense GEMM, beside cuBLAS
@@ -75,6 +75,7 @@ from bench.common import write_jsonl  # noqa: E402
 from kernels import available_backends, grouped_mm, permute, unpermute  # noqa: E402
 from kernels.grouped_mm import _launch_grouped_mm, _launch_grouped_mm_dw, _launch_grouped_mm_dx  # noqa: E402
 from kernels.grouped_mm_tma import tma_unsupported  # noqa: E402
+from kernels.grouped_mm_ws import ws_unsupported  # noqa: E402
 from kernels.permute import counting_sort_applies, expert_sort  # noqa: E402
 
 OLMOE = dict(experts=64, top_k=8, d_model=2048, hidden=1024)
@@ -266,9 +267,13 @@ def bench_gemms(rec, timer, device, dtype, T, routing, topk_idx, shape, backends
             default_passes += ("dw",) if name == "triton" else ()
             tma, timed = TRITON_VARIANTS.get(name, (dict(forward=True, dx=True, dw=True), default_passes))
             extra = {}
-            if ours:  # the kernels that really run: TMA where asked for and it can run here
+            if ours:  # the kernels that really run: TMA where asked for and it can run here, the
+                # warp-specialized one for the forward and dx where that can (Hopper)
                 reason = tma_unsupported(x, weight, dy)  # dy stands in for y: same shape, dtype, strides
-                extra["kernels"] = {p: "tma" if on and reason is None else "pointer" for p, on in tma.items()}
+                ws = {"forward": ws_unsupported(x, weight, dy) is None,
+                      "dx": ws_unsupported(dy, weight, x, trans_w=True) is None}
+                extra["kernels"] = {p: "pointer" if not on or reason is not None else "ws" if ws.get(p) else "tma"
+                                    for p, on in tma.items()}
                 extra.update({"fallback": reason} if reason and any(tma.values()) else {})
             try:
                 if name in TRITON_VARIANTS:  # through the launchers with their tma keyword

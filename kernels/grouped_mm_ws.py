@@ -110,7 +110,7 @@ def _shape_unsupported(x: Tensor, w: Tensor, y: Tensor, trans_w: bool) -> str | 
 # at most the H200's 227 KB. On one H200 (bench/NOTES.md, eighteenth session) 128 x 128 x 64 with
 # 5 stages was the fastest at every shape measured (8k and 32k tokens, balanced and Zipf, up and
 # down projections, forward and dx), 4 stages 0.3-1 % behind; a 64 x 256 tile and CUTLASS's
-# cooperative schedule (both consumers on every 128 x 256 tile, half its rows each) were 2-15 %
+# cooperative schedule (both consumers on every 128 x 256 tile, half its rows each) were 2-18 %
 # behind and are deleted. BLOCK_K is 64 (ws_unsupported's K rule).
 CONFIGS = [(128, 128, 64, 5), (128, 128, 64, 4)]
 SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use (227 KB)
@@ -163,9 +163,9 @@ if gluon is not None:
     @gluon.jit
     def _ring_products(a_ring, b_ring, ready, empty, acc, pos, blocks, TRANS_A: gl.constexpr, TRANS_B: gl.constexpr):
         """acc = the sum of A @ B over ``blocks`` ring stages from position ``pos`` (A and B the
-        stage's tiles, transposed views where asked), by wgmma with one product in flight; each stage goes back to the loader once
-        the product reading it is done (an arrival on its empty barrier). Returns (acc, the
-        position after). blocks = 0: acc unchanged."""
+        stage's tiles, transposed views where asked), by wgmma with one product in flight; each
+        stage goes back to the loader once the product reading it is done (an arrival on its empty
+        barrier). Returns (acc, the position after). blocks = 0: acc unchanged."""
         STAGES: gl.constexpr = a_ring.type.shape[0]
         for b in range(blocks):
             s = pos % STAGES
