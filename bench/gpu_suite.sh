@@ -35,7 +35,8 @@ n=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 echo "host: $n GPU(s); torch $(python3 -c 'import torch, triton; print(torch.__version__, "triton", triton.__version__)')"
 
 case $part in
-ws)  # within one device call's 600 s (the bench gets what the tests left); a hang costs only its group, and -v names the test it hung in
+ws)  # within one device call's 600 s (the bench gets what the tests left); a hang costs only its
+     # group, and -v names the test it hung in
   : >"$out/ws-tests.log"
   for group in "programs and forward" "programs and dx" "SM and forward" "SM and dx" non_finite; do
     timeout 60 python3 -m pytest -v -p no:cacheprovider -m gpu tests/kernels/test_grouped_mm_ws.py -k "$group" \

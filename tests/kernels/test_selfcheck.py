@@ -1,13 +1,15 @@
 """The kernels' self-check: each family passes against its reference here, a failing or broken
 kernel is caught and named, the verdict is cached per device with one warning, and a run whose
 expert kernels fail is planned on the next choice (optimus_core.execution)."""
+import importlib
 import os
 import warnings
 
 import pytest
 import torch
 
-from kernels import selfcheck
+import kernels.grouped_mm_ws as ws
+from kernels import grouped_mm_reference, selfcheck
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="the Triton kernels on CPU need TRITON_INTERPRET=1")
@@ -25,12 +27,7 @@ def test_the_experts_check_takes_the_forward_and_dx_kernels_a_run_takes_on_hoppe
     which the interpreter is not, for bf16, the self-check's dtype on a GPU), so on Hopper the
     self-check runs the kernels a run's experts run; the kernel itself is stood in for by the
     reference here (Gluon has no interpreter)."""
-    import importlib
-
-    import kernels.grouped_mm_ws as ws
-    from kernels import grouped_mm_reference
-
-    gm = importlib.import_module("kernels.grouped_mm")
+    gm = importlib.import_module("kernels.grouped_mm")  # the module: the package's `grouped_mm` is the function
     calls = []
 
     def stand_in(x, w, offsets, y, *, trans_w=False):
