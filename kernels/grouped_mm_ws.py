@@ -368,9 +368,9 @@ def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, *, trans_w: bool = Fal
 def sm90_report() -> dict[str, dict]:
     """Every config compiled for sm90 on this machine (no GPU needed), forward and dx:
     {"forward/128x128x64x5": {"shared": bytes, "warp_specialized": TTGIR has the partitions,
-    "wgmma": PTX has wgmma, "ptxas": ptxas's register, spill and warning lines}, ...}. Run it in a fresh process: a Triton interpreter
-    run earlier in the same process leaves state that breaks Gluon's compiler (the CPU tests
-    call it through a subprocess for that reason)."""
+    "wgmma": PTX has wgmma, "ptxas": ptxas's register, spill and warning lines}, ...}. Run it in
+    a fresh process: a Triton interpreter run earlier in the same process leaves state that
+    breaks Gluon's compiler (the CPU tests call it through a subprocess for that reason)."""
     def summary(compiled) -> dict:
         lines = [re.sub(r"^ptxas\S*\s+\w+\s*:\s*", "", line.strip()) for line in ptxas_report(compiled).splitlines()
                  if any(word in line for word in ("Used", "spill", "C75", "rror", "arning"))]
