@@ -161,18 +161,16 @@ if gluon is not None:
         return g, row_start, row_end
 
     @gluon.jit
-    def _ring_products(a_ring, b_ring, ready, empty, acc, pos, blocks, TRANS_A: gl.constexpr, TRANS_B: gl.constexpr):
+    def _ring_products(a_ring, b_ring, ready, empty, acc, pos, blocks, TRANS_B: gl.constexpr):
         """acc = the sum of A @ B over ``blocks`` ring stages from position ``pos`` (A and B the
-        stage's tiles, transposed views where asked), by wgmma with one product in flight; each
-        stage goes back to the loader once the product reading it is done (an arrival on its empty
-        barrier). Returns (acc, the position after). blocks = 0: acc unchanged."""
+        stage's tiles, B transposed where asked), by wgmma with one product in flight; each stage
+        goes back to the loader once the product reading it is done (an arrival on its empty
+        barrier). blocks = 0: acc unchanged."""
         STAGES: gl.constexpr = a_ring.type.shape[0]
         for b in range(blocks):
             s = pos % STAGES
             mbarrier.wait(ready.index(s), pos // STAGES & 1)
             a = a_ring.index(s)
-            if TRANS_A:
-                a = a.permute((1, 0))
             w = b_ring.index(s)
             if TRANS_B:
                 w = w.permute((1, 0))
@@ -182,7 +180,7 @@ if gluon is not None:
             pos += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), count=1, pred=blocks > 0)
-        return acc, pos
+        return acc
 
     @gluon.jit
     def _wait_turn(order, j, WHICH: gl.constexpr):
@@ -258,7 +256,7 @@ if gluon is not None:
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
             _wait_turn(order, j, WHICH)
             if g < G:
-                acc, _ = _ring_products(x_ring, w_ring, ready, empty, acc, j * k_blocks, k_blocks, False, TRANS_W)
+                acc = _ring_products(x_ring, w_ring, ready, empty, acc, j * k_blocks, k_blocks, TRANS_W)
             _pass_turn(order, WHICH)
             # Both stores go through y_stage, so the accumulator has one reader: a second
             # (masked pointer stores straight from it) makes ptxas serialize the wgmmas (C7514).
