@@ -44,7 +44,7 @@ ws)  # within one device call's 600 s (the bench gets what the tests left); a ha
       | tee -a "$out/ws-tests.log"
     echo "group '$group': exit ${PIPESTATUS[0]}" | tee -a "$out/ws-tests.log"
   done
-  timeout $((570 - SECONDS)) python3 bench/kernels.py --tokens "${TOKENS:-8192,32768}" --only up,down --backends triton,torch_raw \
+  timeout $((570 - SECONDS)) python3 bench/kernels.py --tokens "${TOKENS:-8192,16384,32768}" --only up,down --backends triton,torch_raw \
     --ws --out "$out" --store '' 2>&1 | tee "$out/ws-kernels.log"
   ;;
 rehearse)

@@ -72,6 +72,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere in the checkout
 
 from bench.common import write_jsonl  # noqa: E402
+from bench.gpu_telemetry import GpuSampler, clock_note  # noqa: E402
 from kernels import available_backends, grouped_mm, permute, unpermute  # noqa: E402
 from kernels.grouped_mm import _launch_grouped_mm, _launch_grouped_mm_dw, _launch_grouped_mm_dx  # noqa: E402
 from kernels.grouped_mm_tma import tma_unsupported  # noqa: E402
@@ -144,9 +145,15 @@ def device_name(device: torch.device) -> str:
 class Timer:
     """Median milliseconds of fn() with device events (host clock on the CPU)."""
 
-    def __init__(self, device: torch.device, reps: int, warmup: int):
+    def __init__(self, device: torch.device, reps: int, warmup: int, sampler=None):
         self.device, self.reps, self.warmup = device, reps, warmup
         self.mod = getattr(torch, device.type) if device.type != "cpu" else None
+        # The GPU's clocks and power over the last timing (bench/gpu_telemetry.py; {} without a
+        # sampler): every row of a pass timed in turns shares it.
+        self.sampler, self.telemetry = sampler, {}
+
+    def _timed_window(self, t0: float) -> None:
+        self.telemetry = self.sampler.window(t0, time.time()) if self.sampler else {}
 
     def __call__(self, fn) -> float:
         for _ in range(self.warmup):
@@ -161,11 +168,13 @@ class Timer:
         events = [(self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True))
                   for _ in range(self.reps)]
         self.mod.synchronize()
+        t0 = time.time()
         for start, end in events:
             start.record()
             fn()
             end.record()
         self.mod.synchronize()
+        self._timed_window(t0)
         return statistics.median(s.elapsed_time(e) for s, e in events)
 
     def interleaved(self, fns: dict) -> dict[str, float]:
@@ -188,6 +197,7 @@ class Timer:
         events = {name: [(self.mod.Event(enable_timing=True), self.mod.Event(enable_timing=True))
                          for _ in range(self.reps)] for name in names}
         self.mod.synchronize()
+        t0 = time.time()
         for i in range(self.reps):
             for name in names[i % len(names):] + names[:i % len(names)]:
                 start, end = events[name][i]
@@ -195,6 +205,7 @@ class Timer:
                 fns[name]()
                 end.record()
         self.mod.synchronize()
+        self._timed_window(t0)
         return {name: statistics.median(s.elapsed_time(e) for s, e in ev) for name, ev in events.items()}
 
     def graphed(self, fn) -> float | None:
@@ -529,7 +540,8 @@ def main(argv=None) -> None:
     tokens = [64] if interpreted else [2048] if args.quick else [int(t) for t in args.tokens.split(",")]
     routings = ["balanced"] if args.quick else ["balanced", "zipf"]
     reps = 1 if interpreted else 10 if args.quick else args.reps
-    timer = Timer(device, reps=reps, warmup=1 if interpreted else 5)
+    sampler, started = GpuSampler.start(device), time.time()
+    timer = Timer(device, reps=reps, warmup=1 if interpreted else 5, sampler=sampler)
     backends = available_backends()
     gemm_rows = [*backends, *(["torch_raw"] if "torch" in backends else []),
                  *(TRITON_VARIANTS if "triton" in backends else []), "dense",
@@ -551,7 +563,8 @@ def main(argv=None) -> None:
     records = []
 
     def rec(pass_, **fields):
-        line = {"bench": "kernels", "device": name, "pass": pass_, **fields}
+        line = {"bench": "kernels", "device": name, "pass": pass_, **fields,
+                **(timer.telemetry if "ms" in fields else {})}
         records.append(line)
         if "error" in line:
             print(f"{line['op']:>18} {line['backend']:>19} {line['tokens']:>6} {line['routing']:>8} "
@@ -561,6 +574,7 @@ def main(argv=None) -> None:
         note = f"  (fell back: {line['fallback']})" if line.get("fallback") else ""
         if line.get("config"):
             note += "  " + " ".join(f"{k}={v}" for k, v in line["config"].items())
+        note += clock_note(line)
         if line.get("device_ms"):
             note += f"  device (CUDA graph) {line['device_ms']:.3f} ms {line['device_gbps']:.1f} GB/s"
         print(f"{line['op']:>18} {pass_:>6} {line['backend']:>17} {line['tokens']:>6} "
@@ -623,6 +637,9 @@ def main(argv=None) -> None:
             for base in [[o for o in records if o["backend"] == "triton" and "gbps" in o
                           and all(o[f] == r[f] for f in ("op", "pass", "tokens", "routing"))]] if base},
     }
+    if sampler:  # the whole run's readings beside each row's
+        summary["gpu_run"] = sampler.window(started, time.time())
+        sampler.stop()
     path = Path(args.out) / f"kernels-{name}.jsonl"
     write_jsonl(path, records + [summary])
     print(f"wrote {path}")

@@ -7,7 +7,9 @@ The same step as bench/train_step.py (its VARIANTS: model and execution override
 warmed up, then ``--steps`` steps under torch.profiler. Device kernels are put in categories by
 name (expert GEMMs, dense GEMMs, attention, permute / SwiGLU, AdamW, norms, compiled fusions,
 copies and casts, ...) and reported as ms per step, with the 25 most expensive kernels. Output: a
-table, and one JSON line (categories + top kernels) in bench/results/profile-<device>.jsonl.
+table, and one JSON line (categories + top kernels, and the GPU's clocks and power over the
+profiled steps where nvidia-smi reads them: bench/gpu_telemetry.py) in
+bench/results/profile-<device>.jsonl.
 With ``--trace DIR`` the host is profiled too and the timeline is written to
 DIR/trace-<variant>.json.gz, for bench/trace_gaps.py (where the device idles, and why).
 With ``--sources N`` the host is profiled with Python stacks, and for the N most expensive
@@ -21,12 +23,14 @@ import argparse
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import device_slug, write_jsonl  # noqa: E402
+from bench.gpu_telemetry import GpuSampler, clock_note  # noqa: E402
 from bench.train_step import VARIANTS  # noqa: E402
 
 CATEGORIES = [  # (category, regular expression on the kernel name), first match wins
@@ -151,6 +155,8 @@ def main(argv=None) -> None:
 
     _, _, step = warmed_up_step(args, "bench/profile_step.py")
     device = torch.device("cuda")
+    sampler = GpuSampler.start(device)  # the clocks and power the kernels' times were taken at
+    started = time.time()
     activities = [torch.profiler.ProfilerActivity.CUDA]
     if args.trace or args.sources:
         activities.append(torch.profiler.ProfilerActivity.CPU)
@@ -159,6 +165,9 @@ def main(argv=None) -> None:
             with torch.profiler.record_function("optimus.step"):
                 step()
         torch.cuda.synchronize()
+    telemetry = sampler.window(started, time.time()) if sampler else {}
+    if sampler:
+        sampler.stop()
     if args.trace:
         Path(args.trace).mkdir(parents=True, exist_ok=True)
         trace = Path(args.trace) / f"trace-{args.variant.replace('+', '-')}.json"
@@ -174,7 +183,7 @@ def main(argv=None) -> None:
     for name, ms in kernels.items():
         by_category[category(name)] = by_category.get(category(name), 0.0) + ms
     total = sum(kernels.values())
-    print(f"{args.variant}: {total:.1f} ms of kernels per step")
+    print(f"{args.variant}: {total:.1f} ms of kernels per step{clock_note(telemetry)}")
     for label, ms in sorted(by_category.items(), key=lambda kv: -kv[1]):
         print(f"  {label:>24} {ms:8.2f} ms  {ms / total:6.1%}")
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:25]
@@ -182,7 +191,8 @@ def main(argv=None) -> None:
         print(f"  {ms:8.2f} ms  {category(name):>24}  {name[:110]}")
     record = {"bench": "profile_step", "variant": args.variant, "batch": args.batch, "device": device_slug(device),
               "kernel_ms_per_step": total, "categories_ms": by_category,
-              "top_kernels_ms": [{"name": n[:300], "ms": ms, "category": category(n)} for n, ms in top]}
+              "top_kernels_ms": [{"name": n[:300], "ms": ms, "category": category(n)} for n, ms in top],
+              **telemetry}
     if args.sources:
         record["sources"] = kernel_sources(prof, kernels, args.sources, args.steps)
     path = Path(args.out) / f"profile-{device_slug(device)}.jsonl"

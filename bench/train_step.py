@@ -44,6 +44,10 @@ at the same micro-batch.
 calls (bench/NOTES.md), so a claim should not rest on one run. Each variant is summarized by its
 median pass, the slower middle one for even N; every pass's tokens/s is kept in the summary.
 
+Beside each variant, where nvidia-smi reads the GPU (bench/gpu_telemetry.py), its SM clock,
+power against the enforced limit and the share of samples the driver reported a power cap or
+thermal slowdown in, over the steps its tokens/s comes from (``gpu_*`` fields).
+
 Output: a table, bench/results/train-step-<device>.jsonl (one line per variant, micro-batch and
 pass, written as each finishes, + a summary line with ``ratio_vs_olmo_core`` and
 ``ablation_speedup`` = best over the loop-experts baseline on one GPU, for the first micro-batch at
@@ -64,6 +68,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import device_slug, ingest, publish, read_jsonl, write_jsonl  # noqa: E402
+from bench.gpu_telemetry import GpuSampler, clock_note  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H100 / H200 dense bf16, datasheet: the MFU convention
 MODEL_7B = dict(preset="mula-7b-a1b", overrides={"model.n_layers": 8})
@@ -144,7 +149,7 @@ def series(variant: str, batch: int) -> str:
     return f"{variant}@mb{batch}"
 
 
-def run_variant(name: str, args, device, batch: int) -> dict:
+def run_variant(name: str, args, device, batch: int, sampler=None) -> dict:
     import torch
 
     from optimus_core import presets
@@ -172,6 +177,9 @@ def run_variant(name: str, args, device, batch: int) -> dict:
     t0 = time.perf_counter()
     point = measure_steps(cfg, Mesh.single(device), steps=args.steps, warmup=args.warmup)
     plan = point["plan"]
+    # The GPU's clocks and power over the steps tokens/s comes from (back to back where measured)
+    synced, back_to_back = point.pop("synced_window_unix_s"), point.pop("back_to_back_window_unix_s")
+    telemetry = sampler.window(*(back_to_back if "step_back_to_back_s" in point else synced)) if sampler else {}
     flops = cfg.model.flops_per_token(cfg.data.seq_len)
     return {"bench": "train_step", "variant": name, "series": series(name, batch), "preset": preset,
             "overrides": model["overrides"],
@@ -181,7 +189,7 @@ def run_variant(name: str, args, device, batch: int) -> dict:
             "params": cfg.model.num_params(), "active_params": cfg.model.num_active_params(),
             "flops_per_token": flops, "mfu": flops * _tokens_per_s(point) / PEAK_FLOPS,
             "mfu_synced": flops * point["tokens_per_s"] / PEAK_FLOPS,
-            "wall_s": time.perf_counter() - t0, **point}
+            "wall_s": time.perf_counter() - t0, **point, **telemetry}
 
 
 def _tokens_per_s(record: dict) -> float:
@@ -331,6 +339,7 @@ def main(argv=None) -> None:
     if min(args.batch) < 1:
         sys.exit(f"--batch {args.batch}: every micro-batch must be >= 1")
     records = []
+    sampler = GpuSampler.start(device)  # clocks and power beside each variant (None without nvidia-smi)
     print(f"{'variant':>38} {'tokens/s':>10} {'b2b ms':>7} {'step ms':>8} {'compute':>8} {'optim':>7} "
           f"{'idle':>6} {'MFU':>6} {'peak GiB':>8}")
     runs = [(batch, variant) for batch in args.batch for variant in args.variants]
@@ -338,7 +347,7 @@ def main(argv=None) -> None:
         passed = {"pass": i // len(runs)} if args.repeat > 1 else {}
         label = series(variant, batch) if len(args.batch) > 1 else variant
         try:
-            r = {**run_variant(variant, args, device, batch), **passed}
+            r = {**run_variant(variant, args, device, batch, sampler), **passed}
         except Exception as e:  # one variant failing (OOM, a compile error) must not lose the others
             r = {"bench": "train_step", "variant": variant, "series": series(variant, batch), "batch": batch,
                  **passed, "error": f"{type(e).__name__}: {e}"[:500]}
@@ -352,7 +361,9 @@ def main(argv=None) -> None:
         print(f"{label:>38} {_tokens_per_s(r):>10,.0f} {b2b * 1e3:>7.1f} {r['step_s'] * 1e3:>8.1f} "
               f"{r['compute_s'] * 1e3:>8.1f} "
               f"{r['optimizer_s'] * 1e3:>7.1f} {r['idle_s'] * 1e3:>6.1f} {r['mfu']:>6.1%} "
-              f"{r['peak_memory_bytes'] / 2**30:>8.1f}", flush=True)
+              f"{r['peak_memory_bytes'] / 2**30:>8.1f}{clock_note(r)}", flush=True)
+    if sampler:
+        sampler.stop()
     publish(path, records, summarize(records, olmo, dense, name), args.store, key="series",
             extra=[{"bench": "olmo_core", **line} for line in olmo])
 

@@ -310,6 +310,8 @@ def _describe(config: ScalingConfig, layout: PointLayout, cfg: RunConfig, point:
 
     n = layout.devices
     plan = point.pop("plan", None) or {}  # the execution plan the point ran (measure_steps)
+    for window in ("synced_window_unix_s", "back_to_back_window_unix_s"):  # wall-clock stamps: the benchmarks'
+        point.pop(window, None)
     point.update(preset=config.preset, overrides=dict(config.overrides), device=device_slug(config.device),
                  optimizer=config.optimizer if n > 1 else "local", global_batch=cfg.train.global_batch,
                  micro_batch=cfg.train.micro_batch or cfg.train.global_batch // n, seq_len=cfg.data.seq_len,

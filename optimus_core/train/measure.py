@@ -19,6 +19,8 @@ the timed steps on each rank, then the mean over ranks; ``step_s`` is the slowes
 ``step_back_to_back_s`` (GPUs) the median time between step boundaries with no host sync between
 steps, the slowest rank's: what a run gets, where the synced ``step_s`` cannot show work that
 one step overlaps with the next; ``tokens_per_s_back_to_back`` from it.
+``synced_window_unix_s`` and ``back_to_back_window_unix_s``: this rank's [start, end] of each
+series in time.time() (bench/gpu_telemetry.py reads the GPU's clocks and power over them).
 ``peak_memory_bytes`` the most any rank allocated during the timed steps, ``peak_reserved_bytes``
 the most its allocator held (what the device had in use: CUDA graphs' private pools count here,
 not in the allocated figure).
@@ -87,6 +89,8 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
     for i in range(warmup + steps):
         _sync(device)
         mesh.barrier()  # every rank starts the step together: waits inside it are the step's
+        if i == warmup:
+            synced_from = time.time()
         timer.reset()
         t0 = time.perf_counter()
         with timer.active():
@@ -106,7 +110,9 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
         samples["step"].append(wall)
         samples["idle"].append(max(0.0, wall - sum(phases.get(n, 0.0) for n in PHASES)))
         losses.append(stats.loss)
+    synced_window = [synced_from, time.time()]
     back_to_back = _back_to_back(step, mesh, steps)
+    back_to_back_window = [synced_window[1], time.time()]
     if os.environ.get("OPTIMUS_TRACE_DIR"):
         _trace(Path(os.environ["OPTIMUS_TRACE_DIR"]), mesh, lambda: float(step().grad_norm))
     local = {f"{name}_s": statistics.median(values) for name, values in samples.items()}
@@ -127,7 +133,8 @@ def measure_steps(cfg: RunConfig, mesh: Mesh, *, steps: int = 10, warmup: int = 
         point["step_back_to_back_s"] = max(r["step_back_to_back_s"] for r in ranks)
         point["tokens_per_s_back_to_back"] = tokens / point["step_back_to_back_s"]
     point.update(tokens_per_step=tokens, tokens_per_s=tokens / point["step_s"], loss=losses[-1],
-                 devices=mesh.world_size, ep=mesh.ep, steps=steps, warmup=warmup, plan=plan.to_dict())
+                 devices=mesh.world_size, ep=mesh.ep, steps=steps, warmup=warmup, plan=plan.to_dict(),
+                 synced_window_unix_s=synced_window, back_to_back_window_unix_s=back_to_back_window)
     return point
 
 

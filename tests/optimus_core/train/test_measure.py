@@ -2,6 +2,7 @@
 benchmarks ask for with OPTIMUS_TRACE_DIR (bench/trace_gaps.py reads it)."""
 import gzip
 import json
+import time
 
 import torch
 
@@ -17,8 +18,14 @@ def _cfg():
 
 def test_phases_and_a_timeline_when_asked(tmp_path, monkeypatch):
     monkeypatch.setenv("OPTIMUS_TRACE_DIR", str(tmp_path / "traces"))
+    before = time.time()
     point = measure_steps(_cfg(), Mesh.single(torch.device("cpu")), steps=2, warmup=1)
     assert point["step_s"] > 0 and point["tokens_per_step"] == 2 * 16
+    # the timed series' wall-clock windows (bench/gpu_telemetry.py reads the GPU over them):
+    # after the warm-up, in order, the synced steps' at least as long as their sum
+    (s0, s1), (b0, b1) = point["synced_window_unix_s"], point["back_to_back_window_unix_s"]
+    assert before < s0 <= s1 <= b0 <= b1 <= time.time()
+    assert s1 - s0 >= 2 * point["step_s"] * 0.99
     assert point["compute_s"] > 0 and point["optimizer_s"] > 0 and point["a2a_s"] == 0
     assert all(f"{name}_s" in point for name in PHASES)
     (trace,) = (tmp_path / "traces").iterdir()
