@@ -14,6 +14,8 @@
 #   bench/gpu_suite.sh tests      # the one-GPU tests (gpu-marked, kernels and core): ~3+ minutes on an H200
 #   bench/gpu_suite.sh ws         # the warp-specialized Gluon kernel (Hopper): its GPU tests, then
 #                                 # bench/kernels.py --ws; each under a timeout, so that a hang costs only it
+#   bench/gpu_suite.sh overlap    # bench/probes.py's A/B at micro-batch 8 (TMA kernel, update after the backward,
+#                                 # fewer GEMM programs), then the default's and ~tma's kernels profiled
 #   bench/gpu_suite.sh rehearse   # one rank of every paper layout (optimus rehearse): the five models at 384
 #                                 # and 12288 tiles, then the registry's own layouts; RUNS="..." TILES="..." for others,
 #                                 # CHECKPOINTING=full/3 to rehearse that instead of what the plan resolves
@@ -27,7 +29,7 @@
 # peer and ours are measured in the same call on identical GPUs.
 set -u
 cd "$(dirname "$0")/.."
-part=${1:?usage: bench/gpu_suite.sh speed|scaling|all|trace|weak|memory|tests|ws|rehearse}
+part=${1:?usage: bench/gpu_suite.sh speed|scaling|all|trace|weak|memory|tests|ws|overlap|rehearse}
 out=${OUT:-bench/results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -46,6 +48,18 @@ ws)  # within one device call's 600 s (the bench gets what the tests left); a ha
   done
   timeout $((570 - SECONDS)) python3 bench/kernels.py --tokens "${TOKENS:-8192,16384,32768}" --only up,down --backends triton,torch_raw \
     --ws --out "$out" --store '' 2>&1 | tee "$out/ws-kernels.log"
+  ;;
+overlap)  # bench/probes.py's A/B at micro-batch 8 (where the warp-specialized kernel's gain went), then
+          # the kernels of the default and of ~tma profiled in the same call; every record carries
+          # the GPU's clocks and power (bench/gpu_telemetry.py)
+  variants=${VARIANTS:-7b8l-default 7b8l-default~tma 7b8l-default~update-after 7b8l-default~tma~update-after 7b8l-default~programs-116}
+  timeout 420 python3 bench/train_step.py --batch ${MICRO_BATCHES:-8} --repeat ${REPEAT:-2} --variants $variants \
+    --out "$out" --store '' 2>&1 | tee "$out/overlap.log"
+  for v in 7b8l-default 7b8l-default~tma; do
+    [ $SECONDS -lt 500 ] || break
+    timeout $((580 - SECONDS)) python3 bench/profile_step.py --batch ${MICRO_BATCHES:-8} --steps 2 --variant "$v" \
+      --out "$out/profile-${v//\~/-}" 2>&1 | tee -a "$out/overlap.log"
+  done
   ;;
 rehearse)
   slug=$(python3 -c 'import torch, re; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-"))')

@@ -23,6 +23,9 @@ warm-up, then the median of timed steps, phases from device events):
     -torch-qk-norm          execution.qk_norm_rope = torch: the QK-norm and RoPE by torch ops
     +torch-adamw            execution.adamw = torch: torch's fused AdamW (and so no update beside
                             the forward and no bf16 expert gradients: the plan's rules)
+    <variant>~<probe>       the variant with a one-off change in its process (bench/probes.py:
+                            ~tma, ~programs-N, ~update-after), left out of "best"; the summary's
+                            probes_over_base holds its tokens/s over the variant's
 
 The A/B-only choices measured before (CUDA graphs, the update after the backward, the routing
 weights in the combine, the clip's norm after the backward or reading the dW again, float32
@@ -68,7 +71,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import device_slug, ingest, publish, read_jsonl, write_jsonl  # noqa: E402
+from bench import probes  # noqa: E402
 from bench.gpu_telemetry import GpuSampler, clock_note  # noqa: E402
+from bench.probes import variant_type  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H100 / H200 dense bf16, datasheet: the MFU convention
 MODEL_7B = dict(preset="mula-7b-a1b", overrides={"model.n_layers": 8})
@@ -106,7 +111,8 @@ DEFAULT_VARIANT = "7b8l-default"  # what a run gets without overrides
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), type=variant_type(VARIANTS),
+                   help="names of VARIANTS, or <variant>~<probe> (bench/probes.py: one-off A/Bs)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, nargs="+", default=[2],
                    help="sequences per step, one micro-batch; several: each variant at each (the micro-batch axis)")
@@ -156,7 +162,7 @@ def run_variant(name: str, args, device, batch: int, sampler=None) -> dict:
     from optimus_core.parallel import Mesh
     from optimus_core.train.measure import measure_steps
 
-    model, extra = VARIANTS[name]
+    model, extra = VARIANTS[probes.split(name)[0]]
     overrides = {**model["overrides"], "data.seq_len": args.seq, "train.global_batch": batch,
                  "train.micro_batch": batch, "train.device": device.type, **extra}
     preset = model["preset"]
@@ -175,7 +181,8 @@ def run_variant(name: str, args, device, batch: int, sampler=None) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    point = measure_steps(cfg, Mesh.single(device), steps=args.steps, warmup=args.warmup)
+    with probes.applied(name):
+        point = measure_steps(cfg, Mesh.single(device), steps=args.steps, warmup=args.warmup)
     plan = point["plan"]
     # The GPU's clocks and power over the steps tokens/s comes from (back to back where measured)
     synced, back_to_back = point.pop("synced_window_unix_s"), point.pop("back_to_back_window_unix_s")
@@ -237,7 +244,9 @@ def summarize(records: list[dict], olmo: list[dict], dense_tflops: float | None,
 
 
 def _summarize_batch(records: list[dict], olmo: dict | None, dense_tflops: float | None) -> dict:
-    moe = _median_passes([r for r in records if r["variant"].startswith("7b8l") and "error" not in r])  # 8-layer 7B
+    measured = _median_passes([r for r in records if r["variant"].startswith("7b8l") and "error" not in r])  # 8-layer 7B
+    moe = [r for r in measured if not probes.split(r["variant"])[1]]  # a probe is no variant a run can take
+    by_name = {r["variant"]: r for r in measured}
     best = max(moe, key=_tokens_per_s) if moe else None
     base = next((r for r in moe if r["variant"] == "7b8l-loop"), None)
     out = {"best_variant": best and best["variant"],
@@ -246,7 +255,11 @@ def _summarize_batch(records: list[dict], olmo: dict | None, dense_tflops: float
            best["flops_per_token"] * _tokens_per_s(best) / (dense_tflops * 1e12),
            "ablation_speedup": best and base and _tokens_per_s(best) / _tokens_per_s(base),
            "ablation_note": "one GPU: kernels only (the EP-aware optimizer needs >1 rank; bench/distributed.py)",
-           "tokens_per_s_passes": {r["variant"]: r["tokens_per_s_passes"] for r in moe if "tokens_per_s_passes" in r}}
+           "tokens_per_s_passes": {r["variant"]: r["tokens_per_s_passes"] for r in measured if "tokens_per_s_passes" in r},
+           # each probe's tokens/s over its variant's (bench/probes.py), median passes against median passes
+           "probes_over_base": {r["variant"]: _tokens_per_s(r) / _tokens_per_s(by_name[base])
+                                for r in measured for base, probe in [probes.split(r["variant"])]
+                                if probe and base in by_name}}
     if olmo and best:
         olmo_tps = _olmo_tokens_per_s(olmo)
         default = next((r for r in moe if r["variant"] == DEFAULT_VARIANT), None)

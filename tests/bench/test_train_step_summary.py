@@ -128,3 +128,18 @@ def test_ingest_names_old_records_by_their_variant(tmp_path):
     ingest(path, str(tmp_path / "store.zarr"), key="series", fallback="variant")
     store = open_store(str(tmp_path / "store.zarr"), mode="r")
     assert {"7b8l-default", "7b8l-default_mb8"} <= set(store.tables("bench-train-step-x"))
+
+
+def test_a_probe_is_compared_with_its_variant_and_never_the_best():
+    """A probe (bench/probes.py) is a one-off change, not a variant a run can take: left out of
+    "best", its tokens/s reported over its variant's, median pass against median pass."""
+    from bench.train_step import summarize
+
+    records = [_variant("7b8l-default", 100.0), _variant("7b8l-default", 104.0),
+               _variant("7b8l-default~programs-116", 120.0), _variant("7b8l-default~programs-116", 110.0),
+               _variant("7b8l-default~tma", 90.0)]
+    for i, r in enumerate(records):
+        r["pass"] = i % 2
+    summary = summarize(records, [], None, "nvidia-h200")
+    assert summary["best_variant"] == "7b8l-default" and summary["best_tokens_per_s"] == 100.0  # the slower median
+    assert summary["probes_over_base"] == {"7b8l-default~programs-116": 110.0 / 100.0, "7b8l-default~tma": 0.9}

@@ -1,0 +1,99 @@
+"""Probes: a change made inside one benchmark variant's process, for an A/B no execution choice
+expresses. A probe is not an option of the trainer; each answers one open question of
+bench/NOTES.md and is deleted once answered.
+
+    python bench/train_step.py --batch 8 --repeat 2 \\
+        --variants 7b8l-default 7b8l-default~tma 7b8l-default~programs-116 7b8l-default~update-after
+    python bench/profile_step.py --batch 8 --variant 7b8l-default~programs-116
+
+A variant named ``<variant>~<probe>`` is bench/train_step.py's ``<variant>`` with the probe applied
+while it is built and timed; ``<variant>~<probe>~<probe>`` applies both. The question (eighteenth session): the warp-specialized forward / dx
+kernel is 10-18 % faster than the TMA kernel alone and moved the 8 x 8 step by 0.2 %. The AdamW
+update runs beside the next forward on a high-priority stream; a persistent GEMM kernel that
+holds every SM's registers (the warp-specialized one does, the TMA one leaves room) would leave
+the update nothing to run beside it, so the update's blocks take the SMs between kernels.
+
+  tma           the forward and dx by the Triton TMA kernel where the warp-specialized one would run
+  programs-N    our persistent GEMM kernels (forward, dx, dW) on at most N programs, one per SM:
+                the other SMs stay free for the update beside them (the H200 has 132)
+  update-after  the update after the backward, not beside the next forward
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import re
+from unittest import mock
+
+PROBES = {
+    "tma": "the forward and dx by the TMA kernel where the warp-specialized one would run",
+    "programs-N": "our persistent GEMM kernels on at most N programs",
+    "update-after": "the update after the backward, not beside the next forward",
+}
+
+
+def split(name: str) -> tuple[str, tuple[str, ...]]:
+    """``"7b8l-default~tma~update-after"`` -> ("7b8l-default", ("tma", "update-after")); a name
+    without a probe -> (name, ()). ValueError for a probe that is not one of PROBES."""
+    base, *wanted = name.split("~")
+    for probe in wanted:
+        if probe not in PROBES and not re.fullmatch(r"programs-[1-9][0-9]*", probe):
+            raise ValueError(f"{name!r}: unknown probe {probe!r}; probes: {', '.join(PROBES)}")
+    return base, tuple(wanted)
+
+
+def variant_type(variants):
+    """An argparse ``type``: a name of ``variants``, or one with a probe (``<variant>~<probe>``)."""
+    import argparse
+
+    def check(name: str) -> str:
+        try:
+            base, _ = split(name)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if base not in variants:
+            raise argparse.ArgumentTypeError(f"{base!r}: not a variant; variants: {', '.join(variants)}")
+        return name
+    return check
+
+
+@contextlib.contextmanager
+def applied(name: str):
+    """The probes of variant ``name`` in effect inside the block (nothing for a plain variant)."""
+    with contextlib.ExitStack() as stack:
+        for probe in split(name)[1]:
+            for patch in _patches(probe):
+                stack.enter_context(patch)
+        yield
+
+
+def apply_for_process(name: str) -> None:
+    """The probe of variant ``name`` in effect from now to the process's end: for a tool that looks
+    into one variant's step (bench/profile_step.py, bench/memory_step.py)."""
+    import atexit
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(applied(name))
+    atexit.register(stack.close)
+
+
+def _patches(probe: str) -> list:
+    # Modules by importlib: the kernels package's attribute grouped_mm is the function, not the module.
+    if probe == "tma":
+        launchers = importlib.import_module("kernels.grouped_mm")
+        return [mock.patch.object(launchers, "ws_unsupported", lambda *args, **kwargs: "probe: the TMA kernel")]
+    if probe.startswith("programs-"):
+        tma = importlib.import_module("kernels.grouped_mm_tma")  # every launcher reads its _num_programs at each launch
+        cap, real = int(probe.removeprefix("programs-")), tma._num_programs
+        return [mock.patch.object(tma, "_num_programs", lambda device: min(cap, real(device)))]
+    if probe == "update-after":
+        execution = importlib.import_module("optimus_core.execution")
+        real = execution.plan_execution
+
+        def plan_execution(*args, **kwargs):
+            return dataclasses.replace(real(*args, **kwargs), update_beside_forward=False)
+        # measure_steps holds its own name for it; profile_step imports it at each call
+        return [mock.patch.object(execution, "plan_execution", plan_execution),
+                mock.patch.object(importlib.import_module("optimus_core.train.measure"), "plan_execution", plan_execution)]
+    raise AssertionError(probe)  # split() admits no other
