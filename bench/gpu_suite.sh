@@ -15,7 +15,8 @@
 #   bench/gpu_suite.sh ws         # the warp-specialized Gluon kernel (Hopper): its GPU tests, then
 #                                 # bench/kernels.py --ws; each under a timeout, so that a hang costs only it
 #   bench/gpu_suite.sh overlap    # bench/probes.py's A/B at micro-batch 8 (TMA kernel, update after the backward,
-#                                 # fewer GEMM programs), then the default's and ~tma's kernels profiled
+#                                 # fewer GEMM programs, the LM head's dW summed in its GEMM), then the
+#                                 # default's and ~tma's kernels profiled
 #   bench/gpu_suite.sh rehearse   # one rank of every paper layout (optimus rehearse): the five models at 384
 #                                 # and 12288 tiles, then the registry's own layouts; RUNS="..." TILES="..." for others,
 #                                 # CHECKPOINTING=full/3 to rehearse that instead of what the plan resolves
@@ -52,7 +53,8 @@ ws)  # within one device call's 600 s (the bench gets what the tests left); a ha
 overlap)  # bench/probes.py's A/B at micro-batch 8 (where the warp-specialized kernel's gain went), then
           # the kernels of the default and of ~tma profiled in the same call; every record carries
           # the GPU's clocks and power (bench/gpu_telemetry.py)
-  variants=${VARIANTS:-7b8l-default 7b8l-default~tma 7b8l-default~update-after 7b8l-default~tma~update-after 7b8l-default~programs-116}
+  variants=${VARIANTS:-7b8l-default 7b8l-default~tma 7b8l-default~update-after 7b8l-default~tma~update-after \
+            7b8l-default~programs-116 7b8l-default~lm-head-f32-gemm}
   timeout 420 python3 bench/train_step.py --batch ${MICRO_BATCHES:-8} --repeat ${REPEAT:-2} --variants $variants \
     --out "$out" --store '' 2>&1 | tee "$out/overlap.log"
   for v in 7b8l-default 7b8l-default~tma; do
@@ -120,7 +122,8 @@ memory)
   grep -vE "^\{" "$out/memory.log" | cut -c1-200
   ;;
 tests)
-  timeout 540 python3 -m pytest -q -m "gpu and not multi_gpu" tests/kernels tests/optimus_core >"$out/gpu-tests.log" 2>&1
+  timeout 540 python3 -m pytest -q -m "gpu and not multi_gpu" tests/kernels tests/optimus_core tests/bench \
+    >"$out/gpu-tests.log" 2>&1
   grep -E "passed|failed|FAILED|ERROR" "$out/gpu-tests.log" | tail -n 20 | cut -c1-300
   ;;
 scaling)

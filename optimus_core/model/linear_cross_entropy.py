@@ -65,6 +65,14 @@ def linear_cross_entropy(h_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N:
                                      grads and h_ND.requires_grad, grads and weight_VD.requires_grad, kernel)
 
 
+def accumulate_dw(dw_VD: torch.Tensor | None, dlogits_CV: torch.Tensor, h_CD: torch.Tensor) -> torch.Tensor:
+    """``dw_VD + dlogits_CV.T @ h_CD`` in float32 (``dw_VD`` None before the first chunk): the
+    chunk's product in the compute dtype, then added to the float32 sum, what the float32 master
+    weight receives. bench/probes.py's ~lm-head-f32-gemm measures the sum made by the GEMM itself."""
+    part_VD = dlogits_CV.T @ h_CD
+    return part_VD.float() if dw_VD is None else dw_VD.add_(part_VD)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_ND, weight_VD, targets_N, compute_dtype, chunk_rows, ignore_index, need_dh, need_dw,
@@ -108,13 +116,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     dh_CD = dlogits_CV @ w_VD
                     dh_ND[rows] = dh_CD if keep_C1 is None else dh_CD * keep_C1
                 if need_dw:
-                    part_VD = dlogits_CV.T @ (h_CD if keep_C1 is None else h_CD * keep_C1)
-                    # float32 accumulation over chunks: what the float32 master weight receives
-                    dw_VD = part_VD.float() if dw_VD is None else dw_VD.add_(part_VD)
-                # This chunk's logits and dW part go before the next chunk's are made: held over,
-                # they were 0.58 GiB on top of the forward's activations, where the step peaked
-                # (bench/NOTES.md).
-                logits_CV = dlogits_CV = part_VD = None
+                    dw_VD = accumulate_dw(dw_VD, dlogits_CV, h_CD if keep_C1 is None else h_CD * keep_C1)
+                # This chunk's logits go before the next chunk's are made: held over, with the dW
+                # part, they were 0.58 GiB on top of the forward's activations, where the step
+                # peaked (bench/NOTES.md).
+                logits_CV = dlogits_CV = None
             loss = nll / count  # NaN when every target is ignored, as F.cross_entropy
             inv_count = 1.0 / count.clamp(min=1).float()
         ctx.save_for_backward(dh_ND, dw_VD, inv_count)

@@ -90,3 +90,31 @@ def test_update_after_probe_keeps_the_update_off_the_side_stream():
             # nothing else changes
             assert plan == dataclasses.replace(real(cfg, torch.device("cuda"), **on_gpu), update_beside_forward=False)
     assert execution.plan_execution is real and measure.plan_execution is real
+
+
+def test_lm_head_probe_swaps_the_dw_sum():
+    lce = importlib.import_module("optimus_core.model.linear_cross_entropy")
+    real = lce.accumulate_dw
+    with probes.applied("x~lm-head-f32-gemm"):
+        assert lce.accumulate_dw is probes.dw_summed_in_the_gemm
+    assert lce.accumulate_dw is real
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lm_head_probe_sums_dw_as_the_default_does_on_cuda():
+    """Both sums against float64 over three bf16 chunks: the GEMM's float32 sum is at least as
+    close (the default rounds each chunk's product to bf16 first)."""
+    lce = importlib.import_module("optimus_core.model.linear_cross_entropy")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    chunks = [(torch.randn(256, 1000, device="cuda", generator=gen).bfloat16(),
+               torch.randn(256, 128, device="cuda", generator=gen).bfloat16()) for _ in range(3)]
+    ref = sum(d.double().T @ h.double() for d, h in chunks)
+    sums = {}
+    for name, accumulate in (("default", lce.accumulate_dw), ("probe", probes.dw_summed_in_the_gemm)):
+        dw = None
+        for d, h in chunks:
+            dw = accumulate(dw, d, h)
+        assert dw.dtype == torch.float32
+        sums[name] = (dw.double() - ref).abs().max().item()
+    assert sums["probe"] <= sums["default"] and sums["probe"] < 1e-3 * ref.abs().max().item()
