@@ -7,11 +7,17 @@ bench/NOTES.md and is deleted once answered.
     python bench/profile_step.py --batch 8 --variant 7b8l-default~programs-116
 
 A variant named ``<variant>~<probe>`` is bench/train_step.py's ``<variant>`` with the probe applied
-while it is built and timed; ``<variant>~<probe>~<probe>`` applies both. The question (eighteenth session): the warp-specialized forward / dx
-kernel is 10-18 % faster than the TMA kernel alone and moved the 8 x 8 step by 0.2 %. The AdamW
-update runs beside the next forward on a high-priority stream; a persistent GEMM kernel that
-holds every SM's registers (the warp-specialized one does, the TMA one leaves room) would leave
-the update nothing to run beside it, so the update's blocks take the SMs between kernels.
+while it is built and timed; ``<variant>~<probe>~<probe>`` applies both. The question (eighteenth
+session): the warp-specialized forward / dx kernel is 10-18 % faster than the TMA kernel alone
+and moved the 8 x 8 step by 0.2 %. Three explanations, one probe or reading each:
+- the AdamW update runs beside the next forward, and each block's forward waits for its block's
+  update: where the update and the forward's own memory passes bound that phase, faster GEMMs
+  do not shorten it (~update-after, with and without ~tma);
+- the warp-specialized kernel holds all of an SM's registers (168 a thread over 384 threads), so
+  nothing runs beside it; the TMA kernel leaves 10-24K registers free in its up projection's
+  forward and dx (~programs-N leaves whole SMs to the update instead);
+- the GPU at its power limit, where hiding latency saves no energy (the gpu_* readings of
+  bench/gpu_telemetry.py on every record).
 
   tma           the forward and dx by the Triton TMA kernel where the warp-specialized one would run
   programs-N    our persistent GEMM kernels (forward, dx, dW) on at most N programs, one per SM:
