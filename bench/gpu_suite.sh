@@ -16,7 +16,7 @@
 #                                 # bench/kernels.py --ws; each under a timeout, so that a hang costs only it
 #   bench/gpu_suite.sh overlap    # bench/probes.py's A/B at micro-batch 8 (TMA kernel, update after the backward,
 #                                 # fewer GEMM programs, the LM head's dW summed in its GEMM), then the
-#                                 # default's and ~tma's kernels profiled
+#                                 # default's and ~tma's kernels profiled and traced (trace_gaps.py --streams)
 #   bench/gpu_suite.sh rehearse   # one rank of every paper layout (optimus rehearse): the five models at 384
 #                                 # and 12288 tiles, then the registry's own layouts; RUNS="..." TILES="..." for others,
 #                                 # CHECKPOINTING=full/3 to rehearse that instead of what the plan resolves
@@ -60,8 +60,10 @@ overlap)  # bench/probes.py's A/B at micro-batch 8 (where the warp-specialized k
   for v in 7b8l-default 7b8l-default~tma; do
     [ $SECONDS -lt 500 ] || break
     timeout $((580 - SECONDS)) python3 bench/profile_step.py --batch ${MICRO_BATCHES:-8} --steps 2 --variant "$v" \
-      --out "$out/profile-${v//\~/-}" 2>&1 | tee -a "$out/overlap.log"
+      --out "$out/profile-${v//\~/-}" --trace /tmp/optimus-traces 2>&1 | tee -a "$out/overlap.log"
   done
+  # the update beside the forward and alone (the forward waiting for it), per traced step
+  python3 bench/trace_gaps.py /tmp/optimus-traces/trace-7b8l-default*.json* --streams 2>&1 | tee -a "$out/overlap.log"
   ;;
 rehearse)
   slug=$(python3 -c 'import torch, re; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-"))')

@@ -16,8 +16,12 @@ overhead. Output: a per-step table and the gaps summed by cause, largest first.
 
     python bench/trace_gaps.py BEFORE.json.gz AFTER.json.gz --compare [--top 25]
     python bench/trace_gaps.py TRACE.json.gz --ops [--top 25]
+    python bench/trace_gaps.py TRACE.json.gz --streams
 
 ``--ops``: the last step's device time per (host op that launched it, kernel), largest first.
+``--streams``: per step, the main stream's busy time and the side streams' (the update beside the
+forward, on one GPU), split into what ran beside the main stream's work and what ran alone,
+while the main stream had nothing to run (a forward waiting for its block's update shows there).
 ``--compare``: device time of the last step of each trace per (host op that launched it, kernel),
 and AFTER - BEFORE, largest growth first: which work one setup adds to the other (weak-2 against
 weak-1, say).
@@ -172,6 +176,54 @@ def analyze(events: list[dict], min_gap_us: float = 20.0, skip: int = 0) -> dict
     return out
 
 
+def _intersection_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of the overlap of two sorted, merged interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def streams(events: list[dict]) -> list[dict]:
+    """Per step, the device's streams against its main one (the stream with the most busy time):
+    ``main_us`` its busy time, ``side_us`` the other streams' (their union), ``beside_us`` the
+    side work that ran while the main stream was busy, ``side_alone_us`` the side work that ran
+    while the main stream had nothing (the main stream waiting on it, e.g. a forward waiting for
+    its block's update beside it, or simply idle), ``idle_us`` neither; and the side streams'
+    five largest kernels (µs). The steps are taken as ``analyze`` takes them."""
+    device = [e for e in events if e.get("cat") in DEVICE_CATS]
+    steps = _steps(events)
+    starts = [s["ts"] for s in steps] + [float("inf")]
+    out = []
+    for i in range(len(steps)):
+        mine = [e for e in device if starts[i] <= e["ts"] < starts[i + 1]]
+        if not mine:
+            continue
+        by_stream: dict = defaultdict(list)
+        for e in mine:
+            by_stream[e.get("args", {}).get("stream", e.get("tid"))].append(e)
+        busy = {sid: union_length([(e["ts"], e["ts"] + e["dur"]) for e in es]) for sid, es in by_stream.items()}
+        main_id = max(busy, key=lambda sid: busy[sid][0])
+        side = [e for sid, es in by_stream.items() if sid != main_id for e in es]
+        main_us, main_merged = busy[main_id]
+        side_us, side_merged = union_length([(e["ts"], e["ts"] + e["dur"]) for e in side])
+        beside = _intersection_length(main_merged, side_merged)
+        begin, end = min(e["ts"] for e in mine), max(e["ts"] + e["dur"] for e in mine)
+        kernels: dict = defaultdict(float)
+        for e in side:
+            kernels[e["name"]] += e["dur"]
+        out.append({"step": i, "main_stream": main_id, "window_us": end - begin, "main_us": main_us,
+                    "side_us": side_us, "beside_us": beside, "side_alone_us": side_us - beside,
+                    "idle_us": end - begin - (main_us + side_us - beside),
+                    "side_kernels_us": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:5])})
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("traces", nargs="+")
@@ -181,7 +233,18 @@ def main(argv=None) -> None:
                    help="leave the first N steps out of the causes and gaps (warm-up, autotuning)")
     p.add_argument("--compare", action="store_true", help="two traces: the second's device time per op minus the first's")
     p.add_argument("--ops", action="store_true", help="the last step's device time per launching op and kernel")
+    p.add_argument("--streams", action="store_true",
+                   help="per step: the main stream's busy time, the side streams' beside it and alone")
     args = p.parse_args(argv)
+    if args.streams:
+        for path in args.traces:
+            print(f"== {path}")
+            print(f"{'step':>4} {'window ms':>10} {'main ms':>8} {'side ms':>8} {'beside':>8} {'alone':>8} {'idle':>8}")
+            for s in streams(load(path)):
+                print(f"{s['step']:>4} {s['window_us'] / 1e3:10.2f} {s['main_us'] / 1e3:8.2f} {s['side_us'] / 1e3:8.2f} "
+                      f"{s['beside_us'] / 1e3:8.2f} {s['side_alone_us'] / 1e3:8.2f} {s['idle_us'] / 1e3:8.2f}  "
+                      + ", ".join(f"{name[:40]} {us / 1e3:.2f}" for name, us in s["side_kernels_us"].items()))
+        return
     if args.ops:
         for path in args.traces:
             rows = sorted(device_time_by_op(load(path)).items(), key=lambda kv: -kv[1][0])

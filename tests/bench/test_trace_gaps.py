@@ -116,3 +116,27 @@ def test_ops_lists_the_last_steps_device_time_by_launching_op(tmp_path, capsys):
     lines = [line for line in out.splitlines() if "->" in line]
     assert "aten::add -> B" in lines[0] or "aten::mm -> A" in lines[0]  # 0.10 ms each, the largest
     assert any("aten::index -> D" in line and "0.04" in line for line in lines)
+
+
+def test_streams_split_side_work_beside_the_main_stream_and_alone():
+    """Main stream 7: [0, 100) and [300, 400); side stream 9 (the update): [50, 250), of which
+    [50, 100) ran beside the main stream's work and [100, 250) alone; [250, 300) idle."""
+    from bench.trace_gaps import streams
+
+    events = [_x("optimus.step", "user_annotation", 0, 1000),
+              _x("gemm", "kernel", 0, 100, tid=7), _x("gemm", "kernel", 300, 100, tid=7),
+              _x("_adamw_kernel", "kernel", 50, 120, tid=9), _x("_adamw_kernel", "kernel", 170, 80, tid=9),
+              _x("norm", "gpu_memset", 60, 10, tid=9)]
+    (s,) = streams(events)
+    assert s["main_stream"] == 7 and s["window_us"] == 400
+    assert (s["main_us"], s["side_us"], s["beside_us"], s["side_alone_us"], s["idle_us"]) == (200, 200, 50, 150, 50)
+    assert s["side_kernels_us"] == {"_adamw_kernel": 200, "norm": 10}
+
+
+def test_streams_cli(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": _timeline()}))
+    main([str(path), "--streams"])
+    out = capsys.readouterr().out
+    # stream 7 (A, B, D: 240 us) is the main one; the NCCL kernel on 8 ran 50 us beside B, 50 alone
+    assert "0.24" in out and "ncclDevKernel_Reduce 0.10" in out
