@@ -17,6 +17,9 @@ It only reads (`nvidia-smi --query-gpu ... -lms`); it never changes a clock or a
 from __future__ import annotations
 
 import atexit
+import datetime
+import os
+import pty
 import shutil
 import statistics
 import subprocess
@@ -25,9 +28,9 @@ import time
 
 # The fields asked for, newest names first; a driver that rejects one set gets the other.
 FIELDS = [
-    ("clocks.sm", "clocks.mem", "power.draw.instant", "enforced.power.limit", "temperature.gpu",
+    ("timestamp", "clocks.sm", "clocks.mem", "power.draw.instant", "enforced.power.limit", "temperature.gpu",
      "clocks_event_reasons.active", "utilization.gpu"),
-    ("clocks.sm", "clocks.mem", "power.draw", "power.limit", "temperature.gpu",
+    ("timestamp", "clocks.sm", "clocks.mem", "power.draw", "power.limit", "temperature.gpu",
      "clocks_throttle_reasons.active", "utilization.gpu"),
 ]
 # NVML's clock event reasons (nvmlClocksEventReason*): the bits that say why the SM clock is low.
@@ -38,10 +41,15 @@ INTERVAL_MS = 20  # a pass of kernel rows timed in turns lasts ~0.1-1 s
 
 
 def parse_line(line: str) -> dict | None:
-    """One line of `--format=csv,noheader,nounits` output in FIELDS' order -> a sample (None for
-    a line that is not one, e.g. a driver message). "[N/A]" and the like read as None."""
+    """One line of `--format=csv,noheader,nounits` output in FIELDS' order -> a sample, its
+    ``time`` in time.time()'s seconds (None for a line that is not one, e.g. a driver message).
+    "[N/A]" and the like read as None."""
     parts = [p.strip() for p in line.split(",")]
     if len(parts) != len(FIELDS[0]):
+        return None
+    try:  # the machine's local time, as time.mktime reads it
+        stamp = datetime.datetime.strptime(parts.pop(0), "%Y/%m/%d %H:%M:%S.%f").timestamp()
+    except ValueError:
         return None
 
     def number(text: str, kind=float):
@@ -51,7 +59,7 @@ def parse_line(line: str) -> dict | None:
             return None
 
     sm, mem, power, limit, temp, reasons, util = parts
-    sample = {"sm_clock_mhz": number(sm), "mem_clock_mhz": number(mem), "power_w": number(power),
+    sample = {"time": stamp, "sm_clock_mhz": number(sm), "mem_clock_mhz": number(mem), "power_w": number(power),
               "power_limit_w": number(limit), "temperature_c": number(temp), "reasons": number(reasons, int),
               "utilization": number(util)}
     return sample if sample["sm_clock_mhz"] is not None else None
@@ -87,14 +95,18 @@ def summarize(samples: list[dict]) -> dict:
 
 
 class GpuSampler:
-    """nvidia-smi polling one GPU every INTERVAL_MS in the background; each sample stamped with
-    the host's time.time() when it arrives, so that ``window(t0, t1)`` picks a timed region."""
+    """nvidia-smi polling one GPU every INTERVAL_MS in the background, each sample stamped by
+    nvidia-smi, so that ``window(t0, t1)`` (time.time() seconds) picks a timed region."""
 
     def __init__(self, command: list[str]):
-        self._samples: list[tuple[float, dict]] = []
+        self._samples: list[dict] = []
         self._lock = threading.Lock()
-        self._proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                      bufsize=1)
+        # A terminal for its output: into a pipe, C's stdio would hand its lines over in blocks
+        # of a second or more; into a terminal, a line at a time.
+        reader, writer = pty.openpty()
+        self._proc = subprocess.Popen(command, stdout=writer, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        os.close(writer)
+        self._output = os.fdopen(reader, "r", errors="replace")
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
         atexit.register(self.stop)  # nvidia-smi must not outlive the benchmark
@@ -124,16 +136,26 @@ class GpuSampler:
         return None
 
     def _read(self) -> None:
-        for line in self._proc.stdout:
-            sample = parse_line(line)
-            if sample:
-                with self._lock:
-                    self._samples.append((time.time(), sample))
+        try:
+            for line in self._output:
+                sample = parse_line(line)
+                if sample:
+                    with self._lock:
+                        self._samples.append(sample)
+        except OSError:  # the terminal closes when nvidia-smi ends (EIO)
+            pass
 
     def window(self, t0: float, t1: float) -> dict:
-        """The ``gpu_*`` summary of the samples that arrived between t0 and t1 (time.time())."""
+        """The ``gpu_*`` summary of the samples taken between t0 and t1 (time.time() seconds,
+        by nvidia-smi's own timestamps); it waits a few intervals for the samples up to t1."""
+        deadline = time.time() + 5 * INTERVAL_MS / 1e3
+        while time.time() < deadline and self._proc.poll() is None:
+            with self._lock:
+                if self._samples and self._samples[-1]["time"] >= t1:
+                    break
+            time.sleep(INTERVAL_MS / 1e3)
         with self._lock:
-            inside = [s for t, s in self._samples if t0 <= t <= t1]
+            inside = [s for s in self._samples if t0 <= s["time"] <= t1]
         return summarize(inside)
 
     def stop(self) -> None:
@@ -144,6 +166,8 @@ class GpuSampler:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._output.close()
 
 
 def clock_note(record: dict) -> str:

@@ -1,7 +1,9 @@
 """bench/gpu_telemetry.py: nvidia-smi's lines read into samples, a window's summary, and the
 sampler run against a stand-in nvidia-smi (a script that answers as the real one does)."""
+import datetime
 import os
 import stat
+import sys
 import textwrap
 import time
 
@@ -11,13 +13,15 @@ from bench.gpu_telemetry import FIELDS, GpuSampler, clock_note, parse_line, summ
 
 
 def test_parse_line_reads_numbers_hex_reasons_and_missing_values():
-    s = parse_line("1755, 3201, 689.51, 700.00, 61, 0x0000000000000004, 100\n")
+    s = parse_line("2026/12/05 07:10:11.250, 1755, 3201, 689.51, 700.00, 61, 0x0000000000000004, 100\r\n")
+    assert s.pop("time") == datetime.datetime(2026, 12, 5, 7, 10, 11, 250000).timestamp()  # local time
     assert s == {"sm_clock_mhz": 1755.0, "mem_clock_mhz": 3201.0, "power_w": 689.51, "power_limit_w": 700.0,
                  "temperature_c": 61.0, "reasons": 4, "utilization": 100.0}
-    s = parse_line("1980, 3201, [N/A], [N/A], 40, [N/A], 0")
+    s = parse_line("2026/12/05 07:10:11.300, 1980, 3201, [N/A], [N/A], 40, [N/A], 0")
     assert s["power_w"] is None and s["reasons"] is None and s["sm_clock_mhz"] == 1980.0
     assert parse_line("No devices were found") is None
-    assert parse_line("[N/A], 1, 2, 3, 4, 0x0, 5") is None  # no clock: not a sample
+    assert parse_line("2026/12/05 07:10:11.300, [N/A], 1, 2, 3, 4, 0x0, 5") is None  # no clock: not a sample
+    assert parse_line("yesterday, 1980, 3201, 1, 2, 40, 0x0, 0") is None  # no time: not a sample
 
 
 def test_summarize_takes_medians_extremes_and_the_share_of_each_reason():
@@ -40,25 +44,27 @@ def test_summarize_takes_medians_extremes_and_the_share_of_each_reason():
 def _fake_smi(tmp_path, accepted: tuple[str, ...]):
     """An nvidia-smi that knows only the field set ``accepted`` and GPU "GPU-good": a one-shot
     query prints one line; with -lms it prints a line every few milliseconds, the SM clock
-    falling by 1 MHz a line, until it is killed."""
+    falling by 1 MHz a line, until it is killed. It writes through C stdio's buffering as the
+    real one does (print without flush: whole blocks into a pipe, lines into a terminal)."""
     script = tmp_path / "nvidia-smi"
     script.write_text(textwrap.dedent(f"""\
-        #!/usr/bin/env bash
-        query=""; gpu=""; loop=""
-        while [ $# -gt 0 ]; do
-          case $1 in
-            --query-gpu=*) query=${{1#--query-gpu=}} ;;
-            -i) gpu=$2; shift ;;
-            -lms) loop=$2; shift ;;
-          esac
-          shift
-        done
-        [ "$query" = "{','.join(accepted)}" ] || {{ echo "Field is not a valid field to query." ; exit 2; }}
-        [ "$gpu" = "GPU-good" ] || {{ echo "No devices were found"; exit 6; }}
-        clock=1980
-        echo "$clock, 3201, 690.5, 700.00, 60, 0x0000000000000004, 100"
-        [ -n "$loop" ] || exit 0
-        while true; do clock=$((clock - 1)); echo "$clock, 3201, 690.5, 700.00, 60, 0x4, 100"; sleep 0.005; done
+        #!{sys.executable}
+        import datetime, os, sys, time
+        sys.stdout = os.fdopen(1, "w", buffering=-1)  # C stdio's: lines to a terminal, else blocks
+        args = sys.argv[1:]
+        query = next(a.split("=", 1)[1] for a in args if a.startswith("--query-gpu="))
+        if query != "{','.join(accepted)}":
+            print("Field is not a valid field to query."); sys.exit(2)
+        if args[args.index("-i") + 1] != "GPU-good":
+            print("No devices were found"); sys.exit(6)
+        clock = 1980
+        while True:
+            now = datetime.datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+            print(f"{{now}}, {{clock}}, 3201, 690.5, 700.00, 60, 0x0000000000000004, 100")
+            if "-lms" not in args:
+                break
+            clock -= 1
+            time.sleep(0.005)
         """))
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return str(script)
@@ -70,12 +76,13 @@ def test_sampler_finds_the_gpu_and_fields_the_driver_takes_and_windows_its_sampl
     sampler = GpuSampler.open(smi, ["GPU-unknown", "GPU-good"])
     assert sampler is not None
     try:
-        time.sleep(0.3)
-        t0 = time.time()
-        time.sleep(0.3)
-        t1 = time.time()
         time.sleep(0.1)
-        inside, everything = sampler.window(t0, t1), sampler.window(0, time.time())
+        t0 = time.time()
+        time.sleep(0.2)
+        t1 = time.time()
+        inside = sampler.window(t0, t1)  # at once: the lines must come as they are written
+        time.sleep(0.2)
+        everything = sampler.window(0, time.time())
     finally:
         sampler.stop()
     assert 0 < inside["gpu_samples"] < everything["gpu_samples"]
