@@ -103,10 +103,15 @@ class GpuSampler:
         self._lock = threading.Lock()
         # A terminal for its output: into a pipe, C's stdio would hand its lines over in blocks
         # of a second or more; into a terminal, a line at a time.
-        reader, writer = pty.openpty()
-        self._proc = subprocess.Popen(command, stdout=writer, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
-        os.close(writer)
-        self._output = os.fdopen(reader, "r", errors="replace")
+        try:
+            reader, writer = pty.openpty()
+        except OSError:  # no terminals here: a pipe, later lines, the same timestamps
+            self._proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self._output = self._proc.stdout
+        else:
+            self._proc = subprocess.Popen(command, stdout=writer, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+            os.close(writer)
+            self._output = os.fdopen(reader, "r", errors="replace")
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
         atexit.register(self.stop)  # nvidia-smi must not outlive the benchmark
