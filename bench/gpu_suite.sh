@@ -11,7 +11,7 @@
 #                                 # and weak-2's device time against weak-1's (trace_gaps.py --compare)
 #   bench/gpu_suite.sh memory     # where the step's peak memory lies and what is allocated then
 #                                 # (bench/memory_step.py; VARIANTS="..." for others than the default)
-#   bench/gpu_suite.sh tests      # the one-GPU tests (gpu-marked, kernels and core): ~3+ minutes on an H200
+#   bench/gpu_suite.sh tests      # the one-GPU tests (gpu-marked: kernels, core, bench): ~3+ minutes on an H200
 #   bench/gpu_suite.sh ws         # the warp-specialized Gluon kernel (Hopper): its GPU tests, then
 #                                 # bench/kernels.py --ws; each under a timeout, so that a hang costs only it
 #   bench/gpu_suite.sh overlap    # bench/probes.py's A/B at micro-batch 8 (TMA kernel, update after the backward,

@@ -8,7 +8,7 @@ bench/NOTES.md and is deleted once answered.
 
 A variant named ``<variant>~<probe>`` is bench/train_step.py's ``<variant>`` with the probe applied
 while it is built and timed; ``<variant>~<probe>~<probe>`` applies both. The question (eighteenth
-session): the warp-specialized forward / dx kernel is 10-18 % faster than the TMA kernel alone
+session): the warp-specialized forward / dx kernel is 8-22 % faster than the TMA kernel alone
 and moved the 8 x 8 step by 0.2 %. Three explanations, one probe or reading each:
 - the AdamW update runs beside the next forward, and each block's forward waits for its block's
   update: where the update and the forward's own memory passes bound that phase, faster GEMMs

@@ -23,9 +23,9 @@ warm-up, then the median of timed steps, phases from device events):
     -torch-qk-norm          execution.qk_norm_rope = torch: the QK-norm and RoPE by torch ops
     +torch-adamw            execution.adamw = torch: torch's fused AdamW (and so no update beside
                             the forward and no bf16 expert gradients: the plan's rules)
-    <variant>~<probe>       the variant with a one-off change in its process (bench/probes.py:
-                            ~tma, ~programs-N, ~update-after), left out of "best"; the summary's
-                            probes_over_base holds its tokens/s over the variant's
+    <variant>~<probe>       the variant with a one-off change in its process (bench/probes.py
+                            lists them), left out of "best"; the summary's probes_over_base
+                            holds its tokens/s over the variant's
 
 The A/B-only choices measured before (CUDA graphs, the update after the backward, the routing
 weights in the combine, the clip's norm after the backward or reading the dW again, float32
