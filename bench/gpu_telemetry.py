@@ -1,6 +1,6 @@
 """The GPU's clocks, power and clock-limiting reasons while a benchmark times, read by nvidia-smi.
 
-Why: a kernel measured 10-18 % faster alone (bench/kernels.py) moved the training step by 0.2 %
+Why: a kernel measured 8-22 % faster alone (bench/kernels.py) moved the training step by 0.2 %
 (bench/NOTES.md, eighteenth session). One explanation is power: an H200 running GEMMs near its
 rate can sit at its power limit, where the clocks follow the energy a step spends and a kernel
 that only hides latency does the same work in the same energy. Whether that happens is a
