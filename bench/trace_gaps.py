@@ -96,6 +96,19 @@ def _steps(events: list[dict]) -> list[dict]:
     return steps
 
 
+def _device_events_by_step(events: list[dict]) -> list[tuple[int, list[dict]]]:
+    """(step index, its device work sorted by start) for each step with any: a step's work starts
+    at or after its annotation and before the next step's."""
+    device = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
+    starts = [s["ts"] for s in _steps(events)] + [float("inf")]
+    out = []
+    for i in range(len(starts) - 1):
+        mine = [e for e in device if starts[i] <= e["ts"] < starts[i + 1]]
+        if mine:
+            out.append((i, mine))
+    return out
+
+
 def device_time_by_op(events: list[dict]) -> dict[tuple[str, str], tuple[float, int]]:
     """{(launching host op, kernel name): (µs, count)} over the device work of the last step
     (from its annotation's start to the end of the timeline)."""
@@ -127,7 +140,6 @@ def analyze(events: list[dict], min_gap_us: float = 20.0, skip: int = 0) -> dict
     """Per step: device window, busy (all / without collectives), idle; gaps by cause (µs).
     ``skip``: the first steps are left out of the causes and the gaps (a warm-up, a one-time
     autotuning), not of the per-step table."""
-    device = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
     runtime, launches = _runtime_calls(events)
     to_host = {e["args"].get("correlation") for e in events
                if e.get("cat") == "gpu_memcpy" and re.search(r"DtoH|Device -> Host", e["name"])}
@@ -136,17 +148,12 @@ def analyze(events: list[dict], min_gap_us: float = 20.0, skip: int = 0) -> dict
                    key=lambda e: e["ts"])
     wait_ends = [w["ts"] + w["dur"] for w in waits]
     ops_by_thread = _ops_by_thread(events)
-    steps = _steps(events)
 
     def innermost_op(launch: dict) -> str:
         return _innermost_op(ops_by_thread, launch)
 
     out = {"steps": [], "causes": defaultdict(float), "gaps": []}
-    starts = [s["ts"] for s in steps] + [float("inf")]
-    for i, step in enumerate(steps):
-        mine = [e for e in device if starts[i] <= e["ts"] < starts[i + 1]]
-        if not mine:
-            continue
+    for i, mine in _device_events_by_step(events):
         begin, end = mine[0]["ts"], max(e["ts"] + e["dur"] for e in mine)
         busy, merged = union_length([(e["ts"], e["ts"] + e["dur"]) for e in mine])
         busy_compute, _ = union_length([(e["ts"], e["ts"] + e["dur"]) for e in mine
@@ -196,14 +203,8 @@ def streams(events: list[dict]) -> list[dict]:
     while the main stream had nothing (the main stream waiting on it, e.g. a forward waiting for
     its block's update beside it, or simply idle), ``idle_us`` neither; and the side streams'
     five largest kernels (µs). The steps are taken as ``analyze`` takes them."""
-    device = [e for e in events if e.get("cat") in DEVICE_CATS]
-    steps = _steps(events)
-    starts = [s["ts"] for s in steps] + [float("inf")]
     out = []
-    for i in range(len(steps)):
-        mine = [e for e in device if starts[i] <= e["ts"] < starts[i + 1]]
-        if not mine:
-            continue
+    for i, mine in _device_events_by_step(events):
         by_stream: dict = defaultdict(list)
         for e in mine:
             by_stream[e.get("args", {}).get("stream", e.get("tid"))].append(e)
