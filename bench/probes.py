@@ -28,6 +28,9 @@ and moved the 8 x 8 step by 0.2 %. Three explanations, one probe or reading each
                 (cuBLAS with a float32 C, torch's out_dtype overloads: CUDA only), where the
                 default adds each chunk's bf16 product to the sum in a pass of its own (2.8-2.9 ms
                 a step at 8 x 8, bench/NOTES.md); predicted -2 ms a step at 8 x 8
+  autograd-norm RMSNorm as plain torch ops, autograd's chain for its backward (what it was until
+                the twentieth session, which made it keep its input instead of float32 copies):
+                the norm's own share of the step's change, apart from the bf16 residual stream's
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ PROBES = {
     "programs-N": "our persistent GEMM kernels on at most N programs",
     "update-after": "the update after the backward, not beside the next forward",
     "lm-head-f32-gemm": "the LM head's float32 dW summed over the loss's chunks by the GEMM (CUDA)",
+    "autograd-norm": "RMSNorm as plain torch ops, differentiated by autograd",
 }
 
 
@@ -111,7 +115,19 @@ def _patches(probe: str) -> list:
     if probe == "lm-head-f32-gemm":
         return [mock.patch.object(importlib.import_module("optimus_core.model.linear_cross_entropy"),
                                   "accumulate_dw", dw_summed_in_the_gemm)]
+    if probe == "autograd-norm":
+        return [mock.patch.object(importlib.import_module("optimus_core.model.layers").RMSNorm, "forward",
+                                  norm_by_torch_ops)]
     raise AssertionError(probe)  # split() admits no other
+
+
+def norm_by_torch_ops(self, x):
+    """RMSNorm.forward as torch ops (the same forward bits): autograd keeps the float32 input copy
+    and the normalised value for its backward."""
+    import torch
+
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
 
 
 def dw_summed_in_the_gemm(dw_VD, dlogits_CV, h_CD):

@@ -3,10 +3,11 @@
 
     python bench/saved_activations.py [--preset mula-7b-a1b] [--tokens 8192] [--seq 4096]
                                       [--backend triton] [--qk-norm-rope triton|torch]
-                                      [--set model.moe.KEY=VALUE]
+                                      [--residual bfloat16|float32] [--set model.moe.KEY=VALUE]
 
 Runs one block's forward under bf16 autocast on fake tensors (torch's FakeTensorMode: shapes and
-dtypes only, so the full OLMoE width at 8192 tokens costs no memory and no time) and records
+dtypes only, so the full OLMoE width at 8192 tokens costs no memory and no time), the residual
+stream in bf16 (the default) or float32 (execution.fp32_residual), and records
 every tensor autograd saves (torch.autograd.graph.saved_tensors_hooks), deduplicated by
 storage: the eager forward's activation memory, per tensor and in total. Parameters and the
 experts' weight copies are listed apart, since they live whether or not a backward follows.
@@ -48,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--backend", default="triton", choices=["loop", "torch", "triton"], help="experts backend")
     p.add_argument("--qk-norm-rope", default="triton", choices=["torch", "triton"],
                    help="execution.qk_norm_rope: the QK-norm and RoPE by the kernel or by torch ops")
+    p.add_argument("--residual", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the residual stream's dtype (execution.fp32_residual: float32)")
     p.add_argument("--set", action="append", default=[], metavar="model.moe.KEY=VALUE",
                    help="a model.moe field, e.g. model.moe.top_k=4")
     return p.parse_args(argv)
@@ -58,7 +61,7 @@ def _value(text: str):
 
 
 def saved_tensors(preset: str, tokens: int, seq: int, backend: str, moe_overrides: dict,
-                  qk_norm_rope: str = "triton") -> list[dict]:
+                  qk_norm_rope: str = "triton", residual: str = "bfloat16") -> list[dict]:
     """One record per distinct storage saved by one block's forward: bytes, dtype, shape, the
     autograd node that saved it and whether it is a parameter or weight copy."""
     cfg = presets.get(preset).model
@@ -80,7 +83,7 @@ def saved_tensors(preset: str, tokens: int, seq: int, backend: str, moe_override
             model.set_expert_weight_casts(torch.bfloat16)  # as training keeps them (the plan's expert copies)
         block = model.blocks[0]
         cos, sin = model.rope(seq)
-        x = torch.randn(tokens // seq, seq, cfg.d_model, requires_grad=True)  # the residual stream: float32
+        x = torch.randn(tokens // seq, seq, cfg.d_model, dtype=getattr(torch, residual), requires_grad=True)
         with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             block(x, cos, sin)
         weights = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
@@ -97,7 +100,8 @@ def main(argv=None) -> None:
         if not key.startswith("model.moe.") or not value:
             sys.exit(f"--set {item!r}: expected model.moe.KEY=VALUE")
         overrides[key.removeprefix("model.moe.")] = _value(value)
-    rows = saved_tensors(args.preset, args.tokens, args.seq, args.backend, overrides, args.qk_norm_rope)
+    rows = saved_tensors(args.preset, args.tokens, args.seq, args.backend, overrides, args.qk_norm_rope,
+                         args.residual)
     print(f"{'MiB':>9} {'dtype':>9}  {'shape':<22} saved by")
     for r in sorted(rows, key=lambda r: -r["bytes"]):
         tag = "  (weight)" if r["weight"] else ""
@@ -105,7 +109,7 @@ def main(argv=None) -> None:
     activations = sum(r["bytes"] for r in rows if not r["weight"])
     print(f"activations saved by one block (eager, weights apart): {activations / 2**30:.3f} GiB")
     print(json.dumps({"preset": args.preset, "tokens": args.tokens, "seq": args.seq, "backend": args.backend,
-                      "qk_norm_rope": args.qk_norm_rope,
+                      "qk_norm_rope": args.qk_norm_rope, "residual": args.residual,
                       "moe_overrides": overrides, "activations_gib": activations / 2**30, "per_tensor": rows}))
 
 

@@ -21,6 +21,7 @@ warm-up, then the median of timed steps, phases from device events):
                             each GEMM, no bf16 copies kept (less memory, a little more time)
     -xent                   execution.lm_loss = torch: the fused LM loss's softmax by torch ops
     -torch-qk-norm          execution.qk_norm_rope = torch: the QK-norm and RoPE by torch ops
+    -fp32-residual          execution.fp32_residual: the residual stream in float32, not bf16
     +torch-adamw            execution.adamw = torch: torch's fused AdamW (and so no update beside
                             the forward and no bf16 expert gradients: the plan's rules)
     <variant>~<probe>       the variant with a one-off change in its process (bench/probes.py
@@ -91,6 +92,7 @@ def _run(experts: str, compiled: bool, **extra) -> dict:
 VARIANTS = {  # name -> (model, execution overrides)
     "7b8l-default": (MODEL_7B, {}),
     "7b8l-default-torch-qk-norm": (MODEL_7B, {"execution.qk_norm_rope": "torch"}),
+    "7b8l-default-fp32-residual": (MODEL_7B, {"execution.fp32_residual": True}),
     "7b8l-loop": (MODEL_7B, _run("loop", False)),
     "7b8l-torch": (MODEL_7B, _run("torch", False)),
     "7b8l-triton": (MODEL_7B, _run("triton", False)),

@@ -19,9 +19,7 @@ stays in float32, so the two paths differ by that rounding only.
 Backward (dy -> dx, dweight): dn1 = dy1 cos1 + dy2 sin2, dn2 = dy2 cos2 - dy1 sin1; with xhat = x *
 rstd and g = dn * weight, dx = rstd * (g - xhat * mean_D(g * xhat)) and dweight = sum_t dn * xhat.
 The backward recomputes rstd from x, which it reads anyway, so the op keeps only x (its input,
-in its own dtype) for the backward: under eager autograd the torch path keeps two float32 copies
-of it (the norm's input and its normalised value), 8 bytes an element against 2 in bf16
-(optimus_core.memory counts both). dweight is summed without atomics: each program adds its
+in its own dtype) for the backward, as the model's RMSNorm does. dweight is summed without atomics: each program adds its
 rows' share into its own float32 row of a (programs, D) buffer, summed after, in an order fixed by
 T and the tile, so two runs give the same bits.
 

@@ -435,9 +435,8 @@ class ExecutionConfig(_Validated):
     # ops. auto: triton on a GPU where it passed its self-check, else torch
     lm_loss: Literal["auto", "torch", "triton"] = "auto"
     # the attention's QK-norm and RoPE: "triton" (one pass each way per projection,
-    # kernels.qk_norm_rope; its backward keeps the projection in its own dtype, not two float32
-    # copies) or torch ops. auto: triton on a GPU where it passed its self-check, else torch;
-    # torch for a model without QK-norm
+    # kernels.qk_norm_rope) or torch ops. auto: triton on a GPU where it passed its self-check,
+    # else torch; torch for a model without QK-norm
     qk_norm_rope: Literal["auto", "torch", "triton"] = "auto"
     # What the backward recomputes instead of keeping from the forward: "none"; "full": every
     # ``activation_checkpointing_every``-th block whole (its input is all it keeps); "moe": the
@@ -453,6 +452,10 @@ class ExecutionConfig(_Validated):
     # (forward, and again in backward) instead of bf16 copies that the optimizer keeps: less
     # memory for a little more time (bench/NOTES.md has both)
     recast_expert_weights: bool = False
+    # Under bf16: the residual stream (the blocks' inputs and outputs, and their gradients) in
+    # float32 instead of bf16 (Megatron's --fp32-residual-connection). Off: bf16, as OLMo-core's
+    # FSDP recipe for OLMoE-1B-7B keeps it; half the residual's bytes kept and moved
+    fp32_residual: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.activation_checkpointing, bool):  # configs written before the modes

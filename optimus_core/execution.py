@@ -9,7 +9,8 @@ The config's execution section (optimus_core.config.ExecutionConfig) says what a
 this module alone turns it, with the device, the world size and the memory model
 (optimus_core.memory), into what runs. Every rule of how the choices interact is here:
 
-- dtype: bfloat16 on a GPU, float32 on a CPU.
+- dtype: bfloat16 on a GPU, float32 on a CPU; under bf16 the residual stream in bf16 too, unless
+  fp32_residual asks for float32.
 - experts: triton where its kernels passed their self-check on the device; else torch where
   torch._grouped_mm has its fast path (CUDA sm90+, bf16); else the loop.
 - compile: on for one process on CUDA, where it was measured faster (bench/NOTES.md); off
@@ -53,6 +54,7 @@ class ExecutionPlan:
     device_type: str
     world_size: int
     dtype: str  # "float32" | "bfloat16" (autocast, float32 master weights)
+    residual_dtype: str  # the blocks' inputs and outputs: "float32" | "bfloat16"
     experts: str | None  # "loop" | "torch" | "triton"; None: a dense model
     compile: bool
     adamw: str  # "torch" | "triton"
@@ -72,7 +74,8 @@ class ExecutionPlan:
     def describe(self) -> str:
         """The plan for people: one line per choice, with its reason."""
         mode, every = self.checkpointing
-        rows = [("dtype", self.dtype), ("experts", self.experts or "none (dense)"),
+        rows = [("dtype", self.dtype), ("residual stream", self.residual_dtype),
+                ("experts", self.experts or "none (dense)"),
                 ("compile", "on" if self.compile else "off"), ("adamw", self.adamw), ("lm_loss", self.lm_loss),
                 ("qk_norm_rope", self.qk_norm_rope),
                 ("expert weights", "recast in each GEMM" if self.recast_expert_weights else
@@ -171,6 +174,11 @@ def resolve_choices(cfg: RunConfig, device: torch.device | str, world_size: int 
     else:
         why["dtype"] = "asked"
 
+    residual = "float32" if dtype == "float32" or ex.fp32_residual else dtype
+    if dtype != "float32":
+        why["residual stream"] = ("asked (execution.fp32_residual)" if ex.fp32_residual else
+                                  "the compute dtype, as OLMo-core's FSDP recipe for OLMoE keeps it")
+
     experts = None
     if cfg.model.moe is not None:
         if ex.experts == "triton":
@@ -241,7 +249,8 @@ def resolve_choices(cfg: RunConfig, device: torch.device | str, world_size: int 
     if not beside:
         why["update"] = ("the sharded optimizer's own step" if not one_process else
                          "needs the Triton AdamW" if adamw != "triton" else "needs a CUDA side stream")
-    return ExecutionPlan(device_type=device.type, world_size=world_size, dtype=dtype, experts=experts,
+    return ExecutionPlan(device_type=device.type, world_size=world_size, dtype=dtype, residual_dtype=residual,
+                         experts=experts,
                          compile=compile_on, adamw=adamw, lm_loss=lm_loss, qk_norm_rope=qk_norm_rope,
                          recast_expert_weights=recast,
                          expert_copies=copies, bf16_expert_grads=bf16_grads, grad_norm_under_backward=norm_under,

@@ -80,7 +80,7 @@ class MemoryLayout:
     checkpointing: str = "none"  # resolved execution.activation_checkpointing: none | full | moe
     every: int = 1  # full: every k-th block
     lm_loss_kernel: bool = True  # the fused LM loss's softmax by the Triton kernel (execution.lm_loss)
-    qk_norm_rope_kernel: bool = True  # the QK-norm and RoPE by the Triton kernel (execution.qk_norm_rope)
+    fp32_residual: bool = False  # under bf16, the residual stream in float32 (the plan's residual_dtype)
     expert_weight_casts: bool = True  # the experts' bf16 copies (one process under bf16: the plan's)
     bf16_expert_grads: bool = False  # the expert gradients on those copies (the plan's)
 
@@ -100,6 +100,11 @@ class MemoryLayout:
     def tokens(self) -> int:
         """Tokens of one forward on one rank."""
         return self.micro_batch * self.seq_len
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes an element of the residual stream: bf16 under bf16 unless fp32_residual."""
+        return 2 if self.dtype == "bfloat16" and not self.fp32_residual else 4
 
     @property
     def shard(self) -> int:
@@ -124,7 +129,7 @@ class MemoryLayout:
                    micro_batch=micro, accumulation=accumulation,
                    seq_len=cfg.data.seq_len, dtype=plan.dtype, optimizer=cfg.parallel.optimizer,
                    checkpointing=checkpointing[0], every=checkpointing[1],
-                   lm_loss_kernel=plan.lm_loss == "triton", qk_norm_rope_kernel=plan.qk_norm_rope == "triton",
+                   lm_loss_kernel=plan.lm_loss == "triton", fp32_residual=plan.residual_dtype == "float32",
                    expert_weight_casts=plan.expert_copies,
                    bf16_expert_grads=plan.bf16_expert_grads and accumulation == 1)
 
@@ -201,32 +206,39 @@ def _share_elements(p: ParamShape, L: MemoryLayout) -> int:
 # ----------------------------------------------------------------------------- activations
 
 def block_activation_bytes(cfg: ModelConfig, tokens: int, checkpointed: bool = False, experts_only: bool = False,
-                           qk_norm_rope_kernel: bool = False) -> float:
+                           residual_bytes: int = 2) -> float:
     """Bytes one block keeps for its backward over ``tokens`` tokens (eager, Triton experts, bf16
-    autocast, the residual stream in float32), counted from the tensors autograd saves:
+    autocast, the residual stream ``residual_bytes`` an element: 2 in bf16, 4 in float32),
+    counted from the tensors autograd saves:
 
-        attention and norms   8 float32 and 7 bf16 (tokens x d_model) tensors, the
-                              attention's log-sum-exp (float32 per head); with the QK-norm +
-                              RoPE kernel (``qk_norm_rope_kernel``) the q and k projections in
-                              bf16 instead of two float32 copies of each (the norm's input and
-                              its normalised value)
+        attention and norms   the block's input and the residual after the attention (each norm
+                              keeps its input as it comes, and a float32 rsqrt per token); the
+                              normed input the q, k and v projections read (one bf16 tensor, or
+                              three bf16 casts of a float32 one); six more bf16 (tokens x d_model)
+                              tensors (q, k, v, the attention's output and the projections' views)
+                              and the attention's log-sum-exp (float32 per head)
         MoE feed-forward      the bf16 input, router logits and probabilities (float32 x E),
                               routing ids and weights (20 bytes per slot), and per routed row
                               (top_k per token) its bf16 input (D), up projection (2F) and
                               SwiGLU output (F)
-        dense feed-forward    2 bf16 (tokens x d_model), 4 bf16 (tokens x d_ff)
+        dense feed-forward    the normed input the gate and up projections read (one bf16
+                              tensor, or two casts), 4 bf16 (tokens x d_ff)
 
-    ``checkpointed``: the block recomputes everything, keeping its float32 input; ``experts_only``
-    (the "moe" mode): the routed rows' up projection and SwiGLU output are recomputed.
+    ``checkpointed``: the block recomputes everything, keeping its input; ``experts_only`` (the
+    "moe" mode): the routed rows' up projection and SwiGLU output are recomputed.
     """
-    D, H = cfg.d_model, cfg.n_heads
+    D, H, r = cfg.d_model, cfg.n_heads, residual_bytes
+    if r not in (2, 4):
+        raise ValueError(f"residual_bytes = {r}: 2 (bf16) or 4 (float32)")
     if checkpointed:
-        return 4.0 * D * tokens
-    attn = 46 * D + 4 * H
-    if qk_norm_rope_kernel and cfg.qk_norm:
-        attn -= 6 * (D + cfg.kv_heads * cfg.head_dim)  # 8 bytes an element of q and k -> 2
+        return float(r * D * tokens)
+    # A norm's output as the projections after it read it: a bf16 one as it is; a float32 one
+    # cast by autocast for each of them (q, k and v; gate and up).
+    qkv_input = 2 * D if r == 2 else 3 * 2 * D
+    attn = 2 * r * D + qkv_input + 12 * D + 4 * H + 8  # + 8: the two norms' rsqrt
     if cfg.moe is None:
-        ffn = 4 * D + 8 * cfg.d_ff
+        gate_up_input = 2 * D if r == 2 else 2 * 2 * D
+        ffn = gate_up_input + 8 * cfg.d_ff
     else:
         E, K, F = cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.d_expert
         rows = 2 * K * D + (0 if experts_only else 2 * K * 3 * F)
@@ -288,17 +300,17 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
     # activations: blocks recomputed keep their input; the rest what autograd saves
     full = checkpointed_blocks(cfg.n_layers, L.checkpointing, L.every)
     acts = sum(block_activation_bytes(cfg, T, checkpointed=i in full, experts_only=L.checkpointing == "moe",
-                                      qk_norm_rope_kernel=L.qk_norm_rope_kernel)
+                                      residual_bytes=L.residual_bytes)
                for i in range(cfg.n_layers))
     if bf16 and not sharded:  # autocast's bf16 copies of each kept block's dense weights
         acts += 2.0 * _dense_block_params(cfg) * (cfg.n_layers - len(full))
 
-    lm_loss = 4.0 * V * D + 4.0 * T * D
+    lm_loss = 4.0 * V * D + L.residual_bytes * T * D  # the head's float32 dW, and dh in h's dtype
     # a chunk's logits, and two more buffers of its size at the loss's peak (measured on an H200)
     lm_chunk = 3 * min(LM_LOSS_CHUNK_ROWS, T) * V * 2.0
     recompute = 0.0
     if L.checkpointing == "full":
-        recompute = block_activation_bytes(cfg, T, qk_norm_rope_kernel=L.qk_norm_rope_kernel)
+        recompute = block_activation_bytes(cfg, T, residual_bytes=L.residual_bytes)
     elif L.checkpointing == "moe":
         recompute = 2.0 * T * cfg.moe.top_k * 3 * cfg.moe.d_expert
     dispatch = 0.0
@@ -343,8 +355,9 @@ def recompute_fraction(cfg: ModelConfig, checkpointing: str, every: int, seq_len
 def checkpointing_candidates(cfg: ModelConfig, seq_len: int) -> list[tuple[str, int]]:
     """(mode, every) from the least recomputation to the most, at ``seq_len``: every block
     spacing, so that a layout between two of them recomputes no more than it must (Mula-220B-A10B
-    on 3072 tiles: every 3rd block, rehearsed at 52.8 GiB allocated, where every 4th did not
-    keep the margin and every 2nd costs 3 % more step time: bench/NOTES.md, eighteenth session)."""
+    on 3072 tiles, with the float32 norm copies of the time: every 3rd block, rehearsed at 52.8
+    GiB allocated, where every 4th did not keep the margin and every 2nd costs 3 % more step
+    time: bench/NOTES.md, eighteenth session)."""
     out = [("none", 1)] + ([("moe", 1)] if cfg.moe is not None else [])
     out += [("full", k) for k in range(cfg.n_layers, 0, -1)]
     return sorted(out, key=lambda c: recompute_fraction(cfg, *c, seq_len))

@@ -225,11 +225,11 @@ PAPER_4T_BATCH = 3072  # sequences: one per tile on 3072 tiles (our choice; modu
 SCALING_TILES = (384, 768, 1536, 3072, 6144, 12288)
 SCALING_STEPS, SCALING_BATCH = 6, 12288
 # One recomputation for the whole strong-scaling sweep, so that every point does the same work
-# per step: what "auto" takes at its smallest size (384 tiles, where every 3rd block does not
-# keep the margin), pinned because larger points have room for less (every 3rd block at 12288),
-# which would flatter their efficiency. tests/workflow/test_plan_memory.py checks it is still
-# that choice and fits every size.
-SCALING_CHECKPOINTING = ("full", 2)
+# per step: what "auto" takes at its smallest size (384 tiles, whose 32 accumulated micro-batches
+# keep the gradients: every 6th block), pinned because larger points have room for less (every
+# 10th block at 12288), which would flatter their efficiency. tests/workflow/test_plan_memory.py
+# checks it is still that choice and fits every size.
+SCALING_CHECKPOINTING = ("full", 6)
 ABLATION_STEPS, LAPTOP_TIMED_STEPS = 20, 20
 # baseline / +kernels / +optimizer / both: (experts backend, optimizer)
 # The baseline's experts are the loop over experts (kernels/ "loop"), as in bench/distributed.py:

@@ -12,7 +12,8 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned scale, computed in float32 for stability."""
+    """Root-mean-square norm with a learned scale, computed in float32 for stability; the output
+    in the input's dtype."""
 
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -20,9 +21,39 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm keeping its input as it came and one float32 rsqrt per row for the backward.
+
+    Written as torch ops, autograd would keep the input's float32 copy and the normalised value
+    (two float32 tensors of the input's size, four times a bf16 input's bytes) for every norm of
+    an eager run -- what a block keeps most of, beside the experts' rows (bench/
+    saved_activations.py). The forward is the same ops in the same order (the same bits); the
+    backward recomputes the normalised value from the input:
+
+        y = x * r,  r = rsqrt(mean(x^2) + eps),  out = y * w
+        dw = sum over rows of dout * y
+        dx = r * (g - y * mean(g * y)),  g = dout * w
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (x32 * rstd * weight.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        y = x.float() * rstd
+        dout32 = dout.float()
+        dw = (dout32 * y).flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
+        g = dout32 * weight.float()
+        dx = rstd * (g - y * (g * y).mean(-1, keepdim=True))
+        return dx.to(x.dtype), None if dw is None else dw.to(weight.dtype), None
 
 
 class RotaryEmbedding(nn.Module):

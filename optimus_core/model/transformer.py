@@ -50,6 +50,10 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)  # untied
         self.checkpoint_blocks = set()  # indices of the blocks the backward recomputes (set_activation_checkpointing)
         self.lm_loss_kernel = False  # lm_loss's softmax part in one Triton kernel (execution.lm_loss)
+        # Under autocast the residual stream (the embeddings, every block's input and output) is
+        # in the autocast dtype; True keeps it float32 (execution.fp32_residual). Either way the
+        # norms compute in float32 and every matmul reads the autocast dtype.
+        self.fp32_residual = False
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -180,6 +184,9 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {S} exceeds model.max_seq_len {self.cfg.max_seq_len}")
         cos_SDh, sin_SDh = self.rope(S)
         x_BSD = self.embed(tokens_BS)
+        device_type = x_BSD.device.type
+        if not self.fp32_residual and torch.is_autocast_enabled(device_type):
+            x_BSD = x_BSD.to(torch.get_autocast_dtype(device_type))
         for i, block in enumerate(self.blocks):
             if i in self.checkpoint_blocks and self.training:
                 x_BSD = checkpoint(block, x_BSD, cos_SDh, sin_SDh, use_reentrant=False)

@@ -23,8 +23,9 @@ shard over the replicas; with several micro-batches the all-reduce waits for the
 
 Units, each all-gathered just before use and freed after (FSDP2's ``fully_shard``):
 
-    model.embed                  float32 all-gather: the residual stream stays float32, as on
-                                 one process under autocast
+    model.embed                  float32 all-gather, as the one process reads it: the rows it
+                                 looks up are then cast to the residual stream's dtype
+                                 (Transformer.hidden), the same bits on every layout
     each block                   its attention, norms and router, over the world
     each block's experts         over the expert-dp group (its own unit when ep > 1)
     the root                     final norm + LM head, kept from the forward through the backward
@@ -70,9 +71,9 @@ def shard_model(model: nn.Module, mesh: Mesh, *, dtype: str = "float32", experts
     dense_mesh = meshes["dense"]
     expert_mesh = meshes["experts"]["replicate", "shard"] if mesh.replicas > 1 else meshes["grid"]["expert_dp"]
     # The units' inputs are left as they come (cast_forward_inputs=False): the residual stream
-    # stays float32, as on one process, and autocast casts what each matmul reads. (Cast, an
-    # activation-checkpointed block would also recompute from other inputs than it ran on:
-    # FSDP2 does not cast again in the backward.)
+    # is in the dtype Transformer.hidden gives it, as on one process, and autocast casts what each
+    # matmul reads. (Cast by FSDP2, an activation-checkpointed block would also recompute from
+    # other inputs than it ran on: FSDP2 does not cast again in the backward.)
     reduce = REDUCE_DTYPES[reduce_dtype]
     if dtype == "bfloat16":
         gathered = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce, cast_forward_inputs=False)

@@ -41,6 +41,7 @@ def build_model(cfg: RunConfig, mesh: Mesh | None = None, device: torch.device |
         model = Transformer(cfg.model, experts_backend=plan.experts or "loop")
     model.set_activation_checkpointing(*plan.checkpointing)
     model.lm_loss_kernel = plan.lm_loss == "triton"
+    model.fp32_residual = plan.residual_dtype == "float32"
     model.set_qk_norm_rope_kernel(plan.qk_norm_rope == "triton")
     model.set_recast_expert_weights(plan.recast_expert_weights)
     if mesh.distributed:

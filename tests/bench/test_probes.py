@@ -118,3 +118,23 @@ def test_lm_head_probe_sums_dw_as_the_default_does_on_cuda():
         assert dw.dtype == torch.float32
         sums[name] = (dw.double() - ref).abs().max().item()
     assert sums["probe"] <= sums["default"] and sums["probe"] < 1e-3 * ref.abs().max().item()
+
+
+def test_autograd_norm_probe_keeps_the_float32_copies_the_norm_no_longer_keeps():
+    from optimus_core.model.layers import RMSNorm
+
+    norm = RMSNorm(16)
+    x = torch.randn(3, 16, dtype=torch.bfloat16, requires_grad=True)
+
+    def kept():
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = norm(x)
+        return out, sorted(str(t.dtype) for t in saved if t.shape == x.shape)
+
+    ours, ours_kept = kept()
+    with probes.applied("7b8l-default~autograd-norm"):
+        plain, plain_kept = kept()
+    assert torch.equal(ours, plain)  # the same forward
+    assert ours_kept == ["torch.bfloat16"] and len(plain_kept) >= 2 and set(plain_kept) == {"torch.float32"}
+    assert kept()[1] == ours_kept  # unpatched after the block

@@ -42,14 +42,24 @@ def test_the_command_prints_a_table_and_a_json_line(capsys):
     assert "saved by" in out[0]
 
 
-def test_the_qk_norm_kernel_keeps_q_and_k_in_bf16_not_two_float32_copies():
-    """torch's eager QK-norm keeps its float32 input and normalised value of q and of k (8 bytes
-    an element) and each norm's float32 rsqrt per token, the kernel q and k in bf16 (2 bytes an
-    element): 12 x d_model + 8 bytes per token less."""
-    cfg = presets.get("mula-7b-a1b@laptop").model
+def test_both_qk_norm_paths_keep_q_and_k_as_they_are():
+    """The QK-norm, by the kernel or by the model's RMSNorm, keeps its input (the bf16 q and k
+    projections) rather than float32 copies; torch's path keeps each norm's float32 rsqrt per
+    token besides: 8 bytes per token."""
     kept = {}
     for path in ("torch", "triton"):
         rows = saved_tensors("mula-7b-a1b@laptop", tokens=64, seq=32, backend="triton", moe_overrides={},
                              qk_norm_rope=path)
         kept[path] = sum(r["bytes"] for r in rows if not r["weight"])
-    assert kept["torch"] - kept["triton"] == (12 * cfg.d_model + 8) * 64
+    assert kept["torch"] - kept["triton"] == 8 * 64
+
+
+def test_a_float32_residual_stream_keeps_more(capsys):
+    """The block's input and the residual after attention in float32 (4 bytes, not 2), and the
+    q, k and v projections' three bf16 casts of the float32 normed input instead of one."""
+    cfg = presets.get("mula-7b-a1b@laptop").model
+    kept = {}
+    for residual in ("bfloat16", "float32"):
+        main(["--preset", "mula-7b-a1b@laptop", "--tokens", "64", "--seq", "32", "--residual", residual])
+        kept[residual] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["activations_gib"] * 2 ** 30
+    assert kept["float32"] - kept["bfloat16"] == pytest.approx((2 * 2 + 2 * 2) * cfg.d_model * 64)

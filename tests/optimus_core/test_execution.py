@@ -264,7 +264,7 @@ def test_triton_that_cannot_launch_falls_back_under_auto(monkeypatch):
 
 # ----------------------------------------------------------------------------- the whole plan
 
-ROWS = ["dtype", "experts", "compile", "adamw", "lm_loss", "qk_norm_rope", "expert weights", "expert gradients", "clip norm",
+ROWS = ["dtype", "residual stream", "experts", "compile", "adamw", "lm_loss", "qk_norm_rope", "expert weights", "expert gradients", "clip norm",
         "update", "activation checkpointing"]
 
 
@@ -361,3 +361,15 @@ def test_overriding_an_old_name_is_an_error_naming_the_new_one(old, new, value):
 def test_overriding_a_removed_choice_is_an_error(old):
     with pytest.raises(ConfigError, match=rf"^{old} is no longer a choice: "):
         apply_overrides(run(), {old: False})
+
+
+def test_the_residual_stream_follows_the_compute_dtype_unless_asked_for_float32():
+    assert resolve_choices(run(), "cuda", probe=False).residual_dtype == "bfloat16"
+    assert resolve_choices(run(), "cpu", probe=False).residual_dtype == "float32"  # a float32 run
+    asked = resolve_choices(run(fp32_residual=True), "cuda", probe=False)
+    assert asked.residual_dtype == "float32" and asked.why["residual stream"].startswith("asked")
+    from optimus_core.train.build import build_model
+
+    for fp32 in (False, True):
+        plan = resolve_choices(run(fp32_residual=fp32), "cuda", probe=False)
+        assert build_model(run(fp32_residual=fp32), device="meta", plan=plan).fp32_residual is fp32

@@ -247,25 +247,26 @@ def test_paper_sweep_is_sane():
 
 def test_node_hours_from_the_model_and_the_site_fallback(monkeypatch, tmp_path):
     from workflow import sites
-    from workflow.experiments import Experiment, RunScale, dag, get
+    from workflow.experiments import SCALING_CHECKPOINTING, Experiment, RunScale, dag, get
     from workflow.plan import plan, plan_table
 
     monkeypatch.delenv(sites.ACCOUNT_ENV, raising=False)
     aurora = pm.load_machine("aurora")
     run = get("scaling-mula-220b-a10b-768").paper
     est = pm.estimate_node_hours(run, aurora)
-    # what the run does: sharded in blocks, every 2nd block recomputed (its checkpointing as the
-    # run resolves it on a 64 GiB tile: the plan's memory column says the same)
-    assert est["checkpointing"] == ("full", 2)
+    # what the run does: sharded in blocks, every K-th block recomputed (the sweep's pin, its
+    # checkpointing as the run resolves it on a 64 GiB tile: the plan's memory column says the same)
+    mode, every = SCALING_CHECKPOINTING
+    assert est["checkpointing"] == (mode, every)
     step = pm.predict(presets.get("mula-220b-a10b").model,
                       pm.Layout(devices=768, ep=32, global_batch=12288, micro_batch=1, seq_len=4096,
-                                overlap="layers", dp_shard=384, checkpointing="full", checkpointing_every=2), aurora)
+                                overlap="layers", dp_shard=384, checkpointing=mode, checkpointing_every=every), aurora)
     assert est["step_s"] == pytest.approx(step.step_s) and est["nodes"] == 64
     assert est["node_hours"] == pytest.approx(run.steps * step.step_s / 3600 * 64)
     site = sites.load_site("aurora", account="A", machine="aurora")
     job = plan(run, site)
     assert job.est_source == "perfmodel:aurora" and job.est_hours == pytest.approx(est["hours"])
-    assert job.checkpointing == "full/2"
+    assert job.checkpointing == f"{mode}/{every}"
     # A run the machine cannot price (a machine file without float32 matmuls, a float32 run): the
     # throughput estimate stays, and the table says which jobs used which.
     machine = yaml.safe_load((REPO / "workflow/machines/aurora.yaml").read_text())
@@ -461,7 +462,10 @@ def test_a_points_checkpointing_is_what_its_plan_recorded():
 def test_the_paper_sweep_recomputes_as_its_runs_resolve():
     aurora = pm.load_machine("aurora")
     rows = pm.paper_sweep(aurora)
-    assert {r["checkpointing"] for r in rows} == {"full/2"}  # 64 GiB tiles: every 2nd block, at every size
+    from workflow.experiments import SCALING_CHECKPOINTING
+
+    # 64 GiB tiles: the sweep's pinned recomputation at every size
+    assert {r["checkpointing"] for r in rows} == {"%s/%d" % SCALING_CHECKPOINTING}
     plain = pm.predict_sweep("mula-220b-a10b", [r["devices"] for r in rows], aurora, global_batch=rows[0]["global_batch"],
                              ep=rows[0]["ep"], micro_batch=1, dp_shard=rows[0]["dp_shard"] or 384)
     assert all(r["step_s"] > p["step_s"] for r, p in zip(rows, plain))

@@ -29,7 +29,7 @@ def aurora(monkeypatch):
 
 
 @pytest.mark.parametrize("run, nodes, queue, walltime", [
-    ("scaling-mula-220b-a10b-384", 32, "debug-scaling", "00:55:00"),   # a timed run: its estimate + room
+    ("scaling-mula-220b-a10b-384", 32, "debug-scaling", "00:50:00"),   # a timed run: its estimate + room
     ("scaling-mula-220b-a10b-3072", 256, "debug-scaling", "00:20:00"),
     ("scaling-mula-220b-a10b-12288", 1024, "prod", "00:20:00"),
     ("pretrain-mula-7b-a1b", 256, "prod", "12:00:00"),                  # the longest prod's small tier allows

@@ -86,8 +86,10 @@ def test_ranks_follow_the_one_process_run(single, tokens_dir, tmp_path, nproc, e
     mine = ckpt.latest_valid(tmp_path / "run").load_model_state()
     theirs = ckpt.latest_valid(ref_dir).load_model_state()
     assert mine.keys() == theirs.keys()
+    # AdamW's step is lr * m / sqrt(v): where an element's gradient is near zero, the layouts'
+    # different reduction orders move its step by a visible part of lr (up to 1.2e-5 seen here)
     for name in theirs:
-        torch.testing.assert_close(mine[name], theirs[name], rtol=0, atol=1e-5)
+        torch.testing.assert_close(mine[name], theirs[name], rtol=0, atol=3e-5)
 
 
 @pytest.mark.parametrize("ep, dp_shard, checkpointing", [(2, 0, "full"), (1, 1, "moe")])
@@ -292,3 +294,19 @@ def test_the_global_load_balancing_statistic_is_one_objective_on_one_process_and
         assert gap < 5e-6
     else:  # (measured 1.3e-4)
         assert gap > 3e-5
+
+
+def test_bf16_ranks_with_a_bf16_residual_stream_follow_the_one_process_run(tokens_dir, tmp_path):
+    """bf16 autocast on 2 ranks (ep 2, every block recomputed: its bf16 input is all it keeps)
+    against one process: the residual stream in bf16 on both (the embeddings cast after the
+    float32 lookup), the same losses to bf16's rounding of the layouts' different sums."""
+    def bf16(cfg):
+        return cfg.replace(train=cfg.train.replace(steps=5),
+                           execution=cfg.execution.replace(dtype="bfloat16", activation_checkpointing="full"))
+
+    sink = ListSink()
+    Trainer(bf16(_cfg()), tokens_dir, tmp_path / "single", writer=sink, progress=False).fit()
+    ref = _rows(sink)
+    got = _distributed(2, bf16(_cfg(ep=2)), tokens_dir, tmp_path / "run", tmp_path / "rows.json")
+    assert got["steps"] == ref["steps"] == [1, 2, 3, 4, 5]
+    assert max(abs(a - b) for a, b in zip(got["loss"], ref["loss"])) < 2e-2
