@@ -16,7 +16,7 @@
 #                                 # bench/kernels.py --ws; each under a timeout, so that a hang costs only it
 #   bench/gpu_suite.sh overlap    # at micro-batch 8: the float32 residual stream against the default's bf16, and
 #                                 # bench/probes.py's A/B (TMA kernel, update after the backward, fewer
-#                                 # GEMM programs, the LM head's dW summed in its GEMM), then the
+#                                 # GEMM programs), then the
 #                                 # default's and ~tma's kernels profiled and traced (trace_gaps.py --streams)
 #   bench/gpu_suite.sh rehearse   # one rank of every paper layout (optimus rehearse): the five models at 384
 #                                 # and 12288 tiles, then the registry's own layouts; RUNS="..." TILES="..." for others,
@@ -55,8 +55,7 @@ overlap)  # bench/probes.py's A/B at micro-batch 8 (where the warp-specialized k
           # the kernels of the default and of ~tma profiled in the same call; every record carries
           # the GPU's clocks and power (bench/gpu_telemetry.py)
   # the most wanted first: a pass cut short by the timeout keeps the earlier variants
-  variants=${VARIANTS:-7b8l-default 7b8l-default-fp32-residual 7b8l-default~autograd-norm \
-            7b8l-default~lm-head-f32-gemm 7b8l-default~update-after 7b8l-default~tma \
+  variants=${VARIANTS:-7b8l-default 7b8l-default-fp32-residual 7b8l-default~update-after 7b8l-default~tma \
             7b8l-default~tma~update-after 7b8l-default~programs-116}
   timeout 450 python3 bench/train_step.py --batch ${MICRO_BATCHES:-8} --repeat ${REPEAT:-2} --variants $variants \
     --out "$out" --store '' 2>&1 | tee "$out/overlap.log"

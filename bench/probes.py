@@ -23,14 +23,6 @@ and moved the 8 x 8 step by 0.2 %. Three explanations, one probe or reading each
   programs-N    our persistent GEMM kernels (forward, dx, dW) on at most N programs, one per SM:
                 the other SMs stay free for the update beside them (the H200 has 132)
   update-after  the update after the backward, not beside the next forward
-  lm-head-f32-gemm
-                the LM head's float32 dW summed over the loss's row chunks inside the GEMM
-                (cuBLAS with a float32 C, torch's out_dtype overloads: CUDA only), where the
-                default adds each chunk's bf16 product to the sum in a pass of its own (2.8-2.9 ms
-                a step at 8 x 8, bench/NOTES.md); predicted -2 ms a step at 8 x 8
-  autograd-norm RMSNorm as plain torch ops, autograd's chain for its backward (what it was until
-                the twentieth session, which made it keep its input instead of float32 copies):
-                the norm's own share of the step's change, apart from the bf16 residual stream's
 """
 from __future__ import annotations
 
@@ -44,8 +36,6 @@ PROBES = {
     "tma": "the forward and dx by the TMA kernel where the warp-specialized one would run",
     "programs-N": "our persistent GEMM kernels on at most N programs",
     "update-after": "the update after the backward, not beside the next forward",
-    "lm-head-f32-gemm": "the LM head's float32 dW summed over the loss's chunks by the GEMM (CUDA)",
-    "autograd-norm": "RMSNorm as plain torch ops, differentiated by autograd",
 }
 
 
@@ -112,29 +102,5 @@ def _patches(probe: str) -> list:
         # measure_steps holds its own name for it; profile_step imports it at each call
         return [mock.patch.object(execution, "plan_execution", plan_execution),
                 mock.patch.object(importlib.import_module("optimus_core.train.measure"), "plan_execution", plan_execution)]
-    if probe == "lm-head-f32-gemm":
-        return [mock.patch.object(importlib.import_module("optimus_core.model.linear_cross_entropy"),
-                                  "accumulate_dw", dw_summed_in_the_gemm)]
-    if probe == "autograd-norm":
-        return [mock.patch.object(importlib.import_module("optimus_core.model.layers").RMSNorm, "forward",
-                                  norm_by_torch_ops)]
     raise AssertionError(probe)  # split() admits no other
 
-
-def norm_by_torch_ops(self, x):
-    """RMSNorm.forward as torch ops (the same forward bits): autograd keeps the float32 input copy
-    and the normalised value for its backward."""
-    import torch
-
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
-
-
-def dw_summed_in_the_gemm(dw_VD, dlogits_CV, h_CD):
-    """linear_cross_entropy.accumulate_dw's contract with the sum in the GEMM's float32 output:
-    no bf16 product, no pass to add it (torch's mm / addmm ``out_dtype``, CUDA only)."""
-    import torch
-
-    if dw_VD is None:
-        return torch.mm(dlogits_CV.T, h_CD, out_dtype=torch.float32)
-    return torch.addmm(dw_VD, dlogits_CV.T, h_CD, out_dtype=torch.float32, out=dw_VD)

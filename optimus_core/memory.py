@@ -212,7 +212,8 @@ def block_activation_bytes(cfg: ModelConfig, tokens: int, checkpointed: bool = F
     counted from the tensors autograd saves:
 
         attention and norms   the block's input and the residual after the attention (each norm
-                              keeps its input as it comes, and a float32 rsqrt per token); the
+                              keeps its input as it comes, and a float32 rsqrt per token; given
+                              a float32 one, torch's ops keep its normalised value too); the
                               normed input the q, k and v projections read (one bf16 tensor, or
                               three bf16 casts of a float32 one); six more bf16 (tokens x d_model)
                               tensors (q, k, v, the attention's output and the projections' views)
@@ -235,7 +236,8 @@ def block_activation_bytes(cfg: ModelConfig, tokens: int, checkpointed: bool = F
     # A norm's output as the projections after it read it: a bf16 one as it is; a float32 one
     # cast by autocast for each of them (q, k and v; gate and up).
     qkv_input = 2 * D if r == 2 else 3 * 2 * D
-    attn = 2 * r * D + qkv_input + 12 * D + 4 * H + 8  # + 8: the two norms' rsqrt
+    normalised = 0 if r == 2 else 2 * 4 * D  # the two norms' float32 normalised values (torch's ops)
+    attn = 2 * r * D + normalised + qkv_input + 12 * D + 4 * H + 8  # + 8: the two norms' rsqrt
     if cfg.moe is None:
         gate_up_input = 2 * D if r == 2 else 2 * 2 * D
         ffn = gate_up_input + 8 * cfg.d_ff

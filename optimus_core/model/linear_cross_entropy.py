@@ -34,7 +34,7 @@ import kernels.cross_entropy
 # log-probabilities): 1.2 GB at 4096 rows and V = 50,304; the logits path holds ~10 bytes
 # per logit of the whole micro-batch at once (8192 tokens: ~4 GB). Each matmul of a chunk
 # (4096 x 2048 x 50,304, 0.84 TFLOP) is still large enough to run at the full matmul rate; a
-# chunk more costs one float32 add of dW (V x D) only.
+# chunk more costs one more float32 read and write of dW (V x D), in its GEMM on CUDA.
 DEFAULT_CHUNK_ROWS = 4096
 
 
@@ -66,11 +66,37 @@ def linear_cross_entropy(h_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N:
 
 
 def accumulate_dw(dw_VD: torch.Tensor | None, dlogits_CV: torch.Tensor, h_CD: torch.Tensor) -> torch.Tensor:
-    """``dw_VD + dlogits_CV.T @ h_CD`` in float32 (``dw_VD`` None before the first chunk): the
-    chunk's product in the compute dtype, then added to the float32 sum, what the float32 master
-    weight receives. bench/probes.py's ~lm-head-f32-gemm measures the sum made by the GEMM itself."""
+    """``dw_VD + dlogits_CV.T @ h_CD`` in float32 (``dw_VD`` None before the first chunk), what
+    the float32 master weight receives. Where the GEMM can write float32 from 16-bit inputs
+    (torch's mm / addmm ``out_dtype``: CUDA), it adds each chunk into the sum itself: no 16-bit
+    product written and read back, no pass of its own for the add (at 8 x 8 on an H200 -3.4 to
+    -5.6 ms a step, and the product is not rounded to bf16 first: bench/NOTES.md, twentieth
+    session); elsewhere the chunk's product in the compute dtype, then added."""
+    if dlogits_CV.dtype != torch.float32 and _gemm_writes_float32(dlogits_CV.device):
+        if dw_VD is None:
+            return torch.mm(dlogits_CV.T, h_CD, out_dtype=torch.float32)
+        return torch.addmm(dw_VD, dlogits_CV.T, h_CD, out_dtype=torch.float32, out=dw_VD)
     part_VD = dlogits_CV.T @ h_CD
     return part_VD.float() if dw_VD is None else dw_VD.add_(part_VD)
+
+
+_GEMM_WRITES_FLOAT32: dict[str, bool] = {}  # device type -> whether mm / addmm take out_dtype there
+
+
+def _gemm_writes_float32(device: torch.device) -> bool:
+    """Whether torch's mm and addmm take ``out_dtype=float32`` for bf16 inputs on ``device``'s
+    type: CUDA in the torch versions that have the overloads, asked once per process."""
+    if device.type != "cuda":
+        return False
+    if device.type not in _GEMM_WRITES_FLOAT32:
+        a = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
+        try:
+            c = torch.mm(a, a, out_dtype=torch.float32)
+            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+            _GEMM_WRITES_FLOAT32[device.type] = bool(c.dtype == torch.float32 and (c == 32).all())
+        except (TypeError, RuntimeError, NotImplementedError):
+            _GEMM_WRITES_FLOAT32[device.type] = False
+    return _GEMM_WRITES_FLOAT32[device.type]
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

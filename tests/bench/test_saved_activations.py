@@ -55,11 +55,12 @@ def test_both_qk_norm_paths_keep_q_and_k_as_they_are():
 
 
 def test_a_float32_residual_stream_keeps_more(capsys):
-    """The block's input and the residual after attention in float32 (4 bytes, not 2), and the
-    q, k and v projections' three bf16 casts of the float32 normed input instead of one."""
+    """The block's input and the residual after attention in float32 (4 bytes, not 2), the two
+    norms' float32 normalised values (torch's ops, for a float32 input), and the q, k and v
+    projections' three bf16 casts of the float32 normed input instead of one."""
     cfg = presets.get("mula-7b-a1b@laptop").model
     kept = {}
     for residual in ("bfloat16", "float32"):
         main(["--preset", "mula-7b-a1b@laptop", "--tokens", "64", "--seq", "32", "--residual", residual])
         kept[residual] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["activations_gib"] * 2 ** 30
-    assert kept["float32"] - kept["bfloat16"] == pytest.approx((2 * 2 + 2 * 2) * cfg.d_model * 64)
+    assert kept["float32"] - kept["bfloat16"] == pytest.approx((2 * 2 + 2 * 4 + 2 * 2) * cfg.d_model * 64)

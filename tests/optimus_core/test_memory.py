@@ -82,12 +82,13 @@ def test_block_activations_are_what_autograd_saves(cfg, mode, kernel, residual):
 
 
 def test_a_bf16_residual_stream_keeps_less():
-    """Each norm keeps its input as it comes (two float32 tensors of its size saved before,
-    bench/NOTES.md): a bf16 residual halves the block's input and the residual after attention,
-    and the q, k and v projections read one bf16 normed input instead of three casts."""
-    for cfg, per_token in ((MOE, 2 * 2 + 2 * 2), (DENSE, 2 * 2 + 2 * 2 + 2)):  # + a dense block's gate and up
+    """A bf16 residual halves the block's input and the residual after attention; each norm
+    keeps that input as it comes (given a float32 one, torch's ops keep its normalised value too,
+    bench/NOTES.md), and the q, k and v projections read one bf16 normed input instead of three
+    casts."""
+    for cfg, per_token in ((MOE, 2 * 2 + 2 * 4 + 2 * 2), (DENSE, 2 * 2 + 2 * 4 + 2 * 2 + 2)):  # + gate and up
         fp32, bf16 = (saved_activation_bytes(cfg, 2, 64, residual=dt) for dt in (torch.float32, torch.bfloat16))
-        assert fp32 - bf16 == per_token * cfg.d_model * 2 * 64
+        assert fp32 - bf16 == pytest.approx(per_token * cfg.d_model * 2 * 64, rel=0.01)  # and the rsqrts
 
 
 def test_terms_move_the_right_way():
@@ -130,12 +131,13 @@ def test_auto_checkpointing_keeps_the_margin_the_rehearsals_asked_for():
     FIT_MARGIN to spare under the 57.6 GiB budget. The margin is what a rehearsal asked for: every
     4th block recomputed, estimated 57.56 GiB (the count of that time, float32 norm copies
     included), was rehearsed at 57.7 GiB allocated and 64.9 reserved, over a 64 GiB tile (bench/
-    NOTES.md, eighteenth session). With the norms keeping their inputs as they come: every 4th
-    block with a float32 residual stream, every 10th with the default bf16 one (not rehearsed
-    yet: bench/NOTES.md, twentieth session)."""
+    NOTES.md, eighteenth session); every 3rd was rehearsed at 52.8 GiB. With the default bf16
+    residual stream, whose norms keep their bf16 inputs, every 10th (rehearsed at 52.3 GiB
+    allocated, 59.1 reserved: bench/NOTES.md, twentieth session); with a float32 one, every 3rd
+    again."""
     cfg = presets.get("mula-220b-a10b").model
     budget = 57.6 * GIB
-    for fp32_residual, want in ((False, ("full", 10)), (True, ("full", 4))):
+    for fp32_residual, want in ((False, ("full", 10)), (True, ("full", 3))):
         layout = MemoryLayout(world=12288, ep=32, dp_shard=384, micro_batch=1, accumulation=1, seq_len=4096,
                               expert_weight_casts=False, fp32_residual=fp32_residual)
         assert fit_checkpointing(cfg, layout, budget) == want

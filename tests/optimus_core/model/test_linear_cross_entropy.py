@@ -307,3 +307,35 @@ def test_lm_loss_resolves_per_device(monkeypatch):
     for choice, on in (("triton", True), ("torch", False)):
         plan = resolve_choices(asked(choice), "cpu", probe=False)
         assert build_model(asked(choice), plan=plan).lm_loss_kernel is on
+
+
+def test_dw_is_summed_by_the_gemm_only_where_it_writes_float32():
+    from optimus_core.model import linear_cross_entropy as lce
+
+    assert not lce._gemm_writes_float32(torch.device("cpu"))
+    d, h = torch.randn(8, 5).bfloat16(), torch.randn(8, 3).bfloat16()
+    dw = lce.accumulate_dw(None, d, h)
+    assert dw.dtype == torch.float32 and torch.equal(dw, (d.T @ h).float())  # the product, then the sum
+    assert torch.equal(lce.accumulate_dw(dw.clone(), d, h), dw + (d.T @ h).float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_dw_summed_by_the_gemm_is_at_least_as_close_to_float64_on_cuda():
+    """Three bf16 chunks: the GEMM's float32 sum (the default on CUDA) against float64, no
+    farther off than a bf16 product added to a float32 sum (what it replaced)."""
+    from optimus_core.model import linear_cross_entropy as lce
+
+    assert lce._gemm_writes_float32(torch.device("cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    chunks = [(torch.randn(256, 1000, device="cuda", generator=gen).bfloat16(),
+               torch.randn(256, 128, device="cuda", generator=gen).bfloat16()) for _ in range(3)]
+    ref = sum(d.double().T @ h.double() for d, h in chunks)
+    dw = added = None
+    for d, h in chunks:
+        dw = lce.accumulate_dw(dw, d, h)
+        part = (d.T @ h).float()
+        added = part if added is None else added + part
+    assert dw.dtype == torch.float32
+    err, err_added = ((x.double() - ref).abs().max().item() for x in (dw, added))
+    assert err <= err_added and err < 1e-3 * ref.abs().max().item()
