@@ -1,5 +1,6 @@
-"""The shared layers: RMSNorm's hand-written backward against float64 autograd on odd shapes,
-and what it keeps for the backward (its input as it came, not float32 copies)."""
+"""The shared layers: RMSNorm against float64 autograd on odd shapes (its hand-written backward
+for a 16-bit input in eager mode, torch's ops otherwise), and what it keeps for the backward (a
+16-bit input as it came, not float32 copies)."""
 import pytest
 import torch
 
