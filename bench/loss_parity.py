@@ -64,18 +64,6 @@ def parse_args(argv=None):
     return args
 
 
-def _overrides(items: list[str]) -> dict:
-    from optimus_core.config import parse_value
-
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"{item!r}: expected KEY=VALUE")
-        out[key] = parse_value(value)
-    return out
-
-
 class _Rows:
     """The loop's metrics sink (optimus_core.train.loop.MetricsSink), kept in memory."""
 
@@ -129,8 +117,10 @@ def main(argv=None) -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    both = _overrides(args.set)
-    sides = {"A": {**both, **_overrides(args.a)}, "B": {**both, **_overrides(args.b)}}
+    from workflow.cli import parse_overrides
+
+    both = parse_overrides(args.set)
+    sides = {"A": {**both, **parse_overrides(args.a)}, "B": {**both, **parse_overrides(args.b)}}
     runs = []
     print(f"{'side':>4} {'seed':>4} {'final-window loss':>18} {'held-out loss':>14} {'wall s':>7}  overrides")
     for seed in args.seeds:  # seeds outermost: a cut-short sweep still has both sides of each seed

@@ -233,13 +233,12 @@ def block_activation_bytes(cfg: ModelConfig, tokens: int, checkpointed: bool = F
         raise ValueError(f"residual_bytes = {r}: 2 (bf16) or 4 (float32)")
     if checkpointed:
         return float(r * D * tokens)
-    # A norm's output as the projections after it read it: a bf16 one as it is; a float32 one
-    # cast by autocast for each of them (q, k and v; gate and up).
-    qkv_input = 2 * D if r == 2 else 3 * 2 * D
-    normalised = 0 if r == 2 else 2 * 4 * D  # the two norms' float32 normalised values (torch's ops)
+    if r == 2:  # each norm keeps its bf16 input; its bf16 output feeds q, k and v (gate and up) as it is
+        normalised, qkv_input, gate_up_input = 0, 2 * D, 2 * D
+    else:  # torch's ops keep each norm's float32 normalised value; autocast casts it for each projection
+        normalised, qkv_input, gate_up_input = 2 * 4 * D, 3 * 2 * D, 2 * 2 * D
     attn = 2 * r * D + normalised + qkv_input + 12 * D + 4 * H + 8  # + 8: the two norms' rsqrt
     if cfg.moe is None:
-        gate_up_input = 2 * D if r == 2 else 2 * 2 * D
         ffn = gate_up_input + 8 * cfg.d_ff
     else:
         E, K, F = cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.d_expert

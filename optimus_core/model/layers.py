@@ -28,8 +28,14 @@ class RMSNorm(nn.Module):
         # (bench/NOTES.md, twentieth session): compiled, the Function's step was 0.7-2.2 ms slower
         # at 8 x 8, and given a float32 input (which .float() returns as it is) it passed no
         # gradient at all.
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+        return _rms_norm(x, self.weight, self.eps)[0]
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the normed x in x's dtype, its float32 rsqrt per row): the arithmetic both paths share."""
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * rstd * weight.float()).to(x.dtype), rstd
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -49,10 +55,9 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        x32 = x.float()
-        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        out, rstd = _rms_norm(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (x32 * rstd * weight.float()).to(x.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
