@@ -132,9 +132,9 @@ if gluon is not None:
     _LOADER_REGISTERS = gl.constexpr(LOADER_REGISTERS)
 
     @gluon.constexpr_function
-    def _y_block_n(w_block_shape, trans_w):
-        """BLOCK_N from w's block: (BLOCK_K, BLOCK_N), or (BLOCK_N, BLOCK_K) transposed."""
-        return w_block_shape[0] if trans_w else w_block_shape[1]
+    def _ring_block_n(w_ring_shape, trans_w):
+        """BLOCK_N from w's ring: (STAGES, BLOCK_K, BLOCK_N), or (STAGES, BLOCK_N, BLOCK_K) transposed."""
+        return w_ring_shape[1] if trans_w else w_ring_shape[2]
 
     # gl.sum is Triton's sum, whose combine function is a triton.jit function: under
     # TRITON_INTERPRET=1 (the CPU tests) that is an interpreted one, which Gluon cannot compile.
@@ -206,11 +206,14 @@ if gluon is not None:
 
     @gluon.jit
     def _loader(x_desc, w_desc, x_ring, w_ring, ready, empty, offsets_ptr, M, N, K, G,
-                SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, layout: gl.constexpr):
+                SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, SWIGLU: gl.constexpr, layout: gl.constexpr):
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = _y_block_n(w_desc.block_type.shape, TRANS_W)
+        BLOCK_N: gl.constexpr = _ring_block_n(w_ring.type.shape, TRANS_W)
+        HALF: gl.constexpr = BLOCK_N // 2
         STAGES: gl.constexpr = x_ring.type.shape[0]
+        # SWIGLU: w's block is one half of a ring tile, the gate's columns and then the up's
+        W_LOADS: gl.constexpr = 2 if SWIGLU else 1
         seg, starts, ends, tiles, tiles_end = _segment_tiles(offsets_ptr, M, G, SEGMENTS, BLOCK_M, layout)
         num_n = gl.cdiv(N, BLOCK_N)
         work = gl.reduce(tiles, 0, _add) * num_n
@@ -225,25 +228,28 @@ if gluon is not None:
                     s = pos % STAGES
                     mbarrier.wait(empty.index(s), (pos // STAGES & 1) ^ 1)  # fresh barriers pass phase 1
                     bar = ready.index(s)
-                    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+                    mbarrier.expect(bar, x_desc.block_type.nbytes + W_LOADS * w_desc.block_type.nbytes)
                     _tma_load(x_desc, [row_start, kb * BLOCK_K], bar, x_ring.index(s))
                     if TRANS_W:
                         _tma_load(w_desc, [g * N + n0, kb * BLOCK_K], bar, w_ring.index(s))
+                    elif SWIGLU:  # gate columns n0 / 2 + [0, HALF), and the same up columns F further
+                        w_tile = w_ring.index(s)
+                        _tma_load(w_desc, [g * K + kb * BLOCK_K, n0 // 2], bar, w_tile.slice(0, HALF, dim=1))
+                        _tma_load(w_desc, [g * K + kb * BLOCK_K, N // 2 + n0 // 2], bar,
+                                  w_tile.slice(HALF, HALF, dim=1))
                     else:
                         _tma_load(w_desc, [g * K + kb * BLOCK_K, n0], bar, w_ring.index(s))
                     pos += 1
 
     @gluon.jit
-    def _consumer(x_desc, w_desc, y_desc, x_ring, w_ring, ready, empty, order, y_stage, y_ptr, stride_ym,
-                  offsets_ptr, M, N, K, G, WHICH: gl.constexpr, SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr,
-                  layout: gl.constexpr):
+    def _consumer(x_desc, w_desc, y_desc, a_desc, x_ring, w_ring, ready, empty, order, y_stage, y_ptr, stride_ym,
+                  a_ptr, stride_am, rw_ptr, offsets_ptr, M, N, K, G, WHICH: gl.constexpr, SEGMENTS: gl.constexpr,
+                  TRANS_W: gl.constexpr, SWIGLU: gl.constexpr, HAS_WEIGHT: gl.constexpr, layout: gl.constexpr):
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
-        BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = y_stage.type.shape[1]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
-        # 16-byte vectors along a row for the partial tiles' pointer stores
-        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_WARPS, 1], [1, 0])
         seg, starts, ends, tiles, tiles_end = _segment_tiles(offsets_ptr, M, G, SEGMENTS, BLOCK_M, layout)
         num_n = gl.cdiv(N, BLOCK_N)
         work = gl.reduce(tiles, 0, _add) * num_n
@@ -258,81 +264,177 @@ if gluon is not None:
             if g < G:
                 acc = _ring_products(x_ring, w_ring, ready, empty, acc, j * k_blocks, k_blocks, TRANS_W)
             _pass_turn(order, WHICH)
-            # Both stores go through y_stage, so the accumulator has one reader: a second
+            # Every store goes through y_stage, so the accumulator has one reader: a second
             # (masked pointer stores straight from it) makes ptxas serialize the wgmmas (C7514).
             tma.store_wait(pendings=0)  # this consumer's last store has left y_stage
             y_stage.store(acc.to(y_desc.dtype))
-            if row_start + BLOCK_M <= row_end:
-                fence_async_shared()
-                _tma_store(y_desc, [row_start, n0], y_stage)  # columns past N dropped
-            else:  # the group's last, partial row tile: its rows past row_end are the next group's
-                rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
-                cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
-                ptrs = y_ptr + gl.expand_dims(rows.to(gl.int64) * stride_ym, 1) + gl.expand_dims(cols, 0)
-                mask = gl.expand_dims(rows < row_end, 1) & gl.expand_dims(cols < N, 0)
-                gl.store(ptrs, y_stage.load(store_layout), mask=mask)
+            if SWIGLU:
+                _swiglu_epilogue(y_desc, a_desc, y_stage, y_ptr, stride_ym, a_ptr, stride_am, rw_ptr,
+                                 row_start, row_end, n0 // 2, N // 2, HAS_WEIGHT)
+            else:
+                _store_tile(y_desc, y_stage, y_ptr, stride_ym, row_start, row_end, n0, N)
             j += 2
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _grouped_mm_ws_kernel(x_desc, w_desc, y_desc, y_ptr, offsets_ptr, M, N, K, G, stride_ym,
-                              SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, STAGES: gl.constexpr):
-        BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
-        BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
+    def _store_tile(y_desc, y_stage, y_ptr, stride_ym, row_start, row_end, n0, N):
+        """y's rows [row_start, row_end) x columns n0 + [0, BLOCK_N) from y_stage: by TMA, or
+        the group's last, partial row tile by masked pointer stores (its rows past row_end are
+        the next group's, which a TMA store would write)."""
+        BLOCK_M: gl.constexpr = y_stage.type.shape[0]
+        BLOCK_N: gl.constexpr = y_stage.type.shape[1]
+        # 16-byte vectors along a row
+        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_WARPS, 1], [1, 0])
+        if row_start + BLOCK_M <= row_end:
+            fence_async_shared()
+            _tma_store(y_desc, [row_start, n0], y_stage)  # columns past N dropped
+        else:
+            rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
+            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+            ptrs = y_ptr + gl.expand_dims(rows.to(gl.int64) * stride_ym, 1) + gl.expand_dims(cols, 0)
+            mask = gl.expand_dims(rows < row_end, 1) & gl.expand_dims(cols < N, 0)
+            gl.store(ptrs, y_stage.load(store_layout), mask=mask)
+
+    @gluon.jit
+    def _swiglu_epilogue(h_desc, a_desc, h_stage, h_ptr, stride_hm, a_ptr, stride_am, rw_ptr, row_start, row_end,
+                         c0, F, HAS_WEIGHT: gl.constexpr):
+        """h_stage holds h's rows [row_start, row_end) at gate columns c0 + [0, HALF) in its first
+        half and the same up columns (c0 + F + ...) in its second. Stores both to h, then
+        a = silu(gate) * up (times the row's weight) to a's columns c0 + [0, HALF): the swiglu
+        kernel's formula on the same 16-bit values, so the same bits as the unfused pair."""
+        BLOCK_M: gl.constexpr = h_stage.type.shape[0]
+        HALF: gl.constexpr = h_stage.type.shape[1] // 2
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_WARPS, 1], [1, 0])
+        gate_stage = h_stage.slice(0, HALF, dim=1)
+        up_stage = h_stage.slice(HALF, HALF, dim=1)
+        full = row_start + BLOCK_M <= row_end
+        if full:
+            fence_async_shared()
+            _tma_store(h_desc, [row_start, c0], gate_stage)
+            _tma_store(h_desc, [row_start, F + c0], up_stage)
+        gate16 = gate_stage.load(layout)
+        up16 = up_stage.load(layout)
+        rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        cols = c0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+        row_ok = rows < row_end
+        mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(cols < F, 0)
+        if not full:
+            h_ptrs = h_ptr + gl.expand_dims(rows.to(gl.int64) * stride_hm, 1) + gl.expand_dims(cols, 0)
+            gl.store(h_ptrs, gate16, mask=mask)
+            gl.store(h_ptrs + F, up16, mask=mask)
+        gate = gate16.to(gl.float32)
+        out = gate * (1 / (1 + gl.exp(-gate))) * up16.to(gl.float32)  # tl.sigmoid's formula
+        if HAS_WEIGHT:
+            out = out * gl.expand_dims(gl.load(rw_ptr + rows, mask=row_ok, other=0.0).to(gl.float32), 1)
+        out16 = out.to(a_desc.dtype)
+        if full:
+            tma.store_wait(pendings=0)  # the h stores have read the stage
+            gate_stage.store(out16)
+            fence_async_shared()
+            _tma_store(a_desc, [row_start, c0], gate_stage)
+        else:
+            a_ptrs = a_ptr + gl.expand_dims(rows.to(gl.int64) * stride_am, 1) + gl.expand_dims(cols, 0)
+            gl.store(a_ptrs, out16, mask=mask)
+
+    @gluon.jit
+    def _grouped_mm_ws_kernel(x_desc, w_desc, y_desc, a_desc, y_ptr, a_ptr, rw_ptr, offsets_ptr, M, N, K, G,
+                              stride_ym, stride_am, SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr,
+                              SWIGLU: gl.constexpr, HAS_WEIGHT: gl.constexpr, STAGES: gl.constexpr,
+                              BLOCK_N: gl.constexpr, W_TILE_LAYOUT: gl.constexpr, Y_TILE_LAYOUT: gl.constexpr):
+        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+        W_TILE: gl.constexpr = [BLOCK_N, BLOCK_K] if TRANS_W else [BLOCK_K, BLOCK_N]
         x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-        w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+        w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + W_TILE, W_TILE_LAYOUT)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
         order = _order_barriers()
-        stage0 = gl.allocate_shared_memory(y_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
-        stage1 = gl.allocate_shared_memory(y_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
+        stage0 = gl.allocate_shared_memory(y_desc.dtype, [BLOCK_M, BLOCK_N], Y_TILE_LAYOUT)
+        stage1 = gl.allocate_shared_memory(y_desc.dtype, [BLOCK_M, BLOCK_N], Y_TILE_LAYOUT)
         lanes: gl.constexpr = gl.BlockedLayout([1], [32], [_WARPS], [0])
         loader_lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         gl.warp_specialize([
-            (_consumer, (x_desc, w_desc, y_desc, x_ring, w_ring, ready, empty, order, stage0, y_ptr, stride_ym,
-                         offsets_ptr, M, N, K, G, 0, SEGMENTS, TRANS_W, lanes)),
-            (_consumer, (x_desc, w_desc, y_desc, x_ring, w_ring, ready, empty, order, stage1, y_ptr, stride_ym,
-                         offsets_ptr, M, N, K, G, 1, SEGMENTS, TRANS_W, lanes)),
+            (_consumer, (x_desc, w_desc, y_desc, a_desc, x_ring, w_ring, ready, empty, order, stage0, y_ptr,
+                         stride_ym, a_ptr, stride_am, rw_ptr, offsets_ptr, M, N, K, G, 0, SEGMENTS, TRANS_W,
+                         SWIGLU, HAS_WEIGHT, lanes)),
+            (_consumer, (x_desc, w_desc, y_desc, a_desc, x_ring, w_ring, ready, empty, order, stage1, y_ptr,
+                         stride_ym, a_ptr, stride_am, rw_ptr, offsets_ptr, M, N, K, G, 1, SEGMENTS, TRANS_W,
+                         SWIGLU, HAS_WEIGHT, lanes)),
             (_loader, (x_desc, w_desc, x_ring, w_ring, ready, empty, offsets_ptr, M, N, K, G,
-                       SEGMENTS, TRANS_W, loader_lanes)),
+                       SEGMENTS, TRANS_W, SWIGLU, loader_lanes)),
         ], [_WARPS, 1], [_CONSUMER_REGISTERS, _LOADER_REGISTERS])
 
 
-def _layouts(dtype, cfg: dict, trans_w: bool):
-    """(block, NVMMA shared layout) of x's, w's and y's descriptors (the swizzle TMA and wgmma
-    share)."""
+def _layouts(dtype, cfg: dict, trans_w: bool, swiglu: bool = False):
+    """((block, NVMMA shared layout) of x's, w's and y's descriptors, the layout of a w ring
+    tile, the layout of a y staging tile): the swizzle TMA and wgmma share. With ``swiglu`` w's
+    and y's blocks are half a tile wide (the gate's columns and the up's, loaded and stored apart)."""
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    blocks = ([bm, bk], [bn, bk] if trans_w else [bk, bn], [bm, bn])
-    return [(block, gl.NVMMASharedLayout.get_default_for(block, gdt)) for block in blocks]
+    w_tile = [bn, bk] if trans_w else [bk, bn]
+    blocks = ([bm, bk], [bk, bn // 2] if swiglu else w_tile, [bm, bn // 2] if swiglu else [bm, bn])
+
+    def layout(block):
+        return gl.NVMMASharedLayout.get_default_for(block, gdt)
+    return [(block, layout(block)) for block in blocks], layout(w_tile), layout([bm, bn])
+
+
+def swiglu_unsupported(x: Tensor, w: Tensor, h: Tensor, out: Tensor, row_weight: Tensor | None) -> str | None:
+    """Why the forward cannot also write out = silu(gate) * up (times row_weight) beside
+    h = x @ w[g] (launch_grouped_mm_ws's ``swiglu_out``), or None."""
+    if reason := ws_unsupported(x, w, h):
+        return reason
+    F = h.shape[1] // 2
+    half = CONFIGS[0][1] // 2
+    if h.shape[1] % 2 or F % half:
+        return f"the fused SwiGLU needs a gate and an up of whole {half}-column blocks, got h of {h.shape[1]} columns"
+    if out.shape != (h.shape[0], F) or out.dtype != h.dtype:
+        return f"the SwiGLU output must be ({h.shape[0]}, {F}) in {h.dtype}, got {tuple(out.shape)} {out.dtype}"
+    if row_weight is not None and (row_weight.shape != (h.shape[0],) or row_weight.stride(0) != 1):
+        return f"row_weight must be a contiguous ({h.shape[0]},) vector, got {tuple(row_weight.shape)}"
+    return grouped_mm_tma.tma_unaligned(out=out)
 
 
 def launch_grouped_mm_ws(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *, trans_w: bool = False,
-                         config: dict | None = None) -> Tensor:
+                         config: dict | None = None, swiglu_out: Tensor | None = None,
+                         row_weight: Tensor | None = None) -> Tensor:
     """Fill y (M, N) with the grouped product; w is (G, K, N), or (G, N, K) with trans_w. The
     caller checks ws_unsupported first. config: {"BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES"}
-    (config_dict); None: the first of CONFIGS, the fastest measured (bench/kernels.py --ws)."""
+    (config_dict); None: the first of CONFIGS, the fastest measured (bench/kernels.py --ws).
+
+    swiglu_out (M, N / 2), forward only (the caller checks swiglu_unsupported): y is the up
+    projection's h = [gate | up], and the epilogue also writes swiglu_out = silu(gate) * up,
+    times row_weight (M,) per row when given: the swiglu kernel's pass, fused (same bits)."""
     (M, K), G, N = x.shape, offsets.shape[0], y.shape[1]
+    swiglu = swiglu_out is not None
+    if swiglu and trans_w:
+        raise ValueError("launch_grouped_mm_ws: the fused SwiGLU is the forward's (trans_w=False)")
     if y.numel() == 0:
         return y
     if G == 0:  # every row is past offsets[-1]; a descriptor of w needs at least one row
+        if swiglu:
+            swiglu_out.zero_()
         return y.zero_()
     cfg = config or config_dict(*CONFIGS[0])
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    (xb, xl), (wb, wl), (yb, yl) = _layouts(x.dtype, cfg, trans_w)
+    ((xb, xl), (wb, wl), (yb, yl)), w_tile_layout, y_tile_layout = _layouts(x.dtype, cfg, trans_w, swiglu)
     x_desc = TensorDescriptor.from_tensor(x, xb, xl)
     w_desc = TensorDescriptor(w, [G * w.shape[1], w.shape[2]], [w.shape[2], 1], wb, wl)
     y_desc = TensorDescriptor.from_tensor(y, yb, yl)
+    a = swiglu_out if swiglu else y  # without the SwiGLU: placeholders, never read or written
+    a_desc = TensorDescriptor.from_tensor(a, yb, yl) if swiglu else y_desc
     items = (triton.cdiv(M, bm) + G) * triton.cdiv(N, bn)
     grid = (min(grouped_mm_tma._num_programs(x.device), items),)
     with device_guard(x):
-        _grouped_mm_ws_kernel[grid](x_desc, w_desc, y_desc, y, offsets, M, N, K, G, y.stride(0),
-                                    SEGMENTS=triton.next_power_of_2(G + 1), TRANS_W=trans_w,
-                                    STAGES=cfg["STAGES"], num_warps=CONSUMER_WARPS,
-                                    maxnreg=MAX_REGISTERS)
+        _grouped_mm_ws_kernel[grid](x_desc, w_desc, y_desc, a_desc, y, a, y if row_weight is None else row_weight,
+                                    offsets, M, N, K, G, y.stride(0), a.stride(0),
+                                    SEGMENTS=triton.next_power_of_2(G + 1), TRANS_W=trans_w, SWIGLU=swiglu,
+                                    HAS_WEIGHT=row_weight is not None, STAGES=cfg["STAGES"], BLOCK_N=bn,
+                                    W_TILE_LAYOUT=w_tile_layout, Y_TILE_LAYOUT=y_tile_layout,
+                                    num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS)
     return y
 
 
@@ -348,23 +450,31 @@ def _compile_sm90(kernel, signature: dict, constexprs: dict):
 
 
 def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, *, trans_w: bool = False, config: dict | None = None,
-                     groups: int = 8):
+                     groups: int = 8, swiglu: bool = False):
     """Compile the kernel for an sm90 (Hopper) target without a GPU: Triton's front end, its
     passes and ptxas all run on the CPU. Returns the compiled kernel (its .asm holds the TTGIR,
     PTX and cubin, its .metadata the shared memory): the CPU tests check what can be checked
-    before a GPU runs it (shared memory, the partitions, ptxas_report)."""
+    before a GPU runs it (shared memory, the partitions, ptxas_report). ``swiglu``: the forward
+    with the fused SwiGLU and row weights."""
     cfg = config or config_dict(*CONFIGS[0])
-    (xb, xl), (wb, wl), (yb, yl) = _layouts(dtype, cfg, trans_w)
+    ((xb, xl), (wb, wl), (yb, yl)), w_tile_layout, y_tile_layout = _layouts(dtype, cfg, trans_w, swiglu)
     ty = "bf16" if dtype == torch.bfloat16 else "fp16"
     desc = lambda block, layout: f"tensordesc<{ty}[{', '.join(map(str, block))}],{layout!r}>"  # noqa: E731
-    signature = {"x_desc": desc(xb, xl), "w_desc": desc(wb, wl), "y_desc": desc(yb, yl), "y_ptr": f"*{ty}",
-                 "offsets_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "stride_ym": "i32"}
-    constexprs = {"SEGMENTS": triton.next_power_of_2(groups + 1), "TRANS_W": trans_w, "STAGES": cfg["STAGES"]}
+    signature = {"x_desc": desc(xb, xl), "w_desc": desc(wb, wl), "y_desc": desc(yb, yl), "a_desc": desc(yb, yl),
+                 "y_ptr": f"*{ty}", "a_ptr": f"*{ty}", "rw_ptr": "*fp32" if swiglu else f"*{ty}",
+                 "offsets_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "stride_ym": "i32",
+                 "stride_am": "i32"}
+    constexprs = {"SEGMENTS": triton.next_power_of_2(groups + 1), "TRANS_W": trans_w, "SWIGLU": swiglu,
+                  "HAS_WEIGHT": swiglu, "STAGES": cfg["STAGES"], "BLOCK_N": cfg["BLOCK_N"],
+                  "W_TILE_LAYOUT": w_tile_layout, "Y_TILE_LAYOUT": y_tile_layout}
     return _compile_sm90(_grouped_mm_ws_kernel, signature, constexprs)
 
 
+KERNELS = {"forward": {"trans_w": False}, "dx": {"trans_w": True}, "forward+swiglu": {"swiglu": True}}
+
+
 def sm90_report() -> dict[str, dict]:
-    """Every config compiled for sm90 on this machine (no GPU needed), forward and dx:
+    """Every config of every kernel (KERNELS) compiled for sm90 on this machine (no GPU needed):
     {"forward/128x128x64x5": {"shared": bytes, "warp_specialized": TTGIR has the partitions,
     "wgmma": PTX has wgmma, "ptxas": ptxas's register, spill and warning lines}, ...}. Run it in
     a fresh process: a Triton interpreter run earlier in the same process leaves state that
@@ -375,12 +485,8 @@ def sm90_report() -> dict[str, dict]:
         return {"shared": compiled.metadata.shared, "warp_specialized": "ttg.warp_specialize" in compiled.asm["ttgir"],
                 "wgmma": "wgmma.mma_async" in compiled.asm["ptx"], "ptxas": "\n".join(lines)}
 
-    out = {}
-    for c in CONFIGS:
-        for trans_w, name in ((False, "forward"), (True, "dx")):
-            out[f"{name}/{config_name(c)}"] = summary(compile_for_sm90(trans_w=trans_w, config=config_dict(*c),
-                                                                       groups=64))
-    return out
+    return {f"{name}/{config_name(c)}": summary(compile_for_sm90(config=config_dict(*c), groups=64, **kwargs))
+            for c in CONFIGS for name, kwargs in KERNELS.items()}
 
 
 def ptxas_report(compiled) -> str:

@@ -90,3 +90,19 @@ def test_update_after_probe_keeps_the_update_off_the_side_stream():
             # nothing else changes
             assert plan == dataclasses.replace(real(cfg, torch.device("cuda"), **on_gpu), update_beside_forward=False)
     assert execution.plan_execution is real and measure.plan_execution is real
+
+
+def test_unfused_swiglu_probe_runs_the_two_kernels(monkeypatch):
+    """Under the probe the op's launcher takes the two kernels even where the fused epilogue
+    could run (made so here by patching its check)."""
+    fused = importlib.import_module("kernels.grouped_mm_swiglu")
+    calls = []
+    monkeypatch.setattr(fused, "swiglu_unsupported", lambda *args: None)
+    monkeypatch.setattr(fused, "launch_grouped_mm_ws", lambda *args, **kwargs: calls.append("fused"))
+    monkeypatch.setattr(fused, "_launch_grouped_mm", lambda x, w, offsets: calls.append("gemm") or x)
+    monkeypatch.setattr(fused, "_launch_swiglu", lambda h, row_weight: calls.append("swiglu") or h)
+    x, w, offsets = torch.ones(4, 8), torch.ones(1, 8, 8), torch.tensor([4], dtype=torch.int32)
+    fused._launch(x, w, offsets, None)
+    with probes.applied("7b8l-default~unfused-swiglu"):
+        fused._launch(x, w, offsets, None)
+    assert calls == ["fused", "gemm", "swiglu"]

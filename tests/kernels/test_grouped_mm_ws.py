@@ -1,4 +1,5 @@
-"""The warp-specialized Gluon kernel (kernels/grouped_mm_ws.py): the grouped GEMM's forward and dx.
+"""The warp-specialized Gluon kernel (kernels/grouped_mm_ws.py): the grouped GEMM's forward and dx
+(the forward with its fused SwiGLU: tests/kernels/test_grouped_mm_swiglu.py).
 
 Gluon has no interpreter, so on a CPU every config is compiled for sm90 (in a fresh process:
 grouped_mm_ws.sm90_report) and ptxas's report is read: it must fit the H200's shared memory,
@@ -42,7 +43,7 @@ def sm90():
     return json.loads(run.stdout.splitlines()[-1])
 
 
-KERNELS = [f"{name}/{ws.config_name(c)}" for c in ws.CONFIGS for name in ("forward", "dx")]
+KERNELS = [f"{name}/{ws.config_name(c)}" for c in ws.CONFIGS for name in ws.KERNELS]
 
 
 @needs_gluon
