@@ -18,7 +18,7 @@
 #                                 # bench/probes.py's A/B (TMA kernel, update after the backward, fewer
 #                                 # GEMM programs), then the
 #                                 # default's and ~tma's kernels profiled and traced (trace_gaps.py --streams)
-#   bench/gpu_suite.sh fused      # the up projection's fused SwiGLU epilogue: its GPU tests (under a timeout),
+#   bench/gpu_suite.sh fused      # the SwiGLU in the expert GEMMs' epilogues: its GPU tests (under a timeout),
 #                                 # then the step at micro-batch 8 with and without it (bench/probes.py)
 #   bench/gpu_suite.sh rehearse   # one rank of every paper layout (optimus rehearse): the five models at 384
 #                                 # and 12288 tiles, then the registry's own layouts; RUNS="..." TILES="..." for others,
@@ -70,7 +70,7 @@ overlap)  # bench/probes.py's A/B at micro-batch 8 (where the warp-specialized k
   python3 bench/trace_gaps.py /tmp/optimus-traces/trace-7b8l-default*.json* --streams 2>&1 | tee -a "$out/overlap.log"
   ;;
 fused)
-  timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_grouped_mm_swiglu.py \
+  timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_expert_mlp.py \
     tests/kernels/test_grouped_mm_ws.py 2>&1 | tail -n 15 | cut -c1-300 | tee "$out/fused-tests.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
   timeout $((590 - SECONDS)) python3 bench/train_step.py --batch ${MICRO_BATCHES:-8} --repeat ${REPEAT:-2} \

@@ -23,8 +23,8 @@ and moved the 8 x 8 step by 0.2 %. Three explanations, one probe or reading each
   programs-N    our persistent GEMM kernels (forward, dx, dW) on at most N programs, one per SM:
                 the other SMs stay free for the update beside them (the H200 has 132)
   update-after  the update after the backward, not beside the next forward
-  unfused-swiglu  the up projection and its SwiGLU as two kernels (the fused epilogue's A/B,
-                twenty-first session)
+  unfused-swiglu  the SwiGLU and its backward as kernels of their own, not in the GEMMs'
+                epilogues (kernels/expert_mlp.py; twenty-first session)
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ PROBES = {
     "tma": "the forward and dx by the TMA kernel where the warp-specialized one would run",
     "programs-N": "our persistent GEMM kernels on at most N programs",
     "update-after": "the update after the backward, not beside the next forward",
-    "unfused-swiglu": "the up projection and its SwiGLU as two kernels",
+    "unfused-swiglu": "the SwiGLU and its backward as kernels of their own",
 }
 
 
@@ -106,7 +106,8 @@ def _patches(probe: str) -> list:
         return [mock.patch.object(execution, "plan_execution", plan_execution),
                 mock.patch.object(importlib.import_module("optimus_core.train.measure"), "plan_execution", plan_execution)]
     if probe == "unfused-swiglu":
-        fused = importlib.import_module("kernels.grouped_mm_swiglu")
-        return [mock.patch.object(fused, "swiglu_unsupported", lambda *args: "probe: two kernels")]
+        fused = importlib.import_module("kernels.expert_mlp")
+        return [mock.patch.object(fused, name, lambda *args: "probe: kernels of their own")
+                for name in ("swiglu_unsupported", "swiglu_backward_unsupported")]
     raise AssertionError(probe)  # split() admits no other
 

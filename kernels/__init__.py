@@ -5,7 +5,8 @@
     permute(x_TD, topk_idx_Tk, E)              -> x_sorted_RD, offsets_E (int32), sorted_idx_R (int64)
     grouped_mm(x_MK, w_GKN, offsets_G)         -> y_MN
     swiglu(h_M2H, row_weight=None)             -> out_MH   (row_weight (M,): each row scaled)
-    grouped_mm_swiglu(x_MK, w_GK2H, offsets_G, row_weight=None) -> out_MH   (the two above, one op)
+    expert_mlp(x_MD, w_up_GD2H, w_down_GHN, offsets_G, row_weight=None) -> y_MN
+                                               (grouped_mm, swiglu, grouped_mm: the SwiGLU fused)
     unpermute(y_sorted_RD, sorted_idx_R, w_Tk) -> out_TD   (w_Tk None, top_k=k: a plain sum)
 
 Every op takes backend="loop" | "torch" | "triton" (default "triton") and has a plain-torch
@@ -29,14 +30,14 @@ from ._triton import INTERPRET, triton
 from .adamw import adamw_step_, adamw_step_reference_, squared_norm, squared_norm_reference
 from .cross_entropy import softmax_cross_entropy_, softmax_cross_entropy_reference_
 from .grouped_mm import grouped_mm, grouped_mm_reference, torch_grouped_mm_unsupported
-from .grouped_mm_swiglu import grouped_mm_swiglu
+from .expert_mlp import expert_mlp
 from .permute import permute, permute_reference, unpermute, unpermute_reference
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from .swiglu import swiglu, swiglu_reference
 
 __all__ = [
     "adamw_step_", "adamw_step_reference_", "squared_norm", "squared_norm_reference",
-    "available_backends", "grouped_mm", "grouped_mm_reference", "grouped_mm_swiglu", "permute", "permute_reference",
+    "available_backends", "expert_mlp", "grouped_mm", "grouped_mm_reference", "permute", "permute_reference",
     "qk_norm_rope", "qk_norm_rope_reference", "softmax_cross_entropy_", "softmax_cross_entropy_reference_",
     "swiglu", "swiglu_reference",
     "torch_grouped_mm_unsupported", "unpermute", "unpermute_reference",

@@ -128,6 +128,8 @@ def config_name(config: tuple) -> str:
 if gluon is not None:
 
     _WARPS = gl.constexpr(CONSUMER_WARPS)  # a kernel reads module globals only as constexprs
+    # the consumers' epilogue: store y; or the forward's SwiGLU; or the SwiGLU's backward (dx)
+    _STORE, _SWIGLU, _SWIGLU_BACKWARD = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
     _CONSUMER_REGISTERS = gl.constexpr(CONSUMER_REGISTERS)
     _LOADER_REGISTERS = gl.constexpr(LOADER_REGISTERS)
 
@@ -206,13 +208,14 @@ if gluon is not None:
 
     @gluon.jit
     def _loader(x_desc, w_desc, x_ring, w_ring, ready, empty, offsets_ptr, M, N, K, G,
-                SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, SWIGLU: gl.constexpr, layout: gl.constexpr):
+                SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, EPILOGUE: gl.constexpr, layout: gl.constexpr):
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = _ring_block_n(w_ring.type.shape, TRANS_W)
         HALF: gl.constexpr = BLOCK_N // 2
         STAGES: gl.constexpr = x_ring.type.shape[0]
-        # SWIGLU: w's block is one half of a ring tile, the gate's columns and then the up's
+        # the forward's SwiGLU: w's block is one half of a ring tile, the gate's columns and then the up's
+        SWIGLU: gl.constexpr = EPILOGUE == _SWIGLU
         W_LOADS: gl.constexpr = 2 if SWIGLU else 1
         seg, starts, ends, tiles, tiles_end = _segment_tiles(offsets_ptr, M, G, SEGMENTS, BLOCK_M, layout)
         num_n = gl.cdiv(N, BLOCK_N)
@@ -242,9 +245,10 @@ if gluon is not None:
                     pos += 1
 
     @gluon.jit
-    def _consumer(x_desc, w_desc, y_desc, a_desc, x_ring, w_ring, ready, empty, order, y_stage, y_ptr, stride_ym,
-                  a_ptr, stride_am, rw_ptr, offsets_ptr, M, N, K, G, WHICH: gl.constexpr, SEGMENTS: gl.constexpr,
-                  TRANS_W: gl.constexpr, SWIGLU: gl.constexpr, HAS_WEIGHT: gl.constexpr, layout: gl.constexpr):
+    def _consumer(x_desc, w_desc, y_desc, out_desc, x_ring, w_ring, ready, empty, order, y_stage, y_ptr, stride_ym,
+                  out_ptr, stride_om, rw_ptr, partial_ptr, offsets_ptr, M, N, K, G, WHICH: gl.constexpr,
+                  SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, EPILOGUE: gl.constexpr, HAS_WEIGHT: gl.constexpr,
+                  layout: gl.constexpr):
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = y_stage.type.shape[1]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
@@ -264,13 +268,16 @@ if gluon is not None:
             if g < G:
                 acc = _ring_products(x_ring, w_ring, ready, empty, acc, j * k_blocks, k_blocks, TRANS_W)
             _pass_turn(order, WHICH)
-            # Every store goes through y_stage, so the accumulator has one reader: a second
+            # Every epilogue reads the accumulator through y_stage, so it has one reader: a second
             # (masked pointer stores straight from it) makes ptxas serialize the wgmmas (C7514).
             tma.store_wait(pendings=0)  # this consumer's last store has left y_stage
             y_stage.store(acc.to(y_desc.dtype))
-            if SWIGLU:
-                _swiglu_epilogue(y_desc, a_desc, y_stage, y_ptr, stride_ym, a_ptr, stride_am, rw_ptr,
+            if EPILOGUE == _SWIGLU:
+                _swiglu_epilogue(y_desc, out_desc, y_stage, y_ptr, stride_ym, out_ptr, stride_om, rw_ptr,
                                  row_start, row_end, n0 // 2, N // 2, HAS_WEIGHT)
+            elif EPILOGUE == _SWIGLU_BACKWARD:
+                _swiglu_backward_epilogue(y_stage, out_ptr, stride_om, y_ptr, stride_ym, rw_ptr, partial_ptr,
+                                          num_n, row_start, row_end, n0, N, HAS_WEIGHT)
             else:
                 _store_tile(y_desc, y_stage, y_ptr, stride_ym, row_start, row_end, n0, N)
             j += 2
@@ -296,11 +303,11 @@ if gluon is not None:
             gl.store(ptrs, y_stage.load(store_layout), mask=mask)
 
     @gluon.jit
-    def _swiglu_epilogue(h_desc, a_desc, h_stage, h_ptr, stride_hm, a_ptr, stride_am, rw_ptr, row_start, row_end,
-                         c0, F, HAS_WEIGHT: gl.constexpr):
+    def _swiglu_epilogue(h_desc, out_desc, h_stage, h_ptr, stride_hm, out_ptr, stride_om, rw_ptr, row_start,
+                         row_end, c0, F, HAS_WEIGHT: gl.constexpr):
         """h_stage holds h's rows [row_start, row_end) at gate columns c0 + [0, HALF) in its first
         half and the same up columns (c0 + F + ...) in its second. Stores both to h, then
-        a = silu(gate) * up (times the row's weight) to a's columns c0 + [0, HALF): the swiglu
+        out = silu(gate) * up (times the row's weight) to out's columns c0 + [0, HALF): the swiglu
         kernel's formula on the same 16-bit values, so the same bits as the unfused pair."""
         BLOCK_M: gl.constexpr = h_stage.type.shape[0]
         HALF: gl.constexpr = h_stage.type.shape[1] // 2
@@ -326,20 +333,58 @@ if gluon is not None:
         out = gate * (1 / (1 + gl.exp(-gate))) * up16.to(gl.float32)  # tl.sigmoid's formula
         if HAS_WEIGHT:
             out = out * gl.expand_dims(gl.load(rw_ptr + rows, mask=row_ok, other=0.0).to(gl.float32), 1)
-        out16 = out.to(a_desc.dtype)
+        out16 = out.to(out_desc.dtype)
         if full:
             tma.store_wait(pendings=0)  # the h stores have read the stage
             gate_stage.store(out16)
             fence_async_shared()
-            _tma_store(a_desc, [row_start, c0], gate_stage)
+            _tma_store(out_desc, [row_start, c0], gate_stage)
         else:
-            a_ptrs = a_ptr + gl.expand_dims(rows.to(gl.int64) * stride_am, 1) + gl.expand_dims(cols, 0)
-            gl.store(a_ptrs, out16, mask=mask)
+            out_ptrs = out_ptr + gl.expand_dims(rows.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+            gl.store(out_ptrs, out16, mask=mask)
 
     @gluon.jit
-    def _grouped_mm_ws_kernel(x_desc, w_desc, y_desc, a_desc, y_ptr, a_ptr, rw_ptr, offsets_ptr, M, N, K, G,
-                              stride_ym, stride_am, SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr,
-                              SWIGLU: gl.constexpr, HAS_WEIGHT: gl.constexpr, STAGES: gl.constexpr,
+    def _swiglu_backward_epilogue(da_stage, h_ptr, stride_hm, dh_ptr, stride_dhm, rw_ptr, partial_ptr, num_n,
+                                  row_start, row_end, c0, F, HAS_WEIGHT: gl.constexpr):
+        """da_stage holds the gradient of the SwiGLU's output (dx of the down projection, rounded
+        to 16 bits as the dx kernel stores it) at rows [row_start, row_end), columns
+        c0 + [0, BLOCK_N). Writes dh's gate and up columns from h's, and, with row weights, this
+        tile's share of each row's weight gradient to partial[row, c0 / BLOCK_N] (summed after
+        the kernel, in a fixed order). The swiglu backward kernel's formulas on the same values."""
+        BLOCK_M: gl.constexpr = da_stage.type.shape[0]
+        BLOCK_N: gl.constexpr = da_stage.type.shape[1]
+        # 16 columns at a time, two threads a row: each access one 32-byte sector. 32 at a time
+        # spill (ptxas), and so does a column mask: hence whole 128-column tiles only.
+        CHUNK: gl.constexpr = 16
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [_WARPS, 1], [1, 0])
+        rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        row_ok = rows < row_end
+        h_rows = gl.expand_dims(rows.to(gl.int64) * stride_hm, 1)
+        dh_rows = gl.expand_dims(rows.to(gl.int64) * stride_dhm, 1)
+        if HAS_WEIGHT:
+            weight = gl.expand_dims(gl.load(rw_ptr + rows, mask=row_ok, other=0.0).to(gl.float32), 1)
+        dot = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, layout))
+        for c in gl.static_range(0, BLOCK_N, CHUNK):
+            cols = gl.expand_dims(c0 + c + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout)), 0)
+            mask = gl.expand_dims(row_ok, 1)  # every column is < F: whole tiles (swiglu_backward_unsupported)
+            gate = gl.load(h_ptr + h_rows + cols, mask=mask, other=0.0).to(gl.float32)
+            up = gl.load(h_ptr + h_rows + cols + F, mask=mask, other=0.0).to(gl.float32)
+            dout = da_stage.slice(c, CHUNK, dim=1).load(layout).to(gl.float32)
+            s = 1 / (1 + gl.exp(-gate))  # tl.sigmoid's formula
+            silu = gate * s
+            if HAS_WEIGHT:
+                dot += gl.reduce(dout * silu * up, 1, _add)
+                dout = dout * weight
+            gl.store(dh_ptr + dh_rows + cols, (dout * up * (s + silu * (1.0 - s))).to(dh_ptr.dtype.element_ty),
+                     mask=mask)
+            gl.store(dh_ptr + dh_rows + cols + F, (dout * silu).to(dh_ptr.dtype.element_ty), mask=mask)
+        if HAS_WEIGHT:
+            gl.store(partial_ptr + rows.to(gl.int64) * num_n + c0 // BLOCK_N, dot, mask=row_ok)
+
+    @gluon.jit
+    def _grouped_mm_ws_kernel(x_desc, w_desc, y_desc, out_desc, y_ptr, out_ptr, rw_ptr, partial_ptr, offsets_ptr,
+                              M, N, K, G, stride_ym, stride_om, SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr,
+                              EPILOGUE: gl.constexpr, HAS_WEIGHT: gl.constexpr, STAGES: gl.constexpr,
                               BLOCK_N: gl.constexpr, W_TILE_LAYOUT: gl.constexpr, Y_TILE_LAYOUT: gl.constexpr):
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
@@ -357,14 +402,14 @@ if gluon is not None:
         lanes: gl.constexpr = gl.BlockedLayout([1], [32], [_WARPS], [0])
         loader_lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         gl.warp_specialize([
-            (_consumer, (x_desc, w_desc, y_desc, a_desc, x_ring, w_ring, ready, empty, order, stage0, y_ptr,
-                         stride_ym, a_ptr, stride_am, rw_ptr, offsets_ptr, M, N, K, G, 0, SEGMENTS, TRANS_W,
-                         SWIGLU, HAS_WEIGHT, lanes)),
-            (_consumer, (x_desc, w_desc, y_desc, a_desc, x_ring, w_ring, ready, empty, order, stage1, y_ptr,
-                         stride_ym, a_ptr, stride_am, rw_ptr, offsets_ptr, M, N, K, G, 1, SEGMENTS, TRANS_W,
-                         SWIGLU, HAS_WEIGHT, lanes)),
+            (_consumer, (x_desc, w_desc, y_desc, out_desc, x_ring, w_ring, ready, empty, order, stage0, y_ptr,
+                         stride_ym, out_ptr, stride_om, rw_ptr, partial_ptr, offsets_ptr, M, N, K, G, 0, SEGMENTS,
+                         TRANS_W, EPILOGUE, HAS_WEIGHT, lanes)),
+            (_consumer, (x_desc, w_desc, y_desc, out_desc, x_ring, w_ring, ready, empty, order, stage1, y_ptr,
+                         stride_ym, out_ptr, stride_om, rw_ptr, partial_ptr, offsets_ptr, M, N, K, G, 1, SEGMENTS,
+                         TRANS_W, EPILOGUE, HAS_WEIGHT, lanes)),
             (_loader, (x_desc, w_desc, x_ring, w_ring, ready, empty, offsets_ptr, M, N, K, G,
-                       SEGMENTS, TRANS_W, SWIGLU, loader_lanes)),
+                       SEGMENTS, TRANS_W, EPILOGUE, loader_lanes)),
         ], [_WARPS, 1], [_CONSUMER_REGISTERS, _LOADER_REGISTERS])
 
 
@@ -398,6 +443,23 @@ def swiglu_unsupported(x: Tensor, w: Tensor, h: Tensor, out: Tensor, row_weight:
     return grouped_mm_tma.tma_unaligned(out=out)
 
 
+def swiglu_backward_unsupported(dy: Tensor, w: Tensor, h: Tensor, dh: Tensor,
+                                row_weight: Tensor | None) -> str | None:
+    """Why dx = dy @ w[g]^T (w (G, H, N): the down projection's weights) cannot run with the
+    SwiGLU's backward in its epilogue (launch_grouped_mm_ws_swiglu_backward), or None."""
+    H = w.shape[1]
+    if h.shape != (dy.shape[0], 2 * H) or dh.shape != h.shape or h.dtype != dy.dtype or dh.dtype != dy.dtype:
+        return (f"h and dh must be ({dy.shape[0]}, {2 * H}) in {dy.dtype}, got {tuple(h.shape)} {h.dtype} "
+                f"and {tuple(dh.shape)} {dh.dtype}")
+    if h.stride(1) != 1 or dh.stride(1) != 1:
+        return "h and dh need contiguous rows"
+    if H % CONFIGS[0][1]:
+        return f"the SwiGLU's backward in dx needs whole {CONFIGS[0][1]}-column tiles of H, got H = {H}"
+    if row_weight is not None and (row_weight.shape != (dy.shape[0],) or row_weight.stride(0) != 1):
+        return f"row_weight must be a contiguous ({dy.shape[0]},) vector, got {tuple(row_weight.shape)}"
+    return ws_unsupported(dy, w, h[:, :H], trans_w=True)  # the product's output: (M, H) like h's gate
+
+
 def launch_grouped_mm_ws(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *, trans_w: bool = False,
                          config: dict | None = None, swiglu_out: Tensor | None = None,
                          row_weight: Tensor | None = None) -> Tensor:
@@ -408,34 +470,68 @@ def launch_grouped_mm_ws(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *, tr
     swiglu_out (M, N / 2), forward only (the caller checks swiglu_unsupported): y is the up
     projection's h = [gate | up], and the epilogue also writes swiglu_out = silu(gate) * up,
     times row_weight (M,) per row when given: the swiglu kernel's pass, fused (same bits)."""
-    (M, K), G, N = x.shape, offsets.shape[0], y.shape[1]
     swiglu = swiglu_out is not None
     if swiglu and trans_w:
         raise ValueError("launch_grouped_mm_ws: the fused SwiGLU is the forward's (trans_w=False)")
+    if y.numel() and offsets.shape[0] == 0 and swiglu:
+        swiglu_out.zero_()
+    _launch(x, w, offsets, y, y.shape[1], trans_w, _SWIGLU if swiglu else _STORE, config,
+            out=swiglu_out, row_weight=row_weight)
+    return y
+
+
+def launch_grouped_mm_ws_swiglu_backward(dy: Tensor, w: Tensor, offsets: Tensor, h: Tensor, dh: Tensor,
+                                         row_weight: Tensor | None = None, *,
+                                         config: dict | None = None) -> Tensor | None:
+    """The SwiGLU's backward in the down projection's dx epilogue: with da = dy @ w[g]^T per
+    group (w (G, H, N), as the forward took it; da rounded to dy's dtype, as the dx kernel
+    stores it, but never stored) and out = silu(gate) * up * row_weight the forward's, fill
+    dh (M, 2H) = d out / d h (the swiglu backward kernel's formulas on the same values) and
+    return d out / d row_weight (float32, (M,); summed from one float32 partial per row and
+    128-column tile, in a fixed order), or None without row weights. The caller checks
+    swiglu_backward_unsupported first. Rows past offsets[-1] get zero dh (and weight gradient)."""
+    M, H = dy.shape[0], w.shape[1]
+    if offsets.shape[0] == 0 or M == 0:  # no group: da is zero, and so is everything made of it
+        dh.zero_()
+        return None if row_weight is None else torch.zeros(M, device=dy.device, dtype=torch.float32)
+    cfg = config or config_dict(*CONFIGS[0])
+    partials = None
+    if row_weight is not None:
+        partials = torch.empty(M, triton.cdiv(H, cfg["BLOCK_N"]), device=dy.device, dtype=torch.float32)
+    _launch(dy, w, offsets, dh, H, True, _SWIGLU_BACKWARD, config, out=h, row_weight=row_weight, partials=partials)
+    return None if partials is None else partials.sum(1)
+
+
+def _launch(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, N: int, trans_w: bool, epilogue, config: dict | None,
+            *, out: Tensor | None = None, row_weight: Tensor | None = None, partials: Tensor | None = None) -> None:
+    """One launch of the kernel for N columns of products, its epilogue ``epilogue`` (y the
+    product's output, or the forward's h, or the backward's dh; out the forward's SwiGLU
+    output, or the backward's h)."""
+    (M, K), G = x.shape, offsets.shape[0]
     if y.numel() == 0:
-        return y
+        return
     if G == 0:  # every row is past offsets[-1]; a descriptor of w needs at least one row
-        if swiglu:
-            swiglu_out.zero_()
-        return y.zero_()
+        y.zero_()
+        return
     cfg = config or config_dict(*CONFIGS[0])
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    swiglu = epilogue == _SWIGLU
     ((xb, xl), (wb, wl), (yb, yl)), w_tile_layout, y_tile_layout = _layouts(x.dtype, cfg, trans_w, swiglu)
     x_desc = TensorDescriptor.from_tensor(x, xb, xl)
     w_desc = TensorDescriptor(w, [G * w.shape[1], w.shape[2]], [w.shape[2], 1], wb, wl)
     y_desc = TensorDescriptor.from_tensor(y, yb, yl)
-    a = swiglu_out if swiglu else y  # without the SwiGLU: placeholders, never read or written
-    a_desc = TensorDescriptor.from_tensor(a, yb, yl) if swiglu else y_desc
+    out_desc = TensorDescriptor.from_tensor(out, yb, yl) if swiglu else y_desc  # else unused
+    out = y if out is None else out  # placeholders, never read or written
+    rw = y if row_weight is None else row_weight
     items = (triton.cdiv(M, bm) + G) * triton.cdiv(N, bn)
     grid = (min(grouped_mm_tma._num_programs(x.device), items),)
     with device_guard(x):
-        _grouped_mm_ws_kernel[grid](x_desc, w_desc, y_desc, a_desc, y, a, y if row_weight is None else row_weight,
-                                    offsets, M, N, K, G, y.stride(0), a.stride(0),
-                                    SEGMENTS=triton.next_power_of_2(G + 1), TRANS_W=trans_w, SWIGLU=swiglu,
-                                    HAS_WEIGHT=row_weight is not None, STAGES=cfg["STAGES"], BLOCK_N=bn,
-                                    W_TILE_LAYOUT=w_tile_layout, Y_TILE_LAYOUT=y_tile_layout,
+        _grouped_mm_ws_kernel[grid](x_desc, w_desc, y_desc, out_desc, y, out, rw,
+                                    rw if partials is None else partials, offsets, M, N, K, G, y.stride(0),
+                                    out.stride(0), SEGMENTS=triton.next_power_of_2(G + 1), TRANS_W=trans_w,
+                                    EPILOGUE=epilogue, HAS_WEIGHT=row_weight is not None, STAGES=cfg["STAGES"],
+                                    BLOCK_N=bn, W_TILE_LAYOUT=w_tile_layout, Y_TILE_LAYOUT=y_tile_layout,
                                     num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS)
-    return y
 
 
 def _compile_sm90(kernel, signature: dict, constexprs: dict):
@@ -450,27 +546,30 @@ def _compile_sm90(kernel, signature: dict, constexprs: dict):
 
 
 def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, *, trans_w: bool = False, config: dict | None = None,
-                     groups: int = 8, swiglu: bool = False):
+                     groups: int = 8, epilogue: str = "store"):
     """Compile the kernel for an sm90 (Hopper) target without a GPU: Triton's front end, its
     passes and ptxas all run on the CPU. Returns the compiled kernel (its .asm holds the TTGIR,
     PTX and cubin, its .metadata the shared memory): the CPU tests check what can be checked
-    before a GPU runs it (shared memory, the partitions, ptxas_report). ``swiglu``: the forward
-    with the fused SwiGLU and row weights."""
+    before a GPU runs it (shared memory, the partitions, ptxas_report). ``epilogue``: "store",
+    "swiglu" (the forward's, with row weights) or "swiglu_backward" (dx's, with row weights)."""
     cfg = config or config_dict(*CONFIGS[0])
-    ((xb, xl), (wb, wl), (yb, yl)), w_tile_layout, y_tile_layout = _layouts(dtype, cfg, trans_w, swiglu)
+    mode = {"store": _STORE, "swiglu": _SWIGLU, "swiglu_backward": _SWIGLU_BACKWARD}[epilogue]
+    ((xb, xl), (wb, wl), (yb, yl)), w_tile_layout, y_tile_layout = _layouts(dtype, cfg, trans_w, mode == _SWIGLU)
     ty = "bf16" if dtype == torch.bfloat16 else "fp16"
     desc = lambda block, layout: f"tensordesc<{ty}[{', '.join(map(str, block))}],{layout!r}>"  # noqa: E731
-    signature = {"x_desc": desc(xb, xl), "w_desc": desc(wb, wl), "y_desc": desc(yb, yl), "a_desc": desc(yb, yl),
-                 "y_ptr": f"*{ty}", "a_ptr": f"*{ty}", "rw_ptr": "*fp32" if swiglu else f"*{ty}",
-                 "offsets_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "G": "i32", "stride_ym": "i32",
-                 "stride_am": "i32"}
-    constexprs = {"SEGMENTS": triton.next_power_of_2(groups + 1), "TRANS_W": trans_w, "SWIGLU": swiglu,
-                  "HAS_WEIGHT": swiglu, "STAGES": cfg["STAGES"], "BLOCK_N": cfg["BLOCK_N"],
+    weighted = mode != _STORE
+    signature = {"x_desc": desc(xb, xl), "w_desc": desc(wb, wl), "y_desc": desc(yb, yl), "out_desc": desc(yb, yl),
+                 "y_ptr": f"*{ty}", "out_ptr": f"*{ty}", "rw_ptr": "*fp32" if weighted else f"*{ty}",
+                 "partial_ptr": "*fp32" if weighted else f"*{ty}", "offsets_ptr": "*i32", "M": "i32", "N": "i32",
+                 "K": "i32", "G": "i32", "stride_ym": "i32", "stride_om": "i32"}
+    constexprs = {"SEGMENTS": triton.next_power_of_2(groups + 1), "TRANS_W": trans_w, "EPILOGUE": mode,
+                  "HAS_WEIGHT": weighted, "STAGES": cfg["STAGES"], "BLOCK_N": cfg["BLOCK_N"],
                   "W_TILE_LAYOUT": w_tile_layout, "Y_TILE_LAYOUT": y_tile_layout}
     return _compile_sm90(_grouped_mm_ws_kernel, signature, constexprs)
 
 
-KERNELS = {"forward": {"trans_w": False}, "dx": {"trans_w": True}, "forward+swiglu": {"swiglu": True}}
+KERNELS = {"forward": {"trans_w": False}, "dx": {"trans_w": True},
+           "forward+swiglu": {"epilogue": "swiglu"}, "dx+swiglu_backward": {"trans_w": True, "epilogue": "swiglu_backward"}}
 
 
 def sm90_report() -> dict[str, dict]:

@@ -1,9 +1,9 @@
 """The experts' computation: the one seam where kernels enter the model (house rule 6).
 
 Tokens arrive expert-sorted (``permute``), every expert applies its SwiGLU MLP to its own
-contiguous rows (``grouped_mm_swiglu``: the up projection with its activation, then
-``grouped_mm``: the down projection), and the outputs go back to token order with the top-k
-combine (``unpermute``). All four ops come from kernels/, with the backend chosen by name:
+contiguous rows (``expert_mlp``: ``grouped_mm`` -> ``swiglu`` -> ``grouped_mm``, the SwiGLU
+fused into the GEMMs where it can be), and the outputs go back to token order with the top-k
+combine (``unpermute``). All ops come from kernels/, with the backend chosen by name:
 
     loop    plain torch, a Python loop over experts: the reference, runs anywhere
     torch   torch._grouped_mm (bf16 on sm90+ CUDA GPUs)
@@ -199,10 +199,9 @@ class Experts(nn.Module):
         squares, E = self.dw_square_of, self.n_held
         w_up_EDF2, w_down_EFD, up_cast, down_cast = (None if w is None else w.view(E, -1, w.shape[-1])
                                                      for w in (w_up, w_down, up_cast, down_cast))
-        h_MF = kernels.grouped_mm_swiglu(x_MD, w_up_EDF2, offsets_E, row_weight=row_weight_M, backend=self.backend,
-                                         keep_cast=keep_cast, w_cast=up_cast, dw_square=squares.get("w_up"))
-        return kernels.grouped_mm(h_MF, w_down_EFD, offsets_E, backend=self.backend, keep_cast=keep_cast,
-                                  w_cast=down_cast, dw_square=squares.get("w_down"))
+        return kernels.expert_mlp(x_MD, w_up_EDF2, w_down_EFD, offsets_E, row_weight=row_weight_M,
+                                  backend=self.backend, keep_cast=keep_cast, up_cast=up_cast, down_cast=down_cast,
+                                  up_square=squares.get("w_up"), down_square=squares.get("w_down"))
 
 
 def grad_holder(w: torch.Tensor, casts: dict[torch.Tensor, torch.Tensor]) -> torch.Tensor:

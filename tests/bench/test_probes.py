@@ -92,17 +92,23 @@ def test_update_after_probe_keeps_the_update_off_the_side_stream():
     assert execution.plan_execution is real and measure.plan_execution is real
 
 
-def test_unfused_swiglu_probe_runs_the_two_kernels(monkeypatch):
-    """Under the probe the op's launcher takes the two kernels even where the fused epilogue
-    could run (made so here by patching its check)."""
-    fused = importlib.import_module("kernels.grouped_mm_swiglu")
+def test_unfused_swiglu_probe_runs_the_swiglu_kernels(monkeypatch):
+    """Under the probe the expert MLP's launchers take the swiglu kernels even where the fused
+    epilogues could run (made so here by patching their checks)."""
+    fused = importlib.import_module("kernels.expert_mlp")
     calls = []
     monkeypatch.setattr(fused, "swiglu_unsupported", lambda *args: None)
+    monkeypatch.setattr(fused, "swiglu_backward_unsupported", lambda *args: None)
     monkeypatch.setattr(fused, "launch_grouped_mm_ws", lambda *args, **kwargs: calls.append("fused"))
+    monkeypatch.setattr(fused, "launch_grouped_mm_ws_swiglu_backward", lambda *args: calls.append("fused backward"))
     monkeypatch.setattr(fused, "_launch_grouped_mm", lambda x, w, offsets: calls.append("gemm") or x)
     monkeypatch.setattr(fused, "_launch_swiglu", lambda h, row_weight: calls.append("swiglu") or h)
+    monkeypatch.setattr(fused, "_grouped_mm_dx_op", lambda dy, w, offsets: calls.append("dx") or dy)
+    monkeypatch.setattr(fused, "_swiglu_backward_op", lambda h, d_out: calls.append("swiglu backward") or h)
     x, w, offsets = torch.ones(4, 8), torch.ones(1, 8, 8), torch.tensor([4], dtype=torch.int32)
-    fused._launch(x, w, offsets, None)
+    fused._launch_up(x, w, offsets, None)
+    fused._launch_down_dh(x, w, offsets, x, None)
     with probes.applied("7b8l-default~unfused-swiglu"):
-        fused._launch(x, w, offsets, None)
-    assert calls == ["fused", "gemm", "swiglu"]
+        fused._launch_up(x, w, offsets, None)
+        fused._launch_down_dh(x, w, offsets, x, None)
+    assert calls == ["fused", "fused backward", "gemm", "swiglu", "dx", "swiglu backward"]
