@@ -1,9 +1,15 @@
 """The grouped GEMM's forward and dx as a warp-specialized Hopper kernel, written in Gluon.
 
-    launch_grouped_mm_ws(x_MK, w, offsets_G, y_MN, *, trans_w=False, config=None)
+    launch_grouped_mm_ws(x_MK, w, offsets_G, y_MN, *, trans_w=False, config=None,
+                         swiglu_out=None, row_weight=None)
+    launch_grouped_mm_ws_swiglu_backward(dy_MN, w_GHN, offsets_G, h_M2H, dh_M2H, row_weight=None)
     ws_unsupported(x_MK, w, y_MN, trans_w=False) -> str | None   # why it cannot run these, or None
+    swiglu_unsupported(...), swiglu_backward_unsupported(...)   # the same for the SwiGLU epilogues
 
-grouped_mm's forward and dx take it wherever ws_unsupported returns None (kernels/grouped_mm.py).
+grouped_mm's forward and dx take it wherever ws_unsupported returns None (kernels/grouped_mm.py);
+the experts' MLP (kernels/expert_mlp.py) takes its SwiGLU epilogues: the up projection's forward
+also writing silu(gate) * up * row_weight, and the down projection's dx writing the SwiGLU's
+backward (dh, the row weights' gradient) instead of its own output.
 
 The same contract as grouped_mm_tma.launch_grouped_mm_tma (y[rows of g] = x[rows of g] @ w[g],
 or @ w[g]^T with trans_w; rows past offsets[-1] come out zero; empty groups; no host sync), and

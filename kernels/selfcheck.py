@@ -12,7 +12,8 @@ that are not a tile multiple) in bf16 against its plain-torch reference, forward
 and caches the verdict per device name in this process. A failure warns once, naming
 the kernel and the error, and the caller takes the reference path instead.
 
-Families: ``experts`` (grouped_mm forward, dx and dW; permute / unpermute; swiglu), ``adamw``
+Families: ``experts`` (grouped_mm forward, dx and dW; permute / unpermute; swiglu; the
+expert MLP with its SwiGLU in the GEMMs' epilogues), ``adamw``
 (the fused step and the squared norm), ``cross_entropy`` (the fused softmax cross-entropy),
 ``qk_norm_rope`` (the attention's QK-norm and RoPE, forward and both gradients).
 Under TRITON_INTERPRET=1 (the tests' harness, on the CPU) nothing is checked: ``validated`` is
@@ -51,6 +52,7 @@ def _tolerance(dtype: torch.dtype) -> float:
 
 
 def _check_experts(device: torch.device) -> None:
+    from .expert_mlp import expert_mlp
     from .grouped_mm import grouped_mm, grouped_mm_reference
     from .permute import permute, permute_reference, unpermute, unpermute_reference
     from .swiglu import swiglu, swiglu_reference
@@ -93,6 +95,21 @@ def _check_experts(device: torch.device) -> None:
         topk_w = torch.rand(T, k, generator=g).to(device)
         _close(f"unpermute ({dtype})", unpermute(xs, sorted_idx, topk_w, backend="triton"),
                unpermute_reference(xs_r, sorted_r, topk_w), tol)
+        # The MLP as a run calls it: H in whole 128-column tiles, so that on Hopper the SwiGLU
+        # runs in both GEMMs' epilogues (kernels/expert_mlp.py).
+        H = 128
+        w_up = (torch.randn(E, K, 2 * H, generator=g) / K ** 0.5).to(device, dtype)
+        w_down = (torch.randn(E, H, N, generator=g) / H ** 0.5).to(device, dtype)
+
+        def run_mlp(backend, cast):
+            leaves = [t.detach().to(cast).requires_grad_() for t in (xs, w_up, w_down, row_w)]
+            y = expert_mlp(*leaves[:3], offsets, row_weight=leaves[3], backend=backend)
+            y.backward(dy.to(cast))
+            return (y.detach(), *(t.grad for t in leaves))
+
+        for name, a, b in zip(("forward", "dx", "dw_up", "dw_down", "d row_weight"),
+                              run_mlp("triton", dtype), run_mlp("loop", torch.float32)):
+            _close(f"expert_mlp {name} ({dtype})", a, b, tol)
 
 
 def _check_adamw(device: torch.device) -> None:

@@ -43,6 +43,38 @@ def test_the_experts_check_takes_the_forward_and_dx_kernels_a_run_takes_on_hoppe
     assert sorted(set(calls)) == [False, True]  # the forward and dx both
 
 
+@interpreted
+def test_the_experts_check_runs_both_swiglu_epilogues_a_run_takes_on_hopper(monkeypatch):
+    """Its MLP passes the SwiGLU epilogues' shape rules (bf16, the device stood in), so on
+    Hopper the self-check runs the fused forward and backward a run's experts run; the fused
+    kernels themselves are stood in for by the unfused ones here (Gluon has no interpreter)."""
+    from kernels.swiglu import _launch_swiglu, _launch_swiglu_weighted_bwd
+
+    mlp = importlib.import_module("kernels.expert_mlp")
+    calls = []
+    rules = ws.swiglu_unsupported, ws.swiglu_backward_unsupported
+    monkeypatch.setattr(ws, "_device_unsupported", lambda t: None)
+    monkeypatch.setattr(mlp, "swiglu_unsupported", lambda *t: rules[0](*(a.bfloat16() for a in t[:4]), t[4]))
+    monkeypatch.setattr(mlp, "swiglu_backward_unsupported", lambda *t: rules[1](*(a.bfloat16() for a in t[:4]), t[4]))
+
+    def forward(x, w, offsets, h, *, swiglu_out, row_weight):
+        calls.append("forward")
+        h.copy_(grouped_mm_reference(x, w, offsets))
+        swiglu_out.copy_(_launch_swiglu(h, row_weight))
+
+    def backward(dy, w, offsets, h, dh, row_weight):
+        calls.append("backward")
+        dh_, d_row_weight = _launch_swiglu_weighted_bwd(h, row_weight, grouped_mm_reference(dy, w.transpose(1, 2),
+                                                                                             offsets))
+        dh.copy_(dh_)
+        return d_row_weight
+
+    monkeypatch.setattr(mlp, "launch_grouped_mm_ws", forward)
+    monkeypatch.setattr(mlp, "launch_grouped_mm_ws_swiglu_backward", backward)
+    assert selfcheck.check("experts", "cpu") is None
+    assert calls == ["forward", "backward"]
+
+
 def test_a_wrong_or_broken_kernel_is_named(monkeypatch):
     def wrong(device):
         selfcheck._close("grouped_mm dx (torch.bfloat16)", torch.ones(3), torch.zeros(3) + 0.5, 1e-2)
