@@ -74,7 +74,7 @@ fused)
     tests/kernels/test_grouped_mm_ws.py 2>&1 | tail -n 15 | cut -c1-300 | tee "$out/fused-tests.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
   timeout $((590 - SECONDS)) python3 bench/train_step.py --batch ${MICRO_BATCHES:-8} --repeat ${REPEAT:-2} \
-    --variants ${VARIANTS:-7b8l-default 7b8l-default~unfused-swiglu} --out "$out" --store '' 2>&1 | tee "$out/fused.log"
+    --variants ${VARIANTS:-7b8l-default 7b8l-default~fused-swiglu} --out "$out" --store '' 2>&1 | tee "$out/fused.log"
   ;;
 rehearse)
   slug=$(python3 -c 'import torch, re; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-"))')

@@ -23,8 +23,8 @@ and moved the 8 x 8 step by 0.2 %. Three explanations, one probe or reading each
   programs-N    our persistent GEMM kernels (forward, dx, dW) on at most N programs, one per SM:
                 the other SMs stay free for the update beside them (the H200 has 132)
   update-after  the update after the backward, not beside the next forward
-  unfused-swiglu  the SwiGLU and its backward as kernels of their own, not in the GEMMs'
-                epilogues (kernels/expert_mlp.py; twenty-first session)
+  fused-swiglu  the SwiGLU and its backward in the expert GEMMs' epilogues (kernels/expert_mlp.py),
+                which no GPU has run yet (twenty-first session): their A/B
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ PROBES = {
     "tma": "the forward and dx by the TMA kernel where the warp-specialized one would run",
     "programs-N": "our persistent GEMM kernels on at most N programs",
     "update-after": "the update after the backward, not beside the next forward",
-    "unfused-swiglu": "the SwiGLU and its backward as kernels of their own",
+    "fused-swiglu": "the SwiGLU and its backward in the expert GEMMs' epilogues",
 }
 
 
@@ -105,9 +105,7 @@ def _patches(probe: str) -> list:
         # measure_steps holds its own name for it; profile_step imports it at each call
         return [mock.patch.object(execution, "plan_execution", plan_execution),
                 mock.patch.object(importlib.import_module("optimus_core.train.measure"), "plan_execution", plan_execution)]
-    if probe == "unfused-swiglu":
-        fused = importlib.import_module("kernels.expert_mlp")
-        return [mock.patch.object(fused, name, lambda *args: "probe: kernels of their own")
-                for name in ("swiglu_unsupported", "swiglu_backward_unsupported")]
+    if probe == "fused-swiglu":
+        return [mock.patch.object(importlib.import_module("kernels.grouped_mm_ws"), "SWIGLU_EPILOGUES_RUN", True)]
     raise AssertionError(probe)  # split() admits no other
 

@@ -92,23 +92,25 @@ def test_update_after_probe_keeps_the_update_off_the_side_stream():
     assert execution.plan_execution is real and measure.plan_execution is real
 
 
-def test_unfused_swiglu_probe_runs_the_swiglu_kernels(monkeypatch):
-    """Under the probe the expert MLP's launchers take the swiglu kernels even where the fused
-    epilogues could run (made so here by patching their checks)."""
+def test_fused_swiglu_probe_turns_the_epilogues_on(monkeypatch):
+    """Under the probe the expert MLP's launchers take the fused epilogues where their shape rules
+    allow (the device's rule stood in here); without it, the unfused kernels."""
+    ws = importlib.import_module("kernels.grouped_mm_ws")
     fused = importlib.import_module("kernels.expert_mlp")
     calls = []
-    monkeypatch.setattr(fused, "swiglu_unsupported", lambda *args: None)
-    monkeypatch.setattr(fused, "swiglu_backward_unsupported", lambda *args: None)
+    monkeypatch.setattr(ws, "_device_unsupported", lambda t: None)
     monkeypatch.setattr(fused, "launch_grouped_mm_ws", lambda *args, **kwargs: calls.append("fused"))
     monkeypatch.setattr(fused, "launch_grouped_mm_ws_swiglu_backward", lambda *args: calls.append("fused backward"))
     monkeypatch.setattr(fused, "_launch_grouped_mm", lambda x, w, offsets: calls.append("gemm") or x)
     monkeypatch.setattr(fused, "_launch_swiglu", lambda h, row_weight: calls.append("swiglu") or h)
     monkeypatch.setattr(fused, "_grouped_mm_dx_op", lambda dy, w, offsets: calls.append("dx") or dy)
     monkeypatch.setattr(fused, "_swiglu_backward_op", lambda h, d_out: calls.append("swiglu backward") or h)
-    x, w, offsets = torch.ones(4, 8), torch.ones(1, 8, 8), torch.tensor([4], dtype=torch.int32)
-    fused._launch_up(x, w, offsets, None)
-    fused._launch_down_dh(x, w, offsets, x, None)
-    with probes.applied("7b8l-default~unfused-swiglu"):
-        fused._launch_up(x, w, offsets, None)
-        fused._launch_down_dh(x, w, offsets, x, None)
-    assert calls == ["fused", "fused backward", "gemm", "swiglu", "dx", "swiglu backward"]
+    bf = torch.bfloat16
+    x, w_up, w_down = torch.ones(4, 64, dtype=bf), torch.ones(1, 64, 256, dtype=bf), torch.ones(1, 128, 64, dtype=bf)
+    offsets, h = torch.tensor([4], dtype=torch.int32), torch.ones(4, 256, dtype=bf)
+    fused._launch_up(x, w_up, offsets, None)
+    fused._launch_down_dh(x, w_down, offsets, h, None)
+    with probes.applied("7b8l-default~fused-swiglu"):
+        fused._launch_up(x, w_up, offsets, None)
+        fused._launch_down_dh(x, w_down, offsets, h, None)
+    assert calls == ["gemm", "swiglu", "dx", "swiglu backward", "fused", "fused backward"]
