@@ -18,8 +18,6 @@
 #                                 # bench/probes.py's A/B (TMA kernel, update after the backward, fewer
 #                                 # GEMM programs), then the
 #                                 # default's and ~tma's kernels profiled and traced (trace_gaps.py --streams)
-#   bench/gpu_suite.sh fused      # the SwiGLU in the expert GEMMs' epilogues: its GPU tests (under a timeout),
-#                                 # then the step at micro-batch 8 with and without it (bench/probes.py)
 #   bench/gpu_suite.sh rehearse   # one rank of every paper layout (optimus rehearse): the five models at 384
 #                                 # and 12288 tiles, then the registry's own layouts; RUNS="..." TILES="..." for others,
 #                                 # CHECKPOINTING=full/3 to rehearse that instead of what the plan resolves
@@ -33,7 +31,7 @@
 # peer and ours are measured in the same call on identical GPUs.
 set -u
 cd "$(dirname "$0")/.."
-part=${1:?usage: bench/gpu_suite.sh speed|scaling|all|trace|weak|memory|tests|ws|overlap|fused|rehearse}
+part=${1:?usage: bench/gpu_suite.sh speed|scaling|all|trace|weak|memory|tests|ws|overlap|rehearse}
 out=${OUT:-bench/results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -68,13 +66,6 @@ overlap)  # bench/probes.py's A/B at micro-batch 8 (where the warp-specialized k
   done
   # the update beside the forward and alone (the forward waiting for it), per traced step
   python3 bench/trace_gaps.py /tmp/optimus-traces/trace-7b8l-default*.json* --streams 2>&1 | tee -a "$out/overlap.log"
-  ;;
-fused)
-  timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_expert_mlp.py \
-    tests/kernels/test_grouped_mm_ws.py 2>&1 | tail -n 15 | cut -c1-300 | tee "$out/fused-tests.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
-  timeout $((590 - SECONDS)) python3 bench/train_step.py --batch ${MICRO_BATCHES:-8} --repeat ${REPEAT:-2} \
-    --variants ${VARIANTS:-7b8l-default 7b8l-default~fused-swiglu} --out "$out" --store '' 2>&1 | tee "$out/fused.log"
   ;;
 rehearse)
   slug=$(python3 -c 'import torch, re; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-"))')

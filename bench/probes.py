@@ -23,8 +23,6 @@ and moved the 8 x 8 step by 0.2 %. Three explanations, one probe or reading each
   programs-N    our persistent GEMM kernels (forward, dx, dW) on at most N programs, one per SM:
                 the other SMs stay free for the update beside them (the H200 has 132)
   update-after  the update after the backward, not beside the next forward
-  fused-swiglu  the SwiGLU and its backward in the expert GEMMs' epilogues (kernels/expert_mlp.py),
-                which no GPU has run yet (twenty-first session): their A/B
 """
 from __future__ import annotations
 
@@ -38,7 +36,6 @@ PROBES = {
     "tma": "the forward and dx by the TMA kernel where the warp-specialized one would run",
     "programs-N": "our persistent GEMM kernels on at most N programs",
     "update-after": "the update after the backward, not beside the next forward",
-    "fused-swiglu": "the SwiGLU and its backward in the expert GEMMs' epilogues",
 }
 
 
@@ -105,7 +102,5 @@ def _patches(probe: str) -> list:
         # measure_steps holds its own name for it; profile_step imports it at each call
         return [mock.patch.object(execution, "plan_execution", plan_execution),
                 mock.patch.object(importlib.import_module("optimus_core.train.measure"), "plan_execution", plan_execution)]
-    if probe == "fused-swiglu":
-        return [mock.patch.object(importlib.import_module("kernels.grouped_mm_ws"), "SWIGLU_EPILOGUES_RUN", True)]
     raise AssertionError(probe)  # split() admits no other
 

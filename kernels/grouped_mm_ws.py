@@ -433,20 +433,9 @@ def _layouts(dtype, cfg: dict, trans_w: bool, swiglu: bool = False):
     return [(block, layout(block)) for block in blocks], layout(w_tile), layout([bm, bn])
 
 
-# The SwiGLU epilogues are compiled for sm90 and their plumbing tested on the CPU, but they have
-# not yet run on a GPU: no device was lent in the session that wrote them (bench/NOTES.md,
-# twenty-first session). Until `bench/gpu_suite.sh fused` has checked their bits against the
-# unfused kernels and measured the step with them (the ~fused-swiglu probe), the experts' MLP runs
-# the unfused kernels; then this line and its checks go.
-SWIGLU_EPILOGUES_RUN = False
-_NOT_YET_RUN = "the SwiGLU epilogues have not yet run on a GPU (bench/gpu_suite.sh fused)"
-
-
 def swiglu_unsupported(x: Tensor, w: Tensor, h: Tensor, out: Tensor, row_weight: Tensor | None) -> str | None:
     """Why the forward cannot also write out = silu(gate) * up (times row_weight) beside
     h = x @ w[g] (launch_grouped_mm_ws's ``swiglu_out``), or None."""
-    if not SWIGLU_EPILOGUES_RUN:
-        return _NOT_YET_RUN
     if reason := ws_unsupported(x, w, h):
         return reason
     F = h.shape[1] // 2
@@ -464,8 +453,6 @@ def swiglu_backward_unsupported(dy: Tensor, w: Tensor, h: Tensor, dh: Tensor,
                                 row_weight: Tensor | None) -> str | None:
     """Why dx = dy @ w[g]^T (w (G, H, N): the down projection's weights) cannot run with the
     SwiGLU's backward in its epilogue (launch_grouped_mm_ws_swiglu_backward), or None."""
-    if not SWIGLU_EPILOGUES_RUN:
-        return _NOT_YET_RUN
     H = w.shape[1]
     if h.shape != (dy.shape[0], 2 * H) or dh.shape != h.shape or h.dtype != dy.dtype or dh.dtype != dy.dtype:
         return (f"h and dh must be ({dy.shape[0]}, {2 * H}) in {dy.dtype}, got {tuple(h.shape)} {h.dtype} "

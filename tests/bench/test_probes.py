@@ -91,26 +91,3 @@ def test_update_after_probe_keeps_the_update_off_the_side_stream():
             assert plan == dataclasses.replace(real(cfg, torch.device("cuda"), **on_gpu), update_beside_forward=False)
     assert execution.plan_execution is real and measure.plan_execution is real
 
-
-def test_fused_swiglu_probe_turns_the_epilogues_on(monkeypatch):
-    """Under the probe the expert MLP's launchers take the fused epilogues where their shape rules
-    allow (the device's rule stood in here); without it, the unfused kernels."""
-    ws = importlib.import_module("kernels.grouped_mm_ws")
-    fused = importlib.import_module("kernels.expert_mlp")
-    calls = []
-    monkeypatch.setattr(ws, "_device_unsupported", lambda t: None)
-    monkeypatch.setattr(fused, "launch_grouped_mm_ws", lambda *args, **kwargs: calls.append("fused"))
-    monkeypatch.setattr(fused, "launch_grouped_mm_ws_swiglu_backward", lambda *args: calls.append("fused backward"))
-    monkeypatch.setattr(fused, "_launch_grouped_mm", lambda x, w, offsets: calls.append("gemm") or x)
-    monkeypatch.setattr(fused, "_launch_swiglu", lambda h, row_weight: calls.append("swiglu") or h)
-    monkeypatch.setattr(fused, "_grouped_mm_dx_op", lambda dy, w, offsets: calls.append("dx") or dy)
-    monkeypatch.setattr(fused, "_swiglu_backward_op", lambda h, d_out: calls.append("swiglu backward") or h)
-    bf = torch.bfloat16
-    x, w_up, w_down = torch.ones(4, 64, dtype=bf), torch.ones(1, 64, 256, dtype=bf), torch.ones(1, 128, 64, dtype=bf)
-    offsets, h = torch.tensor([4], dtype=torch.int32), torch.ones(4, 256, dtype=bf)
-    fused._launch_up(x, w_up, offsets, None)
-    fused._launch_down_dh(x, w_down, offsets, h, None)
-    with probes.applied("7b8l-default~fused-swiglu"):
-        fused._launch_up(x, w_up, offsets, None)
-        fused._launch_down_dh(x, w_down, offsets, h, None)
-    assert calls == ["gemm", "swiglu", "dx", "swiglu backward", "fused", "fused backward"]

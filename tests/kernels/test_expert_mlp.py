@@ -9,6 +9,8 @@ epilogue must give the unfused kernels' bits on odd shapes: empty groups, a part
 tile per group, rows past offsets[-1], a few programs with many items each and the whole GPU's.
 """
 
+import importlib
+
 import pytest
 import torch
 
@@ -17,13 +19,6 @@ import kernels.grouped_mm_ws as ws
 from kernels import expert_mlp, grouped_mm, swiglu
 
 from test_grouped_mm import make
-
-
-@pytest.fixture
-def epilogues_run(monkeypatch):
-    """The SwiGLU epilogues taken where their rules allow: what these tests check before any
-    run takes them (grouped_mm_ws.SWIGLU_EPILOGUES_RUN)."""
-    monkeypatch.setattr(ws, "SWIGLU_EPILOGUES_RUN", True)
 
 
 def three_ops(x, w_up, w_down, offsets, row_weight, backend, *, up_square=None, down_square=None, **kw):
@@ -158,8 +153,6 @@ def test_compiled_matches_eager(triton_device):
 
 def test_says_why_it_cannot_fuse(monkeypatch):
     bf = torch.bfloat16
-    assert "not yet run on a GPU" in ws.swiglu_unsupported(*[torch.zeros(1)] * 4, None)  # until they have
-    monkeypatch.setattr(ws, "SWIGLU_EPILOGUES_RUN", True)
     x, w = torch.zeros(8, 64, dtype=bf), torch.zeros(2, 64, 256, dtype=bf)
     h, out = torch.zeros(8, 256, dtype=bf), torch.zeros(8, 128, dtype=bf)
     dy, w_down = torch.zeros(8, 64, dtype=bf), torch.zeros(2, 128, 64, dtype=bf)
@@ -184,7 +177,7 @@ def test_says_why_it_cannot_fuse(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("weighted", [True, False], ids=["row weights", "no row weights"])
 @pytest.mark.parametrize("programs", [3, None], ids=["3 programs", "one per SM"])
-def test_fused_epilogue_gives_the_pairs_bits_on_hopper(weighted, programs, gpu_device, monkeypatch, epilogues_run):
+def test_fused_epilogue_gives_the_pairs_bits_on_hopper(weighted, programs, gpu_device, monkeypatch):
     """The fused kernel's h and out against the two kernels', bit for bit, on odd shapes (rows
     per group not multiples of 128, empty groups, a tail past offsets[-1] whose h and out must
     come out zero: both start as NaN)."""
@@ -210,8 +203,7 @@ def test_fused_epilogue_gives_the_pairs_bits_on_hopper(weighted, programs, gpu_d
 @pytest.mark.gpu
 @pytest.mark.parametrize("weighted", [True, False], ids=["row weights", "no row weights"])
 @pytest.mark.parametrize("programs", [3, None], ids=["3 programs", "one per SM"])
-def test_fused_backward_epilogue_gives_the_pairs_bits_on_hopper(weighted, programs, gpu_device, monkeypatch,
-                                                                epilogues_run):
+def test_fused_backward_epilogue_gives_the_pairs_bits_on_hopper(weighted, programs, gpu_device, monkeypatch):
     """dx of the down projection with the SwiGLU's backward in its epilogue against the dx
     kernel then the swiglu backward kernel: dh bit for bit (the same 16-bit da into the same
     formulas), the row weights' gradient to float32 rounding (summed in another order), on odd
@@ -246,9 +238,9 @@ def test_fused_backward_epilogue_gives_the_pairs_bits_on_hopper(weighted, progra
 
 
 @pytest.mark.gpu
-def test_fused_mlp_matches_float32_reference_on_hopper(gpu_device, rel_err, monkeypatch, epilogues_run):
+def test_fused_mlp_matches_float32_reference_on_hopper(gpu_device, rel_err, monkeypatch):
     """The MLP in bf16, both epilogues fused (H = 256: whole tiles), against the float32 loop."""
-    import kernels.expert_mlp as mlp
+    mlp = importlib.import_module("kernels.expert_mlp")  # the package's attribute is the function
 
     x, w_up, w_down, offsets, row_weight, dy = inputs([0, 700, 3, 1200, 64], 5, 256, 256, 192, gpu_device,
                                                       torch.bfloat16)

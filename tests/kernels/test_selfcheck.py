@@ -53,7 +53,6 @@ def test_the_experts_check_runs_both_swiglu_epilogues_a_run_takes_on_hopper(monk
     mlp = importlib.import_module("kernels.expert_mlp")
     calls = []
     rules = ws.swiglu_unsupported, ws.swiglu_backward_unsupported
-    monkeypatch.setattr(ws, "SWIGLU_EPILOGUES_RUN", True)
     monkeypatch.setattr(ws, "_device_unsupported", lambda t: None)
     monkeypatch.setattr(mlp, "swiglu_unsupported", lambda *t: rules[0](*(a.bfloat16() for a in t[:4]), t[4]))
     monkeypatch.setattr(mlp, "swiglu_backward_unsupported", lambda *t: rules[1](*(a.bfloat16() for a in t[:4]), t[4]))
