@@ -1,5 +1,5 @@
 """The warp-specialized Gluon kernel (kernels/grouped_mm_ws.py): the grouped GEMM's forward and dx
-(the forward with its fused SwiGLU: tests/kernels/test_expert_mlp.py).
+(the SwiGLU epilogues of both: tests/kernels/test_expert_mlp.py).
 
 Gluon has no interpreter, so on a CPU every config is compiled for sm90 (in a fresh process:
 grouped_mm_ws.sm90_report) and ptxas's report is read: it must fit the H200's shared memory,
