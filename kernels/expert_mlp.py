@@ -14,15 +14,16 @@ What differs is where the SwiGLU runs, with the triton backend on Hopper (kernel
   out = silu(gate) * up * row_weight from the same 16-bit values (``swiglu_out``). Each work item
   loads the gate's columns c + [0, 64) and the up's H + c + [0, 64) into one 128-column tile, so
   one accumulator holds both halves of its outputs. The swiglu pass (read h, write out: 6 bytes
-  a row and hidden feature) is gone.
+  a row and hidden feature) gives way to the epilogue's store of out (2).
 - backward: the down projection's dx epilogue takes its tile of d out (rounded to 16 bits, as
   the dx kernel stores it, but never stored), reads h's gate and up and writes dh and each row's
-  share of the row weights' gradient (``launch_grouped_mm_ws_swiglu_backward``): the swiglu
-  backward pass and d out's store and load (10 bytes a row and hidden feature) are gone, 6 are
-  left to the epilogue.
+  share of the row weights' gradient (``launch_grouped_mm_ws_swiglu_backward``): d out's store
+  and the swiglu backward pass (12 bytes a row and hidden feature) give way to the epilogue's 8
+  (h read, dh written).
 Both give the three ops' bits (the weights' gradient to float32 rounding: its sums run in another
-order). Elsewhere (other devices, the interpreter, H not whole tiles) the same two ops run the
-kernels one after the other. The autograd seam: the up op returns h beside out, and the down op
+order), and the backward allocates no d out (bench/NOTES.md has what they measured). Elsewhere
+(other devices, the interpreter, H not whole tiles) the same two ops run the kernels one after
+the other. The autograd seam: the up op returns h beside out, and the down op
 takes both; its backward differentiates through the SwiGLU to h and the row weights and gives
 out no gradient, so the up op's backward starts from dh. Hence the two ops are used together,
 here only.
