@@ -71,7 +71,7 @@ def test_triton_mlp_is_the_three_ops(case, weighted, triton_device):
     assert not results[0][0][M:].any(), "rows past offsets[-1] come out zero"
 
 
-def test_loop_backend_is_the_three_loop_ops(triton_device):
+def test_loop_backend_is_the_three_loop_ops():
     x, w_up, w_down, offsets, row_weight, dy = inputs([4, 0, 11, 2], 1, 16, 12, 8, "cpu")
     got = expert_mlp(x, w_up, w_down, offsets, row_weight=row_weight, backend="loop")
     want = three_ops(x, w_up, w_down, offsets, row_weight, "loop")
