@@ -36,10 +36,11 @@ from torch import Tensor
 
 from ._triton import check_launchable
 from .grouped_mm import (_check_args, _check_cast, _check_square, _grads, _grouped_mm_dw_op, _grouped_mm_dw_squares_op,
-                         _grouped_mm_dx_op, _launch_grouped_mm, grouped_mm)
+                         _launch_grouped_mm, _launch_grouped_mm_dx, grouped_mm)
 from .grouped_mm_ws import (launch_grouped_mm_ws, launch_grouped_mm_ws_swiglu_backward, swiglu_backward_unsupported,
                             swiglu_unsupported)
-from .swiglu import _launch_swiglu, _swiglu_backward_op, _swiglu_weighted_backward_op, swiglu
+from .swiglu import (_launch_swiglu, _launch_swiglu_bwd, _launch_swiglu_weighted_bwd, _swiglu_backward_op,
+                     _swiglu_weighted_backward_op, swiglu)
 
 
 def expert_mlp(x: Tensor, w_up: Tensor, w_down: Tensor, offsets: Tensor, *, row_weight: Tensor | None = None,
@@ -81,23 +82,22 @@ def _launch_up(x: Tensor, w_lp: Tensor, offsets: Tensor, row_weight: Tensor | No
     if h.numel() and swiglu_unsupported(x, w_lp, h, out, row_weight) is None:
         launch_grouped_mm_ws(x, w_lp, offsets, h, swiglu_out=out, row_weight=row_weight)
         return out, h
-    h = _launch_grouped_mm(x, w_lp, offsets)
-    return _launch_swiglu(h, row_weight), h
+    return _launch_swiglu(_launch_grouped_mm(x, w_lp, offsets, y=h), row_weight, out=out), h
 
 
 def _launch_down_dh(dy: Tensor, w_lp: Tensor, offsets: Tensor, h: Tensor,
                     row_weight: Tensor | None) -> tuple[Tensor, Tensor | None]:
     """(dh, d row_weight or None) from the down projection's dy: the SwiGLU's backward in the dx
     epilogue where the warp-specialized kernel runs, else dx then the swiglu backward kernel."""
-    dh = torch.empty_like(h)
     if row_weight is not None:
         row_weight = row_weight.contiguous()
-    if swiglu_backward_unsupported(dy, w_lp, h, dh, row_weight) is None:
+    if swiglu_backward_unsupported(dy, w_lp, h, h, row_weight) is None:  # dh: empty_like(h), h's layout
+        dh = torch.empty_like(h)
         return dh, launch_grouped_mm_ws_swiglu_backward(dy, w_lp, offsets, h, dh, row_weight)
-    d_out = _grouped_mm_dx_op(dy, w_lp, offsets)
+    d_out = _launch_grouped_mm_dx(dy, w_lp, offsets)
     if row_weight is None:
-        return _swiglu_backward_op(h, d_out), None
-    return _swiglu_weighted_backward_op(h, row_weight, d_out)
+        return _launch_swiglu_bwd(h, d_out), None
+    return _launch_swiglu_weighted_bwd(h, row_weight, d_out)
 
 
 # ---------------------------------------------------------------- the up projection and its SwiGLU

@@ -300,12 +300,14 @@ def _grouped_mm_dw_kernel(
 
 
 # ---------------------------------------------------------------- backend "triton": launchers
-def _launch_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, dx: bool = False, tma: bool = True) -> Tensor:
+def _launch_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, dx: bool = False, tma: bool = True,
+                       y: Tensor | None = None) -> Tensor:
     """y = x @ w[g] per group, w (G, K, N) in any strides: the warp-specialized kernel where it
     runs on these tensors, else the TMA kernel where it does, else the pointer kernel (always
-    the pointer kernel with ``tma=False``)."""
+    the pointer kernel with ``tma=False``). ``y``: a contiguous (M, N) tensor in x's dtype to
+    fill, else a new one."""
     (M, K), (G, _, N) = x.shape, w.shape
-    y = x.new_empty(M, N)
+    y = x.new_empty(M, N) if y is None else y
     if y.numel() == 0:
         return y
     if tma and ws_unsupported(x, w, y) is None:

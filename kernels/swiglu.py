@@ -129,10 +129,11 @@ def _grid(M: int, H: int):
     return lambda meta: (triton.cdiv(M, meta["BLOCK_R"]), triton.cdiv(H, meta["BLOCK_D"]))
 
 
-def _launch_swiglu(h: Tensor, row_weight: Tensor | None = None) -> Tensor:
+def _launch_swiglu(h: Tensor, row_weight: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+    """``out``: a contiguous (M, H) tensor in h's dtype to fill, else a new one."""
     h = h.contiguous()  # no-op when contiguous: the kernels assume unit column stride
     M, H = h.shape[0], h.shape[1] // 2
-    out = h.new_empty(M, H)
+    out = h.new_empty(M, H) if out is None else out
     if out.numel():
         w = h if row_weight is None else row_weight.contiguous()  # h: a placeholder, never read
         with device_guard(h):
