@@ -112,7 +112,7 @@ def parse_args(argv=None):
                         f"torch_raw, triton, {', '.join(TRITON_VARIANTS)}, dense; and of permute rows: "
                         f"loop, triton, {', '.join(PERMUTE_VARIANTS)}")
     p.add_argument("--dw-configs", action="store_true",
-                   help="also time each config of the TMA dW kernel alone (float32 out)")
+                   help="also time each config of the TMA dW kernel alone (float32 and bf16 out)")
     p.add_argument("--tma-configs", action="store_true",
                    help="also time each config of the forward / dx TMA kernel alone")
     p.add_argument("--ws", action="store_true",
@@ -354,16 +354,22 @@ def named_configs(configs) -> dict[str, dict]:
 
 
 def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
-    """Each config of the TMA dW kernel's autotuning list timed alone, in turns, float32 out
-    (--dw-configs): what the autotuner chose among, and by how much."""
+    """Each config of the TMA dW kernel's autotuning lists timed alone, in turns (--dw-configs):
+    float32 out, as the training's float32 master weights take it, and the input's dtype, as
+    the experts' gradients on their bf16 copies (the step's default) do: what the autotuner
+    chose among, and by how much."""
     from kernels.grouped_mm_tma import _dw_tma_configs, launch_grouped_mm_dw_tma
-    configs = named_configs(_dw_tma_configs(device.type, dtype))
-    for gemm, x, dy, offsets, dw in _dw_operands(device, dtype, T, topk_idx, shape):
-        (M, K), (E, _, N) = x.shape, dw.shape
-        fns = {name: (lambda c=c: launch_grouped_mm_dw_tma(x, dy, offsets, dw, config=c)) for name, c in configs.items()}
-        for name, ms in timer.interleaved(fns).items():
-            rec(op=gemm, pass_="dw", backend="triton-dw-config", config=configs[name], tokens=T, routing=routing,
-                ms=ms, tflops=2 * M * K * N / ms / 1e9, flop=2 * M * K * N, M=M, K=K, N=N, experts=E)
+    for out_dtype in dict.fromkeys((torch.float32, dtype)):  # once where the input is float32
+        configs = named_configs(_dw_tma_configs(device.type, dtype, out_dtype))
+        for gemm, x, dy, offsets, dw in _dw_operands(device, dtype, T, topk_idx, shape):
+            (M, K), (E, _, N) = x.shape, dw.shape
+            dw = dw.to(out_dtype)
+            fns = {name: (lambda c=c, dw=dw: launch_grouped_mm_dw_tma(x, dy, offsets, dw, config=c))
+                   for name, c in configs.items()}
+            for name, ms in timer.interleaved(fns).items():
+                rec(op=gemm, pass_="dw", backend="triton-dw-config", config=configs[name], tokens=T, routing=routing,
+                    out_dtype=str(out_dtype).removeprefix("torch."), ms=ms, tflops=2 * M * K * N / ms / 1e9,
+                    flop=2 * M * K * N, M=M, K=K, N=N, experts=E)
 
 
 def _dw_operands(device, dtype, T, topk_idx, shape):
@@ -574,6 +580,8 @@ def main(argv=None) -> None:
         note = f"  (fell back: {line['fallback']})" if line.get("fallback") else ""
         if line.get("config"):
             note += "  " + " ".join(f"{k}={v}" for k, v in line["config"].items())
+        if line.get("out_dtype"):
+            note += f"  out {line['out_dtype']}"
         note += clock_note(line)
         if line.get("device_ms"):
             note += f"  device (CUDA graph) {line['device_ms']:.3f} ms {line['device_gbps']:.1f} GB/s"
