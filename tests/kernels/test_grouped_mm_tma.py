@@ -406,7 +406,6 @@ def config_failures(configs, run, tolerance: float) -> list[str]:
     return failures
 
 
-@pytest.mark.gpu
 def test_every_dw_config_compiles_for_hopper_within_shared_memory():
     """Each dW config of both lists, compiled for sm90 on the CPU (in a fresh process: an
     interpreted kernel earlier in this one changes what Triton compiles): it fits the H200's
@@ -427,6 +426,7 @@ def test_every_dw_config_compiles_for_hopper_within_shared_memory():
         assert "Used " in compiled["ptxas"] and "0 bytes spill stores" in compiled["ptxas"], (name, compiled["ptxas"])
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
 def test_every_dw_tma_config_compiles_and_matches(out_dtype, gpu_device, rel_err):
     """Each output dtype's list (the 16-bit one has deeper pipelines): partial N and K tiles,
