@@ -23,12 +23,6 @@ and moved the 8 x 8 step by 0.2 %. Three explanations, one probe or reading each
   programs-N    our persistent GEMM kernels (forward, dx, dW) on at most N programs, one per SM:
                 the other SMs stay free for the update beside them (the H200 has 132)
   update-after  the update after the backward, not beside the next forward
-  update-sms-N  while an update is queued beside the forward (from the optimizer's step until the
-                last stage's forward has waited for it), our persistent GEMM kernels leave N SMs
-                to it; the backward's keep them all. The question (twenty-second session): the
-                traced 8 x 8 step ran 32 ms of its update with the main stream waiting, because a
-                persistent kernel holds a whole SM and the update's blocks run only between them;
-                ~programs-116 left SMs free in the backward too, where nothing used them
 """
 from __future__ import annotations
 
@@ -36,16 +30,13 @@ import contextlib
 import dataclasses
 import importlib
 import re
-import weakref
 from unittest import mock
 
 PROBES = {
     "tma": "the forward and dx by the TMA kernel where the warp-specialized one would run",
     "programs-N": "our persistent GEMM kernels on at most N programs",
     "update-after": "the update after the backward, not beside the next forward",
-    "update-sms-N": "our persistent GEMM kernels leave N SMs to an update queued beside the forward",
 }
-_NUMBERED = r"(programs|update-sms)-[1-9][0-9]*"
 
 
 def split(name: str) -> tuple[str, tuple[str, ...]]:
@@ -53,7 +44,7 @@ def split(name: str) -> tuple[str, tuple[str, ...]]:
     without a probe -> (name, ()). ValueError for a probe that is not one of PROBES."""
     base, *wanted = name.split("~")
     for probe in wanted:
-        if probe not in PROBES and not re.fullmatch(_NUMBERED, probe):
+        if probe not in PROBES and not re.fullmatch(r"programs-[1-9][0-9]*", probe):
             raise ValueError(f"{name!r}: unknown probe {probe!r}; probes: {', '.join(PROBES)}")
     return base, tuple(wanted)
 
@@ -102,8 +93,6 @@ def _patches(probe: str) -> list:
         tma = importlib.import_module("kernels.grouped_mm_tma")  # every launcher reads its _num_programs at each launch
         cap, real = int(probe.removeprefix("programs-")), tma._num_programs
         return [mock.patch.object(tma, "_num_programs", lambda device: min(cap, real(device)))]
-    if probe.startswith("update-sms-"):
-        return _update_sms_patches(int(probe.removeprefix("update-sms-")))
     if probe == "update-after":
         execution = importlib.import_module("optimus_core.execution")
         real = execution.plan_execution
@@ -115,20 +104,3 @@ def _patches(probe: str) -> list:
                 mock.patch.object(importlib.import_module("optimus_core.train.measure"), "plan_execution", plan_execution)]
     raise AssertionError(probe)  # split() admits no other
 
-
-
-def _update_sms_patches(reserve: int) -> list:
-    tma = importlib.import_module("kernels.grouped_mm_tma")
-    stream = importlib.import_module("optimus_core.train.update_stream")
-    real_programs, real_init = tma._num_programs, stream.UpdateBesideForward.__init__
-    updaters = weakref.WeakSet()  # every UpdateBesideForward built under the probe
-
-    def init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        updaters.add(self)
-
-    def num_programs(device):
-        programs = real_programs(device)
-        return max(1, programs - reserve) if any(u.pending for u in updaters) else programs
-    return [mock.patch.object(stream.UpdateBesideForward, "__init__", init),
-            mock.patch.object(tma, "_num_programs", num_programs)]

@@ -207,15 +207,16 @@ def launch_grouped_mm_tma(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *,
     return y
 
 
-def _dw_tma_configs(device_type: str, dtype: torch.dtype, out_dtype: torch.dtype = torch.float32):
+def _dw_tma_configs(device_type: str, dtype: torch.dtype):
     """(BLOCK_R, BLOCK_K, BLOCK_N, warps, stages, SPLIT_N): a BLOCK_K x BLOCK_N tile of dw[g],
     BLOCK_R rows per reduction step. Shared memory per stage is BLOCK_R * (BLOCK_K + BLOCK_N) * 2
     bytes, plus the store's staging tile, BLOCK_K * BLOCK_N / SPLIT_N * out_dtype's size:
     64 x 128 x 256 with 3 stages and a split float32 store is 144 + 64 = 208 KB of the H200's
-    227 KB. A 16-bit dw (the experts' bf16 gradients on their copies, the step's default) halves
-    the staging tile, and the list adds the widest tiles with as many stages as then fit (4 and
-    8: 224 KB): more loads in flight, for a loop that waits on its loads (bench/NOTES.md,
-    twenty-second session). Output tiles 128+ wide in K, as the pointer kernel measured best. Each item
+    227 KB. A bf16 dw (the experts' gradients on their copies, the step's default) halves the
+    staging tile, but deeper pipelines in the room it leaves measured slower (4 and 8 stages:
+    0.68-0.99x the best of this list on an H100; bench/NOTES.md, twenty-second session), so both
+    output dtypes share this list. Output tiles 128+ wide in K, as the pointer kernel measured
+    best. Each item
     also pays its pipeline's fill and its tile's store with the tensor cores idle (Triton 3.6's
     automatic Hopper warp specialization, asked for on either loop, specialized few of these
     compiles and gained nothing: bench/NOTES.md): as long as 300-400 rows of products, fitted from the
@@ -229,8 +230,6 @@ def _dw_tma_configs(device_type: str, dtype: torch.dtype, out_dtype: torch.dtype
     else:
         shapes = [(64, 128, 256, 8, 3, 2), (64, 256, 128, 8, 3, 2), (64, 128, 128, 8, 4, 1),
                   (64, 128, 128, 4, 4, 1), (32, 128, 256, 8, 5, 2), (128, 128, 128, 8, 2, 1)]
-        if out_dtype.itemsize == 2:
-            shapes += [(64, 128, 256, 8, 4, 2), (32, 128, 256, 8, 8, 2)]
     return [triton.Config({"BLOCK_R": r, "BLOCK_K": k, "BLOCK_N": n, "SPLIT_N": split},
                           num_warps=w, num_stages=st) for r, k, n, w, st, split in shapes]
 
@@ -333,15 +332,15 @@ def launch_grouped_mm_dw_tma(x: Tensor, dy: Tensor, offsets: Tensor, dw: Tensor,
     meta = dict(SEGMENTS=segments, CHUNK=min(segments, 32), SQUARES=squares is not None)
     with device_guard(x):
         if config is None:
-            _grouped_mm_dw_tma_tuned(x.device.type, x.dtype, dw.dtype)[grid](*args, **meta)
+            _grouped_mm_dw_tma_tuned(x.device.type, x.dtype)[grid](*args, **meta)
         else:
             _grouped_mm_dw_tma_kernel[grid](*args, **meta, **config)
     return dw
 
 
 def dw_sm90_report() -> dict[str, dict]:
-    """Every config of the dW kernel's lists (float32 and bf16 dw) compiled for sm90 on this
-    machine, no GPU needed: {"bf16/64x128x256 w8 s4 split2": {"shared": bytes, "ptxas": ptxas's
+    """Every config of the dW kernel's list compiled for sm90 on this machine for a float32 and a
+    bf16 dw, no GPU needed: {"bf16/64x128x256 w8 s3 split2": {"shared": bytes, "ptxas": ptxas's
     register, spill and warning lines}, ...}. Run it in a fresh process (an interpreted kernel
     earlier in the same process changes what Triton compiles)."""
     from triton.backends.compiler import GPUTarget
@@ -352,8 +351,8 @@ def dw_sm90_report() -> dict[str, dict]:
     signature = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "offsets_ptr": "*i32", "squares_ptr": "*fp32", "M": "i32",
                  "N": "i32", "K": "i32", "G": "i32", "stride_xm": "i32", "stride_dym": "i32", "M_BUCKET": "i32"}
     report = {}
-    for out, ty in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        for cfg in _dw_tma_configs("cuda", torch.bfloat16, out):
+    for ty in ("fp32", "bf16"):
+        for cfg in _dw_tma_configs("cuda", torch.bfloat16):
             meta = {"SEGMENTS": 64, "CHUNK": 32, "SQUARES": True, **cfg.kwargs}
             source = ASTSource(_grouped_mm_dw_tma_kernel, {**signature, "dw_ptr": f"*{ty}",
                                                            **{name: "constexpr" for name in meta}}, meta)

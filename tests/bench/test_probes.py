@@ -90,29 +90,3 @@ def test_update_after_probe_keeps_the_update_off_the_side_stream():
             # nothing else changes
             assert plan == dataclasses.replace(real(cfg, torch.device("cuda"), **on_gpu), update_beside_forward=False)
     assert execution.plan_execution is real and measure.plan_execution is real
-
-
-def test_update_sms_probe_leaves_sms_only_while_an_update_is_pending():
-    from torch import nn
-
-    stream = importlib.import_module("optimus_core.train.update_stream")
-    tma = importlib.import_module("kernels.grouped_mm_tma")
-    cpu = torch.device("cpu")
-
-    class Tiny(nn.Module):  # the stages forward_stages reads
-        def __init__(self):
-            super().__init__()
-            self.embed, self.final_norm, self.lm_head = nn.Embedding(4, 2), nn.LayerNorm(2), nn.Linear(2, 4)
-            self.blocks = nn.ModuleList([nn.Linear(2, 2)])
-
-    with probes.applied("x~update-sms-1"):
-        model = Tiny()
-        updates = stream.UpdateBesideForward(model, model.parameters())
-        assert tma._num_programs(cpu) == 3  # nothing queued: every SM
-        updates._pending[1] = object()  # as step() leaves it on a GPU until the forward waits
-        assert tma._num_programs(cpu) == 2
-        updates._pending.clear()
-        assert tma._num_programs(cpu) == 3
-    updates._pending[1] = object()
-    assert tma._num_programs(cpu) == 3  # the probe is gone
-    assert probes.split("7b8l-default~update-sms-16") == ("7b8l-default", ("update-sms-16",))
