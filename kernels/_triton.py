@@ -102,3 +102,21 @@ def bucket(n: int) -> int:
     """Autotune key for a row count: its power-of-two ceiling, so that a changing token count
     retunes at most once per doubling."""
     return triton.next_power_of_2(max(n, 1))
+
+
+def ptxas_report(compiled) -> str:
+    """ptxas's verbose report on the PTX of a kernel compiled for sm90 on this machine (the
+    ptxas Triton itself uses for sm90): its registers and spills, and its performance warnings,
+    e.g. C7514 (wgmmas serialized because other instructions read their accumulator
+    mid-pipeline). The CPU tests read it for every config of the Hopper kernels."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(compiled.asm["ptx"])
+        ptx.flush()
+        run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", ptx.name, "-o", "/dev/null"],
+                             capture_output=True, text=True)
+    return run.stdout + run.stderr

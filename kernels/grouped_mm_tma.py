@@ -47,7 +47,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ._triton import INTERPRET, autotuned, bucket, device_guard, jit, tile_configs, tl, triton
+from ._triton import INTERPRET, autotuned, bucket, device_guard, jit, ptxas_report, tile_configs, tl, triton
 from .grouped_mm_tiles import group_of_rank, groups_by_size, locate_tile, segment_tiles
 
 
@@ -345,8 +345,6 @@ def dw_sm90_report() -> dict[str, dict]:
     earlier in the same process changes what Triton compiles)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    from .grouped_mm_ws import ptxas_report
 
     signature = {"x_ptr": "*bf16", "dy_ptr": "*bf16", "offsets_ptr": "*i32", "squares_ptr": "*fp32", "M": "i32",
                  "N": "i32", "K": "i32", "G": "i32", "stride_xm": "i32", "stride_dym": "i32", "M_BUCKET": "i32"}

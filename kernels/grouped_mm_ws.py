@@ -60,7 +60,7 @@ import torch
 from torch import Tensor
 
 from . import grouped_mm_tma
-from ._triton import device_guard, triton
+from ._triton import device_guard, ptxas_report, triton
 
 try:
     from triton.experimental import gluon
@@ -592,20 +592,3 @@ def sm90_report() -> dict[str, dict]:
 
     return {f"{name}/{config_name(c)}": summary(compile_for_sm90(config=config_dict(*c), groups=64, **kwargs))
             for c in CONFIGS for name, kwargs in KERNELS.items()}
-
-
-def ptxas_report(compiled) -> str:
-    """ptxas's verbose report on a compile_for_sm90 kernel's PTX (the ptxas Triton itself uses
-    for sm90): its registers and spills, and its performance warnings, e.g. C7514 (wgmmas
-    serialized because other instructions read their accumulator mid-pipeline)."""
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
-        ptx.write(compiled.asm["ptx"])
-        ptx.flush()
-        run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", ptx.name, "-o", "/dev/null"],
-                             capture_output=True, text=True)
-    return run.stdout + run.stderr

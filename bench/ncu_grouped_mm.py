@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Our expert GEMM and torch._grouped_mm on the same operands, the forward (y = x @ w per group) or
+dW (x^T @ dy per group), each launched once after a warm-up inside its own NVTX range, for
+Nsight Compute's counters (not a timing benchmark: bench/kernels.py times both).
+
+    ncu --nvtx --nvtx-include "ours/" --nvtx-include "torch/" \\
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \\
+        python bench/ncu_grouped_mm.py [--op up|down] [--pass fwd|dw] [--tokens 32768]
+
+The question it serves (bench/NOTES.md, twenty-second session): on an H100 our kernels run at
+0.75-0.96x torch._grouped_mm where on an H200 they ran 1.09-1.25x; whether ours moves more bytes
+from DRAM and L2. Shapes: mula-7b-a1b's experts (64, top-8, d_model 2048, hidden 1024), the up
+projection (K = 2048, N = 2 * 1024) or the down (K = 1024, N = 2048), balanced routing, bf16.
+Prints the two products' largest difference, so that a run shows both computed the same thing.
+On a CPU (TRITON_INTERPRET=1) it runs a tiny float32 shape: a check of the script, not of the kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import grouped_mm  # noqa: E402
+from kernels.grouped_mm import _launch_grouped_mm_dw  # noqa: E402
+
+EXPERTS, TOP_K, D_MODEL, HIDDEN = 64, 8, 2048, 1024
+
+
+def operands(op: str, tokens: int, device: torch.device):
+    """x (M, K), w (E, K, N), offsets (E,) int32 of a balanced routing, in the device's dtype."""
+    if device.type == "cpu":  # the interpreter: a tiny float32 shape with 16-byte rows
+        experts, rows, (K, N), dtype = 4, 8, (16, 32), torch.float32
+    else:
+        experts, rows, dtype = EXPERTS, tokens * TOP_K // EXPERTS, torch.bfloat16
+        K, N = (D_MODEL, 2 * HIDDEN) if op == "up" else (HIDDEN, D_MODEL)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(experts * rows, K, device=device, dtype=dtype, generator=gen)
+    w = torch.randn(experts, K, N, device=device, dtype=dtype, generator=gen) / K**0.5
+    offsets = torch.arange(1, experts + 1, device=device, dtype=torch.int32) * rows
+    return x, w, offsets
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--op", choices=("up", "down"), default="up")
+    p.add_argument("--pass", dest="pass_", choices=("fwd", "dw"), default="fwd",
+                   help="dw: x^T @ dy per group, in the inputs' dtype (the step's bf16 expert gradients)")
+    p.add_argument("--tokens", type=int, default=32768, help="tokens per GPU (rows = tokens x top-8)")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x, w, offsets = operands(args.op, args.tokens, device)
+    if args.pass_ == "fwd":
+        ours = lambda: grouped_mm(x, w, offsets)  # noqa: E731
+        theirs = lambda: torch._grouped_mm(x, w, offs=offsets)  # noqa: E731
+    else:  # dy shaped as the forward's output; the offsets split the reduction dimension
+        dy = torch.randn(x.shape[0], w.shape[2], device=device, dtype=x.dtype) / w.shape[2] ** 0.5
+        ours = lambda: _launch_grouped_mm_dw(x, dy, offsets, False)  # noqa: E731
+        theirs = lambda: torch._grouped_mm(x.t(), dy, offs=offsets)  # noqa: E731
+    for _ in range(3):  # autotuning and compiles outside the profiled ranges
+        a, b = ours(), theirs()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        for name, fn in (("ours", ours), ("torch", theirs)):
+            torch.cuda.nvtx.range_push(name)
+            fn()
+            torch.cuda.nvtx.range_pop()
+        torch.cuda.synchronize()
+    print(f"{args.op} {args.pass_} M={x.shape[0]} K={x.shape[1]} N={w.shape[2]} on {device.type}: "
+          f"largest difference {(a.float() - b.float()).abs().max().item():.3g} "
+          f"(|product| up to {b.float().abs().max().item():.3g})")
+
+
+if __name__ == "__main__":
+    main()
