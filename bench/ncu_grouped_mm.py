@@ -8,7 +8,7 @@ Nsight Compute's counters (not a timing benchmark: bench/kernels.py times both).
         python bench/ncu_grouped_mm.py [--op up|down] [--pass fwd|dw] [--tokens 32768]
 
 The question it serves (bench/NOTES.md, twenty-second session): on an H100 our kernels run at
-0.75-0.96x torch._grouped_mm where on an H200 they ran 1.09-1.25x; whether ours moves more bytes
+0.74-1.03x torch._grouped_mm where on an H200 they ran 1.09-1.25x (forward, dx); whether ours moves more bytes
 from DRAM and L2. Shapes: mula-7b-a1b's experts (64, top-8, d_model 2048, hidden 1024), the up
 projection (K = 2048, N = 2 * 1024) or the down (K = 1024, N = 2048), balanced routing, bf16.
 Prints the two products' largest difference, so that a run shows both computed the same thing.

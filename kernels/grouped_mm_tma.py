@@ -216,15 +216,14 @@ def _dw_tma_configs(device_type: str, dtype: torch.dtype):
     staging tile, but deeper pipelines in the room it leaves measured slower (4 and 8 stages:
     0.68-0.99x the best of this list on an H100; bench/NOTES.md, twenty-second session), so both
     output dtypes share this list. Output tiles 128+ wide in K, as the pointer kernel measured
-    best. Each item
-    also pays its pipeline's fill and its tile's store with the tensor cores idle (Triton 3.6's
-    automatic Hopper warp specialization, asked for on either loop, specialized few of these
-    compiles and gained nothing: bench/NOTES.md): as long as 300-400 rows of products, fitted from the
-    measured rates, so about a quarter of an item at 1024 rows per expert; two programs per SM
-    with half the shared memory each, to hide one's store under the other's products, measured
-    slower (bench/NOTES.md). Each
-    compiles for sm90 within shared memory and without register spills (Triton 3.6 and 3.9,
-    compiled offline); the GPU test test_every_dw_tma_config_compiles_and_matches runs them."""
+    best. Each item also pays its pipeline's fill and its tile's store with the tensor cores idle
+    (Triton 3.6's automatic Hopper warp specialization, asked for on either loop, specialized few
+    of these compiles and gained nothing: bench/NOTES.md): as long as 300-400 rows of products,
+    fitted from the measured rates, so about a quarter of an item at 1024 rows per expert; two
+    programs per SM with half the shared memory each, to hide one's store under the other's
+    products, measured slower (bench/NOTES.md). Each config compiles for sm90 within shared
+    memory and without register spills, for either output (dw_sm90_report, a CPU test); the GPU
+    test test_every_dw_tma_config_compiles_and_matches runs them."""
     if INTERPRET:
         shapes = [(16, 16, 16, 1, 1, 2)]
     else:

@@ -441,7 +441,8 @@ def test_every_dw_tma_config_compiles_and_matches(out_dtype, gpu_device, rel_err
         gm_tma.launch_grouped_mm_dw_tma(x, dy, offsets, dw, config=config)
         return rel_err(dw.float(), want)
 
-    failures = config_failures(gm_tma._dw_tma_configs(gpu_device.type, x.dtype), run, 1e-5 if out_dtype == torch.float32 else 1e-2)
+    tolerance = 1e-5 if out_dtype == torch.float32 else 1e-2  # bf16's rounding of the stored values
+    failures = config_failures(gm_tma._dw_tma_configs(gpu_device.type, x.dtype), run, tolerance)
     assert not failures, "\n".join(failures)
 
 
