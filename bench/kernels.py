@@ -359,8 +359,8 @@ def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
     the experts' gradients on their bf16 copies (the step's default) do: what the autotuner
     chose among, and by how much."""
     from kernels.grouped_mm_tma import _dw_tma_configs, launch_grouped_mm_dw_tma
+    configs = named_configs(_dw_tma_configs(device.type, dtype))
     for out_dtype in dict.fromkeys((torch.float32, dtype)):  # once where the input is float32
-        configs = named_configs(_dw_tma_configs(device.type, dtype))
         for gemm, x, dy, offsets, dw in _dw_operands(device, dtype, T, topk_idx, shape):
             (M, K), (E, _, N) = x.shape, dw.shape
             dw = dw.to(out_dtype)

@@ -106,9 +106,11 @@ def bucket(n: int) -> int:
 
 def ptxas_report(compiled) -> str:
     """ptxas's verbose report on the PTX of a kernel compiled for sm90 on this machine (the
-    ptxas Triton itself uses for sm90): its registers and spills, and its performance warnings,
-    e.g. C7514 (wgmmas serialized because other instructions read their accumulator
-    mid-pipeline). The CPU tests read it for every config of the Hopper kernels."""
+    ptxas Triton itself uses for sm90), the lines that matter, each without ptxas's prefix: its
+    registers and spills, its errors, and its performance warnings, e.g. C7514 (wgmmas
+    serialized because other instructions read their accumulator mid-pipeline). The CPU tests
+    read it for every config of the Hopper kernels."""
+    import re
     import subprocess
     import tempfile
 
@@ -119,4 +121,6 @@ def ptxas_report(compiled) -> str:
         ptx.flush()
         run = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", ptx.name, "-o", "/dev/null"],
                              capture_output=True, text=True)
-    return run.stdout + run.stderr
+    lines = (run.stdout + run.stderr).splitlines()
+    return "\n".join(re.sub(r"^ptxas\S*\s+\w+\s*:\s*", "", line.strip()) for line in lines
+                     if any(word in line for word in ("Used", "spill", "C75", "rror", "arning")))

@@ -585,10 +585,8 @@ def sm90_report() -> dict[str, dict]:
     a fresh process: a Triton interpreter run earlier in the same process leaves state that
     breaks Gluon's compiler (the CPU tests call it through a subprocess for that reason)."""
     def summary(compiled) -> dict:
-        lines = [re.sub(r"^ptxas\S*\s+\w+\s*:\s*", "", line.strip()) for line in ptxas_report(compiled).splitlines()
-                 if any(word in line for word in ("Used", "spill", "C75", "rror", "arning"))]
         return {"shared": compiled.metadata.shared, "warp_specialized": "ttg.warp_specialize" in compiled.asm["ttgir"],
-                "wgmma": "wgmma.mma_async" in compiled.asm["ptx"], "ptxas": "\n".join(lines)}
+                "wgmma": "wgmma.mma_async" in compiled.asm["ptx"], "ptxas": ptxas_report(compiled)}
 
     return {f"{name}/{config_name(c)}": summary(compile_for_sm90(config=config_dict(*c), groups=64, **kwargs))
             for c in CONFIGS for name, kwargs in KERNELS.items()}
