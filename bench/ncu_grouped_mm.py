@@ -5,7 +5,11 @@ Nsight Compute's counters (not a timing benchmark: bench/kernels.py times both).
 
     ncu --nvtx --nvtx-include "ours/" --nvtx-include "torch/" \\
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_bytes.sum \\
-        python bench/ncu_grouped_mm.py [--op up|down] [--pass fwd|dw] [--tokens 32768]
+        python bench/ncu_grouped_mm.py [--op up|down] [--pass fwd|dw] [--tokens 32768] [--ws-configs]
+
+--ws-configs (forward, Hopper): also each config of the warp-specialized kernel
+(kernels/grouped_mm_ws.CONFIGS), one range each, "ws-<config>/" (add --nvtx-include "ws-*/" or
+one config's name): the ping-pong and cooperative schedules' bytes side by side.
 
 The question it serves (bench/NOTES.md, twenty-second session): on an H100 our kernels run at
 0.74-1.03x torch._grouped_mm where on an H200 they ran 1.09-1.25x (forward, dx); whether ours moves more bytes
@@ -50,28 +54,48 @@ def main(argv=None) -> None:
     p.add_argument("--pass", dest="pass_", choices=("fwd", "dw"), default="fwd",
                    help="dw: x^T @ dy per group, in the inputs' dtype (the step's bf16 expert gradients)")
     p.add_argument("--tokens", type=int, default=32768, help="tokens per GPU (rows = tokens x top-8)")
+    p.add_argument("--ws-configs", action="store_true",
+                   help="forward: also each config of the warp-specialized kernel, a range each")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     x, w, offsets = operands(args.op, args.tokens, device)
+    extra = {}  # range name -> the product, beside ours and torch's
     if args.pass_ == "fwd":
         ours = lambda: grouped_mm(x, w, offsets)  # noqa: E731
         theirs = lambda: torch._grouped_mm(x, w, offs=offsets)  # noqa: E731
+        if args.ws_configs:
+            extra = ws_ranges(x, w, offsets)
     else:  # dy shaped as the forward's output; the offsets split the reduction dimension
         dy = torch.randn(x.shape[0], w.shape[2], device=device, dtype=x.dtype) / w.shape[2] ** 0.5
         ours = lambda: _launch_grouped_mm_dw(x, dy, offsets, False)  # noqa: E731
         theirs = lambda: torch._grouped_mm(x.t(), dy, offs=offsets)  # noqa: E731
     for _ in range(3):  # autotuning and compiles outside the profiled ranges
         a, b = ours(), theirs()
+        products = {name: fn() for name, fn in extra.items()}
     if device.type == "cuda":
         torch.cuda.synchronize()
-        for name, fn in (("ours", ours), ("torch", theirs)):
+        for name, fn in (("ours", ours), ("torch", theirs), *extra.items()):
             torch.cuda.nvtx.range_push(name)
             fn()
             torch.cuda.nvtx.range_pop()
         torch.cuda.synchronize()
-    print(f"{args.op} {args.pass_} M={x.shape[0]} K={x.shape[1]} N={w.shape[2]} on {device.type}: "
-          f"largest difference {(a.float() - b.float()).abs().max().item():.3g} "
-          f"(|product| up to {b.float().abs().max().item():.3g})")
+    for name, product in (("ours", a), *products.items()):
+        print(f"{args.op} {args.pass_} M={x.shape[0]} K={x.shape[1]} N={w.shape[2]} on {device.type}, {name}: "
+              f"largest difference {(product.float() - b.float()).abs().max().item():.3g} "
+              f"(|product| up to {b.float().abs().max().item():.3g})")
+
+
+def ws_ranges(x, w, offsets) -> dict:
+    """{"ws-<config>": () -> the forward by the warp-specialized kernel with that config}, for
+    each config in kernels/grouped_mm_ws.CONFIGS; {} where the kernel cannot run (it says why)."""
+    from kernels import grouped_mm_ws as ws
+    y = torch.empty(x.shape[0], w.shape[2], device=x.device, dtype=x.dtype)
+    if (reason := ws.ws_unsupported(x, w, y)) is not None:
+        print(f"--ws-configs: skipped, {reason}")
+        return {}
+    return {f"ws-{ws.config_name(c)}": lambda c=c: ws.launch_grouped_mm_ws(x, w, offsets, torch.empty_like(y),
+                                                                         config=ws.config_dict(*c))
+            for c in ws.CONFIGS}
 
 
 if __name__ == "__main__":

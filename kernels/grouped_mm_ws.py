@@ -25,13 +25,17 @@ persistent program per SM holds three partitions:
                 tile's last products and epilogue)
     consumer 0  4 warps (the default partition) and
     consumer 1  4 warps: wgmma from the ring into a float32 accumulator in registers, then
-                their own epilogues, on CUTLASS's ping-pong schedule: each takes every other
-                work item of the program, whole. The ring is filled in item order, so while
-                one consumer runs its epilogue the other runs its products. The mainloops
-                take turns (an order barrier, CUTLASS's ordered barrier): a consumer may wait
-                on a ring position only once every earlier position has been waited on, since
-                an mbarrier's parity cannot tell position p from p - 2 * STAGES, and a consumer
-                that ran ahead would read a stage the loader has not filled.
+                their own epilogues, on one of CUTLASS's two schedules (the config's COOP):
+      ping-pong    each takes every other work item of the program, whole. The ring is filled
+                   in item order, so while one consumer runs its epilogue the other runs its
+                   products. The mainloops take turns (an order barrier, CUTLASS's ordered
+                   barrier): a consumer may wait on a ring position only once every earlier
+                   position has been waited on, since an mbarrier's parity cannot tell position
+                   p from p - 2 * STAGES, and a consumer that ran ahead would read a stage the
+                   loader has not filled.
+      cooperative  both take every item, half its rows each, reading the same w tile of each
+                   stage (which goes back to the loader once both have arrived on its empty
+                   barrier); only the loads run ahead of the epilogues.
 
 The program's item j reads ring positions j*KT .. (j+1)*KT - 1 (KT K blocks per item); items of
 the tail segment (rows past offsets[-1]) are numbered last, need no loads, and are stored as
@@ -111,24 +115,34 @@ def _shape_unsupported(x: Tensor, w: Tensor, y: Tensor, trans_w: bool) -> str | 
     return grouped_mm_tma.tma_layout_unsupported(x, w, y)
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES): the tile and the ring's depth; the first is the default.
-# Shared memory: STAGES * (BM + BN) * BK * 2 bytes of ring and two BM x BN store staging tiles,
-# at most the H200's 227 KB. On one H200 (bench/NOTES.md, eighteenth session) 128 x 128 x 64 with
-# 5 stages was the fastest at every shape measured (8k and 32k tokens, balanced and Zipf, up and
-# down projections, forward and dx), 4 stages 0.3-1 % behind; a 64 x 256 tile and CUTLASS's
-# cooperative schedule (both consumers on every 128 x 256 tile, half its rows each) were 2-18 %
-# behind and are deleted. BLOCK_K is 64 (ws_unsupported's K rule).
-CONFIGS = [(128, 128, 64, 5), (128, 128, 64, 4)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, COOP): the tile, the ring's depth and the schedule; the
+# first is the default. COOP = 0, ping-pong (above). COOP = 1, CUTLASS's cooperative schedule: both
+# consumers on every tile, half its rows each, so a 128 x 256 tile fits (a whole one in one
+# consumer would be 256 accumulator registers a thread) and both share each stage's w tile: 48 KB
+# of ring per 128 x 256 x 64 products where ping-pong's two 128 x 128 items load 64 KB, at the
+# price of epilogues that overlap only the loads, not the other consumer's products.
+# Shared memory: STAGES * (BM + BN) * BK * 2 bytes of ring and two store staging tiles (BM x BN
+# each ping-pong, half that cooperative), at most the H200's 227 KB. On one H200 (bench/NOTES.md,
+# eighteenth session) 128 x 128 x 64 ping-pong with 5 stages was the fastest at every shape
+# measured (8k and 32k tokens, balanced and Zipf, up and down projections, forward and dx), 4
+# stages 0.3-1 % behind, cooperative 128 x 256 x 64 with 3 stages 2-5 % behind; a 64 x 256 tile
+# 12-18 % behind was deleted. On an H100 the ping-pong kernel moves 1.5x CUTLASS's L2 bytes
+# (twenty-second session), which the cooperative tile's shared w tile cuts by a quarter.
+# BLOCK_K is 64 (ws_unsupported's K rule).
+CONFIGS = [(128, 128, 64, 5, 0), (128, 128, 64, 4, 0), (128, 256, 64, 3, 1)]
 SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use (227 KB)
 
 
-def config_dict(block_m: int, block_n: int, block_k: int, stages: int) -> dict:
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages}
+def config_dict(block_m: int, block_n: int, block_k: int, stages: int, coop: int = 0) -> dict:
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "STAGES": stages, "COOP": coop}
 
 
 def config_name(config: tuple) -> str:
-    """"128x128x64x5" for a CONFIGS entry."""
-    return "x".join(map(str, config))
+    """"128x128x64x5" for a CONFIGS entry, "128x256x64x3-coop" for a cooperative one."""
+    return "x".join(map(str, config[:4])) + ("-coop" if config[4:] == (1,) else "")
+
+
+DEFAULT = config_dict(*CONFIGS[0])
 
 
 if gluon is not None:
@@ -169,16 +183,20 @@ if gluon is not None:
         return g, row_start, row_end
 
     @gluon.jit
-    def _ring_products(a_ring, b_ring, ready, empty, acc, pos, blocks, TRANS_B: gl.constexpr):
-        """acc = the sum of A @ B over ``blocks`` ring stages from position ``pos`` (A and B the
-        stage's tiles, B transposed where asked), by wgmma with one product in flight; each stage
-        goes back to the loader once the product reading it is done (an arrival on its empty
-        barrier). blocks = 0: acc unchanged."""
+    def _ring_products(a_ring, b_ring, ready, empty, acc, pos, blocks, A_ROW0: gl.constexpr,
+                       TRANS_B: gl.constexpr):
+        """acc = the sum of A @ B over ``blocks`` ring stages from position ``pos`` (A the rows
+        A_ROW0 + [0, acc's rows) of the stage's A tile, B its B tile, transposed where asked), by
+        wgmma with one product in flight; each stage goes back to the loader once the product
+        reading it is done (an arrival on its empty barrier). blocks = 0: acc unchanged."""
         STAGES: gl.constexpr = a_ring.type.shape[0]
+        A_ROWS: gl.constexpr = acc.type.shape[0]
         for b in range(blocks):
             s = pos % STAGES
             mbarrier.wait(ready.index(s), pos // STAGES & 1)
             a = a_ring.index(s)
+            if A_ROWS < a_ring.type.shape[1]:  # the cooperative schedule: this consumer's rows
+                a = a.slice(A_ROW0, A_ROWS)
             w = b_ring.index(s)
             if TRANS_B:
                 w = w.permute((1, 0))
@@ -254,26 +272,33 @@ if gluon is not None:
     def _consumer(x_desc, w_desc, y_desc, out_desc, x_ring, w_ring, ready, empty, order, y_stage, y_ptr, stride_ym,
                   out_ptr, stride_om, rw_ptr, partial_ptr, offsets_ptr, M, N, K, G, WHICH: gl.constexpr,
                   SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, EPILOGUE: gl.constexpr, HAS_WEIGHT: gl.constexpr,
-                  layout: gl.constexpr):
-        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+                  COOP: gl.constexpr, layout: gl.constexpr):
+        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]  # the tile's rows
+        ROWS: gl.constexpr = y_stage.type.shape[0]  # this consumer's rows of it
         BLOCK_N: gl.constexpr = y_stage.type.shape[1]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+        FIRST: gl.constexpr = _schedule(COOP, WHICH, ROWS)[0]
+        STEP: gl.constexpr = _schedule(COOP, WHICH, ROWS)[1]
+        ROW0: gl.constexpr = _schedule(COOP, WHICH, ROWS)[2]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_WARPS, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         seg, starts, ends, tiles, tiles_end = _segment_tiles(offsets_ptr, M, G, SEGMENTS, BLOCK_M, layout)
         num_n = gl.cdiv(N, BLOCK_N)
         work = gl.reduce(tiles, 0, _add) * num_n
         k_blocks = gl.cdiv(K, BLOCK_K)
-        j = WHICH  # the item's rank among this program's items: every other one, from WHICH
-        for item in range(gl.program_id(0) + WHICH * gl.num_programs(0), work, 2 * gl.num_programs(0)):
+        j = FIRST  # the item's rank among this program's items
+        for item in range(gl.program_id(0) + FIRST * gl.num_programs(0), work, STEP * gl.num_programs(0)):
             tile = item // num_n
             n0 = item % num_n * BLOCK_N
             g, row_start, row_end = _locate_tile(tile, seg, starts, ends, tiles, tiles_end, BLOCK_M)
-            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-            _wait_turn(order, j, WHICH)
+            acc = gl.zeros([ROWS, BLOCK_N], gl.float32, acc_layout)
+            if not COOP:
+                _wait_turn(order, j, WHICH)
             if g < G:
-                acc = _ring_products(x_ring, w_ring, ready, empty, acc, j * k_blocks, k_blocks, TRANS_W)
-            _pass_turn(order, WHICH)
+                acc = _ring_products(x_ring, w_ring, ready, empty, acc, j * k_blocks, k_blocks, ROW0, TRANS_W)
+            if not COOP:
+                _pass_turn(order, WHICH)
+            row_start += ROW0  # past row_end (the second half of a group's last tile): nothing stored
             # Every epilogue reads the accumulator through y_stage, so it has one reader: a second
             # (masked pointer stores straight from it) makes ptxas serialize the wgmmas (C7514).
             tma.store_wait(pendings=0)  # this consumer's last store has left y_stage
@@ -286,8 +311,15 @@ if gluon is not None:
                                           num_n, row_start, row_end, n0, N, HAS_WEIGHT)
             else:
                 _store_tile(y_desc, y_stage, y_ptr, stride_ym, row_start, row_end, n0, N)
-            j += 2
+            j += STEP
         tma.store_wait(pendings=0)
+
+    @gluon.constexpr_function
+    def _schedule(coop, which, rows):
+        """(first item, in programs; item step, in programs; first row of the tile) of consumer
+        ``which``: ping-pong, every other item from its own, whole; cooperative, every item, its
+        half of the rows."""
+        return (0, 1, which * rows) if coop else (which, 2, 0)
 
     @gluon.jit
     def _store_tile(y_desc, y_stage, y_ptr, stride_ym, row_start, row_end, n0, N):
@@ -391,8 +423,10 @@ if gluon is not None:
     def _grouped_mm_ws_kernel(x_desc, w_desc, y_desc, out_desc, y_ptr, out_ptr, rw_ptr, partial_ptr, offsets_ptr,
                               M, N, K, G, stride_ym, stride_om, SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr,
                               EPILOGUE: gl.constexpr, HAS_WEIGHT: gl.constexpr, STAGES: gl.constexpr,
-                              BLOCK_N: gl.constexpr, W_TILE_LAYOUT: gl.constexpr, Y_TILE_LAYOUT: gl.constexpr):
+                              BLOCK_N: gl.constexpr, COOP: gl.constexpr, W_TILE_LAYOUT: gl.constexpr,
+                              Y_TILE_LAYOUT: gl.constexpr):
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+        ROWS: gl.constexpr = BLOCK_M // (1 + COOP)  # one consumer's rows of a tile
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
         W_TILE: gl.constexpr = [BLOCK_N, BLOCK_K] if TRANS_W else [BLOCK_K, BLOCK_N]
         x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
@@ -401,19 +435,19 @@ if gluon is not None:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1)
-        order = _order_barriers()
-        stage0 = gl.allocate_shared_memory(y_desc.dtype, [BLOCK_M, BLOCK_N], Y_TILE_LAYOUT)
-        stage1 = gl.allocate_shared_memory(y_desc.dtype, [BLOCK_M, BLOCK_N], Y_TILE_LAYOUT)
+            mbarrier.init(empty.index(s), count=1 + COOP)  # cooperative: both consumers read each stage
+        order = _order_barriers()  # unused by the cooperative schedule
+        stage0 = gl.allocate_shared_memory(y_desc.dtype, [ROWS, BLOCK_N], Y_TILE_LAYOUT)
+        stage1 = gl.allocate_shared_memory(y_desc.dtype, [ROWS, BLOCK_N], Y_TILE_LAYOUT)
         lanes: gl.constexpr = gl.BlockedLayout([1], [32], [_WARPS], [0])
         loader_lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         gl.warp_specialize([
             (_consumer, (x_desc, w_desc, y_desc, out_desc, x_ring, w_ring, ready, empty, order, stage0, y_ptr,
                          stride_ym, out_ptr, stride_om, rw_ptr, partial_ptr, offsets_ptr, M, N, K, G, 0, SEGMENTS,
-                         TRANS_W, EPILOGUE, HAS_WEIGHT, lanes)),
+                         TRANS_W, EPILOGUE, HAS_WEIGHT, COOP, lanes)),
             (_consumer, (x_desc, w_desc, y_desc, out_desc, x_ring, w_ring, ready, empty, order, stage1, y_ptr,
                          stride_ym, out_ptr, stride_om, rw_ptr, partial_ptr, offsets_ptr, M, N, K, G, 1, SEGMENTS,
-                         TRANS_W, EPILOGUE, HAS_WEIGHT, lanes)),
+                         TRANS_W, EPILOGUE, HAS_WEIGHT, COOP, lanes)),
             (_loader, (x_desc, w_desc, x_ring, w_ring, ready, empty, offsets_ptr, M, N, K, G,
                        SEGMENTS, TRANS_W, EPILOGUE, loader_lanes)),
         ], [_WARPS, 1], [_CONSUMER_REGISTERS, _LOADER_REGISTERS])
@@ -421,25 +455,29 @@ if gluon is not None:
 
 def _layouts(dtype, cfg: dict, trans_w: bool, swiglu: bool = False):
     """((block, NVMMA shared layout) of x's, w's and y's descriptors, the layout of a w ring
-    tile, the layout of a y staging tile): the swizzle TMA and wgmma share. With ``swiglu`` w's
-    and y's blocks are half a tile wide (the gate's columns and the up's, loaded and stored apart)."""
+    tile, the layout of a y staging tile): the swizzle TMA and wgmma share. y's block and the
+    staging tile are one consumer's rows: half the tile's under the cooperative schedule. With
+    ``swiglu`` w's and y's blocks are half a tile wide (the gate's columns and the up's, loaded
+    and stored apart)."""
     gdt = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    rows = bm // 2 if cfg["COOP"] else bm
     w_tile = [bn, bk] if trans_w else [bk, bn]
-    blocks = ([bm, bk], [bk, bn // 2] if swiglu else w_tile, [bm, bn // 2] if swiglu else [bm, bn])
+    blocks = ([bm, bk], [bk, bn // 2] if swiglu else w_tile, [rows, bn // 2] if swiglu else [rows, bn])
 
     def layout(block):
         return gl.NVMMASharedLayout.get_default_for(block, gdt)
-    return [(block, layout(block)) for block in blocks], layout(w_tile), layout([bm, bn])
+    return [(block, layout(block)) for block in blocks], layout(w_tile), layout([rows, bn])
 
 
-def swiglu_unsupported(x: Tensor, w: Tensor, h: Tensor, out: Tensor, row_weight: Tensor | None) -> str | None:
+def swiglu_unsupported(x: Tensor, w: Tensor, h: Tensor, out: Tensor, row_weight: Tensor | None,
+                       config: dict | None = None) -> str | None:
     """Why the forward cannot also write out = silu(gate) * up (times row_weight) beside
-    h = x @ w[g] (launch_grouped_mm_ws's ``swiglu_out``), or None."""
+    h = x @ w[g] (launch_grouped_mm_ws's ``swiglu_out``, with ``config``: None, the default), or None."""
     if reason := ws_unsupported(x, w, h):
         return reason
     F = h.shape[1] // 2
-    half = CONFIGS[0][1] // 2
+    half = (config or DEFAULT)["BLOCK_N"] // 2
     if h.shape[1] % 2 or F % half:
         return f"the fused SwiGLU needs a gate and an up of whole {half}-column blocks, got h of {h.shape[1]} columns"
     if out.shape != (h.shape[0], F) or out.dtype != h.dtype:
@@ -449,18 +487,19 @@ def swiglu_unsupported(x: Tensor, w: Tensor, h: Tensor, out: Tensor, row_weight:
     return grouped_mm_tma.tma_unaligned(out=out)
 
 
-def swiglu_backward_unsupported(dy: Tensor, w: Tensor, h: Tensor, dh: Tensor,
-                                row_weight: Tensor | None) -> str | None:
+def swiglu_backward_unsupported(dy: Tensor, w: Tensor, h: Tensor, dh: Tensor, row_weight: Tensor | None,
+                                config: dict | None = None) -> str | None:
     """Why dx = dy @ w[g]^T (w (G, H, N): the down projection's weights) cannot run with the
-    SwiGLU's backward in its epilogue (launch_grouped_mm_ws_swiglu_backward), or None."""
-    H = w.shape[1]
+    SwiGLU's backward in its epilogue (launch_grouped_mm_ws_swiglu_backward, with ``config``:
+    None, the default), or None."""
+    H, block_n = w.shape[1], (config or DEFAULT)["BLOCK_N"]
     if h.shape != (dy.shape[0], 2 * H) or dh.shape != h.shape or h.dtype != dy.dtype or dh.dtype != dy.dtype:
         return (f"h and dh must be ({dy.shape[0]}, {2 * H}) in {dy.dtype}, got {tuple(h.shape)} {h.dtype} "
                 f"and {tuple(dh.shape)} {dh.dtype}")
     if h.stride(1) != 1 or dh.stride(1) != 1:
         return "h and dh need contiguous rows"
-    if H % CONFIGS[0][1]:
-        return f"the SwiGLU's backward in dx needs whole {CONFIGS[0][1]}-column tiles of H, got H = {H}"
+    if H % block_n:
+        return f"the SwiGLU's backward in dx needs whole {block_n}-column tiles of H, got H = {H}"
     if row_weight is not None and (row_weight.shape != (dy.shape[0],) or row_weight.stride(0) != 1):
         return f"row_weight must be a contiguous ({dy.shape[0]},) vector, got {tuple(row_weight.shape)}"
     return ws_unsupported(dy, w, h[:, :H], trans_w=True)  # the product's output: (M, H) like h's gate
@@ -470,8 +509,8 @@ def launch_grouped_mm_ws(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *, tr
                          config: dict | None = None, swiglu_out: Tensor | None = None,
                          row_weight: Tensor | None = None) -> Tensor:
     """Fill y (M, N) with the grouped product; w is (G, K, N), or (G, N, K) with trans_w. The
-    caller checks ws_unsupported first. config: {"BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES"}
-    (config_dict); None: the first of CONFIGS, the fastest measured (bench/kernels.py --ws).
+    caller checks ws_unsupported first. config: {"BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "COOP"}
+    (config_dict); None: DEFAULT, the first of CONFIGS, the fastest measured (bench/kernels.py --ws).
 
     swiglu_out (M, N / 2), forward only (the caller checks swiglu_unsupported): y is the up
     projection's h = [gate | up], and the epilogue also writes swiglu_out = silu(gate) * up,
@@ -494,13 +533,13 @@ def launch_grouped_mm_ws_swiglu_backward(dy: Tensor, w: Tensor, offsets: Tensor,
     stores it, but never stored) and out = silu(gate) * up * row_weight the forward's, fill
     dh (M, 2H) = d out / d h (the swiglu backward kernel's formulas on the same values) and
     return d out / d row_weight (float32, (M,); summed from one float32 partial per row and
-    128-column tile, in a fixed order), or None without row weights. The caller checks
+    BLOCK_N-column tile, in a fixed order), or None without row weights. The caller checks
     swiglu_backward_unsupported first. Rows past offsets[-1] get zero dh (and weight gradient)."""
     M, H = dy.shape[0], w.shape[1]
     if offsets.shape[0] == 0 or M == 0:  # no group: da is zero, and so is everything made of it
         dh.zero_()
         return None if row_weight is None else torch.zeros(M, device=dy.device, dtype=torch.float32)
-    cfg = config or config_dict(*CONFIGS[0])
+    cfg = config or DEFAULT
     partials = None
     if row_weight is not None:
         partials = torch.empty(M, triton.cdiv(H, cfg["BLOCK_N"]), device=dy.device, dtype=torch.float32)
@@ -519,7 +558,7 @@ def _launch(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, N: int, trans_w: b
     if G == 0:  # every row is past offsets[-1]; a descriptor of w needs at least one row
         y.zero_()
         return
-    cfg = config or config_dict(*CONFIGS[0])
+    cfg = config or DEFAULT
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     swiglu = epilogue == _SWIGLU
     ((xb, xl), (wb, wl), (yb, yl)), w_tile_layout, y_tile_layout = _layouts(x.dtype, cfg, trans_w, swiglu)
@@ -536,7 +575,8 @@ def _launch(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, N: int, trans_w: b
                                     rw if partials is None else partials, offsets, M, N, K, G, y.stride(0),
                                     out.stride(0), SEGMENTS=triton.next_power_of_2(G + 1), TRANS_W=trans_w,
                                     EPILOGUE=epilogue, HAS_WEIGHT=row_weight is not None, STAGES=cfg["STAGES"],
-                                    BLOCK_N=bn, W_TILE_LAYOUT=w_tile_layout, Y_TILE_LAYOUT=y_tile_layout,
+                                    BLOCK_N=bn, COOP=cfg["COOP"], W_TILE_LAYOUT=w_tile_layout,
+                                    Y_TILE_LAYOUT=y_tile_layout,
                                     num_warps=CONSUMER_WARPS, maxnreg=MAX_REGISTERS)
 
 
@@ -558,7 +598,7 @@ def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, *, trans_w: bool = Fal
     PTX and cubin, its .metadata the shared memory): the CPU tests check what can be checked
     before a GPU runs it (shared memory, the partitions, ptxas_report). ``epilogue``: "store",
     "swiglu" (the forward's, with row weights) or "swiglu_backward" (dx's, with row weights)."""
-    cfg = config or config_dict(*CONFIGS[0])
+    cfg = config or DEFAULT
     mode = {"store": _STORE, "swiglu": _SWIGLU, "swiglu_backward": _SWIGLU_BACKWARD}[epilogue]
     ((xb, xl), (wb, wl), (yb, yl)), w_tile_layout, y_tile_layout = _layouts(dtype, cfg, trans_w, mode == _SWIGLU)
     ty = "bf16" if dtype == torch.bfloat16 else "fp16"
@@ -569,7 +609,7 @@ def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, *, trans_w: bool = Fal
                  "partial_ptr": "*fp32" if weighted else f"*{ty}", "offsets_ptr": "*i32", "M": "i32", "N": "i32",
                  "K": "i32", "G": "i32", "stride_ym": "i32", "stride_om": "i32"}
     constexprs = {"SEGMENTS": triton.next_power_of_2(groups + 1), "TRANS_W": trans_w, "EPILOGUE": mode,
-                  "HAS_WEIGHT": weighted, "STAGES": cfg["STAGES"], "BLOCK_N": cfg["BLOCK_N"],
+                  "HAS_WEIGHT": weighted, "STAGES": cfg["STAGES"], "BLOCK_N": cfg["BLOCK_N"], "COOP": cfg["COOP"],
                   "W_TILE_LAYOUT": w_tile_layout, "Y_TILE_LAYOUT": y_tile_layout}
     return _compile_sm90(_grouped_mm_ws_kernel, signature, constexprs)
 

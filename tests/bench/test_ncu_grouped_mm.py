@@ -23,3 +23,13 @@ def test_both_products_agree_on_the_cpu(pass_, capsys):
     ncu_grouped_mm.main(["--op", "down", "--pass", pass_])
     out = capsys.readouterr().out
     assert "on cpu" in out and float(out.split("largest difference ")[1].split()[0]) < 1e-4
+
+
+def test_ws_configs_say_why_they_are_skipped_without_hopper(capsys):
+    """--ws-configs on a machine without Hopper: a line saying why, and the run goes on."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels' CPU checks need TRITON_INTERPRET=1")
+    ncu_grouped_mm.main(["--op", "down", "--ws-configs"])
+    out = capsys.readouterr().out
+    assert "--ws-configs: skipped" in out and ", ours: largest difference" in out

@@ -40,6 +40,17 @@ def test_tma_probe_turns_the_warp_specialized_kernel_down():
         assert gm.ws_unsupported is real
 
 
+def test_ws_coop_probe_makes_a_cooperative_config_the_kernels_default():
+    ws = importlib.import_module("kernels.grouped_mm_ws")
+    real = ws.DEFAULT
+    assert not real["COOP"]
+    with probes.applied("7b8l-default~ws-coop"):
+        assert ws.DEFAULT["COOP"] == 1 and ws.DEFAULT["BLOCK_N"] == 256
+        assert "whole 256-column" in ws.swiglu_backward_unsupported(  # the launchers' rules follow it
+            torch.zeros(8, 64), torch.zeros(2, 128, 64), torch.zeros(8, 256), torch.zeros(8, 256), None)
+    assert ws.DEFAULT is real
+
+
 def test_programs_probe_caps_every_launchers_programs():
     tma = importlib.import_module("kernels.grouped_mm_tma")
     cpu = torch.device("cpu")

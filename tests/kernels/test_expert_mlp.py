@@ -171,28 +171,38 @@ def test_says_why_it_cannot_fuse(monkeypatch):
                                                                 h[:, :128].clone(), None)
     assert "h and dh must be" in ws.swiglu_backward_unsupported(dy, w_down, h.float(), h.clone(), None)
     assert "row_weight" in ws.swiglu_backward_unsupported(dy, w_down, h, h.clone(), torch.ones(3))
+    coop = ws.config_dict(128, 256, 64, 3, 1)  # the rules follow the config's tile: 256 columns
+    assert ws.swiglu_unsupported(x, w, h, out, None, coop) is None
+    assert "whole 128-column" in ws.swiglu_unsupported(x, w[:, :, :192].contiguous(), h[:, :192].contiguous(),
+                                                       out[:, :96].contiguous(), None, coop)
+    assert "whole 256-column" in ws.swiglu_backward_unsupported(dy, w_down, h, h.clone(), None, coop)
 
 
 # --------------------------------------------------------------------------- on a Hopper GPU
+WS_CONFIGS = pytest.mark.parametrize("config", [ws.config_dict(*c) for c in ws.CONFIGS],
+                                     ids=[ws.config_name(c) for c in ws.CONFIGS])
+
+
 @pytest.mark.gpu
+@WS_CONFIGS
 @pytest.mark.parametrize("weighted", [True, False], ids=["row weights", "no row weights"])
 @pytest.mark.parametrize("programs", [3, None], ids=["3 programs", "one per SM"])
-def test_fused_epilogue_gives_the_pairs_bits_on_hopper(weighted, programs, gpu_device, monkeypatch):
+def test_fused_epilogue_gives_the_pairs_bits_on_hopper(weighted, programs, config, gpu_device, monkeypatch):
     """The fused kernel's h and out against the two kernels', bit for bit, on odd shapes (rows
     per group not multiples of 128, empty groups, a tail past offsets[-1] whose h and out must
-    come out zero: both start as NaN)."""
+    come out zero: both start as NaN), with each config of the warp-specialized kernel."""
     sizes = [0, 3000, 1, 0, 5170, 640, 1290, 0, 77] if programs is None else [0, 300, 1, 0, 517, 64, 129, 0]
-    x, w, _, offsets, row_weight, _ = inputs(sizes, 7, 192, 192, 64, gpu_device, torch.bfloat16)
+    x, w, _, offsets, row_weight, _ = inputs(sizes, 7, 192, 256, 64, gpu_device, torch.bfloat16)
     x, w, rw = x.detach(), w.detach(), row_weight.detach() if weighted else None
     h = torch.full((x.shape[0], w.shape[2]), float("nan"), device=gpu_device, dtype=x.dtype)
     out = torch.full((x.shape[0], w.shape[2] // 2), float("nan"), device=gpu_device, dtype=x.dtype)
-    if (reason := ws.swiglu_unsupported(x, w, h, out, rw)) is not None:
+    if (reason := ws.swiglu_unsupported(x, w, h, out, rw, config)) is not None:
         pytest.skip(reason)
     if programs is not None:
         monkeypatch.setattr(gm_tma, "_num_programs", lambda device: programs)
-    ws.launch_grouped_mm_ws(x, w, offsets, h, swiglu_out=out, row_weight=rw)
+    ws.launch_grouped_mm_ws(x, w, offsets, h, swiglu_out=out, row_weight=rw, config=config)
     want_h = torch.full_like(h, float("nan"))
-    ws.launch_grouped_mm_ws(x, w, offsets, want_h)
+    ws.launch_grouped_mm_ws(x, w, offsets, want_h, config=config)
     want_out = swiglu(want_h, row_weight=rw)
     assert torch.equal(h, want_h)
     assert torch.equal(out, want_out)
@@ -201,9 +211,11 @@ def test_fused_epilogue_gives_the_pairs_bits_on_hopper(weighted, programs, gpu_d
 
 
 @pytest.mark.gpu
+@WS_CONFIGS
 @pytest.mark.parametrize("weighted", [True, False], ids=["row weights", "no row weights"])
 @pytest.mark.parametrize("programs", [3, None], ids=["3 programs", "one per SM"])
-def test_fused_backward_epilogue_gives_the_pairs_bits_on_hopper(weighted, programs, gpu_device, monkeypatch):
+def test_fused_backward_epilogue_gives_the_pairs_bits_on_hopper(weighted, programs, config, gpu_device,
+                                                                monkeypatch):
     """dx of the down projection with the SwiGLU's backward in its epilogue against the dx
     kernel then the swiglu backward kernel: dh bit for bit (the same 16-bit da into the same
     formulas), the row weights' gradient to float32 rounding (summed in another order), on odd
@@ -220,13 +232,13 @@ def test_fused_backward_epilogue_gives_the_pairs_bits_on_hopper(weighted, progra
     h[int(offsets[-1]):] = 0  # as the forward leaves it
     rw = torch.rand(dy.shape[0], generator=gen).to(gpu_device) if weighted else None
     dh = torch.full_like(h, float("nan"))
-    if (reason := ws.swiglu_backward_unsupported(dy, w, h, dh, rw)) is not None:
+    if (reason := ws.swiglu_backward_unsupported(dy, w, h, dh, rw, config)) is not None:
         pytest.skip(reason)
     if programs is not None:
         monkeypatch.setattr(gm_tma, "_num_programs", lambda device: programs)
-    drw = ws.launch_grouped_mm_ws_swiglu_backward(dy, w, offsets, h, dh, rw)
+    drw = ws.launch_grouped_mm_ws_swiglu_backward(dy, w, offsets, h, dh, rw, config=config)
     da = torch.full((dy.shape[0], H), float("nan"), device=gpu_device, dtype=dy.dtype)
-    ws.launch_grouped_mm_ws(dy, w, offsets, da, trans_w=True)
+    ws.launch_grouped_mm_ws(dy, w, offsets, da, trans_w=True, config=config)
     if weighted:
         want_dh, want_drw = _launch_swiglu_weighted_bwd(h, rw, da)
         torch.testing.assert_close(drw, want_drw, rtol=1e-5, atol=1e-5)
