@@ -23,10 +23,9 @@ and moved the 8 x 8 step by 0.2 %. Three explanations, one probe or reading each
   programs-N    our persistent GEMM kernels (forward, dx, dW) on at most N programs, one per SM:
                 the other SMs stay free for the update beside them (the H200 has 132)
   update-after  the update after the backward, not beside the next forward
-  ws-coop       the warp-specialized kernel's first cooperative config (kernels/grouped_mm_ws.CONFIGS)
-                as its default: 128 x 256 tiles sharing each stage's w tile (twenty-third session:
-                whether the quarter fewer L2 bytes move the step where bench/kernels.py says they
-                move the GEMMs)
+  ws-pingpong   the warp-specialized kernel's ping-pong config (kernels/grouped_mm_ws.CONFIGS) at
+                every shape instead of the cooperative default: the H200's step at micro-batch 2
+                and 4, where ping-pong's kernels measured 2-4 % faster (twenty-third session)
 """
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ PROBES = {
     "tma": "the forward and dx by the TMA kernel where the warp-specialized one would run",
     "programs-N": "our persistent GEMM kernels on at most N programs",
     "update-after": "the update after the backward, not beside the next forward",
-    "ws-coop": "the warp-specialized kernel's first cooperative config as its default",
+    "ws-pingpong": "the warp-specialized kernel's ping-pong config at every shape",
 }
 
 
@@ -107,9 +106,9 @@ def _patches(probe: str) -> list:
         # measure_steps holds its own name for it; profile_step imports it at each call
         return [mock.patch.object(execution, "plan_execution", plan_execution),
                 mock.patch.object(importlib.import_module("optimus_core.train.measure"), "plan_execution", plan_execution)]
-    if probe == "ws-coop":
-        ws = importlib.import_module("kernels.grouped_mm_ws")  # its launchers read DEFAULT at each call
-        coop = next(c for c in ws.CONFIGS if c[4])
-        return [mock.patch.object(ws, "DEFAULT", ws.config_dict(*coop))]
+    if probe == "ws-pingpong":
+        ws = importlib.import_module("kernels.grouped_mm_ws")  # its launchers call default_config at each launch
+        pingpong = ws.config_dict(*next(c for c in ws.CONFIGS if not c[4]))
+        return [mock.patch.object(ws, "default_config", lambda n: pingpong)]
     raise AssertionError(probe)  # split() admits no other
 

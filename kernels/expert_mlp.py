@@ -12,9 +12,10 @@ out-features, G groups.
 What differs is where the SwiGLU runs, with the triton backend on Hopper (kernels.grouped_mm_ws):
 - forward: the up projection's epilogue writes h = x @ w_up[g], which the backward needs, and
   out = silu(gate) * up * row_weight from the same 16-bit values (``swiglu_out``). Each work item
-  loads the gate's columns c + [0, 64) and the up's H + c + [0, 64) into one 128-column tile, so
-  one accumulator holds both halves of its outputs. The swiglu pass (read h, write out: 6 bytes
-  a row and hidden feature) gives way to the epilogue's store of out (2).
+  loads the gate's columns c + [0, B/2) and the up's H + c + [0, B/2) into one B-column tile (B
+  the kernel's tile width, grouped_mm_ws.default_config), so one accumulator holds both halves
+  of its outputs. The swiglu pass (read h, write out: 6 bytes a row and hidden feature) gives
+  way to the epilogue's store of out (2).
 - backward: the down projection's dx epilogue takes its tile of d out (rounded to 16 bits, as
   the dx kernel stores it, but never stored), reads h's gate and up and writes dh and each row's
   share of the row weights' gradient (``launch_grouped_mm_ws_swiglu_backward``): d out's store

@@ -82,7 +82,7 @@ except (ImportError, AttributeError):  # no Triton, or one without Gluon's Hoppe
 # these kernels are written to 3.6's, run on a GPU under 3.6 and compiled on the CPU under 3.9.
 MIN_TRITON = (3, 6)
 
-CONSUMER_WARPS = 4  # one warpgroup: its 128 threads hold a 128 x 128 float32 accumulator in 128 registers each
+CONSUMER_WARPS = 4  # one warpgroup: 128 threads, a 128 x 128 (or 64 x 256) float32 accumulator in 128 registers each
 LOADER_REGISTERS = 40  # scalar TMA issue plus the SEGMENTS-lane work numbering, over 32 lanes
 CONSUMER_REGISTERS = 232  # what is left of the SM's 64K for the two consumer warpgroups
 MAX_REGISTERS = 168  # per thread at launch, over 3 warpgroups; setmaxnreg then moves them as above
@@ -115,21 +115,20 @@ def _shape_unsupported(x: Tensor, w: Tensor, y: Tensor, trans_w: bool) -> str | 
     return grouped_mm_tma.tma_layout_unsupported(x, w, y)
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, COOP): the tile, the ring's depth and the schedule; the
-# first is the default. COOP = 0, ping-pong (above). COOP = 1, CUTLASS's cooperative schedule: both
-# consumers on every tile, half its rows each, so a 128 x 256 tile fits (a whole one in one
-# consumer would be 256 accumulator registers a thread) and both share each stage's w tile: 48 KB
-# of ring per 128 x 256 x 64 products where ping-pong's two 128 x 128 items load 64 KB, at the
-# price of epilogues that overlap only the loads, not the other consumer's products.
-# Shared memory: STAGES * (BM + BN) * BK * 2 bytes of ring and two store staging tiles (BM x BN
-# each ping-pong, half that cooperative), at most the H200's 227 KB. On one H200 (bench/NOTES.md,
-# eighteenth session) 128 x 128 x 64 ping-pong with 5 stages was the fastest at every shape
-# measured (8k and 32k tokens, balanced and Zipf, up and down projections, forward and dx), 4
-# stages 0.3-1 % behind, cooperative 128 x 256 x 64 with 3 stages 2-5 % behind; a 64 x 256 tile
-# 12-18 % behind was deleted. On an H100 the ping-pong kernel moves 1.5x CUTLASS's L2 bytes
-# (twenty-second session), which the cooperative tile's shared w tile cuts by a quarter.
-# BLOCK_K is 64 (ws_unsupported's K rule).
-CONFIGS = [(128, 128, 64, 5, 0), (128, 128, 64, 4, 0), (128, 256, 64, 3, 1)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, COOP): the tile, the ring's depth and the schedule.
+# COOP = 0, ping-pong (above). COOP = 1, CUTLASS's cooperative schedule: both consumers on every
+# tile, half its rows each, so a 128 x 256 tile fits (a whole one in one consumer would be 256
+# accumulator registers a thread) and both read each stage's w tile: 48 KB of ring per
+# 128 x 256 x 64 products where ping-pong's two 128 x 128 items load 64 KB, and one item in flight
+# per SM instead of two, at the price of epilogues that overlap only the loads. Shared memory:
+# STAGES * (BM + BN) * BK * 2 bytes of ring and two store staging tiles (BM x BN each ping-pong,
+# half that cooperative), at most 227 KB. BLOCK_K is 64 (ws_unsupported's K rule).
+# Measured (bench/NOTES.md, twenty-third session): on an H100 the cooperative tile is the fastest
+# at every shape, by up to 1.4x on the up projection (it moves 38 % fewer L2 bytes), and the
+# step 4-6 % faster; on an H200 it trails ping-pong by 2-4 % on the kernels alone and is level
+# in the step. Deleted: ping-pong with 5 stages (the H200's best by 0-2 %, the H100's worst),
+# a 64 x 256 ping-pong tile and a cooperative 128 x 128 one.
+CONFIGS = [(128, 256, 64, 3, 1), (128, 128, 64, 4, 0)]
 SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use (227 KB)
 
 
@@ -138,11 +137,17 @@ def config_dict(block_m: int, block_n: int, block_k: int, stages: int, coop: int
 
 
 def config_name(config: tuple) -> str:
-    """"128x128x64x5" for a CONFIGS entry, "128x256x64x3-coop" for a cooperative one."""
+    """"128x128x64x4" for a CONFIGS entry, "128x256x64x3-coop" for a cooperative one."""
     return "x".join(map(str, config[:4])) + ("-coop" if config[4:] == (1,) else "")
 
 
-DEFAULT = config_dict(*CONFIGS[0])
+def default_config(n: int) -> dict:
+    """The config for a product of ``n`` output columns when the caller names none: the
+    cooperative 128 x 256 tile (CONFIGS[0], the fastest measured), except where n is a multiple of
+    128 and not of 256 (mula-220b-a10b's expert hidden size, 1152), where its last column tile
+    would compute 128 columns of nothing in every row tile and the SwiGLU backward's fused
+    epilogue, which needs whole tiles, could not run: there the 128-column ping-pong tile."""
+    return config_dict(*CONFIGS[1 if n % 256 == 128 else 0])
 
 
 if gluon is not None:
@@ -392,7 +397,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = da_stage.type.shape[0]
         BLOCK_N: gl.constexpr = da_stage.type.shape[1]
         # 16 columns at a time, two threads a row: each access one 32-byte sector. 32 at a time
-        # spill (ptxas), and so does a column mask: hence whole 128-column tiles only.
+        # spill (ptxas), and so does a column mask: hence whole column tiles only.
         CHUNK: gl.constexpr = 16
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [_WARPS, 1], [1, 0])
         rows = row_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
@@ -477,7 +482,7 @@ def swiglu_unsupported(x: Tensor, w: Tensor, h: Tensor, out: Tensor, row_weight:
     if reason := ws_unsupported(x, w, h):
         return reason
     F = h.shape[1] // 2
-    half = (config or DEFAULT)["BLOCK_N"] // 2
+    half = (config or default_config(h.shape[1]))["BLOCK_N"] // 2
     if h.shape[1] % 2 or F % half:
         return f"the fused SwiGLU needs a gate and an up of whole {half}-column blocks, got h of {h.shape[1]} columns"
     if out.shape != (h.shape[0], F) or out.dtype != h.dtype:
@@ -492,7 +497,8 @@ def swiglu_backward_unsupported(dy: Tensor, w: Tensor, h: Tensor, dh: Tensor, ro
     """Why dx = dy @ w[g]^T (w (G, H, N): the down projection's weights) cannot run with the
     SwiGLU's backward in its epilogue (launch_grouped_mm_ws_swiglu_backward, with ``config``:
     None, the default), or None."""
-    H, block_n = w.shape[1], (config or DEFAULT)["BLOCK_N"]
+    H = w.shape[1]
+    block_n = (config or default_config(H))["BLOCK_N"]
     if h.shape != (dy.shape[0], 2 * H) or dh.shape != h.shape or h.dtype != dy.dtype or dh.dtype != dy.dtype:
         return (f"h and dh must be ({dy.shape[0]}, {2 * H}) in {dy.dtype}, got {tuple(h.shape)} {h.dtype} "
                 f"and {tuple(dh.shape)} {dh.dtype}")
@@ -510,7 +516,7 @@ def launch_grouped_mm_ws(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, *, tr
                          row_weight: Tensor | None = None) -> Tensor:
     """Fill y (M, N) with the grouped product; w is (G, K, N), or (G, N, K) with trans_w. The
     caller checks ws_unsupported first. config: {"BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "COOP"}
-    (config_dict); None: DEFAULT, the first of CONFIGS, the fastest measured (bench/kernels.py --ws).
+    (config_dict); None: default_config(N).
 
     swiglu_out (M, N / 2), forward only (the caller checks swiglu_unsupported): y is the up
     projection's h = [gate | up], and the epilogue also writes swiglu_out = silu(gate) * up,
@@ -539,7 +545,7 @@ def launch_grouped_mm_ws_swiglu_backward(dy: Tensor, w: Tensor, offsets: Tensor,
     if offsets.shape[0] == 0 or M == 0:  # no group: da is zero, and so is everything made of it
         dh.zero_()
         return None if row_weight is None else torch.zeros(M, device=dy.device, dtype=torch.float32)
-    cfg = config or DEFAULT
+    cfg = config or default_config(H)
     partials = None
     if row_weight is not None:
         partials = torch.empty(M, triton.cdiv(H, cfg["BLOCK_N"]), device=dy.device, dtype=torch.float32)
@@ -558,7 +564,7 @@ def _launch(x: Tensor, w: Tensor, offsets: Tensor, y: Tensor, N: int, trans_w: b
     if G == 0:  # every row is past offsets[-1]; a descriptor of w needs at least one row
         y.zero_()
         return
-    cfg = config or DEFAULT
+    cfg = config or default_config(N)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     swiglu = epilogue == _SWIGLU
     ((xb, xl), (wb, wl), (yb, yl)), w_tile_layout, y_tile_layout = _layouts(x.dtype, cfg, trans_w, swiglu)
@@ -598,7 +604,7 @@ def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, *, trans_w: bool = Fal
     PTX and cubin, its .metadata the shared memory): the CPU tests check what can be checked
     before a GPU runs it (shared memory, the partitions, ptxas_report). ``epilogue``: "store",
     "swiglu" (the forward's, with row weights) or "swiglu_backward" (dx's, with row weights)."""
-    cfg = config or DEFAULT
+    cfg = config or config_dict(*CONFIGS[0])
     mode = {"store": _STORE, "swiglu": _SWIGLU, "swiglu_backward": _SWIGLU_BACKWARD}[epilogue]
     ((xb, xl), (wb, wl), (yb, yl)), w_tile_layout, y_tile_layout = _layouts(dtype, cfg, trans_w, mode == _SWIGLU)
     ty = "bf16" if dtype == torch.bfloat16 else "fp16"
@@ -620,7 +626,7 @@ KERNELS = {"forward": {"trans_w": False}, "dx": {"trans_w": True},
 
 def sm90_report() -> dict[str, dict]:
     """Every config of every kernel (KERNELS) compiled for sm90 on this machine (no GPU needed):
-    {"forward/128x128x64x5": {"shared": bytes, "warp_specialized": TTGIR has the partitions,
+    {"forward/128x256x64x3-coop": {"shared": bytes, "warp_specialized": TTGIR has the partitions,
     "wgmma": PTX has wgmma, "ptxas": ptxas's register, spill and warning lines}, ...}. Run it in
     a fresh process: a Triton interpreter run earlier in the same process leaves state that
     breaks Gluon's compiler (the CPU tests call it through a subprocess for that reason)."""

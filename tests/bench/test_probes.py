@@ -40,15 +40,18 @@ def test_tma_probe_turns_the_warp_specialized_kernel_down():
         assert gm.ws_unsupported is real
 
 
-def test_ws_coop_probe_makes_a_cooperative_config_the_kernels_default():
+def test_ws_pingpong_probe_turns_the_cooperative_default_down():
     ws = importlib.import_module("kernels.grouped_mm_ws")
-    real = ws.DEFAULT
-    assert not real["COOP"]
-    with probes.applied("7b8l-default~ws-coop"):
-        assert ws.DEFAULT["COOP"] == 1 and ws.DEFAULT["BLOCK_N"] == 256
-        assert "whole 256-column" in ws.swiglu_backward_unsupported(  # the launchers' rules follow it
-            torch.zeros(8, 64), torch.zeros(2, 128, 64), torch.zeros(8, 256), torch.zeros(8, 256), None)
-    assert ws.DEFAULT is real
+    real = ws.default_config
+
+    def fused_backward_refusal(H):  # the launchers' rules follow the config: whole column tiles of H
+        return ws.swiglu_backward_unsupported(torch.zeros(8, 64), torch.zeros(2, H, 64), torch.zeros(8, 2 * H),
+                                              torch.zeros(8, 2 * H), None)
+    assert real(2048)["COOP"] == 1 and "whole 256-column" in fused_backward_refusal(320)
+    with probes.applied("7b8l-default~ws-pingpong"):
+        assert ws.default_config(2048)["COOP"] == 0 and ws.default_config(2048)["BLOCK_N"] == 128
+        assert "whole 128-column" in fused_backward_refusal(320)
+    assert ws.default_config is real
 
 
 def test_programs_probe_caps_every_launchers_programs():

@@ -161,20 +161,24 @@ def test_says_why_it_cannot_fuse(monkeypatch):
     monkeypatch.setattr(ws, "_device_unsupported", lambda t: None)  # the shape rules alone
     assert ws.swiglu_unsupported(x, w, h, out, None) is None
     assert ws.swiglu_unsupported(x, w, h, out, torch.ones(8)) is None
-    assert "whole 64-column" in ws.swiglu_unsupported(x, w[:, :, :192].contiguous(), h[:, :192].contiguous(),
-                                                      out[:, :96].contiguous(), None)
+    # the default config's tile (grouped_mm_ws.default_config): 256 columns, or 128 where the
+    # columns are an odd multiple of 128 (h: 2F = 384 here; the backward: H = 128)
+    assert "whole 128-column" in ws.swiglu_unsupported(x, w[:, :, :192].contiguous(), h[:, :192].contiguous(),
+                                                       out[:, :96].contiguous(), None)
+    assert ws.swiglu_unsupported(x, torch.zeros(2, 64, 384, dtype=bf), torch.zeros(8, 384, dtype=bf),
+                                 torch.zeros(8, 192, dtype=bf), None) is None
     assert "must be (8, 128)" in ws.swiglu_unsupported(x, w, h, out.float(), None)
     assert "row_weight" in ws.swiglu_unsupported(x, w, h, out, torch.ones(7))
     assert "multiple of 64" in ws.swiglu_unsupported(x[:, :40], w[:, :40], h, out, None)  # the GEMM's own rules
     assert ws.swiglu_backward_unsupported(dy, w_down, h, h.clone(), torch.ones(8)) is None
-    assert "whole 128-column" in ws.swiglu_backward_unsupported(dy, w_down[:, :64].contiguous(), h[:, :128],
+    assert "whole 256-column" in ws.swiglu_backward_unsupported(dy, w_down[:, :64].contiguous(), h[:, :128],
                                                                 h[:, :128].clone(), None)
     assert "h and dh must be" in ws.swiglu_backward_unsupported(dy, w_down, h.float(), h.clone(), None)
     assert "row_weight" in ws.swiglu_backward_unsupported(dy, w_down, h, h.clone(), torch.ones(3))
-    coop = ws.config_dict(128, 256, 64, 3, 1)  # the rules follow the config's tile: 256 columns
+    pingpong, coop = ws.config_dict(128, 128, 64, 4), ws.config_dict(128, 256, 64, 3, 1)  # a config named
+    assert "whole 64-column" in ws.swiglu_unsupported(x, w[:, :, :192].contiguous(), h[:, :192].contiguous(),
+                                                      out[:, :96].contiguous(), None, pingpong)
     assert ws.swiglu_unsupported(x, w, h, out, None, coop) is None
-    assert "whole 128-column" in ws.swiglu_unsupported(x, w[:, :, :192].contiguous(), h[:, :192].contiguous(),
-                                                       out[:, :96].contiguous(), None, coop)
     assert "whole 256-column" in ws.swiglu_backward_unsupported(dy, w_down, h, h.clone(), None, coop)
 
 

@@ -72,6 +72,13 @@ def test_says_why_it_cannot_run():
     assert "K = 0" in ws._shape_unsupported(x[:, :0], w[:, :0], y, False)
 
 
+def test_default_config_is_the_cooperative_tile_but_where_it_would_waste_half_a_tile():
+    for n in (2048, 1024, 256, 392, 64):  # whole 256-column tiles, or partial ones either tile would have
+        assert ws.default_config(n) == ws.config_dict(*ws.CONFIGS[0]) and ws.default_config(n)["COOP"] == 1
+    for n in (1152, 128, 384):  # an odd multiple of 128: mula-220b-a10b's expert hidden size
+        assert ws.default_config(n)["BLOCK_N"] == 128 and ws.default_config(n)["COOP"] == 0
+
+
 @needs_gluon
 def test_an_older_triton_with_gluon_is_not_taken(monkeypatch):
     """Gluon's API moved between releases: a Triton before 3.6 falls back to the TMA kernel
