@@ -357,19 +357,44 @@ def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
     """Each config of the TMA dW kernel's autotuning list timed alone, in turns (--dw-configs):
     float32 out, as the training's float32 master weights take it, and the input's dtype, as
     the experts' gradients on their bf16 copies (the step's default) do: what the autotuner
-    chose among, and by how much."""
+    chose among, and by how much. In the same turns, where it runs (Hopper), the
+    warp-specialized cooperative dW kernel ("triton-dw-ws", kernels/grouped_mm_dw_ws.py, checked
+    against the TMA kernel's dw first) and torch._grouped_mm ("torch_raw", its dw in the inputs'
+    dtype)."""
+    from kernels.grouped_mm_dw_ws import dw_ws_unsupported, launch_grouped_mm_dw_ws
     from kernels.grouped_mm_tma import _dw_tma_configs, launch_grouped_mm_dw_tma
     configs = named_configs(_dw_tma_configs(device.type, dtype))
     for out_dtype in dict.fromkeys((torch.float32, dtype)):  # once where the input is float32
         for gemm, x, dy, offsets, dw in _dw_operands(device, dtype, T, topk_idx, shape):
             (M, K), (E, _, N) = x.shape, dw.shape
             dw = dw.to(out_dtype)
+            fields = dict(op=gemm, pass_="dw", tokens=T, routing=routing,
+                          out_dtype=str(out_dtype).removeprefix("torch."), flop=2 * M * K * N, M=M, K=K, N=N,
+                          experts=E)
             fns = {name: (lambda c=c, dw=dw: launch_grouped_mm_dw_tma(x, dy, offsets, dw, config=c))
                    for name, c in configs.items()}
+            if (reason := dw_ws_unsupported(x, dy, dw)) is None:
+                def ws(dw=dw):
+                    return launch_grouped_mm_dw_ws(x, dy, offsets, dw)
+                try:
+                    _check_dw(ws(torch.full_like(dw, float("nan"))), launch_grouped_mm_dw_tma(x, dy, offsets, dw.clone()))
+                    fns["triton-dw-ws"] = ws
+                except Exception as e:  # noqa: BLE001  (recorded, not fatal)
+                    rec(backend="triton-dw-ws", error=f"{type(e).__name__}: {str(e)[:300]}", **fields)
+                fns["torch_raw"] = lambda: torch._grouped_mm(x.t(), dy, offs=offsets)
+            elif device.type == "cuda":
+                rec(backend="triton-dw-ws", error=reason, **fields)
             for name, ms in timer.interleaved(fns).items():
-                rec(op=gemm, pass_="dw", backend="triton-dw-config", config=configs[name], tokens=T, routing=routing,
-                    out_dtype=str(out_dtype).removeprefix("torch."), ms=ms, tflops=2 * M * K * N / ms / 1e9,
-                    flop=2 * M * K * N, M=M, K=K, N=N, experts=E)
+                rec(backend=name if name in ("triton-dw-ws", "torch_raw") else "triton-dw-config",
+                    config=configs.get(name, {}), ms=ms, tflops=2 * M * K * N / ms / 1e9, **fields)
+
+
+def _check_dw(got, want) -> None:
+    """AssertionError unless ``got`` is the TMA dW kernel's ``want`` to float32 summation order
+    (bf16 dw: a rounding step of either): relative Frobenius error under 5e-3, NaN included."""
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    if not err < 5e-3:
+        raise AssertionError(f"relative error {err:.3g} against the TMA dW kernel")
 
 
 def _dw_operands(device, dtype, T, topk_idx, shape):

@@ -49,3 +49,32 @@ def test_a_wrong_config_is_recorded_not_timed(records):
     assert len(errors) == 4  # one per pass and op
     assert all(r["config"] == BROKEN for r in errors)
     assert any("relative error" in r["error"] for r in errors)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["good", "broken"])
+def test_dw_configs_time_the_warp_specialized_dw_and_torch_in_the_same_turns(broken, monkeypatch):
+    """--dw-configs: the cooperative dW kernel (a stand-in here) is checked against the TMA
+    kernel's dw, then timed beside the TMA configs and torch._grouped_mm; a wrong one is an
+    error row, not timed."""
+    import kernels.grouped_mm_dw_ws as dw_ws
+    from bench.kernels import bench_dw_configs
+
+    def fake_dw(x, dy, offsets, dw, *, squares=None):
+        ends = offsets.tolist()
+        for g, (s, e) in enumerate(zip([0] + ends[:-1], ends)):
+            dw[g] = float("nan") if broken else x[s:e].T.float() @ dy[s:e].float()
+        return dw
+
+    monkeypatch.setattr(dw_ws, "dw_ws_unsupported", lambda *a, **k: None)
+    monkeypatch.setattr(dw_ws, "launch_grouped_mm_dw_ws", fake_dw)
+    out = []
+    device = torch.device("cpu")
+    topk_idx = route(64, TINY["experts"], TINY["top_k"], "zipf", torch.Generator().manual_seed(0))
+    bench_dw_configs(lambda pass_, **fields: out.append({"pass": pass_, **fields}), Timer(device, reps=1, warmup=1),
+                     device, torch.float32, 64, "zipf", topk_idx, TINY)
+    for op in ("up", "down"):
+        rows = [r for r in out if r["op"] == op]
+        timed = {r["backend"] for r in rows if "ms" in r}
+        assert timed == {"triton-dw-config", "torch_raw"} | (set() if broken else {"triton-dw-ws"})
+        errors = [r for r in rows if "error" in r]
+        assert len(errors) == broken and all("relative error" in r["error"] for r in errors)
