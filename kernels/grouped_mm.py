@@ -43,8 +43,9 @@ Backends:
   device-side descriptors, an NVIDIA sm90+ GPU, 16-bit inputs, 16-byte aligned rows; or the
   interpreter), and the pointer kernel below otherwise (Intel XPU, pre-sm90 GPUs, float32 on a
   GPU, unaligned rows), decided per call:
-    forward  the warp-specialized kernel (a TMA loader warp and two wgmma warpgroups taking
-             turns, so one's epilogue runs under the other's products), else the persistent
+    forward  the warp-specialized kernel (a TMA loader warp running ahead of two wgmma
+             warpgroups, both on each 128 x 256 tile, or taking turns on 128 x 128 tiles where
+             N is an odd multiple of 128: grouped_mm_ws.default_config), else the persistent
              TMA kernel, else one program per output tile by pointer loads;
     dx       the same two reading w as stored and transposing its tiles in shared memory,
              else the forward's pointer kernel reading w^T through transposed strides (no copy);
