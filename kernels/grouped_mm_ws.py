@@ -143,10 +143,11 @@ def config_name(config: tuple) -> str:
 
 def default_config(n: int) -> dict:
     """The config for a product of ``n`` output columns when the caller names none: the
-    cooperative 128 x 256 tile (CONFIGS[0], the fastest measured), except where n is a multiple of
-    128 and not of 256 (mula-220b-a10b's expert hidden size, 1152), where its last column tile
-    would compute 128 columns of nothing in every row tile and the SwiGLU backward's fused
-    epilogue, which needs whole tiles, could not run: there the 128-column ping-pong tile."""
+    cooperative 128 x 256 tile (CONFIGS[0]: the H100's fastest, level in an H200's step; see
+    the comment above CONFIGS), except where n is a multiple of 128 and not of 256
+    (mula-220b-a10b's expert hidden size, 1152), where its last column tile would compute 128
+    columns of nothing in every row tile and the SwiGLU backward's fused epilogue, which needs
+    whole tiles, could not run: there the 128-column ping-pong tile."""
     return config_dict(*CONFIGS[1 if n % 256 == 128 else 0])
 
 
