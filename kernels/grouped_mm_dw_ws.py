@@ -8,13 +8,10 @@ accumulated in float32 and stored in dw's dtype (float32 for float32 master weig
 the experts' bf16 gradients), an empty group's dw zero, and with ``squares`` each program's sum
 of the squares of the values it stored in its own entry. Not taken by grouped_mm's dW: a
 candidate for the next GPU measurement (bench/kernels.py --dw-configs times it beside the TMA
-kernel's configs and torch._grouped_mm), written after the cooperative forward / dx tile
-(kernels/grouped_mm_ws.py) cut the H100's L2 bytes by 38 % and ran 1.16-1.44x ping-pong there,
-and the TMA dW kernel stayed at 0.80-0.90x torch._grouped_mm on the H100 and 0.91-0.94x on the
-H200, moving 1.23-1.26x CUTLASS's L2 bytes (bench/NOTES.md, twenty-second and twenty-third
-sessions). The eighteenth session's warp-specialized dW (ping-pong, a 128 x 128 tile per
-consumer, 64 KB of ring per 2 x 128 x 128 x 64 products) measured 0.99-1.12x the TMA kernel on an
-H200 and was deleted; this one differs in the tile and what its consumers share.
+kernel's configs and torch._grouped_mm; why it was written, and what it is predicted to do:
+bench/NOTES.md, twenty-third session). The eighteenth session's warp-specialized dW (ping-pong,
+a 128 x 128 tile per consumer) was deleted; this one differs in the tile and in what its
+consumers share.
 
 Items are (group, K tile, N tile) of dw, groups largest first (grouped_mm_tiles.groups_by_size,
 ranked once per call into a (G, 3) table by a Triton kernel: the loader's single warp has no
