@@ -52,9 +52,9 @@ from .grouped_mm_ws import (CONSUMER_REGISTERS, CONSUMER_WARPS, LOADER_REGISTERS
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-    from .grouped_mm_ws import _add, _tma_load
+    from .grouped_mm_ws import _add, _ring_products, _tma_load
 
 # (BLOCK_R, BLOCK_K, BLOCK_N, STAGES): rows reduced per stage, the tile of dw[g] (BLOCK_N / 2
 # columns a consumer), the ring's depth. Shared memory: STAGES * BLOCK_R * (BLOCK_K + BLOCK_N) * 2
@@ -147,27 +147,6 @@ if gluon is not None:
                     pos += 1
 
     @gluon.jit
-    def _products(x_ring, dy_ring, ready, empty, acc, pos, blocks, N0: gl.constexpr):
-        """acc = the sum over ``blocks`` ring stages from position ``pos`` of x's block, transposed,
-        times dy's block's columns N0 + [0, acc's columns), by wgmma with one product in flight;
-        each stage gets this consumer's arrival on its empty barrier once the product reading it
-        is done. blocks = 0: acc unchanged."""
-        STAGES: gl.constexpr = x_ring.type.shape[0]
-        COLS: gl.constexpr = acc.type.shape[1]
-        for b in range(blocks):
-            s = pos % STAGES
-            mbarrier.wait(ready.index(s), pos // STAGES & 1)
-            a = x_ring.index(s).permute((1, 0))
-            d = dy_ring.index(s).slice(N0, COLS, dim=1)
-            acc = warpgroup_mma(a, d, acc, use_acc=b > 0, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # the product before has read its stage
-            mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), count=1, pred=b > 0)
-            pos += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), count=1, pred=blocks > 0)
-        return acc
-
-    @gluon.jit
     def _consumer(x_ring, dy_ring, ready, empty, dw_ptr, squares_ptr, table_ptr, N, K, G, WHICH: gl.constexpr,
                   SQUARES: gl.constexpr):
         BLOCK_R: gl.constexpr = x_ring.type.shape[1]
@@ -182,7 +161,7 @@ if gluon is not None:
         for item in range(gl.program_id(0), items, gl.num_programs(0)):
             g, row_start, rows, k0, n0, blocks = _item(item, table_ptr, K, N, BLOCK_K, BLOCK_N, BLOCK_R)
             acc = gl.zeros([BLOCK_K, COLS], gl.float32, acc_layout)
-            acc = _products(x_ring, dy_ring, ready, empty, acc, pos, blocks, WHICH * COLS)
+            acc = _ring_products(x_ring, dy_ring, ready, empty, acc, pos, blocks, 0, WHICH * COLS, True, False)
             pos += blocks
             out = acc.to(dw_ptr.dtype.element_ty)  # an empty group's tile: zeros
             ks = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, acc_layout))

@@ -160,9 +160,10 @@ if gluon is not None:
     _LOADER_REGISTERS = gl.constexpr(LOADER_REGISTERS)
 
     @gluon.constexpr_function
-    def _ring_block_n(w_ring_shape, trans_w):
-        """BLOCK_N from w's ring: (STAGES, BLOCK_K, BLOCK_N), or (STAGES, BLOCK_N, BLOCK_K) transposed."""
-        return w_ring_shape[1] if trans_w else w_ring_shape[2]
+    def _tile_shape(ring_shape, trans):
+        """A ring's stage tile as wgmma reads it, [rows, columns]: the ring is (STAGES, rows,
+        columns), or (STAGES, columns, rows) where the tile is read transposed."""
+        return [ring_shape[2], ring_shape[1]] if trans else [ring_shape[1], ring_shape[2]]
 
     # gl.sum is Triton's sum, whose combine function is a triton.jit function: under
     # TRITON_INTERPRET=1 (the CPU tests) that is an interpreted one, which Gluon cannot compile.
@@ -189,23 +190,31 @@ if gluon is not None:
         return g, row_start, row_end
 
     @gluon.jit
-    def _ring_products(a_ring, b_ring, ready, empty, acc, pos, blocks, A_ROW0: gl.constexpr,
-                       TRANS_B: gl.constexpr):
-        """acc = the sum of A @ B over ``blocks`` ring stages from position ``pos`` (A the rows
-        A_ROW0 + [0, acc's rows) of the stage's A tile, B its B tile, transposed where asked), by
-        wgmma with one product in flight; each stage goes back to the loader once the product
-        reading it is done (an arrival on its empty barrier). blocks = 0: acc unchanged."""
+    def _ring_products(a_ring, b_ring, ready, empty, acc, pos, blocks, A_ROW0: gl.constexpr, B_COL0: gl.constexpr,
+                       TRANS_A: gl.constexpr, TRANS_B: gl.constexpr):
+        """acc = the sum of A @ B over ``blocks`` ring stages from position ``pos`` (A and B the
+        stage's tiles, transposed where asked; of A the rows A_ROW0 + [0, acc's rows), of B the
+        columns B_COL0 + [0, acc's columns): one consumer's share of a cooperative tile), by
+        wgmma with one product in flight; each stage gets this consumer's arrival on its empty
+        barrier once the product reading it is done. blocks = 0: acc unchanged."""
         STAGES: gl.constexpr = a_ring.type.shape[0]
-        A_ROWS: gl.constexpr = acc.type.shape[0]
+        ROWS: gl.constexpr = acc.type.shape[0]
+        COLS: gl.constexpr = acc.type.shape[1]
+        A_ROWS: gl.constexpr = _tile_shape(a_ring.type.shape, TRANS_A)[0]
+        B_COLS: gl.constexpr = _tile_shape(b_ring.type.shape, TRANS_B)[1]
         for b in range(blocks):
             s = pos % STAGES
             mbarrier.wait(ready.index(s), pos // STAGES & 1)
             a = a_ring.index(s)
-            if A_ROWS < a_ring.type.shape[1]:  # the cooperative schedule: this consumer's rows
-                a = a.slice(A_ROW0, A_ROWS)
+            if TRANS_A:
+                a = a.permute((1, 0))
+            if ROWS < A_ROWS:
+                a = a.slice(A_ROW0, ROWS)
             w = b_ring.index(s)
             if TRANS_B:
                 w = w.permute((1, 0))
+            if COLS < B_COLS:
+                w = w.slice(B_COL0, COLS, dim=1)
             acc = warpgroup_mma(a, w, acc, use_acc=b > 0, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # the product before has read its stage
             mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), count=1, pred=b > 0)
@@ -241,7 +250,7 @@ if gluon is not None:
                 SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, EPILOGUE: gl.constexpr, layout: gl.constexpr):
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = _ring_block_n(w_ring.type.shape, TRANS_W)
+        BLOCK_N: gl.constexpr = _tile_shape(w_ring.type.shape, TRANS_W)[1]
         HALF: gl.constexpr = BLOCK_N // 2
         STAGES: gl.constexpr = x_ring.type.shape[0]
         # the forward's SwiGLU: w's block is one half of a ring tile, the gate's columns and then the up's
@@ -301,7 +310,8 @@ if gluon is not None:
             if not COOP:
                 _wait_turn(order, j, WHICH)
             if g < G:
-                acc = _ring_products(x_ring, w_ring, ready, empty, acc, j * k_blocks, k_blocks, ROW0, TRANS_W)
+                acc = _ring_products(x_ring, w_ring, ready, empty, acc, j * k_blocks, k_blocks, ROW0, 0, False,
+                                     TRANS_W)
             if not COOP:
                 _pass_turn(order, WHICH)
             row_start += ROW0  # past row_end (the second half of a group's last tile): nothing stored
@@ -550,7 +560,7 @@ def launch_grouped_mm_ws_swiglu_backward(dy: Tensor, w: Tensor, offsets: Tensor,
     partials = None
     if row_weight is not None:
         partials = torch.empty(M, triton.cdiv(H, cfg["BLOCK_N"]), device=dy.device, dtype=torch.float32)
-    _launch(dy, w, offsets, dh, H, True, _SWIGLU_BACKWARD, config, out=h, row_weight=row_weight, partials=partials)
+    _launch(dy, w, offsets, dh, H, True, _SWIGLU_BACKWARD, cfg, out=h, row_weight=row_weight, partials=partials)
     return None if partials is None else partials.sum(1)
 
 

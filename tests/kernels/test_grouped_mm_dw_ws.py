@@ -8,12 +8,6 @@ neighbours), float32 and bf16 dw, the sum of squares, few programs with many ite
 ring's wrap-around across items) and one per SM.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -21,8 +15,8 @@ import kernels.grouped_mm_dw_ws as dw_ws
 import kernels.grouped_mm_tma as gm_tma
 import kernels.grouped_mm_ws as ws
 from test_grouped_mm import make
+from test_grouped_mm_ws import sm90_report_in_fresh_process
 
-ROOT = Path(__file__).resolve().parents[2]
 needs_gluon = pytest.mark.skipif(ws.gluon is None, reason="this Triton has no Gluon Hopper language")
 
 
@@ -55,14 +49,7 @@ def test_says_why_it_cannot_run():
 
 @pytest.fixture(scope="module")
 def sm90():
-    """grouped_mm_dw_ws.sm90_report() from a fresh process (an interpreted kernel earlier in this
-    one breaks Gluon's compiler)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", "import json; from kernels.grouped_mm_dw_ws import sm90_report; "
-                          "print(json.dumps(sm90_report()))"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.splitlines()[-1])
+    return sm90_report_in_fresh_process("kernels.grouped_mm_dw_ws")
 
 
 @needs_gluon
