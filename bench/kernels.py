@@ -186,6 +186,8 @@ class Timer:
             for _ in range(self.warmup):
                 fn()
         names = list(fns)
+        if not names:  # e.g. the float32-output "dw" pass of a run that asked for torch only
+            return {}
         times = {name: [] for name in names}
         if self.mod is None:
             for i in range(self.reps):
@@ -358,9 +360,11 @@ def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
     float32 out, as the training's float32 master weights take it, and the input's dtype, as
     the experts' gradients on their bf16 copies (the step's default) do: what the autotuner
     chose among, and by how much. In the same turns, where it runs (Hopper), the
-    warp-specialized cooperative dW kernel ("triton-dw-ws", kernels/grouped_mm_dw_ws.py, checked
+    warp-specialized cooperative dW kernel in each of its consumer splits ("triton-dw-ws-cols",
+    "triton-dw-ws-rows"; kernels/grouped_mm_dw_ws.py, each checked
     against the TMA kernel's dw first) and torch._grouped_mm ("torch_raw", its dw in the inputs'
     dtype)."""
+    from kernels.grouped_mm_dw_ws import CONFIGS as DW_WS_CONFIGS
     from kernels.grouped_mm_dw_ws import dw_ws_unsupported, launch_grouped_mm_dw_ws
     from kernels.grouped_mm_tma import _dw_tma_configs, launch_grouped_mm_dw_tma
     configs = named_configs(_dw_tma_configs(device.type, dtype))
@@ -374,19 +378,20 @@ def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
             fns = {name: (lambda c=c, dw=dw: launch_grouped_mm_dw_tma(x, dy, offsets, dw, config=c))
                    for name, c in configs.items()}
             if (reason := dw_ws_unsupported(x, dy, dw)) is None:
-                def ws(dw=dw):
-                    return launch_grouped_mm_dw_ws(x, dy, offsets, dw)
-                try:
-                    check_close(ws(torch.full_like(dw, float("nan"))),
-                                launch_grouped_mm_dw_tma(x, dy, offsets, dw.clone()), "the TMA dW kernel")
-                    fns["triton-dw-ws"] = ws
-                except Exception as e:  # noqa: BLE001  (recorded, not fatal)
-                    rec(backend="triton-dw-ws", error=f"{type(e).__name__}: {str(e)[:300]}", **fields)
+                for split, ws_config in DW_WS_CONFIGS.items():
+                    def ws(dw=dw, c=ws_config):
+                        return launch_grouped_mm_dw_ws(x, dy, offsets, dw, config=c)
+                    try:
+                        check_close(ws(torch.full_like(dw, float("nan"))),
+                                    launch_grouped_mm_dw_tma(x, dy, offsets, dw.clone()), "the TMA dW kernel")
+                        fns[f"triton-dw-ws-{split}"] = ws
+                    except Exception as e:  # noqa: BLE001  (recorded, not fatal)
+                        rec(backend=f"triton-dw-ws-{split}", error=f"{type(e).__name__}: {str(e)[:300]}", **fields)
                 fns["torch_raw"] = lambda: torch._grouped_mm(x.t(), dy, offs=offsets)
             elif device.type == "cuda":
-                rec(backend="triton-dw-ws", error=reason, **fields)
+                rec(backend="triton-dw-ws-*", error=reason, **fields)
             for name, ms in timer.interleaved(fns).items():
-                rec(backend=name if name in ("triton-dw-ws", "torch_raw") else "triton-dw-config",
+                rec(backend=name if name.startswith("triton-dw-ws") or name == "torch_raw" else "triton-dw-config",
                     config=configs.get(name, {}), ms=ms, tflops=2 * M * K * N / ms / 1e9, **fields)
 
 

@@ -41,6 +41,8 @@ GPU, 16-bit inputs); on a CPU the kernel is only compiled (compile_for_sm90, sm9
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
@@ -59,7 +61,11 @@ if gluon is not None:
 # (BLOCK_R, BLOCK_K, BLOCK_N, STAGES): rows reduced per stage, the tile of dw[g] (BLOCK_N / 2
 # columns a consumer), the ring's depth. Shared memory: STAGES * BLOCK_R * (BLOCK_K + BLOCK_N) * 2
 # bytes, 192 KB here: 48 KB a stage for 128 x 256 x 64 products.
-CONFIG = {"BLOCK_R": 64, "BLOCK_K": 128, "BLOCK_N": 256, "STAGES": 4}
+# SPLIT_ROWS: each consumer on half the tile's rows (a 64 x 256 share, wgmma m64n256, as the
+# forward's cooperative tile) rather than half its columns (128 x 128, two m64n128 per k-step).
+CONFIGS = {"cols": {"BLOCK_R": 64, "BLOCK_K": 128, "BLOCK_N": 256, "STAGES": 4, "SPLIT_ROWS": 0},
+           "rows": {"BLOCK_R": 64, "BLOCK_K": 128, "BLOCK_N": 256, "STAGES": 4, "SPLIT_ROWS": 1}}
+CONFIG = CONFIGS["cols"]
 
 
 def dw_ws_unsupported(x: Tensor, dy: Tensor, dw: Tensor) -> str | None:
@@ -148,11 +154,15 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(x_ring, dy_ring, ready, empty, dw_ptr, squares_ptr, table_ptr, N, K, G, WHICH: gl.constexpr,
-                  SQUARES: gl.constexpr):
+                  SPLIT_ROWS: gl.constexpr, SQUARES: gl.constexpr):
         BLOCK_R: gl.constexpr = x_ring.type.shape[1]
         BLOCK_K: gl.constexpr = x_ring.type.shape[2]
         BLOCK_N: gl.constexpr = dy_ring.type.shape[2]
-        COLS: gl.constexpr = BLOCK_N // 2  # this consumer's
+        # this consumer's share of the tile: half its rows (SPLIT_ROWS) or half its columns
+        ROWS: gl.constexpr = BLOCK_K // (1 + SPLIT_ROWS)
+        COLS: gl.constexpr = BLOCK_N // (2 - SPLIT_ROWS)
+        ROW0: gl.constexpr = WHICH * ROWS * SPLIT_ROWS
+        COL0: gl.constexpr = WHICH * COLS * (1 - SPLIT_ROWS)
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[_WARPS, 1],
                                                              instr_shape=[16, COLS, 16])
         items = G * gl.cdiv(K, BLOCK_K) * gl.cdiv(N, BLOCK_N)
@@ -160,12 +170,12 @@ if gluon is not None:
         pos = 0
         for item in range(gl.program_id(0), items, gl.num_programs(0)):
             g, row_start, rows, k0, n0, blocks = _item(item, table_ptr, K, N, BLOCK_K, BLOCK_N, BLOCK_R)
-            acc = gl.zeros([BLOCK_K, COLS], gl.float32, acc_layout)
-            acc = _ring_products(x_ring, dy_ring, ready, empty, acc, pos, blocks, 0, WHICH * COLS, True, False)
+            acc = gl.zeros([ROWS, COLS], gl.float32, acc_layout)
+            acc = _ring_products(x_ring, dy_ring, ready, empty, acc, pos, blocks, ROW0, COL0, True, False)
             pos += blocks
             out = acc.to(dw_ptr.dtype.element_ty)  # an empty group's tile: zeros
-            ks = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, acc_layout))
-            ns = n0 + WHICH * COLS + gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
+            ks = k0 + ROW0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+            ns = n0 + COL0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, acc_layout))
             ptrs = dw_ptr + g.to(gl.int64) * K * N + gl.expand_dims(ks.to(gl.int64) * N, 1) + gl.expand_dims(ns, 0)
             gl.store(ptrs, out, mask=gl.expand_dims(ks < K, 1) & gl.expand_dims(ns < N, 0))
             if SQUARES:  # past K and N the tile is zeros: TMA zero-filled both operands
@@ -177,7 +187,7 @@ if gluon is not None:
     @gluon.jit
     def _grouped_mm_dw_ws_kernel(x_ptr, dy_ptr, dw_ptr, table_ptr, squares_ptr, N, K, G, stride_xm, stride_dym,
                                  BLOCK_R: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_N: gl.constexpr,
-                                 STAGES: gl.constexpr, SQUARES: gl.constexpr):
+                                 STAGES: gl.constexpr, SPLIT_ROWS: gl.constexpr, SQUARES: gl.constexpr):
         dtype: gl.constexpr = x_ptr.dtype.element_ty
         x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_K], dtype)
         dy_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], dtype)
@@ -189,14 +199,14 @@ if gluon is not None:
             mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=2)  # both consumers read every stage
         gl.warp_specialize([
-            (_consumer, (x_ring, dy_ring, ready, empty, dw_ptr, squares_ptr, table_ptr, N, K, G, 0, SQUARES)),
-            (_consumer, (x_ring, dy_ring, ready, empty, dw_ptr, squares_ptr, table_ptr, N, K, G, 1, SQUARES)),
+            (_consumer, (x_ring, dy_ring, ready, empty, dw_ptr, squares_ptr, table_ptr, N, K, G, 0, SPLIT_ROWS, SQUARES)),
+            (_consumer, (x_ring, dy_ring, ready, empty, dw_ptr, squares_ptr, table_ptr, N, K, G, 1, SPLIT_ROWS, SQUARES)),
             (_loader, (x_ptr, dy_ptr, x_ring, dy_ring, ready, empty, table_ptr, N, K, G, stride_xm, stride_dym)),
         ], [_WARPS, 1], [_CONSUMER_REGISTERS, _LOADER_REGISTERS])
 
 
 def launch_grouped_mm_dw_ws(x: Tensor, dy: Tensor, offsets: Tensor, dw: Tensor, *,
-                            squares: Tensor | None = None) -> Tensor:
+                            squares: Tensor | None = None, config: dict | None = None) -> Tensor:
     """Fill dw (G, K, N), contiguous, in any float dtype, with dw[g] = x[rows of g]^T @
     dy[rows of g] (float32 accumulation). The caller checks dw_ws_unsupported first. squares: a
     float32 buffer of at least grouped_mm_tma._num_programs(x.device) zeros; each program adds the
@@ -210,36 +220,37 @@ def launch_grouped_mm_dw_ws(x: Tensor, dy: Tensor, offsets: Tensor, dw: Tensor, 
     programs = grouped_mm_tma._num_programs(x.device)
     if squares is not None and (squares.dtype != torch.float32 or squares.numel() < programs):
         raise ValueError(f"launch_grouped_mm_dw_ws: squares must be >= {programs} float32 zeros")
-    items = G * triton.cdiv(K, CONFIG["BLOCK_K"]) * triton.cdiv(N, CONFIG["BLOCK_N"])
+    config = config or CONFIG
+    items = G * triton.cdiv(K, config["BLOCK_K"]) * triton.cdiv(N, config["BLOCK_N"])
     table = rank_table(offsets, M)
     triton.set_allocator(grouped_mm_tma._scratch(x.device))  # the loader's per-item descriptors
     with device_guard(x):
         _grouped_mm_dw_ws_kernel[(min(programs, items),)](
             x, dy, dw, table, grouped_mm_tma._no_squares(x.device) if squares is None else squares, N, K, G,
             x.stride(0), dy.stride(0), SQUARES=squares is not None, num_warps=CONSUMER_WARPS,
-            maxnreg=MAX_REGISTERS, **CONFIG)
+            maxnreg=MAX_REGISTERS, **config)
     return dw
 
 
 def compile_for_sm90(dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.float32, *,
-                     squares: bool = True):
+                     squares: bool = True, config: dict | None = None):
     """The kernel compiled for an sm90 target on this machine, no GPU needed (grouped_mm_ws's
     compile_for_sm90 for the dW kernel)."""
     names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
     ty, out = names[dtype], names[out_dtype]
     signature = {"x_ptr": f"*{ty}", "dy_ptr": f"*{ty}", "dw_ptr": f"*{out}", "table_ptr": "*i32",
                  "squares_ptr": "*fp32", "N": "i32", "K": "i32", "G": "i32", "stride_xm": "i32", "stride_dym": "i32"}
-    return _compile_sm90(_grouped_mm_dw_ws_kernel, signature, {**CONFIG, "SQUARES": squares})
+    return _compile_sm90(_grouped_mm_dw_ws_kernel, signature, {**(config or CONFIG), "SQUARES": squares})
 
 
 def sm90_report() -> dict[str, dict]:
-    """The kernel compiled for sm90 for a float32 and a bf16 dw: {"float32": {"shared": bytes,
+    """Each config compiled for sm90 for a float32 and a bf16 dw: {"cols float32": {"shared": bytes,
     "warp_specialized", "wgmma", "ptxas": ptxas's register, spill and warning lines}, ...}. In a
     fresh process, as grouped_mm_ws.sm90_report."""
     report = {}
-    for out in (torch.float32, torch.bfloat16):
-        compiled = compile_for_sm90(out_dtype=out)
-        report[str(out).removeprefix("torch.")] = {
+    for (name, config), out in itertools.product(CONFIGS.items(), (torch.float32, torch.bfloat16)):
+        compiled = compile_for_sm90(out_dtype=out, config=config)
+        report[f"{name} {str(out).removeprefix('torch.')}"] = {
             "shared": compiled.metadata.shared, "warp_specialized": "ttg.warp_specialize" in compiled.asm["ttgir"],
             "wgmma": "wgmma.mma_async" in compiled.asm["ptx"], "ptxas": ptxas_report(compiled)}
     return report

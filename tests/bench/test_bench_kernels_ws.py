@@ -53,13 +53,13 @@ def test_a_wrong_config_is_recorded_not_timed(records):
 
 @pytest.mark.parametrize("broken", [False, True], ids=["good", "broken"])
 def test_dw_configs_time_the_warp_specialized_dw_and_torch_in_the_same_turns(broken, monkeypatch):
-    """--dw-configs: the cooperative dW kernel (a stand-in here) is checked against the TMA
+    """--dw-configs: the cooperative dW kernel in each split (a stand-in here) is checked against the TMA
     kernel's dw, then timed beside the TMA configs and torch._grouped_mm; a wrong one is an
     error row, not timed."""
     import kernels.grouped_mm_dw_ws as dw_ws
     from bench.kernels import bench_dw_configs
 
-    def fake_dw(x, dy, offsets, dw, *, squares=None):
+    def fake_dw(x, dy, offsets, dw, *, squares=None, config=None):
         ends = offsets.tolist()
         for g, (s, e) in enumerate(zip([0] + ends[:-1], ends)):
             dw[g] = float("nan") if broken else x[s:e].T.float() @ dy[s:e].float()
@@ -75,6 +75,7 @@ def test_dw_configs_time_the_warp_specialized_dw_and_torch_in_the_same_turns(bro
     for op in ("up", "down"):
         rows = [r for r in out if r["op"] == op]
         timed = {r["backend"] for r in rows if "ms" in r}
-        assert timed == {"triton-dw-config", "torch_raw"} | (set() if broken else {"triton-dw-ws"})
+        splits = {f"triton-dw-ws-{split}" for split in dw_ws.CONFIGS}
+        assert timed == {"triton-dw-config", "torch_raw"} | (set() if broken else splits)
         errors = [r for r in rows if "error" in r]
-        assert len(errors) == broken and all("relative error" in r["error"] for r in errors)
+        assert len(errors) == broken * len(splits) and all("relative error" in r["error"] for r in errors)

@@ -54,8 +54,9 @@ def sm90():
 
 @needs_gluon
 @pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
-def test_compiles_for_hopper_pipelined_within_shared_memory(out_dtype, sm90):
-    report = sm90[out_dtype]
+@pytest.mark.parametrize("config", list(dw_ws.CONFIGS))
+def test_compiles_for_hopper_pipelined_within_shared_memory(config, out_dtype, sm90):
+    report = sm90[f"{config} {out_dtype}"]
     assert report["warp_specialized"] and report["wgmma"]
     assert report["shared"] <= ws.SHARED_MEMORY_LIMIT
     assert "Used " in report["ptxas"], report["ptxas"]
@@ -66,7 +67,8 @@ def test_compiles_for_hopper_pipelined_within_shared_memory(out_dtype, sm90):
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["float32 dw", "bf16 dw"])
 @pytest.mark.parametrize("programs", [3, None], ids=["3 programs", "one per SM"])
-def test_matches_reference_on_hopper(out_dtype, programs, gpu_device, monkeypatch):
+@pytest.mark.parametrize("config", list(dw_ws.CONFIGS))
+def test_matches_reference_on_hopper(config, out_dtype, programs, gpu_device, monkeypatch):
     """K = 200 and N = 392: partial K and N tiles; groups of 0, 1 and thousands of rows; the
     tail's rows are NaN in x and dy and must add nothing; squares: the sum of dw's squares."""
     sizes = [0, 3000, 1, 0, 5170, 640, 1290, 0, 77] if programs is None else [0, 300, 1, 0, 517, 64, 129, 0]
@@ -80,7 +82,7 @@ def test_matches_reference_on_hopper(out_dtype, programs, gpu_device, monkeypatc
     if programs is not None:
         monkeypatch.setattr(gm_tma, "_num_programs", lambda device: programs)
     squares = torch.zeros(gm_tma._num_programs(x.device), device=gpu_device)
-    dw_ws.launch_grouped_mm_dw_ws(x, dy, offsets, dw, squares=squares)
+    dw_ws.launch_grouped_mm_dw_ws(x, dy, offsets, dw, squares=squares, config=dw_ws.CONFIGS[config])
     want = reference(x, dy, offsets)
     tol = 1e-4 if out_dtype == torch.float32 else 8e-3  # bf16: one rounding of each entry
     torch.testing.assert_close(dw.double(), want, rtol=tol, atol=tol)
@@ -89,7 +91,8 @@ def test_matches_reference_on_hopper(out_dtype, programs, gpu_device, monkeypatc
 
 
 @pytest.mark.gpu
-def test_each_groups_rows_stay_apart_on_hopper(gpu_device):
+@pytest.mark.parametrize("config", list(dw_ws.CONFIGS))
+def test_each_groups_rows_stay_apart_on_hopper(config, gpu_device):
     """Group 1's rows are inf: its dw is non-finite, its neighbours' (whose last row blocks end
     inside group 1 or start inside group 0) stay finite and exact."""
     x, _, offsets, dy = make([90, 210, 110], 1, 192, 256, gpu_device, torch.bfloat16)
@@ -98,6 +101,6 @@ def test_each_groups_rows_stay_apart_on_hopper(gpu_device):
     dw = torch.full((3, 192, 256), float("nan"), device=gpu_device)
     if (reason := dw_ws.dw_ws_unsupported(x, dy, dw)) is not None:
         pytest.skip(reason)
-    dw_ws.launch_grouped_mm_dw_ws(x, dy, offsets, dw)
+    dw_ws.launch_grouped_mm_dw_ws(x, dy, offsets, dw, config=dw_ws.CONFIGS[config])
     assert not torch.isfinite(dw[1]).any()
     torch.testing.assert_close(dw[[0, 2]].double(), reference(x, dy, offsets)[[0, 2]], rtol=1e-4, atol=1e-4)
