@@ -14,8 +14,6 @@
 #   bench/gpu_suite.sh tests      # the one-GPU tests (gpu-marked: kernels, core, bench): ~3+ minutes on an H200
 #   bench/gpu_suite.sh ws         # the warp-specialized Gluon kernel (Hopper): its GPU tests, then
 #                                 # bench/kernels.py --ws; each under a timeout, so that a hang costs only it
-#   bench/gpu_suite.sh dw-ws      # the warp-specialized cooperative dW kernel (Hopper): its GPU tests, then
-#                                 # bench/kernels.py --dw-configs (it, the TMA dW configs and torch in turns)
 #   bench/gpu_suite.sh overlap    # at micro-batch 8: the float32 residual stream against the default's bf16, and
 #                                 # bench/probes.py's A/B (TMA kernel, update after the backward, fewer
 #                                 # GEMM programs), then the
@@ -33,7 +31,7 @@
 # peer and ours are measured in the same call on identical GPUs.
 set -u
 cd "$(dirname "$0")/.."
-part=${1:?usage: bench/gpu_suite.sh speed|scaling|all|trace|weak|memory|tests|ws|dw-ws|overlap|rehearse}
+part=${1:?usage: bench/gpu_suite.sh speed|scaling|all|trace|weak|memory|tests|ws|overlap|rehearse}
 out=${OUT:-bench/results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -52,12 +50,6 @@ ws)  # within one device call's 600 s (the bench gets what the tests left); a ha
   done
   timeout $((570 - SECONDS)) python3 bench/kernels.py --tokens "${TOKENS:-8192,16384,32768}" --only up,down --backends triton,torch_raw \
     --ws --out "$out" --store '' 2>&1 | tee "$out/ws-kernels.log"
-  ;;
-dw-ws)  # the candidate dW kernel (kernels/grouped_mm_dw_ws.py): correct first, then timed
-  timeout 120 python3 -m pytest -v -p no:cacheprovider -m gpu tests/kernels/test_grouped_mm_dw_ws.py 2>&1 \
-    | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" | cut -c1-240 | tee "$out/dw-ws-tests.log"
-  timeout $((570 - SECONDS)) python3 bench/kernels.py --tokens "${TOKENS:-8192,32768}" --only up,down \
-    --backends torch_raw --dw-configs --out "$out" --store '' 2>&1 | tee "$out/dw-ws-kernels.log"
   ;;
 overlap)  # bench/probes.py's A/B at micro-batch 8 (where the warp-specialized kernel's gain went), then
           # the kernels of the default and of ~tma profiled in the same call; every record carries

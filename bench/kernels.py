@@ -359,40 +359,22 @@ def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
     """Each config of the TMA dW kernel's autotuning list timed alone, in turns (--dw-configs):
     float32 out, as the training's float32 master weights take it, and the input's dtype, as
     the experts' gradients on their bf16 copies (the step's default) do: what the autotuner
-    chose among, and by how much. In the same turns, where it runs (Hopper), the
-    warp-specialized cooperative dW kernel in each of its consumer splits ("triton-dw-ws-cols",
-    "triton-dw-ws-rows"; kernels/grouped_mm_dw_ws.py, each checked
-    against the TMA kernel's dw first) and torch._grouped_mm ("torch_raw", its dw in the inputs'
-    dtype)."""
-    from kernels.grouped_mm_dw_ws import CONFIGS as DW_WS_CONFIGS
-    from kernels.grouped_mm_dw_ws import dw_ws_unsupported, launch_grouped_mm_dw_ws
+    chose among, and by how much. torch._grouped_mm ("torch_raw", its dw in the inputs' dtype)
+    runs in the same turns."""
     from kernels.grouped_mm_tma import _dw_tma_configs, launch_grouped_mm_dw_tma
     configs = named_configs(_dw_tma_configs(device.type, dtype))
     for out_dtype in dict.fromkeys((torch.float32, dtype)):  # once where the input is float32
         for gemm, x, dy, offsets, dw in _dw_operands(device, dtype, T, topk_idx, shape):
             (M, K), (E, _, N) = x.shape, dw.shape
             dw = dw.to(out_dtype)
-            fields = dict(op=gemm, pass_="dw", tokens=T, routing=routing,
-                          out_dtype=str(out_dtype).removeprefix("torch."), flop=2 * M * K * N, M=M, K=K, N=N,
-                          experts=E)
             fns = {name: (lambda c=c, dw=dw: launch_grouped_mm_dw_tma(x, dy, offsets, dw, config=c))
                    for name, c in configs.items()}
-            if (reason := dw_ws_unsupported(x, dy, dw)) is None:
-                for split, ws_config in DW_WS_CONFIGS.items():
-                    def ws(dw=dw, c=ws_config):
-                        return launch_grouped_mm_dw_ws(x, dy, offsets, dw, config=c)
-                    try:
-                        check_close(ws(torch.full_like(dw, float("nan"))),
-                                    launch_grouped_mm_dw_tma(x, dy, offsets, dw.clone()), "the TMA dW kernel")
-                        fns[f"triton-dw-ws-{split}"] = ws
-                    except Exception as e:  # noqa: BLE001  (recorded, not fatal)
-                        rec(backend=f"triton-dw-ws-{split}", error=f"{type(e).__name__}: {str(e)[:300]}", **fields)
-                fns["torch_raw"] = lambda: torch._grouped_mm(x.t(), dy, offs=offsets)
-            elif device.type == "cuda":
-                rec(backend="triton-dw-ws-*", error=reason, **fields)
+            fns["torch_raw"] = lambda: torch._grouped_mm(x.t(), dy, offs=offsets)
             for name, ms in timer.interleaved(fns).items():
-                rec(backend=name if name.startswith("triton-dw-ws") or name == "torch_raw" else "triton-dw-config",
-                    config=configs.get(name, {}), ms=ms, tflops=2 * M * K * N / ms / 1e9, **fields)
+                rec(op=gemm, pass_="dw", backend="torch_raw" if name == "torch_raw" else "triton-dw-config",
+                    config=configs.get(name, {}), tokens=T, routing=routing,
+                    out_dtype=str(out_dtype).removeprefix("torch."), ms=ms, tflops=2 * M * K * N / ms / 1e9,
+                    flop=2 * M * K * N, M=M, K=K, N=N, experts=E)
 
 
 def check_close(got, want, against: str) -> None:

@@ -23,8 +23,6 @@ and moved the 8 x 8 step by 0.2 %. Three explanations, one probe or reading each
   programs-N    our persistent GEMM kernels (forward, dx, dW) on at most N programs, one per SM:
                 the other SMs stay free for the update beside them (the H200 has 132)
   update-after  the update after the backward, not beside the next forward
-  dw-ws-SPLIT   the dW by kernels/grouped_mm_dw_ws.py (SPLIT: cols or rows, its CONFIGS) instead of the
-                TMA dW kernel, where it runs: is its kernel-alone gain the step's (twenty-fourth session)
   ws-pingpong   the warp-specialized kernel's ping-pong config (kernels/grouped_mm_ws.CONFIGS) at
                 every shape instead of the cooperative default: the H200's step at micro-batch 2
                 and 4, where ping-pong's kernels measured 2-4 % faster (twenty-third session)
@@ -42,8 +40,6 @@ PROBES = {
     "programs-N": "our persistent GEMM kernels on at most N programs",
     "update-after": "the update after the backward, not beside the next forward",
     "ws-pingpong": "the warp-specialized kernel's ping-pong config at every shape",
-    "dw-ws-cols": "the dW by the warp-specialized cooperative kernel, consumers on column halves",
-    "dw-ws-rows": "the dW by the warp-specialized cooperative kernel, consumers on row halves",
 }
 
 
@@ -114,15 +110,5 @@ def _patches(probe: str) -> list:
         ws = importlib.import_module("kernels.grouped_mm_ws")  # its launchers call default_config at each launch
         pingpong = ws.config_dict(*next(c for c in ws.CONFIGS if not c[4]))
         return [mock.patch.object(ws, "default_config", lambda n: pingpong)]
-    if probe.startswith("dw-ws-"):
-        launchers = importlib.import_module("kernels.grouped_mm")  # its dW launcher looks the TMA kernel up at each call
-        dw_ws = importlib.import_module("kernels.grouped_mm_dw_ws")
-        config, tma_dw = dw_ws.CONFIGS[probe.removeprefix("dw-ws-")], launchers.launch_grouped_mm_dw_tma
-
-        def launch_dw(x, dy, offsets, dw, *, squares=None):
-            if dw_ws.dw_ws_unsupported(x, dy, dw) is None:
-                return dw_ws.launch_grouped_mm_dw_ws(x, dy, offsets, dw, squares=squares, config=config)
-            return tma_dw(x, dy, offsets, dw, squares=squares)
-        return [mock.patch.object(launchers, "launch_grouped_mm_dw_tma", launch_dw)]
     raise AssertionError(probe)  # split() admits no other
 

@@ -48,9 +48,11 @@ columns >= N, which the store drops. The forward's K must be a multiple of BLOCK
 block would read the next group's rows of w into the product; the Triton kernel zeroes them in
 registers, which wgmma from shared memory cannot): ws_unsupported says so.
 
-A dW kernel built the same way (items of (group, K tile, N tile), per-item device-side
-descriptors of the group's rows) measured 0.99-1.12x the TMA dW kernel, still 0.79-0.95x
-torch._grouped_mm, and was deleted (bench/NOTES.md, eighteenth session).
+Two dW kernels built the same way (items of (group, K tile, N tile), per-item device-side
+descriptors of the group's rows) were measured and deleted: ping-pong (eighteenth session) and
+cooperative, each consumer on half of a 128 x 256 tile's rows or columns (twenty-fourth): none
+beat the TMA dW kernel where the step runs it (bf16 dw), and all trailed torch._grouped_mm
+(bench/NOTES.md).
 
 Needs Triton with Gluon's Hopper language (3.5+), an NVIDIA sm90 GPU and 16-bit inputs; no
 interpreter (Gluon has none), so on a CPU the kernel is only compiled (compile_for_sm90).
@@ -190,31 +192,23 @@ if gluon is not None:
         return g, row_start, row_end
 
     @gluon.jit
-    def _ring_products(a_ring, b_ring, ready, empty, acc, pos, blocks, A_ROW0: gl.constexpr, B_COL0: gl.constexpr,
-                       TRANS_A: gl.constexpr, TRANS_B: gl.constexpr):
-        """acc = the sum of A @ B over ``blocks`` ring stages from position ``pos`` (A and B the
-        stage's tiles, transposed where asked; of A the rows A_ROW0 + [0, acc's rows), of B the
-        columns B_COL0 + [0, acc's columns): one consumer's share of a cooperative tile), by
-        wgmma with one product in flight; each stage gets this consumer's arrival on its empty
-        barrier once the product reading it is done. blocks = 0: acc unchanged."""
-        STAGES: gl.constexpr = a_ring.type.shape[0]
+    def _ring_products(x_ring, w_ring, ready, empty, acc, pos, blocks, ROW0: gl.constexpr, TRANS_W: gl.constexpr):
+        """acc = the sum of x @ w over ``blocks`` ring stages from position ``pos`` (of the
+        stage's x tile the rows ROW0 + [0, acc's rows): one consumer's half of a cooperative
+        tile; w transposed where asked), by wgmma with one product in flight; each stage gets
+        this consumer's arrival on its empty barrier once the product reading it is done.
+        blocks = 0: acc unchanged."""
+        STAGES: gl.constexpr = x_ring.type.shape[0]
         ROWS: gl.constexpr = acc.type.shape[0]
-        COLS: gl.constexpr = acc.type.shape[1]
-        A_ROWS: gl.constexpr = _tile_shape(a_ring.type.shape, TRANS_A)[0]
-        B_COLS: gl.constexpr = _tile_shape(b_ring.type.shape, TRANS_B)[1]
         for b in range(blocks):
             s = pos % STAGES
             mbarrier.wait(ready.index(s), pos // STAGES & 1)
-            a = a_ring.index(s)
-            if TRANS_A:
-                a = a.permute((1, 0))
-            if ROWS < A_ROWS:
-                a = a.slice(A_ROW0, ROWS)
-            w = b_ring.index(s)
-            if TRANS_B:
+            a = x_ring.index(s)
+            if ROWS < x_ring.type.shape[1]:
+                a = a.slice(ROW0, ROWS)
+            w = w_ring.index(s)
+            if TRANS_W:
                 w = w.permute((1, 0))
-            if COLS < B_COLS:
-                w = w.slice(B_COL0, COLS, dim=1)
             acc = warpgroup_mma(a, w, acc, use_acc=b > 0, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # the product before has read its stage
             mbarrier.arrive(empty.index((pos + STAGES - 1) % STAGES), count=1, pred=b > 0)
@@ -310,8 +304,7 @@ if gluon is not None:
             if not COOP:
                 _wait_turn(order, j, WHICH)
             if g < G:
-                acc = _ring_products(x_ring, w_ring, ready, empty, acc, j * k_blocks, k_blocks, ROW0, 0, False,
-                                     TRANS_W)
+                acc = _ring_products(x_ring, w_ring, ready, empty, acc, j * k_blocks, k_blocks, ROW0, TRANS_W)
             if not COOP:
                 _pass_turn(order, WHICH)
             row_start += ROW0  # past row_end (the second half of a group's last tile): nothing stored

@@ -23,3 +23,8 @@ def test_interleaved_times_each_fn_in_turns():
     assert calls[:2] == ["short", "long"]  # warm-up
     # repeats alternate which fn goes first
     assert calls[2:] == ["short", "long", "long", "short", "short", "long", "long", "short"]
+
+
+def test_interleaved_nothing_times_nothing():
+    """A pass none of the asked backends has (e.g. --dw-configs' float32 dw with torch alone)."""
+    assert Timer(torch.device("cpu"), reps=4, warmup=1).interleaved({}) == {}

@@ -105,18 +105,3 @@ def test_update_after_probe_keeps_the_update_off_the_side_stream():
             assert plan == dataclasses.replace(real(cfg, torch.device("cuda"), **on_gpu), update_beside_forward=False)
     assert execution.plan_execution is real and measure.plan_execution is real
 
-
-@pytest.mark.parametrize("split", ["cols", "rows"])
-def test_dw_ws_probe_routes_the_dw_through_the_warp_specialized_kernel(split, monkeypatch):
-    """Where the cooperative dW kernel runs, the probe's dW goes there with its split's config;
-    where it does not (here, a CPU), to the TMA kernel as before."""
-    gm = importlib.import_module("kernels.grouped_mm")
-    dw_ws = importlib.import_module("kernels.grouped_mm_dw_ws")
-    calls = []
-    monkeypatch.setattr(gm, "launch_grouped_mm_dw_tma", lambda *a, **k: calls.append(("tma", k)))
-    monkeypatch.setattr(dw_ws, "launch_grouped_mm_dw_ws", lambda *a, **k: calls.append(("ws", k)))
-    with probes.applied(f"7b8l-default~dw-ws-{split}"):
-        gm.launch_grouped_mm_dw_tma(*[torch.zeros(8, 16)] * 2, None, torch.zeros(2, 16, 16), squares=None)
-        monkeypatch.setattr(dw_ws, "dw_ws_unsupported", lambda *a: None)
-        gm.launch_grouped_mm_dw_tma(*[torch.zeros(8, 16)] * 2, None, torch.zeros(2, 16, 16), squares="slots")
-    assert calls == [("tma", {"squares": None}), ("ws", {"squares": "slots", "config": dw_ws.CONFIGS[split]})]
