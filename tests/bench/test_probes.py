@@ -104,4 +104,3 @@ def test_update_after_probe_keeps_the_update_off_the_side_stream():
             # nothing else changes
             assert plan == dataclasses.replace(real(cfg, torch.device("cuda"), **on_gpu), update_beside_forward=False)
     assert execution.plan_execution is real and measure.plan_execution is real
-
