@@ -162,10 +162,9 @@ if gluon is not None:
     _LOADER_REGISTERS = gl.constexpr(LOADER_REGISTERS)
 
     @gluon.constexpr_function
-    def _tile_shape(ring_shape, trans):
-        """A ring's stage tile as wgmma reads it, [rows, columns]: the ring is (STAGES, rows,
-        columns), or (STAGES, columns, rows) where the tile is read transposed."""
-        return [ring_shape[2], ring_shape[1]] if trans else [ring_shape[1], ring_shape[2]]
+    def _ring_block_n(w_ring_shape, trans_w):
+        """BLOCK_N from w's ring: (STAGES, BLOCK_K, BLOCK_N), or (STAGES, BLOCK_N, BLOCK_K) transposed."""
+        return w_ring_shape[1] if trans_w else w_ring_shape[2]
 
     # gl.sum is Triton's sum, whose combine function is a triton.jit function: under
     # TRITON_INTERPRET=1 (the CPU tests) that is an interpreted one, which Gluon cannot compile.
@@ -244,7 +243,7 @@ if gluon is not None:
                 SEGMENTS: gl.constexpr, TRANS_W: gl.constexpr, EPILOGUE: gl.constexpr, layout: gl.constexpr):
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = _tile_shape(w_ring.type.shape, TRANS_W)[1]
+        BLOCK_N: gl.constexpr = _ring_block_n(w_ring.type.shape, TRANS_W)
         HALF: gl.constexpr = BLOCK_N // 2
         STAGES: gl.constexpr = x_ring.type.shape[0]
         # the forward's SwiGLU: w's block is one half of a ring tile, the gate's columns and then the up's

@@ -31,20 +31,16 @@ CONFIGS = pytest.mark.parametrize("config", [ws.config_dict(*c) for c in ws.CONF
 TRANS = pytest.mark.parametrize("trans_w", [False, True], ids=["forward", "dx"])
 
 
-def sm90_report_in_fresh_process(module: str) -> dict:
-    """``module``.sm90_report() from a fresh process: an interpreted kernel run earlier in this
-    one (any CPU kernel test) leaves state that breaks Gluon's compiler."""
+@pytest.fixture(scope="module")
+def sm90():
+    """grouped_mm_ws.sm90_report() from a fresh process: an interpreted kernel run earlier in
+    this one (any CPU kernel test) leaves state that breaks Gluon's compiler."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", f"import json; from {module} import sm90_report; "
+    run = subprocess.run([sys.executable, "-c", "import json; from kernels.grouped_mm_ws import sm90_report; "
                           "print(json.dumps(sm90_report()))"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def sm90():
-    return sm90_report_in_fresh_process("kernels.grouped_mm_ws")
 
 
 KERNELS = [f"{name}/{ws.config_name(c)}" for c in ws.CONFIGS for name in ws.KERNELS]
