@@ -6,8 +6,8 @@
     PYTHONPATH=/tmp/tN python bench/tma_multicast_check.py
 
 Why: CUTLASS's grouped GEMMs (torch._grouped_mm's) load each shared operand tile once per 2-CTA
-cluster and multicast it to both CTAs' shared memory; ours load it once per CTA and move 22-30 %
-more L2 bytes (bench/NOTES.md, twenty-second to twenty-fourth sessions). Whether a kernel of ours
+cluster and multicast it to both CTAs' shared memory; our dW kernel loads it once per CTA and
+moves 23-30 % more L2 bytes (bench/NOTES.md, twenty-second to twenty-fourth sessions). Whether a kernel of ours
 can do the same depends on the Triton the GPU machine runs, and that is answered here without a
 GPU: a 64 x 64 bf16 tile, laid out as broadcast across a 2-CTA cluster (every CTA holds all of
 it), is loaded by TMA and compiled for sm90 on the CPU, and the PTX says whether the load carries
