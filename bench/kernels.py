@@ -359,8 +359,8 @@ def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
     """Each config of the TMA dW kernel's autotuning list timed alone, in turns (--dw-configs):
     float32 out, as the training's float32 master weights take it, and the input's dtype, as
     the experts' gradients on their bf16 copies (the step's default) do: what the autotuner
-    chose among, and by how much. torch._grouped_mm ("torch_raw", its dw in the inputs' dtype)
-    runs in the same turns."""
+    chose among, and by how much. torch._grouped_mm ("torch_raw", its dw in the inputs' dtype:
+    ``out_dtype``) runs in the same turns; ``turns_out_dtype`` names the TMA kernel's beside it."""
     from kernels.grouped_mm_tma import _dw_tma_configs, launch_grouped_mm_dw_tma
     configs = named_configs(_dw_tma_configs(device.type, dtype))
     for out_dtype in dict.fromkeys((torch.float32, dtype)):  # once where the input is float32
@@ -371,10 +371,11 @@ def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
                    for name, c in configs.items()}
             fns["torch_raw"] = lambda: torch._grouped_mm(x.t(), dy, offs=offsets)
             for name, ms in timer.interleaved(fns).items():
+                written = dtype if name == "torch_raw" else out_dtype  # torch._grouped_mm has no float32 out
                 rec(op=gemm, pass_="dw", backend="torch_raw" if name == "torch_raw" else "triton-dw-config",
                     config=configs.get(name, {}), tokens=T, routing=routing,
-                    out_dtype=str(out_dtype).removeprefix("torch."), ms=ms, tflops=2 * M * K * N / ms / 1e9,
-                    flop=2 * M * K * N, M=M, K=K, N=N, experts=E)
+                    out_dtype=str(written).removeprefix("torch."), turns_out_dtype=str(out_dtype).removeprefix("torch."),
+                    ms=ms, tflops=2 * M * K * N / ms / 1e9, flop=2 * M * K * N, M=M, K=K, N=N, experts=E)
 
 
 def _dw_operands(device, dtype, T, topk_idx, shape):
