@@ -169,6 +169,12 @@ class MoEConfig(_Validated):
     # OLMoE's coefficients, on the mean over the MoE layers of each layer's loss (OLMoE's
     # convention: Transformer.aux_loss), so they do not grow with the depth
     lb_loss_coef: float = 0.01  # load-balancing loss: E * sum_e (share of assignments) * (mean prob)
+    # Which load-balancing loss: "all_layers", transformers' load_balancing_loss_func over the
+    # router outputs of every layer together (the paper's runs: E * sum_e F_e * P_e with F_e the
+    # share of all layers' top-k assignments to e times k and P_e e's mean probability over all
+    # layers' tokens; k at balance); "per_layer", each layer's E * sum_e f_e * P_e averaged over
+    # the layers (OLMoE's trainer, megablocks; 1 at balance)
+    lb_loss_form: Literal["all_layers", "per_layer"] = "per_layer"
     # Over which tokens the share of assignments is counted: "forward", each rank's micro-batch
     # (OLMoE's recipe: megablocks' per-forward statistic, so the objective depends on the layout);
     # "global", the counts summed over the data-parallel ranks and the step's micro-batches so far
@@ -197,7 +203,8 @@ class MoEConfig(_Validated):
 
 @dataclass(frozen=True)
 class ModelConfig(_Validated):
-    """A decoder-only transformer: pre-norm RMSNorm, RoPE, QK-norm, SwiGLU or MoE feed-forward."""
+    """A decoder-only transformer: pre-norm (RMSNorm or OLMo-1B's non-parametric LayerNorm), RoPE,
+    optional QK-norm, SwiGLU or MoE feed-forward, untied embeddings."""
 
     _section: typing.ClassVar[str] = "model"
 
@@ -211,8 +218,17 @@ class ModelConfig(_Validated):
     max_seq_len: int = 4096
     rope_theta: float = 10000.0
     qk_norm: bool = True
+    # The pre-norms and the final norm: "rmsnorm" with a learned scale (OLMoE), or
+    # "nonparametric_layernorm", LayerNorm with neither weight nor bias (OLMo-1B)
+    norm: Literal["rmsnorm", "nonparametric_layernorm"] = "rmsnorm"
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # Every matrix starts N(0, init_std), truncated at init_truncation x init_std (OLMo-core's
+    # OLMoE recipe: 3), or not truncated (null: transformers' init, which the paper's runs used)
+    init_truncation: Optional[float] = 3.0
+    # The padding token's embedding row: zero from the start and never updated (its gradient is
+    # zero, as nn.Embedding's padding_idx makes it). null: every row is a token's.
+    pad_token_id: Optional[int] = None
     pad_vocab_to: int = 128  # the embedding is padded to a multiple of this
 
     def check(self) -> None:
@@ -227,6 +243,10 @@ class ModelConfig(_Validated):
         self._require(self.rope_theta > 0, "rope_theta", "must be > 0")
         self._require(self.norm_eps > 0, "norm_eps", "must be > 0")
         self._require(self.init_std > 0, "init_std", "must be > 0")
+        self._require(self.init_truncation is None or self.init_truncation > 0, "init_truncation",
+                      "must be null (untruncated) or > 0 standard deviations")
+        self._require(self.pad_token_id is None or 0 <= self.pad_token_id < self.vocab_size, "pad_token_id",
+                      f"must be null or a token id below vocab_size ({self.vocab_size})")
 
     @property
     def head_dim(self) -> int:
@@ -259,6 +279,12 @@ class OptimConfig(_Validated):
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: Optional[float] = 1.0  # max global grad norm; None disables clipping
+    # Clip only from the end of the warmup on (schedule.warmup_steps), as the paper's runs did;
+    # false: from the first step
+    clip_after_warmup: bool = False
+    # Weight decay on every parameter, the norm scales included (the paper's runs: one group),
+    # instead of on the matrices only (OLMoE's groups)
+    decay_norms: bool = False
 
     def check(self) -> None:
         self._require(self.lr > 0, "lr", "must be > 0")
@@ -270,7 +296,8 @@ class OptimConfig(_Validated):
 
 @dataclass(frozen=True)
 class ScheduleConfig(_Validated):
-    """Learning rate: linear warmup, then cosine to ``min_lr_ratio`` x lr, or warmup-stable-decay."""
+    """Learning rate: linear warmup, then cosine to ``min_lr_ratio`` x lr over the decay horizon,
+    or warmup-stable-decay (optimus_core.train.schedule)."""
 
     _section: typing.ClassVar[str] = "schedule"
 
@@ -278,11 +305,22 @@ class ScheduleConfig(_Validated):
     warmup_steps: int = 2500
     min_lr_ratio: float = 0.1
     decay_fraction: float = 0.2  # wsd: the last fraction of steps decays linearly to min_lr
+    # Where the warmup starts: "zero" (lr x (step + 1) / warmup_steps) or "min_lr" (linear from
+    # min_lr_ratio x lr at step 0 to lr at warmup_steps: the paper's runs)
+    warmup_from: Literal["zero", "min_lr"] = "zero"
+    # The steps the decay spans, separate from how long the run trains: "run" (the run's own
+    # steps: the floor at its last step), "epoch" (one epoch of the training data, in whole global
+    # batches, counted when the run starts: the paper's, whose 100B-token runs stop early on that
+    # horizon), or a number of steps (the floor at that step). The lr stays at the floor past it.
+    decay_horizon: Union[int, Literal["run", "epoch"]] = "run"
 
     def check(self) -> None:
         self._require(self.warmup_steps >= 0, "warmup_steps", "must be >= 0")
         self._require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
         self._require(0 < self.decay_fraction <= 1, "decay_fraction", "must be in (0, 1]")
+        if isinstance(self.decay_horizon, int):
+            self._require(self.decay_horizon > self.warmup_steps, "decay_horizon",
+                          f"must be 'run', 'epoch' or a number of steps above warmup_steps ({self.warmup_steps})")
 
 
 @dataclass(frozen=True)
@@ -294,6 +332,12 @@ class DataConfig(_Validated):
     path: str = ""
     seq_len: int = 4096
     seed: int = 0  # the shuffle of training sequences
+    # How training sequences are cut and ordered (optimus_core.data.loader): "stream", seq_len + 1
+    # tokens at a time from the split's files as one stream, a fresh permutation each epoch;
+    # "file_windows", each file cut into seq_len-token windows (its tail dropped), one permutation
+    # of all windows by numpy's legacy generator seeded with data.seed, data rank r taking every
+    # (data ranks)-th window of each step's block (the paper's runs)
+    order: Literal["stream", "file_windows"] = "stream"
 
     def check(self) -> None:
         self._require(self.seq_len >= 2, "seq_len", "must be >= 2")

@@ -42,16 +42,21 @@ def embedding_params(cfg: ModelConfig) -> int:
     return 2 * cfg.padded_vocab_size * cfg.d_model
 
 
+def _norm_params(cfg: ModelConfig) -> int:
+    """One pre-norm's (or the final norm's) parameters: RMSNorm's scale, none for OLMo's LayerNorm."""
+    return cfg.d_model if cfg.norm == "rmsnorm" else 0
+
+
 def _layer_params(cfg: ModelConfig, active: bool) -> int:
-    return 2 * cfg.d_model + _attention_params(cfg) + _ffn_params(cfg, active)  # + 2 norms
+    return 2 * _norm_params(cfg) + _attention_params(cfg) + _ffn_params(cfg, active)
 
 
 def num_params(cfg: ModelConfig) -> int:
-    return embedding_params(cfg) + cfg.d_model + cfg.n_layers * _layer_params(cfg, active=False)
+    return embedding_params(cfg) + _norm_params(cfg) + cfg.n_layers * _layer_params(cfg, active=False)
 
 
 def num_active_params(cfg: ModelConfig) -> int:
-    return embedding_params(cfg) + cfg.d_model + cfg.n_layers * _layer_params(cfg, active=True)
+    return embedding_params(cfg) + _norm_params(cfg) + cfg.n_layers * _layer_params(cfg, active=True)
 
 
 def active_matmul_params(cfg: ModelConfig) -> int:

@@ -1,57 +1,93 @@
-"""The Mula model family: paper-scale presets and their laptop proxies (the one source of shapes).
+"""The Mula model family as the paper's authors ran it: presets by base model and scaling tag.
 
     >>> from optimus_core import presets
-    >>> p = presets.get("mula-7b-a1b")
-    >>> p.model.num_params(), p.model.num_active_params()
-    (6919161856, 1282017280)
-    >>> cfg = p.run_config(**{"train.steps": 10})     # a RunConfig, overrides validated
+    >>> p = presets.get("mula-20b-a2b")
+    >>> p.base, p.tag, p.model.num_params(), p.model.num_active_params()
+    ('olmoe-1b-7b', 'SE1.5-L32', 20076824576, 2360084480)
+    >>> presets.get("olmoe-1b-7b--SE1.125").model.moe.n_experts   # any tag, as the authors scale
+    72
+    >>> cfg = p.run_config(**{"train.steps": 10})                   # a RunConfig, overrides validated
 
-A preset is a model shape plus the training recipe it was designed with (optimizer, schedule,
-sequence length, global batch). Token budgets, tile counts and walltimes are not model facts:
-they live with the runs in workflow/experiments.py.
+A preset is a model plus the recipe it trains with (optimizer, schedule, data order, sequence
+length, global batch). Token budgets, tile counts and layouts are not model facts: they live
+with the runs in workflow/experiments.py.
 
-Why these shapes
-- mula-1b: the dense reference, OLMo-1B's shape (16 x 2048, 16 heads, SwiGLU hidden 8192) with
-  OLMoE's untied embeddings, QK-norm and vocabulary, so that it differs from mula-7b-a1b only in
-  its feed-forward: 1.28B parameters, all active, the same as mula-7b-a1b's 1.28B active.
-- mula-7b-a1b: OLMoE-1B-7B exactly (DESIGN.md reference facts): 6.92B total, 1.28B active.
-- The three large models have no published configuration. We keep OLMoE's recipe (head dim 128,
-  no GQA, top-8, fine-grained experts) and grow the model along the axes MoE scaling work grows
-  it (more and wider layers, more experts at fixed top-k):
-  * mula-20b-a2b: OLMoE's width and expert size, 24 layers and 128 experts (2x the expert pool,
-    so 1/16 of experts active): 19.94B total, 1.82B active (0.91x of "2B").
-  * mula-100b-a7b: width 4096 (32 heads), 32 layers, 128 experts of hidden 2048 (half the
-    width, OLMoE's ratio): 105.7B total, 9.0B active (1.29x of "7B"; top-8 of 128 at this width
-    cannot reach 7B without narrowing experts below OLMoE's ratio).
-  * mula-220b-a10b: width 4096, 60 layers, 256 experts of hidden 1152 (top-8 of 256: 1/32
-    active, the sparsity of the largest fine-grained MoEs): 221.9B total, 11.3B active (1.13x).
-    60 layers divide by 4, 6, 12 and 15 for pipeline stages, and 256 experts by every EP degree
-    up to 256.
-- Laptop proxies (``<name>@laptop``) keep the family: same expert count and top-k, same ratios
-  of expert hidden to width, tiny widths (128) and depth (4), a 4096-token BPE vocabulary
-  trained on the embedded corpus, and a recipe scaled to a few hundred CPU steps.
-  The scale-up proxies (LAPTOP_SCALEUP) keep the paper's ordering, 20B < 100B < 220B in total
-  and in active parameters, and the paper's growth axes within a CPU budget (all three train in
-  `make reproduce`): mula-20b-a2b@laptop is deeper than the 7B-A1B proxy (5 layers, as 24 > 16);
-  mula-100b-a7b@laptop is wider (160, as 4096 > 2048); mula-220b-a10b@laptop keeps that width
-  and is deeper (8, as 60 > 32) with its 256 narrower experts: 17.2M / 2.44M, 26.5M / 3.46M
-  and 46.7M / 3.85M parameters (total / active).
+The paper's models (GitHub IntelLabs/Optimus-LM: its README's "Paper variants" and
+``optimus/config_utils.py``; read 2026-12-06). Every MoE model is OLMoE-1B-7B-0924 rescaled by a
+tag (optimus_core.tags):
+
+    mula-1b         olmo-1b       OLMo-1B: non-parametric LayerNorm, no QK-norm, SwiGLU 8192, untied
+    mula-7b-a1b     olmoe-1b-7b   OLMoE-1B-7B-0924 itself
+    mula-20b-a2b    olmoe-1b-7b   SE1.5-L32
+    mula-100b-a7b   olmoe-1b-7b   SA1.5-SH1.5-SE2.25-SI1.5-L48
+    mula-220b-a10b  olmoe-1b-7b   SA1.5-SH1.5-SE3.75-SI1.5-L64
+
+``BASE--TAG`` names any other model of the grammar (``olmoe-1b-7b--SE1.125``: the authors' kernel
+A/B model). Both bases use the OLMoE tokenizer's vocabulary (50280, embedding padded to 50304),
+the padding id 1 (its embedding row zero and never updated) and transformers' init, N(0, 0.02)
+untruncated.
+
+The paper's recipe (``dist_train.py``, ``run_experiment.sh``, ``submit_aurora_job_paper.pbs``):
+context 2048, 3072 sequences a step (6.29M tokens), AdamW lr 4e-4 (betas 0.9, 0.95, eps 1e-8,
+weight decay 0.1 on every parameter), warmup 2500 steps linear from 4e-5, cosine to 4e-5 over
+one epoch of the data, clipping at 1.0 from the end of the warmup, load balancing 0.01 x
+transformers' loss over every layer's router logits together, no router z-loss, the paper's
+data order (optimus_core.data.windows, seed 42), gradients reduced in bf16.
+
+Our own choices stay selectable by name: ``--set model.moe.lb_loss_form=per_layer``,
+``model.moe.z_loss_coef=0.001``, ``model.moe.lb_loss_scope=global``, ``model.moe.bias_update_rate``,
+``model.init_truncation=3``, ``schedule.decay_horizon=run``, ``schedule.warmup_from=zero``,
+``optim.clip_after_warmup=false``, ``optim.decay_norms=false``, ``data.order=stream``.
+
+Laptop proxies (``<name>@laptop``) are the same tags on tiny bases (``olmoe-1b-7b@laptop``:
+width 128, 4 heads of 32, 4 layers, 16 experts, top-2, expert hidden 64, a quarter of OLMoE's
+depth and experts with its share of active experts and its expert-hidden-to-width ratio;
+``olmo-1b@laptop`` likewise), with each tag's ``L`` scaled by the base's quarter depth
+(``laptop_tag``), so that the proxies keep the paper's ratios of layers, width, experts and
+active share. They train on the 4096-token BPE `optimus tokenize` trains on the embedded corpus,
+with the paper's recipe at a laptop's scale: context 128, 16 sequences a step, lr 3e-3 (tiny
+models learn in a few hundred steps only at a larger rate), a 20-step warmup.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import (ConfigError, DataConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig,
+from .config import (ConfigError, DataConfig, ModelConfig, MoEConfig, OptimConfig, ParallelConfig, RunConfig,
                      ScheduleConfig, TrainConfig, apply_overrides)
+from .tags import apply_tag, parse_tag, split_name
 
 OLMOE_VOCAB = 50280  # gpt-neox-olmo-dolma-v1_5; padded to 50304 in the embedding
 LAPTOP_VOCAB = 4096  # the byte-level BPE `optimus tokenize` trains on the embedded corpus
-# The scale-up proxies' width, depth and heads (head dim 32, as every laptop proxy): module doc.
-LAPTOP_SCALEUP = {
-    "mula-20b-a2b": dict(d_model=128, n_layers=5, n_heads=4),
-    "mula-100b-a7b": dict(d_model=160, n_layers=5, n_heads=5),
-    "mula-220b-a10b": dict(d_model=160, n_layers=8, n_heads=5),
+PAD_ID = 1  # OLMoE's tokenizer's <|padding|>, and the laptop tokenizer's (stages/tokenize.py)
+LAPTOP = "@laptop"
+
+# The paper's two base models (the authors' Hugging Face configs, as they modify them).
+_PAPER_BASE = dict(vocab_size=OLMOE_VOCAB, d_model=2048, n_layers=16, n_heads=16, max_seq_len=4096,
+                   init_truncation=None, pad_token_id=PAD_ID)
+_PAPER_MOE = MoEConfig(n_experts=64, top_k=8, d_expert=1024, lb_loss_coef=0.01, lb_loss_form="all_layers",
+                       z_loss_coef=0.0)
+# Tiny bases: a quarter of the paper bases' depth and experts, the same share of active experts
+# (1/8), head dim 32, expert hidden half the width (OLMoE's), dense hidden 4 x the width (OLMo's).
+_LAPTOP_BASE = dict(vocab_size=LAPTOP_VOCAB, d_model=128, n_layers=4, n_heads=4, max_seq_len=512,
+                    init_truncation=None, pad_token_id=PAD_ID)
+_LAPTOP_MOE = _PAPER_MOE.replace(n_experts=16, top_k=2, d_expert=64)
+
+BASES: dict[str, ModelConfig] = {
+    "olmoe-1b-7b": ModelConfig(**_PAPER_BASE, moe=_PAPER_MOE),
+    "olmo-1b": ModelConfig(**_PAPER_BASE, d_ff=8192, qk_norm=False, norm="nonparametric_layernorm"),
+    f"olmoe-1b-7b{LAPTOP}": ModelConfig(**_LAPTOP_BASE, moe=_LAPTOP_MOE),
+    f"olmo-1b{LAPTOP}": ModelConfig(**_LAPTOP_BASE, d_ff=512, qk_norm=False, norm="nonparametric_layernorm"),
+}
+BASE_SUMMARY = {"olmoe-1b-7b": "OLMoE-1B-7B-0924", "olmo-1b": "OLMo-1B"}
+
+# name: (base, the authors' tag, summary)
+MULA = {
+    "mula-1b": ("olmo-1b", "", "dense reference: OLMo-1B"),
+    "mula-7b-a1b": ("olmoe-1b-7b", "", "OLMoE-1B-7B-0924"),
+    "mula-20b-a2b": ("olmoe-1b-7b", "SE1.5-L32", "32 layers, 96 experts"),
+    "mula-100b-a7b": ("olmoe-1b-7b", "SA1.5-SH1.5-SE2.25-SI1.5-L48", "48 layers, width 3072, 144 experts"),
+    "mula-220b-a10b": ("olmoe-1b-7b", "SA1.5-SH1.5-SE3.75-SI1.5-L64", "64 layers, width 3072, 240 experts"),
 }
 
 
@@ -61,65 +97,72 @@ class Preset:
     model: ModelConfig
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    seq_len: int = 4096
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     global_batch: int = 1024  # sequences
+    base: str = ""  # the base model the tag rescales (BASES)
+    tag: str = ""  # the authors' scaling tag ("" for the base itself)
     summary: str = ""
+
+    @property
+    def seq_len(self) -> int:
+        return self.data.seq_len
 
     def run_config(self, **overrides: Any) -> RunConfig:
         """The RunConfig this preset trains with, with dotted-path ``overrides`` applied."""
-        base = RunConfig(
-            preset=self.name,
-            model=self.model,
-            optim=self.optim,
-            schedule=self.schedule,
-            train=TrainConfig(global_batch=self.global_batch),
-            data=DataConfig(seq_len=self.seq_len),
-        )
+        base = RunConfig(preset=self.name, model=self.model, optim=self.optim, schedule=self.schedule,
+                         train=TrainConfig(global_batch=self.global_batch), data=self.data, parallel=self.parallel)
         return apply_overrides(base, overrides) if overrides else base
 
 
-def _paper(name: str, model: ModelConfig, summary: str) -> Preset:
-    # OLMoE's recipe: AdamW 4e-4, betas (0.9, 0.95), wd 0.1, clip 1.0, cosine after 2500
-    # warmup steps, 1024 x 4096 tokens per step.
-    return Preset(name, model, OptimConfig(), ScheduleConfig(kind="cosine", warmup_steps=2500), 4096, 1024, summary)
+# The paper's recipe (module doc) and its laptop scale.
+PAPER_OPTIM = OptimConfig(lr=4e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=1.0,
+                          clip_after_warmup=True, decay_norms=True)
+PAPER_SCHEDULE = ScheduleConfig(kind="cosine", warmup_steps=2500, min_lr_ratio=0.1, warmup_from="min_lr",
+                                decay_horizon="epoch")
+PAPER_DATA = DataConfig(seq_len=2048, seed=42, order="file_windows")
+PAPER_PARALLEL = ParallelConfig(reduce_dtype="bfloat16")
+PAPER_BATCH = 3072
+LAPTOP_OPTIM = PAPER_OPTIM.replace(lr=3e-3)
+LAPTOP_SCHEDULE = PAPER_SCHEDULE.replace(warmup_steps=20)
+LAPTOP_DATA = PAPER_DATA.replace(seq_len=128)
+LAPTOP_BATCH = 16
 
 
-def _laptop(paper: Preset, model: ModelConfig) -> Preset:
-    # Tiny models tolerate (and need, to learn in a few hundred steps) a larger learning rate.
-    return Preset(
-        f"{paper.name}@laptop", model,
-        OptimConfig(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, grad_clip=1.0),
-        ScheduleConfig(kind="cosine", warmup_steps=20, min_lr_ratio=0.1),
-        seq_len=128, global_batch=16, summary=f"laptop proxy of {paper.name}",
-    )
+def laptop_tag(tag: str, base: str) -> str:
+    """``tag`` for ``base``'s tiny proxy: its ``L`` (a depth, not a scale) scaled by the tiny
+    base's share of the paper base's depth; every scale key as it is."""
+    if not tag:
+        return tag
+    ratio = BASES[base + LAPTOP].n_layers / BASES[base].n_layers
+    parsed = parse_tag(tag)
+    tokens = []
+    for token in tag.split("-"):
+        if token.startswith("L") and "L" in parsed:
+            depth = parsed["L"] * ratio
+            if not float(depth).is_integer() or depth < 1:
+                raise ConfigError(f"tag {tag!r}: L{int(parsed['L'])} x {ratio} is not a whole depth for {base}{LAPTOP}")
+            token = f"L{int(depth)}"
+        tokens.append(token)
+    return "-".join(tokens)
 
 
-def _moe(n_experts: int, top_k: int, d_expert: int) -> MoEConfig:
-    return MoEConfig(n_experts=n_experts, top_k=top_k, d_expert=d_expert)
+def _preset(name: str, base: str, tag: str, summary: str = "") -> Preset:
+    if base not in BASES:
+        raise ConfigError(f"preset = {name!r}: unknown base model {base!r}; tags rescale one of "
+                          f"{', '.join(BASES)}")
+    model = apply_tag(BASES[base], tag) if tag else BASES[base]
+    if base.endswith(LAPTOP):
+        return Preset(name, model, LAPTOP_OPTIM, LAPTOP_SCHEDULE, LAPTOP_DATA, PAPER_PARALLEL, LAPTOP_BATCH,
+                      base, tag, summary)
+    return Preset(name, model, PAPER_OPTIM, PAPER_SCHEDULE, PAPER_DATA, PAPER_PARALLEL, PAPER_BATCH,
+                  base, tag, summary)
 
 
 def _build() -> dict[str, Preset]:
-    paper = [
-        _paper("mula-1b", ModelConfig(vocab_size=OLMOE_VOCAB, d_model=2048, n_layers=16, n_heads=16, d_ff=8192),
-               "dense reference, OLMo-1B shape"),
-        _paper("mula-7b-a1b", ModelConfig(vocab_size=OLMOE_VOCAB, d_model=2048, n_layers=16, n_heads=16,
-                                          moe=_moe(64, 8, 1024)), "OLMoE-1B-7B"),
-        _paper("mula-20b-a2b", ModelConfig(vocab_size=OLMOE_VOCAB, d_model=2048, n_layers=24, n_heads=16,
-                                           moe=_moe(128, 8, 1024)), "24 layers, 128 experts"),
-        _paper("mula-100b-a7b", ModelConfig(vocab_size=OLMOE_VOCAB, d_model=4096, n_layers=32, n_heads=32,
-                                            moe=_moe(128, 8, 2048)), "width 4096, 128 experts"),
-        _paper("mula-220b-a10b", ModelConfig(vocab_size=OLMOE_VOCAB, d_model=4096, n_layers=60, n_heads=32,
-                                             moe=_moe(256, 8, 1152)), "60 layers, 256 experts"),
-    ]
-    out = {p.name: p for p in paper}
-    for p in paper:
-        tiny = ModelConfig(vocab_size=LAPTOP_VOCAB, d_model=128, n_layers=4, n_heads=4, d_ff=512, max_seq_len=512)
-        tiny = tiny.replace(**LAPTOP_SCALEUP.get(p.name, {}))
-        if p.model.moe is not None:
-            ratio = p.model.moe.d_expert / p.model.d_model  # keep expert hidden / width
-            tiny = tiny.replace(moe=p.model.moe.replace(d_expert=max(16, int(tiny.d_model * ratio))))
-        lp = _laptop(p, tiny)
-        out[lp.name] = lp
+    out = {name: _preset(name, base, tag, summary) for name, (base, tag, summary) in MULA.items()}
+    for name, (base, tag, summary) in MULA.items():
+        out[name + LAPTOP] = _preset(name + LAPTOP, base + LAPTOP, laptop_tag(tag, base), f"laptop proxy of {name}")
     return out
 
 
@@ -131,7 +174,14 @@ def names() -> list[str]:
 
 
 def get(name: str) -> Preset:
-    try:
+    """The preset called ``name``: a Mula preset (``names()``), a base model (``BASES``), or
+    ``BASE--TAG``, a base rescaled by an authors' tag."""
+    if name in PRESETS:
         return PRESETS[name]
-    except KeyError:
-        raise ConfigError(f"preset = {name!r}: unknown; known presets: {', '.join(PRESETS)}") from None
+    if not isinstance(name, str):
+        raise ConfigError(f"preset = {name!r}: must be a preset name")
+    base, tag = split_name(name)
+    if base in BASES:
+        return _preset(name, base, tag, BASE_SUMMARY.get(base, "") if not tag else "")
+    raise ConfigError(f"preset = {name!r}: unknown; known presets: {', '.join(PRESETS)}; or a base "
+                      f"({', '.join(BASES)}) with a scaling tag, e.g. olmoe-1b-7b--SE1.125")

@@ -1,6 +1,6 @@
 """Token data: the shard format written by `optimus tokenize` and the loaders that read it.
 
-    from optimus_core.data import TokenDataset, BatchLoader, heldout_batches, load_manifest
+    from optimus_core.data import TokenDataset, BatchLoader, training_loader, heldout_batches, load_manifest
 
 The loaders are imported on first use: they need torch, and the tokenizer stage and its worker
 processes, which only write the format, would otherwise each pay its import (~2 s).
@@ -10,7 +10,7 @@ from optimus_core.data.shards import (
     token_dtype, verify,
 )
 
-_LOADER_NAMES = ("BatchLoader", "TokenDataset", "heldout_batches")
+_LOADER_NAMES = ("BatchLoader", "TokenDataset", "heldout_batches", "training_loader")
 
 __all__ = [
     *_LOADER_NAMES,

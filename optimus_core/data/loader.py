@@ -20,14 +20,17 @@ from __future__ import annotations
 import hashlib
 import operator
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from optimus_core.data.shards import ShardError, load_manifest, open_tokens
 
-__all__ = ["TokenDataset", "BatchLoader", "heldout_batches"]
+if TYPE_CHECKING:
+    from optimus_core.config import DataConfig
+
+__all__ = ["TokenDataset", "BatchLoader", "heldout_batches", "training_loader"]
 
 
 class TokenDataset:
@@ -120,17 +123,38 @@ class BatchLoader:
     def state_dict(self) -> dict:
         """JSON-serialisable; ``epoch`` and ``position`` say where the next batch starts, the rest
         guards against resuming on other data or another batch size."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+        return {"order": "stream", "epoch": self.epoch, "position": self.position, "seed": self.seed,
                 "global_batch": self.global_batch, "examples": len(self.dataset),
                 "seq_len": self.dataset.seq_len}
 
+    @property
+    def epoch_steps(self) -> int:
+        """Whole global batches in one epoch."""
+        return len(self.dataset) // self.global_batch
+
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
-        for key in ("seed", "global_batch", "examples", "seq_len"):
-            if state[key] != mine[key]:
-                raise ValueError(f"loader state {key} = {state[key]!r}, but this loader has {mine[key]!r}: "
-                                 "resuming needs the same data, seq_len, global_batch and seed")
+        for key in ("order", "seed", "global_batch", "examples", "seq_len"):
+            theirs = state.get(key, "stream" if key == "order" else None)  # states before the order was named
+            if theirs != mine[key]:
+                raise ValueError(f"loader state {key} = {theirs!r}, but this loader has {mine[key]!r}: "
+                                 "resuming needs the same data, data.order, seq_len, global_batch and seed")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def training_loader(data_dir: Union[str, Path], data: "DataConfig", global_batch: int, rank: int = 0,
+                    world_size: int = 1):
+    """The loader of the train split that ``data.order`` names, for data rank ``rank`` of
+    ``world_size``: BatchLoader ("stream") or optimus_core.data.windows.WindowLoader
+    ("file_windows", the paper's). Both give (global_batch // world_size, S) int64 rows whose
+    first S - 1 tokens are the input and last S - 1 the targets."""
+    if data.order == "file_windows":
+        from optimus_core.data.windows import FileWindows, WindowLoader
+
+        return WindowLoader(FileWindows(data_dir, "train", data.seq_len), global_batch, seed=data.seed,
+                            rank=rank, world_size=world_size)
+    return BatchLoader(TokenDataset(data_dir, "train", data.seq_len), global_batch, seed=data.seed,
+                       rank=rank, world_size=world_size)
 
 
 def heldout_batches(data_dir: Union[str, Path], source: str, seq_len: int, batch_size: int,

@@ -1,4 +1,4 @@
-"""Building blocks shared by every Mula model: RMSNorm, rotary embeddings, the SwiGLU MLP.
+"""Building blocks shared by every Mula model: the norms, rotary embeddings, the SwiGLU MLP.
 
 Shape suffixes (used across optimus_core.model):
     B batch, S sequence, D d_model, H query heads, G kv heads, Dh head dim,
@@ -9,6 +9,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def make_norm(cfg) -> nn.Module:
+    """The pre-norm / final norm a ModelConfig names (``model.norm``), over d_model."""
+    if cfg.norm == "nonparametric_layernorm":
+        return NonParametricLayerNorm(cfg.norm_eps)
+    return RMSNorm(cfg.d_model, cfg.norm_eps)
+
+
+class NonParametricLayerNorm(nn.Module):
+    """LayerNorm with neither scale nor bias (OLMo-1B), computed in float32; the output in the
+    input's dtype."""
+
+    def __init__(self, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):

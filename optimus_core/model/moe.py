@@ -22,13 +22,10 @@ def capacity_keep_mask(topk_idx_TK: torch.Tensor, n_experts: int, capacity: int)
 class MoEFeedForward(nn.Module):
     """Drop-in for the dense SwiGLU: same input and output, plus auxiliary losses and load stats.
 
-    After each forward, ``aux_loss`` holds lb_coef * lb_loss + z_coef * z_loss (a graph-connected
-    scalar; Transformer.aux_loss averages it over the MoE layers, as OLMoE's trainer did, and the
-    training step adds that to the loss), ``last_lb_loss`` / ``last_z_loss`` the unscaled
-    values, ``last_tokens_per_expert_E`` the routing counts and ``last_mean_probs_E`` the mean
-    router probabilities (graph-connected: the load-balancing loss of counts summed elsewhere,
-    Transformer.aux_loss(share_LE)). They are overwritten, never
-    accumulated, so an activation-checkpointing recompute cannot count a micro-batch twice; the
+    After each forward, ``last_z_loss`` holds the unscaled router z-loss, ``last_tokens_per_expert_E``
+    the routing counts and ``last_mean_probs_E`` the mean router probabilities (graph-connected):
+    Transformer.aux_loss combines them over the layers into the loss the training step adds.
+    They are overwritten, never accumulated, so an activation-checkpointing recompute cannot count a micro-batch twice; the
     training step reads them right after each forward and drops them (``clear_routing``) once the
     micro-batch's backward has run.
     """
@@ -57,8 +54,7 @@ class MoEFeedForward(nn.Module):
 
         out_TD = self.experts.apply_routed(x_TD, topk_idx_TK, topk_weight_TK, n_groups)
 
-        self.last_lb_loss, self.last_z_loss = routing.lb_loss, routing.z_loss
-        self.aux_loss = self.cfg.lb_loss_coef * routing.lb_loss + self.cfg.z_loss_coef * routing.z_loss
+        self.last_z_loss = routing.z_loss
         self.last_tokens_per_expert_E = routing.tokens_per_expert_E
         self.last_mean_probs_E = routing.mean_probs_E
         return out_TD.view(B, S, D).to(x_BSD.dtype)
@@ -71,5 +67,5 @@ class MoEFeedForward(nn.Module):
         model, its shares included, would outlive its last use (a second model built in the
         process, as the rehearsals of several layouts do, would then be measured with the
         first one's weights still allocated)."""
-        self.aux_loss = self.last_lb_loss = self.last_z_loss = self.last_tokens_per_expert_E = None
+        self.last_z_loss = self.last_tokens_per_expert_E = None
         self.last_mean_probs_E = None

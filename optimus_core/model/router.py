@@ -1,14 +1,11 @@
-"""Softmax top-k router with OLMoE's auxiliary losses and optional aux-loss-free balancing.
+"""Softmax top-k router with the statistics of the auxiliary losses and optional aux-loss-free balancing.
 
     probs_TE   = softmax(x_TD @ W_DE)                    (float32)
     chosen_TK  = top-k of (probs_TE + balance_bias_E)    the bias steers selection only
     weight_TK  = probs_TE[chosen_TK]                     OLMoE: not renormalised by default
-    lb_loss    = E * sum_e f_e * P_e                     f_e: share of the T*K assignments to e,
-                                                         P_e: mean router probability of e
-                                                         (both of this forward's tokens; with
-                                                         lb_loss_scope "global" the training step
-                                                         recomputes it from P_e and the counts
-                                                         summed over ranks: Transformer.aux_loss)
+    counts_E   = assignments per expert                  the load-balancing loss's statistics,
+    P_E        = mean_t probs_TE                         combined over the layers by
+                                                         Transformer.lb_loss
     z_loss     = mean_t logsumexp(logits_t)^2
 """
 from __future__ import annotations
@@ -25,7 +22,6 @@ from ..config import MoEConfig
 class Routing:
     topk_idx_TK: torch.Tensor  # int64 expert ids
     topk_weight_TK: torch.Tensor  # float32 combine weights
-    lb_loss: torch.Tensor  # scalar, unscaled
     z_loss: torch.Tensor  # scalar, unscaled
     tokens_per_expert_E: torch.Tensor  # int64, this forward's assignment counts (no grad)
     mean_probs_E: torch.Tensor  # float32, P_e: mean router probability of each expert (graph-connected)
@@ -49,18 +45,15 @@ class TopKRouter(nn.Module):
         if self.norm_topk:
             topk_weight_TK = topk_weight_TK / topk_weight_TK.sum(-1, keepdim=True)
 
-        T = x_TD.shape[0]
         # Counted by scatter_add into n_experts bins, not bincount: bincount's output size depends
         # on the data, so on a GPU it waits for the device, and it breaks torch.compile's graph
         # (measured on an H200: 1.2 ms of host wait per layer, the forward left host-bound).
         flat_N = topk_idx_TK.flatten()
         tokens_per_expert_E = torch.zeros(self.n_experts, dtype=torch.long, device=flat_N.device).scatter_add_(
             0, flat_N, torch.ones_like(flat_N))
-        share_E = tokens_per_expert_E.float() / max(T * self.top_k, 1)
         mean_probs_E = probs_TE.mean(0)
-        lb_loss = self.n_experts * (share_E * mean_probs_E).sum()
         z_loss = torch.logsumexp(logits_TE, dim=-1).pow(2).mean()
-        return Routing(topk_idx_TK, topk_weight_TK, lb_loss, z_loss, tokens_per_expert_E.detach(), mean_probs_E)
+        return Routing(topk_idx_TK, topk_weight_TK, z_loss, tokens_per_expert_E.detach(), mean_probs_E)
 
     @torch.no_grad()
     def update_balance_bias(self, tokens_per_expert_E: torch.Tensor) -> None:

@@ -2,7 +2,7 @@
 
     model = Transformer(cfg); model.init_weights(seed=0)
     logits_BSV = model(tokens_BS)          # V = cfg.padded_vocab_size
-    aux = model.aux_loss()                 # MoE: the lb/z losses of the last forward, mean over layers
+    aux = model.aux_loss()                 # MoE: the lb/z losses of the last forward, as the loss adds them
     h_BSD = model.hidden(tokens_BS)        # final-normed hidden states: logits = lm_head(h)
     loss = model.lm_loss(tokens_BS, targets_BS)  # mean cross-entropy, no (tokens x vocab) logits
 
@@ -18,7 +18,7 @@ from ..config import ModelConfig
 from ..flops import checkpointed_blocks
 from .attention import Attention
 from .init import init_parameter_
-from .layers import RMSNorm, RotaryEmbedding, SwiGLU
+from .layers import RotaryEmbedding, SwiGLU, make_norm
 from .linear_cross_entropy import DEFAULT_CHUNK_ROWS, linear_cross_entropy
 from .moe import MoEFeedForward
 
@@ -26,9 +26,9 @@ from .moe import MoEFeedForward
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, experts_backend: str = "loop"):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn_norm = make_norm(cfg)
         self.ffn = MoEFeedForward(cfg.d_model, cfg.moe, experts_backend) if cfg.moe else SwiGLU(cfg.d_model, cfg.d_ff)
 
     def forward(self, x_BSD, cos_SDh, sin_SDh):
@@ -43,10 +43,11 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, experts_backend: str = "loop"):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
+        # padding_idx: the padding row's gradient is zero, so it stays the zero the init gives it
+        self.embed = nn.Embedding(cfg.padded_vocab_size, cfg.d_model, padding_idx=cfg.pad_token_id)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_seq_len)
         self.blocks = nn.ModuleList(Block(cfg, experts_backend) for _ in range(cfg.n_layers))
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.final_norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)  # untied
         self.checkpoint_blocks = set()  # indices of the blocks the backward recomputes (set_activation_checkpointing)
         self.lm_loss_kernel = False  # lm_loss's softmax part in one Triton kernel (execution.lm_loss)
@@ -57,12 +58,13 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """OLMoE init of a whole (unsharded) model: every matrix N(0, init_std) truncated at 3
-        sigma, norm scales 1, drawn per parameter name and row block (optimus_core.model.init),
-        so that a rank holding some rows of a parameter draws exactly those
-        (optimus_core.parallel.sharding.materialize); then the buffers (reset_buffers)."""
+        """The init of a whole (unsharded) model: every matrix N(0, init_std), truncated as
+        ``model.init_truncation`` says, norm scales 1, the padding row zero, drawn per parameter
+        name and row block (optimus_core.model.init), so that a rank holding some rows of a
+        parameter draws exactly those (optimus_core.parallel.sharding.materialize); then the
+        buffers (reset_buffers)."""
         for name, p in self.named_parameters():
-            init_parameter_(p, name, seed=seed, std=self.cfg.init_std)
+            init_parameter_(p, name, seed=seed, cfg=self.cfg)
         self.reset_buffers()
 
     @torch.no_grad()
@@ -139,29 +141,38 @@ class Transformer(nn.Module):
             layer.clear_routing()
 
     def aux_loss(self, share_LE: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The MoE layers' auxiliary losses of the last forward, averaged over the layers: how
-        OLMoE's trainer (OLMo-core over megablocks) weighs them -- megablocks' batched
-        load-balancing loss divides by the number of layers, and OLMo-core divides the summed
-        router z-losses by it -- so lb_loss_coef and z_loss_coef mean the same as there (and as
-        router_aux_loss_coef in transformers' OLMoE) whatever the depth.
-
-        ``share_LE``: each layer's share of assignments per expert counted elsewhere (over the
-        ranks: lb_loss_scope "global", optimus_core.train.load_balance) instead of this
-        forward's; the load-balancing term is then E * sum_e share_e * P_e, P_e this forward's."""
-        layers = [m for m in self.moe_layers() if m.aux_loss is not None]
+        """The MoE auxiliary losses of the last forward as the objective adds them:
+        ``lb_loss_coef`` x the load-balancing loss (``lb_loss``) + ``z_loss_coef`` x the router
+        z-loss averaged over the layers (OLMo-core's convention). None for a dense model or
+        before a forward. ``share_LE``: as for ``lb_loss``."""
+        layers = [m for m in self.moe_layers() if m.last_mean_probs_E is not None]
         if not layers:
             return None
-        if share_LE is None:
-            return torch.stack([m.aux_loss for m in layers]).mean()
         cfg = self.cfg.moe
-        return (cfg.lb_loss_coef * self.lb_losses(share_LE) + cfg.z_loss_coef
-                * torch.stack([m.last_z_loss for m in layers])).mean()
+        z = torch.stack([m.last_z_loss for m in layers]).mean()
+        return cfg.lb_loss_coef * self.lb_loss(share_LE) + cfg.z_loss_coef * z
 
-    def lb_losses(self, share_LE: torch.Tensor) -> torch.Tensor:
-        """(L,) unscaled load-balancing loss of each MoE layer's last forward, E * sum_e share_e *
-        P_e, with the shares given (graph-connected through P_e only, as the forward's own)."""
+    def routing_shares(self) -> torch.Tensor:
+        """(L, E) float32: each MoE layer's share of the last forward's top-k assignments per expert."""
+        counts_LE = torch.stack([m.last_tokens_per_expert_E for m in self.moe_layers()]).float()
+        return counts_LE / counts_LE.sum(-1, keepdim=True).clamp_min(1)
+
+    def lb_loss(self, share_LE: torch.Tensor | None = None) -> torch.Tensor:
+        """The unscaled load-balancing loss of the last forward, as ``model.moe.lb_loss_form``
+        defines it, with P_le each layer's mean router probability per expert (graph-connected)
+        and f_le its share of assignments (``share_LE``; default this forward's own, else counted
+        elsewhere: over the ranks under lb_loss_scope "global", optimus_core.train.load_balance):
+
+            all_layers  E k sum_e F_e P_e, F_e = mean_l f_le, P_e = mean_l P_le: transformers'
+                        load_balancing_loss_func of every layer's router logits together (k at balance)
+            per_layer   mean_l E sum_e f_le P_le (1 at balance)
+        """
         probs_LE = torch.stack([m.last_mean_probs_E for m in self.moe_layers()])
-        return self.cfg.moe.n_experts * (share_LE.to(probs_LE.dtype) * probs_LE).sum(-1)
+        share_LE = (self.routing_shares() if share_LE is None else share_LE).to(probs_LE.dtype)
+        moe = self.cfg.moe
+        if moe.lb_loss_form == "all_layers":
+            return moe.n_experts * moe.top_k * (share_LE.mean(0) * probs_LE.mean(0)).sum()
+        return (moe.n_experts * (share_LE * probs_LE).sum(-1)).mean()
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.hidden(tokens_BS))

@@ -7,7 +7,7 @@ parallelism, full sharding (FSDP2, EP-aware) and where each rank's share of a pa
     with torch.device("meta"):
         model = Transformer(cfg.model)
     shard_model(parallelize(model, mesh), mesh, dtype="bfloat16")
-    materialize(model, mesh, mesh.device, seed=0, std=0.02)
+    materialize(model, mesh, mesh.device, seed=0)
 
 The trainer does all of this through optimus_core.train.build when it runs on more than one
 rank; the optimizer over the shares is optimus_core.train.sharded_adamw. Launching:

@@ -103,7 +103,7 @@ def shard_model(model: nn.Module, mesh: Mesh, *, dtype: str = "float32", experts
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, mesh: Mesh, device: torch.device | str, *, seed: int, std: float) -> nn.Module:
+def materialize(model: nn.Module, mesh: Mesh, device: torch.device | str, *, seed: int) -> nn.Module:
     """Allocate a meta-built (EP-parallelized, perhaps sharded) model's local shares on ``device``
     and fill them with the seeded init of the rows they hold (optimus_core.model.init): the
     whole weights gathered from any layout equal the one-process init of ``seed``, bit for bit.
@@ -111,7 +111,7 @@ def materialize(model: nn.Module, mesh: Mesh, device: torch.device | str, *, see
     model.to_empty(device=device)
     for name, share in shares(model, mesh).items():
         if share.local.numel() and not share.local.is_meta:
-            init_parameter_(share.local, name, share.first_row, seed=seed, std=std)
+            init_parameter_(share.local, name, share.first_row, seed=seed, cfg=model.cfg)
     model.reset_buffers()
     return model
 

@@ -48,7 +48,7 @@ def build_model(cfg: RunConfig, mesh: Mesh | None = None, device: torch.device |
         model = parallelize(model, mesh, cfg.parallel.dispatch)
         shard_model(model, mesh, dtype=plan.dtype, experts_sharded=cfg.parallel.optimizer == "ep_aware",
                     reduce_dtype=cfg.parallel.reduce_dtype)
-    materialize(model, mesh, device, seed=cfg.train.seed, std=cfg.model.init_std)
+    materialize(model, mesh, device, seed=cfg.train.seed)
     if device.type == "meta":
         return model
     if cfg.train.init_from:

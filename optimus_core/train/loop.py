@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import RunConfig
-from ..data import BatchLoader, TokenDataset
+from ..data import TokenDataset, training_loader
 from ..data.identity import check_tokenizer, refuse_other_tokenizer, trained_tokenizer
 from ..device import DeviceInfo, device_info
 from ..log import get_logger
@@ -31,9 +31,9 @@ from . import disk_space
 from .build import build_model, build_run_optimizer
 from .evaluate import heldout_metrics
 from .resilience import LossGuard, Preempted, StopRequest
-from .schedule import lr_at
+from .schedule import decay_end, lr_at
 from .staging import HostStaging
-from .step import train_step
+from .step import clip_at, train_step
 from .update_stream import settle_updates
 from .watchdog import Watchdog
 
@@ -92,12 +92,13 @@ class Trainer:
         # this rank's share of the model, never the whole of it (optimus_core.train.build)
         self.model: Transformer = build_model(cfg, self.mesh, plan=self.plan)
         self.optimizer = build_run_optimizer(self.model, cfg, self.mesh, self.plan)
-        dataset = TokenDataset(self.data_dir, split="train", seq_len=cfg.data.seq_len)
+        self.loader = training_loader(self.data_dir, cfg.data, cfg.train.global_batch,
+                                      rank=self.mesh.rank, world_size=self.mesh.world_size)
         # the held-out split opened now, not at the first evaluation: a missing or truncated val
         # file stops the run before it writes anything (each evaluation maps its source's again)
         TokenDataset(self.data_dir, split="val", seq_len=cfg.data.seq_len)
-        self.loader = BatchLoader(dataset, cfg.train.global_batch, seed=cfg.data.seed,
-                                  rank=self.mesh.rank, world_size=self.mesh.world_size)
+        # the step at which the lr reaches its floor: the run's, an epoch of this data's, or given
+        self.decay_end = decay_end(cfg.schedule, cfg.train.steps, self.loader.epoch_steps)
         self.step = 0
         self.last_loss = float("nan")
         self.events: list[dict] = []  # faults handled while running (skips, rollbacks)
@@ -351,9 +352,9 @@ class Trainer:
         t = self.cfg.train
         t0 = time.perf_counter()
         batch = self.loader.next_batch().to(self.device, non_blocking=True)
-        lr = lr_at(self.step, t.steps, self.cfg.optim.lr, self.cfg.schedule)
+        lr = lr_at(self.step, self.decay_end, self.cfg.optim.lr, self.cfg.schedule)
         stats = train_step(self.model, self.optimizer, batch, micro_batch=t.micro_batch,
-                           grad_clip=self.cfg.optim.grad_clip, lr=lr, dtype=self.plan.dtype, mesh=self.mesh,
+                           grad_clip=clip_at(self.step, self.cfg), lr=lr, dtype=self.plan.dtype, mesh=self.mesh,
                            accept=guard.accept)
         if stats.skipped:
             self._event(kind=guard.judge(stats.loss), step=self.step + 1, loss=stats.loss)

@@ -22,12 +22,13 @@ from .grad_norm import GradNormUnderBackward
 from .update_stream import UpdateBesideForward
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices (embeddings and experts included), none on norm scales."""
+def param_groups(model: nn.Module, weight_decay: float, decay_norms: bool = False) -> list[dict]:
+    """Weight decay on matrices (embeddings and experts included) and, with ``decay_norms`` (the
+    paper's runs: every parameter decays), on the norm scales too; else none on those."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            (decay if p.ndim >= 2 or decay_norms else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -91,7 +92,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, plan: ExecutionPlan | No
     if transformer:
         model.keep_expert_grads_on_casts(plan.bf16_expert_grads and bool(weight_casts(model)))
     casts = weight_casts(model)
-    opt = adamw(param_groups(model, cfg.weight_decay), cfg, plan.adamw, device, casts,
+    opt = adamw(param_groups(model, cfg.weight_decay, cfg.decay_norms), cfg, plan.adamw, device, casts,
                 norm_under_backward=plan.grad_norm_under_backward and device.type == "cuda")
     if getattr(opt, "grad_norms", None) is not None and plan.grad_norm_from_dw:
         opt.grad_norms.take_squares_from({grad_holder(p, casts): square for p, square in dw_squares(model).items()})
@@ -154,7 +155,11 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: 
     """
     norms = getattr(optimizer, "grad_norms", None)  # computed under the backward, when armed
     armed = norms is not None and norms.armed
-    if max_norm is None or not is_fused(optimizer):
+    if max_norm is None:  # no clipping (the warmup, under optim.clip_after_warmup): the norm for the log
+        norm = norms.total() if armed else total_norm(gradients(model, optimizer))
+        optimizer.step()
+        return norm
+    if not is_fused(optimizer):
         if armed:
             norms.disarm()
         norm = clip_grad_norm(gradients(model, optimizer), max_norm)

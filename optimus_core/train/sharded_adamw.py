@@ -62,7 +62,7 @@ class ShardedAdamW:
         first_block = mesh.rank < mesh.shard_size
         self.counts_in_norm = {id(p): first_block for p in params}
         self.counts_in_norm.update({id(p): mesh.expert_dp_rank == 0 for p in self.replicated})
-        groups = param_groups(model, cfg.weight_decay)
+        groups = param_groups(model, cfg.weight_decay, cfg.decay_norms)
         if kernel == "triton":
             from .adamw import TritonAdamW
 

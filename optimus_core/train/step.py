@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,12 +17,15 @@ from ..timing import phase
 from .load_balance import GlobalShares
 from .optim import clip_and_step
 
+if TYPE_CHECKING:
+    from ..config import RunConfig
+
 
 @dataclass
 class StepStats:
     loss: float  # language-model cross entropy, mean over the step's tokens
     aux_loss: float  # MoE auxiliary losses as added to the objective (0 for dense)
-    lb_loss: float  # unscaled load-balancing loss, mean over MoE layers (nan for dense)
+    lb_loss: float  # unscaled load-balancing loss as model.moe.lb_loss_form defines it (nan for dense)
     z_loss: float  # unscaled router z-loss, mean over MoE layers (nan for dense)
     grad_norm: float | torch.Tensor  # a 0-d tensor until read: reading it waits for the backward
     tokens_per_expert_LE: torch.Tensor | None  # routing counts of the step, per MoE layer
@@ -48,6 +51,14 @@ def micro_batch_loss(model: Transformer, batch_BS1: torch.Tensor, *, dtype: str,
     tokens_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
     with autocast_context(batch_BS1.device.type, dtype):  # the head's matmuls in bf16, as nn.Linear's
         return model.lm_loss(tokens_BS, targets_BS, chunk_rows=chunk_rows)
+
+
+def clip_at(step: int, cfg: "RunConfig") -> float | None:
+    """The clipping norm of optimizer step ``step`` (0-based): ``optim.grad_clip``, or None (no
+    clipping) before the end of the warmup where ``optim.clip_after_warmup`` says so."""
+    if cfg.optim.clip_after_warmup and step < cfg.schedule.warmup_steps:
+        return None
+    return cfg.optim.grad_clip
 
 
 def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: torch.Tensor, *,
@@ -95,8 +106,7 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
             (objective * weight).backward()
             with torch.no_grad():
                 if moe_layers:
-                    lb = (model.lb_losses(share_LE) if share_LE is not None
-                          else torch.stack([m.last_lb_loss.detach() for m in moe_layers])).mean()
+                    lb = model.lb_loss(share_LE).detach()
                     z = torch.stack([m.last_z_loss.detach() for m in moe_layers]).mean()
                     sums_4 += torch.stack([ce.detach(), aux.detach(), lb, z]).double() * weight
                     counts = torch.stack([m.last_tokens_per_expert_E for m in moe_layers])

@@ -15,6 +15,11 @@ def rms(x, w, eps):
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
 
 
+def layer_norm(x, eps):  # OLMo-1B's: no scale, no bias
+    centred = x - x.mean(-1, keepdim=True)
+    return centred / torch.sqrt((centred * centred).mean(-1, keepdim=True) + eps)
+
+
 def rope(x, theta):  # x (S, H, Dh): rotate pairs (i, i + Dh/2) by pos * theta^(-2i/Dh)
     S, _, Dh = x.shape
     out = torch.empty_like(x)
@@ -39,7 +44,9 @@ def reference_forward(model: Transformer, tokens):
         S = x.shape[0]
         for i in range(cfg.n_layers):
             p = lambda n: sd[f"blocks.{i}.{n}"]  # noqa: E731
-            h = rms(x, p("attn_norm.weight"), cfg.norm_eps)
+            norm = (lambda y, n: layer_norm(y, cfg.norm_eps)) if cfg.norm == "nonparametric_layernorm" else (
+                lambda y, n: rms(y, p(n), cfg.norm_eps))  # noqa: E731
+            h = norm(x, "attn_norm.weight")
             q, k, v = h @ p("attn.w_q.weight").T, h @ p("attn.w_k.weight").T, h @ p("attn.w_v.weight").T
             if cfg.qk_norm:
                 q, k = rms(q, p("attn.q_norm.weight"), cfg.norm_eps), rms(k, p("attn.k_norm.weight"), cfg.norm_eps)
@@ -52,7 +59,7 @@ def reference_forward(model: Transformer, tokens):
                 scores = scores.masked_fill(torch.triu(torch.ones(S, S, dtype=torch.bool), 1), float("-inf"))
                 att[:, head] = scores.softmax(-1) @ v[:, g]
             x = x + att.reshape(S, H * Dh) @ p("attn.w_o.weight").T
-            h = rms(x, p("ffn_norm.weight"), cfg.norm_eps)
+            h = norm(x, "ffn_norm.weight")
             if cfg.moe is None:
                 gate, up = h @ p("ffn.w_gate.weight").T, h @ p("ffn.w_up.weight").T
                 x = x + (torch.nn.functional.silu(gate) * up) @ p("ffn.w_down.weight").T
@@ -68,7 +75,9 @@ def reference_forward(model: Transformer, tokens):
                         gate, up = (h[t] @ w_up[e].double()).chunk(2)
                         y[t] += weight * (torch.nn.functional.silu(gate) * up) @ w_down[e].double()
                 x = x + y
-        outs.append(rms(x, sd["final_norm.weight"], cfg.norm_eps) @ sd["lm_head.weight"].T)
+        final = (layer_norm(x, cfg.norm_eps) if cfg.norm == "nonparametric_layernorm"
+                 else rms(x, sd["final_norm.weight"], cfg.norm_eps))
+        outs.append(final @ sd["lm_head.weight"].T)
     return torch.stack(outs)
 
 
@@ -82,7 +91,9 @@ def build(cfg, seed=0):
     ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, d_ff=48),
     ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, qk_norm=False),
     ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=2, moe=MoEConfig(n_experts=8, top_k=3, d_expert=16)),
-], ids=["dense", "gqa-no-qknorm", "moe"])
+    ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, d_ff=48, qk_norm=False,
+                norm="nonparametric_layernorm", pad_token_id=1, init_truncation=None),
+], ids=["dense", "gqa-no-qknorm", "moe", "olmo-1b-shaped"])
 def test_forward_matches_reference(cfg):
     model = build(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
@@ -103,7 +114,7 @@ def test_mula_7b_a1b_two_layers_matches_reference():
 
 
 def test_init_is_truncated_normal_and_deterministic():
-    cfg = presets.get("mula-7b-a1b@laptop").model
+    cfg = presets.get("mula-7b-a1b@laptop").model.replace(init_truncation=3.0)
     a, b = build(cfg, seed=3), build(cfg, seed=3)
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), name
@@ -114,20 +125,55 @@ def test_init_is_truncated_normal_and_deterministic():
     assert not torch.equal(build(cfg, seed=4).embed.weight, a.embed.weight)
 
 
+def test_the_papers_init_is_untruncated_with_a_zero_padding_row():
+    """transformers' init, which the paper's runs used: N(0, 0.02) with no cut (about 0.27% of
+    the values beyond 3 sigma), the padding token's embedding row zero."""
+    cfg = presets.get("mula-7b-a1b@laptop").model
+    assert cfg.init_truncation is None and cfg.pad_token_id == 1
+    model = build(cfg, seed=3)
+    w = model.blocks[0].ffn.experts.w_up
+    beyond = (w.abs() > 3 * cfg.init_std).float().mean().item()
+    assert 0.0015 < beyond < 0.004 and abs(w.std().item() - 0.02) < 0.0005
+    embed = model.embed.weight
+    assert torch.count_nonzero(embed[1]) == 0 and torch.count_nonzero(embed[0]) == cfg.d_model
+    assert torch.count_nonzero(embed[2:]) == embed[2:].numel()
+
+
+def test_the_padding_row_is_never_updated():
+    """Its gradient is zero (padding_idx), so AdamW with weight decay leaves it zero, even where
+    the padding id is in the batch."""
+    from optimus_core.train.optim import param_groups
+    cfg = ModelConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, d_ff=24, pad_token_id=1,
+                      norm="nonparametric_layernorm", qk_norm=False)
+    model = build(cfg)
+    opt = torch.optim.AdamW(param_groups(model, 0.1, decay_norms=True), lr=1e-2)
+    tokens = torch.tensor([[3, 1, 1, 7, 9, 1]])
+    for _ in range(3):
+        model(tokens).float().pow(2).mean().backward()
+        assert torch.count_nonzero(model.embed.weight.grad[1]) == 0
+        opt.step()
+        opt.zero_grad()
+    assert torch.count_nonzero(model.embed.weight[1]) == 0
+
+
 def test_init_of_any_rows_is_the_init_of_the_whole():
     """A rank holding rows [lo, hi) of a parameter draws exactly the whole init's rows there,
-    however the range falls on the draw blocks, and another name draws other values."""
+    however the range falls on the draw blocks, and another name draws other values; the same
+    for the embedding's padding row."""
     from optimus_core.model.init import ROWS_PER_DRAW, draw_rows, init_parameter_
 
-    whole = torch.empty(5 * ROWS_PER_DRAW + 7, 13)
-    init_parameter_(whole, "blocks.0.ffn.experts.w_up", seed=2, std=0.02)
-    for lo, hi in ((0, 1), (3, ROWS_PER_DRAW + 5), (ROWS_PER_DRAW, 2 * ROWS_PER_DRAW), (200, whole.shape[0])):
-        part = torch.empty(hi - lo, 13)
-        init_parameter_(part, "blocks.0.ffn.experts.w_up", first_row=lo, seed=2, std=0.02)
-        assert torch.equal(part, whole[lo:hi]), (lo, hi)
+    cfg = ModelConfig(init_std=0.02, init_truncation=3.0, pad_token_id=70)
+    for name in ("blocks.0.ffn.experts.w_up", "embed.weight"):
+        whole = torch.empty(5 * ROWS_PER_DRAW + 7, 13)
+        init_parameter_(whole, name, seed=2, cfg=cfg)
+        for lo, hi in ((0, 1), (3, ROWS_PER_DRAW + 5), (ROWS_PER_DRAW, 2 * ROWS_PER_DRAW), (200, whole.shape[0])):
+            part = torch.empty(hi - lo, 13)
+            init_parameter_(part, name, first_row=lo, seed=2, cfg=cfg)
+            assert torch.equal(part, whole[lo:hi]), (name, lo, hi)
+        assert whole.abs().max() <= 3 * 0.02
+        assert (torch.count_nonzero(whole[70]) == 0) == (name == "embed.weight")
     other = draw_rows("blocks.1.ffn.experts.w_up", 0, 10, 13, seed=2, std=0.02)
     assert not torch.equal(other, whole[:10])
-    assert whole.abs().max() <= 3 * 0.02
 
 
 def test_moe_aux_losses_match_hand_computed_values():
@@ -143,9 +189,9 @@ def test_moe_aux_losses_match_hand_computed_values():
     probs = logits.softmax(-1)
     # token t picks expert t (its largest) and, for the tie of the other three at 0, the lowest id
     counts = torch.bincount(r.topk_idx_TK.flatten(), minlength=4).float()
-    expected_lb = 4 * ((counts / 8) * probs.mean(0)).sum()
     expected_z = torch.logsumexp(logits, -1).pow(2).mean()
-    assert torch.allclose(r.lb_loss, expected_lb) and torch.allclose(r.z_loss, expected_z)
+    assert torch.equal(r.tokens_per_expert_E.float(), counts) and torch.allclose(r.mean_probs_E, probs.mean(0))
+    assert torch.allclose(r.z_loss, expected_z)
     assert r.topk_idx_TK[:, 0].tolist() == [0, 1, 2, 3]
     assert counts.sum() == 8
 
@@ -157,7 +203,8 @@ def test_aux_loss_is_the_layer_mean_as_olmoes_trainer_computes_it():
     OLMo-core's router z-loss, z_coef * (sum over layers of mean_t logsumexp^2) / L."""
     E, k, L, coef_lb, coef_z = 4, 2, 4, 0.01, 0.001
     cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=L, n_heads=2,
-                      moe=MoEConfig(n_experts=E, top_k=k, d_expert=8, lb_loss_coef=coef_lb, z_loss_coef=coef_z))
+                      moe=MoEConfig(n_experts=E, top_k=k, d_expert=8, lb_loss_coef=coef_lb, z_loss_coef=coef_z,
+                                    lb_loss_form="per_layer"))
     model = build(cfg)
     logits = []
     hooks = [b.ffn.router.gate.register_forward_hook(lambda m, i, out: logits.append(out.detach().float()))
@@ -178,9 +225,43 @@ def test_aux_loss_is_the_layer_mean_as_olmoes_trainer_computes_it():
     assert len(logits) == L
     torch.testing.assert_close(model.aux_loss().detach(), expected, rtol=1e-5, atol=1e-7)
     # the logged unscaled values are the per-layer means of the same terms
-    lb = torch.stack([m.last_lb_loss for m in model.moe_layers()]).mean()
+    lb = model.lb_loss()
+    torch.testing.assert_close(lb, E / (L * T * k) * assignments, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(coef_lb * lb + coef_z * torch.stack([m.last_z_loss for m in model.moe_layers()]).mean(),
                                model.aux_loss().detach())
+
+
+def test_all_layers_lb_loss_is_transformers_over_every_layers_logits():
+    """The paper's load-balancing loss: 0.01 x transformers' load_balancing_loss_func of the router
+    logits of every layer concatenated (written out here; and transformers' own where installed),
+    k at perfect balance, and no z-loss."""
+    E, k, L = 6, 2, 3
+    cfg = ModelConfig(vocab_size=32, d_model=16, n_layers=L, n_heads=2,
+                      moe=MoEConfig(n_experts=E, top_k=k, d_expert=8, lb_loss_coef=0.01, z_loss_coef=0.0,
+                                    lb_loss_form="all_layers"))
+    model = build(cfg)
+    logits = []
+    hooks = [b.ffn.router.gate.register_forward_hook(lambda m, i, out: logits.append(out.detach().float()))
+             for b in model.blocks]
+    tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(3))
+    model(tokens)
+    for h in hooks:
+        h.remove()
+    every = torch.cat(logits)  # (L * T, E)
+    probs = every.softmax(-1)
+    chosen = probs.topk(k, dim=-1).indices
+    tokens_per_expert_KE = torch.nn.functional.one_hot(chosen, E).float().mean(0)  # (k, E)
+    expected = E * (tokens_per_expert_KE * probs.mean(0)).sum()
+    torch.testing.assert_close(model.lb_loss(), expected, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(model.aux_loss(), 0.01 * expected, rtol=1e-6, atol=1e-8)
+    transformers = pytest.importorskip("transformers.models.olmoe.modeling_olmoe")
+    torch.testing.assert_close(model.lb_loss(), transformers.load_balancing_loss_func(tuple(logits), E, k),
+                               rtol=1e-6, atol=1e-7)
+    # at perfect balance (every expert's share and mean probability 1/E) the loss is k
+    for m in model.moe_layers():
+        m.last_tokens_per_expert_E = torch.full((E,), 3)
+        m.last_mean_probs_E = torch.full((E,), 1 / E)
+    torch.testing.assert_close(model.lb_loss(), torch.tensor(float(k)))
 
 
 def test_capacity_drops_overflow_in_token_order():
@@ -309,10 +390,16 @@ def test_aux_loss_with_shares_counted_elsewhere_uses_them_and_the_forwards_proba
     layers = model.moe_layers()
     own_LE = torch.stack([m.last_tokens_per_expert_E.float() / (tokens.numel() * k) for m in layers])
     torch.testing.assert_close(model.aux_loss(own_LE), model.aux_loss())
+    torch.testing.assert_close(own_LE, model.routing_shares())
     share_LE = torch.tensor([[1.0, 0, 0, 0], [0.25] * 4, [0, 0.5, 0.5, 0]])
     probs_LE = torch.stack([m.last_mean_probs_E for m in layers])
     expected = (0.3 * E * (share_LE * probs_LE).sum(-1) + 0.01 * torch.stack([m.last_z_loss for m in layers])).mean()
     got = model.aux_loss(share_LE)
+    # the paper's form from the same shares: E k sum_e (mean_l share) (mean_l P)
+    together = model.cfg.replace(moe=model.cfg.moe.replace(lb_loss_form="all_layers"))
+    model.cfg = together
+    torch.testing.assert_close(model.lb_loss(share_LE), E * k * (share_LE.mean(0) * probs_LE.mean(0)).sum())
+    model.cfg = cfg
     torch.testing.assert_close(got, expected)
     got.backward()
     assert model.blocks[0].ffn.router.gate.weight.grad.abs().sum() > 0
