@@ -367,8 +367,9 @@ class ParallelConfig(_Validated):
     # step (hybrid sharding: a layer's collectives span dp_shard ranks, not the world). 0: shard
     # over the whole world.
     dp_shard: int = 0
-    # The dtype gradients are reduce-scattered in (each unit's, under the backward): float32
-    # sums the bf16 gradients of a bf16 run without rounding them first; bfloat16 halves the traffic.
+    # The dtype a bf16 run's gradients are reduce-scattered in (each unit's, under the backward):
+    # float32 sums the bf16 gradients without rounding them first; bfloat16 halves the traffic
+    # (the paper's runs). A float32 run reduces in float32.
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     # The EP token exchange's collective: all_to_all (variable splits: the least traffic), or
     # all_gather (every rank gathers every send buffer: ep times the bytes) for collective stacks

@@ -23,6 +23,14 @@ Which Hugging Face architecture (``hf_architecture``):
   after attention / MLP (post-norm), Qwen3 normalises q / k per head, not over the projection.
 - Dense presets without QK-norm -> ``LlamaForCausalLM`` (pre-norm, rotate-half RoPE, SwiGLU,
   repeat-interleaved GQA): exact.
+- Dense presets with OLMo-1B's non-parametric LayerNorm and no QK-norm (mula-1b) ->
+  ``OlmoForCausalLM`` (LayerNorm without weight or bias at eps 1e-5 in float32, rotate-half RoPE,
+  SwiGLU, no ``clip_qkv``): exact. An MoE or a QK-norm with that norm has no HF architecture.
+
+transformers' OLMoE load-balancing loss is the paper's (``model.moe.lb_loss_form =
+"all_layers"``): its ``router_aux_loss_coef`` is then our ``lb_loss_coef``. Our per-layer form is
+1/k of it at balance, so its coefficient is exported as ``lb_loss_coef / k``, the nearest
+transformers' loss comes (tests/stages/test_export.py compares both).
 
 Not representable (``ExportError``): an MoE without QK-norm, a non-zero aux-loss-free balancing
 bias (it changes expert selection; HF routers have none). A capacity factor is dropped with a
@@ -46,9 +54,10 @@ from .config import ConfigError, ModelConfig, MoEConfig, from_dict
 __all__ = ["ExportError", "hf_architecture", "to_hf_config", "to_hf_state", "from_hf_config",
            "from_hf_state", "export_hf", "import_hf", "ARCHITECTURES"]
 
-ARCHITECTURES = ("olmoe", "llama")
+ARCHITECTURES = ("olmoe", "llama", "olmo")
 OPTIMUS_META = "optimus.json"  # our own ModelConfig, so an import recovers the exact config
-_CLASS = {"olmoe": "OlmoeForCausalLM", "llama": "LlamaForCausalLM"}
+_CLASS = {"olmoe": "OlmoeForCausalLM", "llama": "LlamaForCausalLM", "olmo": "OlmoForCausalLM"}
+LAYERNORM = "nonparametric_layernorm"  # OLMo-1B's norm: the only one "olmo" has
 
 
 class ExportError(ValueError):
@@ -62,7 +71,16 @@ class ArchitectureError(ExportError, ConfigError):
 # ----------------------------------------------------------------------------- architecture
 
 def hf_architecture(cfg: ModelConfig, arch: Optional[str] = None) -> str:
-    """The exact HF architecture for ``cfg`` ("olmoe" or "llama"); ``arch`` forces one, checked."""
+    """The exact HF architecture for ``cfg`` ("olmoe", "llama" or "olmo"); ``arch`` forces one, checked."""
+    if cfg.norm == LAYERNORM:
+        if cfg.is_moe or cfg.qk_norm:
+            raise ExportError(f"model.norm = {LAYERNORM!r} with {'model.moe set' if cfg.is_moe else 'QK-norm'}: "
+                              "OlmoForCausalLM is dense without QK-norm and no other HF architecture has this "
+                              "norm; cannot export exactly")
+        if arch not in (None, "olmo"):
+            raise ArchitectureError(f"arch = {arch!r}: the model's norm is OLMo-1B's non-parametric LayerNorm "
+                                    "(model.norm); only arch='olmo' has it")
+        return "olmo"
     exact = "olmoe" if (cfg.is_moe or cfg.qk_norm) else "llama"
     if arch is None:
         if cfg.is_moe and not cfg.qk_norm:
@@ -71,6 +89,9 @@ def hf_architecture(cfg: ModelConfig, arch: Optional[str] = None) -> str:
         return exact
     if arch not in ARCHITECTURES:
         raise ArchitectureError(f"arch = {arch!r}: unknown; known: {', '.join(ARCHITECTURES)}")
+    if arch == "olmo":
+        raise ArchitectureError("arch = 'olmo': OlmoForCausalLM's norm is a non-parametric LayerNorm and this "
+                                f"model's is RMSNorm (model.norm = {cfg.norm!r}); use arch={exact!r}")
     if arch == "llama" and cfg.is_moe:
         raise ArchitectureError("arch = 'llama': the model is a mixture of experts (model.moe is set); "
                               "LlamaForCausalLM has a dense MLP. Use arch='olmoe'")
@@ -108,17 +129,19 @@ def to_hf_config(cfg: ModelConfig, arch: str, *, eos_id: Optional[int] = None,
     }
     if arch == "llama":
         return {**common, "intermediate_size": cfg.d_ff, "mlp_bias": False, "pretraining_tp": 1}
+    if arch == "olmo":
+        return {**common, "intermediate_size": cfg.d_ff, "clip_qkv": None}
     moe = _moe_or_single(cfg)
-    # transformers' OLMoE load-balancing loss counts each token's k assignments as k whole shares
-    # (k times megablocks' and ours, per layer: tests/stages/test_export.py), so the coefficient
-    # that weighs it as our training did is ours over k.
+    # transformers' OLMoE load-balancing loss is our "all_layers" form; "per_layer" is 1/k of it
+    # at balance, so its coefficient goes over as ours over k (module doc)
+    coef = moe.lb_loss_coef if moe.lb_loss_form == "all_layers" else moe.lb_loss_coef / moe.top_k
     return {**common, "intermediate_size": moe.d_expert, "num_experts": moe.n_experts,
             "num_experts_per_tok": moe.top_k, "norm_topk_prob": moe.norm_topk_probs, "clip_qkv": None,
-            "output_router_logits": False, "router_aux_loss_coef": moe.lb_loss_coef / moe.top_k}
+            "output_router_logits": False, "router_aux_loss_coef": coef}
 
 
 def from_hf_config(hf: dict, vocab_size: Optional[int] = None) -> ModelConfig:
-    """Our ModelConfig for an HF config.json (olmoe or llama). ``vocab_size``: the tokenizer's
+    """Our ModelConfig for an HF config.json (olmoe, llama or olmo). ``vocab_size``: the tokenizer's
     (defaults to the HF embedding size); the padding multiple is chosen to reproduce it."""
     arch = hf.get("model_type")
     if arch not in ARCHITECTURES:
@@ -133,12 +156,19 @@ def from_hf_config(hf: dict, vocab_size: Optional[int] = None) -> ModelConfig:
     if hf.get("head_dim") not in (None, hf["hidden_size"] // n_heads):
         raise ExportError(f"config.json head_dim = {hf['head_dim']}: ours is hidden_size / num_attention_heads")
     kv = hf.get("num_key_value_heads") or n_heads
+    pad_id = hf.get("pad_token_id")
     base = dict(vocab_size=vocab, d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=n_heads,
                 n_kv_heads=None if kv == n_heads else kv, max_seq_len=hf.get("max_position_embeddings", 4096),
                 rope_theta=float(theta), norm_eps=hf.get("rms_norm_eps", 1e-5),
-                init_std=hf.get("initializer_range", 0.02), pad_vocab_to=pad_to)
+                init_std=hf.get("initializer_range", 0.02), pad_vocab_to=pad_to,
+                pad_token_id=pad_id if isinstance(pad_id, int) and 0 <= pad_id < vocab else None)
     if arch == "llama":
         return ModelConfig(**base, d_ff=hf["intermediate_size"], qk_norm=False, moe=None)
+    if arch == "olmo":
+        if hf.get("clip_qkv") is not None:
+            raise ExportError(f"config.json clip_qkv = {hf['clip_qkv']}: our model does not clip q, k, v")
+        return ModelConfig(**{**base, "norm_eps": 1e-5}, d_ff=hf["intermediate_size"], qk_norm=False,
+                           norm=LAYERNORM, moe=None)
     if hf["num_experts"] == 1:  # our dense export: one expert, top-1 (see the module docstring)
         return ModelConfig(**base, d_ff=hf["intermediate_size"], qk_norm=True, moe=None)
     moe = MoEConfig(n_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"], d_expert=hf["intermediate_size"],
@@ -161,20 +191,29 @@ def _check_exportable(cfg: ModelConfig, state: dict) -> None:
                       "its outputs differ from ours wherever an expert overflowed its capacity", stacklevel=3)
 
 
+def _layer_names(cfg: ModelConfig) -> dict[str, str]:
+    """Our per-layer parameter names (after ``blocks.{i}.``) -> HF's (after ``model.layers.{i}.``),
+    the feed-forward's aside."""
+    names = {"attn.w_q.weight": "self_attn.q_proj.weight", "attn.w_k.weight": "self_attn.k_proj.weight",
+             "attn.w_v.weight": "self_attn.v_proj.weight", "attn.w_o.weight": "self_attn.o_proj.weight"}
+    if cfg.norm != LAYERNORM:
+        names.update({"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight"})
+    if cfg.qk_norm:
+        names.update({"attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"})
+    return names
+
+
 def to_hf_state(cfg: ModelConfig, state: dict, arch: str) -> dict[str, torch.Tensor]:
     """Our state dict -> HF tensor names (contiguous copies, as safetensors needs)."""
     _check_exportable(cfg, state)
-    out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["final_norm.weight"],
-           "lm_head.weight": state["lm_head.weight"]}
-    names = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-             "attn.w_q.weight": "self_attn.q_proj.weight", "attn.w_k.weight": "self_attn.k_proj.weight",
-             "attn.w_v.weight": "self_attn.v_proj.weight", "attn.w_o.weight": "self_attn.o_proj.weight"}
-    if cfg.qk_norm:
-        names.update({"attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"})
+    out = {"model.embed_tokens.weight": state["embed.weight"], "lm_head.weight": state["lm_head.weight"]}
+    if cfg.norm != LAYERNORM:
+        out["model.norm.weight"] = state["final_norm.weight"]
+    names = _layer_names(cfg)
     for i in range(cfg.n_layers):
         ours, hf = f"blocks.{i}.", f"model.layers.{i}."
         out.update({hf + h: state[ours + o] for o, h in names.items()})
-        if arch == "llama":
+        if arch in ("llama", "olmo"):
             for proj in ("gate", "up", "down"):
                 out[f"{hf}mlp.{proj}_proj.weight"] = state[f"{ours}ffn.w_{proj}.weight"]
         elif cfg.moe is None:  # dense as one OLMoE expert; the router's one logit is irrelevant
@@ -201,18 +240,15 @@ def from_hf_state(cfg: ModelConfig, hf: dict[str, torch.Tensor], arch: str) -> d
             raise ExportError(f"weights: missing tensor {name!r} (is this a {_CLASS[arch]} checkpoint of this config?)")
         return hf[name]
 
-    out = {"embed.weight": take("model.embed_tokens.weight"), "final_norm.weight": take("model.norm.weight"),
-           "lm_head.weight": take("lm_head.weight")}
-    names = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-             "attn.w_q.weight": "self_attn.q_proj.weight", "attn.w_k.weight": "self_attn.k_proj.weight",
-             "attn.w_v.weight": "self_attn.v_proj.weight", "attn.w_o.weight": "self_attn.o_proj.weight"}
-    if cfg.qk_norm:
-        names.update({"attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"})
+    out = {"embed.weight": take("model.embed_tokens.weight"), "lm_head.weight": take("lm_head.weight")}
+    names = _layer_names(cfg)
+    if cfg.norm != LAYERNORM:
+        out["final_norm.weight"] = take("model.norm.weight")
     moe = _moe_or_single(cfg)
     for i in range(cfg.n_layers):
         ours, p = f"blocks.{i}.", f"model.layers.{i}."
         out.update({ours + o: take(p + h) for o, h in names.items()})
-        if arch == "llama":
+        if arch in ("llama", "olmo"):
             for proj in ("gate", "up", "down"):
                 out[f"{ours}ffn.w_{proj}.weight"] = take(f"{p}mlp.{proj}_proj.weight")
             continue

@@ -2,7 +2,7 @@
 activation checkpointing that fits a budget, and the error that says what to change.
 
     est = estimate(presets.get("mula-220b-a10b").model,
-                   MemoryLayout(world=3072, ep=32, micro_batch=1, seq_len=4096, checkpointing="full"))
+                   MemoryLayout(world=3072, ep=12, micro_batch=1, seq_len=2048, checkpointing="full"))
     est.peak_gib, est.terms                       # {"weights": bytes, "activations": bytes, ...}
     mode, every = fit_checkpointing(model_cfg, layout, budget_bytes)   # or raise MemoryBudgetError
 

@@ -35,6 +35,7 @@ from optimus_core.config import _Validated
 from optimus_core.atomic import atomic_open
 from optimus_core.outputs import check_output, mark_output_in_place
 from optimus_core.store import ResultsStore, StoreKeyError, open_store
+from stages.downstream_figure import downstream_figure
 from stages.scaleup import scaleup_figure, scaleup_runs
 from stages.scaling_figure import breakdown_figure, read_scaling, scaling_figure
 
@@ -48,6 +49,8 @@ FIGURES = {
     "throughput.png": "Training throughput (tokens/s) per step",
     "expert_load.png": "Fraction of tokens routed to each expert at the last logged step, and load imbalance",
     "eval_table.png": "Final evaluation per run: held-out loss per source (nats) and downstream accuracy +- stderr",
+    "downstream.png": "Downstream accuracy against training tokens, per task (the paper's metric of each) and their "
+                      "average, every evaluated checkpoint, beside the reference models' published numbers (open)",
     "scaling.png": "Strong-scaling efficiency vs devices: measured sweeps (markers; open: held out from the "
                    "model's calibration, with the model's error), the calibrated performance model (lines), the "
                    "paper's Mula-220B-A10B sweep predicted on Aurora, and the paper's ~90% at 12288 tiles (star)",
@@ -69,7 +72,8 @@ ABLATION_VARIANTS = (  # label, experts backend, optimizer: bench/distributed.py
 # stages it needs: "training" (the training runs' train / eval tables), "evaluation" (the evaluate
 # stage's heldout / downstream tables), "scaling" (the scaling study: perfmodel, `optimus scaling`),
 # "bench" (the GPU benchmark results ingested into the store), "scaleup" (the training runs of the
-# MoE models only: the scale-up runs and their reference, stages/scaleup.py).
+# MoE models only: the scale-up runs and their reference, stages/scaleup.py), "reference" (the
+# reference models' published scores, stages/reference.py).
 FIGURE_READS = {
     "loss.png": ("training",),
     "scaleup.png": ("scaleup",),
@@ -77,6 +81,7 @@ FIGURE_READS = {
     "throughput.png": ("training",),
     "expert_load.png": ("training",),
     "eval_table.png": ("training", "evaluation"),
+    "downstream.png": ("training", "evaluation", "reference"),
     "scaling.png": ("scaling",),
     "scaling_breakdown.png": ("scaling",),
     "ablation.png": ("bench",),
@@ -133,6 +138,7 @@ def run_figures(config: FiguresConfig, inputs: FiguresInputs, outputs: FiguresOu
     draw: dict[str, Callable[[_Data], Union[Figure, str]]] = {
         "loss.png": _loss, "scaleup.png": _scaleup, "heldout.png": _heldout,
         "throughput.png": _throughput, "expert_load.png": _expert_load, "eval_table.png": _eval_table,
+        "downstream.png": lambda d: downstream_figure(d.store, d.runs, d.colour),
         "scaling.png": _scaling, "scaling_breakdown.png": _scaling_breakdown, "ablation.png": _ablation,
     }
     result = FiguresResult(paths=[])

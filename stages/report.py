@@ -87,6 +87,7 @@ def run_report(config: ReportConfig, inputs: ReportInputs, outputs: ReportOutput
                   f"Steps: the last logged step.", ""]
         lines += _evaluation(store, run_ids, inputs.figures_dir, outputs.report.parent)
         lines += _scaleup(store, run_ids, attrs, inputs.figures_dir, outputs.report.parent)
+    lines += _paper_runs(store)
     lines += _scaling(store, inputs.figures_dir, outputs.report.parent)
     lines += _memory(store)
     lines += _figures(inputs.figures_dir, outputs.report.parent)
@@ -168,6 +169,37 @@ def _scaling(store: ResultsStore, figures_dir: Path, report_dir: Path) -> list[s
     text = scaling_report_markdown(measured, predicted, holdout)
     return [*text.rstrip("\n").split("\n"), "", *[line for name in SCALING_FIGURES
                                                   for line in _figure(figures_dir, report_dir, name)]]
+
+
+def _paper_runs(store: ResultsStore) -> list[str]:
+    """"The paper's runs": each pretraining run of the paper as the registry defines it and `optimus
+    plan --store` recorded it on a site (a ``plan-*`` run of the store): preset and the authors'
+    tag, shape, parameters beside the name's sizes, context, batch, tokens, steps, layout,
+    node-hours and GiB per tile. Nothing when no plan is in the store."""
+    table = store.runs()
+    plans = table.loc[table["kind"] == "plan", "run_id"].tolist() if "kind" in table else []
+    lines = []
+    for run_id in plans:
+        attrs = store.attrs(run_id)
+        rows = [["preset", "tag", "layers", "width", "heads", "experts", "total / active", "name", "context",
+                 "batch", "tokens", "steps", "tiles (EP)", "node-hours", "GiB/tile"]]
+        for r in attrs.get("paper_runs", []):
+            experts = f"{r['experts']} (top-{r['top_k']})" if r["experts"] else DASH
+            rows.append([r["preset"], f"`{r['base']}--{r['tag']}`" if r["tag"] else f"`{r['base']}`",
+                         str(r["layers"]), str(r["d_model"]), str(r["heads"]), experts,
+                         f"{format_count(r['params'])} / {format_count(r['active_params'])}", r["nominal"] or DASH,
+                         str(r["seq_len"]), str(r["batch"]), format_count(r["tokens"]), f"{r['steps']:,}",
+                         f"{r['tiles']} ({r['ep']})", _num(r["node_hours"], ",.0f"), _num(r["gib_per_tile"], ".1f")])
+        if len(rows) == 1:
+            continue
+        lines += ["## The paper's runs", "",
+                  f"Every pretraining run of the paper as this pipeline trains it, planned on `{attrs.get('site')}` "
+                  f"(`optimus plan --site {attrs.get('site')}`; node-hours from the performance model on machine "
+                  f"`{attrs.get('machine')}`, GiB per tile from the memory model). Models are the authors' base models "
+                  "rescaled by their tags (GitHub IntelLabs/Optimus-LM), with the paper's recipe: context 2048, 3072 "
+                  "sequences a step, the decay over one epoch of the data. \"Name\": the sizes the model's name "
+                  "states, beside our exact counts.", "", *_markdown_table(rows, "llrrrlllrrrrrrr"), ""]
+    return lines
 
 
 def _memory(store: ResultsStore) -> list[str]:

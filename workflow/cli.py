@@ -384,6 +384,13 @@ def cmd_figures(args) -> Summary:
     return Summary("\n".join(map(str, result.paths)), jsonable(result))  # one path a line: for `xargs`
 
 
+def cmd_reference(args) -> Summary:
+    from stages.reference import ReferenceConfig, ReferenceInputs, ReferenceOutputs, run_reference
+
+    result = run_reference(ReferenceConfig(), ReferenceInputs(file=args.file), ReferenceOutputs(store=args.store))
+    return Summary(f"{args.store}: run {result.run_id}, {result.points} checkpoint(s)", jsonable(result))
+
+
 def cmd_report(args) -> Summary:
     from stages.report import ReportConfig, ReportInputs, ReportOutputs, run_report
 
@@ -452,6 +459,11 @@ def cmd_plan(args) -> Summary:
     if args.pbs:
         table += "".join(f"\n\n# {exp.name}\n" + "\n".join(job.pbs_lines()) + f"\n{job.launcher} optimus pretrain ..."
                          for exp, job in zip(experiments, plans))
+    if args.store:
+        from workflow.plan import record_plan
+
+        run_id = record_plan(args.store, site, experiments, plans)
+        table += f"\n{args.store}: run {run_id} (the report's table of the paper's runs)"
     return Summary(table, {"site": site.name, "jobs": jobs, "node_hours": sum(job.node_hours for job in plans)})
 
 
@@ -649,7 +661,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--data", type=Path, default=None, help="tokenize output with the tokenizer (default: the run's)")
-    p.add_argument("--arch", choices=["olmoe", "llama"], default=None, help="default: the exact one for the model")
+    p.add_argument("--arch", choices=["olmoe", "llama", "olmo"], default=None, help="default: the exact one for the model")
     p.set_defaults(func=cmd_export_hf)
 
     p = sub.add_parser("figures", parents=[common], help="draw every figure (or those named by --only) from the results store")
@@ -658,6 +670,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", action="extend", nargs="+", metavar="NAME", default=None,
                    help="draw only these figures (file names such as scaling.png ablation.png)")
     p.set_defaults(func=cmd_figures)
+
+    p = sub.add_parser("reference", parents=[common], help="a reference model's published downstream scores "
+                                                            "(a workflow/reference/*.yaml file) into the results store")
+    p.add_argument("--file", type=Path, required=True)
+    p.add_argument("--store", type=Path, required=True)
+    p.set_defaults(func=cmd_reference)
 
     p = sub.add_parser("report", parents=[common], help="write the markdown report from the results store")
     p.add_argument("--store", type=Path, required=True)
@@ -736,6 +754,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", parents=[common], help="the paper-scale jobs on a site, with nodes, walltime and node-hours")
     p.add_argument("--site", default="aurora", help="local, aurora, or a YAML file with a site: block")
     p.add_argument("--pbs", action="store_true", help="also print each job's PBS directives and mpiexec line")
+    p.add_argument("--store", type=Path, default=None,
+                   help="also record the pretraining runs' shapes, recipe and plan in this results store (the report's "
+                        "table of the paper's runs)")
     p.add_argument("experiments", nargs="*", help="default: every run of the paper-scale DAG")
     p.set_defaults(func=cmd_plan)
     return parser

@@ -8,7 +8,7 @@ not here: they live in optimus_core/presets.py.
     >>> from workflow.experiments import get, pretraining, dag, scaleup
     >>> exp = get("pretrain-mula-7b-a1b")
     >>> exp.paper.steps, exp.paper.batch, exp.laptop.steps
-    (317892, 3072, 240)
+    (635783, 3072, 240)
     >>> len(dag("laptop")), len(dag("paper"))
     (5, 15)
     >>> [e.name for e in scaleup()]
@@ -22,20 +22,15 @@ The runs
 - ablation (kind ``ablation``): mula-20b-a2b on 384 tiles, baseline / +kernels / +optimizer /
   both, a fixed number of steps.
 
-Tile counts of the scale-up runs (the paper gives its scaling range, not each run's size): all
-three on 3072 tiles (256 nodes), the smallest job Aurora's production queue takes (ALCF's queue
-table in workflow/config/aurora.yaml: prod's tiers start at 256 nodes; below it only the
-one-hour debug queues, one job per user, or capacity's 16 nodes), and the size the two 4T runs
-use. EP degrees keep 8-16 experts per tile (ep 8, 16, 32 for 20B-A2B, 100B-A7B, 220B-A10B). The
-global batch is the 4T runs' 3072 sequences, one per tile.
-
-The global batch of the two 4T runs is OUR choice, not the paper's (its text is not available to
-us): 3072 sequences x 4096 tokens (12.6M tokens per step), one sequence per tile on 3072 tiles.
-OLMoE-1B-7B's own batch (1024 x 4096, the presets' default) does not divide over 3072 ranks (a
-third of a sequence per tile); of the two ways out -- keep 3072 tiles (the issue's size for these
-runs) and triple the batch, or keep the batch and shrink the run to 1024 tiles, which are not a
-whole number of 12-tile nodes -- we keep the tiles. The presets' learning rate and warmup steps
-are kept as they are (so warmup spans 3x the tokens); 4T tokens take 317,892 steps.
+Tile counts, batch and context are the authors' (GitHub IntelLabs/Optimus-LM,
+``submit_aurora_job_paper.pbs``, read 2026-12-06): every paper run on 256 nodes (3072 tiles), 3072
+sequences of 2048 tokens a step (6.29M tokens: the presets' recipe, optimus_core/presets.py), so
+4T tokens take 635,783 steps and 100B tokens 15,895. The decay horizon is one epoch of the data
+(``schedule.decay_horizon = "epoch"``), also for the 100B-token runs, which stop early on it.
+Expert parallelism is the authors' degree, 12 (one node's tiles) for Mula-20B-A2B, -100B-A7B and
+-220B-A10B, none for Mula-1B and -7B-A1B. The authors also pipeline the 100B (PP 4) and 220B
+(PP 8) runs; until pipeline parallelism lands, those two run in our layout: parameters sharded
+(below) with the recomputation their tiles need.
 
 Every paper-scale run trains in micro-batches of one sequence per tile (``train.micro_batch=1``,
 what the performance model prices), accumulating ``global_batch / tiles`` of them per step, so
@@ -53,20 +48,22 @@ by `optimus plan` (its GiB/tile column) and again by each run on its device. The
 sweep is the exception: its smallest size's choice is pinned for all its sizes
 (SCALING_CHECKPOINTING), so that every point does the same work per step.
 
-Strong scaling keeps one global batch of 12288 sequences (50M tokens: one sequence per tile at
-12288 tiles, 32 accumulated micro-batches per tile at 384) for 6 steps, ep 32 everywhere: a
-timed run fits one job with room (workflow/plan.py), and the 384-tile point must fit the
-one-hour debug-scaling queue (32 nodes is below prod's smallest tier): with the recomputation
-of every 2nd block priced (its 64 GiB tiles need it), 8 steps were estimated past that hour.
+Strong scaling keeps one global batch of 12288 sequences of 2048 tokens (25M tokens: one sequence
+per tile at 12288 tiles, 32 accumulated micro-batches per tile at 384) for 6 steps, EP 12
+everywhere. The authors' sweep batch is not in their code: this batch is our assumption, the
+smallest that gives every point whole micro-batches of one sequence. A timed run fits one job
+with room (workflow/plan.py), and the 384-tile point must fit the one-hour debug-scaling queue
+(32 nodes is below prod's smallest tier).
 
-Laptop proxies: the tiny presets (``<name>@laptop``), one CPU process each. The laptop DAG (``dag("laptop")``, what `make reproduce` trains) holds
-every pretraining run: the two 4T proxies, 240 steps each (1.5-2.5 min on one core), and the
-three scale-up proxies, LAPTOP_SCALEUP_STEPS steps each, small enough for `make reproduce` on
-2 cores (the README gives its measured time). Their presets keep the paper's order in
-total and active parameters (optimus_core/presets.py); they train on the same corpus and batch
-as the 4T proxies, 32 steps to their 240 (the paper's runs: a fortieth of the tokens), with the
-warmup cut to match, and are evaluated on held-out loss only, on fewer batches (``scaleup_eval``
-in workflow/config/laptop.yaml: the lm-eval tasks would cost more than their training).
+Laptop proxies: the tiny presets (``<name>@laptop``: the same tags on tiny bases,
+optimus_core/presets.py), one CPU process each, with the paper's recipe at a laptop's scale. The
+laptop DAG (``dag("laptop")``, what `make reproduce` trains) holds every pretraining run: the two
+4T proxies, LAPTOP_4T_STEPS steps each, and the three scale-up proxies, LAPTOP_SCALEUP_STEPS
+steps each on the same corpus and batch, all five on one decay horizon, the 4T proxies' length
+(LAPTOP_EVAL's comment says why). The scale-up proxies are evaluated on held-out loss only, on
+fewer batches (``scaleup_eval`` in workflow/config/laptop.yaml: the lm-eval tasks would cost more
+than their training); the 4T proxies' every 40th checkpoint is evaluated on held-out loss and the
+offline tasks, the stand-ins of the paper's lm-eval tasks.
 ``scaleup_figure(scale)`` names the runs results/figures/scaleup.png draws. The scaling and
 ablation proxies are registered (and runnable one by one with ``optimus pretrain --experiment
 NAME``) but kept out of ``rule all``: their point is time on many devices, not a CPU curve.
@@ -205,14 +202,22 @@ class Experiment:
 
 
 T, B = 10**12, 10**9
-# Laptop budgets: 2 CPU cores, the whole `make reproduce` within 15 minutes.
-LAPTOP_EVAL = {"train.eval_every": 40, "train.eval_batches": 4, "train.log_every": 1}
+# Laptop budgets: 2 CPU cores, the whole `make reproduce` within 10 minutes.
+# The 4T proxies' length is the laptop's decay horizon, the stand-in for the paper's one epoch
+# (which a corpus of ~6,000 windows of 128 tokens would put at a few hundred steps, varying with
+# the Python whose standard library the embedded corpus is made of): the 4T proxies decay over
+# their whole run, and the scale-up proxies stop early on that horizon, as the paper's 100B-token
+# runs stop early on the 4T runs' epoch. Every 40th step's checkpoint is kept for the evaluation
+# against tokens (the paper evaluates every model-only checkpoint).
+LAPTOP_4T_STEPS = 240
+LAPTOP_EVAL = {"train.eval_every": 40, "train.eval_batches": 4, "train.log_every": 1,
+               "train.checkpoint_every": 40, "train.keep_every": 40, "schedule.decay_horizon": LAPTOP_4T_STEPS}
 LAPTOP_SHORT = {"train.eval_every": 0, "train.eval_batches": 2, "train.log_every": 1}
 # The scale-up proxies: LAPTOP_SCALEUP_STEPS steps of the 4T proxies' batch (module doc), held-out
-# loss every 8 steps for the curve, warmup 8 steps (the preset's 20 would be most of the run).
+# loss every 8 steps for the curve, the preset's warmup (20 steps).
 LAPTOP_SCALEUP_STEPS = 32
 LAPTOP_SCALEUP_TRAIN = {"train.eval_every": 8, "train.eval_batches": 4, "train.log_every": 1,
-                        "schedule.warmup_steps": 8}
+                        "schedule.decay_horizon": LAPTOP_4T_STEPS}
 # Paper scale: checkpoints often enough that a job cut by its walltime loses little (the
 # launcher resubmits it and it resumes from the newest valid checkpoint). One sequence per tile
 # per forward / backward, accumulated up to the global batch (module doc). How the runs execute
@@ -221,15 +226,16 @@ LAPTOP_SCALEUP_TRAIN = {"train.eval_every": 8, "train.eval_batches": 4, "train.l
 PAPER_TRAIN = {"train.checkpoint_every": 500, "train.micro_batch": 1}
 PAPER_TIMED = {"train.eval_every": 0, "train.eval_batches": 1, "train.micro_batch": 1}
 SHARD_BLOCK = 384  # tiles (32 nodes) a parameter is sharded over (parallel.dp_shard; module doc)
-PAPER_4T_BATCH = 3072  # sequences: one per tile on 3072 tiles (our choice; module doc)
+PAPER_TILES = 3072  # 256 nodes: every paper run (module doc)
+PAPER_EP = 12  # the authors' expert-parallel degree: one node's tiles
 SCALING_TILES = (384, 768, 1536, 3072, 6144, 12288)
 SCALING_STEPS, SCALING_BATCH = 6, 12288
 # One recomputation for the whole strong-scaling sweep, so that every point does the same work
 # per step: what "auto" takes at its smallest size (384 tiles, whose 32 accumulated micro-batches
-# keep the gradients: every 6th block), pinned because larger points have room for less (every
-# 10th block at 12288), which would flatter their efficiency. tests/workflow/test_plan_memory.py
-# checks it is still that choice and fits every size.
-SCALING_CHECKPOINTING = ("full", 6)
+# keep the gradients: none at context 2048 and EP 12), pinned so that no larger point could take
+# less and flatter its efficiency. tests/workflow/test_plan_memory.py checks it is still that
+# choice and fits every size.
+SCALING_CHECKPOINTING = ("none", 1)
 ABLATION_STEPS, LAPTOP_TIMED_STEPS = 20, 20
 # baseline / +kernels / +optimizer / both: (experts backend, optimizer)
 # The baseline's experts are the loop over experts (kernels/ "loop"), as in bench/distributed.py:
@@ -246,7 +252,7 @@ ABLATION_VARIANTS = {
 def _pretrain(model: str, tokens: int, tiles: int, ep: int = 1, batch: int = 0,
               scaleup: bool = False, description: str = "") -> Experiment:
     laptop = (RunScale.for_steps(f"{model}@laptop", LAPTOP_SCALEUP_STEPS, 1, extra=LAPTOP_SCALEUP_TRAIN) if scaleup
-              else RunScale(f"{model}@laptop", 240 * 2048, devices=1, extra=LAPTOP_EVAL))
+              else RunScale.for_steps(f"{model}@laptop", LAPTOP_4T_STEPS, 1, extra=LAPTOP_EVAL))
     return Experiment(
         f"pretrain-{model}", "pretrain",
         paper=RunScale(model, tokens, devices=tiles, ep=ep, global_batch=batch,
@@ -259,13 +265,13 @@ def _pretrain(model: str, tokens: int, tiles: int, ep: int = 1, batch: int = 0,
 def _scaling(tiles: int) -> Experiment:
     return Experiment(
         f"scaling-mula-220b-a10b-{tiles}", "scaling",
-        paper=RunScale.for_steps("mula-220b-a10b", SCALING_STEPS, tiles, timed=True, ep=32,
+        paper=RunScale.for_steps("mula-220b-a10b", SCALING_STEPS, tiles, timed=True, ep=PAPER_EP,
                                  global_batch=SCALING_BATCH, dp_shard=SHARD_BLOCK,
                                  extra={**PAPER_TIMED, "execution.activation_checkpointing": SCALING_CHECKPOINTING[0],
                                         "execution.activation_checkpointing_every": SCALING_CHECKPOINTING[1]}),
         laptop=RunScale.for_steps("mula-220b-a10b@laptop", LAPTOP_TIMED_STEPS, 1, extra=LAPTOP_SHORT),
         description=f"strong scaling of Mula-220B-A10B: {tiles} tiles, {SCALING_STEPS} steps of "
-                    f"{SCALING_BATCH} x 4096 tokens",
+                    f"{SCALING_BATCH} x {presets.get('mula-220b-a10b').seq_len} tokens",
     )
 
 
@@ -282,15 +288,14 @@ def _ablation(variant: str) -> Experiment:
 
 
 _REGISTRY = [
-    _pretrain("mula-1b", 4 * T, 3072, batch=PAPER_4T_BATCH,
-              description="dense Mula-1B on OLMoE-mix-0924 (4T tokens)"),
-    _pretrain("mula-7b-a1b", 4 * T, 3072, batch=PAPER_4T_BATCH,
+    _pretrain("mula-1b", 4 * T, PAPER_TILES, description="dense Mula-1B on OLMoE-mix-0924 (4T tokens)"),
+    _pretrain("mula-7b-a1b", 4 * T, PAPER_TILES,
               description="MoE Mula-7B-A1B (OLMoE-1B-7B) on OLMoE-mix-0924 (4T tokens)"),
-    _pretrain("mula-20b-a2b", 100 * B, 3072, ep=8, batch=PAPER_4T_BATCH, scaleup=True,
+    _pretrain("mula-20b-a2b", 100 * B, PAPER_TILES, ep=PAPER_EP, scaleup=True,
               description="scale-up: MoE Mula-20B-A2B to 100B tokens"),
-    _pretrain("mula-100b-a7b", 100 * B, 3072, ep=16, batch=PAPER_4T_BATCH, scaleup=True,
+    _pretrain("mula-100b-a7b", 100 * B, PAPER_TILES, ep=PAPER_EP, scaleup=True,
               description="scale-up: MoE Mula-100B-A7B to 100B tokens"),
-    _pretrain("mula-220b-a10b", 100 * B, 3072, ep=32, batch=PAPER_4T_BATCH, scaleup=True,
+    _pretrain("mula-220b-a10b", 100 * B, PAPER_TILES, ep=PAPER_EP, scaleup=True,
               description="scale-up: MoE Mula-220B-A10B to 100B tokens"),
     *[_scaling(t) for t in SCALING_TILES],
     *[_ablation(v) for v in ABLATION_VARIANTS],

@@ -283,3 +283,50 @@ def plan_table(experiments, site: SiteConfig) -> tuple[str, list[JobPlan]]:
         foot += (f"; memory per tile from optimus_core/memory.py, every job within the "
                  f"{', '.join(f'{b:g}' for b in sorted(budgets))} GiB budget per tile")
     return "\n".join([head, "-" * len(head), *rows, foot]), plans
+
+
+def paper_run_rows(experiments, plans: list[JobPlan]) -> list[dict]:
+    """One row per pretraining run of ``experiments`` as planned (``plans``): its preset and the
+    authors' tag, its shape, total and active parameters beside the name's nominal sizes, context,
+    batch, tokens, steps, tiles, EP degree, node-hours and GiB per tile."""
+    from optimus_core import presets
+
+    rows = []
+    for exp, job in zip(experiments, plans):
+        if exp.kind != "pretrain":
+            continue
+        run = exp.paper
+        p = presets.get(run.preset)
+        m = p.model
+        rows.append({
+            "run": exp.name, "preset": run.preset, "base": p.base, "tag": p.tag, "layers": m.n_layers,
+            "d_model": m.d_model, "heads": m.n_heads, "experts": m.moe.n_experts if m.moe else 0,
+            "top_k": m.moe.top_k if m.moe else 0, "params": m.num_params(), "active_params": m.num_active_params(),
+            "nominal": nominal_size(run.preset), "seq_len": p.seq_len, "batch": run.batch, "tokens": run.tokens,
+            "steps": run.steps, "tiles": run.devices, "nodes": run.nodes, "ep": run.ep,
+            "node_hours": job.node_hours, "gib_per_tile": job.memory_gib, "budget_gib": job.budget_gib,
+            "checkpointing": job.checkpointing})
+    return rows
+
+
+def nominal_size(preset: str) -> str:
+    """The sizes a Mula name states (``mula-20b-a2b`` -> "20B / 2B"; a dense one its total)."""
+    parts = preset.split("@")[0].removeprefix("mula-").split("-")
+    if not parts[0].endswith("b"):
+        return ""
+    total = parts[0][:-1].upper() + "B"
+    active = next((x[1:-1].upper() + "B" for x in parts[1:] if x.startswith("a") and x.endswith("b")), total)
+    return f"{total} / {active}"
+
+
+def record_plan(store_path, site: SiteConfig, experiments, plans: list[JobPlan]) -> str:
+    """Write the pretraining runs' rows (paper_run_rows) into run ``plan-<site>`` of the results
+    store, as attrs (they hold strings): the report's table of the paper's runs. Returns the run id."""
+    from optimus_core.store import open_store
+
+    run_id = f"plan-{site.name}"
+    attrs = {"kind": "plan", "site": site.name, "machine": site.machine, "status": "completed",
+             "paper_runs": paper_run_rows(experiments, plans)}
+    with open_store(store_path).run_writer(run_id, attrs) as writer:
+        writer.set_status("completed")
+    return run_id

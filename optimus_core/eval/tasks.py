@@ -26,6 +26,18 @@ import yaml
 from optimus_core.config import ConfigError
 
 TASK_PREFIX = "optimus_cont_"
+# The paper's downstream tasks (lm-eval, zero-shot), in the order of the authors' figure, and the
+# metric their table and figure read of each (GitHub IntelLabs/Optimus-LM evals/gather_eval_results.py
+# and generate_plots.py, read 2026-12-06): acc_norm for ARC, HellaSwag, PIQA and OpenBookQA; acc for
+# BoolQ and WinoGrande (which define no acc_norm), SciQ (which does, but the authors read acc) and
+# MMLU (lm-eval's group score: the mean over its 57 subjects weighted by their questions).
+PAPER_TASKS = {"arc_easy": "acc_norm", "arc_challenge": "acc_norm", "hellaswag": "acc_norm", "piqa": "acc_norm",
+               "boolq": "acc", "sciq": "acc", "winogrande": "acc", "openbookqa": "acc_norm", "mmlu": "acc"}
+
+
+def task_metric(task: str) -> str:
+    """The metric a figure or table reads of ``task``: the paper's (PAPER_TASKS), else ``acc``."""
+    return PAPER_TASKS.get(task, "acc")
 
 
 class TaskFileError(ValueError):

@@ -32,8 +32,8 @@ Units, each all-gathered just before use and freed after (FSDP2's ``fully_shard`
                                  (the fused LM loss reads the head's weight without calling it)
 
 Under bf16 the units are gathered in bf16 (the weight copies the forward multiplies by) and
-their gradients reduce-scattered in ``reduce_dtype`` (float32 by default) onto the float32
-shards. Each block's forward prefetches its experts and the next block; the backward prefetches
+their gradients reduce-scattered in ``reduce_dtype`` (the paper's runs: bf16) onto the float32
+shards; a float32 run reduces in float32. Each block's forward prefetches its experts and the next block; the backward prefetches
 in reverse order (FSDP2's default). Gradients are reduce-scattered as each unit's backward ends,
 in every micro-batch, so the synchronisation runs under the backward throughout.
 
@@ -74,7 +74,9 @@ def shard_model(model: nn.Module, mesh: Mesh, *, dtype: str = "float32", experts
     # is in the dtype Transformer.hidden gives it, as on one process, and autocast casts what each
     # matmul reads. (Cast by FSDP2, an activation-checkpointed block would also recompute from
     # other inputs than it ran on: FSDP2 does not cast again in the backward.)
-    reduce = REDUCE_DTYPES[reduce_dtype]
+    # a float32 run's gradients are float32: rounding them to bf16 for the reduction saves traffic
+    # the run did not ask to save (parallel.reduce_dtype is the reduction of a bf16 run's)
+    reduce = REDUCE_DTYPES[reduce_dtype] if dtype == "bfloat16" else torch.float32
     if dtype == "bfloat16":
         gathered = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce, cast_forward_inputs=False)
     else:

@@ -37,7 +37,8 @@ def test_transformers_logits_match_ours(trained):
     ours, cfg = load_model(run_dir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     assert hf.dtype == torch.float32  # config.json says float32: the dtype our checkpoints hold
-    assert type(hf).__name__ == "OlmoeForCausalLM"  # dense too: one expert, top-1 (exact)
+    # mula-1b is OLMo-1B (non-parametric LayerNorm, no QK-norm): OlmoForCausalLM, exactly
+    assert type(hf).__name__ == {"moe": "OlmoeForCausalLM", "dense": "OlmoForCausalLM"}[kind]
     assert hf.config.vocab_size == cfg.model.padded_vocab_size
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -94,8 +95,8 @@ def test_bad_inputs_give_clear_errors(trained, tmp_path, capsys):
     _, cfg = load_model(run_dir)
     with pytest.raises(ExportError, match="not a run directory"):
         export_hf(tmp_path, tmp_path / "out")
-    with pytest.raises(ExportError, match="LlamaForCausalLM"):
-        export_hf(run_dir, tmp_path / "out", arch="llama")  # both presets have QK-norm
+    with pytest.raises(ExportError, match="LlamaForCausalLM" if kind == "moe" else "only arch='olmo'"):
+        export_hf(run_dir, tmp_path / "out", arch="llama")
     with pytest.raises(ExportError, match="arch = 'gpt2': unknown"):
         hf_architecture(cfg.model, "gpt2")
     (tmp_path / "no-tokenizer").mkdir()
@@ -106,6 +107,35 @@ def test_bad_inputs_give_clear_errors(trained, tmp_path, capsys):
         import_hf(tmp_path)
     assert main(["export-hf", "--run", str(tmp_path), "--out", str(tmp_path / "out")]) == 1
     assert "not a run directory" in capsys.readouterr().err
+
+
+def test_olmo_1b_maps_to_olmo_exactly():
+    """mula-1b's architecture (OLMo-1B: non-parametric LayerNorm, no QK-norm, untied) is
+    transformers' OlmoForCausalLM, logits and weights both ways."""
+    from optimus_core.config import ModelConfig
+    from optimus_core.hf import from_hf_config, from_hf_state, to_hf_config, to_hf_state
+    from optimus_core.model.transformer import Transformer
+
+    cfg = ModelConfig(vocab_size=300, d_model=64, n_layers=2, n_heads=4, d_ff=96, qk_norm=False, max_seq_len=32,
+                      norm="nonparametric_layernorm", pad_token_id=1)
+    assert hf_architecture(cfg) == "olmo"
+    with pytest.raises(ExportError, match="only arch='olmo'"):
+        hf_architecture(cfg, "llama")
+    ours = Transformer(cfg)
+    ours.init_weights(seed=0)
+    config = to_hf_config(cfg, "olmo", pad_id=1)
+    hf_cfg = transformers.OlmoConfig(**{k: v for k, v in config.items()
+                                        if k not in ("architectures", "model_type", "torch_dtype")})
+    hf = transformers.OlmoForCausalLM(hf_cfg).eval()
+    hf.load_state_dict(to_hf_state(cfg, ours.state_dict(), "olmo"))
+    tokens = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(tokens).logits - ours.eval()(tokens)).abs().max().item() < 1e-4
+    assert from_hf_config(config, vocab_size=300) == cfg
+    back = from_hf_state(cfg, to_hf_state(cfg, ours.state_dict(), "olmo"), "olmo")
+    assert all(torch.equal(v, back[k]) for k, v in ours.state_dict().items())
+    with pytest.raises(ExportError, match="OlmoForCausalLM is dense without QK-norm"):
+        hf_architecture(cfg.replace(qk_norm=True))
 
 
 def test_dense_without_qk_norm_maps_to_llama_exactly():
@@ -153,28 +183,40 @@ def test_fused_expert_layout_imports_like_the_per_expert_one():
     assert all(torch.equal(a[k], v) for k, v in model.state_dict().items())
 
 
-def test_each_layers_load_balancing_loss_is_weighed_in_transformers_as_we_trained_it(trained):
-    """Where the two conventions coincide -- one layer's router logits -- transformers' OLMoE
-    load-balancing loss is k times ours (it counts a token's k assignments as k whole shares;
-    megablocks and we divide by T * k), so the export's router_aux_loss_coef is lb_loss_coef / k
-    and the weighted terms agree. The model's total is the mean of the per-layer losses (OLMoE's
-    trainer), which transformers approximates by pooling the layers' statistics first."""
+def test_the_load_balancing_loss_is_transformers_own(trained):
+    """The paper's load-balancing loss (model.moe.lb_loss_form = "all_layers") is transformers'
+    OLMoE loss over every layer's router logits: the export's router_aux_loss_coef is our
+    lb_loss_coef and the weighted terms agree. Our per-layer form agrees with transformers' loss
+    of one layer's logits at lb_loss_coef / k, which the export then writes."""
     kind, run_dir, hf_dir = trained
     if kind != "moe":
         pytest.skip("a dense model has no router")
     from transformers.models.olmoe.modeling_olmoe import load_balancing_loss_func
 
+    from optimus_core.hf import to_hf_config
+
     ours, cfg = load_model(run_dir)
     moe = cfg.model.moe
+    assert moe.lb_loss_form == "all_layers"
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
-    assert hf.config.router_aux_loss_coef == pytest.approx(moe.lb_loss_coef / moe.top_k)
+    assert hf.config.router_aux_loss_coef == moe.lb_loss_coef
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ours(tokens)
         router_logits = hf(tokens, output_router_logits=True).router_logits
     layers = ours.moe_layers()
     assert len(router_logits) == len(layers) > 1
-    for layer, logits in zip(layers, router_logits):
-        theirs = load_balancing_loss_func((logits,), moe.n_experts, moe.top_k)
-        torch.testing.assert_close(moe.lb_loss_coef * layer.last_lb_loss.float(),
-                                   hf.config.router_aux_loss_coef * theirs.float(), rtol=1e-4, atol=1e-7)
+    theirs = load_balancing_loss_func(tuple(router_logits), moe.n_experts, moe.top_k)
+    torch.testing.assert_close(moe.lb_loss_coef * ours.lb_loss().float(),
+                               hf.config.router_aux_loss_coef * theirs.float(), rtol=1e-4, atol=1e-7)
+    per_layer = cfg.model.replace(moe=moe.replace(lb_loss_form="per_layer"))
+    coef = to_hf_config(per_layer, "olmoe")["router_aux_loss_coef"]
+    assert coef == pytest.approx(moe.lb_loss_coef / moe.top_k)
+    ours.cfg = per_layer
+    for i, logits in enumerate(router_logits):  # one layer: the two conventions coincide
+        share = ours.routing_shares()[i:i + 1]
+        probs = ours.moe_layers()[i].last_mean_probs_E[None]
+        mine = moe.n_experts * (share * probs).sum()
+        torch.testing.assert_close(moe.lb_loss_coef * mine.float(),
+                                   coef * load_balancing_loss_func((logits,), moe.n_experts, moe.top_k).float(),
+                                   rtol=1e-4, atol=1e-7)

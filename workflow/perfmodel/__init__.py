@@ -3,8 +3,8 @@
     from workflow import perfmodel as pm
     machine = pm.load_machine("aurora")                 # workflow/machines/aurora.yaml
     cfg = presets.get("mula-220b-a10b").model
-    pred = pm.predict(cfg, pm.Layout(devices=384, ep=32, global_batch=12288, micro_batch=1,
-                                     seq_len=4096, dtype="bfloat16"), machine)
+    pred = pm.predict(cfg, pm.Layout(devices=384, ep=12, global_batch=12288, micro_batch=1,
+                                     seq_len=2048, dtype="bfloat16"), machine)
     pred.step_s, pred.compute_s, pred.a2a_s, pred.grad_sync_s, pred.optimizer_s, pred.idle_s
     fitted = pm.calibrate(points, pm.load_machine("cpu"))    # points: the lead's measured dicts
     pm.holdout_error(points, pm.load_machine("cpu"))         # error on points not fitted

@@ -1,6 +1,7 @@
 # Shared names. The runs come from the registry (workflow/experiments.py), never from here.
 import re
 import sys
+from pathlib import Path
 
 from stages.figures import FIGURE_READS, FIGURES as FIGURE_FILES
 from workflow.experiments import dag, scaleup, scaleup_figure
@@ -19,6 +20,9 @@ TIMED_RUNS = [run for run, e in PRETRAIN_RUNS.items() if e.kind != "pretrain"]
 SCALEUP_RUNS = [e.run_id(SCALE) for e in scaleup() if e.run_id(SCALE) in PRETRAIN_RUNS]
 SCALEUP_FIGURE_RUNS = [e.run_id(SCALE) for e in scaleup_figure(SCALE)]
 FIGURES = [f"{RES}/figures/{name}" for name in FIGURE_FILES]  # one `figure` job each (report.smk)
+# Reference models' published scores (stages/reference.py), by file stem
+REFERENCES = {Path(f).stem: f for f in config.get("references", [])}
+REFERENCE_MARKERS = [f"{RES}/reference/{stem}.ingested" for stem in REFERENCES]
 REPORT = f"{RES}/report.md"
 
 # Where training runs: here, or (launcher: parsl) through the Parsl site of the config's site:
@@ -40,3 +44,4 @@ if config.get("launcher", "local") == "parsl":
 wildcard_constraints:
     run="[A-Za-z0-9_.@-]+",
     figure="|".join(re.escape(name) for name in FIGURE_FILES),
+    reference="[A-Za-z0-9_.-]+",

@@ -26,11 +26,16 @@ rule pretrain:
 
 def eval_flags(run):
     """--max-batches and --tasks of one run: eval_max_batches / eval_tasks, or for a scale-up run
-    what `scaleup_eval` sets (held-out loss only at laptop scale: workflow/config/laptop.yaml)."""
+    what `scaleup_eval` sets (held-out loss only at laptop scale: workflow/config/laptop.yaml);
+    the downstream tasks on every kept checkpoint where eval_downstream_all_checkpoints says so
+    (the paper evaluates every model-only checkpoint), except under scaleup_eval."""
     settings = {"max_batches": config["eval_max_batches"], "tasks": config.get("eval_tasks", ["heldout"])}
-    if run in SCALEUP_RUNS:
-        settings.update(config.get("scaleup_eval") or {})
-    return f"--max-batches {settings['max_batches']} --tasks {' '.join(settings['tasks'])}"
+    scaleup_eval = run in SCALEUP_RUNS and config.get("scaleup_eval")
+    if scaleup_eval:
+        settings.update(scaleup_eval)
+    every = config.get("eval_downstream_all_checkpoints") and not scaleup_eval
+    return (f"--max-batches {settings['max_batches']} --tasks {' '.join(settings['tasks'])}"
+            + (" --downstream-all-checkpoints" if every else ""))
 
 
 rule evaluate:

@@ -9,7 +9,21 @@ FIGURE_NEEDS = {
     "evaluation": expand(f"{RES}/runs/{{run}}/eval.json", run=EVAL_RUNS),
     "scaling": [PERFMODEL_JSON, *BENCH_MARKERS],  # the scaling study (workflow/rules/scaling.smk)
     "bench": BENCH_MARKERS,  # the committed GPU benchmark results, ingested into the store
+    "reference": REFERENCE_MARKERS,  # the reference models' published scores, in the store
 }
+
+
+# The reference models' published downstream scores (workflow/reference/*.yaml), one run each in
+# the store, drawn beside the runs in downstream.png (stages/reference.py).
+rule reference:
+    input:
+        lambda wc: REFERENCES[wc.reference],
+    output:
+        f"{RES}/reference/{{reference}}.ingested",
+    log:
+        f"{RES}/logs/reference-{{reference}}.log",
+    shell:
+        "optimus reference --file {input} --store " + STORE + " > {output}.tmp 2> {log} && mv {output}.tmp {output}"
 
 
 def figure_inputs(wildcards):
@@ -27,9 +41,26 @@ rule figure:
         f"optimus figures --store {STORE} --out {RES}/figures --only {{wildcards.figure}} > {{log}} 2>&1"
 
 
+# The paper's pretraining runs as planned on Aurora (shapes, recipe, steps, node-hours, GiB per
+# tile: the report's "The paper's runs"), recorded in the store. Planning needs no account; the
+# placeholder stands in for one where none is set (no job is submitted).
+PAPER_PLAN = f"{RES}/plan/aurora.recorded"
+
+
+rule paper_plan:
+    output:
+        PAPER_PLAN,
+    log:
+        f"{RES}/logs/paper-plan.log",
+    shell:
+        "OPTIMUS_ACCOUNT=${{OPTIMUS_ACCOUNT:-planning-only}} optimus plan --site aurora --store " + STORE
+        + " > {output}.tmp 2> {log} && mv {output}.tmp {output}"
+
+
 rule report:
     input:
         FIGURES,
+        PAPER_PLAN,
         MEMORY_MARKERS,  # the rehearsals in the store: the "Memory per tile" table
         STORE_ONLY_MARKERS,  # the checkpoint I/O benchmark, in the store beside the rest
     output:

@@ -52,4 +52,4 @@ def test_a_step_leaves_no_routing_tensors_on_the_layers():
         stats, model = _step(scope, 2)
         assert stats.tokens_per_expert_LE.sum() == 2 * 4 * 8 * 2  # layers x tokens x top_k, both micro-batches
         for layer in model.moe_layers():
-            assert layer.aux_loss is None and layer.last_mean_probs_E is None and layer.last_lb_loss is None
+            assert layer.last_z_loss is None and layer.last_mean_probs_E is None and layer.last_tokens_per_expert_E is None
