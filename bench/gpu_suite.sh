@@ -24,6 +24,7 @@
 #   VARIANTS="7b8l-loop 7b8l-triton+compile" bench/gpu_suite.sh speed    # a subset of train_step
 #   REPEAT=2 VARIANTS="..." bench/gpu_suite.sh speed                       # each variant twice, in turns
 #   MICRO_BATCHES="2 4 8" bench/gpu_suite.sh speed    # the micro-batch axis: ours and OLMo-core at each
+#   SEQ=4096 bench/gpu_suite.sh speed                  # another context (default 2048, the paper's)
 #
 # Needs: torch + triton (CUDA); for OLMo-core, the peers folder with its wheels in .peers/
 # (../shared/peers/README.md says how to fill it). Results: bench/results/ (or $OUT if set), with
@@ -83,11 +84,13 @@ all)
 speed)
   pids=()
   batches=${MICRO_BATCHES:-2}
+  seq=${SEQ:-2048}  # the paper's context, ours and OLMo-core's
   olmo_core() {  # OLMo-core's step on GPU $1 at each micro-batch, its JSON lines appended to olmo-core.jsonl
     python3 -m pip install -q --no-index --no-deps --target /tmp/peers-site .peers/.whl/*.whl || return
     for mb in $batches; do
       (cd .peers && CUDA_VISIBLE_DEVICES=$1 PYTHONPATH=/tmp/peers-site:${PYTHONPATH:-} \
-         timeout 300 python3 olmo_core_step.py --layers 8 --micro-batch "$mb" >>"$out/olmo-core.jsonl" 2>>"$out/olmo-core.log")
+         timeout 300 python3 olmo_core_step.py --layers 8 --micro-batch "$mb" --seq "$seq" \
+           >>"$out/olmo-core.jsonl" 2>>"$out/olmo-core.log")
     done
   }
   rm -f "$out/olmo-core.jsonl"
@@ -107,7 +110,7 @@ speed)
   fi
   # OLMo-core's line is needed for the ratio: ours first, then wait for it.
   CUDA_VISIBLE_DEVICES=0 timeout 480 python3 bench/train_step.py --store '' --out "$out" ${VARIANTS:+--variants $VARIANTS} \
-    --repeat "${REPEAT:-1}" --batch $batches \
+    --repeat "${REPEAT:-1}" --batch $batches --seq "$seq" \
     >"$out/train-step.log" 2>&1
   for pid in "${pids[@]}"; do wait "$pid"; done
   if [ -d .peers/.whl ] && [ "$n" -eq 1 ] && [ "${PEER_AFTER:-1}" = 1 ]; then olmo_core 0; fi

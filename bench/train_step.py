@@ -5,12 +5,15 @@
     python bench/train_step.py --ingest bench/results/train-step-nvidia-h200.jsonl   # into the store
 
 Model: ``mula-7b-a1b`` with its full width and 8 of its 16 layers (OLMoE-1B-7B shapes: d_model
-2048, 64 experts, top-8, expert hidden 1024, vocabulary 50,304), sequence 4096, one micro-batch
-of ``--batch`` sequences per step (default 2 x 4096 tokens; several values make the micro-batch
-a variant axis: every variant at each, OLMo-core's harness run at the same ones with
-``--micro-batch N``), bf16 autocast with float32 master weights and AdamW state: the
-configuration OLMo-core is measured at by ../shared/peers/olmo_core_step.py. ``mula-1b`` (dense,
-all 16 layers) for reference. Each variant is one training step of the trainer core (optimus_core.train.measure:
+2048, 64 experts, top-8, expert hidden 1024, vocabulary 50,304), sequence ``--seq`` (default
+2048, the paper's context), one micro-batch of ``--batch`` sequences per step (several values
+make the micro-batch a variant axis: every variant at each, OLMo-core's harness run at the same
+ones with ``--micro-batch N --seq S``), bf16 autocast with float32 master weights and AdamW
+state: the configuration OLMo-core is measured at by ../shared/peers/olmo_core_step.py.
+``mula-1b`` (dense, all 16 layers) for reference, and the layers of the paper's two largest
+shapes that fit one card: ``100b<N>l`` (Mula-100B-A7B: d_model 3072, 144 experts of hidden
+1536) and ``220b<N>l`` (Mula-220B-A10B: 240 experts), N of their layers, with the
+full vocabulary. Each variant is one training step of the trainer core (optimus_core.train.measure:
 warm-up, then the median of timed steps, phases from device events):
 
     default                 no execution choice set: what `optimus pretrain` gets (the plan's
@@ -105,6 +108,9 @@ VARIANTS = {  # name -> (model, execution overrides)
     "7b8l-triton+compile+recast": (MODEL_7B, _run("triton", True, **RECAST)),
     "7b16l-triton+compile": (MODEL_7B_WHOLE, _run("triton", True)),
     "1b-dense+compile": (MODEL_1B, {"execution.compile": True}),
+    "100b1l-default": (dict(preset="mula-100b-a7b", overrides={"model.n_layers": 1}), {}),
+    "100b2l-default": (dict(preset="mula-100b-a7b", overrides={"model.n_layers": 2}), {}),
+    "220b1l-default": (dict(preset="mula-220b-a10b", overrides={"model.n_layers": 1}), {}),
 }
 
 
@@ -115,7 +121,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), type=variant_type(VARIANTS),
                    help="names of VARIANTS, or <variant>~<probe> (bench/probes.py: one-off A/Bs)")
-    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default: the paper's context)")
     p.add_argument("--batch", type=int, nargs="+", default=[2],
                    help="sequences per step, one micro-batch; several: each variant at each (the micro-batch axis)")
     p.add_argument("--steps", type=int, default=10)

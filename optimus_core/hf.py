@@ -72,6 +72,8 @@ class ArchitectureError(ExportError, ConfigError):
 
 def hf_architecture(cfg: ModelConfig, arch: Optional[str] = None) -> str:
     """The exact HF architecture for ``cfg`` ("olmoe", "llama" or "olmo"); ``arch`` forces one, checked."""
+    if arch is not None and arch not in ARCHITECTURES:
+        raise ArchitectureError(f"arch = {arch!r}: unknown; known: {', '.join(ARCHITECTURES)}")
     if cfg.norm == LAYERNORM:
         if cfg.is_moe or cfg.qk_norm:
             raise ExportError(f"model.norm = {LAYERNORM!r} with {'model.moe set' if cfg.is_moe else 'QK-norm'}: "
@@ -87,8 +89,6 @@ def hf_architecture(cfg: ModelConfig, arch: Optional[str] = None) -> str:
             raise ExportError("model.qk_norm = False with model.moe set: OlmoeForCausalLM always applies "
                               "QK-norm and no other HF MoE architecture matches; cannot export exactly")
         return exact
-    if arch not in ARCHITECTURES:
-        raise ArchitectureError(f"arch = {arch!r}: unknown; known: {', '.join(ARCHITECTURES)}")
     if arch == "olmo":
         raise ArchitectureError("arch = 'olmo': OlmoForCausalLM's norm is a non-parametric LayerNorm and this "
                                 f"model's is RMSNorm (model.norm = {cfg.norm!r}); use arch={exact!r}")
@@ -171,8 +171,11 @@ def from_hf_config(hf: dict, vocab_size: Optional[int] = None) -> ModelConfig:
                            norm=LAYERNORM, moe=None)
     if hf["num_experts"] == 1:  # our dense export: one expert, top-1 (see the module docstring)
         return ModelConfig(**base, d_ff=hf["intermediate_size"], qk_norm=True, moe=None)
+    # transformers' OLMoE trains with its load-balancing loss over every layer's router logits
+    # (our "all_layers" form) weighed by router_aux_loss_coef, and no router z-loss
     moe = MoEConfig(n_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"], d_expert=hf["intermediate_size"],
-                    norm_topk_probs=bool(hf.get("norm_topk_prob", False)))
+                    norm_topk_probs=bool(hf.get("norm_topk_prob", False)), lb_loss_form="all_layers",
+                    lb_loss_coef=float(hf.get("router_aux_loss_coef", 0.01)), z_loss_coef=0.0)
     return ModelConfig(**base, qk_norm=True, moe=moe)
 
 

@@ -172,15 +172,16 @@ def parameter_table(cfg: ModelConfig) -> list[ParamShape]:
     """Every parameter of ``Transformer(cfg)`` with its stored 2-D shape, in registration order."""
     D, kv = cfg.d_model, cfg.kv_heads * cfg.head_dim
     V = cfg.padded_vocab_size
+    scaled = cfg.norm == "rmsnorm"  # OLMo-1B's LayerNorm has no parameters
     out = [ParamShape("embed.weight", V, D)]
     for i in range(cfg.n_layers):
         b = f"blocks.{i}."
-        out += [ParamShape(b + "attn_norm.weight", D, 1), ParamShape(b + "attn.w_q.weight", D, D),
-                ParamShape(b + "attn.w_k.weight", kv, D), ParamShape(b + "attn.w_v.weight", kv, D),
-                ParamShape(b + "attn.w_o.weight", D, D)]
+        out += [ParamShape(b + "attn_norm.weight", D, 1)] if scaled else []
+        out += [ParamShape(b + "attn.w_q.weight", D, D), ParamShape(b + "attn.w_k.weight", kv, D),
+                ParamShape(b + "attn.w_v.weight", kv, D), ParamShape(b + "attn.w_o.weight", D, D)]
         if cfg.qk_norm:
             out += [ParamShape(b + "attn.q_norm.weight", D, 1), ParamShape(b + "attn.k_norm.weight", kv, 1)]
-        out.append(ParamShape(b + "ffn_norm.weight", D, 1))
+        out += [ParamShape(b + "ffn_norm.weight", D, 1)] if scaled else []
         if cfg.moe is None:
             out += [ParamShape(b + "ffn.w_gate.weight", cfg.d_ff, D), ParamShape(b + "ffn.w_up.weight", cfg.d_ff, D),
                     ParamShape(b + "ffn.w_down.weight", D, cfg.d_ff)]
@@ -189,7 +190,7 @@ def parameter_table(cfg: ModelConfig) -> list[ParamShape]:
             out += [ParamShape(b + "ffn.router.gate.weight", E, D),
                     ParamShape(b + "ffn.experts.w_up", E * D, 2 * F, expert=True),
                     ParamShape(b + "ffn.experts.w_down", E * F, D, expert=True)]
-    return out + [ParamShape("final_norm.weight", D, 1), ParamShape("lm_head.weight", V, D)]
+    return out + ([ParamShape("final_norm.weight", D, 1)] if scaled else []) + [ParamShape("lm_head.weight", V, D)]
 
 
 def _share_elements(p: ParamShape, L: MemoryLayout) -> int:
@@ -212,7 +213,8 @@ def block_activation_bytes(cfg: ModelConfig, tokens: int, checkpointed: bool = F
     counted from the tensors autograd saves:
 
         attention and norms   the block's input and the residual after the attention (each norm
-                              keeps its input as it comes, and a float32 rsqrt per token; given
+                              keeps its input as it comes, and a float32 rsqrt per token, a
+                              LayerNorm its mean too; given
                               a float32 one, torch's ops keep its normalised value too); the
                               normed input the q, k and v projections read (one bf16 tensor, or
                               three bf16 casts of a float32 one); six more bf16 (tokens x d_model)
@@ -233,11 +235,16 @@ def block_activation_bytes(cfg: ModelConfig, tokens: int, checkpointed: bool = F
         raise ValueError(f"residual_bytes = {r}: 2 (bf16) or 4 (float32)")
     if checkpointed:
         return float(r * D * tokens)
+    kv = cfg.kv_heads * cfg.head_dim
+    rms = cfg.norm == "rmsnorm"
     if r == 2:  # each norm keeps its bf16 input; its bf16 output feeds q, k and v (gate and up) as it is
         normalised, qkv_input, gate_up_input = 0, 2 * D, 2 * D
-    else:  # torch's ops keep each norm's float32 normalised value; autocast casts it for each projection
-        normalised, qkv_input, gate_up_input = 2 * 4 * D, 3 * 2 * D, 2 * 2 * D
-    attn = 2 * r * D + normalised + qkv_input + 12 * D + 4 * H + 8  # + 8: the two norms' rsqrt
+    else:  # torch's RMSNorm ops keep each norm's float32 normalised value (F.layer_norm its input,
+        # the residual itself); autocast casts it for each projection
+        normalised, qkv_input, gate_up_input = (2 * 4 * D if rms else 0), 3 * 2 * D, 2 * 2 * D
+    stats = 8 if rms else 16  # the two norms' rsqrt (and LayerNorm's means) per token
+    raw_qk = 0 if cfg.qk_norm else 2 * (D + kv)  # without QK-norm the raw q and k are not kept
+    attn = 2 * r * D + normalised + qkv_input + 12 * D - raw_qk + 4 * H + stats
     if cfg.moe is None:
         ffn = gate_up_input + 8 * cfg.d_ff
     else:

@@ -85,6 +85,25 @@ def test_wrong_config_values_name_the_field(setting, message, tokens_dir, tmp_pa
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "olmoe-1b-7b@laptop--SX2"], "tag 'SX2': unknown key 'SX' in 'SX2'; this base takes L, SA, SH"),
+    (["--preset", "olmoe-1b-7b@laptop--SA1.25"], "tag 'SA1.25': model.n_heads = 5: must divide d_model (128)"),
+    (["--preset", "mula-220b-a10b@laptop", "--ep", "8"], "parallel.ep = 8: must divide model.moe.n_experts (60)"),
+    (["--preset", "mula-1b@laptop", "--set", "schedule.decay_horizon=10"],
+     "schedule.decay_horizon = 10: must be 'run', 'epoch' or a number of steps above warmup_steps (20)"),
+])
+def test_a_bad_model_tag_or_recipe_names_the_tag_or_field(argv, message, tokens_dir, tmp_path, capsys):
+    fails(["pretrain", *argv, "--data", tokens_dir, "--out", tmp_path / "r", "--steps", 1], capsys, 2, message)
+    assert not (tmp_path / "r").exists()
+
+
+def test_an_epoch_within_the_warmup_is_refused_before_anything_is_built(tokens_dir, tmp_path, capsys):
+    fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", tmp_path / "r", "--steps", 1,
+           *TINY, "--set", "schedule.decay_horizon=epoch", "--set", "schedule.warmup_steps=100000"], capsys, 2,
+          "schedule.decay_horizon = 'epoch': one epoch of the data is")
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_vocabulary_larger_than_the_model_is_refused(tokens_dir, tmp_path, capsys):
     fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", tmp_path / "r", "--steps", 1,
            "--set", "model.vocab_size=256", *TINY], capsys, 1,

@@ -18,7 +18,7 @@ PACKAGES = ("optimus_core", "kernels", "stages", "workflow")
 
 # The core's layers, lowest first: a module may import its own layer and those before it.
 CORE_LAYERS = [
-    {"atomic", "outputs", "paths", "config", "device", "flops", "log", "timing", "provenance", "store", "presets", "memory",
+    {"atomic", "outputs", "paths", "config", "device", "flops", "log", "timing", "provenance", "store", "presets", "tags", "memory",
      "execution"},
     {"data", "model"},
     {"parallel"},

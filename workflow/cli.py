@@ -409,7 +409,8 @@ def cmd_presets(args) -> Summary:
     for name in presets.names():
         p = presets.get(name)
         m = p.model
-        rows.append({"preset": name, "layers": m.n_layers, "d_model": m.d_model,
+        rows.append({"preset": name, "base": p.base, "tag": p.tag, "layers": m.n_layers, "d_model": m.d_model,
+                     "heads": m.n_heads,
                      "experts": m.moe.n_experts if m.moe else None, "top_k": m.moe.top_k if m.moe else None,
                      "params": m.num_params(), "active_params": m.num_active_params(),
                      "flops_per_token": m.flops_per_token(args.seq_len or p.seq_len)})
@@ -419,15 +420,19 @@ def cmd_presets(args) -> Summary:
 def presets_table(seq_len: int | None = None) -> str:
     from optimus_core import presets
 
-    head = f"{'preset':24s} {'layers':>6s} {'width':>6s} {'experts':>7s} {'top-k':>5s} {'total':>9s} {'active':>9s} {'GFLOP/tok':>10s}"
+    head = (f"{'preset':24s} {'base--tag':49s} {'layers':>6s} {'width':>6s} {'heads':>5s} {'experts':>7s} "
+            f"{'top-k':>5s} {'total':>9s} {'active':>9s} {'GFLOP/tok':>10s}")
     lines = [head, "-" * len(head)]
     for name in presets.names():
         p = presets.get(name)
         m = p.model
         flops = m.flops_per_token(seq_len or p.seq_len) / 1e9
-        lines.append(f"{name:24s} {m.n_layers:6d} {m.d_model:6d} {m.moe.n_experts if m.moe else '-':>7} "
-                     f"{m.moe.top_k if m.moe else '-':>5} {_human(m.num_params()):>9s} "
-                     f"{_human(m.num_active_params()):>9s} {flops:10.3f}")
+        tagged = f"{p.base}--{p.tag}" if p.tag else p.base
+        lines.append(f"{name:24s} {tagged:49s} {m.n_layers:6d} {m.d_model:6d} {m.n_heads:5d} "
+                     f"{m.moe.n_experts if m.moe else '-':>7} {m.moe.top_k if m.moe else '-':>5} "
+                     f"{_human(m.num_params()):>9s} {_human(m.num_active_params()):>9s} {flops:10.3f}")
+    lines.append("Any base with an authors' scaling tag is a preset too, e.g. olmoe-1b-7b--SE1.125 "
+                 f"(bases: {', '.join(presets.BASES)}; tag keys: optimus_core/tags.py).")
     return "\n".join(lines)
 
 

@@ -19,15 +19,43 @@ def make_norm(cfg) -> nn.Module:
 
 
 class NonParametricLayerNorm(nn.Module):
-    """LayerNorm with neither scale nor bias (OLMo-1B), computed in float32; the output in the
-    input's dtype."""
+    """LayerNorm with neither scale nor bias (OLMo-1B's), computed in float32; the output in the
+    input's dtype. A 16-bit input in eager mode keeps, like RMSNorm, that input and two float32
+    numbers per row for the backward (_LayerNormFunction), not its float32 copy."""
 
     def __init__(self, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 and not torch.compiler.is_compiling():
+            return _LayerNormFunction.apply(x, self.eps)
         return F.layer_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    """The non-parametric LayerNorm of a 16-bit input: the same float32 arithmetic as
+    F.layer_norm on its float32 copy, keeping the input, the mean and the rsqrt per row:
+
+        y = (x - mean) * r,  r = rsqrt(var(x) + eps)
+        dx = r * (g - mean(g) - y * mean(g * y)),  g = dout
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        var, mean = torch.var_mean(x32, dim=-1, keepdim=True, correction=0)
+        rstd = torch.rsqrt(var + eps)
+        ctx.save_for_backward(x, mean, rstd)
+        return ((x32 - mean) * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        x, mean, rstd = ctx.saved_tensors
+        y = (x.float() - mean) * rstd
+        g = dout.float()
+        dx = rstd * (g - g.mean(-1, keepdim=True) - y * (g * y).mean(-1, keepdim=True))
+        return dx.to(x.dtype), None
 
 
 class RMSNorm(nn.Module):

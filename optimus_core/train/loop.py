@@ -84,6 +84,14 @@ class Trainer:
         self.writer, self.progress = (writer, progress) if self.is_lead else (None, False)
         self.tokenizer_sha256 = check_data_matches_model(cfg, self.data_dir)
         torch.manual_seed(cfg.train.seed)
+        # The data before anything is allocated: too little of it, a missing or truncated held-out
+        # file (opened now, not at the first evaluation; each evaluation maps its source's again)
+        # or a decay horizon within the warmup stops the run before it builds or writes anything.
+        self.loader = training_loader(self.data_dir, cfg.data, cfg.train.global_batch,
+                                      rank=self.mesh.rank, world_size=self.mesh.world_size)
+        TokenDataset(self.data_dir, split="val", seq_len=cfg.data.seq_len)
+        # the step at which the lr reaches its floor: the run's, an epoch of this data's, or given
+        self.decay_end = decay_end(cfg.schedule, cfg.train.steps, self.loader.epoch_steps)
         # every choice of how the run executes, resolved once and checked against the device's
         # memory before anything is allocated (ExecutionError, MemoryBudgetError: what to change)
         self.plan = plan_execution(cfg, self.device, self.mesh.world_size)
@@ -92,13 +100,6 @@ class Trainer:
         # this rank's share of the model, never the whole of it (optimus_core.train.build)
         self.model: Transformer = build_model(cfg, self.mesh, plan=self.plan)
         self.optimizer = build_run_optimizer(self.model, cfg, self.mesh, self.plan)
-        self.loader = training_loader(self.data_dir, cfg.data, cfg.train.global_batch,
-                                      rank=self.mesh.rank, world_size=self.mesh.world_size)
-        # the held-out split opened now, not at the first evaluation: a missing or truncated val
-        # file stops the run before it writes anything (each evaluation maps its source's again)
-        TokenDataset(self.data_dir, split="val", seq_len=cfg.data.seq_len)
-        # the step at which the lr reaches its floor: the run's, an epoch of this data's, or given
-        self.decay_end = decay_end(cfg.schedule, cfg.train.steps, self.loader.epoch_steps)
         self.step = 0
         self.last_loss = float("nan")
         self.events: list[dict] = []  # faults handled while running (skips, rollbacks)

@@ -60,7 +60,7 @@ def test_cli_only_flag(store_path, tmp_path, capsys):
 def test_every_figure_says_what_it_reads():
     assert list(FIGURE_READS) == list(FIGURES)
     assert {need for needs in FIGURE_READS.values() for need in needs} == {
-        "training", "evaluation", "scaling", "bench", "scaleup"}
+        "training", "evaluation", "scaling", "bench", "scaleup", "reference"}
     assert FIGURE_READS["scaleup.png"] == ("scaleup",)  # the MoE training runs only, no evaluate stage
 
 

@@ -129,7 +129,8 @@ def test_figures_without_data_are_notes_listed_with_the_reason(tmp_path):
     result = _figures(path, tmp_path / "figures")
     _assert_pngs(result.paths)
     assert set(result.skipped) == {"heldout.png", "expert_load.png", "eval_table.png", "scaleup.png",
-                                   *SCALING_FIGURES, *BENCH_FIGURES}
+                                   "downstream.png", *SCALING_FIGURES, *BENCH_FIGURES}
+    assert result.skipped["downstream.png"].startswith("no run has a downstream table")
     assert result.skipped["scaleup.png"].startswith("no MoE training run in the store")
     assert result.skipped["scaling.png"].startswith("no scaling points in the store")
     assert result.skipped["ablation.png"].startswith("no ablation benchmark in the store")
@@ -167,7 +168,7 @@ def test_eval_table_figure_holds_the_stores_numbers(store_path, tmp_path):
 def test_figures_choose_runs(store_path, tmp_path):
     # only completed runs by default: the failed dense-only run alone has no MoE data
     result = _figures(store_path, tmp_path / "a", runs=["broken"])
-    assert set(result.skipped) == {"expert_load.png", "scaleup.png"}
+    assert set(result.skipped) == {"expert_load.png", "scaleup.png", "downstream.png"}
     with pytest.raises(StoreKeyError, match="known runs: bench-distributed-ablation-gpu-x, broken, dense, moe, perfmodel"):
         _figures(store_path, tmp_path / "b", runs=["nope"])
     with pytest.raises(ConfigError, match=r"figures.smoothing = 1.0"):

@@ -23,11 +23,11 @@ def test_presets_table_lists_every_preset(capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--set", "train.stepz=3"], "unknown field train.stepz"),
-    (["--set", "model.moe.top_k=100"], "model.moe.top_k = 100: must be between 1 and n_experts (64)"),
+    (["--set", "model.moe.top_k=100"], "model.moe.top_k = 100: must be between 1 and n_experts (16)"),
     (["--steps", "-5"], "train.steps = -5: must be >= 1"),
     (["--set", "train.steps=ten"], "train.steps = 'ten': must be an integer"),
     (["--set", "steps"], "expected key=value"),
-    (["--ep", "3"], "parallel.ep = 3: must divide model.moe.n_experts (64)"),
+    (["--ep", "3"], "parallel.ep = 3: must divide model.moe.n_experts (16)"),
 ])
 def test_bad_config_stops_before_any_work(capsys, tmp_path, args, message):
     out_dir = tmp_path / "run"

@@ -21,14 +21,16 @@ def test_dry_run_lists_every_stage_and_runs_nothing(tmp_path):
     out = snakemake("-n", results=tmp_path / "results")
     assert out.returncode == 0, out.stderr
     text = out.stdout + out.stderr
-    jobs = {"corpus": 1, "tokenize": 1, "pretrain": 5, "evaluate": 5, "figure": 9, "report": 1,
-            "scaling": 1, "ingest_bench": 5, "perfmodel": 1, "total": 30}
+    jobs = {"corpus": 1, "tokenize": 1, "pretrain": 5, "evaluate": 5, "figure": 10, "report": 1, "reference": 1,
+            "paper_plan": 1, "scaling": 1, "ingest_bench": 5, "perfmodel": 1, "total": 33}
     assert job_counts(text) == {**jobs, "all": 1}
     assert not (tmp_path / "results").exists()
-    # the scale-up runs are evaluated on held-out loss alone (scaleup_eval), the 4T runs on every task
+    # the scale-up runs are evaluated on held-out loss alone (scaleup_eval), the 4T runs on every
+    # task at every kept checkpoint (the paper's evaluation against tokens)
     evaluate = {line.split("--run ", 1)[1].split()[0].rsplit("/", 1)[1]: line.split("--tasks ", 1)[1].split(" --items")[0]
                 for line in text.splitlines() if "optimus evaluate --run" in line}
-    assert evaluate == {**{f"laptop-pretrain-{m}": "heldout continuation docstring" for m in ("mula-1b", "mula-7b-a1b")},
+    assert evaluate == {**{f"laptop-pretrain-{m}": "heldout continuation docstring --downstream-all-checkpoints"
+                           for m in ("mula-1b", "mula-7b-a1b")},
                         **{f"laptop-pretrain-{m}": "heldout" for m in ("mula-20b-a2b", "mula-100b-a7b", "mula-220b-a10b")}}
 
 
@@ -44,6 +46,9 @@ def job_counts(text: str) -> dict[str, int]:
     ("ablation.png", {"ingest_bench": 3, "figure": 1, "total": 4}),  # the GPU results only
     ("loss.png", {"corpus": 1, "tokenize": 1, "pretrain": 5, "figure": 1, "total": 8}),  # no evaluation
     ("eval_table.png", {"corpus": 1, "tokenize": 1, "pretrain": 5, "evaluate": 5, "figure": 1, "total": 13}),
+    # the evaluations and the reference model's published scores
+    ("downstream.png", {"corpus": 1, "tokenize": 1, "pretrain": 5, "evaluate": 5, "reference": 1, "figure": 1,
+                        "total": 14}),
     # the MoE runs only (three scale-up runs and mula-7b-a1b): not mula-1b, no evaluation
     ("scaleup.png", {"corpus": 1, "tokenize": 1, "pretrain": 4, "figure": 1, "total": 7}),
 ])

@@ -18,8 +18,8 @@ def test_every_run_resolves_to_a_valid_config():
 def test_paper_scale_matches_the_study():
     exp = get("pretrain-mula-7b-a1b")
     assert exp.paper.preset == "mula-7b-a1b" and exp.paper.devices == 3072 and exp.paper.nodes == 256
-    # our batch for the 4T runs (workflow/experiments.py): one 4096-token sequence per tile
-    assert exp.paper.batch == 3072 and exp.paper.steps == 317_892  # ceil(4e12 / (3072 * 4096))
+    # the authors' batch: one 2048-token sequence per tile
+    assert exp.paper.batch == 3072 and exp.paper.steps == 635_783  # ceil(4e12 / (3072 * 2048))
     assert {e.name for e in pretraining()} >= {"pretrain-mula-1b", "pretrain-mula-7b-a1b"}
     assert exp.run_id("laptop") == "laptop-pretrain-mula-7b-a1b"
 

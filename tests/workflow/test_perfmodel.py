@@ -141,7 +141,8 @@ def test_overlap_what_if_hides_every_units_collectives():
     rows = pm.paper_sweep(pm.load_machine("aurora"), overlap="grad_sync")
     assert {r["scenario"] for r in rows} == {"overlap grad_sync"}
     plain_rows = pm.paper_sweep(pm.load_machine("aurora"))
-    assert rows[-1]["efficiency"] >= plain_rows[-1]["efficiency"] and "scenario" not in plain_rows[0]
+    # every step at most as long (its efficiency may fall: what it hides shrinks with the tiles)
+    assert all(w["step_s"] <= p["step_s"] for w, p in zip(rows, plain_rows)) and "scenario" not in plain_rows[0]
     assert {r["overlap"] for r in plain_rows} == {"layers"} and plain_rows[-1]["dp_shard"] == 384
 
 
@@ -158,7 +159,9 @@ def _synthetic_points(truth: pm.Machine, noise: float, seed: int = 0) -> list[di
     for devices in (1, 2, 4):
         for mb in (1, 2):
             for ep in sorted({1, devices}):
-                p = dict(preset="mula-7b-a1b@laptop", overrides={"model.n_layers": 2}, device="cpu",
+                # OLMoE's 64 experts, top-8 on the tiny width: all-to-all traffic enough to fit its bandwidth
+                p = dict(preset="mula-7b-a1b@laptop", overrides={"model.n_layers": 2, "model.moe.n_experts": 64,
+                                                                 "model.moe.top_k": 8}, device="cpu",
                          devices=devices, ep=ep, optimizer="ep_aware" if devices > 1 else "local",
                          global_batch=8, micro_batch=mb, seq_len=64, dtype="float32")
                 pred = pm.predict_point(p, truth)
@@ -259,14 +262,14 @@ def test_node_hours_from_the_model_and_the_site_fallback(monkeypatch, tmp_path):
     mode, every = SCALING_CHECKPOINTING
     assert est["checkpointing"] == (mode, every)
     step = pm.predict(presets.get("mula-220b-a10b").model,
-                      pm.Layout(devices=768, ep=32, global_batch=12288, micro_batch=1, seq_len=4096,
+                      pm.Layout(devices=768, ep=12, global_batch=12288, micro_batch=1, seq_len=2048, reduce_bytes=2,
                                 overlap="layers", dp_shard=384, checkpointing=mode, checkpointing_every=every), aurora)
     assert est["step_s"] == pytest.approx(step.step_s) and est["nodes"] == 64
     assert est["node_hours"] == pytest.approx(run.steps * step.step_s / 3600 * 64)
     site = sites.load_site("aurora", account="A", machine="aurora")
     job = plan(run, site)
     assert job.est_source == "perfmodel:aurora" and job.est_hours == pytest.approx(est["hours"])
-    assert job.checkpointing == f"{mode}/{every}"
+    assert job.checkpointing == (f"{mode}/{every}" if mode == "full" else mode)
     # A run the machine cannot price (a machine file without float32 matmuls, a float32 run): the
     # throughput estimate stays, and the table says which jobs used which.
     machine = yaml.safe_load((REPO / "workflow/machines/aurora.yaml").read_text())
@@ -274,7 +277,7 @@ def test_node_hours_from_the_model_and_the_site_fallback(monkeypatch, tmp_path):
     (tmp_path / "bf16-only.yaml").write_text(yaml.safe_dump(machine))
     bf16_only = sites.load_site("aurora", account="A", machine=str(tmp_path / "bf16-only.yaml"))
     fp32 = Experiment("fp32-run", "scaling", laptop=run, paper=RunScale.for_steps(
-        "mula-220b-a10b", 20, 768, walltime_h=1, ep=32, global_batch=12288,
+        "mula-220b-a10b", 20, 768, walltime_h=1, ep=12, global_batch=12288,
         extra={"execution.dtype": "float32", "train.micro_batch": 1}))
     fallback = plan(fp32.paper, bf16_only)
     assert fallback.est_source == "throughput"
@@ -369,8 +372,9 @@ def test_node_hours_price_the_experts_backend_the_run_will_execute():
     assert loop.run_config().execution.experts == "loop" and triton.run_config().execution.experts == "triton"
     cfg = loop.run_config()
     for run, backend in ((loop, "loop"), (triton, "triton")):
-        layout = pm.Layout(devices=384, ep=32, global_batch=cfg.train.global_batch, micro_batch=1, seq_len=4096,
-                           optimizer="ep_aware", overlap="layers", dp_shard=384, experts=backend)
+        layout = pm.Layout(devices=384, ep=32, global_batch=cfg.train.global_batch, micro_batch=1, seq_len=2048,
+                           optimizer="ep_aware", overlap="layers", dp_shard=384, experts=backend,
+                           reduce_bytes=2)  # the paper's recipe: gradients reduced in bf16
         assert pm.estimate_node_hours(run, aurora)["step_s"] == pytest.approx(pm.predict(cfg.model, layout,
                                                                                          aurora).step_s)
     assert pm.estimate_node_hours(loop, aurora)["step_s"] > pm.estimate_node_hours(triton, aurora)["step_s"]
@@ -464,8 +468,14 @@ def test_the_paper_sweep_recomputes_as_its_runs_resolve():
     rows = pm.paper_sweep(aurora)
     from workflow.experiments import SCALING_CHECKPOINTING
 
-    # 64 GiB tiles: the sweep's pinned recomputation at every size
-    assert {r["checkpointing"] for r in rows} == {"%s/%d" % SCALING_CHECKPOINTING}
+    # 64 GiB tiles: the sweep's pinned recomputation at every size; at context 2048 and EP 12 none
+    assert SCALING_CHECKPOINTING == ("none", 1)
+    assert {r["checkpointing"] for r in rows} == {"none"}
     plain = pm.predict_sweep("mula-220b-a10b", [r["devices"] for r in rows], aurora, global_batch=rows[0]["global_batch"],
-                             ep=rows[0]["ep"], micro_batch=1, dp_shard=rows[0]["dp_shard"] or 384)
-    assert all(r["step_s"] > p["step_s"] for r, p in zip(rows, plain))
+                             ep=rows[0]["ep"], micro_batch=1, dp_shard=rows[0]["dp_shard"] or 384, reduce_bytes=2)
+    assert [r["step_s"] for r in rows] == pytest.approx([p["step_s"] for p in plain])
+    # a pinned recomputation costs time at every size
+    full = pm.predict_sweep("mula-220b-a10b", [r["devices"] for r in rows], aurora, global_batch=rows[0]["global_batch"],
+                            ep=rows[0]["ep"], micro_batch=1, dp_shard=rows[0]["dp_shard"] or 384, reduce_bytes=2,
+                            checkpointing={r["devices"]: ("full", 4) for r in rows})
+    assert all(f["step_s"] > p["step_s"] for f, p in zip(full, plain))

@@ -44,21 +44,21 @@ def test_every_paper_batch_is_whole_micro_batches_on_every_rank():
             assert cfg.execution.experts == "auto", exp.name
             assert plan.experts == ("triton" if cfg.model.moe is not None else None), exp.name
     four_t = [e.paper for e in pretraining() if e.paper.tokens == 4 * 10**12]
-    assert [(r.devices, r.batch, r.tokens_per_step) for r in four_t] == [(3072, 3072, 3072 * 4096)] * 2
+    assert [(r.devices, r.batch, r.tokens_per_step) for r in four_t] == [(3072, 3072, 3072 * 2048)] * 2
     with pytest.raises(ConfigError, match=r"global_batch = 1024: must be a multiple of devices x micro_batch "
                                           r"\(3072 x 1 = 3072 sequences\)"):
-        RunScale("mula-7b-a1b", 4 * 10**12, devices=3072, extra={"train.micro_batch": 1})
+        RunScale("mula-7b-a1b", 4 * 10**12, devices=3072, global_batch=1024, extra={"train.micro_batch": 1})
     with pytest.raises(ConfigError, match=r"global_batch = 3072: must be a multiple of devices x micro_batch "
                                           r"\(768 x 8 = 6144"):
         RunScale("mula-1b", 10**11, devices=768, global_batch=3072, extra={"train.micro_batch": 8})
-    with pytest.raises(ConfigError, match=r"global_batch = 1024: must be a multiple of devices x micro_batch "
-                                          r"\(3072 x 1 = 3072"):  # no micro_batch: a third of a sequence per rank
-        RunScale("mula-1b", 4 * 10**12, devices=3072)
+    with pytest.raises(ConfigError, match=r"global_batch = 3072: must be a multiple of devices x micro_batch "
+                                          r"\(2048 x 1 = 2048"):  # no micro_batch: 1.5 sequences per rank
+        RunScale("mula-1b", 4 * 10**12, devices=2048)
 
 
 def test_strong_scaling_changes_only_the_tiles():
     runs = [e.paper for e in of_kind("scaling")]
-    assert {(r.preset, r.steps, r.batch, r.tokens, r.ep) for r in runs} == {("mula-220b-a10b", SCALING_STEPS, 12288, SCALING_STEPS * 12288 * 4096, 32)}
+    assert {(r.preset, r.steps, r.batch, r.tokens, r.ep) for r in runs} == {("mula-220b-a10b", SCALING_STEPS, 12288, SCALING_STEPS * 12288 * 2048, 12)}
     assert [r.nodes for r in runs] == [32, 64, 128, 256, 512, 1024]
 
 
@@ -107,7 +107,10 @@ def test_scaleup_proxies_train_on_the_4t_proxies_batch_with_held_out_curves():
         assert exp.laptop_dag and exp.paper.tokens == 10**11
         assert (cfg.train.global_batch, cfg.data.seq_len) == (reference.train.global_batch, reference.data.seq_len)
         assert cfg.train.steps == LAPTOP_SCALEUP_STEPS < reference.train.steps
-        assert cfg.schedule.warmup_steps < cfg.train.steps // 2  # the 4T proxies' warmup would be most of it
+        # the 4T proxies' schedule, their length its horizon: the scale-up proxies stop early on it,
+        # as the paper's 100B-token runs stop early on the 4T runs' epoch
+        assert cfg.schedule == reference.schedule and cfg.schedule.decay_horizon == reference.train.steps
+        assert cfg.schedule.warmup_steps < cfg.train.steps
         assert cfg.train.eval_every and cfg.train.steps // cfg.train.eval_every >= 3  # a curve, not a point
 
 
@@ -116,18 +119,18 @@ def test_cli_resolves_registry_runs_at_both_scales(tmp_path):
                                       "--data", "d", "--out", str(tmp_path / "r")])
     cfg, run_id, experiment = resolve_run_config(args)
     assert (run_id, experiment) == ("paper-scaling-mula-220b-a10b-1536", "scaling-mula-220b-a10b-1536")
-    assert (cfg.train.steps, cfg.train.global_batch, cfg.parallel.ep, cfg.execution.dtype) == (SCALING_STEPS, 12288, 32, "auto")
+    assert (cfg.train.steps, cfg.train.global_batch, cfg.parallel.ep, cfg.execution.dtype) == (SCALING_STEPS, 12288, 12, "auto")
     assert resolve_choices(cfg, "xpu", 1536, probe=False).dtype == "bfloat16"
     args = build_parser().parse_args(["pretrain", "--experiment", "pretrain-mula-100b-a7b", "--data", "d",
                                       "--out", str(tmp_path / "r")])
     cfg, run_id, _ = resolve_run_config(args)
     assert run_id == "laptop-pretrain-mula-100b-a7b" and cfg.preset == "mula-100b-a7b@laptop"
-    assert cfg.train.steps == LAPTOP_SCALEUP_STEPS and cfg.schedule.warmup_steps == 8
+    assert cfg.train.steps == LAPTOP_SCALEUP_STEPS and cfg.schedule.warmup_steps == 20
 
 
 def test_bad_layouts_fail_at_import_time():
-    with pytest.raises(ConfigError, match=r"parallel.ep = 3: must divide model.moe.n_experts \(256\)"):
-        RunScale("mula-220b-a10b", 10**11, devices=384, ep=3)
+    with pytest.raises(ConfigError, match=r"parallel.ep = 7: must divide model.moe.n_experts \(240\)"):
+        RunScale("mula-220b-a10b", 10**11, devices=384, ep=7)
     with pytest.raises(ConfigError, match="devices = 0: must be >= 1"):
         RunScale("mula-1b", 10**11, devices=0)
     assert RunScale.for_steps("mula-1b", 7, 12, global_batch=12).steps == 7

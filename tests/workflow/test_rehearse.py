@@ -32,7 +32,7 @@ def test_a_run_at_another_tile_count_keeps_its_layout():
     assert job.world == 12288 and job.run.train.global_batch == 12288  # a sequence per tile at least
     assert job.run.parallel.dp_shard == 384 and job.budget_gib == pytest.approx(64 * 0.9)
     small, = rehearsal_jobs(["scaling-mula-220b-a10b-768"], [384], site)
-    assert small.run.parallel.dp_shard == 0 and small.checkpointing[0] == "full"  # 384 tiles: one block
+    assert small.run.parallel.dp_shard == 0 and small.checkpointing == ("none", 1)  # 384 tiles: one block
     assert small.budget_gib * GIB > 0
 
 

@@ -27,11 +27,12 @@ def predict_sweep(preset: str, tiles_list: Sequence[int], machine: Machine, *, g
                   ep: int, micro_batch: int = 1, seq_len: int = 0, dtype: str = "bfloat16",
                   optimizer: str = "ep_aware", overrides: Optional[dict] = None, overlap: str = "layers",
                   chunk_mb: float = 128.0, dp_shard: int = 0, experts: str = "triton",
-                  checkpointing: Optional[dict] = None) -> list[dict]:
+                  checkpointing: Optional[dict] = None, reduce_bytes: int = 4) -> list[dict]:
     """One row per tile count: the layout (``overlap`` included), each phase, tokens/s and
     efficiency within the sweep. ``dp_shard``: the shard block (parallel.dp_shard), capped at
     each point's tile count. ``checkpointing``: {tiles: (mode, every)}, the activation
-    checkpointing each point runs (none where absent). A what-if ``overlap`` (WHATIFS: one our
+    checkpointing each point runs (none where absent); ``reduce_bytes``: of a gradient element in
+    the reduction (2: parallel.reduce_dtype bfloat16). A what-if ``overlap`` (WHATIFS: one our
     step does not do) marks its rows with ``scenario`` so they never mix with the plain sweep."""
     p = presets.get(preset)
     cfg = p.run_config(**overrides).model if overrides else p.model
@@ -42,7 +43,7 @@ def predict_sweep(preset: str, tiles_list: Sequence[int], machine: Machine, *, g
         layout = Layout(devices=tiles, ep=ep, global_batch=global_batch, micro_batch=micro_batch,
                         seq_len=seq_len, optimizer=optimizer if tiles > 1 else "local", dtype=dtype, overlap=overlap,
                         chunk_mb=chunk_mb, dp_shard=dp_shard if 0 < dp_shard < tiles else 0, experts=experts,
-                        checkpointing=mode, checkpointing_every=every)
+                        checkpointing=mode, checkpointing_every=every, reduce_bytes=reduce_bytes)
         pred = predict(cfg, layout, machine)
         rows.append({"preset": preset, "machine": machine.name, "devices": tiles, "ep": ep, "overlap": overlap,
                      "dp_shard": layout.dp_shard,
@@ -83,7 +84,7 @@ def planned_checkpointing(cfg, machine: Machine, devices: int) -> tuple[str, int
 
 def paper_sweep(machine: Machine, overlap: Optional[str] = None) -> list[dict]:
     """The paper's strong-scaling sweep of Mula-220B-A10B as the registry defines it
-    (workflow/experiments.py: SCALING_TILES, SCALING_BATCH, ep 32, bf16), one sequence per
+    (workflow/experiments.py: SCALING_TILES, SCALING_BATCH, EP 12, bf16), one sequence per
     micro-batch (12288 tiles hold one sequence each; 384 accumulate 32). ``overlap`` None: what
     the run's configuration does (code_overlap); a what-if otherwise."""
     from workflow import experiments as ex
@@ -95,7 +96,8 @@ def paper_sweep(machine: Machine, overlap: Optional[str] = None) -> list[dict]:
     checkpointing = {tiles: planned_checkpointing(r.run_config(), machine, tiles) for tiles, r in runs.items()}
     return predict_sweep(run.preset, ex.SCALING_TILES, machine, global_batch=ex.SCALING_BATCH, ep=run.ep,
                          micro_batch=1, dtype=plan.dtype, experts=plan.experts or "loop", overlap=overlap or code_overlap(cfg.parallel),
-                         dp_shard=runs[ex.SCALING_TILES[-1]].run_config().parallel.dp_shard, checkpointing=checkpointing)
+                         dp_shard=runs[ex.SCALING_TILES[-1]].run_config().parallel.dp_shard, checkpointing=checkpointing,
+                         reduce_bytes=4 if cfg.parallel.reduce_dtype == "float32" else 2)
 
 
 def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> dict[str, Any]:

@@ -72,3 +72,31 @@ def test_a_float32_input_and_a_compiled_graph_take_torch_ops():
     compiled = torch.compile(norm.forward, backend=backend)
     out = compiled(x.detach().to(torch.bfloat16).requires_grad_())
     assert out.dtype == torch.bfloat16 and "autograd_function_apply" not in seen[0].code
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("shape", [(7, 33), (2, 5, 48), (3, 1, 4, 13)])
+def test_olmo_layer_norm_matches_float64_autograd(shape, dtype, tol):
+    """OLMo-1B's LayerNorm without scale or bias: its hand-written backward for a 16-bit input
+    (torch's F.layer_norm otherwise) against float64 autograd; it keeps that input and two float32
+    numbers per row."""
+    from optimus_core.model.layers import NonParametricLayerNorm
+
+    g = torch.Generator().manual_seed(sum(shape) + 1)
+    norm = NonParametricLayerNorm(eps=1e-5)
+    x = (3 * torch.randn(shape, generator=g) + 1).to(dtype).requires_grad_()
+    dout = torch.randn(shape, generator=g).to(dtype)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = norm(x)
+    out.backward(dout)
+    x64 = x.detach().double().requires_grad_()
+    want = torch.nn.functional.layer_norm(x64, shape[-1:], eps=1e-5)
+    want.backward(dout.double())
+    assert out.dtype == dtype and x.grad.dtype == dtype and not list(norm.parameters())
+    torch.testing.assert_close(out.double(), want.detach().to(dtype).double(), rtol=tol, atol=tol)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:
+        rows = (*shape[:-1], 1)
+        assert sorted((tuple(t.shape), str(t.dtype)) for t in saved) == sorted(
+            [(rows, "torch.float32"), (rows, "torch.float32"), (shape, "torch.bfloat16")])
