@@ -166,9 +166,9 @@ class MoEConfig(_Validated):
     n_experts: int = 64
     top_k: int = 8
     d_expert: int = 1024  # SwiGLU hidden size of one expert
-    # OLMoE's coefficients, on the mean over the MoE layers of each layer's loss (OLMoE's
-    # convention: Transformer.aux_loss), so they do not grow with the depth
-    lb_loss_coef: float = 0.01  # load-balancing loss: E * sum_e (share of assignments) * (mean prob)
+    # The auxiliary losses' coefficients (Transformer.aux_loss): the load-balancing loss's, of the
+    # form lb_loss_form names, and the router z-loss's, on its mean over the MoE layers
+    lb_loss_coef: float = 0.01
     # Which load-balancing loss: "all_layers", transformers' load_balancing_loss_func over the
     # router outputs of every layer together (the paper's runs: E * sum_e F_e * P_e with F_e the
     # share of all layers' top-k assignments to e times k and P_e e's mean probability over all
@@ -334,9 +334,10 @@ class DataConfig(_Validated):
     seed: int = 0  # the shuffle of training sequences
     # How training sequences are cut and ordered (optimus_core.data.loader): "stream", seq_len + 1
     # tokens at a time from the split's files as one stream, a fresh permutation each epoch;
-    # "file_windows", each file cut into seq_len-token windows (its tail dropped), one permutation
-    # of all windows by numpy's legacy generator seeded with data.seed, data rank r taking every
-    # (data ranks)-th window of each step's block (the paper's runs)
+    # "file_windows", each file cut into seq_len-token windows (its tail dropped; seq_len - 1
+    # tokens predicted in each), one permutation of all windows by numpy's legacy generator seeded
+    # with data.seed, data rank r taking every (data ranks)-th window of each step's block (the
+    # paper's runs: optimus_core.data.windows)
     order: Literal["stream", "file_windows"] = "stream"
 
     def check(self) -> None:
