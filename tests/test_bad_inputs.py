@@ -148,7 +148,8 @@ def test_a_checkpoint_of_another_model_is_refused_and_kept(finished_run, tokens_
     before = digest(run / "checkpoints")
     err = fails(["pretrain", "--preset", "mula-7b-a1b@laptop", "--data", tokens_dir, "--out", run, "--steps", 2,
                  *TINY], capsys, 2, f"{run} holds checkpoints of a run with other settings, which a resume cannot "
-                                    f"change: model.moe None -> {{")
+                                    f"change: model.d_ff 512 -> 8192, model.moe None -> {{")
+    assert "model.norm 'nonparametric_layernorm' -> 'rmsnorm', model.qk_norm False -> True" in err
     assert "preset 'mula-1b@laptop' -> 'mula-7b-a1b@laptop'; use another --out for these settings" in err
     assert digest(run / "checkpoints") == before
     assert (run / "summary.json").is_file()
@@ -726,7 +727,8 @@ def test_figures_refuse_an_out_that_is_a_file_or_the_store(tmp_path, capsys):
 def test_export_to_an_architecture_that_cannot_hold_the_model_is_a_configuration_error(finished_run, tmp_path,
                                                                                       capsys):
     fails(["export-hf", "--run", finished_run, "--out", tmp_path / "hf", "--arch", "llama"], capsys, 2,
-          "configuration error: arch = 'llama': the model has QK-norm")
+          "configuration error: arch = 'llama': the model's norm is OLMo-1B's non-parametric LayerNorm "
+          "(model.norm); only arch='olmo' has it")
     assert not (tmp_path / "hf").exists()
 
 

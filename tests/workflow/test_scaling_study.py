@@ -70,7 +70,10 @@ def test_held_out_points_are_predicted_from_the_smaller_ones(bench_file, tmp_pat
     assert [r["devices"] for r in paper if "scenario" not in r] == [384, 768, 1536, 3072, 6144, 12288]
     assert {r["scenario"] for r in paper if "scenario" in r} == {"overlap grad_sync"}
     assert result["paper"]["efficiency"][-1] == pytest.approx(paper[5]["efficiency"])
-    assert result["paper"]["efficiency_overlap_grad_sync"][-1] > result["paper"]["efficiency"][-1]
+    # the what-if hides collectives: every step at most as long as the plain sweep's
+    whatif = [r for r in paper if "scenario" in r]
+    assert all(w["step_s"] <= p["step_s"] for w, p in zip(whatif, paper[:6]))
+    assert len(result["paper"]["efficiency_overlap_grad_sync"]) == 6
 
 
 def test_store_round_trip_and_rerun_replace(bench_file, tmp_path):
