@@ -3,8 +3,8 @@
     init_parameter_(p_local, "blocks.3.attn.w_q.weight", first_row=0, seed=0, cfg=model_cfg)
 
 Every matrix (a parameter of two or more dims, seen as rows x its last dim) is N(0, std),
-truncated at ``truncation`` std (OLMo-core's OLMoE init: 3) or not (transformers' init, the
-paper's runs), drawn in blocks of ``ROWS_PER_DRAW`` rows: block ``b`` of the parameter called
+truncated at ``ModelConfig.init_truncation`` std (OLMo-core's OLMoE init: 3) or not
+(transformers' init, the paper's runs), drawn in blocks of ``ROWS_PER_DRAW`` rows: block ``b`` of the parameter called
 ``name`` comes from a generator of its own, seeded from (seed, name, b). A rank that holds rows
 [first_row, first_row + n) of a parameter (its share under expert parallelism and sharding,
 optimus_core.parallel.layout) draws only the blocks that cover them, and gets the values the

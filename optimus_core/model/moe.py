@@ -22,12 +22,12 @@ def capacity_keep_mask(topk_idx_TK: torch.Tensor, n_experts: int, capacity: int)
 class MoEFeedForward(nn.Module):
     """Drop-in for the dense SwiGLU: same input and output, plus auxiliary losses and load stats.
 
-    After each forward, ``last_z_loss`` holds the unscaled router z-loss, ``last_tokens_per_expert_E``
-    the routing counts and ``last_mean_probs_E`` the mean router probabilities (graph-connected):
-    Transformer.aux_loss combines them over the layers into the loss the training step adds.
-    They are overwritten, never accumulated, so an activation-checkpointing recompute cannot count a micro-batch twice; the
-    training step reads them right after each forward and drops them (``clear_routing``) once the
-    micro-batch's backward has run.
+    After each forward, ``last_z_loss`` holds the unscaled router z-loss,
+    ``last_tokens_per_expert_E`` the routing counts and ``last_mean_probs_E`` the mean router
+    probabilities (graph-connected): Transformer.aux_loss combines them over the layers into the
+    loss the training step adds. They are overwritten, never accumulated, so an activation-
+    checkpointing recompute cannot count a micro-batch twice; the training step reads them right
+    after each forward and drops them (``clear_routing``) once the micro-batch's backward has run.
     """
 
     def __init__(self, d_model: int, cfg: MoEConfig, experts_backend: str = "loop"):
