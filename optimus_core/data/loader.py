@@ -90,10 +90,7 @@ class BatchLoader:
     """
 
     def __init__(self, dataset: TokenDataset, global_batch: int, seed: int, rank: int = 0, world_size: int = 1):
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank = {rank}, world_size = {world_size}: need world_size >= 1 and 0 <= rank < world_size")
-        if global_batch < 1 or global_batch % world_size:
-            raise ValueError(f"global_batch = {global_batch}: must be >= 1 and divisible by world_size ({world_size})")
+        check_layout(global_batch, rank, world_size)
         if len(dataset) < global_batch:
             raise ValueError(
                 f"global_batch = {global_batch}: the {dataset.split} split has only {len(dataset)} examples of "
@@ -133,13 +130,26 @@ class BatchLoader:
         return len(self.dataset) // self.global_batch
 
     def load_state_dict(self, state: dict) -> None:
-        mine = self.state_dict()
-        for key in ("order", "seed", "global_batch", "examples", "seq_len"):
-            theirs = state.get(key, "stream" if key == "order" else None)  # states before the order was named
-            if theirs != mine[key]:
-                raise ValueError(f"loader state {key} = {theirs!r}, but this loader has {mine[key]!r}: "
-                                 "resuming needs the same data, data.order, seq_len, global_batch and seed")
+        check_resumable(state, self.state_dict())
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def check_layout(global_batch: int, rank: int, world_size: int) -> None:
+    """ValueError unless rank ``rank`` of ``world_size`` can take whole rows of ``global_batch``."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank = {rank}, world_size = {world_size}: need world_size >= 1 and 0 <= rank < world_size")
+    if global_batch < 1 or global_batch % world_size:
+        raise ValueError(f"global_batch = {global_batch}: must be >= 1 and divisible by world_size ({world_size})")
+
+
+def check_resumable(state: dict, mine: dict) -> None:
+    """ValueError unless a loader's saved ``state`` is of the same order, data and batch as
+    ``mine`` (this loader's state_dict): only the epoch and position may differ."""
+    for key in ("order", "seed", "global_batch", "examples", "seq_len"):
+        theirs = state.get(key, "stream" if key == "order" else None)  # states before the order was named
+        if theirs != mine[key]:
+            raise ValueError(f"loader state {key} = {theirs!r}, but this loader has {mine[key]!r}: "
+                             "resuming needs the same data, data.order, seq_len, global_batch and seed")
 
 
 def training_loader(data_dir: Union[str, Path], data: "DataConfig", global_batch: int, rank: int = 0,

@@ -39,6 +39,7 @@ from typing import Union
 import numpy as np
 import torch
 
+from optimus_core.data.loader import check_layout, check_resumable
 from optimus_core.data.shards import ShardError, load_manifest, open_tokens
 
 
@@ -78,10 +79,7 @@ class WindowLoader:
     optimus_core.data.loader.BatchLoader."""
 
     def __init__(self, windows: FileWindows, global_batch: int, seed: int, rank: int = 0, world_size: int = 1):
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank = {rank}, world_size = {world_size}: need world_size >= 1 and 0 <= rank < world_size")
-        if global_batch < 1 or global_batch % world_size:
-            raise ValueError(f"global_batch = {global_batch}: must be >= 1 and divisible by world_size ({world_size})")
+        check_layout(global_batch, rank, world_size)
         if len(windows) < global_batch:
             raise ValueError(
                 f"global_batch = {global_batch}: the {windows.split} split has only {len(windows)} windows of "
@@ -127,11 +125,5 @@ class WindowLoader:
                 "global_batch": self.global_batch, "examples": len(self.dataset), "seq_len": self.dataset.seq_len}
 
     def load_state_dict(self, state: dict) -> None:
-        mine = self.state_dict()
-        for key in ("order", "seed", "global_batch", "examples", "seq_len"):
-            theirs = state.get(key, "stream" if key == "order" else None)  # BatchLoader's before it named its order
-            if theirs != mine[key]:
-                raise ValueError(f"loader state {key} = {theirs!r}, but this loader has "
-                                 f"{mine[key]!r}: resuming needs the same data, data.order, seq_len, "
-                                 "global_batch and seed")
+        check_resumable(state, self.state_dict())
         self.epoch, self.position = int(state["epoch"]), int(state["position"])

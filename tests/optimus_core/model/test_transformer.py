@@ -81,6 +81,19 @@ def reference_forward(model: Transformer, tokens):
     return torch.stack(outs)
 
 
+def forward_router_logits(model, tokens) -> list[torch.Tensor]:
+    """A forward of ``tokens``, and each MoE layer's router logits (T, E) in float32, layer by layer."""
+    logits = []
+    hooks = [b.ffn.router.gate.register_forward_hook(lambda m, i, out: logits.append(out.detach().float()))
+             for b in model.blocks]
+    try:
+        model(tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits
+
+
 def build(cfg, seed=0):
     model = Transformer(cfg)
     model.init_weights(seed=seed)
@@ -206,13 +219,8 @@ def test_aux_loss_is_the_layer_mean_as_olmoes_trainer_computes_it():
                       moe=MoEConfig(n_experts=E, top_k=k, d_expert=8, lb_loss_coef=coef_lb, z_loss_coef=coef_z,
                                     lb_loss_form="per_layer"))
     model = build(cfg)
-    logits = []
-    hooks = [b.ffn.router.gate.register_forward_hook(lambda m, i, out: logits.append(out.detach().float()))
-             for b in model.blocks]
     tokens = torch.randint(0, 32, (3, 7), generator=torch.Generator().manual_seed(0))
-    model(tokens)
-    for h in hooks:
-        h.remove()
+    logits = forward_router_logits(model, tokens)
     T = tokens.numel()
     assignments = sum_probs = 0.0
     z = 0.0
@@ -240,13 +248,7 @@ def test_all_layers_lb_loss_is_transformers_over_every_layers_logits():
                       moe=MoEConfig(n_experts=E, top_k=k, d_expert=8, lb_loss_coef=0.01, z_loss_coef=0.0,
                                     lb_loss_form="all_layers"))
     model = build(cfg)
-    logits = []
-    hooks = [b.ffn.router.gate.register_forward_hook(lambda m, i, out: logits.append(out.detach().float()))
-             for b in model.blocks]
-    tokens = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(3))
-    model(tokens)
-    for h in hooks:
-        h.remove()
+    logits = forward_router_logits(model, torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(3)))
     every = torch.cat(logits)  # (L * T, E)
     probs = every.softmax(-1)
     chosen = probs.topk(k, dim=-1).indices
