@@ -10,10 +10,10 @@ from optimus_core.data.shards import (
     token_dtype, verify,
 )
 
-_LOADER_NAMES = ("BatchLoader", "TokenDataset", "heldout_batches", "training_loader")
+_LOADER_NAMES = ("BatchLoader", "TokenDataset", "heldout_batches")
 
 __all__ = [
-    *_LOADER_NAMES,
+    *_LOADER_NAMES, "training_loader",
     "IndexRow", "Manifest", "ShardError", "TokenFile", "Totals", "load_manifest", "open_tokens",
     "read_index", "token_dtype", "verify",
 ]
@@ -24,4 +24,8 @@ def __getattr__(name: str):
         from optimus_core.data import loader
 
         return getattr(loader, name)
+    if name == "training_loader":  # the loader data.order names (optimus_core.data.windows)
+        from optimus_core.data import windows
+
+        return windows.training_loader
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

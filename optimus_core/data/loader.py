@@ -20,17 +20,14 @@ from __future__ import annotations
 import hashlib
 import operator
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from optimus_core.data.shards import ShardError, load_manifest, open_tokens
 
-if TYPE_CHECKING:
-    from optimus_core.config import DataConfig
-
-__all__ = ["TokenDataset", "BatchLoader", "heldout_batches", "training_loader"]
+__all__ = ["TokenDataset", "BatchLoader", "heldout_batches"]
 
 
 class TokenDataset:
@@ -150,21 +147,6 @@ def check_resumable(state: dict, mine: dict) -> None:
         if theirs != mine[key]:
             raise ValueError(f"loader state {key} = {theirs!r}, but this loader has {mine[key]!r}: "
                              "resuming needs the same data, data.order, seq_len, global_batch and seed")
-
-
-def training_loader(data_dir: Union[str, Path], data: "DataConfig", global_batch: int, rank: int = 0,
-                    world_size: int = 1):
-    """The loader of the train split that ``data.order`` names, for data rank ``rank`` of
-    ``world_size``: BatchLoader ("stream") or optimus_core.data.windows.WindowLoader
-    ("file_windows", the paper's). Both give (global_batch // world_size, S) int64 rows whose
-    first S - 1 tokens are the input and last S - 1 the targets."""
-    if data.order == "file_windows":
-        from optimus_core.data.windows import FileWindows, WindowLoader
-
-        return WindowLoader(FileWindows(data_dir, "train", data.seq_len), global_batch, seed=data.seed,
-                            rank=rank, world_size=world_size)
-    return BatchLoader(TokenDataset(data_dir, "train", data.seq_len), global_batch, seed=data.seed,
-                       rank=rank, world_size=world_size)
 
 
 def heldout_batches(data_dir: Union[str, Path], source: str, seq_len: int, batch_size: int,

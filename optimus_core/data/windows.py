@@ -4,6 +4,7 @@
     loader = WindowLoader(windows, global_batch=3072, seed=42, rank=r, world_size=D)
     x = loader.next_batch()          # LongTensor (3072 // D, 2048): inputs x[:, :-1], targets x[:, 1:]
     loader.epoch_steps               # whole global batches in one epoch (the paper's decay horizon)
+    training_loader(data_dir, cfg.data, global_batch, rank, world)   # the loader data.order names
 
 As the paper's code reads OLMoE-mix (GitHub IntelLabs/Optimus-LM, ``optimus/datasets.py`` and
 ``scripts/generate_metadata.py``, read 2026-12-06):
@@ -34,13 +35,16 @@ from __future__ import annotations
 
 import operator
 from pathlib import Path
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
 import torch
 
-from optimus_core.data.loader import check_layout, check_resumable
+from optimus_core.data.loader import BatchLoader, TokenDataset, check_layout, check_resumable
 from optimus_core.data.shards import ShardError, load_manifest, open_tokens
+
+if TYPE_CHECKING:
+    from optimus_core.config import DataConfig
 
 
 class FileWindows:
@@ -127,3 +131,16 @@ class WindowLoader:
     def load_state_dict(self, state: dict) -> None:
         check_resumable(state, self.state_dict())
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def training_loader(data_dir: Union[str, Path], data: "DataConfig", global_batch: int, rank: int = 0,
+                    world_size: int = 1):
+    """The loader of the train split that ``data.order`` names, for data rank ``rank`` of
+    ``world_size``: optimus_core.data.loader.BatchLoader ("stream") or WindowLoader
+    ("file_windows", the paper's). Both give (global_batch // world_size, S) int64 rows whose
+    first S - 1 tokens are the input and last S - 1 the targets."""
+    if data.order == "file_windows":
+        return WindowLoader(FileWindows(data_dir, "train", data.seq_len), global_batch, seed=data.seed,
+                            rank=rank, world_size=world_size)
+    return BatchLoader(TokenDataset(data_dir, "train", data.seq_len), global_batch, seed=data.seed,
+                       rank=rank, world_size=world_size)

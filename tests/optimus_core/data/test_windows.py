@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from optimus_core.config import DataConfig
-from optimus_core.data.loader import BatchLoader, training_loader
-from optimus_core.data.windows import FileWindows, WindowLoader
+from optimus_core.data.loader import BatchLoader
+from optimus_core.data.windows import FileWindows, WindowLoader, training_loader
 
 
 def test_windows_are_cut_per_file_and_tails_dropped(simple_dir):
