@@ -362,10 +362,7 @@ def recompute_fraction(cfg: ModelConfig, checkpointing: str, every: int, seq_len
 
 def checkpointing_candidates(cfg: ModelConfig, seq_len: int) -> list[tuple[str, int]]:
     """(mode, every) from the least recomputation to the most, at ``seq_len``: every block
-    spacing, so that a layout between two of them recomputes no more than it must (Mula-220B-A10B
-    on 3072 tiles, with the float32 norm copies of the time: every 3rd block, rehearsed at 52.8
-    GiB allocated, where every 4th did not keep the margin and every 2nd costs 3 % more step
-    time: bench/NOTES.md, eighteenth session)."""
+    spacing, so that a layout between two of them recomputes no more than it must."""
     out = [("none", 1)] + ([("moe", 1)] if cfg.moe is not None else [])
     out += [("full", k) for k in range(cfg.n_layers, 0, -1)]
     return sorted(out, key=lambda c: recompute_fraction(cfg, *c, seq_len))

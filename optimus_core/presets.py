@@ -138,7 +138,7 @@ def laptop_tag(tag: str, base: str) -> str:
     parsed = parse_tag(tag)
     tokens = []
     for token in tag.split("-"):
-        if token.startswith("L") and "L" in parsed:
+        if token.startswith("L"):  # the one key that starts with L
             depth = parsed["L"] * ratio
             if not float(depth).is_integer() or depth < 1:
                 raise ConfigError(f"tag {tag!r}: L{int(parsed['L'])} x {ratio} is not a whole depth for {base}{LAPTOP}")

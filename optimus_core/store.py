@@ -156,6 +156,11 @@ class ResultsStore:
         frame = frame.reindex(columns=RUN_COLUMNS + extra)
         return frame.sort_values(["created", "run_id"], kind="stable", ignore_index=True)
 
+    def runs_of_kind(self, kind: str) -> list[str]:
+        """The ids of the runs whose ``kind`` attr is ``kind``, in creation order."""
+        table = self.runs()
+        return table.loc[table["kind"] == kind, "run_id"].tolist() if "kind" in table else []
+
     def attrs(self, run_id: str) -> dict:
         return self._run(run_id).attrs.asdict()
 

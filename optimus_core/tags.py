@@ -46,7 +46,7 @@ def parse_tag(tag: str, allowed: tuple[str, ...] = MOE_KEYS) -> dict[str, float 
     out: dict[str, float | bool] = {}
     for token in tag.split("-"):
         m = _TOKEN.fullmatch(token)
-        if m is None or m.group(2) in (".",):
+        if m is None or m.group(2) == ".":
             raise ConfigError(f"tag {tag!r}: token {token!r} is not a key of capital letters and a number "
                               f"(keys: {', '.join(allowed)})")
         key, number = m.groups()

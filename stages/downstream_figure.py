@@ -31,10 +31,7 @@ AVERAGE = "average"
 
 def reference_runs(store: ResultsStore) -> list[str]:
     """The store's reference models (runs whose ``kind`` attr is "reference"), in creation order."""
-    table = store.runs()
-    if "kind" not in table:
-        return []
-    return table.loc[table["kind"] == REFERENCE_KIND, "run_id"].tolist()
+    return store.runs_of_kind(REFERENCE_KIND)
 
 
 def _downstream(store: ResultsStore, run_id: str) -> Optional[pd.DataFrame]:

@@ -100,7 +100,7 @@ def run_reference(config: ReferenceConfig, inputs: ReferenceInputs, outputs: Ref
     run_id = f"{KIND}-{Path(inputs.file).stem}"
     store = open_store(outputs.store)
     attrs = {"kind": KIND, "model": doc["model"], "source": doc["source"], "protocol": doc["protocol"],
-             "status": "completed", "file": str(inputs.file)}
+             "file": str(inputs.file), "status": "running"}  # (re)started here: completed on leaving
     # rows in step order from step 0: a rerun's first row replaces every row of an earlier ingest
     points = sorted(doc["points"], key=lambda p: p["tokens"])
     with store.run_writer(run_id, attrs) as writer:
@@ -108,6 +108,5 @@ def run_reference(config: ReferenceConfig, inputs: ReferenceInputs, outputs: Ref
             row = {"step": i, "tokens": float(point["tokens"])}
             row.update({k: float(v) for k, v in point.items() if k != "tokens"})
             writer.log("downstream", row)
-        writer.set_status("completed")
     return ReferenceResult(run_id, len(points))
 

@@ -176,10 +176,8 @@ def _paper_runs(store: ResultsStore) -> list[str]:
     plan --store` recorded it on a site (a ``plan-*`` run of the store): preset and the authors'
     tag, shape, parameters beside the name's sizes, context, batch, tokens, steps, layout,
     node-hours and GiB per tile. Nothing when no plan is in the store."""
-    table = store.runs()
-    plans = table.loc[table["kind"] == "plan", "run_id"].tolist() if "kind" in table else []
     lines = []
-    for run_id in plans:
+    for run_id in store.runs_of_kind("plan"):
         attrs = store.attrs(run_id)
         rows = [["preset", "tag", "layers", "width", "heads", "experts", "total / active", "name", "context",
                  "batch", "tokens", "steps", "tiles (EP)", "node-hours", "GiB/tile"]]

@@ -325,8 +325,9 @@ def record_plan(store_path, site: SiteConfig, experiments, plans: list[JobPlan])
     from optimus_core.store import open_store
 
     run_id = f"plan-{site.name}"
-    attrs = {"kind": "plan", "site": site.name, "machine": site.machine, "status": "completed",
+    # "running": this writer (re)starts the run, so leaving it marks the run completed (or failed)
+    attrs = {"kind": "plan", "site": site.name, "machine": site.machine, "status": "running",
              "paper_runs": paper_run_rows(experiments, plans)}
-    with open_store(store_path).run_writer(run_id, attrs) as writer:
-        writer.set_status("completed")
+    with open_store(store_path).run_writer(run_id, attrs):
+        pass
     return run_id

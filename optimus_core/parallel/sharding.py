@@ -33,9 +33,10 @@ Units, each all-gathered just before use and freed after (FSDP2's ``fully_shard`
 
 Under bf16 the units are gathered in bf16 (the weight copies the forward multiplies by) and
 their gradients reduce-scattered in ``reduce_dtype`` (the paper's runs: bf16) onto the float32
-shards; a float32 run reduces in float32. Each block's forward prefetches its experts and the next block; the backward prefetches
-in reverse order (FSDP2's default). Gradients are reduce-scattered as each unit's backward ends,
-in every micro-batch, so the synchronisation runs under the backward throughout.
+shards; a float32 run reduces in float32. Each block's forward prefetches its experts and the
+next block; the backward prefetches in reverse order (FSDP2's default). Gradients are
+reduce-scattered as each unit's backward ends, in every micro-batch, so the synchronisation runs
+under the backward throughout.
 
 Gradient means: every rank's loss is the mean over its own tokens, and FSDP2 divides a unit's
 summed gradient by its mesh's size. That is the world mean for dense units; an expert's

@@ -7,13 +7,15 @@
 With ``model.moe.lb_loss_scope = "forward"`` (OLMoE's and the paper's runs) each forward's
 load-balancing loss (Transformer.lb_loss, either form) uses its own share of assignments
 f_e = c_e / (T k): a statistic of one rank's micro-batch, so the same run on 1 process and on N
-ranks optimises slightly different objectives. With "global" f_e is the share counted over every rank's tokens (one all-reduce of the (layers, experts) counts
-per micro-batch) and over the step's micro-batches so far: after micro-batch i, the counts of
-micro-batches 1..i of every rank (Megatron's global auxiliary loss, which averages the
-micro-batches seen). P_e, the mean router probability through which the gradient flows, stays
-each forward's own. Since the loss is linear in P_e, the per-micro-batch terms weighted by their
-token share and averaged over the ranks (as the step's gradients are) add up to the loss of the
-whole batch over all its tokens, whenever each rank runs one micro-batch a step: the same objective on 1 or N ranks (tests/optimus_core/parallel). With several
+ranks optimises slightly different objectives. With "global" f_e is the share counted over
+every rank's tokens (one all-reduce of the (layers, experts) counts per micro-batch) and over the
+step's micro-batches so far: after micro-batch i, the counts of micro-batches 1..i of every rank
+(Megatron's global auxiliary loss, which averages the micro-batches seen). P_e, the mean router
+probability through which the gradient flows, stays each forward's own. Since the loss is linear
+in P_e, the per-micro-batch terms weighted by their token share and averaged over the ranks (as
+the step's gradients are) add up to the loss of the whole batch over all its tokens, whenever
+each rank runs one micro-batch a step: the same objective on 1 or N ranks
+(tests/optimus_core/parallel). With several
 micro-batches, micro-batch i sees the counts of the first i, not the step's, whose last
 micro-batch is not routed yet when the first one's backward runs.
 """

@@ -70,6 +70,13 @@ def planned_execution(cfg, machine: Machine, devices: int):
     return resolve_choices(cfg, machine.device_kind, devices, probe=False)
 
 
+def reduce_bytes(cfg, dtype: str) -> int:
+    """Bytes of a gradient element in the reduction of ``cfg`` (a RunConfig) run in ``dtype``:
+    parallel.reduce_dtype's for a bf16 run, float32's for a float32 run (optimus_core.parallel.
+    sharding reduces a float32 run's gradients in float32)."""
+    return 2 if dtype == "bfloat16" and cfg.parallel.reduce_dtype == "bfloat16" else 4
+
+
 def planned_checkpointing(cfg, machine: Machine, devices: int) -> tuple[str, int]:
     """execution.activation_checkpointing of ``cfg`` (a RunConfig) on ``devices`` of ``machine``,
     resolved as the run will resolve it there (optimus_core.memory.resolve_checkpointing, against
@@ -97,7 +104,7 @@ def paper_sweep(machine: Machine, overlap: Optional[str] = None) -> list[dict]:
     return predict_sweep(run.preset, ex.SCALING_TILES, machine, global_batch=ex.SCALING_BATCH, ep=run.ep,
                          micro_batch=1, dtype=plan.dtype, experts=plan.experts or "loop", overlap=overlap or code_overlap(cfg.parallel),
                          dp_shard=runs[ex.SCALING_TILES[-1]].run_config().parallel.dp_shard, checkpointing=checkpointing,
-                         reduce_bytes=4 if cfg.parallel.reduce_dtype == "float32" else 2)
+                         reduce_bytes=reduce_bytes(cfg, plan.dtype))
 
 
 def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> dict[str, Any]:
@@ -115,7 +122,7 @@ def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> di
                     micro_batch=mb, seq_len=cfg.data.seq_len, experts=plan.experts or "loop",
                     optimizer=cfg.parallel.optimizer if run_scale.devices > 1 else "local", dtype=plan.dtype,
                     overlap=code_overlap(cfg.parallel), dp_shard=cfg.parallel.dp_shard,
-                    reduce_bytes=4 if cfg.parallel.reduce_dtype == "float32" else 2,
+                    reduce_bytes=reduce_bytes(cfg, plan.dtype),
                     checkpointing=mode, checkpointing_every=every)
     pred = predict(cfg.model, layout, machine)
     hours = run_scale.steps * pred.step_s / 3600
