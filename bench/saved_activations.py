@@ -38,6 +38,8 @@ import torch  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from optimus_core import presets  # noqa: E402
+from optimus_core.execution import use_kernels  # noqa: E402
+from optimus_core.execution.weight_copies import keep_expert_copies  # noqa: E402
 from optimus_core.model.transformer import Transformer  # noqa: E402
 
 
@@ -77,10 +79,10 @@ def saved_tensors(preset: str, tokens: int, seq: int, backend: str, moe_override
         return t
 
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = Transformer(cfg, experts_backend=backend)
-        model.set_qk_norm_rope_kernel(qk_norm_rope == "triton" and cfg.qk_norm)
+        model = Transformer(cfg)
+        use_kernels(model, experts=backend, qk_norm_rope=qk_norm_rope == "triton" and cfg.qk_norm)
         if cfg.moe:
-            model.set_expert_weight_casts(torch.bfloat16)  # as training keeps them (the plan's expert copies)
+            keep_expert_copies(model, torch.bfloat16)  # as training keeps them (the plan's expert copies)
         block = model.blocks[0]
         cos, sin = model.rope(seq)
         x = torch.randn(tokens // seq, seq, cfg.d_model, dtype=getattr(torch, residual), requires_grad=True)

@@ -74,8 +74,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
 
 def checkpointed_blocks(n_layers: int, mode: str, every: int = 1) -> set[int]:
     """The blocks the backward recomputes whole: under "full", every ``every``-th from the
-    ``every``-th on; none otherwise. The model's rule (Transformer.set_activation_checkpointing),
-    here because both this module's and optimus_core.memory's counts follow it."""
+    ``every``-th on; none otherwise. The rule optimus_core.execution.recompute applies, here
+    because both this module's and optimus_core.memory's counts follow it."""
     return set(range(every - 1, n_layers, every)) if mode == "full" else set()
 
 

@@ -358,9 +358,9 @@ def export_hf(run_dir: Union[str, Path], out_dir: Union[str, Path], *, arch: Opt
     return out_dir
 
 
-def import_hf(hf_dir: Union[str, Path], *, experts_backend: str = "loop"):
-    """``(Transformer, ModelConfig)`` with the weights of an HF directory (ours or OLMoE-style);
-    ``experts_backend``: how the model's experts compute (kernels/; the weights are the same).
+def import_hf(hf_dir: Union[str, Path]):
+    """``(Transformer, ModelConfig)`` with the weights of an HF directory (ours or OLMoE-style),
+    the model plain (optimus_core.execution.parallelize applies a plan to it).
 
     The config comes from ``optimus.json`` when the directory is one of our exports (exact),
     else from config.json. Use the model's ``state_dict()`` as initial weights of a new run.
@@ -394,6 +394,6 @@ def import_hf(hf_dir: Union[str, Path], *, experts_backend: str = "loop"):
     if arch not in ARCHITECTURES:
         raise ExportError(f"{hf_dir}/config.json model_type = {arch!r}: cannot import; supported: {', '.join(ARCHITECTURES)}")
     state = from_hf_state(cfg, tensors, arch)
-    model = Transformer(cfg, experts_backend=experts_backend)
+    model = Transformer(cfg)
     model.load_state_dict(state, strict=True)
     return model.eval(), cfg

@@ -236,7 +236,6 @@ def _load_sharded(point: "_Point", mesh) -> Transformer:
         raise ValueError(f"{point.found.path} is in the earlier one-process format: evaluate it on one process")
     model = build_model(_eval_layout(point.cfg, mesh.world_size), mesh)
     ckpt.load_tensors_(point.found, ckpt.model_tensors(model, mesh), mesh.distributed)
-    model.refresh_weight_casts()
     return model.eval()
 
 

@@ -12,8 +12,8 @@ from .layers import RMSNorm, apply_rotary
 
 
 class Attention(nn.Module):
-    # QK-norm and RoPE by one Triton kernel per projection (execution.qk_norm_rope; set by
-    # Transformer.set_qk_norm_rope_kernel): the same function, the normed values kept in float32
+    # QK-norm and RoPE by one Triton kernel per projection (execution.qk_norm_rope, set by
+    # optimus_core.execution.parallelize): the same function, the normed values kept in float32
     # between the norm and the rotation instead of rounded to the projection's dtype
     qk_norm_rope_kernel: bool = False
 

@@ -30,11 +30,11 @@ class MoEFeedForward(nn.Module):
     after each forward and drops them (``clear_routing``) once the micro-batch's backward has run.
     """
 
-    def __init__(self, d_model: int, cfg: MoEConfig, experts_backend: str = "loop"):
+    def __init__(self, d_model: int, cfg: MoEConfig):
         super().__init__()
         self.cfg = cfg
         self.router = TopKRouter(d_model, cfg)
-        self.experts = Experts(cfg.n_experts, d_model, cfg.d_expert, experts_backend)
+        self.experts = Experts(cfg.n_experts, d_model, cfg.d_expert)
         self.clear_routing()
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:

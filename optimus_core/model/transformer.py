@@ -6,7 +6,9 @@
     h_BSD = model.hidden(tokens_BS)        # final-normed hidden states: logits = lm_head(h)
     loss = model.lm_loss(tokens_BS, targets_BS)  # mean cross-entropy, no (tokens x vocab) logits
 
-The model knows nothing of parallelism (house rule 6): optimus_core.parallel wraps it.
+The model knows nothing of how it executes or is parallelised: the execution plan
+(optimus_core.execution) sets its kernels, precision and recomputation from outside
+(``parallelize``), through the plain attributes each module documents.
 """
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
-from ..flops import checkpointed_blocks
 from .attention import Attention
 from .init import init_parameter_
 from .layers import RotaryEmbedding, SwiGLU, make_norm
@@ -24,12 +25,12 @@ from .moe import MoEFeedForward
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, experts_backend: str = "loop"):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.ffn_norm = make_norm(cfg)
-        self.ffn = MoEFeedForward(cfg.d_model, cfg.moe, experts_backend) if cfg.moe else SwiGLU(cfg.d_model, cfg.d_ff)
+        self.ffn = MoEFeedForward(cfg.d_model, cfg.moe) if cfg.moe else SwiGLU(cfg.d_model, cfg.d_ff)
 
     def forward(self, x_BSD, cos_SDh, sin_SDh):
         h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SDh, sin_SDh)
@@ -37,24 +38,25 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """``experts_backend``: how the experts compute (kernels/: "loop", "torch", "triton"), the
-    execution plan's choice (optimus_core.execution); the parameters do not depend on it."""
+    # How it executes, set by optimus_core.execution.parallelize (these defaults: plain torch):
+    # the blocks the backward recomputes (activation checkpointing "full"),
+    recompute_blocks: frozenset[int] = frozenset()
+    # lm_loss's softmax part in one Triton kernel (execution.lm_loss),
+    lm_loss_kernel: bool = False
+    # and, under autocast, the residual stream (the embeddings, every block's input and output)
+    # in float32 (execution.fp32_residual) instead of the autocast dtype. Either way the norms
+    # compute in float32 and every matmul reads the autocast dtype.
+    fp32_residual: bool = False
 
-    def __init__(self, cfg: ModelConfig, experts_backend: str = "loop"):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         # padding_idx: the padding row's gradient is zero, so it stays the zero the init gives it
         self.embed = nn.Embedding(cfg.padded_vocab_size, cfg.d_model, padding_idx=cfg.pad_token_id)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_seq_len)
-        self.blocks = nn.ModuleList(Block(cfg, experts_backend) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.final_norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)  # untied
-        self.checkpoint_blocks = set()  # indices of the blocks the backward recomputes (set_activation_checkpointing)
-        self.lm_loss_kernel = False  # lm_loss's softmax part in one Triton kernel (execution.lm_loss)
-        # Under autocast the residual stream (the embeddings, every block's input and output) is
-        # in the autocast dtype; True keeps it float32 (execution.fp32_residual). Either way the
-        # norms compute in float32 and every matmul reads the autocast dtype.
-        self.fp32_residual = False
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -69,67 +71,10 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
-        """The buffers' initial values (no balancing bias, RoPE's frequencies) and the expert
-        weights' copies from the weights: after the parameters are set by anything but the optimizer."""
+        """The buffers' initial values: no balancing bias, RoPE's frequencies."""
         for m in self.moe_layers():
             m.router.balance_bias.zero_()
-        self.refresh_weight_casts()
         self.rope.reset_parameters()
-
-    def refresh_weight_casts(self) -> None:
-        """The expert weights' copies (if kept) from the weights, after anything but the
-        optimizer wrote the weights in place (a checkpoint load)."""
-        for m in self.moe_layers():
-            m.experts.refresh_weight_casts()
-
-    def set_activation_checkpointing(self, mode: str, every: int = 1) -> None:
-        """What the backward recomputes (execution.activation_checkpointing, resolved: "none", "full"
-        with every ``every``-th block, or "moe": the experts' computation of every MoE layer)."""
-        if mode not in ("none", "full", "moe"):
-            raise ValueError(f"activation checkpointing {mode!r}: must be 'none', 'full' or 'moe'")
-        if mode == "moe" and not self.moe_layers():
-            raise ValueError("activation checkpointing 'moe' needs MoE layers; this model is dense")
-        self.checkpoint_blocks = checkpointed_blocks(len(self.blocks), mode, every)
-        for layer in self.moe_layers():
-            layer.experts.checkpoint_compute = mode == "moe"
-
-    def set_qk_norm_rope_kernel(self, on: bool) -> None:
-        """The attention's QK-norm and RoPE by the Triton kernel (execution.qk_norm_rope) or by
-        torch ops. ValueError for the kernel on a model without QK-norm."""
-        if on and not self.cfg.qk_norm:
-            raise ValueError("the QK-norm + RoPE kernel needs a model with QK-norm (model.qk_norm)")
-        for block in self.blocks:
-            block.attn.qk_norm_rope_kernel = on
-
-    def set_recast_expert_weights(self, recast: bool) -> None:
-        """Cast expert weights inside each grouped GEMM (less memory) or once per forward."""
-        for layer in self.moe_layers():
-            layer.experts.recast_weights = recast
-
-    def set_expert_weight_casts(self, dtype: torch.dtype | None) -> None:
-        """Keep a ``dtype`` copy of every expert weight, which the forward reads under autocast
-        to ``dtype`` instead of casting and the optimizer keeps current (optimus_core.model.
-        experts); None drops them. Call it after moving the model, before building the optimizer."""
-        for layer in self.moe_layers():
-            layer.experts.enable_weight_casts(dtype)
-
-    def keep_expert_grads_on_casts(self, on: bool) -> None:
-        """The expert weights' gradients on their bf16 copies (optimus_core.model.experts); call
-        after set_expert_weight_casts, before building the optimizer. optimus_core.train.optim.
-        build_optimizer does it where the execution plan keeps the expert gradients in bf16."""
-        for layer in self.moe_layers():
-            layer.experts.keep_grads_on_casts(on)
-
-    def compile_blocks(self) -> None:
-        """torch.compile each block's forward and the final norm's, in place: parameter names (and
-        so checkpoints) stay those of the eager model, and hooks on a module (the optimizer's
-        per-stage waits, optimus_core.train.update_stream) run as plain Python before its
-        compiled code, not traced into it. The final norm, eager, is ~20 float32 passes over the
-        (tokens x d_model) residual stream each step (its pow, mean, rsqrt, products and their
-        gradients); compiled, one kernel each way. (Each compiled forward is bound to its module:
-        a deep copy of a compiled model would call the original's; copy, then compile.)"""
-        for module in (*self.blocks, self.final_norm):
-            module.forward = torch.compile(module.forward)
 
     def moe_layers(self) -> list[MoEFeedForward]:
         return [b.ffn for b in self.blocks if isinstance(b.ffn, MoEFeedForward)]
@@ -199,7 +144,7 @@ class Transformer(nn.Module):
         if not self.fp32_residual and torch.is_autocast_enabled(device_type):
             x_BSD = x_BSD.to(torch.get_autocast_dtype(device_type))
         for i, block in enumerate(self.blocks):
-            if i in self.checkpoint_blocks and self.training:
+            if i in self.recompute_blocks and self.training:
                 x_BSD = checkpoint(block, x_BSD, cos_SDh, sin_SDh, use_reentrant=False)
             else:
                 x_BSD = block(x_BSD, cos_SDh, sin_SDh)

@@ -1,12 +1,12 @@
 """Parallelism: process groups and device meshes (dp, ep, expert-dp), token dispatch, expert
 parallelism, full sharding (FSDP2, EP-aware) and where each rank's share of a parameter lies.
 
-    from optimus_core.parallel import init_distributed, parallelize
+    from optimus_core.parallel import expert_parallel, init_distributed
     from optimus_core.parallel.sharding import shard_model, materialize
     mesh = init_distributed(cfg.parallel, n_experts=cfg.model.moe.n_experts)
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    shard_model(parallelize(model, mesh), mesh, dtype="bfloat16")
+    shard_model(expert_parallel(model, mesh), mesh, dtype="bfloat16")
     materialize(model, mesh, mesh.device, seed=0)
 
 The trainer does all of this through optimus_core.train.build when it runs on more than one
@@ -18,10 +18,10 @@ rank; the optimizer over the shares is optimus_core.train.sharded_adamw. Launchi
                                                            # $PBS_NODEFILE; else export MASTER_ADDR/PORT
 
 Modules: mesh (launcher env, groups, device meshes), dispatch (all-to-all), expert_parallel
-(parallelize), sharding (FSDP2 units, materialize), layout (each rank's rows), launch (local ranks).
+(expert_parallel), sharding (FSDP2 units, materialize), layout (each rank's rows), launch (local ranks).
 """
-from .expert_parallel import ExpertParallelExperts, expert_parameter_names, parallelize
+from .expert_parallel import ExpertParallelExperts, expert_parameter_names, expert_parallel
 from .mesh import LaunchEnv, Mesh, group_layout, init_distributed, read_launch_env, shutdown
 
 __all__ = ["ExpertParallelExperts", "LaunchEnv", "Mesh", "expert_parameter_names", "group_layout",
-           "init_distributed", "parallelize", "read_launch_env", "shutdown"]
+           "expert_parallel", "init_distributed", "read_launch_env", "shutdown"]

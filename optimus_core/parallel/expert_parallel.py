@@ -1,11 +1,11 @@
-"""Expert parallelism without touching the model: ``parallelize(model, mesh)``.
+"""Expert parallelism without touching the model: ``expert_parallel(model, mesh)``.
 
     with torch.device("meta"):
         model = Transformer(cfg.model)       # nothing allocated
-    model = parallelize(model, mesh)         # each EP rank holds n_experts / ep experts' rows
+    model = expert_parallel(model, mesh)         # each EP rank holds n_experts / ep experts' rows
 
 The MoE layer routes its tokens and hands them to ``self.experts.apply_routed(x, topk_idx,
-topk_weight)``; ``parallelize`` swaps that ``Experts`` for an ``ExpertParallelExperts`` holding
+topk_weight)``; ``expert_parallel`` swaps that ``Experts`` for an ``ExpertParallelExperts`` holding
 only this rank's experts (their rows of the weights), whose ``apply_routed`` sends each token once to every EP
 rank holding one of its experts (all-to-all, counts exchanged first), runs the local experts
 there with the same kernels, combines their outputs per token with the routing weights on that
@@ -31,7 +31,9 @@ class ExpertParallelExperts(Experts):
 
     def __init__(self, full: Experts, mesh: Mesh, dispatch: str = "all_to_all"):
         nn.Module.__init__(self)
+        # how the experts execute, as the execution plan set it on the whole module
         self.n_experts, self.backend, self.recast_weights = full.n_experts, full.backend, full.recast_weights
+        self.checkpoint_compute = full.checkpoint_compute
         self.ep, self.group, self.ep_rank, self.dispatch = mesh.ep, mesh.ep_group, mesh.ep_rank, dispatch
         self.n_local = full.n_experts // mesh.ep
         self.first = mesh.ep_rank * self.n_local
@@ -40,8 +42,7 @@ class ExpertParallelExperts(Experts):
             rows = w.shape[0] // self.n_experts
             local = w.detach()[self.first * rows:(self.first + self.n_local) * rows]
             setattr(self, name, nn.Parameter(local if w.is_meta else local.clone()))
-        self.enable_weight_casts(full.weight_cast_dtype)  # copies of this rank's experts, if kept
-        self.dw_square_of = {}  # none: the sharded optimizer reduces the gradients before their norm
+        self.dw_squares = {}  # none: the sharded optimizer reduces the gradients before their norm
 
     @property
     def n_held(self) -> int:
@@ -133,15 +134,12 @@ class ExpertParallelExperts(Experts):
         # A whole (unsharded) state dict loads onto any EP rank: take this rank's experts' rows.
         for name in self.WEIGHTS:
             value = state_dict.get(prefix + name)
-            if value is not None and value.ndim == 3:  # the earlier (E, rows, cols) layout
-                value = value.reshape(-1, value.shape[-1])
             if value is not None and value.shape[0] != getattr(self, name).shape[0]:
                 rows = value.shape[0] // self.n_experts
                 value = value[self.first * rows:(self.first + self.n_local) * rows]
             if value is not None:
                 state_dict[prefix + name] = value
         nn.Module._load_from_state_dict(self, state_dict, prefix, *args, **kwargs)
-        self.refresh_weight_casts()
 
 
 class _SumPartials(torch.autograd.Function):
@@ -163,7 +161,7 @@ class _SumPartials(torch.autograd.Function):
         return grad_TD.index_select(0, token_S), None, None
 
 
-def parallelize(model: nn.Module, mesh: Mesh, dispatch: str = "all_to_all") -> nn.Module:
+def expert_parallel(model: nn.Module, mesh: Mesh, dispatch: str = "all_to_all") -> nn.Module:
     """Apply expert parallelism in place (a no-op for ep == 1 or a dense model); returns ``model``.
     ``dispatch``: the token exchange's collective, ``all_to_all`` or ``all_gather``
     (parallel.dispatch; optimus_core.parallel.dispatch)."""

@@ -2,7 +2,7 @@
 
     with torch.device("meta"):
         model = Transformer(cfg.model)                        # nothing allocated
-    model = parallelize(model, mesh)                          # EP: this rank's experts (meta)
+    model = expert_parallel(model, mesh)                      # EP: this rank's experts (meta)
     shard_model(model, mesh, dtype="bfloat16", experts_sharded=True)
     materialize(model, mesh, device, seed=cfg.train.seed)     # each rank allocates and draws its rows
 

@@ -11,11 +11,11 @@ each tensor. A sharded parameter (a DTensor: optimus_core.parallel.sharding) is 
 local share, its moments plain tensors of the share's shape.
 bench/optimizer.py times both; bench/NOTES.md has the numbers.
 
-``casts`` ({parameter: low-precision copy}, optimus_core.train.optim.weight_casts): copies kept
+``casts`` ({parameter: low-precision copy}, optimus_core.execution.weight_copies): copies kept
 equal to their parameter cast after every step; a bf16 copy is written by the update kernel
 itself (2 more bytes per parameter, instead of the forward's cast: read 4, write 2). Where a
-copy requires grad, it holds its weight's gradient, in bf16 (train.expert_grad_dtype): the update
-reads that, and ``zero_grad`` clears it with the parameters' (model.experts.grad_holder).
+copy requires grad, it holds its weight's gradient, in bf16 (the plan's bf16_expert_grads): the
+update reads that, and ``zero_grad`` clears it with the parameters' (weight_copies.grad_holder).
 
 With ``beside_forward`` set (optim.update_beside_forward, optimus_core.train.update_stream),
 ``step()`` queues the update on a side stream in the forward's order of the model's stages and
@@ -31,7 +31,7 @@ import torch
 
 import kernels
 
-from ..model.experts import grad_holder
+from ..execution.weight_copies import grad_holder
 from ..parallel.layout import local_tensor
 from .update_stream import settle_updates
 

@@ -1,7 +1,7 @@
 """A run's model and optimizer on this rank, built without ever holding the whole model.
 
     plan = plan_execution(cfg, mesh.device, mesh.world_size)   # how it executes (optimus_core.execution)
-    model = build_model(cfg, mesh, plan=plan)  # meta -> EP -> FSDP2 -> this rank's rows, seeded
+    model = build_model(cfg, mesh, plan=plan)  # meta -> the plan applied -> this rank's rows, seeded
     optimizer = build_run_optimizer(model, cfg, mesh, plan)
 
 One process: the whole model on the device, the one-process optimizer (TritonAdamW beside the
@@ -17,11 +17,12 @@ from __future__ import annotations
 import torch
 
 from ..config import RunConfig
-from ..execution import ExecutionPlan, plan_execution
+from ..execution import ExecutionPlan, parallelize, plan_execution
+from ..execution.weight_copies import expert_copies, keep_expert_copies, refresh_copies
 from ..model.transformer import Transformer
-from ..parallel import Mesh, parallelize
+from ..parallel import Mesh
 from ..parallel.layout import shares
-from ..parallel.sharding import materialize, shard_model
+from ..parallel.sharding import materialize
 from .optim import build_optimizer
 from .sharded_adamw import ShardedAdamW
 
@@ -38,25 +39,15 @@ def build_model(cfg: RunConfig, mesh: Mesh | None = None, device: torch.device |
     device = torch.device(device) if device is not None else mesh.device
     plan = plan or plan_execution(cfg, device, mesh.world_size, budget_bytes=None)
     with torch.device("meta"):
-        model = Transformer(cfg.model, experts_backend=plan.experts or "loop")
-    model.set_activation_checkpointing(*plan.checkpointing)
-    model.lm_loss_kernel = plan.lm_loss == "triton"
-    model.fp32_residual = plan.residual_dtype == "float32"
-    model.set_qk_norm_rope_kernel(plan.qk_norm_rope == "triton")
-    model.set_recast_expert_weights(plan.recast_expert_weights)
-    if mesh.distributed:
-        model = parallelize(model, mesh, cfg.parallel.dispatch)
-        shard_model(model, mesh, dtype=plan.dtype, experts_sharded=cfg.parallel.optimizer == "ep_aware",
-                    reduce_dtype=cfg.parallel.reduce_dtype)
+        model = Transformer(cfg.model)
+    model = parallelize(model, plan, mesh, cfg.parallel)
     materialize(model, mesh, device, seed=cfg.train.seed)
     if device.type == "meta":
         return model
     if cfg.train.init_from:
         load_whole_weights_(model, mesh, _import_weights(cfg))
-    # before the optimizer: it looks the copies up
-    model.set_expert_weight_casts(torch.bfloat16 if plan.expert_copies else None)
-    if plan.compile:
-        model.compile_blocks()
+    if plan.expert_copies:  # from the weights, before the optimizer: it keeps them
+        keep_expert_copies(model, torch.bfloat16)
     return model
 
 
@@ -74,13 +65,11 @@ def load_whole_weights_(model: Transformer, mesh: Mesh, state: dict[str, torch.T
     copies its rows. Persistent buffers are taken as they are."""
     for name, share in shares(model, mesh).items():
         whole = state[name]
-        if whole.ndim == 3 and share.local.ndim == 2:  # experts in the earlier (E, rows, cols) layout
-            whole = whole.reshape(-1, whole.shape[-1])
         share.local.copy_(whole[share.first_row:share.first_row + share.local.shape[0]])
     for name, buf in model.named_buffers():
         if name in state:
             buf.copy_(state[name])
-    model.refresh_weight_casts()
+    refresh_copies(expert_copies(model))
 
 
 def _import_weights(cfg: RunConfig) -> dict[str, torch.Tensor]:

@@ -24,8 +24,9 @@ from ..data.identity import check_tokenizer, refuse_other_tokenizer, trained_tok
 from ..device import DeviceInfo, device_info
 from ..log import get_logger
 from ..model.transformer import Transformer
-from ..parallel import Mesh
 from ..execution import plan_execution
+from ..execution.weight_copies import expert_copies, refresh_copies
+from ..parallel import Mesh
 from . import checkpoint as ckpt
 from . import disk_space
 from .build import build_model, build_run_optimizer
@@ -166,7 +167,7 @@ class Trainer:
             tensors = ckpt.training_tensors(self.model, self.optimizer, self.mesh)
             ckpt.load_tensors_(found, tensors, self.mesh.distributed)
             ckpt.restore_rng(tensors, self.mesh)
-            self.model.refresh_weight_casts()
+            refresh_copies(expert_copies(self.model))  # written in place, past the load hook
             state = found.load_state()
         self.loader.load_state_dict(state["loader"])
         if "guard" in state:  # (checkpoints before 2026-12-02 did not keep it)

@@ -1,13 +1,12 @@
 """AdamW with OLMoE's parameter groups, and global gradient-norm clipping.
 
-Weight casts: a module may keep low-precision copies of its weights for the forward (Experts
-under bf16 on one process: the execution plan's expert copies) and list them as ``module.weight_casts() -> {param:
-copy}``; ``weight_casts(model)`` collects them and every optimizer built here keeps each copy
-equal to its parameter cast, bit for bit, after every step (TritonAdamW in its update kernel,
-torch's AdamW by a cast after its step). Where the plan keeps the expert gradients in bf16
-(optimus_core.execution), the copies also hold their weights' gradients, in bf16, and
-TritonAdamW applies those: ``grad_holder(w, casts)`` is where a weight's gradient is, and
-``gradients(model, optimizer)`` lists every gradient a step applies.
+Weight copies: where the execution plan keeps bf16 copies of the expert weights for the forward
+(optimus_core.execution.weight_copies), every optimizer built here keeps each copy equal to its
+weight cast, bit for bit, after every step (TritonAdamW in its update kernel, torch's AdamW by a
+cast after its step), and holds them as ``.casts``. Where the plan keeps the expert gradients in
+bf16, the copies also hold their weights' gradients, in bf16, and TritonAdamW applies those:
+``grad_holder(w, casts)`` is where a weight's gradient is, and ``gradients(model, optimizer)``
+lists every gradient a step applies.
 """
 from __future__ import annotations
 
@@ -16,7 +15,8 @@ from torch import nn
 
 from ..config import OptimConfig
 from ..execution import ExecutionPlan
-from ..model.experts import grad_holder, refresh_casts
+from ..execution.weight_copies import expert_copies, grad_holder, hold_grads_on_copies, refresh_copies
+from ..model.experts import Experts
 from ..model.transformer import Transformer
 from .grad_norm import GradNormUnderBackward
 from .update_stream import UpdateBesideForward
@@ -32,25 +32,19 @@ def param_groups(model: nn.Module, weight_decay: float, decay_norms: bool = Fals
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _per_parameter(model: nn.Module, method: str) -> dict[nn.Parameter, torch.Tensor]:
-    """The union of ``module.<method>()`` ({parameter: tensor}) over the modules that have it."""
-    found = {}
-    for module in model.modules():
-        call = getattr(module, method, None)
-        if callable(call):
-            found.update(call())
-    return found
-
-
-def weight_casts(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
-    """{parameter: its low-precision copy} over the modules of ``model`` that keep copies."""
-    return _per_parameter(model, "weight_casts")
-
-
 def dw_squares(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
-    """{weight: its dw_square} over the modules of ``model`` whose kernels can sum their weights'
-    squared gradients in the backward (Experts.enable_dw_squares; enables them)."""
-    return _per_parameter(model, "enable_dw_squares")
+    """Give each expert weight computed by the Triton kernels a ``dw_square`` (kernels.grouped_mm),
+    a 0-d float32 tensor on the weight's device whose gradient each backward sets to the sum of
+    the squares of the weight's gradient, summed by the dW kernel as it stores that gradient;
+    returns {weight: its dw_square} for the clip's norm (optimus_core.train.grad_norm). None for
+    the other backends, where it would cost the pass over the gradient it saves. Not parameters:
+    no optimizer, state dict or checkpoint sees them."""
+    found = {}
+    for experts in (m for m in model.modules() if isinstance(m, Experts) and m.backend == "triton"):
+        experts.dw_squares = {name: torch.zeros((), device=getattr(experts, name).device, requires_grad=True)
+                              for name in Experts.WEIGHTS}
+        found.update({getattr(experts, name): square for name, square in experts.dw_squares.items()})
+    return found
 
 
 def adamw(groups: list[dict], cfg: OptimConfig, kernel: str = "torch", device: torch.device | str = "cpu",
@@ -70,7 +64,7 @@ def adamw(groups: list[dict], cfg: OptimConfig, kernel: str = "torch", device: t
         opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=device.type == "cuda" or None)
         opt.casts = casts
         if casts:  # a cast pass after the update (the one the forward no longer makes)
-            opt.register_step_post_hook(lambda *_: refresh_casts(casts))
+            opt.register_step_post_hook(lambda *_: refresh_copies(casts))
     if norm_under_backward:
         opt.grad_norms = GradNormUnderBackward(grad_holder(p, casts) for g in groups for p in g["params"])
     return opt
@@ -89,9 +83,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, plan: ExecutionPlan | No
 
         plan = resolve_choices(RunConfig(optim=cfg), device)
     transformer = isinstance(model, Transformer)
-    if transformer:
-        model.keep_expert_grads_on_casts(plan.bf16_expert_grads and bool(weight_casts(model)))
-    casts = weight_casts(model)
+    casts = expert_copies(model)
+    if casts:
+        hold_grads_on_copies(casts, plan.bf16_expert_grads)
     opt = adamw(param_groups(model, cfg.weight_decay, cfg.decay_norms), cfg, plan.adamw, device, casts,
                 norm_under_backward=plan.grad_norm_under_backward and device.type == "cuda")
     if getattr(opt, "grad_norms", None) is not None and plan.grad_norm_from_dw:

@@ -1,7 +1,7 @@
 """AdamW on each rank's shares of a fully sharded model (optimus_core.parallel.sharding), EP-aware
 or EP-unaware, with the clip's global norm.
 
-    model = shard_model(parallelize(meta_model, mesh), mesh, experts_sharded=mode == "ep_aware")
+    model = shard_model(expert_parallel(meta_model, mesh), mesh, experts_sharded=mode == "ep_aware")
     opt = ShardedAdamW(model, mesh, cfg.optim, mode="ep_aware", kernel="triton")  # or "ep_unaware" (the ablation)
     loss.backward()                                 # FSDP2 reduce-scatters the gradients as it goes
     grad_norm = opt.clip_and_step(max_norm=1.0)     # norm, clip, update the local shares

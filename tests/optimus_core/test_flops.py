@@ -12,6 +12,7 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
 from optimus_core import presets
+from optimus_core.execution import recompute, use_kernels
 from optimus_core.model.transformer import Transformer
 
 
@@ -25,11 +26,11 @@ def counted_flops(model: Transformer, tokens_BS: torch.Tensor) -> int:
 def test_recompute_flops_are_what_the_backward_repeats(mode, every):
     cfg = presets.get("mula-7b-a1b@laptop").model.replace(n_layers=5)
     torch.manual_seed(0)
-    model = Transformer(cfg, experts_backend="loop")
+    model = use_kernels(Transformer(cfg), experts="loop")
     B, S = 2, 24
     tokens = torch.randint(0, cfg.vocab_size, (B, S))
     base = counted_flops(model, tokens)
-    model.set_activation_checkpointing(mode, every)
+    recompute(model, mode, every)
     assert counted_flops(model, tokens) - base == B * S * cfg.recompute_flops_per_token(S, mode, every)
 
 

@@ -10,6 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 from optimus_core import presets
 from optimus_core.config import ConfigError, ModelConfig, MoEConfig
+from optimus_core.execution import recompute, use_kernels
 from optimus_core.flops import checkpointed_blocks
 from optimus_core.memory import (FIT_MARGIN, GIB, LM_LOSS_CHUNK_ROWS, MemoryBudgetError, MemoryLayout, block_activation_bytes,
                                  check_fits, checkpointing_candidates, estimate, fit_checkpointing,
@@ -26,7 +27,7 @@ OLMO = DENSE.replace(qk_norm=False, norm="nonparametric_layernorm")  # OLMo-1B's
                          ids=["moe", "dense", "gqa", "olmo"])
 def test_parameter_table_is_the_models(cfg):
     with torch.device("meta"):
-        model = Transformer(cfg, experts_backend="triton")
+        model = use_kernels(Transformer(cfg), experts="triton")
     got = [(p.name, p.rows, p.cols) for p in parameter_table(cfg)]
     want = [(n, p.shape[0], math.prod(p.shape[1:])) for n, p in model.named_parameters()]
     assert got == want
@@ -47,11 +48,11 @@ def saved_activation_bytes(cfg: ModelConfig, batch: int, seq: int, mode: str = "
     with FakeTensorMode(allow_non_fake_inputs=True):
         torch.set_default_dtype(torch.bfloat16)
         try:
-            model = Transformer(cfg.replace(n_layers=1), experts_backend="triton")  # the count's backend
+            model = use_kernels(Transformer(cfg.replace(n_layers=1)), experts="triton")  # the count's backend
         finally:
             torch.set_default_dtype(torch.float32)
-        model.set_activation_checkpointing("moe" if mode == "moe" else "none")
-        model.set_qk_norm_rope_kernel(qk_norm_rope_kernel)
+        recompute(model, "moe" if mode == "moe" else "none")
+        use_kernels(model, qk_norm_rope=qk_norm_rope_kernel)
         block, (cos, sin) = model.blocks[0], model.rope(seq)
         x = torch.randn(batch, seq, cfg.d_model, dtype=residual, requires_grad=True)
         with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -155,8 +156,8 @@ def test_the_estimate_counts_what_the_model_does():
     assert LM_LOSS_CHUNK_ROWS == DEFAULT_CHUNK_ROWS  # the torch-free twin of the loss's chunk
     model = Transformer(MOE.replace(n_layers=5))
     for mode, every, blocks in [("full", 2, {1, 3}), ("full", 1, {0, 1, 2, 3, 4}), ("moe", 1, set()), ("none", 1, set())]:
-        model.set_activation_checkpointing(mode, every)
-        assert model.checkpoint_blocks == checkpointed_blocks(5, mode, every) == blocks
+        recompute(model, mode, every)
+        assert model.recompute_blocks == checkpointed_blocks(5, mode, every) == blocks
 
 
 def test_over_budget_is_one_error_naming_the_run_the_gib_the_budget_and_the_knobs():

@@ -238,7 +238,7 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
         raise ConfigError(f"machine {m.name}: device.matmul_flops.{L.dtype}: missing (layout.dtype = {L.dtype!r})")
     if cfg.moe is not None and cfg.moe.n_experts % L.ep:
         raise ConfigError(f"layout.ep = {L.ep}: must divide model.moe.n_experts ({cfg.moe.n_experts})")
-    if cfg.moe is None and L.ep != 1:  # nothing to split: parallelize() leaves a dense model whole
+    if cfg.moe is None and L.ep != 1:  # nothing to split: expert_parallel() leaves a dense model whole
         L = replace(L, ep=1)
     W, tokens = L.devices, L.tokens_per_rank
 

@@ -1,18 +1,18 @@
-"""The experts' bf16 weight copies (the execution plan's expert copies) on the model side: the forward with
-copies computes exactly what it computes without them, state dicts do not change, and every
-writer of the weights other than the optimizer (loading a state dict, an EP slice of a full one,
-init_weights) leaves each copy equal to its weight cast, bit for bit."""
+"""The experts' bf16 weight copies (the execution plan's expert copies, optimus_core.execution.
+weight_copies) on the model side: the forward with copies computes exactly what it computes
+without them, state dicts do not change, and loading a state dict leaves each copy equal to its
+weight cast, bit for bit."""
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from optimus_core.config import DataConfig, ExecutionConfig, ModelConfig, MoEConfig, RunConfig
 from optimus_core.execution import resolve_choices
-from optimus_core.model.experts import Experts, assert_weight_casts_current
+from optimus_core.execution.weight_copies import (assert_copies_current, expert_copies, keep_expert_copies,
+                                                  refresh_copies)
+from optimus_core.model.experts import Experts
 from optimus_core.model.transformer import Transformer
-from optimus_core.parallel.expert_parallel import ExpertParallelExperts
 from test_experts_backends import bf16_outputs_and_grads
 
 MODEL = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, max_seq_len=8, pad_vocab_to=64,
@@ -21,11 +21,11 @@ MODEL = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, max_seq_le
 
 def _experts(seed=0, casts=True):
     torch.manual_seed(seed)
-    experts = Experts(4, 16, 8, backend="loop")
+    experts = Experts(4, 16, 8)
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.2)
     if casts:
-        experts.enable_weight_casts(torch.bfloat16)
+        keep_expert_copies(experts, torch.bfloat16)
     return experts
 
 
@@ -41,7 +41,7 @@ def test_the_forward_with_copies_equals_the_forward_without():
     plain = _experts(casts=False)
     copied = _experts(casts=False)
     copied.load_state_dict(plain.state_dict())
-    copied.enable_weight_casts(torch.bfloat16)
+    keep_expert_copies(copied, torch.bfloat16)
     outs = bf16_outputs_and_grads(plain, copied)
     for a, b in zip(*outs):
         assert torch.equal(a, b)
@@ -58,7 +58,7 @@ def test_the_forward_reads_the_copy_not_the_weights():
         before = experts(x, offsets)
         experts.w_up_cast.mul_(2)
         assert not torch.equal(experts(x, offsets), before)
-    experts.enable_weight_casts(torch.float16)  # not autocast's dtype: the weights are cast as usual
+    keep_expert_copies(experts, torch.float16)  # not autocast's dtype: the weights are cast as usual
     experts.w_up_cast.mul_(2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.equal(experts(x, offsets), before)
@@ -68,19 +68,22 @@ def test_the_forward_reads_the_copy_not_the_weights():
 def test_state_dicts_do_not_change_and_loading_recasts():
     model = _model()
     keys = set(model.state_dict())
-    model.set_expert_weight_casts(torch.bfloat16)
+    keep_expert_copies(model, torch.bfloat16)
     assert set(model.state_dict()) == keys  # the copies are non-persistent
-    assert assert_weight_casts_current(model) == 2 * len(model.moe_layers())
+    assert assert_copies_current(model) == 2 * len(model.moe_layers())
     model.load_state_dict(_model(seed=1).state_dict())
-    assert assert_weight_casts_current(model) == 4
+    assert assert_copies_current(model) == 4
     assert torch.equal(model.blocks[0].ffn.experts.w_up_cast, _model(seed=1).blocks[0].ffn.experts.w_up.bfloat16())
 
 
-def test_init_weights_recasts():
+def test_copies_are_made_from_the_weights_as_they_are_and_dropped_on_request():
     model = _model()
-    model.set_expert_weight_casts(torch.bfloat16)
     model.init_weights(seed=5)
-    assert assert_weight_casts_current(model) == 4
+    copies = keep_expert_copies(model, torch.bfloat16)
+    assert len(copies) == 4 and assert_copies_current(model) == 4
+    assert all(copy.dtype == torch.bfloat16 and not copy.requires_grad for copy in copies.values())
+    assert keep_expert_copies(model, None) == {} and expert_copies(model) == {}
+    assert assert_copies_current(model) == 0
 
 
 def test_a_stale_copy_is_caught():
@@ -88,23 +91,9 @@ def test_a_stale_copy_is_caught():
     with torch.no_grad():
         experts.w_down.add_(1e-2)
     with pytest.raises(AssertionError, match="differ from the weight"):
-        assert_weight_casts_current(experts)
-    experts.refresh_weight_casts()
-    assert assert_weight_casts_current(experts) == 2
-
-
-def test_an_ep_rank_keeps_copies_of_its_slice_and_recasts_a_full_checkpoint():
-    full = _experts()
-    mesh = SimpleNamespace(ep=2, ep_group=None, ep_rank=1)
-    local = ExpertParallelExperts(full, mesh)
-    assert local.weight_cast_dtype == torch.bfloat16
-    up_rows, down_rows = full.w_up.shape[0] // 4, full.w_down.shape[0] // 4  # rows per expert
-    assert torch.equal(local.w_up_cast, full.w_up[2 * up_rows:].detach().bfloat16())
-    other = _experts(seed=3, casts=False)
-    local.load_state_dict(other.state_dict())  # all 4 experts: this rank takes experts 2 and 3
-    assert torch.equal(local.w_down_cast, other.w_down[2 * down_rows:].detach().bfloat16())
-    assert assert_weight_casts_current(local) == 2
-    assert ExpertParallelExperts(_experts(casts=False), mesh).weight_casts() == {}
+        assert_copies_current(experts)
+    refresh_copies(expert_copies(experts))
+    assert assert_copies_current(experts) == 2
 
 
 @pytest.mark.parametrize("execution, world, on", [
@@ -122,8 +111,8 @@ def test_the_plan_keeps_copies_where_they_pay(execution, world, on):
     assert plan.expert_copies is on
     if world == 1:
         model = build_model(cfg, plan=plan)
-        assert {m.experts.weight_cast_dtype for m in model.moe_layers()} == {torch.bfloat16 if on else None}
-        assert assert_weight_casts_current(model) == (2 * len(model.moe_layers()) if on else 0)
+        assert {copy.dtype for copy in expert_copies(model).values()} == ({torch.bfloat16} if on else set())
+        assert assert_copies_current(model) == (2 * len(model.moe_layers()) if on else 0)
     dense = RunConfig(model=ModelConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_seq_len=8),
                       data=DataConfig(seq_len=8), execution=execution)
     assert resolve_choices(dense, "cpu", world, probe=False).expert_copies is False
@@ -147,7 +136,7 @@ def test_triton_experts_read_the_copies_eager_and_compiled():
         return y, experts.w_up.grad.clone(), experts.w_down.grad.clone()
 
     without = run(experts)
-    experts.enable_weight_casts(torch.float16)
+    keep_expert_copies(experts, torch.float16)
     torch._dynamo.reset()
     compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
     for got in (run(experts), run(compiled)):

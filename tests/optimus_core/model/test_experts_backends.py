@@ -4,6 +4,7 @@ import torch
 
 import kernels
 from optimus_core.config import ModelConfig, MoEConfig, OptimConfig
+from optimus_core.execution import use_kernels
 from optimus_core.model.transformer import Transformer
 from optimus_core.train.optim import build_optimizer
 from optimus_core.train.step import train_step
@@ -17,7 +18,7 @@ needs_triton = pytest.mark.skipif(not (kernels.INTERPRET and kernels.triton),
 def losses(backend: str, capacity=None, steps=3):
     moe = MoEConfig(n_experts=6, top_k=2, d_expert=8, capacity_factor=capacity)
     cfg = ModelConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=2, max_seq_len=16, moe=moe)
-    model = Transformer(cfg, experts_backend=backend)
+    model = use_kernels(Transformer(cfg), experts=backend)
     model.init_weights(seed=0)
     opt = build_optimizer(model, OptimConfig(lr=1e-2))
     batch = torch.randint(0, 40, (4, 10), generator=torch.Generator().manual_seed(1))
@@ -53,7 +54,7 @@ def test_routing_weights_on_the_swiglu_output_are_the_weighted_combine(phantom):
     weights[0, 1] = 0.0
     results = []
     for on_swiglu in (True, False):
-        experts = Experts(E, 16, 8, backend="loop")
+        experts = Experts(E, 16, 8)
         for p in experts.parameters():
             torch.nn.init.normal_(p, std=0.3, generator=torch.Generator().manual_seed(1))
         xi, wi = x.clone().requires_grad_(), weights.clone().requires_grad_()
@@ -85,10 +86,10 @@ def test_recast_expert_weights_changes_memory_not_numbers():
     from optimus_core.model.experts import Experts
 
     torch.manual_seed(0)
-    plain = Experts(4, 16, 8, backend="loop")
+    plain = Experts(4, 16, 8)
     for p in plain.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    recast = Experts(4, 16, 8, backend="loop")
+    recast = Experts(4, 16, 8)
     recast.load_state_dict(plain.state_dict())
     recast.recast_weights = True
     outs = bf16_outputs_and_grads(plain, recast)
@@ -119,7 +120,7 @@ def test_tokens_are_cast_before_they_are_copied_top_k_times():
     from optimus_core.model.experts import Experts
 
     torch.manual_seed(0)
-    experts = Experts(4, 16, 8, backend="loop")
+    experts = Experts(4, 16, 8)
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(7, 16, requires_grad=True)

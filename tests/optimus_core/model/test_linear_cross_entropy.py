@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from optimus_core.config import ModelConfig, MoEConfig
+from optimus_core.execution import recompute
 from optimus_core.model.linear_cross_entropy import linear_cross_entropy
 from optimus_core.model.transformer import Transformer
 from optimus_core.train.step import autocast_context, lm_loss, micro_batch_loss
@@ -220,7 +221,7 @@ def test_activation_checkpointing_gives_the_same_grads():
     model = small_model()
     batch_BS1 = torch.randint(0, 200, (2, 17), generator=torch.Generator().manual_seed(2))
     _, want = param_grads(model, batch_BS1, dtype="float32", fused=False)
-    model.set_activation_checkpointing("full")
+    recompute(model, "full")
     model.train()
     _, got = param_grads(model, batch_BS1, dtype="float32", chunk_rows=7)
     for name in want:

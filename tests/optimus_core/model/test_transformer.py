@@ -7,6 +7,7 @@ import torch
 
 from optimus_core import presets
 from optimus_core.config import ModelConfig, MoEConfig
+from optimus_core.execution import compile_blocks, recompute, use_kernels
 from optimus_core.model.moe import capacity_keep_mask
 from optimus_core.model.transformer import Transformer
 
@@ -312,7 +313,7 @@ def test_activation_checkpointing_gives_the_same_gradients(mode, every):
     grads, saved = [], []
     for m in ("none", mode):
         model = build(cfg)
-        model.set_activation_checkpointing(m, every)
+        recompute(model, m, every)
         count = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: count.append(t.numel()) or t, lambda t: t):
             loss = model(tokens).float().pow(2).mean().add(model.aux_loss())
@@ -323,7 +324,7 @@ def test_activation_checkpointing_gives_the_same_gradients(mode, every):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     assert saved[1] < saved[0]  # it keeps less for the backward
     if mode == "full":
-        assert model.checkpoint_blocks == set(range(every - 1, cfg.n_layers, every))
+        assert model.recompute_blocks == set(range(every - 1, cfg.n_layers, every))
 
 
 def test_compiled_blocks_and_final_norm_are_the_same_model(monkeypatch):
@@ -345,7 +346,7 @@ def test_compiled_blocks_and_final_norm_are_the_same_model(monkeypatch):
     for compiled in (False, True):
         model = build(cfg)
         if compiled:
-            model.compile_blocks()
+            compile_blocks(model)
         loss = model(tokens).float().pow(2).mean()
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
@@ -358,9 +359,9 @@ def test_compiled_blocks_and_final_norm_are_the_same_model(monkeypatch):
 
 def test_activation_checkpointing_modes_are_checked():
     with pytest.raises(ValueError, match="'moe' needs MoE layers"):
-        build(presets.get("mula-1b@laptop").model).set_activation_checkpointing("moe")
-    with pytest.raises(ValueError, match="must be 'none', 'full' or 'moe'"):
-        build(presets.get("mula-7b-a1b@laptop").model).set_activation_checkpointing("selective")
+        recompute(build(presets.get("mula-1b@laptop").model), "moe")
+    with pytest.raises(ValueError, match="must be one of none, full, moe"):
+        recompute(build(presets.get("mula-7b-a1b@laptop").model), "selective")
 
 
 def test_router_counts_need_no_host_sync_and_trace_as_one_graph():
@@ -423,7 +424,7 @@ def test_the_qk_norm_rope_kernel_is_the_same_model(cfg):
     grads = []
     for kernel in (False, True):
         model = build(cfg)
-        model.set_qk_norm_rope_kernel(kernel)
+        use_kernels(model, qk_norm_rope=kernel)
         logits = model(tokens)
         if kernel:
             torch.testing.assert_close(logits.detach().double(), reference_forward(model, tokens), rtol=1e-5, atol=1e-5)
@@ -436,9 +437,9 @@ def test_the_qk_norm_rope_kernel_is_the_same_model(cfg):
 
 def test_the_qk_norm_rope_kernel_needs_qk_norm():
     model = build(ModelConfig(vocab_size=97, d_model=32, n_layers=1, n_heads=4, d_ff=48, qk_norm=False))
-    model.set_qk_norm_rope_kernel(False)
+    use_kernels(model, qk_norm_rope=False)
     with pytest.raises(ValueError, match="needs a model with QK-norm"):
-        model.set_qk_norm_rope_kernel(True)
+        use_kernels(model, qk_norm_rope=True)
 
 
 @pytest.mark.parametrize("fp32_residual, want", [(False, torch.bfloat16), (True, torch.float32)])

@@ -10,14 +10,15 @@ from torch import nn
 
 from optimus_core.config import MoEConfig, ParallelConfig
 from optimus_core.model.moe import MoEFeedForward
-from optimus_core.parallel import init_distributed, parallelize, shutdown
+from optimus_core.parallel import expert_parallel, init_distributed, shutdown
 from optimus_core.parallel.launch import spawn_local
 
 D, E, ROWS_PER_RANK, SEQ = 16, 4, 2, 5
 
 
 def _layer(cfg: MoEConfig, skew: bool, backend: str = "loop") -> MoEFeedForward:
-    layer = MoEFeedForward(D, cfg, experts_backend=backend)
+    layer = MoEFeedForward(D, cfg)
+    layer.experts.backend = backend
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in layer.parameters():
@@ -27,7 +28,7 @@ def _layer(cfg: MoEConfig, skew: bool, backend: str = "loop") -> MoEFeedForward:
     return layer
 
 
-class _Holder(nn.Module):  # parallelize walks a model; any module holding the layer will do
+class _Holder(nn.Module):  # expert_parallel walks a model; any module holding the layer will do
     def __init__(self, layer):
         super().__init__()
         self.layer = layer
@@ -37,7 +38,7 @@ def _check_layer(mesh, capacity, skew, backend="loop", dispatch="all_to_all"):
     cfg = MoEConfig(n_experts=E, top_k=2, d_expert=8, capacity_factor=capacity)
     ref = _layer(cfg, skew, backend)
     assert ref.experts.backend == backend
-    ep_model = parallelize(_Holder(copy.deepcopy(ref)), mesh, dispatch)
+    ep_model = expert_parallel(_Holder(copy.deepcopy(ref)), mesh, dispatch)
     g = torch.Generator().manual_seed(1)
     x_all = torch.randn(mesh.world_size * ROWS_PER_RANK, SEQ, D, generator=g)
     x_all = x_all.abs() if skew else x_all
@@ -96,7 +97,7 @@ def _same_results_either_dispatch(ep):
             x0 = x0.abs() if skew else x0
             got = []
             for dispatch in ("all_to_all", "all_gather"):
-                model = parallelize(_Holder(copy.deepcopy(ref)), mesh, dispatch)
+                model = expert_parallel(_Holder(copy.deepcopy(ref)), mesh, dispatch)
                 x = x0.clone().requires_grad_()
                 out = model.layer(x)
                 (out * out).sum().backward()

@@ -13,8 +13,8 @@ import kernels
 from optimus_core import presets
 from optimus_core.config import (DataConfig, ExecutionConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig,
                                  TrainConfig)
-from optimus_core.execution import resolve_choices
-from optimus_core.model.experts import assert_weight_casts_current
+from optimus_core.execution import compile_blocks, resolve_choices, use_kernels
+from optimus_core.execution.weight_copies import assert_copies_current, grad_holder, keep_expert_copies
 from optimus_core.model.transformer import Transformer
 from optimus_core.train import checkpoint as ckpt
 from optimus_core.train import loop as loop_module
@@ -35,7 +35,7 @@ def _model(casts: bool):
     model = Transformer(MODEL)
     model.init_weights(seed=0)
     if casts:
-        model.set_expert_weight_casts(torch.bfloat16)
+        keep_expert_copies(model, torch.bfloat16)
     return model
 
 
@@ -73,7 +73,7 @@ def test_every_step_keeps_the_copies_current_and_the_run_unchanged(implementatio
     for step in range(STEPS):
         a, b = _step(plain, plain_opt, step), _step(copied, opt, step)
         assert a.loss == b.loss and float(a.grad_norm) == float(b.grad_norm)
-        assert assert_weight_casts_current(copied) == 4
+        assert assert_copies_current(copied) == 4
     for (name, p), q in zip(plain.named_parameters(), copied.parameters()):
         assert torch.equal(p, q), name
     if implementation == "triton":  # the 4 expert weights were written by the update kernel itself
@@ -92,7 +92,7 @@ def test_a_skipped_step_writes_nothing():
     for name, t in model.named_buffers():
         if name.endswith("_cast"):
             assert torch.equal(t, before[name]), name
-    assert assert_weight_casts_current(model) == 4
+    assert assert_copies_current(model) == 4
 
 
 def test_a_resumed_bf16_run_with_a_skipped_step_is_the_same_run(tokens_dir, tmp_path, monkeypatch):
@@ -113,10 +113,10 @@ def test_a_resumed_bf16_run_with_a_skipped_step_is_the_same_run(tokens_dir, tmp_
     straight = ListSink()
     trainer = Trainer(cfg, tokens_dir, tmp_path / "straight", writer=straight, progress=False)
     assert trainer.plan.dtype == "bfloat16" and trainer.plan.expert_copies  # one process under bf16
-    assert assert_weight_casts_current(trainer.model) == 2 and trainer.optimizer.casts
+    assert assert_copies_current(trainer.model) == 2 and trainer.optimizer.casts
     trainer.fit()
     assert [e["kind"] for e in trainer.events] == ["nonfinite"]
-    assert assert_weight_casts_current(trainer.model) == 2
+    assert assert_copies_current(trainer.model) == 2
 
     calls[0] = 0
     real_step, steps = loop_module.train_step, [0]
@@ -134,10 +134,10 @@ def test_a_resumed_bf16_run_with_a_skipped_step_is_the_same_run(tokens_dir, tmp_
     assert ckpt.latest_valid(tmp_path / "resumed").step == 3
     resumed = ListSink()
     trainer = Trainer(cfg, tokens_dir, tmp_path / "resumed", writer=resumed, progress=False)
-    assert trainer.resumed_from == 3 and assert_weight_casts_current(trainer.model) == 2
+    assert trainer.resumed_from == 3 and assert_copies_current(trainer.model) == 2
     trainer.fit()
     assert resumed.losses() == straight.losses()[3:]
-    assert assert_weight_casts_current(trainer.model) == 2
+    assert assert_copies_current(trainer.model) == 2
 
 
 # ---------------------------------------------------------------- the plan's bf16_expert_grads
@@ -218,7 +218,7 @@ def test_the_run_is_the_float32_gradient_run(compiled):
         torch.compiler.reset()
         model = _model(casts=True)
         if compiled:
-            model.compile_blocks()
+            compile_blocks(model)
         opt = build_optimizer(model, cfg, dataclasses.replace(plan, bf16_expert_grads=bf16_grads))
         assert len(opt.casts) == 4 and all(c.requires_grad == bf16_grads for c in opt.casts.values())
         stats = [train_step(model, opt, _batch(step), micro_batch=0, grad_clip=0.05, lr=1e-2, dtype="bfloat16")
@@ -241,7 +241,6 @@ def test_on_gpu_with_the_triton_experts(compiled):
     follow the float32-gradient run."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from optimus_core.model.experts import grad_holder
 
     moe = MoEConfig(n_experts=4, top_k=2, d_expert=64)
     cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, max_seq_len=32, pad_vocab_to=64, moe=moe)
@@ -252,12 +251,12 @@ def test_on_gpu_with_the_triton_experts(compiled):
     runs = []
     for bf16_grads in (False, True):
         torch.compiler.reset()
-        model = Transformer(cfg, experts_backend=plan.experts)
+        model = use_kernels(Transformer(cfg), experts=plan.experts)
         model.init_weights(seed=0)
         model = model.cuda()
-        model.set_expert_weight_casts(torch.bfloat16)
+        keep_expert_copies(model, torch.bfloat16)
         if compiled:
-            model.compile_blocks()
+            compile_blocks(model)
         opt = build_optimizer(model, run.optim, dataclasses.replace(plan, bf16_expert_grads=bf16_grads))
         assert opt.beside_forward is not None and len(opt.grad_norms._from_kernel) == 4
         before = [p.detach().clone() for p in model.parameters()]

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from optimus_core.config import ExecutionConfig, OptimConfig, RunConfig
-from optimus_core.execution import resolve_choices
+from optimus_core.execution import compile_blocks, resolve_choices, use_kernels
+from optimus_core.execution.weight_copies import keep_expert_copies
 from optimus_core.train.grad_norm import GradNormUnderBackward
 from optimus_core.train.optim import build_optimizer, clip_and_step
 
@@ -164,11 +165,11 @@ def test_a_moe_models_norm_with_the_dw_kernels_squares(compiled, monkeypatch):
     from optimus_core.train.step import micro_batch_loss
 
     moe = MoEConfig(n_experts=4, top_k=2, d_expert=8)
-    model = Transformer(ModelConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=2, max_seq_len=8, moe=moe),
-                        experts_backend="triton")
+    model = use_kernels(Transformer(ModelConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=2, max_seq_len=8,
+                                                moe=moe)), experts="triton")
     model.init_weights(seed=0)
     if compiled:
-        model.compile_blocks()
+        compile_blocks(model)
     squares = dw_squares(model)
     assert len(squares) == 4 and all(w.ndim == 2 for w in squares)  # the experts' weights (rows)
     norms = GradNormUnderBackward(model.parameters())
@@ -209,12 +210,12 @@ def test_training_with_the_dw_kernels_squares_on_gpu(compiled, micro_batch):
     assert plan.grad_norm_under_backward and plan.grad_norm_from_dw and plan.expert_copies
     runs = []
     for from_dw in (False, True):
-        model = Transformer(cfg, experts_backend="triton")
+        model = use_kernels(Transformer(cfg), experts="triton")
         model.init_weights(seed=0)
         model = model.cuda()
-        model.set_expert_weight_casts(torch.bfloat16)  # the bf16 copies: the cast op
+        keep_expert_copies(model, torch.bfloat16)  # the bf16 copies: the cast op
         if compiled:
-            model.compile_blocks()
+            compile_blocks(model)
         opt = build_optimizer(model, run.optim, dataclasses.replace(plan, grad_norm_from_dw=from_dw))
         assert bool(opt.grad_norms._from_kernel) == from_dw
         norms, losses = [], []

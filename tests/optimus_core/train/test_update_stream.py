@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from optimus_core.config import DataConfig, ExecutionConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig
-from optimus_core.execution import resolve_choices
+from optimus_core.execution import compile_blocks, resolve_choices
 from optimus_core.model.transformer import Transformer
 from optimus_core.train.optim import build_optimizer
 from optimus_core.train.step import train_step
@@ -98,16 +98,16 @@ def _train(model, opt, steps, device, dtype, *, between=None, micro_batch=0):
     return losses
 
 
-def _same_training(device, dtype, *, beside, compile_blocks=False, micro_batch=0, between=None):
+def _same_training(device, dtype, *, beside, compiled=False, micro_batch=0, between=None):
     cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
     run = RunConfig(model=MODEL, optim=cfg, data=DataConfig(seq_len=8),
                     execution=ExecutionConfig(dtype=dtype, adamw="triton", experts="loop"))
     plan = resolve_choices(run, device)
     assert plan.adamw == "triton" and plan.update_beside_forward == (device == "cuda")
     plain, mine = _model(device), _model(device)
-    if compile_blocks:
-        plain.compile_blocks()
-        mine.compile_blocks()
+    if compiled:
+        compile_blocks(plain)
+        compile_blocks(mine)
     plain_opt = build_optimizer(plain, cfg, dataclasses.replace(plan, update_beside_forward=False))
     opt = build_optimizer(mine, cfg, plan)
     if beside and opt.beside_forward is None:  # a CPU: attached by hand (the plan has it on CUDA)
@@ -139,9 +139,9 @@ def _evaluate_and_snapshot(model, opt, step):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("compile_blocks", [False, True])
-def test_training_beside_the_forward_on_a_side_stream(compile_blocks):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_training_beside_the_forward_on_a_side_stream(compiled):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    _same_training("cuda", "bfloat16", beside=True, compile_blocks=compile_blocks, micro_batch=2,
+    _same_training("cuda", "bfloat16", beside=True, compiled=compiled, micro_batch=2,
                    between=_evaluate_and_snapshot)

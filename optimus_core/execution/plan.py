@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import ConfigError, RunConfig
-from .memory import GIB, check_run, device_budget
+from ..config import ConfigError, RunConfig
+from ..memory import GIB, check_run, device_budget
 
 GPU_TYPES = ("cuda", "xpu")
 
@@ -263,7 +263,7 @@ def check_launch(cfg: RunConfig, world_size: int = 1) -> str:
     environment problem), and every explicit choice can run on that device (ExecutionError, a
     configuration one; the kernels' self-checks wait for the run, which probes them). Returns the
     device type. The run resolves its plan again, whole (plan_execution); this only fails earlier."""
-    from .device import resolve_device_type
+    from ..device import resolve_device_type
 
     device_type = resolve_device_type(cfg.train.device, field="train.device")
     resolve_choices(cfg, device_type, world_size, probe=False)

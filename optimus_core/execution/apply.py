@@ -1,0 +1,105 @@
+"""Apply a run's execution plan to a plain model: the one place where how a run executes meets it.
+
+    with torch.device("meta"):
+        model = Transformer(cfg.model)                      # plain: its config, nothing else
+    model = parallelize(model, plan, mesh, cfg.parallel)    # how it executes, in the order below
+    materialize(model, mesh, device, seed=cfg.train.seed)   # this rank's rows (parallel.sharding)
+    keep_expert_copies(model, torch.bfloat16)               # where plan.expert_copies (weight_copies)
+
+``parallelize`` applies, in this order:
+
+1. kernels: the experts' backend, the LM loss and the QK-norm + RoPE kernels;
+2. precision: the residual stream's dtype, the experts' weights cast in each GEMM or once;
+3. activation recomputation: whole blocks ("full", every n-th) or the experts' compute ("moe");
+4. expert parallelism: each EP rank keeps its experts, tokens go to them (parallel.expert_parallel);
+5. sharding: FSDP2 over the dense and expert meshes (parallel.sharding);
+6. compile: each block's forward and the final norm's, last, so that the hooks the steps above
+   put on a module (FSDP2's gathers, the optimizer's waits) run as Python around compiled code.
+
+A new way of executing (pipeline stages, another parallelism) is one more step here, with its
+choice resolved in the plan (optimus_core.execution.plan). The weight copies wait for the
+weights (they are made from them); the optimizer enables what its update needs itself
+(optimus_core.train.optim). Every step sets plain attributes the model's modules document; the
+model has no method for any of it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ParallelConfig
+from ..flops import checkpointed_blocks
+from ..model.transformer import Transformer
+from ..parallel import Mesh
+from ..parallel import expert_parallel
+from ..parallel.sharding import shard_model
+from .plan import ExecutionPlan
+
+RECOMPUTE_MODES = ("none", "full", "moe")
+
+
+def parallelize(model: Transformer, plan: ExecutionPlan, mesh: Mesh | None = None,
+                parallel: ParallelConfig | None = None) -> Transformer:
+    """``model`` (plain, on any device, the meta one included) executing as ``plan`` says on
+    ``mesh`` (default: one process), in the module docstring's order; returns the model to use
+    (expert parallelism swaps modules inside it). ``parallel``: the run's parallel section
+    (dispatch, optimizer, reduce_dtype; default: its defaults)."""
+    parallel = parallel or ParallelConfig()
+    use_kernels(model, experts=plan.experts or "loop", lm_loss=plan.lm_loss == "triton",
+                qk_norm_rope=plan.qk_norm_rope == "triton")
+    model.fp32_residual = plan.residual_dtype == "float32"
+    for layer in model.moe_layers():
+        layer.experts.recast_weights = plan.recast_expert_weights
+    recompute(model, *plan.checkpointing)
+    if mesh is not None and mesh.distributed:
+        model = expert_parallel(model, mesh, parallel.dispatch)
+        shard_model(model, mesh, dtype=plan.dtype, experts_sharded=parallel.optimizer == "ep_aware",
+                    reduce_dtype=parallel.reduce_dtype)
+    if plan.compile:
+        compile_blocks(model)
+    return model
+
+
+def use_kernels(model: Transformer, *, experts: str | None = None, lm_loss: bool | None = None,
+                qk_norm_rope: bool | None = None) -> Transformer:
+    """How the model's hot spots compute (None: as they are): the experts' backend ("loop" |
+    "torch" | "triton", kernels/), the LM loss's softmax by the Triton kernel, the attention's
+    QK-norm and RoPE by the Triton kernel (ValueError on a model without QK-norm). Returns
+    ``model``, set in place."""
+    if qk_norm_rope and not model.cfg.qk_norm:
+        raise ValueError("the QK-norm + RoPE kernel needs a model with QK-norm (model.qk_norm)")
+    if experts is not None:
+        for layer in model.moe_layers():
+            layer.experts.backend = experts
+    if lm_loss is not None:
+        model.lm_loss_kernel = lm_loss
+    if qk_norm_rope is not None:
+        for block in model.blocks:
+            block.attn.qk_norm_rope_kernel = qk_norm_rope
+    return model
+
+
+def recompute(model: Transformer, mode: str, every: int = 1) -> None:
+    """What the backward recomputes (execution.activation_checkpointing, resolved): "none",
+    "full" (every ``every``-th block whole) or "moe" (the experts' computation of every MoE layer,
+    the dispatch kept)."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"activation checkpointing {mode!r}: must be one of {', '.join(RECOMPUTE_MODES)}")
+    if mode == "moe" and not model.moe_layers():
+        raise ValueError("activation checkpointing 'moe' needs MoE layers; this model is dense")
+    model.recompute_blocks = frozenset(checkpointed_blocks(len(model.blocks), mode, every))
+    for layer in model.moe_layers():
+        layer.experts.checkpoint_compute = mode == "moe"
+
+
+def compile_blocks(model: Transformer) -> None:
+    """torch.compile each block's forward and the final norm's, in place: parameter names (and so
+    checkpoints) stay those of the eager model, and hooks on a module (FSDP2's, the optimizer's
+    per-stage waits: optimus_core.train.update_stream) run as plain Python before its compiled
+    code, not traced into it. The final norm, eager, is ~20 float32 passes over the (tokens x
+    d_model) residual stream each step (its pow, mean, rsqrt, products and their gradients);
+    compiled, one kernel each way. (Each compiled forward is bound to its module: a deep copy of
+    a compiled model would call the original's; copy, then compile.)"""
+    module: nn.Module
+    for module in (*model.blocks, model.final_norm):
+        module.forward = torch.compile(module.forward)
