@@ -14,7 +14,7 @@ kernels.grouped_mm (loop, torch, triton: those that run here) is timed forward a
 (dx and dw) separately, beside torch._grouped_mm called bare ("torch_raw": the "torch" backend
 also zeroes the rows past offsets[-1], one extra pass) and a dense torch.mm of the same FLOPs
 (the ceiling). "triton" is kernels.grouped_mm as the training calls it: the TMA kernels
-(kernels/grouped_mm_tma.py) where they can run, else the pointer kernels, chosen per call.
+(kernels/hopper/grouped_mm_tma.py) where they can run, else the pointer kernels, chosen per call.
 Beside it, rows that run the pointer kernels where TMA could run, through the private
 launchers' keyword (tma=False). The pointer kernels are the path on Intel XPU, pre-sm90 GPUs
 and unaligned shapes; these rows time them on the same GPU. They call the launchers directly,
@@ -41,7 +41,7 @@ group, as capacity dropping and expert parallelism sort (65 groups: the counting
 tiles): for "triton" the sort permute runs (the counting sort where it applies), for
 "triton-sort-torch" torch.sort + searchsorted (expert_sort's private counting=False; the
 sort rows only, since permute itself takes no choice of sort).
---ws (Hopper): each config of the warp-specialized Gluon kernel (kernels/grouped_mm_ws.py, what
+--ws (Hopper): each config of the warp-specialized Gluon kernel (kernels/hopper/grouped_mm_ws.py, what
 "triton" runs there for the forward and dx), forward and dx, checked against a float32
 reference, then timed in turns with the TMA kernel ("triton-tma") and torch._grouped_mm
 ("torch_raw"); the summary's ws_over_* hold the ratios.
@@ -75,8 +75,8 @@ from bench.common import write_jsonl  # noqa: E402
 from bench.gpu_telemetry import GpuSampler, clock_note  # noqa: E402
 from kernels import available_backends, grouped_mm, permute, unpermute  # noqa: E402
 from kernels.grouped_mm import _launch_grouped_mm, _launch_grouped_mm_dw, _launch_grouped_mm_dx  # noqa: E402
-from kernels.grouped_mm_tma import tma_unsupported  # noqa: E402
-from kernels.grouped_mm_ws import ws_unsupported  # noqa: E402
+from kernels.hopper.grouped_mm_tma import tma_unsupported  # noqa: E402
+from kernels.hopper.grouped_mm_ws import ws_unsupported  # noqa: E402
 from kernels.permute import counting_sort_applies, expert_sort  # noqa: E402
 
 OLMOE = dict(experts=64, top_k=8, d_model=2048, hidden=1024)
@@ -339,7 +339,7 @@ def tma_configs_chosen(device, dtype) -> dict[str, str]:
     """What the autotuner chose for the forward / dx TMA kernel, per autotune key (N, K, the row
     bucket, forward or dx, transposed w, and the argument dtypes); empty where it never ran."""
     from kernels._triton import triton
-    from kernels.grouped_mm_tma import _grouped_mm_tma_tuned
+    from kernels.hopper.grouped_mm_tma import _grouped_mm_tma_tuned
 
     if triton is None:
         return {}
@@ -361,7 +361,7 @@ def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
     the experts' gradients on their bf16 copies (the step's default) do: what the autotuner
     chose among, and by how much. torch._grouped_mm ("torch_raw", its dw in the inputs' dtype:
     ``out_dtype``) runs in the same turns; ``turns_out_dtype`` names the TMA kernel's beside it."""
-    from kernels.grouped_mm_tma import _dw_tma_configs, launch_grouped_mm_dw_tma
+    from kernels.hopper.grouped_mm_tma import _dw_tma_configs, launch_grouped_mm_dw_tma
     configs = named_configs(_dw_tma_configs(device.type, dtype))
     for out_dtype in dict.fromkeys((torch.float32, dtype)):  # once where the input is float32
         for gemm, x, dy, offsets, dw in _dw_operands(device, dtype, T, topk_idx, shape):
@@ -410,7 +410,7 @@ def _fwd_dx_operands(device, dtype, T, topk_idx, shape):
 def bench_tma_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
     """Each config of the forward / dx TMA kernel's autotuning list timed alone, in turns
     (--tma-configs): the up and down projections' forward and dx."""
-    from kernels.grouped_mm_tma import _tma_configs, launch_grouped_mm_tma
+    from kernels.hopper.grouped_mm_tma import _tma_configs, launch_grouped_mm_tma
     configs = named_configs(_tma_configs(device.type, dtype))
     for gemm, pass_, trans_w, x, w, offsets, y, flop in _fwd_dx_operands(device, dtype, T, topk_idx, shape):
         M, K, N = x.shape[0], *w.shape[1:]
@@ -427,13 +427,13 @@ def bench_tma_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
 
 
 def bench_ws(rec, timer, device, dtype, T, routing, topk_idx, shape):
-    """The warp-specialized Gluon kernel (--ws; kernels/grouped_mm_ws.py), each config checked
+    """The warp-specialized Gluon kernel (--ws; kernels/hopper/grouped_mm_ws.py), each config checked
     against a float32 reference and then timed, in turns with the TMA kernel ("triton-tma",
     autotuned) and torch._grouped_mm ("torch_raw"): the forward and dx of the up and down
     projections."""
     from kernels import grouped_mm_reference
-    from kernels.grouped_mm_tma import launch_grouped_mm_tma
-    from kernels.grouped_mm_ws import CONFIGS, config_dict, config_name, launch_grouped_mm_ws, ws_unsupported
+    from kernels.hopper.grouped_mm_tma import launch_grouped_mm_tma
+    from kernels.hopper.grouped_mm_ws import CONFIGS, config_dict, config_name, launch_grouped_mm_ws, ws_unsupported
     configs = {config_name(c): config_dict(*c) for c in CONFIGS}
     for gemm, pass_, trans_w, x, w, offsets, y, flop in _fwd_dx_operands(device, dtype, T, topk_idx, shape):
         M, K, N = x.shape[0], *w.shape[1:]

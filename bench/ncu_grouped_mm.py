@@ -8,13 +8,13 @@ Nsight Compute's counters (not a timing benchmark: bench/kernels.py times both).
         python bench/ncu_grouped_mm.py [--op up|down] [--pass fwd|dw] [--tokens 32768] [--ws-configs]
 
 --ws-configs (forward, Hopper): also each config of the warp-specialized kernel
-(kernels/grouped_mm_ws.CONFIGS), one range each, "ws-<config>/" (add --nvtx-include "ws-*/" or
+(kernels/hopper/grouped_mm_ws.CONFIGS), one range each, "ws-<config>/" (add --nvtx-include "ws-*/" or
 one config's name): the ping-pong and cooperative schedules' bytes side by side.
 
-The question it serves (bench/NOTES.md, twenty-second session): on an H100 our kernels run at
-0.74-1.03x torch._grouped_mm where on an H200 they ran 1.09-1.25x (forward, dx); whether ours moves more bytes
-from DRAM and L2. Shapes: mula-7b-a1b's experts (64, top-8, d_model 2048, hidden 1024), the up
-projection (K = 2048, N = 2 * 1024) or the down (K = 1024, N = 2048), balanced routing, bf16.
+The question it serves: whether our kernels move more bytes from DRAM and L2 than
+torch._grouped_mm, where they run slower than it (bench/kernels.py times both on the same GPU).
+Shapes: mula-7b-a1b's experts (64, top-8, d_model 2048, hidden 1024), the up projection
+(K = 2048, N = 2 * 1024) or the down (K = 1024, N = 2048), balanced routing, bf16.
 Prints the two products' largest difference, so that a run shows both computed the same thing.
 On a CPU (TRITON_INTERPRET=1) it runs a tiny float32 shape: a check of the script, not of the kernels.
 """
@@ -87,8 +87,8 @@ def main(argv=None) -> None:
 
 def ws_ranges(x, w, offsets) -> dict:
     """{"ws-<config>": () -> the forward by the warp-specialized kernel with that config}, for
-    each config in kernels/grouped_mm_ws.CONFIGS; {} where the kernel cannot run (it says why)."""
-    from kernels import grouped_mm_ws as ws
+    each config in kernels/hopper/grouped_mm_ws.CONFIGS; {} where the kernel cannot run (it says why)."""
+    from kernels.hopper import grouped_mm_ws as ws
     y = torch.empty(x.shape[0], w.shape[2], device=x.device, dtype=x.dtype)
     if (reason := ws.ws_unsupported(x, w, y)) is not None:
         print(f"--ws-configs: skipped, {reason}")

@@ -1,4 +1,5 @@
-"""Optimus kernels: the experts' compute of an MoE layer, behind one seam (house rule 6).
+"""Optimus kernels: the experts' compute of an MoE layer, behind one seam (the experts' kernels enter the
+model only through the grouped matmul, permute / unpermute and the fused SwiGLU).
 
     from kernels import grouped_mm, permute, unpermute, swiglu, available_backends
 
@@ -19,6 +20,10 @@ only, each with a plain-torch ``*_reference_``): ``adamw_step_`` (kernels.adamw)
 ``softmax_cross_entropy_`` (kernels.cross_entropy: a chunk's logits become their gradient); for
 the attention (Triton only, reference ``qk_norm_rope_reference``): ``qk_norm_rope``
 (kernels.qk_norm_rope: QK-norm and RoPE in one pass).
+
+The portable Triton kernels are the modules here; kernels/hopper/ holds the NVIDIA sm90+ variants of
+the grouped GEMM (the TMA kernels, and the warp-specialized Gluon kernel for Hopper). Which one runs
+is the execution plan's choice (kernels.grouped_mm.family_on / use_family; `optimus execution` prints it).
 This package imports only torch and (optionally) triton.
 """
 

@@ -9,7 +9,7 @@ shapes, dtypes and gradients of those three ops (kernels.grouped_mm, kernels.swi
 ``w_cast`` and ``dw_square`` there). Suffixes: M rows, D in-features, H hidden features, N
 out-features, G groups.
 
-What differs is where the SwiGLU runs, with the triton backend on Hopper (kernels.grouped_mm_ws):
+What differs is where the SwiGLU runs, with the triton backend on Hopper (kernels/hopper/grouped_mm_ws.py):
 - forward: the up projection's epilogue writes h = x @ w_up[g], which the backward needs, and
   out = silu(gate) * up * row_weight from the same 16-bit values (``swiglu_out``). Each work item
   loads the gate's columns c + [0, B/2) and the up's H + c + [0, B/2) into one B-column tile (B
@@ -22,7 +22,7 @@ What differs is where the SwiGLU runs, with the triton backend on Hopper (kernel
   and the swiglu backward pass (12 bytes a row and hidden feature) give way to the epilogue's 8
   (h read, dh written).
 Both give the three ops' bits (the weights' gradient to float32 rounding: its sums run in another
-order), and the backward allocates no d out (bench/NOTES.md has what they measured). Elsewhere
+order), and the backward allocates no d out. Elsewhere
 (other devices, the interpreter, H not whole tiles) the same two ops run the kernels one after
 the other. The autograd seam: the up op returns h beside out, and the down op
 takes both; its backward differentiates through the SwiGLU to h and the row weights and gives
@@ -37,9 +37,9 @@ from torch import Tensor
 
 from ._triton import check_launchable
 from .grouped_mm import (_check_args, _check_cast, _check_square, _grads, _grouped_mm_dw_op, _grouped_mm_dw_squares_op,
-                         _launch_grouped_mm, _launch_grouped_mm_dx, grouped_mm)
-from .grouped_mm_ws import (launch_grouped_mm_ws, launch_grouped_mm_ws_swiglu_backward, swiglu_backward_unsupported,
-                            swiglu_unsupported)
+                         _launch_grouped_mm, _launch_grouped_mm_dx, allows, grouped_mm)
+from .hopper.grouped_mm_ws import (launch_grouped_mm_ws, launch_grouped_mm_ws_swiglu_backward,
+                                   swiglu_backward_unsupported, swiglu_unsupported)
 from .swiglu import (_launch_swiglu, _launch_swiglu_bwd, _launch_swiglu_weighted_bwd, _swiglu_backward_op,
                      _swiglu_weighted_backward_op, swiglu)
 
@@ -80,7 +80,7 @@ def _launch_up(x: Tensor, w_lp: Tensor, offsets: Tensor, row_weight: Tensor | No
     h, out = x.new_empty(M, N), x.new_empty(M, N // 2)
     if row_weight is not None:
         row_weight = row_weight.contiguous()
-    if h.numel() and swiglu_unsupported(x, w_lp, h, out, row_weight) is None:
+    if h.numel() and allows("warp_specialized") and swiglu_unsupported(x, w_lp, h, out, row_weight) is None:
         launch_grouped_mm_ws(x, w_lp, offsets, h, swiglu_out=out, row_weight=row_weight)
         return out, h
     return _launch_swiglu(_launch_grouped_mm(x, w_lp, offsets, y=h), row_weight, out=out), h
@@ -92,7 +92,7 @@ def _launch_down_dh(dy: Tensor, w_lp: Tensor, offsets: Tensor, h: Tensor,
     epilogue where the warp-specialized kernel runs, else dx then the swiglu backward kernel."""
     if row_weight is not None:
         row_weight = row_weight.contiguous()
-    if swiglu_backward_unsupported(dy, w_lp, h, h, row_weight) is None:  # dh: empty_like(h), h's layout
+    if allows("warp_specialized") and swiglu_backward_unsupported(dy, w_lp, h, h, row_weight) is None:  # dh: h's layout
         dh = torch.empty_like(h)
         return dh, launch_grouped_mm_ws_swiglu_backward(dy, w_lp, offsets, h, dh, row_weight)
     d_out = _launch_grouped_mm_dx(dy, w_lp, offsets)

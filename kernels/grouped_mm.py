@@ -35,27 +35,24 @@ Backends:
   Torch leaves rows past offsets[-1] unwritten (seen on an H200, torch 2.11); this backend
   zeroes them in y and dx with a small Triton kernel that touches only those rows.
 - "triton": our kernels, no host sync and no loop over groups. Products accumulate in float32;
-  float32 inputs multiply in full fp32 ("ieee", not tf32), as torch.mm does by default. There
-  is no kernel choice to configure: the forward and dx take the warp-specialized Gluon kernel
-  (grouped_mm_ws.py) where grouped_mm_ws.ws_unsupported(...) says it runs (Hopper, 16-bit
-  inputs, the forward's K a multiple of 64), else the TMA kernel (grouped_mm_tma.py) where
-  grouped_mm_tma.tma_unsupported(...) says it can run on these tensors (Triton with
-  device-side descriptors, an NVIDIA sm90+ GPU, 16-bit inputs, 16-byte aligned rows; or the
-  interpreter), and the pointer kernel below otherwise (Intel XPU, pre-sm90 GPUs, float32 on a
-  GPU, unaligned rows), decided per call:
-    forward  the warp-specialized kernel (a TMA loader warp running ahead of two wgmma
+  float32 inputs multiply in full fp32 ("ieee", not tf32), as torch.mm does by default. Three
+  kernel families, fastest first (FAMILIES); each call takes the fastest its device and
+  tensors allow, up to the ceiling the execution plan sets for the process (``family_on``
+  names the device's, ``use_family`` sets it; optimus_core.execution prints and records it):
+    warp_specialized  (kernels/hopper/grouped_mm_ws.py, Hopper: Gluon, 16-bit inputs, the
+             forward's K a multiple of 64) a TMA loader warp running ahead of two wgmma
              warpgroups, both on each 128 x 256 tile, or taking turns on 128 x 128 tiles where
-             N is an odd multiple of 128: grouped_mm_ws.default_config), else the persistent
-             TMA kernel, else one program per output tile by pointer loads;
-    dx       the same two reading w as stored and transposing its tiles in shared memory,
-             else the forward's pointer kernel reading w^T through transposed strides (no copy);
-    dw       the persistent TMA dW kernel (items dealt round-robin, largest group first),
-             else one program per (group, K tile, N tile) by pointer loads.
+             N is an odd multiple of 128 (grouped_mm_ws.default_config), for the forward and for
+             dx (reading w as stored, its tiles transposed in shared memory); dW by the TMA kernel;
+    tma      (kernels/hopper/grouped_mm_tma.py, NVIDIA sm90+ or the interpreter: device-side
+             descriptors, 16-bit inputs, 16-byte aligned rows) persistent kernels for the
+             forward, dx and dW (dW's items dealt round-robin, largest group first);
+    pointer  (here) one program per output tile by pointer loads, dx reading w^T through
+             transposed strides (no copy); dW one program per (group, K tile, N tile): what
+             runs on Intel XPU, pre-sm90 GPUs, float32 on a GPU and unaligned rows.
   The private launchers (_launch_grouped_mm, _launch_grouped_mm_dx, _launch_grouped_mm_dw)
   take ``tma=False`` to run the pointer kernels where TMA could run, for the tests and for
-  bench/kernels.py's pointer rows. bench/NOTES.md records the A/B measurements behind this,
-  and those of the variants since removed (dx through a contiguous copy of w^T, the TMA loop
-  fused with its K loop, a dynamic dW schedule).
+  bench/kernels.py's pointer rows.
 """
 
 from __future__ import annotations
@@ -65,8 +62,9 @@ from torch import Tensor
 
 from ._triton import INTERPRET, autotuned, bucket, check_launchable, device_guard, jit, tile_configs, tl, triton
 from .grouped_mm_tiles import locate_tile, segment_tiles
-from .grouped_mm_tma import _num_programs, launch_grouped_mm_dw_tma, launch_grouped_mm_tma, tma_unsupported
-from .grouped_mm_ws import launch_grouped_mm_ws, ws_unsupported
+from .hopper.grouped_mm_tma import (_num_programs, launch_grouped_mm_dw_tma, launch_grouped_mm_tma,
+                                    tma_device_unsupported, tma_unsupported)
+from .hopper.grouped_mm_ws import launch_grouped_mm_ws, ws_device_unsupported, ws_unsupported
 
 BACKENDS = ("loop", "torch", "triton")
 
@@ -211,8 +209,8 @@ def _mm_configs(device_type: str, dtype: torch.dtype):
 
 def _dw_configs(device_type: str, dtype: torch.dtype):
     """dw: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) with a BLOCK_K x BLOCK_N output tile and
-    a BLOCK_M reduction step over rows. Tiles 128+ wide in K ran ~40% faster than the forward's
-    list on an H200 (bench/NOTES.md)."""
+    a BLOCK_M reduction step over rows. Tiles 128+ wide in K: measured faster than the forward's
+    list on an H200."""
     if INTERPRET or dtype == torch.float32:
         return _mm_configs(device_type, dtype)
     if device_type == "xpu":
@@ -300,6 +298,48 @@ def _grouped_mm_dw_kernel(
         tl.store(squares_ptr + tl.program_id(0), tl.sum(stored * stored))
 
 
+# ---------------------------------------------------------------- backend "triton": which kernels
+# The kernel families of the triton backend, fastest first: each call takes the fastest its
+# tensors allow (shapes, dtypes) up to the process's ceiling, which the execution plan sets once
+# (optimus_core.execution: one device per process); the portable pointer kernels run anywhere.
+FAMILIES = {
+    "warp_specialized": "the warp-specialized Gluon kernel for the forward and dx, the TMA kernel for dW",
+    "tma": "the TMA kernels",
+    "pointer": "the pointer kernels",
+}
+_ceiling = "warp_specialized"
+
+
+def family_on(device: torch.device | str) -> tuple[str, str]:
+    """(the fastest family of FAMILIES whose kernels can run on ``device``, why): the device's
+    Triton and GPU only (a call's shapes may still take a slower one; the interpreter runs the
+    TMA kernels on the CPU). Reads the GPU's compute capability: pass a device of this machine,
+    or a device type that needs none (xpu, cpu)."""
+    device = torch.device(device)
+    ws = ws_device_unsupported(device)
+    if ws is None:
+        return "warp_specialized", f"{FAMILIES['warp_specialized']} (Hopper)"
+    tma = tma_device_unsupported(device)
+    if tma is None:
+        return "tma", f"{FAMILIES['tma']}: {ws}"
+    return "pointer", f"{FAMILIES['pointer']}: {tma}"
+
+
+def use_family(name: str) -> None:
+    """No call in this process takes a faster family than ``name`` from now on (the execution
+    plan's choice); each still takes the fastest its tensors allow up to it."""
+    global _ceiling
+    if name not in FAMILIES:
+        raise ValueError(f"grouped GEMM kernels {name!r}: must be one of {', '.join(FAMILIES)}")
+    _ceiling = name
+
+
+def allows(family: str) -> bool:
+    """Whether a call may take ``family`` under the process's ceiling (use_family)."""
+    order = list(FAMILIES)
+    return order.index(family) >= order.index(_ceiling)
+
+
 # ---------------------------------------------------------------- backend "triton": launchers
 def _launch_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, dx: bool = False, tma: bool = True,
                        y: Tensor | None = None) -> Tensor:
@@ -311,9 +351,9 @@ def _launch_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, dx: bool = Fals
     y = x.new_empty(M, N) if y is None else y
     if y.numel() == 0:
         return y
-    if tma and ws_unsupported(x, w, y) is None:
+    if tma and allows("warp_specialized") and ws_unsupported(x, w, y) is None:
         return launch_grouped_mm_ws(x, w, offsets, y)
-    if tma and tma_unsupported(x, w, y) is None:
+    if tma and allows("tma") and tma_unsupported(x, w, y) is None:
         return launch_grouped_mm_tma(x, w, offsets, y, dx=dx)
 
     def grid(meta):
@@ -334,9 +374,9 @@ def _launch_grouped_mm_dx(dy: Tensor, w: Tensor, offsets: Tensor, *, tma: bool =
     w = w.to(dy.dtype)
     if tma:
         dx = dy.new_empty(dy.shape[0], w.shape[1])
-        if ws_unsupported(dy, w, dx, trans_w=True) is None:
+        if allows("warp_specialized") and ws_unsupported(dy, w, dx, trans_w=True) is None:
             return launch_grouped_mm_ws(dy, w, offsets, dx, trans_w=True)
-        if tma_unsupported(dy, w, dx) is None:
+        if allows("tma") and tma_unsupported(dy, w, dx) is None:
             if dx.numel():
                 launch_grouped_mm_tma(dy, w, offsets, dx, trans_w=True, dx=True)
             return dx
@@ -355,7 +395,7 @@ def _launch_grouped_mm_dw(x: Tensor, dy: Tensor, offsets: Tensor, float32_out: b
     dw = x.new_empty(G, K, N, dtype=torch.float32 if float32_out else x.dtype)
     if dw.numel() == 0 or (M == 0 and squares):
         return (dw.zero_(), dw.new_zeros((), dtype=torch.float32)) if squares else dw
-    if tma and tma_unsupported(x, dw, dy) is None:
+    if tma and allows("tma") and tma_unsupported(x, dw, dy) is None:
         slots = torch.zeros(_num_programs(x.device), dtype=torch.float32, device=x.device) if squares else None
         launch_grouped_mm_dw_tma(x, dy, offsets, dw, squares=slots)
         return (dw, slots.sum()) if squares else dw

@@ -46,7 +46,7 @@ The triton backend's expert sort (expert_sort) has no choice to configure; per c
   (one-warp programs, sort_geometry) have not run there.
 Both leave the inverse permutation to unpermute (a scatter), since unpermute takes sorted_idx.
 expert_sort's private ``counting=False`` runs torch.sort where the counting sort applies, for
-the tests and bench/kernels.py's "triton-sort-torch" rows; bench/NOTES.md records the A/B.
+the tests and bench/kernels.py's "triton-sort-torch" rows.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def permute_reference(x: Tensor, topk_idx: Tensor, n_experts: int,
     # backward sums a token's k rows as a reduction over k, in a fixed order. x[sorted_idx // k]
     # would sum them by index_put_ with accumulate, whose order varies from run to run on a
     # multi-threaded CPU (and index_add_'s, with atomics, on a GPU): two identical runs would
-    # differ in the last bit (bench/NOTES.md, determinism).
+    # differ in the last bit.
     T, D = x.shape
     copies = x.unsqueeze(1).expand(T, k, D).reshape(T * k, D)
     return copies.index_select(0, sorted_idx[:n_rows]), offsets, sorted_idx

@@ -19,11 +19,11 @@ stays in float32, so the two paths differ by that rounding only.
 Backward (dy -> dx, dweight): dn1 = dy1 cos1 + dy2 sin2, dn2 = dy2 cos2 - dy1 sin1; with xhat = x *
 rstd and g = dn * weight, dx = rstd * (g - xhat * mean_D(g * xhat)) and dweight = sum_t dn * xhat.
 The backward recomputes rstd from x, which it reads anyway, so the op keeps only x (its input,
-in its own dtype) for the backward, as the model's RMSNorm does. dweight is summed without atomics: each program adds its
-rows' share into its own float32 row of a (programs, D) buffer, summed after, in an order fixed by
-T and the tile, so two runs give the same bits.
+in its own dtype) for the backward, as the model's RMSNorm does. dweight is summed without
+atomics: each program adds its rows' share into its own float32 row of a (programs, D) buffer,
+summed after, in an order fixed by T and the tile, so two runs give the same bits.
 
-Why (bench/NOTES.md has the times): eager torch runs this as a dozen float32 passes, and Inductor
+Why: eager torch runs this as a dozen float32 passes, and Inductor
 inside a compiled block as a looped reduction that reads q and k three times. Here a program holds
 whole rows of D <= 8192 in registers: x is read once, each head's rotate-half partner comes from
 the same registers, y is written once.

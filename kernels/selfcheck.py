@@ -63,7 +63,7 @@ def _check_experts(device: torch.device) -> None:
         # Odd row counts, and expert 2 gets no token; K and N multiples of 16 as the models' are,
         # so the kernels compiled here are the ones a run's autotuning then finds compiled, and K a
         # multiple of 64, so that on Hopper the forward takes the warp-specialized kernel, as a
-        # run's does (grouped_mm_ws.ws_unsupported).
+        # run's does (hopper.grouped_mm_ws.ws_unsupported).
         T, k, E, K, N = 19, 2, 4, 64, 48
         idx = torch.tensor([[0, 1], [3, 0], [1, 3]] * 6 + [[0, 3]], dtype=torch.long)[:T].to(device)
         x = torch.randn(T, K, generator=g).to(device, dtype)

@@ -18,10 +18,10 @@ PACKAGES = ("optimus_core", "kernels", "stages", "workflow")
 
 # The core's layers, lowest first: a module may import its own layer and those before it.
 CORE_LAYERS = [
-    {"atomic", "outputs", "paths", "config", "device", "flops", "log", "timing", "provenance", "store", "presets", "tags", "memory",
-     "execution"},
+    {"atomic", "outputs", "paths", "config", "device", "flops", "log", "timing", "provenance", "store", "presets", "tags", "memory"},
     {"data", "model"},
     {"parallel"},
+    {"execution"},  # the plan, applied to the model from outside: above the model and parallel/
     {"train", "hf"},  # hf: a checkpoint format beside train/checkpoint.py's own
     {"eval", "rehearsal", ""},  # "": the package itself (optimus_core.load_model, ...)
 ]

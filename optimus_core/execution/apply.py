@@ -8,7 +8,8 @@
 
 ``parallelize`` applies, in this order:
 
-1. kernels: the experts' backend, the LM loss and the QK-norm + RoPE kernels;
+1. kernels: the experts' backend and their GEMMs' kernel family (process-wide: one device per
+   process), the LM loss and the QK-norm + RoPE kernels;
 2. precision: the residual stream's dtype, the experts' weights cast in each GEMM or once;
 3. activation recomputation: whole blocks ("full", every n-th) or the experts' compute ("moe");
 4. expert parallelism: each EP rank keeps its experts, tokens go to them (parallel.expert_parallel);
@@ -45,6 +46,10 @@ def parallelize(model: Transformer, plan: ExecutionPlan, mesh: Mesh | None = Non
     (expert parallelism swaps modules inside it). ``parallel``: the run's parallel section
     (dispatch, optimizer, reduce_dtype; default: its defaults)."""
     parallel = parallel or ParallelConfig()
+    if plan.expert_gemms is not None:
+        from kernels.grouped_mm import use_family
+
+        use_family(plan.expert_gemms)
     use_kernels(model, experts=plan.experts or "loop", lm_loss=plan.lm_loss == "triton",
                 qk_norm_rope=plan.qk_norm_rope == "triton")
     model.fp32_residual = plan.residual_dtype == "float32"

@@ -12,7 +12,9 @@ this module alone turns it, with the device, the world size and the memory model
 - dtype: bfloat16 on a GPU, float32 on a CPU; under bf16 the residual stream in bf16 too, unless
   fp32_residual asks for float32.
 - experts: triton where its kernels passed their self-check on the device; else torch where
-  torch._grouped_mm has its fast path (CUDA sm90+, bf16); else the loop.
+  torch._grouped_mm has its fast path (CUDA sm90+, bf16); else the loop. With triton, the
+  expert GEMMs' kernel family is the fastest the device has (kernels.grouped_mm.family_on):
+  warp-specialized on Hopper, TMA on other NVIDIA sm90+ GPUs, the pointer kernels elsewhere.
 - compile: on for one process on CUDA, where it was measured faster (bench/NOTES.md); off
   elsewhere (on XPU and under FSDP2 it has not been measured yet).
 - adamw, lm_loss, qk_norm_rope: the Triton kernel on a GPU where it passed its self-check, else
@@ -56,6 +58,7 @@ class ExecutionPlan:
     dtype: str  # "float32" | "bfloat16" (autocast, float32 master weights)
     residual_dtype: str  # the blocks' inputs and outputs: "float32" | "bfloat16"
     experts: str | None  # "loop" | "torch" | "triton"; None: a dense model
+    expert_gemms: str | None  # triton experts: their GEMMs' kernel family (kernels.grouped_mm.FAMILIES)
     compile: bool
     adamw: str  # "torch" | "triton"
     lm_loss: str  # "torch" | "triton"
@@ -85,6 +88,8 @@ class ExecutionPlan:
                                                       else "") if self.grad_norm_under_backward else "after the backward"),
                 ("update", "beside the next forward" if self.update_beside_forward else "after the backward"),
                 ("activation checkpointing", mode + (f" (every {every})" if mode == "full" and every > 1 else ""))]
+        if self.experts == "triton":
+            rows.insert(3, ("expert GEMMs", (self.expert_gemms or "decided when the run starts").replace("_", "-")))
         if self.memory is not None:
             budget = f" of {self.budget_bytes / GIB:.1f} GiB" if self.budget_bytes else " (no budget known)"
             rows.append(("memory per rank", self.memory.describe() + budget))
@@ -227,6 +232,7 @@ def resolve_choices(cfg: RunConfig, device: torch.device | str, world_size: int 
     else:
         qk_norm_rope, why["qk_norm_rope"] = "torch", "the model has no QK-norm (RoPE alone, by torch ops)"
 
+    gemms = _gemm_family(device, probe, why) if experts == "triton" else None
     bf16, moe = dtype == "bfloat16", cfg.model.moe is not None
     recast = bool(ex.recast_expert_weights and moe and bf16)
     if ex.recast_expert_weights and not recast:
@@ -250,7 +256,7 @@ def resolve_choices(cfg: RunConfig, device: torch.device | str, world_size: int 
         why["update"] = ("the sharded optimizer's own step" if not one_process else
                          "needs the Triton AdamW" if adamw != "triton" else "needs a CUDA side stream")
     return ExecutionPlan(device_type=device.type, world_size=world_size, dtype=dtype, residual_dtype=residual,
-                         experts=experts,
+                         experts=experts, expert_gemms=gemms,
                          compile=compile_on, adamw=adamw, lm_loss=lm_loss, qk_norm_rope=qk_norm_rope,
                          recast_expert_weights=recast,
                          expert_copies=copies, bf16_expert_grads=bf16_grads, grad_norm_under_backward=norm_under,
@@ -292,6 +298,19 @@ def plan_execution(cfg: RunConfig, device: torch.device | str, world_size: int =
                                        "auto: the least recomputation that fits" if budget_bytes else
                                        "auto: no memory budget known")
     return dataclasses.replace(plan, checkpointing=checkpointing, memory=est, budget_bytes=budget_bytes, why=why)
+
+
+def _gemm_family(device: torch.device, probe: bool, why: dict) -> str | None:
+    """The triton experts' GEMM kernel family on ``device`` (kernels.grouped_mm.family_on), or
+    None for a CUDA GPU planned from its type alone (its compute capability decides)."""
+    from kernels.grouped_mm import family_on
+
+    if device.type == "cuda" and not probe:
+        why["expert GEMMs"] = ("planned from the device type: warp-specialized on Hopper, TMA on other sm90+ "
+                               "GPUs, the pointer kernels before sm90")
+        return None
+    family, why["expert GEMMs"] = family_on(device)
+    return family
 
 
 def device_memory_bytes(device: torch.device) -> float | None:

@@ -4,7 +4,7 @@ not timed), the baselines are timed in the same turns, and every row says which 
 import pytest
 import torch
 
-import kernels.grouped_mm_ws as ws
+import kernels.hopper.grouped_mm_ws as ws
 from bench.kernels import TINY, Timer, bench_ws, route
 from kernels import grouped_mm_reference
 from kernels._triton import INTERPRET, triton
@@ -55,7 +55,7 @@ def test_dw_configs_time_every_tma_config_and_torch_in_the_same_turns():
     """--dw-configs: each config of the TMA dW kernel's list and torch._grouped_mm, timed in the
     same turns, for a float32 dw (the input here is float32: one output dtype)."""
     from bench.kernels import bench_dw_configs
-    from kernels.grouped_mm_tma import _dw_tma_configs
+    from kernels.hopper.grouped_mm_tma import _dw_tma_configs
 
     out = []
     device = torch.device("cpu")

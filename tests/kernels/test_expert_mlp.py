@@ -14,8 +14,8 @@ import importlib
 import pytest
 import torch
 
-import kernels.grouped_mm_tma as gm_tma
-import kernels.grouped_mm_ws as ws
+import kernels.hopper.grouped_mm_tma as gm_tma
+import kernels.hopper.grouped_mm_ws as ws
 from kernels import expert_mlp, grouped_mm, swiglu
 
 from test_grouped_mm import make
@@ -158,7 +158,7 @@ def test_says_why_it_cannot_fuse(monkeypatch):
     dy, w_down = torch.zeros(8, 64, dtype=bf), torch.zeros(2, 128, 64, dtype=bf)
     assert ws.swiglu_unsupported(x, w, h, out, None)  # CPU tensors: no Hopper GPU
     assert ws.swiglu_backward_unsupported(dy, w_down, h, h.clone(), None)
-    monkeypatch.setattr(ws, "_device_unsupported", lambda t: None)  # the shape rules alone
+    monkeypatch.setattr(ws, "ws_device_unsupported", lambda device: None)  # the shape rules alone
     assert ws.swiglu_unsupported(x, w, h, out, None) is None
     assert ws.swiglu_unsupported(x, w, h, out, torch.ones(8)) is None
     # the default config's tile (grouped_mm_ws.default_config): 256 columns, or 128 where the

@@ -1,4 +1,4 @@
-"""The warp-specialized Gluon kernel (kernels/grouped_mm_ws.py): the grouped GEMM's forward and dx
+"""The warp-specialized Gluon kernel (kernels/hopper/grouped_mm_ws.py): the grouped GEMM's forward and dx
 (the SwiGLU epilogues of both: tests/kernels/test_expert_mlp.py).
 
 Gluon has no interpreter, so on a CPU every config is compiled for sm90 (in a fresh process:
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels.grouped_mm_tma as gm_tma
-import kernels.grouped_mm_ws as ws
+import kernels.hopper.grouped_mm_tma as gm_tma
+import kernels.hopper.grouped_mm_ws as ws
 from kernels import grouped_mm_reference
 from test_grouped_mm import make
 
@@ -36,7 +36,7 @@ def sm90():
     """grouped_mm_ws.sm90_report() from a fresh process: an interpreted kernel run earlier in
     this one (any CPU kernel test) leaves state that breaks Gluon's compiler."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", "import json; from kernels.grouped_mm_ws import sm90_report; "
+    run = subprocess.run([sys.executable, "-c", "import json; from kernels.hopper.grouped_mm_ws import sm90_report; "
                           "print(json.dumps(sm90_report()))"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -85,9 +85,9 @@ def test_an_older_triton_with_gluon_is_not_taken(monkeypatch):
     instead of failing to compile this one."""
     x = torch.zeros(8, 64, dtype=torch.bfloat16)
     monkeypatch.setattr(ws.triton, "__version__", "3.5.1")
-    assert "3.6+" in ws._device_unsupported(x)
+    assert "3.6+" in ws.ws_device_unsupported(x.device)
     monkeypatch.setattr(ws.triton, "__version__", "3.10.0")
-    assert "3.6+" not in ws._device_unsupported(x)
+    assert "3.6+" not in ws.ws_device_unsupported(x.device)
 
 
 # --------------------------------------------------------------------------- on a Hopper GPU

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-import kernels.grouped_mm_ws as ws
+import kernels.hopper.grouped_mm_ws as ws
 from kernels import grouped_mm_reference, selfcheck
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -53,7 +53,7 @@ def test_the_experts_check_runs_both_swiglu_epilogues_a_run_takes_on_hopper(monk
     mlp = importlib.import_module("kernels.expert_mlp")
     calls = []
     rules = ws.swiglu_unsupported, ws.swiglu_backward_unsupported
-    monkeypatch.setattr(ws, "_device_unsupported", lambda t: None)
+    monkeypatch.setattr(ws, "ws_device_unsupported", lambda device: None)
     monkeypatch.setattr(mlp, "swiglu_unsupported", lambda *t: rules[0](*(a.bfloat16() for a in t[:4]), t[4]))
     monkeypatch.setattr(mlp, "swiglu_backward_unsupported", lambda *t: rules[1](*(a.bfloat16() for a in t[:4]), t[4]))
 

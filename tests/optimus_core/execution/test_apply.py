@@ -76,3 +76,17 @@ def test_bad_choices_are_refused_by_name():
         recompute(dense, "moe")
     with pytest.raises(ValueError, match="must be one of none, full, moe"):
         recompute(dense, "selective")
+
+
+def test_the_plans_gemm_family_becomes_the_processs_ceiling():
+    import importlib
+
+    gm = importlib.import_module("kernels.grouped_mm")  # the module: the package's `grouped_mm` is the function
+    before = gm._ceiling
+    try:
+        parallelize(Transformer(MODEL), _plan(experts="triton", expert_gemms="pointer"))
+        assert gm._ceiling == "pointer" and not gm.allows("tma")
+        parallelize(Transformer(MODEL), _plan(experts="triton", expert_gemms="warp_specialized"))
+        assert gm.allows("warp_specialized")
+    finally:
+        gm.use_family(before)

@@ -271,14 +271,15 @@ ROWS = ["dtype", "residual stream", "experts", "compile", "adamw", "lm_loss", "q
 def test_describe_has_one_line_per_choice_with_its_reason():
     plan = resolve_choices(run(adamw="torch"), "cuda", probe=False)
     lines = plan.describe().splitlines()
-    assert [line.strip().split("  ")[0] for line in lines] == ROWS  # "  name<pad>  value  (why)"
-    by_name = dict(zip(ROWS, lines))
+    rows = ROWS[:3] + ["expert GEMMs"] + ROWS[3:]  # the triton experts' kernel family after them
+    assert [line.strip().split("  ")[0] for line in lines] == rows  # "  name<pad>  value  (why)"
+    by_name = dict(zip(rows, lines))
     assert "bfloat16" in by_name["dtype"] and "(auto: bf16 autocast" in by_name["dtype"]
     assert by_name["adamw"].rstrip().endswith("torch  (asked)")
     assert "bf16 copies kept by the optimizer" in by_name["expert weights"]
     assert "float32  (torch's AdamW takes float32 gradients)" in by_name["expert gradients"]
     assert "under the backward, experts' from the dW kernel" in by_name["clip norm"]
-    whole = plan_execution(run(), "cpu", budget_bytes=None)
+    whole = plan_execution(run(), "cpu", budget_bytes=None)  # the loop experts: no GEMM family
     lines = whole.describe().splitlines()
     assert len(lines) == len(ROWS) + 1 and "memory per rank" in lines[-1] and "(no budget known)" in lines[-1]
 
@@ -373,3 +374,19 @@ def test_the_residual_stream_follows_the_compute_dtype_unless_asked_for_float32(
     for fp32 in (False, True):
         plan = resolve_choices(run(fp32_residual=fp32), "cuda", probe=False)
         assert build_model(run(fp32_residual=fp32), device="meta", plan=plan).fp32_residual is fp32
+
+
+def test_the_expert_gemms_kernel_family_is_the_devices_and_says_why():
+    """With the triton experts the plan names their GEMMs' kernel family (kernels.grouped_mm.
+    family_on): an Intel GPU's are the pointer kernels; a CUDA GPU planned from its type alone is
+    decided when the run starts; without the triton experts there is none."""
+    from optimus_core import presets
+
+    cfg = presets.get("mula-7b-a1b").run_config()
+    xpu = resolve_choices(cfg, "xpu", probe=False)
+    assert xpu.experts == "triton" and xpu.expert_gemms == "pointer" and "NVIDIA" in xpu.why["expert GEMMs"]
+    assert "expert GEMMs" in xpu.describe() and xpu.to_dict()["expert_gemms"] == "pointer"
+    cuda = resolve_choices(cfg, "cuda", probe=False)
+    assert cuda.expert_gemms is None and "decided when the run starts" in cuda.describe()
+    cpu = resolve_choices(cfg, "cpu")
+    assert cpu.experts == "loop" and cpu.expert_gemms is None and "expert GEMMs" not in cpu.describe()

@@ -16,9 +16,9 @@ or @ w[g]^T with trans_w; rows past offsets[-1] come out zero; empty groups; no 
 the same work items (grouped_mm_tiles' numbering, rebuilt here in Gluon, whose tensors need
 explicit layouts). What differs is who does what on an SM. The Triton kernel's warps do
 everything in turn, so each output tile's epilogue (convert, store) and the next tile's
-pipeline fill run with the tensor cores idle: the fixed cost per tile that bench/NOTES.md's fit
-finds, and what keeps those kernels level with CUTLASS's instead of ahead. Here one
-persistent program per SM holds three partitions:
+pipeline fill run with the tensor cores idle: a fixed cost per tile, measured to be what keeps
+those kernels level with CUTLASS's instead of ahead. Here one persistent program per SM holds
+three partitions:
 
     loader      1 warp: TMA loads of x's and w's K blocks into a STAGES-deep ring, running
                 ahead across work items (the next tile's first blocks arrive during this
@@ -48,11 +48,8 @@ columns >= N, which the store drops. The forward's K must be a multiple of BLOCK
 block would read the next group's rows of w into the product; the Triton kernel zeroes them in
 registers, which wgmma from shared memory cannot): ws_unsupported says so.
 
-Two dW kernels built the same way (items of (group, K tile, N tile), per-item device-side
-descriptors of the group's rows) were measured and deleted: ping-pong (eighteenth session) and
-cooperative, each consumer on half of a 128 x 256 tile's rows or columns (twenty-fourth): none
-beat the TMA dW kernel where the step runs it (bf16 dw), and all trailed torch._grouped_mm
-(bench/NOTES.md).
+No dW kernel here: dW runs on grouped_mm_tma's; warp-specialized ones of this design (ping-pong or
+cooperative) measured no faster for a bf16 dw.
 
 Needs Triton with Gluon's Hopper language (3.5+), an NVIDIA sm90 GPU and 16-bit inputs; no
 interpreter (Gluon has none), so on a CPU the kernel is only compiled (compile_for_sm90).
@@ -66,7 +63,7 @@ import torch
 from torch import Tensor
 
 from . import grouped_mm_tma
-from ._triton import device_guard, ptxas_report, triton
+from .._triton import device_guard, ptxas_report, triton
 
 try:
     from triton.experimental import gluon
@@ -93,18 +90,19 @@ MAX_REGISTERS = 168  # per thread at launch, over 3 warpgroups; setmaxnreg then 
 def ws_unsupported(x: Tensor, w: Tensor, y: Tensor, trans_w: bool = False) -> str | None:
     """Why the warp-specialized kernel cannot run on these tensors (w as the kernel reads it:
     (G, K, N), or (G, N, K) with trans_w), or None."""
-    return _device_unsupported(x) or _shape_unsupported(x, w, y, trans_w)
+    return ws_device_unsupported(x.device) or _shape_unsupported(x, w, y, trans_w)
 
 
-def _device_unsupported(x: Tensor) -> str | None:
+def ws_device_unsupported(device: torch.device) -> str | None:
+    """Why the warp-specialized kernel cannot run on ``device`` (its Triton, its GPU), or None."""
     version = getattr(triton, "__version__", None)
     if gluon is None:
         return f"Triton {version} has no Gluon Hopper language"
     if tuple(int(part) for part in re.findall(r"\d+", version)[:2]) < MIN_TRITON:
         return f"Triton {version}: the warp-specialized kernel is written to Gluon's API of Triton 3.6+"
-    if x.device.type != "cuda" or torch.version.cuda is None:
-        return f"the warp-specialized kernel needs an NVIDIA GPU, got {x.device.type}"
-    if torch.cuda.get_device_capability(x.device)[0] != 9:
+    if device.type != "cuda" or torch.version.cuda is None:
+        return f"the warp-specialized kernel needs an NVIDIA GPU, got {device.type}"
+    if torch.cuda.get_device_capability(device)[0] != 9:
         return "the warp-specialized kernel is for Hopper (compute capability 9.x: wgmma)"
     return None
 
@@ -125,11 +123,9 @@ def _shape_unsupported(x: Tensor, w: Tensor, y: Tensor, trans_w: bool) -> str | 
 # per SM instead of two, at the price of epilogues that overlap only the loads. Shared memory:
 # STAGES * (BM + BN) * BK * 2 bytes of ring and two store staging tiles (BM x BN each ping-pong,
 # half that cooperative), at most 227 KB. BLOCK_K is 64 (ws_unsupported's K rule).
-# Measured (bench/NOTES.md, twenty-third session): on an H100 the cooperative tile is the fastest
-# at every shape, by up to 1.4x on the up projection (it moves 38 % fewer L2 bytes), and the
-# step 4-6 % faster; on an H200 it trails ping-pong by 2-4 % on the kernels alone and is level
-# in the step. Deleted: ping-pong with 5 stages (the H200's best by 0-2 %, the H100's worst),
-# a 64 x 256 ping-pong tile and a cooperative 128 x 128 one.
+# Measured: on an H100 the cooperative tile is the fastest at every shape (it moves fewer L2
+# bytes), and the step faster with it; on an H200 it trails ping-pong slightly on the kernels
+# alone and is level in the step.
 CONFIGS = [(128, 256, 64, 3, 1), (128, 128, 64, 4, 0)]
 SHARED_MEMORY_LIMIT = 232448  # bytes of shared memory one H100 / H200 block may use (227 KB)
 

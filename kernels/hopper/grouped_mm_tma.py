@@ -47,23 +47,31 @@ import functools
 import torch
 from torch import Tensor
 
-from ._triton import INTERPRET, autotuned, bucket, device_guard, jit, ptxas_report, tile_configs, tl, triton
-from .grouped_mm_tiles import group_of_rank, groups_by_size, locate_tile, segment_tiles
+from .._triton import INTERPRET, autotuned, bucket, device_guard, jit, ptxas_report, tile_configs, tl, triton
+from ..grouped_mm_tiles import group_of_rank, groups_by_size, locate_tile, segment_tiles
 
 
 def tma_unsupported(x: Tensor, w: Tensor, y: Tensor) -> str | None:
     """Why the TMA kernels cannot run on these tensors (w as the kernel reads it), or None; for
     dW: tma_unsupported(x, dw, dy)."""
+    problem = tma_device_unsupported(x.device)
+    if problem is None and not INTERPRET and x.dtype not in (torch.bfloat16, torch.float16):
+        problem = f"the TMA kernel is for 16-bit inputs (float32 runs on FMA units), got {x.dtype}"
+    return problem or tma_layout_unsupported(x, w, y)
+
+
+def tma_device_unsupported(device: torch.device) -> str | None:
+    """Why the TMA kernels cannot run on ``device`` (its Triton, its GPU), or None; the Triton
+    interpreter runs them on the CPU."""
     if triton is None or not hasattr(tl, "make_tensor_descriptor") or not hasattr(triton, "set_allocator"):
         return f"Triton {getattr(triton, '__version__', None)} has no device-side tensor descriptors"
-    if not INTERPRET:
-        if x.device.type != "cuda" or torch.version.cuda is None:
-            return f"tensor descriptors (TMA) need an NVIDIA GPU, got {x.device.type}"
-        if torch.cuda.get_device_capability(x.device) < (9, 0):
-            return "tensor descriptors (TMA) need compute capability 9.0+"
-        if x.dtype not in (torch.bfloat16, torch.float16):
-            return f"the TMA kernel is for 16-bit inputs (float32 runs on FMA units), got {x.dtype}"
-    return tma_layout_unsupported(x, w, y)
+    if INTERPRET and device.type == "cpu":
+        return None
+    if device.type != "cuda" or torch.version.cuda is None:
+        return f"tensor descriptors (TMA) need an NVIDIA GPU, got {device.type}"
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return "tensor descriptors (TMA) need compute capability 9.0+"
+    return None
 
 
 def tma_layout_unsupported(x: Tensor, w: Tensor, y: Tensor) -> str | None:
@@ -89,8 +97,7 @@ def _tma_configs(device_type: str, dtype: torch.dtype):
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Shared memory per stage is (BM + BN) * BK * 2
     bytes, plus BM * BN * 2 for the TMA store's staging tile: 128 x 256 x 64 with 3 stages is
     208 KB of the H200's 227 KB. One program per SM: configs small enough for two per SM, so
-    that one's epilogue would run under the other's products, measured 0.88-1.02x the best of
-    these (bench/NOTES.md) and were dropped."""
+    that one's epilogue would run under the other's products, measured no faster than these."""
     if INTERPRET:
         return tile_configs([(16, 16, 16, 1, 1)])
     return tile_configs([(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
@@ -213,17 +220,16 @@ def _dw_tma_configs(device_type: str, dtype: torch.dtype):
     bytes, plus the store's staging tile, BLOCK_K * BLOCK_N / SPLIT_N * out_dtype's size:
     64 x 128 x 256 with 3 stages and a split float32 store is 144 + 64 = 208 KB of the H200's
     227 KB. A bf16 dw (the experts' gradients on their copies, the step's default) halves the
-    staging tile, but deeper pipelines in the room it leaves measured slower (4 and 8 stages:
-    0.68-0.99x the best of this list on an H100; bench/NOTES.md, twenty-second session), so both
+    staging tile, but deeper pipelines in the room it leaves measured slower on an H100, so both
     output dtypes share this list. Output tiles 128+ wide in K, as the pointer kernel measured
     best. Each item also pays its pipeline's fill and its tile's store with the tensor cores idle
-    (Triton 3.6's automatic Hopper warp specialization, asked for on either loop, specialized few
-    of these compiles and gained nothing: bench/NOTES.md): as long as 300-400 rows of products,
-    fitted from the measured rates, so about a quarter of an item at 1024 rows per expert; two
-    programs per SM with half the shared memory each, to hide one's store under the other's
-    products, measured slower (bench/NOTES.md). Each config compiles for sm90 within shared
-    memory and without register spills, for either output (dw_sm90_report, a CPU test); the GPU
-    test test_every_dw_tma_config_compiles_and_matches runs them."""
+    (Triton 3.6's automatic Hopper warp specialization, asked for on either loop, specializes few
+    of these compiles and gains nothing): as long as 300-400 rows of products, fitted from
+    measured rates, so about a quarter of an item at 1024 rows per expert; two programs per SM
+    with half the shared memory each, to hide one's store under the other's products, measured
+    slower. Each config compiles for sm90 within shared memory and without register spills, for
+    either output (dw_sm90_report, a CPU test); the GPU test
+    test_every_dw_tma_config_compiles_and_matches runs them."""
     if INTERPRET:
         shapes = [(16, 16, 16, 1, 1, 2)]
     else:
