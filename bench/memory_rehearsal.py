@@ -63,7 +63,7 @@ def main(argv=None) -> None:
     from optimus_core.rehearsal import loopback_world
     from optimus_core.train.build import build_model, build_run_optimizer
     from optimus_core.train.step import train_step
-    from workflow.cli import rehearsal_jobs
+    from workflow.commands import rehearsal_jobs
     from workflow.sites import load_site
 
     job, = rehearsal_jobs([args.experiment], [args.tiles] if args.tiles else [], load_site(args.site, account="x"))

@@ -3,7 +3,8 @@ import pytest
 
 from optimus_core.config import ConfigError
 from optimus_core.execution import resolve_choices
-from workflow.cli import build_parser, resolve_run_config
+from workflow.cli import build_parser
+from workflow.commands import resolve_run_config
 from optimus_core import presets
 from workflow.experiments import (ABLATION_VARIANTS, EXPERIMENTS, LAPTOP_SCALEUP_STEPS, SCALING_STEPS, SCALING_TILES,
                                   TILES_PER_NODE, RunScale, dag, get, of_kind, pretraining, scaleup, scaleup_figure)

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from optimus_core.memory import GIB
-from workflow.cli import main, rehearsal_jobs
+from workflow.cli import main
+from workflow.commands import rehearsal_jobs
 from workflow.experiments import dag
 from workflow.sites import load_site
 
