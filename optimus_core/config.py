@@ -26,6 +26,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Optional, Union
 
+from . import flops
+
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field and what is allowed."""
@@ -264,6 +266,24 @@ class ModelConfig(_Validated):
     @property
     def is_moe(self) -> bool:
         return self.moe is not None
+
+    # Analytic counts (tested against the real model); the arithmetic and its conventions are
+    # optimus_core.flops'.
+    def num_params(self) -> int:
+        """Every parameter of the instantiated model."""
+        return flops.num_params(self)
+
+    def num_active_params(self) -> int:
+        """The parameters one token touches: only ``top_k`` of each MoE layer's experts."""
+        return flops.num_active_params(self)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) per token at ``seq_len``."""
+        return flops.flops_per_token(self, seq_len)
+
+    def recompute_flops_per_token(self, seq_len: int, mode: str, every: int = 1) -> int:
+        """The forward FLOPs per token activation checkpointing ``mode`` repeats in the backward."""
+        return flops.recompute_flops_per_token(self, seq_len, mode, every)
 
 
 @dataclass(frozen=True)
@@ -637,33 +657,3 @@ def apply_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
             cls = next((a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)), hint)
             node = node[key]
     return from_dict(type(cfg), data)
-
-
-# ----------------------------------------------------------------------------- analytic counts
-# Methods on the config, as the house plan promises (``cfg.num_params()``); the arithmetic and
-# its conventions live in optimus_core.flops.
-
-def _num_params(self: ModelConfig) -> int:
-    from . import flops
-    return flops.num_params(self)
-
-
-def _num_active_params(self: ModelConfig) -> int:
-    from . import flops
-    return flops.num_active_params(self)
-
-
-def _flops_per_token(self: ModelConfig, seq_len: int) -> int:
-    from . import flops
-    return flops.flops_per_token(self, seq_len)
-
-
-def _recompute_flops_per_token(self: ModelConfig, seq_len: int, mode: str, every: int = 1) -> int:
-    from . import flops
-    return flops.recompute_flops_per_token(self, seq_len, mode, every)
-
-
-ModelConfig.num_params = _num_params
-ModelConfig.num_active_params = _num_active_params
-ModelConfig.flops_per_token = _flops_per_token
-ModelConfig.recompute_flops_per_token = _recompute_flops_per_token

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # config's ModelConfig methods call these counts: no import back at run time
+if TYPE_CHECKING:  # ModelConfig's count methods call these: config imports this module, not back
     from .config import ModelConfig
 
 
