@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.cli_vs_bench import SEQ, write_synthetic_tokens  # noqa: E402
+from bench.common import SYNTHETIC_SEQ as SEQ, write_synthetic_tokens  # noqa: E402
 from bench.common import device_slug, ingest, publish  # noqa: E402
 
 # The summary's timings, one store record each (key "phase"); the saves by thread count beside them.
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
     from optimus_core.train import checkpoint as ckpt
     from optimus_core.train import checkpoint_reader
     from optimus_core.train.loop import Trainer
-    from workflow.cli import parse_overrides
+    from workflow.commands import parse_overrides
 
     default_threads = ckpt.WRITE_THREADS
 

@@ -99,3 +99,39 @@ def ingest(path: str | Path, store_path: str, key: str, fallback: str | None = N
     if not write_store(store_path, run_id, records, summary, key):
         raise ImportError("the results store needs zarr: pip install -e .")
     return f"wrote run {run_id} ({len(records)} records) to {store_path}"
+
+
+SYNTHETIC_SEQ = 4096  # the synthetic documents' length: one training sequence each
+SYNTHETIC_VOCAB = 50280  # mula-7b-a1b's (the tokenizer's) vocabulary
+
+
+def write_synthetic_tokens(data_dir: Path, train_tokens: int, val_tokens: int, seed: int = 0) -> Path:
+    """A data directory in the `optimus tokenize` format holding uniform random ids (one
+    document per sequence), a train and a val file of one source."""
+    from optimus_core.data.shards import (IndexRow, Manifest, TokenFile, sha256_file, token_dtype, write_index,
+                                          write_manifest)
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    dtype = token_dtype(SYNTHETIC_VOCAB)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / "tokenizer.json").write_text("{}")  # not read by training; listed for the format
+    files = []
+    for split, n in (("train", train_tokens), ("val", val_tokens)):
+        rel = Path(split) / "synthetic"
+        (data_dir / rel).mkdir(parents=True, exist_ok=True)
+        tokens = rng.integers(0, SYNTHETIC_VOCAB - 1, n).astype(dtype)
+        doc = SYNTHETIC_SEQ + 1
+        tokens[doc - 1::doc] = SYNTHETIC_VOCAB - 1  # EOS ends each document
+        tokens.tofile(data_dir / rel / "part.npy")
+        write_index(data_dir / rel / "part.csv.gz",
+                    [IndexRow(s, min(s + doc, n), "synthetic", str(i)) for i, s in enumerate(range(0, n, doc))])
+        files.append(TokenFile(split, "synthetic", str(rel / "part.npy"), str(rel / "part.csv.gz"), n,
+                               -(-n // doc), 4 * n, sha256_file(data_dir / rel / "part.npy"),
+                               sha256_file(data_dir / rel / "part.csv.gz"), "synthetic", ""))
+    write_manifest(data_dir, Manifest(vocab_size=SYNTHETIC_VOCAB, eos_id=SYNTHETIC_VOCAB - 1,
+                                      pad_id=SYNTHETIC_VOCAB - 1, dtype=str(dtype),
+                                      tokenizer_sha256=sha256_file(data_dir / "tokenizer.json"), val_fraction=0.1,
+                                      files=tuple(files)))
+    return data_dir

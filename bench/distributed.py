@@ -29,9 +29,9 @@ Suites:
               ``dispatch_all_gather_over_all_to_all_ep<n>`` is the ratio of their tokens/s.
 
 Every point of several ranks trains fully sharded (optimus_core.parallel.sharding): each layer
-gathered before its forward and backward, its gradients reduced under the backward. (Results
-files from before 2026-12-01's eighth session hold ZeRO-1 points, with ``-nooverlap`` A/Bs of
-its chunked reduction.)
+gathered before its forward and backward, its gradients reduced under the backward. (A point of
+several ranks whose record has no ``sharding`` ran a ZeRO-1 optimizer instead; ``-nooverlap``
+labels A/Bs of its chunked reduction.)
 
 ``--repeat N`` measures the whole plan N times in turns (pass 1 of every point, then pass 2 ...):
 2-GPU points move by about 4 % between launches, as much as the gaps being judged, so ratios are

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU benchmarks of bench/NOTES.md in one call of a multi-GPU host, the peers beside ours.
+# The GPU benchmarks in one call of a GPU host, the peers beside ours (bench/README.md).
 #
 #   bench/gpu_suite.sh speed      # OLMo-core (last GPU) | train_step (GPU 0) | 2-GPU ablation (GPUs 1,2);
 #                                 # on one GPU: OLMo-core, train_step, OLMo-core again
@@ -14,10 +14,6 @@
 #   bench/gpu_suite.sh tests      # the one-GPU tests (gpu-marked: kernels, core, bench): ~3+ minutes on an H200
 #   bench/gpu_suite.sh ws         # the warp-specialized Gluon kernel (Hopper): its GPU tests, then
 #                                 # bench/kernels.py --ws; each under a timeout, so that a hang costs only it
-#   bench/gpu_suite.sh overlap    # at micro-batch 8: the float32 residual stream against the default's bf16, and
-#                                 # bench/probes.py's A/B (TMA kernel, update after the backward, fewer
-#                                 # GEMM programs), then the
-#                                 # default's and ~tma's kernels profiled and traced (trace_gaps.py --streams)
 #   bench/gpu_suite.sh rehearse   # one rank of every paper layout (optimus rehearse): the five models at 384
 #                                 # and 12288 tiles, then the registry's own layouts; RUNS="..." TILES="..." for others,
 #                                 # CHECKPOINTING=full/3 to rehearse that instead of what the plan resolves
@@ -32,7 +28,7 @@
 # peer and ours are measured in the same call on identical GPUs.
 set -u
 cd "$(dirname "$0")/.."
-part=${1:?usage: bench/gpu_suite.sh speed|scaling|all|trace|weak|memory|tests|ws|overlap|rehearse}
+part=${1:?usage: bench/gpu_suite.sh speed|scaling|all|trace|weak|memory|tests|ws|rehearse}
 out=${OUT:-bench/results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -51,22 +47,6 @@ ws)  # within one device call's 600 s (the bench gets what the tests left); a ha
   done
   timeout $((570 - SECONDS)) python3 bench/kernels.py --tokens "${TOKENS:-8192,16384,32768}" --only up,down --backends triton,torch_raw \
     --ws --out "$out" --store '' 2>&1 | tee "$out/ws-kernels.log"
-  ;;
-overlap)  # bench/probes.py's A/B at micro-batch 8 (where the warp-specialized kernel's gain went), then
-          # the kernels of the default and of ~tma profiled in the same call; every record carries
-          # the GPU's clocks and power (bench/gpu_telemetry.py)
-  # the most wanted first: a pass cut short by the timeout keeps the earlier variants
-  variants=${VARIANTS:-7b8l-default 7b8l-default-fp32-residual 7b8l-default~update-after 7b8l-default~tma \
-            7b8l-default~tma~update-after 7b8l-default~programs-116}
-  timeout 450 python3 bench/train_step.py --batch ${MICRO_BATCHES:-8} --repeat ${REPEAT:-2} --variants $variants \
-    --out "$out" --store '' 2>&1 | tee "$out/overlap.log"
-  for v in 7b8l-default 7b8l-default~tma; do
-    [ $SECONDS -lt 500 ] || break
-    timeout $((580 - SECONDS)) python3 bench/profile_step.py --batch ${MICRO_BATCHES:-8} --steps 2 --variant "$v" \
-      --out "$out/profile-${v//\~/-}" --trace /tmp/optimus-traces 2>&1 | tee -a "$out/overlap.log"
-  done
-  # the update beside the forward and alone (the forward waiting for it), per traced step
-  python3 bench/trace_gaps.py /tmp/optimus-traces/trace-7b8l-default*.json* --streams 2>&1 | tee -a "$out/overlap.log"
   ;;
 rehearse)
   slug=$(python3 -c 'import torch, re; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-"))')
@@ -99,8 +79,8 @@ speed)
     pids+=($!)
   elif [ -d .peers/.whl ]; then
     # One GPU: OLMo-core before and after ours (PEER_AFTER=0: before only, when the call's time
-    # is short). Its median step moved 157-196 ms between calls (bench/NOTES.md); the summary
-    # takes its faster run, the ratio least favourable to us.
+    # is short). Its median step moves between calls; the summary takes its faster run, the
+    # ratio least favourable to us.
     olmo_core 0
   fi
   if [ "$n" -ge 3 ]; then

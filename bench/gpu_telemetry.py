@@ -1,11 +1,11 @@
 """The GPU's clocks, power and clock-limiting reasons while a benchmark times, read by nvidia-smi.
 
-Why: a kernel measured 8-22 % faster alone (bench/kernels.py) moved the training step by 0.2 %
-(bench/NOTES.md, eighteenth session). One explanation is power: an H200 running GEMMs near its
-rate can sit at its power limit, where the clocks follow the energy a step spends and a kernel
-that only hides latency does the same work in the same energy. Whether that happens is a
-reading, not a guess: these records say, for each timed window, the SM clock, the power drawn
-against the enforced limit, and how often the driver reported a power cap or a thermal slowdown.
+Why: a kernel measured faster alone (bench/kernels.py) can move the training step by far less.
+One explanation is power: an H200 running GEMMs near its rate can sit at its power limit, where
+the clocks follow the energy a step spends and a kernel that only hides latency does the same
+work in the same energy. Whether that happens is a reading, not a guess: these records say, for
+each timed window, the SM clock, the power drawn against the enforced limit, and how often the
+driver reported a power cap or a thermal slowdown.
 
     sampler = GpuSampler.start(torch.device("cuda"))   # None where nvidia-smi cannot read this GPU
     t0 = time.time(); ...timed work...; t1 = time.time()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Two ways to execute one run, same seeds and data: do their loss curves agree within the
-spread the seed alone gives? For execution choices that change the numbers by rounding (bench/
-NOTES.md: the bf16 residual stream). Not a test.
+spread the seed alone gives? For execution choices that change the numbers by rounding (the
+bf16 residual stream). Not a test.
 
     python bench/loss_parity.py --data results/data/tokens                 # A: as is, B: float32 residual
     python bench/loss_parity.py --data results/data/tokens --preset mula-7b-a1b@laptop --steps 240 \\
@@ -117,7 +117,7 @@ def main(argv=None) -> None:
         return
     if args.threads:
         torch.set_num_threads(args.threads)
-    from workflow.cli import parse_overrides
+    from workflow.commands import parse_overrides
 
     both = parse_overrides(args.set)
     sides = {"A": {**both, **parse_overrides(args.a)}, "B": {**both, **parse_overrides(args.b)}}

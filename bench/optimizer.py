@@ -11,7 +11,7 @@ call of the optimizer's pass over all N parameters (``/s`` = with grad_scale, th
 the training step passes it; lr 4e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1):
 
     copy                     dst.copy_(src) of one float32 buffer: the bandwidth a stream reaches
-    norm-torch               torch.linalg.vector_norm of the flat gradient (the ZeRO-1 optimizer's, until 2026-12-01)
+    norm-torch               torch.linalg.vector_norm of the flat gradient
     norm-triton              kernels.squared_norm of it (float32 per block, float64 sum)
     adamw-torch-flat[/s]     torch.optim.AdamW(fused=True) on one flat tensor (the ZeRO-1 optimizer's layout)
     adamw-torch-list/s       the same on the model's 91 parameter tensors (1-D, in proportion,

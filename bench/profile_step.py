@@ -31,8 +31,6 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import device_slug, write_jsonl  # noqa: E402
 from bench.gpu_telemetry import GpuSampler, clock_note  # noqa: E402
-from bench import probes  # noqa: E402
-from bench.probes import variant_type  # noqa: E402
 from bench.train_step import VARIANTS  # noqa: E402
 
 CATEGORIES = [  # (category, regular expression on the kernel name), first match wins
@@ -71,7 +69,7 @@ def build_variant_step(variant: str, seq: int, batch: int, device):
     from optimus_core.train.build import build_model, build_run_optimizer
     from optimus_core.train.step import train_step
 
-    model_spec, extra = VARIANTS[probes.split(variant)[0]]
+    model_spec, extra = VARIANTS[variant]
     overrides = {**model_spec["overrides"], "data.seq_len": seq, "train.global_batch": batch,
                  "train.micro_batch": batch, "train.device": device.type, **extra}
     cfg = presets.get(model_spec["preset"]).run_config(**overrides)
@@ -92,8 +90,8 @@ def build_variant_step(variant: str, seq: int, batch: int, device):
 def variant_arguments(description: str) -> argparse.ArgumentParser:
     """The arguments of a tool that looks into one warmed-up step of a bench/train_step.py variant."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--variant", default="7b8l-default", type=variant_type(VARIANTS),
-                   help="a bench/train_step.py variant, or <variant>~<probe> (bench/probes.py)")
+    p.add_argument("--variant", default="7b8l-default", choices=list(VARIANTS),
+                   help="a bench/train_step.py variant")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=2)
@@ -103,13 +101,11 @@ def variant_arguments(description: str) -> argparse.ArgumentParser:
 
 def warmed_up_step(args, tool: str):
     """(model, optimizer, step) of ``args.variant`` on the GPU, after ``args.warmup`` steps (the
-    autotuning and compilation done); exits with a message where there is no CUDA device. A
-    variant's probe (bench/probes.py) stays applied for the rest of the process."""
+    autotuning and compilation done); exits with a message where there is no CUDA device."""
     import torch
 
     if not torch.cuda.is_available():
         sys.exit(f"{tool} needs a CUDA device and found none")
-    probes.apply_for_process(args.variant)  # built, warmed up and looked into under the probe
     model, optimizer, step = build_variant_step(args.variant, args.seq, args.batch, torch.device("cuda"))
     for _ in range(args.warmup):
         step()

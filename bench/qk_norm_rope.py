@@ -11,7 +11,7 @@ per call over ``--reps`` calls after a warm-up: inside a compiled block the host
 hidden), and beside it the wall time between CUDA events (host overhead included):
 
     eager     the model's torch ops (RMSNorm, then apply_rotary): what FSDP2 runs execute
-    compiled  the same ops under torch.compile: what one-GPU runs executed before the kernel
+    compiled  the same ops under torch.compile: a compiled block's path without the kernel
     triton    kernels.qk_norm_rope
 
 beside the floor: the fewest bytes (forward: read x, write y; backward: read x and dy, write dx;

@@ -27,13 +27,6 @@ warm-up, then the median of timed steps, phases from device events):
     -fp32-residual          execution.fp32_residual: the residual stream in float32, not bf16
     +torch-adamw            execution.adamw = torch: torch's fused AdamW (and so no update beside
                             the forward and no bf16 expert gradients: the plan's rules)
-    <variant>~<probe>       the variant with a one-off change in its process (bench/probes.py
-                            lists them), left out of "best"; the summary's probes_over_base
-                            holds its tokens/s over the variant's
-
-The A/B-only choices measured before (CUDA graphs, the update after the backward, the routing
-weights in the combine, the clip's norm after the backward or reading the dW again, float32
-expert gradients, full logits) are no longer choices; bench/NOTES.md keeps their results.
 
 Step time: ``step_s`` is the median of steps each followed by a host sync (phases come from
 these); ``step_back_to_back_s`` the median between step boundaries with the steps queued back to
@@ -47,9 +40,9 @@ bf16 matmul rate measured in the same run. OLMo-core's lines (its JSON, produced
 call, one or more per micro-batch) give ``ratio_vs_olmo_core`` = our best tokens/s / its tokens/s
 at the same micro-batch.
 
-``--repeat N`` runs the variants N times in turns (A B A B ...): a step moved 3-5 % between GPU
-calls (bench/NOTES.md), so a claim should not rest on one run. Each variant is summarized by its
-median pass, the slower middle one for even N; every pass's tokens/s is kept in the summary.
+``--repeat N`` runs the variants N times in turns (A B A B ...): a step's time moves between GPU
+calls, so a claim should not rest on one run. Each variant is summarized by its median pass, the
+slower middle one for even N; every pass's tokens/s is kept in the summary.
 
 Beside each variant, where nvidia-smi reads the GPU (bench/gpu_telemetry.py), its SM clock,
 power against the enforced limit and the share of samples the driver reported a power cap or
@@ -75,9 +68,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import device_slug, ingest, publish, read_jsonl, write_jsonl  # noqa: E402
-from bench import probes  # noqa: E402
 from bench.gpu_telemetry import GpuSampler, clock_note  # noqa: E402
-from bench.probes import variant_type  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H100 / H200 dense bf16, datasheet: the MFU convention
 MODEL_7B = dict(preset="mula-7b-a1b", overrides={"model.n_layers": 8})
@@ -119,8 +110,8 @@ DEFAULT_VARIANT = "7b8l-default"  # what a run gets without overrides
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), type=variant_type(VARIANTS),
-                   help="names of VARIANTS, or <variant>~<probe> (bench/probes.py: one-off A/Bs)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                   help="names of VARIANTS")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default: the paper's context)")
     p.add_argument("--batch", type=int, nargs="+", default=[2],
                    help="sequences per step, one micro-batch; several: each variant at each (the micro-batch axis)")
@@ -170,7 +161,7 @@ def run_variant(name: str, args, device, batch: int, sampler=None) -> dict:
     from optimus_core.parallel import Mesh
     from optimus_core.train.measure import measure_steps
 
-    model, extra = VARIANTS[probes.split(name)[0]]
+    model, extra = VARIANTS[name]
     overrides = {**model["overrides"], "data.seq_len": args.seq, "train.global_batch": batch,
                  "train.micro_batch": batch, "train.device": device.type, **extra}
     preset = model["preset"]
@@ -182,15 +173,14 @@ def run_variant(name: str, args, device, batch: int, sampler=None) -> dict:
             overrides["execution.experts"] = "loop"
     cfg = presets.get(preset).run_config(**overrides)
     # Compiled code of an earlier variant holds on to its model and buffers: drop it, so each
-    # variant's peak memory is its own (the runs of 2026-11-30 did not, see bench/NOTES.md).
+    # variant's peak memory is its own.
     torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    with probes.applied(name):
-        point = measure_steps(cfg, Mesh.single(device), steps=args.steps, warmup=args.warmup)
+    point = measure_steps(cfg, Mesh.single(device), steps=args.steps, warmup=args.warmup)
     plan = point["plan"]
     # The GPU's clocks and power over the steps tokens/s comes from (back to back where measured)
     synced, back_to_back = point.pop("synced_window_unix_s"), point.pop("back_to_back_window_unix_s")
@@ -237,7 +227,7 @@ def summarize(records: list[dict], olmo: list[dict], dense_tflops: float | None,
     """The summary line: for each micro-batch measured (a record without ``batch`` is of the
     default 2), the 8-layer 7B variants' best, the default, the ablation and the ratios to
     OLMo-core's line of the same micro-batch (``olmo``: its best line per micro-batch, from
-    _olmo_lines). The first micro-batch's fields are also at top level, as before the axis."""
+    _olmo_lines). The first micro-batch's fields are also at top level."""
     by_batch: dict[int, list[dict]] = {}
     for r in records:
         by_batch.setdefault(r.get("batch", 2), []).append(r)
@@ -253,8 +243,7 @@ def summarize(records: list[dict], olmo: list[dict], dense_tflops: float | None,
 
 def _summarize_batch(records: list[dict], olmo: dict | None, dense_tflops: float | None) -> dict:
     measured = _median_passes([r for r in records if r["variant"].startswith("7b8l") and "error" not in r])  # 8-layer 7B
-    moe = [r for r in measured if not probes.split(r["variant"])[1]]  # a probe is no variant a run can take
-    by_name = {r["variant"]: r for r in measured}
+    moe = measured
     best = max(moe, key=_tokens_per_s) if moe else None
     base = next((r for r in moe if r["variant"] == "7b8l-loop"), None)
     out = {"best_variant": best and best["variant"],
@@ -263,11 +252,7 @@ def _summarize_batch(records: list[dict], olmo: dict | None, dense_tflops: float
            best["flops_per_token"] * _tokens_per_s(best) / (dense_tflops * 1e12),
            "ablation_speedup": best and base and _tokens_per_s(best) / _tokens_per_s(base),
            "ablation_note": "one GPU: kernels only (the EP-aware optimizer needs >1 rank; bench/distributed.py)",
-           "tokens_per_s_passes": {r["variant"]: r["tokens_per_s_passes"] for r in measured if "tokens_per_s_passes" in r},
-           # each probe's tokens/s over its variant's (bench/probes.py), median passes against median passes
-           "probes_over_base": {r["variant"]: _tokens_per_s(r) / _tokens_per_s(by_name[base])
-                                for r in measured for base, probe in [probes.split(r["variant"])]
-                                if probe and base in by_name}}
+           "tokens_per_s_passes": {r["variant"]: r["tokens_per_s_passes"] for r in measured if "tokens_per_s_passes" in r}}
     if olmo and best:
         olmo_tps = _olmo_tokens_per_s(olmo)
         default = next((r for r in moe if r["variant"] == DEFAULT_VARIANT), None)

@@ -1,6 +1,6 @@
 """Optimus trainer core: models, data, training, parallelism, results store.
 
-Knows nothing of Snakemake, Parsl or plotting (house rule 1). Entry points:
+Knows nothing of Snakemake, Parsl or plotting (the house rules: imports point one way). Entry points:
 
     from optimus_core import presets, load_model
     from optimus_core.store import open_store

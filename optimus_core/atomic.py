@@ -1,6 +1,6 @@
 """Atomic outputs: a reader sees the old content or the complete new one, never a partial file.
 
-House rule 4: every output is written atomically and an interrupted writer leaves nothing that
+The house rule: every output is written atomically and an interrupted writer leaves nothing that
 looks finished. Two tools cover every case in the pipeline:
 
     from optimus_core.atomic import atomic_write, atomic_dir

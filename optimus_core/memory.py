@@ -31,7 +31,7 @@ shapes (``parameter_table``, tested against the model) and what the code keeps:
 The peak is the larger of the forward's end (everything the backward needs at once) and the
 backward's start (the same activations, with the last units gathered again and their gradients
 being made and reduced). Each term was checked against the allocator's record of a rehearsed
-rank (bench/memory_rehearsal.py; bench/NOTES.md).
+rank (bench/memory_rehearsal.py).
 Device memory outside the allocator (runtime context, collective buffers) and the allocator's
 fragmentation are what ``USABLE_FRACTION`` leaves out of a device's memory.
 """
@@ -47,15 +47,14 @@ from .flops import checkpointed_blocks
 GIB = 2 ** 30
 # The share of a device's memory a run may plan to allocate: the rest is the runtime's context,
 # the collective library's buffers and the caching allocator's fragmentation (what it reserves
-# beyond what is allocated). bench/NOTES.md has the measured reserved / allocated ratios.
+# beyond what is allocated).
 USABLE_FRACTION = 0.90
 # "auto" activation checkpointing takes the least recomputation whose estimate has this share of
-# itself to spare under the budget. Rehearsed, the model is within -0.3 to +9.2 % of every rank's
-# allocated peak (bench/NOTES.md: the larger misses under were an earlier rehearsal's weights still
-# allocated), but the caching allocator reserves 1.12-1.15x the allocated peak on these layouts:
-# mula-220b-a10b chosen at the budget's edge (57.7 GiB allocated) reserved 64.9, past a 64 GiB
-# tile. With this margin a chosen mode reserves about 61. Where no mode has that headroom, the
-# least recomputation that fits at all.
+# itself to spare under the budget. Rehearsed, the model is close to every rank's allocated peak,
+# but the caching allocator reserves more than that peak (bench/README.md, memory per tile):
+# mula-220b-a10b chosen at the budget's edge reserved past a 64 GiB tile; with this margin a
+# chosen mode stays under it. Where no mode has that headroom, the least recomputation that fits
+# at all.
 FIT_MARGIN = 0.09
 CHECKPOINTING = ("none", "moe", "full")
 LM_LOSS_CHUNK_ROWS = 4096  # optimus_core.model.linear_cross_entropy.DEFAULT_CHUNK_ROWS

@@ -173,10 +173,9 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
     gpu = getattr(torch, dev.type) if dev.type in ("cuda", "xpu") else None
     # What the device held before this rehearsal built anything (another user of the device) is
     # held throughout: the peak recorded is the rehearsal's own, that subtracted, and the record
-    # says how much it was. An earlier rehearsal's model is collected first: on an H200 one
-    # outlived its rehearsal as cyclic garbage until some later collection, which then fell
-    # inside the next rehearsal and made the subtraction count it twice (bench/NOTES.md,
-    # eighteenth session); its cached blocks are returned, so the reserved peak is this one's.
+    # says how much it was. An earlier rehearsal's model is collected first: left as cyclic
+    # garbage, it could be collected inside this rehearsal and be counted twice by the
+    # subtraction; its cached blocks are returned, so the reserved peak is this one's.
     gc.collect()
     if gpu is not None:
         gpu.empty_cache()

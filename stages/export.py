@@ -5,7 +5,8 @@
     # then: transformers.AutoModelForCausalLM.from_pretrained("results/hf/x")
 
 The conversion (and why MoE and dense models both become ``OlmoeForCausalLM``) lives in
-optimus_core.hf; this stage only names its inputs and outputs (house rule 3).
+optimus_core.hf; this stage only names its inputs and outputs (the house rules: declared inputs
+and outputs only).
 """
 from __future__ import annotations
 

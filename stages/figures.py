@@ -1,4 +1,4 @@
-"""Stage ``figures``: every figure, drawn from the results store alone (house rule 8).
+"""Stage ``figures``: every figure, drawn from the results store alone.
 
     from stages.figures import FiguresConfig, FiguresInputs, FiguresOutputs, run_figures
 

@@ -231,7 +231,7 @@ def _check_resume(run_dir: Path, cfg: RunConfig, old_meta: dict) -> dict:
         return {}
     try:
         saved = RunConfig.from_json(json.dumps(saved))
-    except ConfigError as e:  # a field since removed: the Trainer still compares the checkpoint's model
+    except ConfigError as e:  # a field RunConfig does not read: the Trainer still compares the checkpoint's model
         _log.warning("%s: its saved config does not read as today's (%s); resuming without comparing it", run_dir, e)
         return {}
     return resume_changes(saved, cfg, str(run_dir))

@@ -6,7 +6,7 @@
 The paper draws its runs' downstream accuracy beside AllenAI's OLMoE-1B-7B-0924 checkpoints.
 Those checkpoints cannot be downloaded and evaluated here, so their published numbers are carried
 as data, each file naming its source and the protocol behind the numbers, and put into the store
-like any measurement (house rule 8: every number in a figure comes from the store). A file::
+like any measurement (the house rule: every number in a figure comes from the store). A file::
 
     model: OLMoE-1B-7B-0924
     source: where the numbers were published (a URL and what in it)

@@ -1,4 +1,4 @@
-"""Stage ``report``: results/report.md, written from the results store alone (house rule 8).
+"""Stage ``report``: results/report.md, written from the results store alone.
 
     from stages.report import ReportConfig, ReportInputs, ReportOutputs, run_report
 
@@ -230,10 +230,10 @@ def _memory(store: ResultsStore) -> list[str]:
                   "tile (optimus_core/memory.py, with the activation checkpointing the plan resolves) beside the "
                   "allocator's peak, the tile's budget (the usable share of a 64 GiB Aurora tile) and the device's "
                   "peak while the rank wrote its part of a checkpoint. \"Held before\": what the device held "
-                  "before the rehearsal built anything, subtracted from its peak. GPU records without it (those before "
-                  "2026-12-05) count the weights of the rehearsals run before them in the same process; records where "
-                  "it is over 0.25 GiB (an earlier rehearsal's garbage, collected since) may count up to that much too "
-                  "little, where it was freed during the rehearsal; bench/NOTES.md has both corrected.", "",
+                  "before the rehearsal built anything, subtracted from its peak. GPU records without it count the "
+                  "weights of the rehearsals run before them in the same process; records where it is over 0.25 GiB "
+                  "(an earlier rehearsal's garbage) may count up to that much too little, where it was freed during "
+                  "the rehearsal.", "",
                   *_markdown_table(rows, "lrlrrrrrrr"), ""]
     return lines
 

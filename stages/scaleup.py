@@ -1,5 +1,5 @@
 """The scale-up curves and their report table (the paper's Mula-20B-A2B, -100B-A7B and -220B-A10B
-to 100B tokens), from the results store alone (house rule 8).
+to 100B tokens), from the results store alone.
 
     from stages.scaleup import scaleup_runs, scaleup_figure
     runs = scaleup_runs(store, run_ids)            # the MoE runs among run_ids, smallest first

@@ -11,7 +11,7 @@ efficiency), ``predicted`` the rows of workflow/perfmodel/ (``predict_sweep`` /
 ``predict_points``: the same fields plus ``machine``), ``holdout`` the rows of
 ``perfmodel.holdout_error`` (measured_s, predicted_s, rel_error; workflow/scaling_study.py adds
 ``sweep``, ``run_id`` and ``fit_devices``, the device counts the model was calibrated on). The
-stages read them from the results store (house rule 8); nothing here computes a model.
+stages read them from the results store; nothing here computes a model.
 
 ``read_scaling(store)`` reads the three lists back from the results store: run ``perfmodel``
 (written by `optimus perfmodel`, workflow/scaling_study.py: tables ``measured``, ``predicted``,

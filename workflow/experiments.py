@@ -2,8 +2,8 @@
 
 Snakemake (workflow/rules/*.smk), the `optimus` command (``--experiment NAME --scale S``) and
 the Parsl launcher (workflow/launch.py, workflow/plan.py) all read this module; nothing else
-says how long a run is, on how many tiles, or with which layout (house rule 2). Model shapes are
-not here: they live in optimus_core/presets.py.
+says how long a run is, on how many tiles, or with which layout (the house rule: one source of
+truth per fact). Model shapes are not here: they live in optimus_core/presets.py.
 
     >>> from workflow.experiments import get, pretraining, dag, scaleup
     >>> exp = get("pretrain-mula-7b-a1b")

@@ -26,10 +26,10 @@ The paper trains one epoch. A run longer than that continues with the generator'
 permutation (the authors' "order 2"). The order is the same on any number of ranks, so a run
 resumes on another world size; the loader's state is the epoch and the position in its order.
 
-Each rank draws the order in memory when it starts: 8 bytes a window, 0.75 GiB and 6.7 s for
-1e8 windows on one core of a 2-core CPU (2026-12-06). OLMoE-mix's ~2e9 windows of 2048 tokens
-would take ~15 GiB per rank and minutes; the authors draw it once, offline, into a file every
-rank reads (``generate_metadata.py``), which a paper-scale run will want too.
+Each rank draws the order in memory when it starts: 8 bytes a window, 0.75 GiB and seconds of one
+CPU core for 1e8 windows. OLMoE-mix's ~2e9 windows of 2048 tokens would take ~15 GiB per rank and
+minutes; the authors draw it once, offline, into a file every rank reads (``generate_metadata.py``),
+which a paper-scale run will want too.
 """
 from __future__ import annotations
 

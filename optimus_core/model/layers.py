@@ -71,10 +71,9 @@ class RMSNorm(nn.Module):
         if x.dtype != torch.float32 and not torch.compiler.is_compiling():
             return _RMSNormFunction.apply(x, self.weight, self.eps)
         # Torch ops where the Function gains nothing: a float32 input is its own float32 copy,
-        # and a compiled graph's partitioner chooses what to keep itself. Measured on an H200
-        # (bench/NOTES.md, "The residual stream in bf16"): compiled, the Function's step was
-        # 0.7-2.2 ms slower at 8 x 8, and given a float32 input (which .float() returns as it
-        # is) it passed no gradient at all.
+        # and a compiled graph's partitioner chooses what to keep itself. Measured on an H200:
+        # compiled, the Function's step was slower, and given a float32 input (which .float()
+        # returns as it is) it passed no gradient at all.
         return _rms_norm(x, self.weight, self.eps)[0]
 
 

@@ -69,9 +69,9 @@ def accumulate_dw(dw_VD: torch.Tensor | None, dlogits_CV: torch.Tensor, h_CD: to
     """``dw_VD + dlogits_CV.T @ h_CD`` in float32 (``dw_VD`` None before the first chunk), what
     the float32 master weight receives. Where the GEMM can write float32 from 16-bit inputs
     (torch's mm / addmm ``out_dtype``: CUDA), it adds each chunk into the sum itself: no 16-bit
-    product written and read back, no pass of its own for the add (at 8 x 8 on an H200 -3.4 to
-    -5.6 ms a step, and the product is not rounded to bf16 first: bench/NOTES.md, twentieth
-    session); elsewhere the chunk's product in the compute dtype, then added."""
+    product written and read back, no pass of its own for the add (a shorter step, measured on an
+    H200), and the product is not rounded to bf16 first; elsewhere the chunk's product in the
+    compute dtype, then added."""
     if dlogits_CV.dtype != torch.float32 and _gemm_writes_float32(dlogits_CV.device):
         if dw_VD is None:
             return torch.mm(dlogits_CV.T, h_CD, out_dtype=torch.float32)
@@ -144,8 +144,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if need_dw:
                     dw_VD = accumulate_dw(dw_VD, dlogits_CV, h_CD if keep_C1 is None else h_CD * keep_C1)
                 # This chunk's logits go before the next chunk's are made: held over, with the dW
-                # part, they were 0.58 GiB on top of the forward's activations, where the step
-                # peaked (bench/NOTES.md).
+                # part, they would sit on top of the forward's activations, where the step peaks.
                 logits_CV = dlogits_CV = None
             loss = nll / count  # NaN when every target is ignored, as F.cross_entropy
             inv_count = 1.0 / count.clamp(min=1).float()

@@ -146,8 +146,7 @@ class _SumPartials(torch.autograd.Function):
     """out_TD[t] = the sum, in float32, of the rows partial_SD[s] with token_S[s] == t, returned
     in the partials' dtype; the backward hands each row its token's gradient. It keeps only the
     index: index_add's own backward keeps its float32 source (for an expand_as), rows x d_model x
-    4 bytes per MoE layer from the forward to the backward (13.3 of the 62.9 GiB a rank of
-    mula-100b-a7b held at 12288 tiles, bench/NOTES.md)."""
+    4 bytes per MoE layer from the forward to the backward."""
 
     @staticmethod
     def forward(ctx, partial_SD: torch.Tensor, token_S: torch.Tensor, T: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ Why: torch's fused AdamW moves 32 bytes per parameter when it is given a grad_sc
 the unscaled gradient back) and runs through multi_tensor_apply; this kernel moves 28 and streams
 each tensor. A sharded parameter (a DTensor: optimus_core.parallel.sharding) is updated on its
 local share, its moments plain tensors of the share's shape.
-bench/optimizer.py times both; bench/NOTES.md has the numbers.
+bench/optimizer.py times both.
 
 ``casts`` ({parameter: low-precision copy}, optimus_core.execution.weight_copies): copies kept
 equal to their parameter cast after every step; a bf16 copy is written by the update kernel

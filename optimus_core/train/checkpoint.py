@@ -68,7 +68,7 @@ MODEL, OPTIM, RNG = "model/", "optim/", "rng/"  # key prefixes (module doc)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-WRITE_THREADS = 8  # DCP writer threads (and so files) per rank, at most: bench/NOTES.md, checkpoint I/O
+WRITE_THREADS = 8  # DCP writer threads (and so files) per rank, at most
 BYTES_PER_FILE = 2**30  # ... and at least this much a file, so a small part is one file, not many
 HASH_THREADS = 8  # files hashed at once (hashlib and file reads release the GIL)
 

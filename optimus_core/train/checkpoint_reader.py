@@ -3,13 +3,13 @@
     dcp.load(tensors, storage_reader=ParallelFileReader(step_dir))
 
 torch.distributed.checkpoint's FileSystemReader reads the items of its load plan one after the
-other, file by file, in the calling thread: one torch.load per item, about 1.3 GB/s on an H200
-host reading tmpfs (bench/NOTES.md, checkpoint I/O), where the writer reaches 3.8 GB/s with 8
-threads. This reader splits the plan by file and hands each file's items to the parent's own
-read_data in a thread of its own (file reads, torch.load's unpickling of tensor storage and the
-copies into the targets release the GIL for their bulk). Each target tensor belongs to one item
-and each item to one file, so the threads never write the same memory; the planner's
-resolve/commit calls of the default planners only look up and fill entries of the state dict.
+other, file by file, in the calling thread: one torch.load per item, measured well below the
+threaded writer's rate on an H200 host reading tmpfs. This reader splits the plan by file and
+hands each file's items to the parent's own read_data in a thread of its own (file reads,
+torch.load's unpickling of tensor storage and the copies into the targets release the GIL for
+their bulk). Each target tensor belongs to one item and each item to one file, so the threads
+never write the same memory; the planner's resolve/commit calls of the default planners only
+look up and fill entries of the state dict.
 The result is the parent's, item for item: only the order of the reads differs.
 """
 from __future__ import annotations

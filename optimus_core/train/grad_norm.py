@@ -6,12 +6,12 @@
     total_norm = norms.total()                 # 0-d float32 on the device, no host sync
 
 Clipping needs the L2 norm of all gradients before the update, and computing it after the
-backward is one more read of every gradient: 14 GB, ~4 ms per step for the 8-layer mula-7b-a1b
-on an H200 (bench/NOTES.md), with the device doing nothing else. Here a post-accumulate-grad
-hook queues each gradient's squared norm on a side stream as soon as the last backward has
-finished it, so the reductions run beside the backward's remaining GEMMs (which leave memory
-bandwidth to spare) and only the last few are left at the end. Gradients of earlier
-micro-batches are not final, hence ``arm()`` before the last backward only (train_step does it).
+backward is one more read of every gradient (14 GB a step for the 8-layer mula-7b-a1b), with the
+device doing nothing else. Here a post-accumulate-grad hook queues each gradient's squared
+norm on a side stream as soon as the last backward has finished it, so the reductions run beside
+the backward's remaining GEMMs (which leave memory bandwidth to spare) and only the last few are
+left at the end. Gradients of earlier micro-batches are not final, hence ``arm()`` before the
+last backward only (train_step does it).
 
 Some kernels can do better than a read beside the backward: the triton experts' dW kernel sums
 the squares of the gradient as it stores it (kernels.grouped_mm's ``dw_square``: a 0-d tensor
@@ -41,7 +41,7 @@ class GradNormUnderBackward:
         self._streams: dict[torch.device, object] = {}
         # The hooks hold the tracker weakly: a strong reference would make a cycle (parameter ->
         # hook -> tracker -> parameter) that keeps a dropped model's weights alive until the
-        # cycle collector runs (measured: 13 GiB of one benchmark variant left in the next one's).
+        # cycle collector runs (one benchmark variant's weights left in the next one's memory).
         tracker = weakref.ref(self)
 
         def on_grad(p):

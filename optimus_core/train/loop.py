@@ -170,7 +170,7 @@ class Trainer:
             refresh_copies(expert_copies(self.model))  # written in place, past the load hook
             state = found.load_state()
         self.loader.load_state_dict(state["loader"])
-        if "guard" in state:  # (checkpoints before 2026-12-02 did not keep it)
+        if "guard" in state:  # a checkpoint without it leaves the guard as it starts
             self.guard.load_state_dict(state["guard"])
         self.step = found.step
 

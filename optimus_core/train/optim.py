@@ -63,7 +63,7 @@ def adamw(groups: list[dict], cfg: OptimConfig, kernel: str = "torch", device: t
     else:  # torch: the fused CUDA kernel on CUDA; its default (single-tensor or foreach) elsewhere.
         opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=device.type == "cuda" or None)
         opt.casts = casts
-        if casts:  # a cast pass after the update (the one the forward no longer makes)
+        if casts:  # a cast pass after the update (the forward makes none)
             opt.register_step_post_hook(lambda *_: refresh_copies(casts))
     if norm_under_backward:
         opt.grad_norms = GradNormUnderBackward(grad_holder(p, casts) for g in groups for p in g["params"])
@@ -144,8 +144,7 @@ def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: 
     """Clip by the global gradient norm (returned, before clipping) and update.
 
     A fused optimizer (CUDA) gets the clip factor as its grad_scale, which saves one read and
-    one write of every gradient per step (bench/NOTES.md); elsewhere the gradients are clipped
-    in place first.
+    one write of every gradient per step; elsewhere the gradients are clipped in place first.
     """
     norms = getattr(optimizer, "grad_norms", None)  # computed under the backward, when armed
     armed = norms is not None and norms.armed

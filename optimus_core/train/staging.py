@@ -8,10 +8,10 @@
 Device tensors are copied into page-locked (pinned) host buffers with non-blocking copies and one
 synchronisation of the device; the buffers are kept and reused by the next ``stage`` while the
 shapes are unchanged, because pinning a rank's part costs seconds each time and a copy into pinned
-memory runs at the host link's speed, a pageable one several times slower (bench/NOTES.md,
-checkpoint I/O). Host tensors are copied only for a ``snapshot`` (a background write reads them
-while training changes the originals); a foreground write reads them in place. DTensors are
-staged as DTensors of the same layout with a host local part, as DCP's own stagers do.
+memory runs at the host link's speed, a pageable one several times slower. Host tensors are
+copied only for a ``snapshot`` (a background write reads them while training changes the
+originals); a foreground write reads them in place. DTensors are staged as DTensors of the
+same layout with a host local part, as DCP's own stagers do.
 
 A staging's buffers are what its last ``stage`` returned: a write reading them must be finished
 before the next ``stage`` (Trainer.save publishes the previous save first).

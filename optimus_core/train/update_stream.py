@@ -9,7 +9,7 @@ under the next step's forward instead of after the backward.
 Why: AdamW over float32 master weights and moments streams ~30 bytes per parameter (25 ms per
 step for the 8-layer mula-7b-a1b on an H200, at HBM bandwidth), while the forward is bound by
 tensor-core math and, in eager dispatch, by the host's launches; run one after the other the GPU
-does one of the two at a time (bench/NOTES.md). Here the update of the embedding is queued first,
+does one of the two at a time. Here the update of the embedding is queued first,
 then each block's, then the final norm's with the LM head's, each followed by an event; a forward
 pre-hook on each stage makes the current stream wait for that stage's event before the stage's
 first kernel. The forward of block 0 so overlaps the update of block 1, and so on.
@@ -20,10 +20,10 @@ weight without calling the head, so the head's update is awaited by the final no
 always comes right before the head's use.
 
 The update's stream has the highest priority, since the chain of stage updates is the critical
-path (each stage's forward waits for its update). Measured on an H200 (bench/NOTES.md): 2 to 3.5
-ms less per step than the update after the backward, not the 8 to 14 predicted: beside the
-forward the update kernels run at about half their speed, whatever the streams' priorities
-(three settings within 0.2 ms) or the update's block size.
+path (each stage's forward waits for its update). Measured on an H200, the step is shorter than
+with the update after the backward, by less than the update's own time: beside the forward the
+update kernels run at about half their speed, whatever the streams' priorities or the update's
+block size.
 
 Nothing waits on the host. What reads parameters or optimizer state outside a forward (a
 checkpoint, a state dict, a load) must ``settle_updates`` first: TritonAdamW's ``state_dict`` and
@@ -31,7 +31,7 @@ checkpoint, a state dict, a load) must ``settle_updates`` first: TritonAdamW's `
 Gradients freed by ``zero_grad`` after the step stay referenced here until the stage's forward
 has waited for its update, and are released then, back to the step's stream: kept from reuse
 while the update reads them, without ``record_stream``, which would hold their memory from the
-next forward's activations and grow the reserved memory (7 GiB measured). On a CPU there is no
+next forward's activations and grow the reserved memory. On a CPU there is no
 side stream: the stages update in place, in order, which is correct and saves nothing (tests
 check the staging logic there).
 """

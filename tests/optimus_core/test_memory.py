@@ -88,9 +88,8 @@ def test_block_activations_are_what_autograd_saves(cfg, mode, kernel, residual):
 
 def test_a_bf16_residual_stream_keeps_less():
     """A bf16 residual halves the block's input and the residual after attention; each norm
-    keeps that input as it comes (given a float32 one, torch's ops keep its normalised value too,
-    bench/NOTES.md), and the q, k and v projections read one bf16 normed input instead of three
-    casts."""
+    keeps that input as it comes (given a float32 one, torch's ops keep its normalised value too),
+    and the q, k and v projections read one bf16 normed input instead of three casts."""
     for cfg, per_token in ((MOE, 2 * 2 + 2 * 4 + 2 * 2), (DENSE, 2 * 2 + 2 * 4 + 2 * 2 + 2)):  # + gate and up
         fp32, bf16 = (saved_activation_bytes(cfg, 2, 64, residual=dt) for dt in (torch.float32, torch.bfloat16))
         assert fp32 - bf16 == pytest.approx(per_token * cfg.d_model * 2 * 64, rel=0.01)  # and the rsqrts

@@ -31,9 +31,9 @@ def test_a_rank_of_eight_trains_on_loopback_collectives_and_writes_its_checkpoin
 
 
 def test_a_rehearsed_rank_is_freed_when_the_rehearsal_returns(monkeypatch):
-    # The MoE layers' routing losses, left on the modules after the step, closed a cycle through
-    # the autograd graph and FSDP2's autograd functions that gc cannot see: every rehearsal of a
-    # sweep was measured with the earlier ones' weights still allocated (bench/NOTES.md).
+    # The MoE layers' routing losses, left on the modules after the step, would close a cycle
+    # through the autograd graph and FSDP2's autograd functions that gc cannot see: every
+    # rehearsal of a sweep would be measured with the earlier ones' weights still allocated.
     import gc
     import weakref
 

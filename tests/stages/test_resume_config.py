@@ -58,7 +58,7 @@ def test_a_refusal_names_every_field_that_may_not_change_and_only_those():
 def test_a_config_saved_before_fields_moved_compares_as_today_reads_it():
     cfg = presets.get("mula-1b@laptop").run_config()
     saved = cfg.to_dict()
-    saved["train"]["dtype"] = saved["execution"].pop("dtype")  # where execution.dtype lived before 2026-12-02
+    saved["train"]["dtype"] = saved["execution"].pop("dtype")  # execution.dtype at its former place (MOVED)
     assert config_changes(saved, cfg) == {}
 
 

@@ -59,7 +59,7 @@ def test_rms_norm_keeps_a_16_bit_input_and_one_rsqrt_per_row():
 def test_a_float32_input_and_a_compiled_graph_take_torch_ops():
     """Where the Function gains nothing (a float32 input is its own copy; a compiled graph's
     partitioner picks what to keep), torch's ops, which torch.compile differentiates itself: on
-    an H200 the Function passed no gradient through a compiled float32 norm (bench/NOTES.md)."""
+    an H200 the Function passed no gradient through a compiled float32 norm."""
     norm = RMSNorm(64)
     x = torch.randn(6, 64, requires_grad=True)
     assert type(norm(x).grad_fn).__name__ == "MulBackward0"

@@ -283,8 +283,7 @@ def test_on_gpu_with_the_triton_experts(compiled):
     # parameters that rounding moved apart, which bf16 training amplifies (measured on an H200:
     # 0.2 % in the fourth step's norm, a few of 4096 elements 5e-3 apart, as Adam turns a
     # near-zero gradient's sign into a whole lr, and a norm scale's movement 6 % apart, compiled;
-    # 1.4 % in the fourth step's norm, eager, on 2026-12-05, the same in three runs: the kernels
-    # changed since the first measurement, and with them the path). So each tensor's movement is
+    # 1.4 % in the fourth step's norm, eager, the same in three runs). So each tensor's movement is
     # compared whole, and the later norms to 3 %: an update that missed the experts, or applied
     # another gradient, would be 100 % off.
     assert n[0] == pytest.approx(n_ref[0], rel=1e-3)
