@@ -54,6 +54,8 @@ hits every row alike. Output: a table on stdout, bench/results/kernels-<device>.
 results store imports (optimus_core.store), run "bench-kernels-<device>" with one table per
 series, step = tokens. Without a GPU: exits with a message; `--quick` with TRITON_INTERPRET=1
 runs a tiny float32 smoke check on the CPU instead (timings meaningless).
+One file past 600 lines: every row of the table goes through the same timing harness (turns,
+warm-up, telemetry), which its passes share.
 """
 
 from __future__ import annotations

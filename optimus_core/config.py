@@ -21,134 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Optional, Union
 
 from . import flops
+from .validation import MOVED, RETIRED, ConfigError, Validated, fail, from_dict
 
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message names the field and what is allowed."""
-
-
-# ----------------------------------------------------------------------------- validation helpers
-
-def _fail(path: str, value: Any, allowed: str) -> None:
-    raise ConfigError(f"{path} = {value!r}: {allowed}")
-
-
-def _check_type(path: str, value: Any, tp: Any) -> Any:
-    """Check (and where lossless, coerce) ``value`` against annotation ``tp``."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        candidates = [a for a in args if a is not type(None)]
-        if len(candidates) == 1:  # Optional[X]: X's own message is the helpful one
-            return _check_type(path, value, candidates[0])
-        for arg in candidates:
-            try:
-                return _check_type(path, value, arg)
-            except ConfigError:
-                pass
-        _fail(path, value, f"must be {_type_name(tp)}")
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed:
-            _fail(path, value, f"must be one of {', '.join(map(repr, allowed))}")
-        return value
-    if origin in (tuple,):
-        args = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)):
-            _fail(path, value, f"must be a sequence of {len(args)} values")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_check_type(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value))
-        if len(value) != len(args):
-            _fail(path, value, f"must have exactly {len(args)} values")
-        return tuple(_check_type(f"{path}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if isinstance(value, dict):
-            return from_dict(tp, value, path)
-        _fail(path, value, f"must be a mapping for {tp.__name__}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        _fail(path, value, "must be true or false")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            _fail(path, value, "must be an integer")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            _fail(path, value, "must be a number")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            _fail(path, value, "must be a string")
-        return value
-    return value
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is Literal:
-        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
-    return getattr(tp, "__name__", str(tp))
-
-
-class _Validated:
-    """Base: type-checks every field against its annotation, then calls ``check()``."""
-
-    _section: typing.ClassVar[str] = ""
-
-    def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
-        for f in fields(self):
-            value = _check_type(self._path(f.name), getattr(self, f.name), hints[f.name])
-            object.__setattr__(self, f.name, value)
-        self.check()
-
-    def _path(self, name: str) -> str:
-        return f"{self._section}.{name}" if self._section else name
-
-    def _require(self, ok: bool, name: str, allowed: str) -> None:
-        if not ok:
-            _fail(self._path(name), getattr(self, name), allowed)
-
-    def check(self) -> None:  # overridden per concern
-        pass
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def replace(self, **changes: Any):
-        return dataclasses.replace(self, **changes)
-
-
-def from_dict(cls: type, data: dict, path: str = "") -> Any:
-    """Build ``cls`` from a mapping; unknown keys are an error that lists the known ones."""
-    if not isinstance(data, dict):
-        _fail(path or cls.__name__, data, f"must be a mapping for {cls.__name__}")
-    known = {f.name for f in fields(cls)}
-    if cls is RunConfig:
-        data = _migrate(data)
-    data = {k: v for k, v in data.items() if k not in getattr(cls, "_retired", ())}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        where = f"{path}." if path else ""
-        raise ConfigError(
-            f"unknown field {where}{unknown[0]} (in {cls.__name__}); known fields: {', '.join(sorted(known))}"
-        )
-    return cls(**data)
+__all__ = ["MOVED", "RETIRED", "ConfigError", "DataConfig", "ExecutionConfig", "ModelConfig", "MoEConfig",
+           "OptimConfig", "ParallelConfig", "RunConfig", "ScheduleConfig", "TrainConfig", "apply_overrides",
+           "from_dict", "parse_value"]
 
 
 # ----------------------------------------------------------------------------- concerns
@@ -157,13 +39,10 @@ LB_LOSS_SCOPES = ("forward", "global")
 
 
 @dataclass(frozen=True)
-class MoEConfig(_Validated):
+class MoEConfig(Validated):
     """Mixture-of-experts feed-forward: a softmax top-k router over ``n_experts`` SwiGLU experts."""
 
     _section: typing.ClassVar[str] = "model.moe"
-    # how the experts executed, which configs written before the execution section held here:
-    # read and dropped (RunConfig's migration moves experts_backend to execution.experts)
-    _retired: typing.ClassVar[frozenset] = frozenset({"experts_backend", "weights_before_down"})
 
     n_experts: int = 64
     top_k: int = 8
@@ -204,7 +83,7 @@ class MoEConfig(_Validated):
 
 
 @dataclass(frozen=True)
-class ModelConfig(_Validated):
+class ModelConfig(Validated):
     """A decoder-only transformer: pre-norm (RMSNorm or OLMo-1B's non-parametric LayerNorm), RoPE,
     optional QK-norm, SwiGLU or MoE feed-forward, untied embeddings."""
 
@@ -287,12 +166,10 @@ class ModelConfig(_Validated):
 
 
 @dataclass(frozen=True)
-class OptimConfig(_Validated):
+class OptimConfig(Validated):
     """AdamW (decoupled weight decay; norms, biases and embeddings' decay as OLMoE) + clipping."""
 
     _section: typing.ClassVar[str] = "optim"
-    _retired: typing.ClassVar[frozenset] = frozenset(
-        {"implementation", "grad_norm_under_backward", "grad_norm_from_dw", "update_beside_forward"})
 
     lr: float = 4e-4
     betas: tuple[float, float] = (0.9, 0.95)
@@ -315,7 +192,7 @@ class OptimConfig(_Validated):
 
 
 @dataclass(frozen=True)
-class ScheduleConfig(_Validated):
+class ScheduleConfig(Validated):
     """Learning rate: linear warmup, then cosine to ``min_lr_ratio`` x lr over the decay horizon,
     or warmup-stable-decay (optimus_core.train.schedule)."""
 
@@ -344,7 +221,7 @@ class ScheduleConfig(_Validated):
 
 
 @dataclass(frozen=True)
-class DataConfig(_Validated):
+class DataConfig(Validated):
     """The tokenized data: a directory written by ``optimus tokenize``."""
 
     _section: typing.ClassVar[str] = "data"
@@ -365,14 +242,10 @@ class DataConfig(_Validated):
 
 
 @dataclass(frozen=True)
-class ParallelConfig(_Validated):
+class ParallelConfig(Validated):
     """Rank layout: every rank is data parallel; experts split over ``ep`` ranks."""
 
     _section: typing.ClassVar[str] = "parallel"
-    # read and dropped, so that older runs still evaluate and export: the ZeRO-1 optimizer's
-    # gradient buckets (configs written before full sharding) and the tp / pp placeholders,
-    # always 1 (configs written before 2026-12-02)
-    _retired: typing.ClassVar[frozenset] = frozenset({"grad_sync_chunk_mb", "overlap_grad_sync", "tp", "pp"})
 
     ep: int = 1
     # The experts' weights, gradients and AdamW state: "ep_aware" shards them over the ranks that
@@ -405,16 +278,10 @@ class ParallelConfig(_Validated):
 
 
 @dataclass(frozen=True)
-class TrainConfig(_Validated):
+class TrainConfig(Validated):
     """How long and how: steps, batch in sequences, precision, cadences."""
 
     _section: typing.ClassVar[str] = "train"
-    # how a run executed, which configs written before the execution section held here: read and
-    # dropped (RunConfig's migration moves those that live on to execution)
-    _retired: typing.ClassVar[frozenset] = frozenset(
-        {"dtype", "compile", "compile_mode", "activation_checkpointing", "activation_checkpointing_every",
-         "memory_budget_gib", "recast_expert_weights", "expert_weight_casts", "expert_grad_dtype",
-         "fused_lm_loss", "lm_loss_softmax"})
 
     steps: int = 1000
     global_batch: int = 1024  # sequences per optimizer step, over all ranks
@@ -472,7 +339,7 @@ class TrainConfig(_Validated):
 
 
 @dataclass(frozen=True)
-class ExecutionConfig(_Validated):
+class ExecutionConfig(Validated):
     """How a run executes on its devices, not what it trains: every choice here leaves the model's
     parameters, the data order and the checkpoint format as they are (a run resumes under other
     choices), and changes its numbers by rounding only (bf16 autocast the most).
@@ -491,7 +358,7 @@ class ExecutionConfig(_Validated):
     # expert, the ablation's baseline). auto: triton where it passed its self-check on the
     # device (kernels.selfcheck), else torch where torch._grouped_mm has a fast path, else loop
     experts: Literal["auto", "loop", "torch", "triton"] = "auto"
-    # torch.compile of each block. auto: on for CUDA (measured faster, bench/NOTES.md), off on a
+    # torch.compile of each block. auto: on for one CUDA GPU (measured faster there), off on a
     # CPU and on XPU (not measured there yet)
     compile: Union[bool, Literal["auto"]] = "auto"
     # the AdamW update: "triton" (one streaming kernel per tensor, kernels.adamw) or "torch"
@@ -516,17 +383,12 @@ class ExecutionConfig(_Validated):
     memory_budget_gib: Optional[float] = None
     # Under bf16 on one process: the experts' float32 weights cast inside each grouped GEMM
     # (forward, and again in backward) instead of bf16 copies that the optimizer keeps: less
-    # memory for a little more time (bench/NOTES.md has both)
+    # memory for a little more time
     recast_expert_weights: bool = False
     # Under bf16: the residual stream (the blocks' inputs and outputs, and their gradients) in
     # float32 instead of bf16 (Megatron's --fp32-residual-connection). Off: bf16, as OLMo-core's
     # FSDP recipe for OLMoE-1B-7B keeps it; half the residual's bytes kept and moved
     fp32_residual: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.activation_checkpointing, bool):  # configs written before the modes
-            object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
-        super().__post_init__()
 
     def check(self) -> None:
         self._require(self.activation_checkpointing_every >= 1, "activation_checkpointing_every",
@@ -536,7 +398,7 @@ class ExecutionConfig(_Validated):
 
 
 @dataclass(frozen=True)
-class RunConfig(_Validated):
+class RunConfig(Validated):
     """Everything a training run resolves to; recorded in the run directory and the store."""
 
     preset: str = ""
@@ -550,11 +412,11 @@ class RunConfig(_Validated):
 
     def check(self) -> None:
         if self.data.seq_len > self.model.max_seq_len:
-            _fail("data.seq_len", self.data.seq_len, f"must be <= model.max_seq_len ({self.model.max_seq_len})")
+            fail("data.seq_len", self.data.seq_len, f"must be <= model.max_seq_len ({self.model.max_seq_len})")
         if self.model.moe is not None and self.model.moe.n_experts % self.parallel.ep:
-            _fail("parallel.ep", self.parallel.ep, f"must divide model.moe.n_experts ({self.model.moe.n_experts})")
+            fail("parallel.ep", self.parallel.ep, f"must divide model.moe.n_experts ({self.model.moe.n_experts})")
         if self.model.moe is None and self.execution.activation_checkpointing == "moe":
-            _fail("execution.activation_checkpointing", "moe", "needs an MoE model (model.moe); use 'full' or 'none'")
+            fail("execution.activation_checkpointing", "moe", "needs an MoE model (model.moe); use 'full' or 'none'")
 
     @property
     def tokens_per_step(self) -> int:
@@ -568,55 +430,6 @@ class RunConfig(_Validated):
         return from_dict(cls, json.loads(text))
 
 
-# ----------------------------------------------------------------------------- fields that moved
-# Performance choices that lived in other sections before the execution section (2026-12-02):
-# their new home, for configs written before (checkpoints' meta.json, run configs) and for
-# ``--set`` of an old name (an error that names the new one). Not here: removed A/B-only choices,
-# which their sections' _retired drop (bench/NOTES.md records what each measured).
-MOVED = {
-    "train.dtype": "execution.dtype",
-    "train.compile": "execution.compile",
-    "model.moe.experts_backend": "execution.experts",
-    "optim.implementation": "execution.adamw",
-    "train.lm_loss_softmax": "execution.lm_loss",
-    "train.activation_checkpointing": "execution.activation_checkpointing",
-    "train.activation_checkpointing_every": "execution.activation_checkpointing_every",
-    "train.memory_budget_gib": "execution.memory_budget_gib",
-    "train.recast_expert_weights": "execution.recast_expert_weights",
-}
-RETIRED = {  # old name -> what runs now
-    "model.moe.weights_before_down": "the routing weights always scale the SwiGLU output",
-    "optim.grad_norm_under_backward": "the clip's norm is always taken under the backward where it can be",
-    "optim.grad_norm_from_dw": "the dW kernel's sums of squares are always used where they exist",
-    "optim.update_beside_forward": "the update always runs beside the next forward where it can",
-    "train.compile_mode": "blocks compile in torch.compile's default mode",
-    "train.expert_weight_casts": "the optimizer keeps the experts' bf16 copies wherever they apply",
-    "train.expert_grad_dtype": "expert gradients stay in bf16 on the copies wherever that holds",
-    "train.fused_lm_loss": "the LM loss is always fused with the head",
-}
-
-
-def _migrate(data: dict) -> dict:
-    """A run config's mapping with the fields of MOVED at their new place (a value already at the
-    new place wins); RETIRED ones are left for their sections to drop."""
-    if not isinstance(data, dict):
-        return data
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
-    if isinstance(out.get("model"), dict) and isinstance(out["model"].get("moe"), dict):
-        out["model"]["moe"] = dict(out["model"]["moe"])
-    for old, new in MOVED.items():
-        *parents, leaf = old.split(".")
-        node = out
-        for key in parents:
-            node = node.get(key) if isinstance(node, dict) else None
-        if not isinstance(node, dict) or leaf not in node:
-            continue
-        value = node.pop(leaf)
-        section, new_leaf = new.split(".")
-        target = out.setdefault(section, {})
-        if isinstance(target, dict):
-            target.setdefault(new_leaf, value)
-    return out
 
 
 # ----------------------------------------------------------------------------- overrides
@@ -639,7 +452,7 @@ def apply_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:
         if dotted in MOVED:
             raise ConfigError(f"{dotted} is now {MOVED[dotted]} (the execution section: how a run executes)")
         if dotted in RETIRED:
-            raise ConfigError(f"{dotted} is no longer a choice: {RETIRED[dotted]} (bench/NOTES.md has the A/B)")
+            raise ConfigError(f"{dotted} is no longer a choice: {RETIRED[dotted]}")
         keys = dotted.split(".")
         node, cls = data, type(cfg)
         for i, key in enumerate(keys):

@@ -232,8 +232,6 @@ def _load_sharded(point: "_Point", mesh) -> Transformer:
     from optimus_core.train import checkpoint as ckpt
     from optimus_core.train.build import build_model
 
-    if point.found.format == "torch":
-        raise ValueError(f"{point.found.path} is in the earlier one-process format: evaluate it on one process")
     model = build_model(_eval_layout(point.cfg, mesh.world_size), mesh)
     ckpt.load_tensors_(point.found, ckpt.model_tensors(model, mesh), mesh.distributed)
     return model.eval()

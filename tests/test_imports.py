@@ -18,7 +18,8 @@ PACKAGES = ("optimus_core", "kernels", "stages", "workflow")
 
 # The core's layers, lowest first: a module may import its own layer and those before it.
 CORE_LAYERS = [
-    {"atomic", "outputs", "paths", "config", "device", "flops", "log", "timing", "provenance", "store", "presets", "tags", "memory"},
+    {"atomic", "outputs", "paths", "config", "device", "flops", "log", "timing", "provenance", "store", "presets", "tags", "memory",
+     "validation"},
     {"data", "model"},
     {"parallel"},
     {"execution"},  # the plan, applied to the model from outside: above the model and parallel/

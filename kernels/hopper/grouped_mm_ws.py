@@ -53,6 +53,10 @@ cooperative) measured no faster for a bf16 dw.
 
 Needs Triton with Gluon's Hopper language (3.5+), an NVIDIA sm90 GPU and 16-bit inputs; no
 interpreter (Gluon has none), so on a CPU the kernel is only compiled (compile_for_sm90).
+
+One module past 600 lines: the Gluon program (loader, two consumers, three epilogues), its
+launcher and its compile check share one tile layout and its constants; apart, no piece reads
+without the others.
 """
 
 from __future__ import annotations

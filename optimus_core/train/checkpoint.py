@@ -32,13 +32,14 @@ were; there is no pointer file to disagree with them (a ``latest`` file of earli
 ignored). On load, a checkpoint whose files are missing, fail their checksum or belong to another
 run is skipped with a warning naming the file and why, and the previous one is used.
 
-Checkpoints of earlier versions still evaluate and export (``Checkpoint.load_model_state``):
-the one-process format (model.pt, optim.pt, state.pt) also resumes on one process; the first
-sharded format (its optimizer state kept per ZeRO-1 bucket) no longer resumes.
+This is the one format read: a checkpoint of another (``format`` and ``version`` in meta.json;
+``optimus``, the revision that wrote it) is refused in one line that names them
+(CheckpointFormatError), never skipped or set aside as if it were damaged.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import re
@@ -54,16 +55,16 @@ import torch
 
 from ..atomic import atomic_dir, atomic_write
 from ..config import RunConfig, from_dict
+from ..provenance import git_revision
 from ..model.transformer import Transformer
 from .disk_space import bytes_to_write, space_errors_named
 from .staging import HostStaging
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
-FORMAT, VERSION = "dcp", 3  # meta.json's "format" and "version" of what save_checkpoint writes
-# (version 3: per-rank manifests; version 2 listed every file's sha256 in meta.json and still resumes)
+FORMAT, VERSION = "dcp", 3  # meta.json's "format" and "version": what save_checkpoint writes and reads
 MANIFESTS = "manifests"
 INVALID = "invalid"  # checkpoints/invalid/: step directories a resume found invalid (set_aside)
-REQUIRED_FILES = {"torch": ("model.pt", "optim.pt", "state.pt"), "dcp": (".metadata", "state.pt")}
+REQUIRED_FILES = (".metadata", "state.pt")
 MODEL, OPTIM, RNG = "model/", "optim/", "rng/"  # key prefixes (module doc)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -91,6 +92,27 @@ def _sha256_files(paths: list[Path]) -> dict[str, str]:
         return dict(zip((p.name for p in paths), pool.map(_sha256, paths)))
 
 
+@functools.lru_cache(maxsize=1)
+def _writer() -> str:
+    """meta.json's "optimus": the revision of the Optimus that writes a checkpoint."""
+    return f"Optimus {git_revision()}"
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint of another format than this Optimus writes: one line naming what wrote it."""
+
+
+def check_format(path: Path, meta: dict) -> None:
+    """CheckpointFormatError unless ``meta`` (``path``'s meta.json) is of FORMAT and VERSION."""
+    found = (meta.get("format", "torch"), meta.get("version", 1))
+    if found == (FORMAT, VERSION):
+        return
+    wrote = meta.get("optimus") or "an earlier Optimus"
+    raise CheckpointFormatError(f"{path}: a checkpoint of format {found[0]!r} version {found[1]}, written by "
+                                f"{wrote}; this Optimus reads format {FORMAT!r} version {VERSION} only: resume, "
+                                f"evaluate or export it with the Optimus that wrote it")
+
+
 @dataclass
 class Checkpoint:
     path: Path
@@ -100,24 +122,11 @@ class Checkpoint:
     def step(self) -> int:
         return int(self.meta["step"])
 
-    @property
-    def format(self) -> str:
-        return self.meta.get("format", "torch")
-
-    @property
-    def resumable_here(self) -> str | None:
-        """None if a run can resume from it; else why not."""
-        if self.format == FORMAT and self.meta.get("version", 1) < VERSION:
-            return (f"{self.path} was written by an earlier Optimus (its optimizer state is kept per ZeRO-1 "
-                    f"bucket): it still evaluates and exports, but a run cannot resume from it; start a new "
-                    f"run directory (or `--set train.init_from=` an `optimus export-hf` of it)")
-        return None
-
     def load_model_state(self, map_location="cpu") -> dict:
-        """The whole (unsharded) model state dict, whatever the format, read by this process alone."""
-        if self.format == FORMAT:
-            return {k[len(MODEL):]: v.to(map_location) for k, v in read_full(self.path, MODEL).items()}
-        return torch.load(self.path / "model.pt", map_location=map_location, weights_only=True)
+        """The whole (unsharded) model state dict, read by this process alone."""
+        from .checkpoint_reader import read_full
+
+        return {k[len(MODEL):]: v.to(map_location) for k, v in read_full(self.path, MODEL).items()}
 
     def load_state(self) -> dict:
         return torch.load(self.path / "state.pt", map_location="cpu", weights_only=True)
@@ -193,13 +202,12 @@ def validate(path: Path, share: tuple[int, int] = (0, 1)) -> dict:
     if not meta_path.is_file():
         raise ValueError(f"{path}: no meta.json (incomplete checkpoint)")
     meta = json.loads(meta_path.read_text())
+    check_format(path, meta)
     listed = meta.get("files", {})
-    missing = [name for name in REQUIRED_FILES.get(meta.get("format", "torch"), ()) if name not in listed]
+    missing = [name for name in REQUIRED_FILES if name not in listed]
     if missing:
         raise ValueError(f"{path}: meta.json lists no checksum for {', '.join(missing)}")
     _check_files(path, listed, "meta.json")
-    if "manifests" not in meta:  # version 2 and earlier: meta.json listed every file
-        return meta
     for i in range(rank, int(meta["manifests"]), world):
         name = manifest_name(i)
         try:
@@ -265,6 +273,8 @@ def _agreed(path: Path, share: tuple[int, int], all_max) -> Checkpoint | None:
     rank, world = share
     try:
         found, why = Checkpoint(path, validate(path, share)), None
+    except CheckpointFormatError:  # not damaged: another Optimus's (every rank reads the same meta.json)
+        raise
     except (ValueError, json.JSONDecodeError, OSError) as e:
         found, why = None, e
     if why is not None:
@@ -488,7 +498,7 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, met
             if rank == 0:
                 torch.save(state, tmp / "state.pt")
                 files = {name: _sha256(tmp / name) for name in (".metadata", "state.pt")}
-                full_meta = dict(meta, step=step, format=FORMAT, version=VERSION, save_id=save_id,
+                full_meta = dict(meta, step=step, format=FORMAT, version=VERSION, optimus=_writer(), save_id=save_id,
                                  manifests=world, files=files)
                 (tmp / "meta.json").write_text(json.dumps(full_meta, indent=2, sort_keys=True))
         if rank != 0:
@@ -557,9 +567,6 @@ def load_tensors_(found: Checkpoint, tensors: dict, distributed: bool) -> None:
 
     from .checkpoint_reader import ParallelFileReader
 
-    why = found.resumable_here
-    if why:
-        raise ValueError(why)
     if found.meta.get("world_size", 1) != _world_of(tensors):
         tensors = {k: v for k, v in tensors.items() if not k.startswith(RNG)}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -570,37 +577,6 @@ def load_tensors_(found: Checkpoint, tensors: dict, distributed: bool) -> None:
 def _world_of(tensors: dict) -> int:
     rng = tensors.get(RNG + "torch")
     return 1 if rng is None else int(rng.shape[0])
-
-
-def read_full(path: Path, prefix: str) -> dict:
-    """Every tensor of a sharded checkpoint whose key starts with ``prefix``, whole, on this
-    process alone (no collective)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from .checkpoint_reader import ParallelFileReader
-
-    reader = ParallelFileReader(path)
-    metadata = reader.read_metadata()
-    full = {k: torch.empty(m.size, dtype=m.properties.dtype)
-            for k, m in metadata.state_dict_metadata.items()
-            if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.load(full, storage_reader=reader, no_dist=True)
-    return full
-
-
-def load_torch_format_(found: Checkpoint, model, optimizer) -> None:
-    """Resume one process from a checkpoint of the earlier one-process format (model.pt, optim.pt):
-    the weights, then the optimizer state (expert moments reshaped to the weights' rows)."""
-    model.load_state_dict(torch.load(found.path / "model.pt", map_location="cpu", weights_only=True))
-    optimizer.load_state_dict(torch.load(found.path / "optim.pt", map_location="cpu", weights_only=True))
-    inner = getattr(optimizer, "inner", optimizer)
-    for p, state in inner.state.items():
-        for moment in MOMENTS:
-            if moment in state and state[moment].shape != p.shape:
-                state[moment] = state[moment].reshape(p.shape)
 
 
 def load_model(run_dir: str | Path, map_location: str = "cpu", *, with_step: bool = False):

@@ -1,6 +1,7 @@
 """DCP's file-system reader with the files of a checkpoint read at once, one thread a file.
 
     dcp.load(tensors, storage_reader=ParallelFileReader(step_dir))
+    read_full(step_dir, "model/")          # every tensor under a key prefix, whole, in this process
 
 torch.distributed.checkpoint's FileSystemReader reads the items of its load plan one after the
 other, file by file, in the calling thread: one torch.load per item, measured well below the
@@ -15,8 +16,11 @@ The result is the parent's, item for item: only the order of the reads differs.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.futures import Future
 
@@ -48,3 +52,20 @@ class ParallelFileReader(FileSystemReader):
         finished: Future = Future()
         finished.set_result(None)
         return finished
+
+
+def read_full(path: Path, prefix: str) -> dict:
+    """Every tensor of a sharded checkpoint whose key starts with ``prefix``, whole, on this
+    process alone (no collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = ParallelFileReader(path)
+    metadata = reader.read_metadata()
+    full = {k: torch.empty(m.size, dtype=m.properties.dtype)
+            for k, m in metadata.state_dict_metadata.items()
+            if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load(full, storage_reader=reader, no_dist=True)
+    return full

@@ -157,18 +157,12 @@ class Trainer:
         # the data's tokenizer file was hashed when the Trainer was made: compare, do not hash again
         refuse_other_tokenizer(self.data_dir, self.tokenizer_sha256, trained_tokenizer(found.meta),
                                f"checkpoint {found.path}")
-        if found.format == "torch":  # the earlier one-process format
-            if self.mesh.distributed:
-                raise ValueError(f"{found.path} is in the earlier one-process format: resume it on one process")
-            ckpt.load_torch_format_(found, self.model, self.optimizer)
-            state = found.load_state()
-            torch.set_rng_state(state["torch_rng"])
-        else:  # any layout: each rank reads the rows it holds
-            tensors = ckpt.training_tensors(self.model, self.optimizer, self.mesh)
-            ckpt.load_tensors_(found, tensors, self.mesh.distributed)
-            ckpt.restore_rng(tensors, self.mesh)
-            refresh_copies(expert_copies(self.model))  # written in place, past the load hook
-            state = found.load_state()
+        # any layout: each rank reads the rows it holds
+        tensors = ckpt.training_tensors(self.model, self.optimizer, self.mesh)
+        ckpt.load_tensors_(found, tensors, self.mesh.distributed)
+        ckpt.restore_rng(tensors, self.mesh)
+        refresh_copies(expert_copies(self.model))  # written in place, past the load hook
+        state = found.load_state()
         self.loader.load_state_dict(state["loader"])
         if "guard" in state:  # a checkpoint without it leaves the guard as it starts
             self.guard.load_state_dict(state["guard"])

@@ -59,7 +59,7 @@ def resumable(field: str) -> bool:
 
 
 def _plain(config: RunConfig | dict) -> dict:
-    """A config as today's RunConfig reads it (moved and retired fields migrated), JSON-plain."""
+    """A config as today's RunConfig reads it, JSON-plain (a former field: ConfigError naming it)."""
     cfg = config if isinstance(config, RunConfig) else RunConfig.from_json(json.dumps(config))
     return json.loads(json.dumps(cfg.to_dict()))
 

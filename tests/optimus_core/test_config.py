@@ -67,9 +67,8 @@ def test_execution_defaults_are_all_auto():
     ex = RunConfig().execution
     assert (ex.dtype, ex.experts, ex.compile, ex.adamw, ex.lm_loss, ex.activation_checkpointing) == ("auto",) * 6
     assert (ex.activation_checkpointing_every, ex.memory_budget_gib, ex.recast_expert_weights) == (1, None, False)
-    # configs written before the checkpointing modes held a bool
-    assert ExecutionConfig(activation_checkpointing=True).activation_checkpointing == "full"
-    assert ExecutionConfig(activation_checkpointing=False).activation_checkpointing == "none"
+    with pytest.raises(ConfigError, match="execution.activation_checkpointing = True: must be one of"):
+        ExecutionConfig(activation_checkpointing=True)  # a mode, not a bool
 
 
 @pytest.mark.parametrize("old, new, value", [
@@ -106,31 +105,24 @@ def test_the_tp_and_pp_placeholders_are_gone(old):
         apply_overrides(RunConfig(), {old: 1})
 
 
-def test_stored_configs_with_the_old_names_are_migrated():
-    """meta.json and checkpoints written before the execution section still load: moved fields at
-    their new place, removed choices dropped."""
-    old = RunConfig(model=ModelConfig(moe=MoEConfig())).to_dict()
-    del old["execution"]
-    old["train"].update(dtype="bfloat16", compile=True, compile_mode="default", activation_checkpointing=True,
-                        activation_checkpointing_every=2, memory_budget_gib=40.0, recast_expert_weights=True,
-                        expert_weight_casts=True, expert_grad_dtype="auto", fused_lm_loss=True,
-                        lm_loss_softmax="torch")
-    old["model"]["moe"].update(experts_backend="triton", weights_before_down=True)
-    old["optim"].update(implementation="triton", grad_norm_under_backward=True, grad_norm_from_dw=True,
-                        update_beside_forward=True)
-    old["parallel"].update(tp=1, pp=1)
-    cfg = RunConfig.from_json(json.dumps(old))
-    assert cfg.execution == ExecutionConfig(dtype="bfloat16", experts="triton", compile=True, adamw="triton",
-                                            lm_loss="torch", activation_checkpointing="full",
-                                            activation_checkpointing_every=2, memory_budget_gib=40.0,
-                                            recast_expert_weights=True)
-    assert cfg.model == ModelConfig(moe=MoEConfig()) and cfg.train == TrainConfig()
-    assert from_dict(RunConfig, old) == cfg
-    # a value already at the new place wins over the old one
-    both = {**old, "execution": {"dtype": "float32"}}
-    assert from_dict(RunConfig, both).execution.dtype == "float32"
-    assert from_dict(RunConfig, both).execution.experts == "triton"
-    # the migration does not touch the caller's mapping
-    assert old["train"]["dtype"] == "bfloat16" and "execution" not in old
-    # a config without any old name is read as it is
-    assert RunConfig.from_json(RunConfig().to_json()) == RunConfig()
+@pytest.mark.parametrize("section, old, value, says", [
+    ("train", "dtype", "bfloat16", "is execution.dtype now"),
+    ("model.moe", "experts_backend", "triton", "is execution.experts now"),
+    ("optim", "implementation", "triton", "is execution.adamw now"),
+    ("train", "fused_lm_loss", True, "is no longer a choice (the LM loss is always fused with the head)"),
+    ("parallel", "overlap_grad_sync", True, "is no longer a choice"),
+])
+def test_a_stored_config_of_an_earlier_optimus_is_refused_in_one_line_naming_the_field(section, old, value, says):
+    """meta.json and checkpoints hold the config that wrote them: one with a former field is not
+    read as today's (it would run with other choices than it names), but refused, saying where the
+    choice is now."""
+    stored = RunConfig(model=ModelConfig(moe=MoEConfig())).to_dict()
+    node = stored
+    for key in section.split("."):
+        node = node[key]
+    node[old] = value
+    with pytest.raises(ConfigError) as refused:
+        RunConfig.from_json(json.dumps(stored))
+    line = str(refused.value)
+    assert line.startswith(f"{section}.{old}: a field of an earlier Optimus's config, which {says}") and "\n" not in line
+    assert RunConfig.from_json(RunConfig().to_json()) == RunConfig()  # today's reads as it is

@@ -1,5 +1,5 @@
 """optimus_core.execution: the execution plan's rules (its module docstring), one test per rule,
-and the migration of configs written before the execution section."""
+and the former names of its choices, refused by name."""
 import dataclasses
 import json
 
@@ -321,26 +321,7 @@ def test_plan_execution_takes_the_configured_budget():
     assert plan_execution(cfg, "cpu", budget_bytes=None).budget_bytes is None  # None: unchecked
 
 
-# ----------------------------------------------------------------------------- configs from before
-
-def test_an_old_stored_config_lands_in_the_execution_section():
-    old = RunConfig(model=MOE, data=DataConfig(seq_len=64)).to_dict()
-    del old["execution"]
-    old["train"].update(dtype="bfloat16", compile=False, fused_lm_loss=True, lm_loss_softmax="triton",
-                        compile_mode="max-autotune", expert_grad_dtype="float32", expert_weight_casts=False)
-    old["model"]["moe"].update(experts_backend="loop", weights_before_down=False)
-    old["optim"].update(implementation="torch", update_beside_forward=False)
-    old["parallel"].update(tp=1, pp=1)
-    cfg = RunConfig.from_json(json.dumps(old))
-    assert cfg.execution == ExecutionConfig(dtype="bfloat16", compile=False, experts="loop", adamw="torch",
-                                            lm_loss="triton")
-    for section, retired in (("train", "fused_lm_loss"), ("train", "compile_mode"), ("train", "dtype"),
-                             ("model", "experts_backend"), ("optim", "implementation"), ("parallel", "tp")):
-        assert not hasattr(getattr(cfg, section) if section != "model" else cfg.model.moe, retired), retired
-    assert cfg.model == MOE and cfg.parallel == RunConfig().parallel and cfg.train == RunConfig().train
-    assert cfg.to_dict()["execution"]["adamw"] == "torch"
-    assert RunConfig.from_json(cfg.to_json()) == cfg  # written anew, it reads as it is
-
+# ----------------------------------------------------------------------------- former names
 
 @pytest.mark.parametrize("old, new, value", [
     ("train.dtype", "execution.dtype", "bfloat16"),
