@@ -31,7 +31,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from optimus_core.config import _Validated
+from optimus_core.validation import Validated
 from optimus_core.atomic import atomic_open
 from optimus_core.outputs import check_output, mark_output_in_place
 from optimus_core.store import ResultsStore, StoreKeyError, open_store
@@ -90,7 +90,7 @@ DASH = "–"  # a value the store does not have
 
 
 @dataclass(frozen=True)
-class FiguresConfig(_Validated):
+class FiguresConfig(Validated):
     _section: ClassVar[str] = "figures"
 
     runs: Optional[tuple[str, ...]] = None  # None: every completed run

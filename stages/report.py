@@ -31,7 +31,7 @@ from urllib.parse import quote
 import numpy as np
 import pandas as pd
 
-from optimus_core.config import _Validated
+from optimus_core.validation import Validated
 from optimus_core.atomic import atomic_open
 from optimus_core.store import ResultsStore, StoreKeyError, open_store
 from stages.figures import DASH, FIGURES, SCALING_FIGURES, evaluation_table, select_runs
@@ -43,7 +43,7 @@ SCALEUP = "scaleup.png"  # embedded under the scale-up table
 
 
 @dataclass(frozen=True)
-class ReportConfig(_Validated):
+class ReportConfig(Validated):
     _section: ClassVar[str] = "report"
 
     runs: Optional[tuple[str, ...]] = None  # None: every completed run
