@@ -157,7 +157,7 @@ def test_a_sharded_checkpoint_resumes_on_another_world_size_and_ep(tokens_dir, t
     cfg = cfg.replace(parallel=cfg.parallel.replace(dp_shard=2))
     _launch(4, cfg.to_json(), tokens_dir, saved / "run", saved / "store.zarr")
     reference = _losses(saved / "store.zarr")
-    assert ckpt.latest_valid(saved / "run").format == "dcp"
+    assert ckpt.latest_valid(saved / "run").meta["format"] == ckpt.FORMAT
     for nproc, ep in ((2, 1), (4, 4), (1, 1)):
         where = tmp_path / f"w{nproc}-ep{ep}"
         _copy_at_step(saved / "run", where / "run", 6)
@@ -182,7 +182,7 @@ def test_a_damaged_sharded_checkpoint_is_skipped_for_the_one_before(tokens_dir, 
     cfg = cfg.replace(train=cfg.train.replace(steps=4, checkpoint_every=2, keep_checkpoints=3))
     _launch(2, cfg.to_json(), tokens_dir, run, None)
     newest = ckpt.latest_valid(run)
-    assert newest.step == 4 and newest.format == "dcp"
+    assert newest.step == 4 and newest.meta["format"] == ckpt.FORMAT
     shard = newest.path / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])  # rank 1's shard truncated
     with pytest.warns(UserWarning, match=r"__1_0.distcp fails its sha256 checksum \(listed in manifests/rank_00001"):
