@@ -435,10 +435,18 @@ class RunConfig(Validated):
 # ----------------------------------------------------------------------------- overrides
 
 def parse_value(text: str) -> Any:
-    """``--set`` values: YAML scalars (``3``, ``1e-3``, ``true``, ``null``, ``[0.9, 0.95]``)."""
+    """``--set`` values: YAML scalars (``3``, ``1e-3``, ``true``, ``null``, ``[0.9, 0.95]``), with
+    a number read as a user writes it: YAML 1.1 takes ``1e-3`` (no dot) for a string."""
     import yaml
 
-    return yaml.safe_load(text)
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        try:
+            return float(value) if value.strip().lower() not in ("nan", "inf", "+inf", "-inf", "infinity") \
+                else value
+        except ValueError:
+            return value
+    return value
 
 
 def apply_overrides(cfg: Any, overrides: dict[str, Any]) -> Any:

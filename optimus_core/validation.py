@@ -7,6 +7,7 @@ an error names the field, the bad value and what is allowed (optimus_core.config
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import fields
@@ -72,6 +73,8 @@ def _check_type(path: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             fail(path, value, "must be a number")
+        if not math.isfinite(value):
+            fail(path, value, "must be a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

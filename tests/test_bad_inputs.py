@@ -97,6 +97,40 @@ def test_a_bad_model_tag_or_recipe_names_the_tag_or_field(argv, message, tokens_
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", 3, "--set", "train.steps=5"], "--steps 3 and --set train.steps=5 name the same field with different "
+                                              "values: give one"),
+    (["--steps", 3, "--set", "optim.lr=.inf"], "optim.lr = inf: must be a finite number"),
+])
+def test_a_set_that_contradicts_a_flag_or_is_not_finite_is_refused(argv, message, tokens_dir, tmp_path, capsys):
+    """Neither silently wins; an infinite learning rate (which poisons the first checkpoint) is not a number."""
+    fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", tmp_path / "r", *argv], capsys, 2,
+          message)
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_set_number_is_read_as_written():
+    from workflow.cli import build_parser
+    from workflow.commands import resolve_run_config
+
+    args = build_parser().parse_args(["pretrain", "--preset", "mula-1b@laptop", "--data", "d", "--out", "o",
+                                      "--steps", "3", "--set", "optim.lr=1e-3", "--set", "train.steps=3"])
+    cfg, _, _ = resolve_run_config(args)
+    assert cfg.optim.lr == 1e-3 and cfg.train.steps == 3  # an agreeing --set is no clash
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
+    """`optimus presets | head -1`: no BrokenPipe traceback, the shell's status for SIGPIPE."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "workflow.cli", "presets"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.close()  # before the command writes a line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
 def test_an_epoch_within_the_warmup_is_refused_before_anything_is_built(tokens_dir, tmp_path, capsys):
     fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", tmp_path / "r", "--steps", 1,
            *TINY, "--set", "schedule.decay_horizon=epoch", "--set", "schedule.warmup_steps=100000"], capsys, 2,

@@ -18,7 +18,8 @@ Every command prints a short summary for a person on stdout, or with ``--json`` 
 for a program (progress and logs go to stderr either way). A configuration, input or environment
 error is one line on stderr: exit 2 for configuration and usage (fails wherever it runs), 1 for
 input data and the environment (an output that cannot be written, a device that is not here); it
-names the user's path, never a temporary one, and ``--debug`` adds its traceback. Any other
+names the user's path, never a temporary one, and ``--debug`` adds its traceback. A reader that
+closes the pipe early (``| head``) ends the command quietly with 141. Any other
 failure keeps its traceback (workflow.failures). The commands themselves are in
 workflow.commands. Stages never import either (imports point one way: workflow -> stages ->
 optimus_core -> kernels); Snakemake rules and Parsl apps call this command.
@@ -230,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="cpu, cuda or xpu (default: this machine's); a device not "
                    "here is planned from its type")
     p.add_argument("--world", type=int, default=None, help="ranks (default: 1, or the experiment's tiles)")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")
     p.set_defaults(func=cmd_execution)
 
     p = sub.add_parser("experiments", parents=[common], help="the registry of runs")
@@ -245,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("experiments", nargs="*", help="default: every run of the paper-scale DAG")
     p.set_defaults(func=cmd_plan)
     return parser
+
+
+BROKEN_PIPE_EXIT_CODE = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader closed the pipe
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exception(e, file=sys.stderr)
         print(failure[1], file=sys.stderr)
         return failure[0]
-    emit(summary, args.json)
+    try:
+        emit(summary, args.json)
+    except BrokenPipeError:  # the reader left (`optimus presets | head`): stop quietly, as a shell tool does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not fail again
+        return BROKEN_PIPE_EXIT_CODE
     return 0
 
 

@@ -173,6 +173,12 @@ def cmd_tokenize(args) -> Summary:
                                    **({"parsl": fanout} if fanout else {})}))
 
 
+# pretrain's flags that set a config field (a --set of the same field must agree with them)
+FLAG_FIELDS = {"train.steps": "--steps", "train.seed": "--seed", "execution.dtype": "--dtype",
+               "train.checkpoint_every": "--checkpoint-every", "parallel.ep": "--ep",
+               "execution.experts": "--experts-backend"}
+
+
 def resolve_run_config(args):
     """Preset (or experiment) + flags + --set overrides -> a validated RunConfig and run id."""
     from optimus_core import presets
@@ -196,11 +202,16 @@ def resolve_run_config(args):
         preset_name = args.preset
     else:
         raise ConfigError("pretrain needs --preset NAME or --experiment NAME (see `optimus presets`)")
-    flags = {"train.steps": args.steps, "train.seed": args.seed, "execution.dtype": args.dtype,
-             "train.checkpoint_every": args.checkpoint_every, "parallel.ep": args.ep,
-             "execution.experts": args.experts_backend}
-    overrides.update({k: v for k, v in flags.items() if v is not None})
-    overrides.update(parse_overrides(args.set))
+    flags = {field: (flag, getattr(args, flag[2:].replace("-", "_"))) for field, flag in FLAG_FIELDS.items()}
+    given = {field: value for field, (_, value) in flags.items() if value is not None}
+    sets = parse_overrides(args.set)
+    clash = [field for field in given if field in sets and sets[field] != given[field]]
+    if clash:  # neither silently wins
+        field = clash[0]
+        raise ConfigError(f"{flags[field][0]} {given[field]} and --set {field}={sets[field]} name the same field "
+                          f"with different values: give one")
+    overrides.update(given)
+    overrides.update(sets)
     cfg = presets.get(preset_name).run_config(**overrides)
     return cfg, run_id or Path(args.out).name, experiment
 

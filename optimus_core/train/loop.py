@@ -31,7 +31,7 @@ from . import checkpoint as ckpt
 from . import disk_space
 from .build import build_model, build_run_optimizer
 from .evaluate import heldout_metrics
-from .resilience import LossGuard, Preempted, StopRequest
+from .resilience import Diverged, LossGuard, Preempted, StopRequest, describe_event
 from .schedule import decay_end, lr_at
 from .staging import HostStaging
 from .step import clip_at, train_step
@@ -173,8 +173,14 @@ class Trainer:
         self.publish_checkpoint()
         found = self._latest_valid()
         if found is None:
-            raise RuntimeError(f"{bad_steps} bad losses in a row at step {self.step} and no checkpoint to "
-                               f"roll back to (set train.checkpoint_every)")
+            raise Diverged(f"{bad_steps} bad losses in a row at step {self.step} and no checkpoint to roll back to: "
+                           f"lower optim.lr, or checkpoint sooner (train.checkpoint_every)")
+        last = getattr(self, "_last_rollback", None)  # (from step, to step) of the previous rollback
+        if last is not None and found.step == last[1] and self.step <= last[0]:
+            raise Diverged(f"{bad_steps} bad losses in a row at step {self.step}, again after a rollback to the "
+                           f"checkpoint of step {found.step}: it leads back to the same failure, so training stops "
+                           f"(lower optim.lr, or check the data after step {found.step})")
+        self._last_rollback = (self.step, found.step)
         position = self.loader.state_dict()
         with self._io_phase(f"checkpoint load of step {found.step}"):
             self._load(found)
@@ -185,7 +191,7 @@ class Trainer:
         self.events.append(event)
         if self.writer is not None:
             self.writer.update_attrs(events=self.events)
-        _log.info("%s: %s", self.cfg.preset or "train", event)
+        _log.warning("%s: %s", self.cfg.preset or "train", describe_event(event))
 
     def _agree(self, stop: StopRequest) -> tuple[str | None, bool]:
         """(the stop signal or None, checkpoint now), the same on every rank: a stop signal may
@@ -234,6 +240,9 @@ class Trainer:
         # (all ranks' parts, one all-reduce) against the space where it writes, before anything is
         # written, so a shortfall stops every rank with the same error, not a half-written save.
         tensors = ckpt.training_tensors(self.model, self.optimizer, self.mesh)
+        if not self._finite(tensors):  # a rollback to it would only fail again
+            self._event(kind="nonfinite_state", step=self.step)
+            return None
         need = torch.tensor([float(disk_space.bytes_to_write(tensors))], dtype=torch.float64, device=self.device)
         total = int(self.mesh.all_reduce_sum_(need).item())
         short = disk_space.space_shortfall(ckpt.checkpoints_dir(self.run_dir), self.step, total, self.mesh.rank)
@@ -255,6 +264,16 @@ class Trainer:
             return None
         self.mesh.barrier()  # nobody reads or resumes before rank 0 has published it
         return path
+
+    def _finite(self, tensors: dict) -> bool:
+        """Whether every floating tensor of a checkpoint's weights and optimizer state is finite on
+        every rank (one all-reduce)."""
+        bad = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, t in tensors.items():
+            if name.startswith((ckpt.MODEL, ckpt.OPTIM)) and t.is_floating_point():
+                local = t.to_local() if hasattr(t, "to_local") else t
+                bad += (~torch.isfinite(local)).sum().to(bad.device, torch.float64)
+        return self.mesh.all_reduce_sum_(bad.reshape(1)).item() == 0
 
     def publish_checkpoint(self) -> Path | None:
         """Finish a background checkpoint write, if one is under way (every rank calls it)."""

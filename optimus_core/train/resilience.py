@@ -33,6 +33,27 @@ class Preempted(Exception):
         return INTERRUPTED_EXIT_CODE if self.signal_name == "SIGINT" else RESUBMIT_EXIT_CODE
 
 
+class Diverged(RuntimeError):
+    """Training cannot go on: bad losses with no checkpoint to roll back to, or a rollback that
+    leads back to the same failure. The message is one line saying what to change."""
+
+
+def describe_event(event: dict) -> str:
+    """A fault the loop handled (Trainer.events), in one sentence for the log."""
+    kind, step = event.get("kind"), event.get("step")
+    if kind == "nonfinite":
+        return f"step {step}: the loss is not finite ({event.get('loss')}): batch skipped, no update"
+    if kind == "spike":
+        return f"step {step}: loss {event.get('loss'):.4g} spiked above the recent median: batch skipped, no update"
+    if kind == "rollback":
+        return (f"step {step}: {event.get('bad_steps')} bad losses in a row: rolled back to the checkpoint of "
+                f"step {event.get('to_step')}, the data since skipped")
+    if kind == "nonfinite_state":
+        return (f"step {step}: the weights or the optimizer state hold non-finite values: no checkpoint written "
+                f"(the previous one stays the newest)")
+    return f"step {step}: {kind}: " + ", ".join(f"{k} {v}" for k, v in event.items() if k not in ("kind", "step"))
+
+
 class LossGuard:
     """Judges each step's loss against a robust running estimate (the median of recent good ones).
 

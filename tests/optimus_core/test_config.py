@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from optimus_core.config import (MOVED, RETIRED, ConfigError, ExecutionConfig, ModelConfig, MoEConfig, RunConfig,
-                                 TrainConfig, apply_overrides, from_dict)
+from optimus_core.config import (MOVED, RETIRED, ConfigError, ExecutionConfig, ModelConfig, MoEConfig, OptimConfig,
+                                 RunConfig, TrainConfig, apply_overrides, from_dict, parse_value)
 
 
 @pytest.mark.parametrize("build, message", [
@@ -126,3 +126,18 @@ def test_a_stored_config_of_an_earlier_optimus_is_refused_in_one_line_naming_the
     line = str(refused.value)
     assert line.startswith(f"{section}.{old}: a field of an earlier Optimus's config, which {says}") and "\n" not in line
     assert RunConfig.from_json(RunConfig().to_json()) == RunConfig()  # today's reads as it is
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_a_number_that_is_not_finite_is_refused(value):
+    with pytest.raises(ConfigError, match="optim.lr = .*: must be a finite number"):
+        OptimConfig(lr=value)
+    with pytest.raises(ConfigError, match="must be a finite number"):
+        apply_overrides(RunConfig(), {"optim.lr": value})
+
+
+@pytest.mark.parametrize("text, value", [("1e-3", 1e-3), ("3", 3), ("2.5E2", 250.0), ("[0.9, 0.95]", [0.9, 0.95]),
+                                         ("true", True), ("null", None), ("auto", "auto"), ("inf", "inf")])
+def test_set_values_are_read_as_a_user_writes_them(text, value):
+    """YAML 1.1 reads 1e-3 (no dot) as a string: --set reads it as the number it is."""
+    assert parse_value(text) == value and type(parse_value(text)) is type(value)

@@ -100,3 +100,27 @@ def test_a_run_directory_belongs_to_one_run(capsys, tmp_path, tokens_dir):
     assert run(capsys, *base, "--run-id", "a")[0] == 0
     code, _, err = run(capsys, *base, "--run-id", "b")
     assert code == 1 and "holds run 'a', not 'b'" in err
+
+
+def test_execution_prints_the_plan_of_a_device_not_here_with_its_reasons(capsys):
+    """`optimus execution`: which kernel runs on a PVC tile, and why, from any machine."""
+    assert main(["execution", "--preset", "mula-7b-a1b", "--device", "xpu", "--world", "12", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["device"], out["world"], out["probed"]) == ("xpu", 12, False)
+    plan = out["plan"]
+    assert plan["experts"] == "triton" and plan["expert_gemms"] == "pointer" and plan["compile"] is False
+    assert "NVIDIA" in plan["why"]["expert GEMMs"]
+    assert main(["execution", "--experiment", "pretrain-mula-220b-a10b", "--device", "cuda"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("mula-220b-a10b on 3072 rank(s) of cuda (not on this machine") and "expert GEMMs" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "mula-1b", "--experiment", "pretrain-mula-1b"], "needs --preset NAME or --experiment NAME"),
+    (["--preset", "mula-1b", "--world", "0"], "--world = 0: must be >= 1"),
+    (["--preset", "mula-1b", "--device", "tpu"], "--device tpu: must be auto, cpu, cuda or xpu"),
+])
+def test_execution_refuses_what_it_cannot_plan_in_one_line(argv, message, capsys):
+    assert main(["execution", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

@@ -13,7 +13,7 @@ from optimus_core.train import disk_space
 from optimus_core.train import loop as loop_module
 from optimus_core.train import step as step_module
 from optimus_core.train.loop import Trainer
-from optimus_core.train.resilience import RESUBMIT_EXIT_CODE, LossGuard, Preempted
+from optimus_core.train.resilience import RESUBMIT_EXIT_CODE, Diverged, LossGuard, Preempted, describe_event
 
 from sinks import ListSink
 
@@ -79,8 +79,43 @@ def test_repeated_spikes_roll_back_to_the_checkpoint_and_skip_the_window(tokens_
 def test_no_checkpoint_to_roll_back_to_is_a_clear_error(tokens_dir, tmp_path, monkeypatch):
     poison_loss(monkeypatch, {3, 4}, lambda loss: loss * float("nan"))
     cfg = tiny(**{"train.max_bad_steps": 2})
-    with pytest.raises(RuntimeError, match="2 bad losses in a row at step 2 and no checkpoint"):
+    with pytest.raises(Diverged, match="2 bad losses in a row at step 2 and no checkpoint"):
         Trainer(cfg, tokens_dir, tmp_path / "run", progress=False).fit()
+
+
+def test_a_rollback_that_leads_back_to_the_same_failure_stops_in_one_line(tokens_dir, tmp_path, monkeypatch):
+    """Bad losses from step 5 on, whatever the batch: the first rollback (to step 4's checkpoint)
+    is tried; the second, to the same checkpoint with no step gained, stops the run."""
+    poison_loss(monkeypatch, set(range(5, 100)), lambda loss: loss * float("nan"))
+    cfg = tiny(**{"train.checkpoint_every": 4, "train.max_bad_steps": 2})
+    trainer = Trainer(cfg, tokens_dir, tmp_path / "run", progress=False)
+    with pytest.raises(Diverged) as stopped:
+        trainer.fit()
+    assert [e["kind"] for e in trainer.events] == ["nonfinite", "nonfinite", "rollback", "nonfinite", "nonfinite"]
+    line = str(stopped.value)
+    assert "\n" not in line and "again after a rollback to the checkpoint of step 4" in line
+
+
+def test_weights_that_are_not_finite_are_never_checkpointed(tokens_dir, tmp_path):
+    """A save of non-finite weights writes nothing (a rollback to it would fail again): the
+    previous checkpoint stays the newest, and the event says why."""
+    trainer = Trainer(tiny(**{"train.steps": 2}), tokens_dir, tmp_path / "run", writer=ListSink(), progress=False)
+    trainer.fit()
+    assert ckpt.latest_valid(tmp_path / "run").step == 2
+    with torch.no_grad():
+        next(trainer.model.parameters()).view(-1)[0] = float("inf")
+    trainer.step = 3
+    assert trainer._save() is None
+    assert ckpt.latest_valid(tmp_path / "run").step == 2
+    assert trainer.events[-1] == {"kind": "nonfinite_state", "step": 3}
+    assert "no checkpoint written" in describe_event(trainer.events[-1])
+
+
+def test_fault_events_are_said_in_sentences():
+    assert describe_event({"kind": "nonfinite", "step": 2, "loss": float("nan")}) == (
+        "step 2: the loss is not finite (nan): batch skipped, no update")
+    assert describe_event({"kind": "rollback", "step": 9, "to_step": 8, "bad_steps": 3}) == (
+        "step 9: 3 bad losses in a row: rolled back to the checkpoint of step 8, the data since skipped")
 
 
 def sigterm_at_call(monkeypatch, call: int):
