@@ -351,6 +351,8 @@ def export_hf(run_dir: Union[str, Path], out_dir: Union[str, Path], *, arch: Opt
         (tmp / "generation_config.json").write_text(json.dumps(
             {"eos_token_id": eos_id, "pad_token_id": pad_id, "do_sample": False}, indent=2))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        # safetensors writes through a private temporary file: readable as the directory's other files
+        shutil.copymode(tmp / "config.json", tmp / "model.safetensors")
         _tokenizer_files(tmp, data_dir / "tokenizer.json", eos=eos, pad=pad, max_len=cfg.max_seq_len)
         mark_output(tmp, "export-hf", {"run_dir": run_dir, "data_dir": data_dir})
         (tmp / OPTIMUS_META).write_text(json.dumps(

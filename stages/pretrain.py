@@ -120,7 +120,8 @@ def _check_run_dir(run_dir: Path, run_id: str, data_dir: Path | None = None) -> 
                              f"nothing was changed: use another --out")
         existing = meta.get("run_id")
         if existing != run_id:
-            raise ValueError(f"{run_dir} holds run {existing!r}, not {run_id!r}: use another --out")
+            raise ValueError(f"{run_dir} holds run {existing!r}, not {run_id!r}: use another --out, or --run-id "
+                             f"{existing} to resume it (a run directory renamed keeps its run id)")
     elif run_dir.is_dir():
         others = sorted(p.name for p in run_dir.iterdir() if not _is_run_entry(p.name))
         if others:

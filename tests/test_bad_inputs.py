@@ -172,7 +172,8 @@ def test_a_run_directory_of_another_run_is_refused_untouched(finished_run, token
     shutil.copytree(finished_run, run)
     before = digest(run)
     fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", run, "--run-id", "run-b",
-           "--steps", 2, *TINY], capsys, 1, f"{run} holds run 'run-a', not 'run-b': use another --out")
+           "--steps", 2, *TINY], capsys, 1,
+          f"{run} holds run 'run-a', not 'run-b': use another --out, or --run-id run-a to resume it")
     assert digest(run) == before
 
 

@@ -196,9 +196,10 @@ class Experiment:
 
     def describe(self) -> str:
         p, l = self.paper, self.laptop
-        return (f"{self.name:28s} {self.kind:8s} paper: {p.preset} {p.tokens / 1e9:,.4g}B tokens, {p.steps:,} steps, "
-                f"{p.devices} tiles ({p.nodes} nodes), ep {p.ep}, batch {p.batch} | laptop: {l.preset} "
-                f"{l.tokens:,} tokens, {l.steps} steps, {l.devices} proc")
+        return (f"{self.name} ({self.kind})\n"
+                f"    paper   {p.preset}: {p.tokens / 1e9:,.4g}B tokens, {p.steps:,} steps, {p.devices} tiles "
+                f"({p.nodes} nodes), ep {p.ep}, batch {p.batch}\n"
+                f"    laptop  {l.preset}: {l.tokens:,} tokens, {l.steps} steps, {l.devices} proc")
 
 
 T, B = 10**12, 10**9

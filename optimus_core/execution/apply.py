@@ -31,8 +31,7 @@ from torch import nn
 from ..config import ParallelConfig
 from ..flops import checkpointed_blocks
 from ..model.transformer import Transformer
-from ..parallel import Mesh
-from ..parallel import expert_parallel
+from ..parallel import Mesh, expert_parallel
 from ..parallel.sharding import shard_model
 from .plan import ExecutionPlan
 

@@ -61,6 +61,14 @@ def test_tokenizer_loads_with_special_tokens(trained, tokens_dir):
     assert config["eos_token_id"] == manifest["eos_id"] and config["tie_word_embeddings"] is False
 
 
+def test_the_weights_are_as_readable_as_the_other_files(trained):
+    """safetensors writes through a private (0600) temporary file; the export's weights are no
+    more private than its config (the umask decides, as for any file the user writes)."""
+    _, _, hf_dir = trained
+    modes = {p.name: p.stat().st_mode & 0o777 for p in hf_dir.iterdir() if p.is_file()}
+    assert modes["model.safetensors"] == modes["config.json"] == modes["tokenizer.json"], modes
+
+
 def test_round_trip_import_gives_identical_weights(trained):
     _, run_dir, hf_dir = trained
     ours, cfg = load_model(run_dir)

@@ -124,3 +124,10 @@ def test_execution_refuses_what_it_cannot_plan_in_one_line(argv, message, capsys
     assert main(["execution", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_experiments_list_each_run_in_lines_a_terminal_holds(capsys):
+    assert main(["experiments"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "pretrain-mula-1b (pretrain)" and lines[1].lstrip().startswith("paper ")
+    assert max(map(len, lines)) <= 100
