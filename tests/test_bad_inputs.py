@@ -724,6 +724,35 @@ def test_a_one_file_output_that_is_a_directory_is_refused_before_the_work(finish
         atomic_write(a_dir, "x")  # the stages' own writes, under any command
 
 
+def test_a_one_file_output_replaces_only_its_own_file_and_never_writes_into_an_input(finished_run, tmp_path,
+                                                                                    capsys):
+    """The user's JSON, notes or lines are not replaced by evaluate, report, perfmodel, scaling or
+    rehearse; nor is a file inside the store they read; the command's own earlier output is."""
+    store = _empty_store(tmp_path)
+    mine = {"mine.json": '{"mine": 1}\n', "notes.md": "my notes\n", "lines.jsonl": '{"a": 1}\n'}
+    for name, text in mine.items():
+        (tmp_path / name).write_text(text)
+    root = store / "zarr.json"
+    before = root.read_bytes()
+    for argv, flag, path in [
+        (["evaluate", "--run", finished_run, "--out", tmp_path / "mine.json"], "--out", tmp_path / "mine.json"),
+        (["report", "--store", store, "--figures", tmp_path, "--out", tmp_path / "notes.md"], "--out",
+         tmp_path / "notes.md"),
+        (["perfmodel", "--store", store, "--out", tmp_path / "mine.json"], "--out", tmp_path / "mine.json"),
+        (["scaling", "--preset", "mula-7b-a1b@laptop", "--devices", 1, "--jsonl", tmp_path / "lines.jsonl"], "--jsonl",
+         tmp_path / "lines.jsonl"),
+        (["rehearse", "--experiment", "pretrain-mula-1b", "--device", "meta", "--jsonl", tmp_path / "lines.jsonl"],
+         "--jsonl", tmp_path / "lines.jsonl"),
+    ]:
+        one_line(fails(argv, capsys, 1, f"error: {flag} {path} exists and is not an output of this command"))
+    one_line(fails(["report", "--store", store, "--figures", tmp_path, "--out", root], capsys, 1,
+                   f"error: --out {root} lies inside the input --store {store}: writing it would damage the input"))
+    assert {name: (tmp_path / name).read_text() for name in mine} == mine and root.read_bytes() == before
+    report = tmp_path / "report.md"
+    for _ in range(2):  # its own output, written again
+        assert main(["report", "--store", str(store), "--figures", str(tmp_path), "--out", str(report)]) == 0
+
+
 def test_figures_replace_only_figures(tmp_path, capsys):
     """A directory of the user's files is refused, untouched; the figures' own directory (its
     marker, or only figure files: one drawn before markers existed) is drawn into again."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from optimus_core.config import ConfigError, parse_value
 from optimus_core.log import configure_logging
-from workflow.failures import check_file_output, check_writable, user_failure
+from workflow.failures import check_file_output, check_writable, is_report, json_with, user_failure
 
 
 @dataclass
@@ -325,7 +325,8 @@ def cmd_evaluate(args) -> Summary | None:
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc}: must be >= 1")
     out = args.out or Path(args.run) / "eval.json"
-    check_file_output(out, "--out" if args.out else "the default --out", "eval.json" if args.out else None)
+    check_file_output(out, "--out" if args.out else "the default --out", "eval.json" if args.out else None,
+                      inputs=[("--store", args.store), ("--data", args.data)], ours=json_with("run_id", "step"))
     check_writable(Path(out).parent)  # replaced whole: before evaluating
     launch = read_launch_env()
     _rank_logging(args, launch)
@@ -385,7 +386,8 @@ def cmd_reference(args) -> Summary:
 def cmd_report(args) -> Summary:
     from stages.report import ReportConfig, ReportInputs, ReportOutputs, run_report
 
-    check_file_output(args.out, "--out", "report.md")
+    check_file_output(args.out, "--out", "report.md", inputs=[("--store", args.store)],
+                      ours=is_report)
     result = run_report(ReportConfig(), ReportInputs(store=args.store, figures_dir=args.figures),
                         ReportOutputs(report=args.out))
     return Summary(f"{result.report}: {len(result.runs)} run(s)", jsonable(result))
@@ -501,7 +503,8 @@ def cmd_rehearse(args) -> Summary:
         return Summary(ingest(args.ingest, args.store), {"ingested": args.ingest, "store": args.store})
     if any(n < 1 for n in args.tiles):
         raise ConfigError(f"--tiles {' '.join(map(str, args.tiles))}: tile counts must be >= 1")
-    check_file_output(args.jsonl, "--jsonl", "rehearsal.jsonl")
+    check_file_output(args.jsonl, "--jsonl", "rehearsal.jsonl", inputs=[("--store", args.store)],
+                      ours=json_with("name", "world", "rank"))
     if args.device in ("cuda", "xpu"):
         from optimus_core.device import resolve_device_type
 
@@ -523,7 +526,8 @@ def cmd_scaling(args) -> Summary:
     bad = [e for e in args.ep if e != "all" and not e.lstrip("-").isdigit()]
     if bad:
         raise ConfigError(f"scaling.ep = {bad[0]!r}: must be 'all' or an integer >= 1")
-    check_file_output(args.jsonl, "--jsonl", "scaling.jsonl")
+    check_file_output(args.jsonl, "--jsonl", "scaling.jsonl", inputs=[("--store", args.store)],
+                      ours=json_with("run_id", "step_s"))
     eps = tuple(e if e == "all" else int(e) for e in args.ep)
     config = ScalingConfig(preset=args.preset, devices=tuple(args.devices), ep=eps if len(eps) > 1 else eps[0],
                            optimizer=args.optimizer, global_batch=args.global_batch, micro_batch=args.micro_batch,
@@ -540,7 +544,9 @@ def cmd_perfmodel(args) -> Summary:
     from workflow.scaling_study import check_paths, run_study
 
     check_paths(args.measured)
-    check_file_output(args.out, "--out", "perfmodel.json")
+    check_file_output(args.out, "--out", "perfmodel.json",
+                      inputs=[("--store", args.store), *(("--measured", m) for m in args.measured)],
+                      ours=json_with("holdout", "paper"))
     if args.store and not Path(args.store).exists() and not args.measured:
         raise FileNotFoundError(f"no results store at {args.store} and no --measured files: nothing to calibrate "
                                 f"on (run `optimus scaling --store {args.store}` first, or check the path)")

@@ -7,9 +7,11 @@ the user's path, never a temporary one. Anything else is a bug and keeps its tra
 from __future__ import annotations
 
 import errno
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any, Callable, Iterable
 
 from optimus_core.config import ConfigError
 
@@ -26,13 +28,32 @@ def check_writable(path: Path) -> None:
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(probe))
 
 
-def check_file_output(path, flag: str, example: str | None) -> None:
-    """Refuse, before any work, a one-file output (``flag``) that names a directory: replacing it
-    would fail at the end (or replace the user's directory). ``example``: a file name to suggest
-    in it; None: the path is a default, and another --out is the way out."""
-    if path is not None and Path(path).is_dir():
-        hint = f"give a file path (such as {Path(path) / example})" if example else "pass --out FILE"
+def check_file_output(path, flag: str, example: str | None, *, inputs: Iterable[tuple[str, Any]] = (),
+                      ours: Callable[[Path], bool] | None = None) -> None:
+    """Refuse, before any work, a one-file output (``flag``) that replacing would lose something:
+    a directory (``example``: a file name to suggest in it; None: the path is a default, and
+    another --out is the way out); the path of an input or one inside it (``inputs``: (flag,
+    path) pairs, such as ("--store", store); a path None is no input); an existing file this
+    command did not write (``ours`` recognises its own by their contents; an empty file holds
+    nothing to lose). Each refusal is a FileExistsError of one line, and nothing is changed."""
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        hint = f"give a file path (such as {path / example})" if example else "pass --out FILE"
         raise FileExistsError(f"{flag} {path} is a directory; this output is one file: {hint} (nothing was changed)")
+    out = path.resolve()
+    for name, given in inputs:
+        if given is None:
+            continue
+        inp = Path(given).resolve()
+        if out == inp or inp in out.parents:
+            where = "is" if out == inp else "lies inside"
+            raise FileExistsError(f"{flag} {path} {where} the input {name} {given}: writing it would damage the "
+                                  f"input (nothing was changed); choose a path outside it")
+    if ours is not None and path.is_file() and path.stat().st_size and not ours(path):
+        raise FileExistsError(f"{flag} {path} exists and is not an output of this command: it would be replaced "
+                              f"(nothing was changed); remove it or choose another path")
 
 
 def _outputs(args) -> list[Path]:
@@ -87,3 +108,31 @@ def user_failure(args, e: BaseException) -> tuple[int, str] | None:
         if device is not None and isinstance(e, (device.DeviceUnavailableError, device.DeviceBindingError)):
             return 1, f"{said}error: {e}"
     return None
+
+
+def json_with(*keys: str) -> Callable[[Path], bool]:
+    """``ours`` for a JSON output: a JSON object holding ``keys``; for JSON lines (any suffix but
+    .json), lines of JSON objects of which one of the first 100 holds them."""
+    def recognise(path: Path) -> bool:
+        try:
+            with open(path, encoding="utf-8") as f:
+                if path.suffix == ".json":
+                    values = [json.loads(f.read())]
+                else:
+                    values = [json.loads(line) for line, _ in zip(f, range(100)) if line.strip()]
+        except (OSError, UnicodeDecodeError, ValueError):
+            return False
+        return (all(isinstance(v, dict) for v in values)
+                and any(all(k in v for k in keys) for v in values))
+    return recognise
+
+
+def is_report(path: Path) -> bool:
+    """``ours`` for `optimus report`: a markdown title, then the line that says it was written
+    from a results store (stages.report)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            head = [f.readline() for _ in range(3)]
+    except (OSError, UnicodeDecodeError):
+        return False
+    return head[0].startswith("# ") and head[2].startswith("Written from the results store")

@@ -89,7 +89,8 @@ class ExecutionPlan:
                 ("update", "beside the next forward" if self.update_beside_forward else "after the backward"),
                 ("activation checkpointing", mode + (f" (every {every})" if mode == "full" and every > 1 else ""))]
         if self.experts == "triton":
-            rows.insert(3, ("expert GEMMs", (self.expert_gemms or "decided when the run starts").replace("_", "-")))
+            family = (self.expert_gemms or "decided when the run starts").replace("_", "-")
+            rows.insert(3, ("expert GEMMs", family))
         if self.memory is not None:
             budget = f" of {self.budget_bytes / GIB:.1f} GiB" if self.budget_bytes else " (no budget known)"
             rows.append(("memory per rank", self.memory.describe() + budget))

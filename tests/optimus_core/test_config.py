@@ -124,7 +124,8 @@ def test_a_stored_config_of_an_earlier_optimus_is_refused_in_one_line_naming_the
     with pytest.raises(ConfigError) as refused:
         RunConfig.from_json(json.dumps(stored))
     line = str(refused.value)
-    assert line.startswith(f"{section}.{old}: a field of an earlier Optimus's config, which {says}") and "\n" not in line
+    assert line.startswith(f"{section}.{old}: a field of an earlier Optimus's config, which {says}")
+    assert "\n" not in line
     assert RunConfig.from_json(RunConfig().to_json()) == RunConfig()  # today's reads as it is
 
 
