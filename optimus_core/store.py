@@ -164,6 +164,24 @@ class ResultsStore:
     def attrs(self, run_id: str) -> dict:
         return self._run(run_id).attrs.asdict()
 
+    def check_owner(self, run_id: str, uid: str | None, run_dir: str | os.PathLike) -> None:
+        """FileExistsError (one line) if this store holds a run ``run_id`` of another run: one whose
+        ``uid`` (drawn when a run starts, kept in its meta.json, so a moved run directory is the
+        same run) differs, or, without uids, whose recorded run directory is another. One run id is
+        one run, and its record is never another's."""
+        root = self._root()
+        if run_id not in root:
+            return
+        held = root[run_id].attrs.asdict()
+        if held.get("uid") and uid:
+            other = held["uid"] != uid
+        else:
+            other = bool(held.get("run_dir")) and Path(held["run_dir"]) != Path(run_dir).resolve()
+        if other:
+            raise FileExistsError(f"{self.path} already holds run {run_id!r} of another run (trained in "
+                                  f"{held.get('run_dir')}), not of {run_dir}: give this run another --run-id "
+                                  f"(nothing was changed)")
+
     def tables(self, run_id: str) -> list[str]:
         return sorted(self._run(run_id).group_keys())
 

@@ -116,6 +116,9 @@ class EvaluateResult:
 def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: EvaluateOutputs) -> EvaluateResult:
     run_dir = Path(inputs.run_dir)
     run_id = _run_id(run_dir)
+    if outputs.store and Path(outputs.store).exists():  # its rows go to this run's record, never another's
+        uid = json.loads((run_dir / "meta.json").read_text()).get("uid")
+        open_store(outputs.store, mode="r").check_owner(run_id, uid, run_dir)
     for task_dir in config.task_dirs:  # before any model loads
         if not Path(task_dir).is_dir():
             raise FileNotFoundError(f"task directory {task_dir}: "

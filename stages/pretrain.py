@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -230,12 +231,7 @@ def _check_resume(run_dir: Path, cfg: RunConfig, old_meta: dict) -> dict:
     saved = old_meta.get("config") or (newest_meta(run_dir) or {}).get("config")
     if not saved:
         return {}
-    try:
-        saved = RunConfig.from_json(json.dumps(saved))
-    except ConfigError as e:  # a field RunConfig does not read: the Trainer still compares the checkpoint's model
-        _log.warning("%s: its saved config does not read as today's (%s); resuming without comparing it", run_dir, e)
-        return {}
-    return resume_changes(saved, cfg, str(run_dir))
+    return resume_changes(RunConfig.from_json(json.dumps(saved)), cfg, str(run_dir))  # a former field: refused
 
 
 def _train(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainOutputs, cfg: RunConfig, mesh,
@@ -260,7 +256,8 @@ def _train(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainOutp
     }
     attrs["software"] = software(info.type, mesh.backend if mesh.distributed else info.backend)
     attrs["launch"] = {"world_size": mesh.world_size, "local_rank": mesh.local_rank, "device": str(mesh.device)}
-    meta = {k: attrs[k] for k in ("run_id", "experiment", "preset", "config", "software", "launch")}
+    attrs["uid"] = old_meta.get("uid") or uuid.uuid4().hex  # this run, wherever its directory moves
+    meta = {k: attrs[k] for k in ("run_id", "uid", "experiment", "preset", "config", "software", "launch")}
     # Built before anything is written: a run directory whose checkpoints belong to another model
     # (or any other refusal) leaves its meta.json and its store run as they were.
     trainer = Trainer(cfg, inputs.data_dir, run_dir, writer=None, progress=config.progress, device=info, mesh=mesh,
@@ -286,6 +283,7 @@ def _train(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainOutp
         from optimus_core.store import open_store  # is not one is refused before meta.json says "running"
 
         store = open_store(outputs.store)
+        store.check_owner(config.run_id, attrs["uid"], run_dir)  # another run's record is never replaced
     atomic_write(run_dir / "meta.json", json.dumps(dict(meta, status="running", started=utc_now()), indent=2))
 
     writer = store.run_writer(config.run_id, attrs) if store else None

@@ -167,6 +167,29 @@ def finished_run(tokens_dir, tmp_path_factory):
     return run
 
 
+def test_a_second_run_of_one_run_id_never_replaces_the_first_ones_record(tokens_dir, tmp_path, capsys):
+    """Runs A/x and B/x into one store: B is refused before it writes anything (A stays x); A's
+    directory moved elsewhere is still run x (its uid travels in its meta.json): it evaluates into x."""
+    from optimus_core.store import open_store
+
+    store = tmp_path / "store.zarr"
+    a = tmp_path / "A" / "x"
+    assert main(["pretrain", "--preset", "mula-1b@laptop", "--data", str(tokens_dir), "--out", str(a),
+                 "--steps", "1", "--store", str(store), *TINY]) == 0
+    record = open_store(store, mode="r").attrs("x")
+    b = tmp_path / "B" / "x"
+    one_line(fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", b, "--steps", 1,
+                    "--seed", 7, "--store", store, *TINY], capsys, 1,
+                   f"error: {store} already holds run 'x' of another run (trained in {a.resolve()}), not of {b}: "
+                   f"give this run another --run-id"))
+    assert open_store(store, mode="r").attrs("x") == record and not b.exists()
+    moved = tmp_path / "C" / "x"
+    moved.parent.mkdir()
+    shutil.move(a, moved)
+    assert main(["evaluate", "--run", str(moved), "--store", str(store), "--max-batches", "1"]) == 0
+    assert "heldout" in open_store(store, mode="r").tables("x")
+
+
 def test_a_run_directory_of_another_run_is_refused_untouched(finished_run, tokens_dir, tmp_path, capsys):
     run = tmp_path / "run-a"
     shutil.copytree(finished_run, run)
