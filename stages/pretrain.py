@@ -213,6 +213,12 @@ def _remove_empty(root: Path) -> None:
         root.rmdir()
 
 
+def _drawn_uid(mesh) -> str:
+    """A new run's uid, drawn on rank 0 and the same on every rank (one small all-reduce)."""
+    mine = float(uuid.uuid4().int >> 76) if mesh.rank == 0 else 0.0  # 52 random bits: exact in a float
+    return f"{int(mesh.all_max([mine])[0]):013x}"
+
+
 def _read_meta(run_dir: Path) -> dict:
     try:
         meta = json.loads((run_dir / "meta.json").read_text())
@@ -239,10 +245,11 @@ def _train(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainOutp
     lead = mesh.rank == 0
     old_meta = _read_meta(run_dir)  # every rank: the same refusal everywhere; nobody writes it before the Trainer
     changes = _check_resume(run_dir, cfg, old_meta)
+    uid = old_meta.get("uid") or _drawn_uid(mesh)  # this run, wherever its directory moves
     info = device_info(cfg.train.device, index=mesh.device.index or 0)
     if not lead:
         trainer = Trainer(cfg, inputs.data_dir, run_dir, writer=None, progress=False, device=info, mesh=mesh,
-                          start_over=config.start_over)
+                          start_over=config.start_over, uid=uid)
         summary = trainer.fit()
         return PretrainResult(config.run_id, run_dir, summary.steps, summary.tokens, summary.resumed_from,
                               summary.final_loss, summary.final_eval, summary.tokens_per_s, summary.wall_time_s)
@@ -256,12 +263,12 @@ def _train(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainOutp
     }
     attrs["software"] = software(info.type, mesh.backend if mesh.distributed else info.backend)
     attrs["launch"] = {"world_size": mesh.world_size, "local_rank": mesh.local_rank, "device": str(mesh.device)}
-    attrs["uid"] = old_meta.get("uid") or uuid.uuid4().hex  # this run, wherever its directory moves
+    attrs["uid"] = uid
     meta = {k: attrs[k] for k in ("run_id", "uid", "experiment", "preset", "config", "software", "launch")}
     # Built before anything is written: a run directory whose checkpoints belong to another model
     # (or any other refusal) leaves its meta.json and its store run as they were.
     trainer = Trainer(cfg, inputs.data_dir, run_dir, writer=None, progress=config.progress, device=info, mesh=mesh,
-                      start_over=config.start_over)
+                      start_over=config.start_over, uid=uid)
     plan = trainer.plan  # what every "auto" resolved to, why, and the memory it plans
     mode, every = plan.checkpointing
     budget = plan.budget_bytes

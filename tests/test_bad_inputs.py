@@ -190,6 +190,18 @@ def test_a_second_run_of_one_run_id_never_replaces_the_first_ones_record(tokens_
     assert "heldout" in open_store(store, mode="r").tables("x")
 
 
+def test_checkpoints_of_another_run_are_never_resumed_moved_or_pruned(finished_run, tokens_dir, tmp_path, capsys):
+    """A run directory whose checkpoints/ is a link to another run's: the other run's checkpoints
+    are refused in one line (they carry that run's uid), and nothing of the other run changes."""
+    theirs = digest(finished_run)
+    run = tmp_path / "linked"
+    run.mkdir()
+    (run / "checkpoints").symlink_to(finished_run / "checkpoints", target_is_directory=True)
+    one_line(fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", run, "--steps", 3,
+                    "--set", "train.checkpoint_every=1", *TINY], capsys, 1, "is a checkpoint of another run (uid "))
+    assert digest(finished_run) == theirs and not (run / "meta.json").exists()
+
+
 def test_a_run_directory_of_another_run_is_refused_untouched(finished_run, tokens_dir, tmp_path, capsys):
     run = tmp_path / "run-a"
     shutil.copytree(finished_run, run)

@@ -17,20 +17,21 @@ checkpoint of any world size, EP degree, optimizer mode or one process loads on 
     rng/torch, rng/device           every rank's RNG states, one row per rank
 
 ``meta.json`` holds the resolved config, step, tokens seen, the data-loader position, the format,
-the world size, a save id and the sha256 of the shared files (.metadata, state.pt); each rank's
-manifest, written by that rank, the sha256 of the files it wrote, with the save id and step (a
-part copied in from another checkpoint, of this run or another, does not validate). So a save hashes
-in parallel (each rank its own part, read back once), and a resume validates in parallel: rank r
-of a world of W checks the shared files and the manifests i = r, r + W, ... (each of the saving
-ranks' files once, whatever the two world sizes), and the ranks agree, with one small
-all-reduce per candidate, on the newest step that every rank found valid (``latest_valid``), or
-fall back together to an older one. ``state.pt`` (tensors and plain values only: loaded with
-``weights_only=True``) the loader position and what the loop needs to decide as it would have
-uninterrupted (the loss guard's window, the batches skipped). A step directory appears only
-complete (optimus_core.atomic.atomic_dir), so a crash mid-save leaves the previous ones as they
-were; there is no pointer file to disagree with them (a ``latest`` file of earlier versions is
-ignored). On load, a checkpoint whose files are missing, fail their checksum or belong to another
-run is skipped with a warning naming the file and why, and the previous one is used.
+the uid of the run that wrote it (a checkpoint of another run is never resumed: optimus_core.
+train.loop), the world size, a save id and the sha256 of the shared files (.metadata, state.pt);
+each rank's manifest, written by that rank, the sha256 of the files it wrote, with the save id
+and step (a part copied in from another checkpoint, of this run or another, does not validate).
+So a save hashes in parallel (each rank its own part, read back once), and a resume validates in
+parallel: rank r of a world of W checks the shared files and the manifests i = r, r + W, ...
+(each of the saving ranks' files once, whatever the two world sizes), and the ranks agree, with
+one small all-reduce per candidate, on the newest step that every rank found valid
+(``latest_valid``), or fall back together to an older one. ``state.pt`` (tensors and plain
+values only: loaded with ``weights_only=True``) the loader position and what the loop needs to
+decide as it would have uninterrupted (the loss guard's window, the batches skipped). A step
+directory appears only complete (optimus_core.atomic.atomic_dir), so a crash mid-save leaves the
+previous ones as they were; there is no pointer file to disagree with them. On load, a checkpoint
+whose files are missing, fail their checksum or come from another save is skipped with a warning
+naming the file and why, and the previous one is used.
 
 This is the one format read: a checkpoint of another (``format`` and ``version`` in meta.json;
 ``optimus``, the revision that wrote it) is refused in one line that names them

@@ -74,8 +74,11 @@ def check_data_matches_model(cfg: RunConfig, data_dir: Path) -> str:
 class Trainer:
     def __init__(self, cfg: RunConfig, data_dir: str | Path, run_dir: str | Path,
                  writer: MetricsSink | None = None, progress: bool = True, device: DeviceInfo | None = None,
-                 mesh: Mesh | None = None, start_over: bool = False):
+                 mesh: Mesh | None = None, start_over: bool = False, uid: str | None = None):
         self.cfg, self.data_dir, self.run_dir = cfg, Path(data_dir), Path(run_dir)
+        # the run's identity (stages.pretrain draws it when a run starts, the same on every rank):
+        # written into every checkpoint, and a checkpoint of another uid is never resumed
+        self.uid = uid
         self.start_over = start_over  # checkpoints that are all invalid are set aside, not an error
         self.device_info = device or device_info(cfg.train.device)
         self.device = torch.device(self.device_info.type)
@@ -124,6 +127,10 @@ class Trainer:
         aside first (checkpoints/invalid/), so that pruning never keeps them in place of a valid
         one; if checkpoints exist but none is valid the run stops, unless ``start_over``."""
         found = self._latest_valid()
+        if found is not None and found.meta.get("uid") not in (None, self.uid):  # before anything moves
+            raise FileExistsError(f"{found.path} is a checkpoint of another run (uid {found.meta['uid']}), not of the "
+                                  f"run in {self.run_dir}: its checkpoints directory is another run's (a link or a "
+                                  f"copy?); nothing was resumed, moved or pruned: use another --out")
         mine = max((int(ckpt.STEP_DIR.match(p.name).group(1)) for p in ckpt.list_step_dirs(self.run_dir)), default=-1)
         newest = int(self.mesh.all_max([float(mine)])[0])  # every rank takes the same branches below
         newest = None if newest < 0 else newest
@@ -230,7 +237,7 @@ class Trainer:
         state = {"loader": self.loader.state_dict(), "guard": self.guard.state_dict()}
         meta = {"config": self.cfg.to_dict(), "execution_plan": self.plan.to_dict(), "tokens": self.tokens,
                 "data_position": self.loader.state_dict(), "world_size": self.mesh.world_size, "ep": self.mesh.ep,
-                "tokenizer_sha256": self.tokenizer_sha256}
+                "tokenizer_sha256": self.tokenizer_sha256, "uid": self.uid}
         if self.is_lead and self.writer is not None:
             self.writer.flush()  # metrics up to a checkpoint survive a kill, as the weights do
         self.publish_checkpoint()  # one background write at a time
