@@ -64,6 +64,16 @@ class ExportError(ValueError):
     """The model, run or HF directory cannot be converted; the message says why and what to do."""
 
 
+def _safetensors():
+    """safetensors.torch, or ExportError in one line saying how to install it (the eval extra)."""
+    try:
+        import safetensors.torch
+    except ImportError as e:
+        raise ExportError(f"Hugging Face weights are read and written with the safetensors package, which is not "
+                          f"installed here ({e}): install the eval extra, pip install -e '.[eval]'") from None
+    return safetensors.torch
+
+
 class ArchitectureError(ExportError, ConfigError):
     """The architecture asked for (``arch``) cannot hold the model: a choice to change (exit 2)."""
 
@@ -312,7 +322,7 @@ def export_hf(run_dir: Union[str, Path], out_dir: Union[str, Path], *, arch: Opt
         >>> export_hf("results/runs/smoke", "/tmp/smoke-hf")
         PosixPath('/tmp/smoke-hf')
     """
-    from safetensors.torch import save_file
+    save_file = _safetensors().save_file
 
     from .train.checkpoint import load_model
 
@@ -369,7 +379,7 @@ def import_hf(hf_dir: Union[str, Path]):
 
         >>> model, cfg = import_hf("/tmp/smoke-hf")
     """
-    from safetensors.torch import load_file
+    load_file = _safetensors().load_file
 
     from .model.transformer import Transformer
 

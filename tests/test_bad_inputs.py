@@ -346,6 +346,17 @@ def test_a_run_whose_checkpoints_are_all_invalid_stops_unless_told_to_start_over
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["invalid", "step_000002"]
 
 
+def test_export_without_safetensors_says_how_to_install_it_in_one_line(finished_run, tmp_path, capsys, monkeypatch):
+    import sys
+
+    for name in ("safetensors", "safetensors.torch"):
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it raises ImportError
+    err = fails(["export-hf", "--run", finished_run, "--out", tmp_path / "hf"], capsys, 1,
+                "the safetensors package, which is not installed here")
+    assert err.count("\n") == 1 and "pip install -e '.[eval]'" in err and "Traceback" not in err
+    assert not (tmp_path / "hf").exists()
+
+
 # ----------------------------------------------------------------------------- data identity
 
 def test_data_of_another_tokenizer_is_refused_where_it_meets_the_run(finished_run, code_tokens_dir, tmp_path, capsys):
