@@ -115,10 +115,10 @@ class EvaluateResult:
 
 def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: EvaluateOutputs) -> EvaluateResult:
     run_dir = Path(inputs.run_dir)
-    run_id = _run_id(run_dir)
+    meta = _run_meta(run_dir)
+    run_id = meta["run_id"]
     if outputs.store and Path(outputs.store).exists():  # its rows go to this run's record, never another's
-        uid = json.loads((run_dir / "meta.json").read_text()).get("uid")
-        open_store(outputs.store, mode="r").check_owner(run_id, uid, run_dir)
+        open_store(outputs.store, mode="r").check_owner(run_id, meta.get("uid"), run_dir)
     for task_dir in config.task_dirs:  # before any model loads
         if not Path(task_dir).is_dir():
             raise FileNotFoundError(f"task directory {task_dir}: "
@@ -261,8 +261,8 @@ class _Point:
         return model.eval()
 
 
-def _run_id(run_dir: Path) -> str:
-    """The run id of ``run_dir``'s meta.json; FileNotFoundError / ValueError naming the file."""
+def _run_meta(run_dir: Path) -> dict:
+    """``run_dir``'s meta.json, which names its run id; FileNotFoundError / ValueError naming the file."""
     meta_path = run_dir / "meta.json"
     if not meta_path.is_file():
         raise FileNotFoundError(f"{run_dir}: not a run directory (no meta.json)")
@@ -272,7 +272,7 @@ def _run_id(run_dir: Path) -> str:
         raise ValueError(f"{meta_path}: not valid JSON ({e}): not a readable run directory") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("run_id"), str):
         raise ValueError(f"{meta_path}: not a run's meta.json (no run_id)")
-    return meta["run_id"]
+    return meta
 
 
 def _checkpoints(run_dir: Path, every: bool, share: tuple[int, int] = (0, 1),

@@ -48,6 +48,7 @@ class Experts(nn.Module):
     # The backward recomputes the GEMMs and SwiGLU from the sorted rows instead of keeping their
     # intermediates (execution.activation_checkpointing = "moe"); the dispatch is not repeated.
     checkpoint_compute: bool = False
+    EXECUTION = ("backend", "recast_weights", "checkpoint_compute")  # the three above: how they execute
     WEIGHTS = ("w_up", "w_down")
 
     def __init__(self, n_experts: int, d_model: int, d_expert: int):

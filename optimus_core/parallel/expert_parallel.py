@@ -31,9 +31,9 @@ class ExpertParallelExperts(Experts):
 
     def __init__(self, full: Experts, mesh: Mesh, dispatch: str = "all_to_all"):
         nn.Module.__init__(self)
-        # how the experts execute, as the execution plan set it on the whole module
-        self.n_experts, self.backend, self.recast_weights = full.n_experts, full.backend, full.recast_weights
-        self.checkpoint_compute = full.checkpoint_compute
+        self.n_experts = full.n_experts
+        for name in Experts.EXECUTION:  # how the experts execute, as the plan set it on the whole module
+            setattr(self, name, getattr(full, name))
         self.ep, self.group, self.ep_rank, self.dispatch = mesh.ep, mesh.ep_group, mesh.ep_rank, dispatch
         self.n_local = full.n_experts // mesh.ep
         self.first = mesh.ep_rank * self.n_local

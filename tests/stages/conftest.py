@@ -1,5 +1,5 @@
-"""Fixtures for the corpus and tokenize stages: one small stdlib corpus and its tokens per
-session (a few seconds), and a writer of hand-made corpus files."""
+"""Fixtures for the corpus and tokenize stages: one small stdlib corpus and its tokens per test
+run (a few seconds), and a writer of hand-made corpus files."""
 import gzip
 import json
 import shutil
