@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Data + expert parallel training steps on the GPUs of one host (not a test).
 
-    python bench/distributed.py [--suites ablation weak strong dispatch] [--max-gpus 4] [--layers 8] [--quick]
+    python bench/distributed.py [--suites ablation weak strong exchange] [--max-gpus 4] [--layers 8] [--quick]
     python bench/distributed.py --suites strong --layers 16  # the whole OLMoE-1B-7B, 1 -> 8 GPUs
     python bench/distributed.py --suites weak ablation --only 'weak|ep1-triton'   # a subset of the points
     python bench/distributed.py --suites weak --repeat 3     # every point 3 times, in turns
     python bench/distributed.py --suites weak --compile      # blocks under torch.compile (execution.compile)
-    python bench/distributed.py --ingest bench/results/distributed-ablation-nvidia-h200.jsonl
+    python bench/distributed.py --ingest bench/results/distributed-ablation-<device>.jsonl
 
 Model: ``mula-7b-a1b`` full width, ``--layers`` of its 16 (default 8; OLMoE-1B-7B shapes), sequence 4096, bf16
 autocast, float32 master weights and AdamW state, micro-batches of 2 sequences. Each point is
@@ -15,18 +15,18 @@ one fresh launch of n ranks (one GPU each, NCCL) timing the trainer core's step 
 reduce-scatter / all-gather (``grad_sync``), optimizer (grad norm + AdamW) and idle.
 
 Suites:
-    ablation  2 GPUs, 2 sequences per GPU: experts loop | triton x optimizer ep_unaware | ep_aware
-              x EP 1 | 2. The paper's ablation: baseline = loop + ep_unaware, both = triton +
-              ep_aware; at EP=1 the experts are replicated over the 2 ranks, so the EP-aware
-              optimizer shards their state (the EP-unaware baseline all-reduces their gradients
-              and updates them in full on every rank).
+    ablation  2 GPUs, 2 sequences per GPU: experts loop | triton x optimizer dp_sharded | ep_aware
+              x EP 1 | 2. The paper's ablation: baseline = loop + dp_sharded (the paper's baseline
+              optimizer: the dense state sharded over the data-parallel ranks, replicated over the
+              EP group), both = triton + ep_aware; at EP 1 the two optimizers are one layout.
     weak      2 sequences per GPU on 1 and 2 GPUs (triton, ep_aware, EP = n):
               efficiency = T(1) / T(2).
     strong    a fixed 8 sequences per step on 1, 2, 4 ... --max-gpus GPUs (triton, ep_aware,
               EP = n and EP = 1): efficiency = T(1) / (n T(n)).
-    dispatch  the expert dispatch (parallel.dispatch) all_to_all against all_gather at EP = 2 and,
-              where the host has 8, EP = 8: 2 sequences per GPU (triton, ep_aware); the summary's
-              ``dispatch_all_gather_over_all_to_all_ep<n>`` is the ratio of their tokens/s.
+    exchange  the expert exchange (execution.expert_exchange): the all-to-all against the paper's
+              all-gather / reduce-scatter at EP = 2 and, where the host has 8, EP = 8: 2 sequences
+              per GPU (triton, ep_aware); the summary's ``exchange_all_gather_over_all_to_all_ep<n>``
+              is the ratio of their tokens/s (above 1: the paper's exchange is faster there).
 
 Every point of several ranks trains fully sharded (optimus_core.parallel.sharding): each layer
 gathered before its forward and backward, its gradients reduced under the backward. (A point of
@@ -38,11 +38,11 @@ labels A/Bs of its chunked reduction.)
 taken within a pass (weak-1 and weak-2 launched one after the other) and the median of the
 passes is reported, with every pass's value beside it.
 
-Summary line: ``optimizer_speedup_ep1`` = (grad_sync + optimizer) of the EP-unaware baseline over
-the EP-aware one at EP=1 (target >= 1.8), ``ablation_speedup`` per EP (both over baseline, tokens
-per s), ``weak_efficiency`` (synced steps) and ``weak_efficiency_back_to_back`` (steps queued
-back to back, as a run trains: what the one-GPU update beside the forward gains shows only
-there), ``strong_efficiency``. Output: a table, bench/results/
+Summary line: ``optimizer_speedup`` = (grad_sync + optimizer) of the paper's baseline optimizer
+(dp_sharded) over the EP-aware one at EP=2 (at EP=1 the two are one layout), ``ablation_speedup``
+per EP (both over baseline, tokens per s), ``weak_efficiency`` (synced steps) and
+``weak_efficiency_back_to_back`` (steps queued back to back, as a run trains: what the one-GPU
+update beside the forward gains shows only there), ``strong_efficiency``. Output: a table, bench/results/
 distributed-<suites>-<device>.jsonl, and (where the store imports) run
 ``bench-distributed-<suites>-<device>``.
 """
@@ -68,7 +68,7 @@ QUICK = {"data.seq_len": 64, "model.n_layers": 2}  # preset @laptop, CPU: a smok
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--suites", nargs="+", default=["ablation", "weak", "strong"],
-                   choices=["ablation", "weak", "strong", "dispatch"])
+                   choices=["ablation", "weak", "strong", "exchange"])
     p.add_argument("--layers", type=int, default=MODEL["model.n_layers"], help="of mula-7b-a1b's 16")
     p.add_argument("--max-gpus", type=int, default=0, help="largest device count of the strong suite (0: all)")
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per forward/backward")
@@ -94,7 +94,7 @@ def plan(args, n_gpus: int) -> list[dict]:
     if "ablation" in args.suites and n_gpus >= 2:
         for ep in (1, 2):
             for backend in ("loop", "triton"):
-                for optimizer in ("ep_unaware", "ep_aware"):
+                for optimizer in ("dp_sharded", "ep_aware"):
                     points.append(dict(label=f"ablation-ep{ep}-{backend}-{optimizer}", suite="ablation", devices=2,
                                        ep=ep, backend=backend, optimizer=optimizer, global_batch=2 * mb))
     if "weak" in args.suites:
@@ -111,12 +111,12 @@ def plan(args, n_gpus: int) -> list[dict]:
                 points.append(dict(label=f"strong-ep{ep_rule}-{n}", suite="strong", devices=n,
                                    ep=n if ep_rule == "all" else 1, ep_rule=str(ep_rule), backend="triton",
                                    optimizer="ep_aware", global_batch=4 * mb))
-    if "dispatch" in args.suites:
+    if "exchange" in args.suites:
         for n in sorted({2, 8} & set(range(2, n_gpus + 1))):
-            for dispatch in ("all_to_all", "all_gather"):
-                points.append(dict(label=f"dispatch-ep{n}-{dispatch}", suite="dispatch", devices=n, ep=n,
+            for exchange in ("all_to_all", "all_gather"):
+                points.append(dict(label=f"exchange-ep{n}-{exchange}", suite="exchange", devices=n, ep=n,
                                    backend="triton", optimizer="ep_aware", global_batch=n * mb,
-                                   overrides={"parallel.dispatch": dispatch}))
+                                   overrides={"execution.expert_exchange": exchange}))
     if args.only:
         points = [p for p in points if re.search(args.only, p["label"])]
     return points
@@ -171,8 +171,8 @@ def summarize(records: list[dict], device: str) -> dict:
 
     out = {"bench": "distributed_summary", "device": device}
     for ep in (1, 2):
-        base, both = ok.get(f"ablation-ep{ep}-loop-ep_unaware"), ok.get(f"ablation-ep{ep}-triton-ep_aware")
-        kern = ok.get(f"ablation-ep{ep}-triton-ep_unaware")
+        base, both = ok.get(f"ablation-ep{ep}-loop-dp_sharded"), ok.get(f"ablation-ep{ep}-triton-ep_aware")
+        kern = ok.get(f"ablation-ep{ep}-triton-dp_sharded")
         aware = ok.get(f"ablation-ep{ep}-loop-ep_aware")
         if base and both:
             out[f"ablation_speedup_ep{ep}"] = both["tokens_per_s"] / base["tokens_per_s"]
@@ -181,12 +181,12 @@ def summarize(records: list[dict], device: str) -> dict:
         if base and aware:
             out[f"optimizer_only_speedup_ep{ep}"] = aware["tokens_per_s"] / base["tokens_per_s"]
         for backend in ("triton", "loop"):
-            u, a = ok.get(f"ablation-ep{ep}-{backend}-ep_unaware"), ok.get(f"ablation-ep{ep}-{backend}-ep_aware")
+            u, a = ok.get(f"ablation-ep{ep}-{backend}-dp_sharded"), ok.get(f"ablation-ep{ep}-{backend}-ep_aware")
             if u and a:
                 out[f"optimizer_speedup_ep{ep}_{backend}"] = after_backward(u) / after_backward(a)
                 out[f"optimizer_update_speedup_ep{ep}_{backend}"] = u["optimizer_s"] / a["optimizer_s"]
-    out["optimizer_speedup_ep1"] = out.get("optimizer_speedup_ep1_triton")
-    out["ablation_speedup"] = out.get("ablation_speedup_ep1")
+    out["optimizer_speedup"] = out.get("optimizer_speedup_ep2_triton")
+    out["ablation_speedup"] = out.get("ablation_speedup_ep2")
     for key, name in (("step_s", ""), ("step_back_to_back_s", "_back_to_back")):
         ratios = _paired(records, "weak-1", "weak-2", key)  # T(1) / T(2), within each pass
         if ratios:
@@ -201,9 +201,9 @@ def summarize(records: list[dict], device: str) -> dict:
             strong[f"ep_{rule}"] = {str(r["devices"]): pts[0]["step_s"] / (r["devices"] * r["step_s"]) for r in pts}
     out["strong_efficiency"] = strong
     for n in (2, 8):
-        a2a, gather = ok.get(f"dispatch-ep{n}-all_to_all"), ok.get(f"dispatch-ep{n}-all_gather")
+        a2a, gather = ok.get(f"exchange-ep{n}-all_to_all"), ok.get(f"exchange-ep{n}-all_gather")
         if a2a and gather:
-            out[f"dispatch_all_gather_over_all_to_all_ep{n}"] = gather["tokens_per_s"] / a2a["tokens_per_s"]
+            out[f"exchange_all_gather_over_all_to_all_ep{n}"] = gather["tokens_per_s"] / a2a["tokens_per_s"]
     return out
 
 

@@ -248,11 +248,13 @@ class ParallelConfig(Validated):
     _section: typing.ClassVar[str] = "parallel"
 
     ep: int = 1
-    # The experts' weights, gradients and AdamW state: "ep_aware" shards them over the ranks that
-    # hold the same experts (the expert-dp group), as the dense ones are over the world;
-    # "ep_unaware" (the paper's baseline) keeps them whole on each of those ranks and all-reduces
-    # their gradients (optimus_core.parallel.sharding, optimus_core.train.sharded_adamw).
-    optimizer: Literal["ep_aware", "ep_unaware"] = "ep_aware"
+    # Where the dense parameters' float32 weights, gradients and AdamW state live (the experts'
+    # are sharded over the ranks that hold the same experts, the expert-dp group, either way):
+    # "ep_aware" shards them over every rank (the paper's EP-aware optimizer, its runs');
+    # "dp_sharded" over the data-parallel ranks only, replicated over the EP group with their
+    # gradients all-reduced over it (the paper's baseline: optimus_core.parallel.sharding).
+    # The same at ep 1.
+    optimizer: Literal["ep_aware", "dp_sharded"] = "ep_aware"
     # Every collective (and the rendezvous) fails after this many seconds instead of waiting
     # forever for a dead or stuck rank (torch.distributed.init_process_group's timeout).
     collective_timeout_s: float = 1800.0
@@ -265,16 +267,18 @@ class ParallelConfig(Validated):
     # float32 sums the bf16 gradients without rounding them first; bfloat16 halves the traffic
     # (the paper's runs). A float32 run reduces in float32.
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
-    # The EP token exchange's collective: all_to_all (variable splits: the least traffic), or
-    # all_gather (every rank gathers every send buffer: ep times the bytes) for collective stacks
-    # whose all-to-all is missing or hangs (reported for some xccl builds). Same results.
-    dispatch: Literal["all_to_all", "all_gather"] = "all_to_all"
+    # EP groups (consecutive ranks) may span nodes, their exchange then crossing the network;
+    # false: a launch whose EP groups would not each sit on one node stops before training
+    # (optimus_core.parallel.mesh). The paper's EP groups are one node's tiles.
+    ep_across_nodes: bool = False
 
     def check(self) -> None:
         self._require(self.ep >= 1, "ep", "must be >= 1")
         self._require(self.dp_shard >= 0 and self.dp_shard % self.ep == 0, "dp_shard",
                       f"must be 0 (the whole world) or a multiple of ep ({self.ep})")
         self._require(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0 (seconds)")
+        self._require(self.optimizer != "dp_sharded" or self.dp_shard == 0, "optimizer",
+                      "'dp_sharded' shards over the data-parallel ranks: it needs parallel.dp_shard = 0")
 
 
 @dataclass(frozen=True)
@@ -389,6 +393,13 @@ class ExecutionConfig(Validated):
     # float32 instead of bf16 (Megatron's --fp32-residual-connection). Off: bf16, as OLMo-core's
     # FSDP recipe for OLMoE-1B-7B keeps it; half the residual's bytes kept and moved
     fp32_residual: bool = False
+    # How tokens reach their experts across an EP group (optimus_core.parallel.expert_parallel):
+    # "all_to_all", each token only to the ranks of its experts (variable splits, the least
+    # traffic); "all_gather", the paper's: every rank's tokens all-gathered, each rank's partial
+    # outputs reduce-scattered back (equal-size collectives; ep x the tokens' bytes). auto: the
+    # paper's on XPU (oneCCL's variable all-to-all fails with empty splits), the all-to-all
+    # elsewhere (fewer bytes; not measured against the other on a GPU yet)
+    expert_exchange: Literal["auto", "all_to_all", "all_gather"] = "auto"
 
     def check(self) -> None:
         self._require(self.activation_checkpointing_every >= 1, "activation_checkpointing_every",
@@ -417,6 +428,10 @@ class RunConfig(Validated):
             fail("parallel.ep", self.parallel.ep, f"must divide model.moe.n_experts ({self.model.moe.n_experts})")
         if self.model.moe is None and self.execution.activation_checkpointing == "moe":
             fail("execution.activation_checkpointing", "moe", "needs an MoE model (model.moe); use 'full' or 'none'")
+        if self.execution.expert_exchange == "all_gather" and self.model.moe is not None \
+                and self.model.moe.capacity_factor is not None:
+            fail("execution.expert_exchange", "all_gather", "the paper's exchange is dropless: it needs "
+                 f"model.moe.capacity_factor = null (got {self.model.moe.capacity_factor})")
 
     @property
     def tokens_per_step(self) -> int:

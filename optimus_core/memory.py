@@ -11,12 +11,12 @@ shapes (``parameter_table``, tested against the model) and what the code keeps:
 
 - ``weights``, ``gradients``, ``optimizer``: float32 shares of every parameter and their AdamW
   moments (8 bytes). Several ranks (optimus_core.parallel.sharding): dense rows over the world
-  (or the rank's block of parallel.dp_shard ranks), the rank's experts' rows over its expert-dp
-  group (or its block's part of it) (EP-aware) or whole (EP-unaware), each share padded as FSDP2
-  pads it (ceil(rows / ranks) rows). One process: whole; the experts' gradients
-  in bf16 where the execution plan keeps them so (optimus_core.execution).
-- ``weight copies``: one process under bf16, the experts' bf16 copies the optimizer keeps;
-  EP-unaware experts, the bf16 copy each grouped GEMM keeps for its backward.
+  (or the rank's block of parallel.dp_shard ranks; the paper's baseline, dp_sharded: over the
+  data-parallel ranks only, replicated over the EP group), the rank's experts' rows over its
+  expert-dp group (or its block's part of it), each share padded as FSDP2 pads it
+  (ceil(rows / ranks) rows). One process: whole; the experts' gradients in bf16 where the
+  execution plan keeps them so (optimus_core.execution).
+- ``weight copies``: one process under bf16, the experts' bf16 copies the optimizer keeps.
 - ``gathered``: FSDP2's unsharded units in the gather dtype (bf16 under bf16): the root (final
   norm + LM head) for the whole step, and at the forward's end two blocks and one block's
   experts (the next block is prefetched).
@@ -25,8 +25,10 @@ shapes (``parameter_table``, tested against the model) and what the code keeps:
   fake tensors), by checkpointing mode; one process under bf16 also keeps the autocast copies of
   each block's dense weights.
 - ``lm loss``: the fused LM loss keeps the head's float32 dW and dh from the forward.
-- ``transient``: the largest short-lived buffer: an LM-loss chunk's logits, the EP dispatch's
-  row buffers, or one block's recomputation; at the backward's start also one layer's expert dW.
+- ``transient``: the largest short-lived buffer: an LM-loss chunk's logits, the EP exchange's
+  row buffers (the all-to-all's rows sent and received; the paper's all-gather: every rank's
+  tokens and their partial outputs, ep x the rank's tokens x width each), or one block's
+  recomputation; at the backward's start also one layer's expert dW.
 
 The peak is the larger of the forward's end (everything the backward needs at once) and the
 backward's start (the same activations, with the last units gathered again and their gradients
@@ -76,6 +78,7 @@ class MemoryLayout:
     seq_len: int = 4096
     dtype: str = "bfloat16"  # execution.dtype, resolved
     optimizer: str = "ep_aware"  # parallel.optimizer
+    exchange: str = "all_to_all"  # the plan's expert exchange (EP > 1): all_to_all | all_gather
     checkpointing: str = "none"  # resolved execution.activation_checkpointing: none | full | moe
     every: int = 1  # full: every k-th block
     lm_loss_kernel: bool = True  # the fused LM loss's softmax by the Triton kernel (execution.lm_loss)
@@ -127,6 +130,7 @@ class MemoryLayout:
         return cls(world=world, ep=cfg.parallel.ep, dp_shard=cfg.parallel.dp_shard if world > 1 else 0,
                    micro_batch=micro, accumulation=accumulation,
                    seq_len=cfg.data.seq_len, dtype=plan.dtype, optimizer=cfg.parallel.optimizer,
+                   exchange=getattr(plan, "expert_exchange", None) or "all_to_all",
                    checkpointing=checkpointing[0], every=checkpointing[1],
                    lm_loss_kernel=plan.lm_loss == "triton", fp32_residual=plan.residual_dtype == "float32",
                    expert_weight_casts=plan.expert_copies,
@@ -195,12 +199,14 @@ def parameter_table(cfg: ModelConfig) -> list[ParamShape]:
 def _share_elements(p: ParamShape, L: MemoryLayout) -> int:
     """Elements of ``p`` one rank holds (padded as FSDP2 pads: whole rows of ceil(rows / ranks))."""
     rows = p.rows
-    if p.expert:
-        rows //= L.ep  # this rank's experts
-        if L.optimizer == "ep_unaware" or L.world == 1:
-            return rows * p.cols
-        return math.ceil(rows / (L.shard // L.ep)) * p.cols
-    return (math.ceil(rows / L.shard) if L.world > 1 else rows) * p.cols
+    if L.world == 1:
+        return rows * p.cols
+    if p.expert:  # this rank's experts, sharded over the ranks that hold the same ones
+        return math.ceil(rows // L.ep / (L.shard // L.ep)) * p.cols
+    # dense: over every rank of the block (EP-aware), or over the data-parallel ranks only,
+    # replicated over the EP group (dp_sharded, the paper's baseline)
+    over = L.shard // L.ep if L.optimizer == "dp_sharded" else L.shard
+    return math.ceil(rows / over) * p.cols
 
 
 # ----------------------------------------------------------------------------- activations
@@ -293,16 +299,11 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
     bf16 = L.dtype == "bfloat16"
     sharded = L.world > 1
     T, D, V = L.tokens, cfg.d_model, cfg.padded_vocab_size
-    n_moe = cfg.n_layers if cfg.moe is not None else 0
     local_expert_params = _expert_block_params(cfg) // L.ep  # one layer's, this rank's experts
     held = static_bytes(cfg, L)
     weights, gradients, optimizer = held["weights"], held["gradients"], held["optimizer"]
     experts = _held_elements(cfg, L)[1]
-    copies = 0.0
-    if bf16 and not sharded and L.expert_weight_casts:
-        copies = 2.0 * experts
-    elif bf16 and sharded and L.optimizer == "ep_unaware":
-        copies = 2.0 * local_expert_params * n_moe  # each GEMM keeps its bf16 cast for the backward
+    copies = 2.0 * experts if bf16 and not sharded and L.expert_weight_casts else 0.0
 
     # activations: blocks recomputed keep their input; the rest what autograd saves
     full = checkpointed_blocks(cfg.n_layers, L.checkpointing, L.every)
@@ -321,7 +322,11 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
     elif L.checkpointing == "moe":
         recompute = 2.0 * T * cfg.moe.top_k * 3 * cfg.moe.d_expert
     dispatch = 0.0
-    if cfg.moe is not None and L.ep > 1:
+    if cfg.moe is not None and L.ep > 1 and L.exchange == "all_gather":
+        # every rank's tokens gathered, and the partial sums of all of them before the
+        # reduce-scatter (backward: their gradients, the same two)
+        dispatch = 2 * L.ep * T * D * (2.0 if bf16 else 4.0) + 4.0 * T * D
+    elif cfg.moe is not None and L.ep > 1:
         rows = T * expected_ranks_visited(L.ep, cfg.moe.top_k)
         dispatch = 4 * rows * D * (2.0 if bf16 else 4.0) + 4.0 * T * D
     transient = max(lm_chunk, recompute, dispatch)
@@ -330,7 +335,7 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
     if sharded:
         g = 2.0 if bf16 else 4.0
         dense_block = _dense_block_params(cfg)
-        expert_unit = local_expert_params if (cfg.moe is not None and L.optimizer == "ep_aware") else 0
+        expert_unit = local_expert_params if cfg.moe is not None else 0
         root = g * (V * D + D)
         gathered_fwd = root + g * (2 * dense_block + expert_unit)
         reduce_bytes = 2.0 + (4.0 if bf16 else 0.0)  # the unsharded gradient, and its float32 copy to reduce
@@ -421,7 +426,7 @@ def over_budget(cfg: ModelConfig, L: MemoryLayout, budget_bytes: float, run: str
         hints.append("execution.activation_checkpointing=full (or auto)")
     if L.micro_batch > 1:
         hints.append("a smaller train.micro_batch")
-    if cfg.moe is not None and L.optimizer == "ep_unaware":
+    if cfg.moe is not None and L.optimizer == "dp_sharded" and L.ep > 1:
         hints.append("parallel.optimizer=ep_aware")
     if cfg.moe is not None:
         bigger = [e for e in _divisors(cfg.moe.n_experts) if e > L.ep and L.world % e == 0]

@@ -151,6 +151,7 @@ MOVED = {
     "train.activation_checkpointing_every": "execution.activation_checkpointing_every",
     "train.memory_budget_gib": "execution.memory_budget_gib",
     "train.recast_expert_weights": "execution.recast_expert_weights",
+    "parallel.dispatch": "execution.expert_exchange",
 }
 RETIRED = {  # old name -> what runs now
     "model.moe.weights_before_down": "the routing weights always scale the SwiGLU output",

@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, nargs="+", default=[1, 2], help="device (rank) counts to sweep")
     p.add_argument("--ep", nargs="+", default=["all"],
                    help="EP rules, each swept: 'all' (ep = ranks of each point) and/or fixed EP degrees")
-    p.add_argument("--optimizer", choices=["ep_aware", "ep_unaware"], default="ep_aware")
+    p.add_argument("--optimizer", choices=["ep_aware", "dp_sharded"], default="ep_aware")
     p.add_argument("--global-batch", type=int, default=0, help="sequences per step, fixed (0: the preset's)")
     p.add_argument("--micro-batch", type=int, default=0, help="sequences per forward/backward (0: all local)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per point (median taken)")

@@ -19,8 +19,12 @@ The runs
   scale-up models mula-20b-a2b, mula-100b-a7b, mula-220b-a10b to 100B tokens.
 - strong scaling (kind ``scaling``): mula-220b-a10b at 384 ... 12288 tiles, a fixed global batch
   and a fixed number of steps, so time per step is the only thing that changes.
-- ablation (kind ``ablation``): mula-20b-a2b on 384 tiles, baseline / +kernels / +optimizer /
-  both, a fixed number of steps.
+- ablation (kind ``ablation``): the authors' own A/B (their README, "OLMoE Pretraining"):
+  OLMoE-1B-7B rescaled ``SE1.125`` (72 experts), 32 steps at context 2048, one sequence per data
+  rank (run_experiment.sh's batch), in their layouts DP12 and EP12 (one node), DP8-EP12 (8
+  nodes); in each, the per-expert loop against our kernels (the kernel arm), and at EP 12 the
+  paper's baseline optimizer against the EP-aware one (the optimizer arm). Their DP2-PP4-EP12
+  layout waits for pipeline parallelism and is not registered.
 
 Tile counts, batch and context are the authors' (GitHub IntelLabs/Optimus-LM,
 ``submit_aurora_job_paper.pbs``, read 2026-12-06): every paper run on 256 nodes (3072 tiles), 3072
@@ -67,9 +71,13 @@ offline tasks, the stand-ins of the paper's lm-eval tasks.
 ``scaleup_figure(scale)`` names the runs results/figures/scaleup.png draws. The scaling and
 ablation proxies are registered (and runnable one by one with ``optimus pretrain --experiment
 NAME``) but kept out of ``rule all``: their point is time on many devices, not a CPU curve.
-The laptop ablation's ``+kernels`` variants use the Triton kernels, which need ``triton`` and,
-on a CPU, ``TRITON_INTERPRET=1`` (slow); its ``+optimizer`` variants equal the baseline with one
-process (the EP-aware optimizer only differs when experts are sharded).
+The laptop ablation's kernel arms use the Triton kernels, which need ``triton`` and, on a CPU,
+``TRITON_INTERPRET=1`` (slow); its optimizer arms equal the others with one process (the two
+optimizers differ only where an EP group holds the dense parameters several times).
+
+An EP group must be one node's tiles (or a divisor of them): a run whose EP degree does not divide
+a node's TILES_PER_NODE is refused unless its overrides set ``parallel.ep_across_nodes``, so that
+no registered layout sends its expert exchange over the network by accident.
 """
 from __future__ import annotations
 
@@ -114,6 +122,10 @@ class RunScale:
         if self.tokens < self.tokens_per_step:
             raise ConfigError(f"tokens = {self.tokens}: less than one step ({self.tokens_per_step} tokens)")
         cfg = self.run_config()  # ep must divide the experts, overrides must name real fields
+        if self.devices > 1 and TILES_PER_NODE % self.ep and not cfg.parallel.ep_across_nodes:
+            raise ConfigError(f"ep = {self.ep}: an EP group must sit on one node of {TILES_PER_NODE} tiles (ep "
+                              f"dividing {TILES_PER_NODE}); set parallel.ep_across_nodes in its overrides to run "
+                              f"its exchange across nodes")
         micro = cfg.train.micro_batch or max(1, self.batch // self.devices)  # 0: the whole local batch at once
         if self.batch % (self.devices * micro):
             raise ConfigError(f"global_batch = {self.batch}: must be a multiple of devices x micro_batch "
@@ -237,17 +249,15 @@ SCALING_STEPS, SCALING_BATCH = 6, 12288
 # less and flatter its efficiency. tests/workflow/test_plan_memory.py checks it is still that
 # choice and fits every size.
 SCALING_CHECKPOINTING = ("none", 1)
-ABLATION_STEPS, LAPTOP_TIMED_STEPS = 20, 20
-# baseline / +kernels / +optimizer / both: (experts backend, optimizer)
-# The baseline's experts are the loop over experts (kernels/ "loop"), as in bench/distributed.py:
-# torch._grouped_mm has no path on Aurora's XPUs (nor on a laptop's CPU), so a "torch" baseline
-# could not run where the ablation does.
-ABLATION_VARIANTS = {
-    "baseline": ("loop", "ep_unaware"),
-    "kernels": ("triton", "ep_unaware"),
-    "optimizer": ("loop", "ep_aware"),
-    "both": ("triton", "ep_aware"),
-}
+ABLATION_STEPS, LAPTOP_TIMED_STEPS = 32, 20
+ABLATION_MODEL = "olmoe-1b-7b--SE1.125"  # the authors' A/B model: OLMoE-1B-7B with 72 experts
+# The authors' layouts: name -> (tiles, ep), one sequence per data rank and step
+ABLATION_LAYOUTS = {"dp12": (12, 1), "ep12": (12, PAPER_EP), "dp8-ep12": (96, PAPER_EP)}
+# The arms: name -> (experts backend, optimizer). "fast" is the paper's runs (our kernels, the
+# EP-aware optimizer); "loop" the per-expert loop (kernels/ "loop": torch._grouped_mm has no path
+# on Aurora's XPUs), the kernel arm's baseline; "dp_sharded" the paper's baseline optimizer, the
+# optimizer arm's, run only where an EP group exists (at EP 1 the two optimizers are one).
+ABLATION_ARMS = {"loop": ("loop", "ep_aware"), "fast": ("triton", "ep_aware"), "dp_sharded": ("triton", "dp_sharded")}
 
 
 def _pretrain(model: str, tokens: int, tiles: int, ep: int = 1, batch: int = 0,
@@ -276,15 +286,18 @@ def _scaling(tiles: int) -> Experiment:
     )
 
 
-def _ablation(variant: str) -> Experiment:
-    backend, optimizer = ABLATION_VARIANTS[variant]
+def _ablation(layout: str, arm: str) -> Experiment:
+    (tiles, ep), (backend, optimizer) = ABLATION_LAYOUTS[layout], ABLATION_ARMS[arm]
     sets = {"execution.experts": backend, "parallel.optimizer": optimizer}
+    base, tag = ABLATION_MODEL.split("--")
     return Experiment(
-        f"ablation-mula-20b-a2b-{variant}", "ablation",
-        paper=RunScale.for_steps("mula-20b-a2b", ABLATION_STEPS, 384, timed=True, ep=32, global_batch=1536,
+        f"ablation-{layout}-{arm}", "ablation",
+        paper=RunScale.for_steps(ABLATION_MODEL, ABLATION_STEPS, tiles, timed=True, ep=ep, global_batch=tiles,
                                  extra={**PAPER_TIMED, **sets}),
-        laptop=RunScale.for_steps("mula-20b-a2b@laptop", LAPTOP_TIMED_STEPS, 1, extra={**LAPTOP_SHORT, **sets}),
-        description=f"kernel / optimizer ablation on Mula-20B-A2B: {variant} (experts {backend}, {optimizer})",
+        laptop=RunScale.for_steps(f"{base}{presets.LAPTOP}--{tag}", LAPTOP_TIMED_STEPS, 1,
+                                  extra={**LAPTOP_SHORT, **sets}),
+        description=f"the authors' A/B on OLMoE-1B-7B {tag}, {layout.upper()} ({tiles} tiles): experts {backend}, "
+                    f"{optimizer} optimizer",
     )
 
 
@@ -299,7 +312,8 @@ _REGISTRY = [
     _pretrain("mula-220b-a10b", 100 * B, PAPER_TILES, ep=PAPER_EP, scaleup=True,
               description="scale-up: MoE Mula-220B-A10B to 100B tokens"),
     *[_scaling(t) for t in SCALING_TILES],
-    *[_ablation(v) for v in ABLATION_VARIANTS],
+    *[_ablation(layout, arm) for layout, (_, ep) in ABLATION_LAYOUTS.items() for arm in ABLATION_ARMS
+      if ep > 1 or arm != "dp_sharded"],
 ]
 EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in _REGISTRY}
 

@@ -43,7 +43,7 @@ def parallelize(model: Transformer, plan: ExecutionPlan, mesh: Mesh | None = Non
     """``model`` (plain, on any device, the meta one included) executing as ``plan`` says on
     ``mesh`` (default: one process), in the module docstring's order; returns the model to use
     (expert parallelism swaps modules inside it). ``parallel``: the run's parallel section
-    (dispatch, optimizer, reduce_dtype; default: its defaults)."""
+    (optimizer, reduce_dtype; default: its defaults)."""
     parallel = parallel or ParallelConfig()
     if plan.expert_gemms is not None:
         from kernels.grouped_mm import use_family
@@ -56,9 +56,8 @@ def parallelize(model: Transformer, plan: ExecutionPlan, mesh: Mesh | None = Non
         layer.experts.recast_weights = plan.recast_expert_weights
     recompute(model, *plan.checkpointing)
     if mesh is not None and mesh.distributed:
-        model = expert_parallel(model, mesh, parallel.dispatch)
-        shard_model(model, mesh, dtype=plan.dtype, experts_sharded=parallel.optimizer == "ep_aware",
-                    reduce_dtype=parallel.reduce_dtype)
+        model = expert_parallel(model, mesh, plan.expert_exchange or "all_to_all")
+        shard_model(model, mesh, dtype=plan.dtype, optimizer=parallel.optimizer, reduce_dtype=parallel.reduce_dtype)
     if plan.compile:
         compile_blocks(model)
     return model

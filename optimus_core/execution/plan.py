@@ -26,6 +26,10 @@ this module alone turns it, with the device, the world size and the memory model
 - the clip's gradient norm under the backward (a side stream): one process on CUDA with
   clipping; its expert terms from the dW kernel's sums of squares with the triton experts.
 - the update beside the next forward: one process on CUDA with the Triton AdamW.
+- the expert exchange (EP > 1): the paper's all-gather / reduce-scatter on XPU, where oneCCL's
+  variable all-to-all fails with empty splits (ALCF's AuroraBugTracking #111), and for a run
+  that asks for it; the all-to-all elsewhere, which moves fewer bytes (not measured against the
+  other on a GPU yet), and wherever a capacity factor drops tokens (the paper's is dropless).
 - activation checkpointing: "auto" is the least recomputation whose estimate fits the budget with
   the memory model's error to spare (optimus_core.memory.FIT_MARGIN), else the least that fits.
 
@@ -69,6 +73,7 @@ class ExecutionPlan:
     grad_norm_under_backward: bool
     grad_norm_from_dw: bool
     update_beside_forward: bool
+    expert_exchange: str | None = None  # EP > 1: "all_to_all" | "all_gather" (parallel.expert_parallel)
     checkpointing: tuple[str, int] = ("none", 1)  # (mode, every)
     memory: object | None = None  # optimus_core.memory.MemoryEstimate per rank
     budget_bytes: float | None = None
@@ -87,6 +92,7 @@ class ExecutionPlan:
                 ("clip norm", "under the backward" + (", experts' from the dW kernel" if self.grad_norm_from_dw
                                                       else "") if self.grad_norm_under_backward else "after the backward"),
                 ("update", "beside the next forward" if self.update_beside_forward else "after the backward"),
+                *((("expert exchange", self.expert_exchange.replace("_", "-")),) if self.expert_exchange else ()),
                 ("activation checkpointing", mode + (f" (every {every})" if mode == "full" and every > 1 else ""))]
         if self.experts == "triton":
             family = (self.expert_gemms or "decided when the run starts").replace("_", "-")
@@ -164,8 +170,10 @@ def _triton_or_torch(name: str, asked: str, kernel: str, device: torch.device, p
 
 
 def resolve_choices(cfg: RunConfig, device: torch.device | str, world_size: int = 1, *,
-                    probe: bool = True) -> ExecutionPlan:
-    """The plan of ``cfg`` without its memory part (checkpointing unresolved, no estimate)."""
+                    probe: bool = True, ranks_per_node: int | None = None) -> ExecutionPlan:
+    """The plan of ``cfg`` without its memory part (checkpointing unresolved, no estimate).
+    ``ranks_per_node``: where known (a launcher, a site), the plan says whether an EP group's
+    exchange stays on a node."""
     device = torch.device(device)
     if device.type == "meta":  # shapes only: plan as for the GPU they stand for
         device, probe = torch.device("cuda"), False
@@ -256,12 +264,13 @@ def resolve_choices(cfg: RunConfig, device: torch.device | str, world_size: int 
     if not beside:
         why["update"] = ("the sharded optimizer's own step" if not one_process else
                          "needs the Triton AdamW" if adamw != "triton" else "needs a CUDA side stream")
+    exchange = _expert_exchange(cfg, device, world_size, ranks_per_node, why)
     return ExecutionPlan(device_type=device.type, world_size=world_size, dtype=dtype, residual_dtype=residual,
                          experts=experts, expert_gemms=gemms,
                          compile=compile_on, adamw=adamw, lm_loss=lm_loss, qk_norm_rope=qk_norm_rope,
                          recast_expert_weights=recast,
                          expert_copies=copies, bf16_expert_grads=bf16_grads, grad_norm_under_backward=norm_under,
-                         grad_norm_from_dw=from_dw, update_beside_forward=beside, why=why)
+                         grad_norm_from_dw=from_dw, update_beside_forward=beside, expert_exchange=exchange, why=why)
 
 
 def check_launch(cfg: RunConfig, world_size: int = 1) -> str:
@@ -279,13 +288,13 @@ def check_launch(cfg: RunConfig, world_size: int = 1) -> str:
 
 def plan_execution(cfg: RunConfig, device: torch.device | str, world_size: int = 1, *,
                    budget_bytes: float | None | str = "device", probe: bool = True,
-                   run: str | None = None) -> ExecutionPlan:
+                   run: str | None = None, ranks_per_node: int | None = None) -> ExecutionPlan:
     """The whole plan of ``cfg`` on ``world_size`` ranks of ``device`` (module doc), activation
     checkpointing resolved and the run checked against ``budget_bytes`` (default:
     execution.memory_budget_gib, else the usable share of the device's memory when ``probe``;
-    None: unchecked). MemoryBudgetError, naming the run, the GiB, the budget and what would help,
+    None: unchecked); ``ranks_per_node`` as resolve_choices. MemoryBudgetError, naming the run, the GiB, the budget and what would help,
     before anything is allocated; ExecutionError for a choice the device cannot run."""
-    plan = resolve_choices(cfg, device, world_size, probe=probe)
+    plan = resolve_choices(cfg, device, world_size, probe=probe, ranks_per_node=ranks_per_node)
     if budget_bytes == "device":
         chosen = cfg.execution.memory_budget_gib
         if chosen is not None:
@@ -299,6 +308,30 @@ def plan_execution(cfg: RunConfig, device: torch.device | str, world_size: int =
                                        "auto: the least recomputation that fits" if budget_bytes else
                                        "auto: no memory budget known")
     return dataclasses.replace(plan, checkpointing=checkpointing, memory=est, budget_bytes=budget_bytes, why=why)
+
+
+def _expert_exchange(cfg: RunConfig, device: torch.device, world_size: int, ranks_per_node: int | None,
+                     why: dict) -> str | None:
+    """How tokens cross an EP group (module doc), or None where no EP group exchanges any."""
+    ep, moe, asked = cfg.parallel.ep, cfg.model.moe, cfg.execution.expert_exchange
+    if moe is None or ep == 1 or world_size == 1:
+        return None
+    if asked != "auto":
+        exchange, reason = asked, "asked"
+    elif moe.capacity_factor is not None:
+        exchange, reason = "all_to_all", "auto: a capacity factor drops tokens; the paper's exchange is dropless"
+    elif device.type == "xpu":
+        exchange, reason = "all_gather", ("auto: the paper's; oneCCL's variable all-to-all fails with empty splits "
+                                          "(ALCF's AuroraBugTracking #111)")
+    else:
+        exchange, reason = "all_to_all", ("auto: each token only to the ranks of its experts, fewer bytes than "
+                                          "gathering every token on every rank; the two not measured here")
+    if ranks_per_node:
+        reason += (f"; one EP group of {ep} on a node of {ranks_per_node} ranks" if ep <= ranks_per_node else
+                   f"; an EP group of {ep} spans {-(-ep // ranks_per_node)} nodes of {ranks_per_node} ranks: "
+                   f"its exchange crosses the network")
+    why["expert exchange"] = reason
+    return exchange
 
 
 def _gemm_family(device: torch.device, probe: bool, why: dict) -> str | None:

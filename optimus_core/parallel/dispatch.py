@@ -1,20 +1,22 @@
-"""Token dispatch and combine across an EP group: all_to_all_single with variable split sizes,
-or (``parallel.dispatch = all_gather``) the same exchange made of all-gathers.
+"""The collectives of the two expert exchanges (optimus_core.parallel.expert_parallel), each
+differentiable: its backward is the reverse exchange, carrying the gradients home.
+
+The all-to-all (variable split sizes; the least traffic: a token goes only to the ranks of its
+experts):
 
     recv_counts_P = exchange_counts(send_counts_P, group)          # how many rows each peer sends
-    x_recv_RD = all_to_all(x_send_MD, recv_splits, send_splits, group)    # differentiable
-
-    counts_PP = gather_counts(send_counts_P, group)     # all_gather: every rank's counts, [s, r]
-    x_recv_RD = gather_exchange(x_send_MD, splits_PP, rank, group)        # differentiable
+    x_recv_RD = all_to_all(x_send_MD, recv_splits, send_splits, group)
 
 Forward sends ``send_splits[r]`` rows to rank ``r`` of the group and receives ``recv_splits[s]``
-from rank ``s``; backward is the same exchange reversed, carrying the gradients home. Any split
-may be zero (a rank that routes nothing to another one's experts).
+from rank ``s``. Any split may be zero (a rank that routes nothing to another one's experts).
 
-The all-gather form exists for collective stacks whose variable all-to-all is missing or hangs
-(public reports of some xccl builds; a torchtitan port to Aurora replaced it the same way): every
-rank gathers every rank's send buffer, padded to the longest, and keeps the rows sent to it, so it
-moves ``ep`` times the all-to-all's bytes. Its results are the all-to-all's, bit for bit.
+The paper's (GitHub IntelLabs/Optimus-LM): every rank's tokens gathered on every rank of the
+group, each rank's partial outputs summed and scattered back; equal sizes on every rank, no
+counts exchanged, no variable-size collective (which oneCCL's xccl mishandles with empty splits:
+ALCF's AuroraBugTracking #111):
+
+    x_GD = all_gather_rows(x_TD, group)        # (P * T, D); backward: reduce-scatter
+    out_TD = reduce_scatter_rows(y_GD, group)  # the sum over the group, our T rows; backward: all-gather
 """
 from __future__ import annotations
 
@@ -57,43 +59,53 @@ def all_to_all(x_MD: torch.Tensor, recv_splits: list[int], send_splits: list[int
     return _AllToAll.apply(x_MD, recv_splits, send_splits, group)
 
 
-def gather_counts(send_counts_P: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's counts: out[s, p] is what rank ``s`` of the group sends peer ``p``."""
-    P, shape = dist.get_world_size(group), send_counts_P.shape
-    out = send_counts_P.new_empty((P * shape[0], *shape[1:]))  # gloo wants the ranks along dim 0
+def _all_gather(x_TD: torch.Tensor, group) -> torch.Tensor:
+    out = x_TD.new_empty((dist.get_world_size(group) * x_TD.shape[0], *x_TD.shape[1:]))
     with phase("a2a"):
-        dist.all_gather_into_tensor(out, send_counts_P.contiguous(), group=group)
-    return out.view(P, *shape)
+        dist.all_gather_into_tensor(out, x_TD.contiguous(), group=group)
+    return out
 
 
-def _gathered_rows(x_MD: torch.Tensor, splits: list[list[int]], rank: int, group) -> torch.Tensor:
-    """The rows each rank ``s`` sends ``rank`` (``splits[s][rank]`` of them, after its first
-    ``sum(splits[s][:rank])``), in the order of s: every send buffer padded and gathered."""
-    longest = max(sum(row) for row in splits)
-    padded = x_MD.new_zeros((longest, *x_MD.shape[1:]))
-    padded[:x_MD.shape[0]] = x_MD
-    gathered = x_MD.new_empty((len(splits) * longest, *x_MD.shape[1:]))
+def _reduce_scatter(x_GD: torch.Tensor, group) -> torch.Tensor:
+    out = x_GD.new_empty((x_GD.shape[0] // dist.get_world_size(group), *x_GD.shape[1:]))
     with phase("a2a"):
-        dist.all_gather_into_tensor(gathered, padded, group=group)
-    index = [s * longest + sum(row[:rank]) + i for s, row in enumerate(splits) for i in range(row[rank])]
-    return gathered.index_select(0, torch.tensor(index, dtype=torch.long, device=x_MD.device))
+        dist.reduce_scatter_tensor(out, x_GD.contiguous(), group=group)
+    return out
 
 
-class _GatherExchange(torch.autograd.Function):
+class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MD, splits, rank, group):
-        ctx.splits, ctx.rank, ctx.group = splits, rank, group
-        return _gathered_rows(x_MD, splits, rank, group)
+    def forward(ctx, x_TD, group):
+        ctx.group = group
+        return _all_gather(x_TD, group)
 
     @staticmethod
-    def backward(ctx, grad_RD):
-        # The reverse exchange: the split matrix transposed (what s sent us goes back to s).
-        back = [list(col) for col in zip(*ctx.splits)]
-        return _gathered_rows(grad_RD.contiguous(), back, ctx.rank, ctx.group), None, None, None
+    def backward(ctx, grad_GD):
+        # Every rank's copy of our rows got a gradient there: the sum comes home.
+        return _reduce_scatter(grad_GD, ctx.group), None
 
 
-def gather_exchange(x_MD: torch.Tensor, splits: list[list[int]], rank: int, group) -> torch.Tensor:
-    """Differentiable all_to_all made of all-gathers: ``splits[s][r]`` rows go from rank ``s`` to
-    rank ``r`` of ``group``; ``x_MD`` is this rank's (``rank``) send buffer, its rows for peer 0
-    first. Returns the rows sent to this rank, those from peer 0 first, as all_to_all does."""
-    return _GatherExchange.apply(x_MD, splits, rank, group)
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_GD, group):
+        ctx.group = group
+        return _reduce_scatter(x_GD, group)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        # Our block of the sum came from every rank's rows: each gets its gradient.
+        return _all_gather(grad_TD, ctx.group), None
+
+
+def all_gather_rows(x_TD: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable: every rank's ``x_TD`` (the same shape on each) stacked in rank order,
+    (P * T, ...); the backward reduce-scatters the gradient, so each rank gets the sum over the
+    group of its rows' gradients."""
+    return _AllGather.apply(x_TD, group)
+
+
+def reduce_scatter_rows(x_GD: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable: the sum over the group of every rank's ``x_GD`` (P * T rows, the same
+    shape on each), this rank's block of T rows of it (rank order); the backward all-gathers the
+    gradient."""
+    return _ReduceScatter.apply(x_GD, group)

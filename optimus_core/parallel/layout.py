@@ -10,12 +10,12 @@ Every parameter is sharded along its rows only (dim 0; optimus_core.model.expert
 experts' weights as rows for this), so a rank's share is always one contiguous range of rows:
 
     dense (every layout of several ranks)   rows split over the world, or a block of dp_shard
-                                            ranks and replicated over the blocks (FSDP2)
-    expert, EP-aware                        the EP rank's experts, a block of rows, split
+                                            ranks and replicated over the blocks, or (the
+                                            paper's baseline) over the expert-dp group and
+                                            replicated over the EP group (FSDP2)
+    expert                                  the EP rank's experts, a block of rows, split
                                             again over its expert-dp group, or its block's
                                             share of that group (FSDP2 on that mesh)
-    expert, EP-unaware                      the EP rank's experts, whole on every rank of its
-                                            expert-dp group (replicated)
     one process                             everything, whole
 
 The same description serves the seeded init (each rank draws exactly its rows:
@@ -103,11 +103,8 @@ def shares(model: nn.Module, mesh: Mesh) -> dict[str, Share]:
             # EP blocks of rows first, then FSDP2's placements within (its mesh's dims after "ep")
             within = tuple(p.placements) if isinstance(p, DTensor) else (Replicate(),) * (meshes["experts"].ndim - 1)
             out[name] = Share(name, local, first, shape, meshes["experts"], (Shard(0), *within))
-        elif mesh.distributed:
-            if isinstance(p, DTensor):  # FSDP2's own layout is whole-shaped (dense, or experts at ep 1)
-                out[name] = Share(name, local, first, tuple(p.shape), p.device_mesh, tuple(p.placements))
-            else:  # EP-unaware experts at ep 1: whole and replicated on every rank
-                out[name] = Share(name, local, 0, tuple(p.shape), meshes["world"], (Replicate(),))
+        elif mesh.distributed:  # FSDP2's own layout is whole-shaped (dense, or experts at ep 1)
+            out[name] = Share(name, local, first, tuple(p.shape), p.device_mesh, tuple(p.placements))
         else:
             out[name] = Share(name, local, 0, tuple(p.shape))
     return out

@@ -13,8 +13,11 @@ first line of $PBS_NODEFILE. With no launcher variables the process is a world o
 process group is created. Every check that can fail (layout, MASTER_ADDR) runs before the first collective, on
 every rank, so a bad launch is an error everywhere instead of a hang.
 
-Layout: EP groups are blocks of consecutive ranks (on one node when ep <= ranks per node, where
-the all-to-all is cheapest); expert-dp group ``j`` is the ranks ``j, j + ep, j + 2 ep, ...``.
+Layout: EP groups are blocks of consecutive ranks, each on one node (the paper's rank order: an
+EP group is one node's 12 tiles), where its token exchange stays off the network: a launch whose
+EP groups would span nodes -- ep not dividing the ranks of a node, or a launcher that does not
+place consecutive ranks together -- stops on every rank before training unless
+parallel.ep_across_nodes asks for it. Expert-dp group ``j`` is the ranks ``j, j + ep, j + 2 ep, ...``.
 Sharding (parallel.dp_shard = S, 0 = the whole world): the parameters are sharded over blocks of
 S consecutive ranks and replicated over the W / S blocks (hybrid sharding, HSDP: a collective
 per layer spans S ranks, not the world; one all-reduce per step over the replicas); within a
@@ -177,6 +180,7 @@ class Mesh:
     ep_ranks: tuple[int, ...] = (0,)
     expert_dp_ranks: tuple[int, ...] = (0,)
     dp_shard: int = 0  # ranks a parameter is sharded over (parallel.dp_shard; 0 = the world)
+    local_world: int | None = None  # ranks on this node, where the launcher says
     groups: dict = field(default_factory=dict, repr=False)  # this rank's sharding groups (sharding_layout)
     owns_process_group: bool = False  # init_distributed created it, so shutdown destroys it
     _device_meshes: Any = field(default=None, repr=False, compare=False)
@@ -280,7 +284,8 @@ def init_distributed(parallel: ParallelConfig, n_experts: int | None = None, dev
         return Mesh.single(dev)
     backend = collective_backend(device_type)
     import_vendor_extensions(device_type, backend)
-    mesh = Mesh(launch.rank, launch.world_size, launch.local_rank, parallel.ep, dev, backend, dp_shard=parallel.dp_shard)
+    mesh = Mesh(launch.rank, launch.world_size, launch.local_rank, parallel.ep, dev, backend, dp_shard=parallel.dp_shard,
+                local_world=launch.local_world)
     timeout = datetime.timedelta(seconds=parallel.collective_timeout_s)
     if not dist.is_initialized():
         mesh.owns_process_group = True
@@ -291,7 +296,34 @@ def init_distributed(parallel: ParallelConfig, n_experts: int | None = None, dev
         dist.init_process_group(backend, init_method="env://", rank=launch.rank, world_size=launch.world_size,
                                 device_id=dev if device_type != "cpu" else None,
                                 timeout=timeout)
+    if not parallel.ep_across_nodes:
+        check_node_local(mesh)
     return build_groups(mesh, timeout)
+
+
+def node_local_problem(ep: int, rank: int, local_rank: int, local_world: int | None) -> str | None:
+    """Why this rank's EP group (consecutive ranks) would not sit on its node, or None (also
+    where the launcher does not say how many ranks a node has: nothing to check)."""
+    if ep == 1 or not local_world:
+        return None
+    if local_world % ep:
+        spans = -(-ep // local_world) if ep > local_world else 2
+        return f"an EP group of {ep} consecutive ranks spans {spans} nodes of {local_world} ranks"
+    if rank % local_world != local_rank:
+        return (f"the launcher placed rank {rank} as local rank {local_rank} of {local_world}: consecutive ranks "
+                f"are not on one node (the launcher must place ranks in blocks of a node's), so EP groups would "
+                f"span nodes")
+    return None
+
+
+def check_node_local(mesh: Mesh) -> None:
+    """ConfigError on every rank where any rank's EP group would span nodes (node_local_problem;
+    one small all-reduce over the world, before any group is built)."""
+    problem = node_local_problem(mesh.ep, mesh.rank, mesh.local_rank, mesh.local_world)
+    if mesh.all_max([float(problem is not None)])[0]:
+        where = problem or "another rank's EP group spans nodes"
+        raise ConfigError(f"parallel.ep = {mesh.ep}: {where}; its expert exchange would cross the network. Choose an "
+                          f"ep that divides the ranks of a node, or set parallel.ep_across_nodes=true to run it so")
 
 
 def bind_device(requested: str, launch: LaunchEnv, env: Mapping[str, str] | None = None) -> torch.device:

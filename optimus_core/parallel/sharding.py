@@ -3,19 +3,21 @@
     with torch.device("meta"):
         model = Transformer(cfg.model)                        # nothing allocated
     model = expert_parallel(model, mesh)                      # EP: this rank's experts (meta)
-    shard_model(model, mesh, dtype="bfloat16", experts_sharded=True)
+    shard_model(model, mesh, dtype="bfloat16", optimizer="ep_aware")
     materialize(model, mesh, device, seed=cfg.train.seed)     # each rank allocates and draws its rows
 
 What each rank keeps between uses (ZeRO-3 semantics): its rows of every parameter in float32,
 their gradients and (optimus_core.train.sharded_adamw) their AdamW moments:
 
-    dense parameters      sharded over the world (1/W each), or with parallel.dp_shard = S over
-                          the rank's block of S ranks, replicated over the W / S blocks (HSDP)
-    expert parameters     EP-aware: sharded over the rank's expert-dp group (1/(W/ep) of the
-                          rank's n_experts/ep experts), or over its block's S / ep of them;
-                          EP-unaware (``experts_sharded=False``, the paper's baseline): the
-                          rank's experts whole, their gradients all-reduced over the expert-dp
-                          group by the optimizer
+    dense parameters      ep_aware: sharded over the world (1/W each), or with parallel.dp_shard
+                          = S over the rank's block of S ranks, replicated over the W / S blocks
+                          (HSDP); dp_sharded (the paper's baseline, GitHub IntelLabs/Optimus-LM's
+                          "sharded" optimizer): sharded over the rank's expert-dp group (the
+                          data-parallel ranks, 1/(W/ep) each) and replicated over its EP group,
+                          their gradients reduce-scattered over the first and all-reduced over
+                          the second (HSDP on the (ep, expert_dp) grid)
+    expert parameters     sharded over the rank's expert-dp group (1/(W/ep) of the rank's
+                          n_experts/ep experts), or over its block's S / ep of them
 
 With replicas, FSDP2 reduce-scatters each unit's gradient within the block and all-reduces the
 shard over the replicas; with several micro-batches the all-reduce waits for the last one
@@ -40,7 +42,7 @@ under the backward throughout.
 
 Gradient means: every rank's loss is the mean over its own tokens, and FSDP2 divides a unit's
 summed gradient by its mesh's size. That is the world mean for dense units; an expert's
-gradient already sums the contributions of its whole EP group (the all-to-all brings them
+gradient already sums the contributions of its whole EP group (the exchange brings them
 home), so its sum over the expert-dp group covers all W ranks once, and FSDP2's mean over the
 W / ep ranks of that group is ep times the world mean: the optimizer divides the experts'
 (sharded) gradients by ep (optimus_core.train.sharded_adamw). Not FSDP2's own divide factor: it
@@ -59,17 +61,27 @@ from .mesh import Mesh
 REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def shard_model(model: nn.Module, mesh: Mesh, *, dtype: str = "float32", experts_sharded: bool = True,
+OPTIMIZERS = ("ep_aware", "dp_sharded")
+
+
+def shard_model(model: nn.Module, mesh: Mesh, *, dtype: str = "float32", optimizer: str = "ep_aware",
                 reduce_dtype: str = "float32") -> nn.Module:
     """Apply FSDP2 in place (module doc) to an EP-parallelized Transformer of ``mesh.world_size``
-    > 1 ranks; returns ``model``. ``dtype``: train.dtype (bf16 gathers under "bfloat16");
-    ``experts_sharded``: EP-aware (True) or the EP-unaware baseline."""
+    > 1 ranks; returns ``model``. ``dtype``: the plan's (bf16 gathers under "bfloat16");
+    ``optimizer``: where the dense parameters live, parallel.optimizer (module doc)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     if reduce_dtype not in REDUCE_DTYPES:
         raise ValueError(f"parallel.reduce_dtype = {reduce_dtype!r}: must be one of {', '.join(REDUCE_DTYPES)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"parallel.optimizer = {optimizer!r}: must be one of {', '.join(OPTIMIZERS)}")
     meshes = mesh.device_meshes()
     dense_mesh = meshes["dense"]
+    if optimizer == "dp_sharded" and mesh.ep > 1:
+        if mesh.replicas > 1:
+            raise ValueError("parallel.optimizer = 'dp_sharded' shards over the data-parallel ranks: it needs "
+                             "parallel.dp_shard = 0")
+        dense_mesh = meshes["grid"]  # (ep, expert_dp): replicated over the first, sharded over the second
     expert_mesh = meshes["experts"]["replicate", "shard"] if mesh.replicas > 1 else meshes["grid"]["expert_dp"]
     # The units' inputs are left as they come (cast_forward_inputs=False): the residual stream
     # is in the dtype Transformer.hidden gives it, as on one process, and autocast casts what each
@@ -87,13 +99,10 @@ def shard_model(model: nn.Module, mesh: Mesh, *, dtype: str = "float32", experts
     expert_unit = {}  # block index -> its experts, where they are a unit of their own
     for i, block in enumerate(blocks):
         experts = block.ffn.experts if isinstance(block.ffn, MoEFeedForward) else None
-        ignored = None
-        if experts is not None and not experts_sharded:
-            ignored = set(experts.parameters())  # replicated over expert-dp: the optimizer syncs them
-        elif experts is not None and mesh.ep > 1:  # its own unit on the expert-dp mesh
+        if experts is not None and mesh.ep > 1:  # its own unit on the expert-dp mesh
             fully_shard(experts, mesh=expert_mesh, mp_policy=gathered)
             expert_unit[i] = experts
-        fully_shard(block, mesh=dense_mesh, mp_policy=gathered, ignored_params=ignored)
+        fully_shard(block, mesh=dense_mesh, mp_policy=gathered)
     fully_shard(model.embed, mesh=dense_mesh, mp_policy=as_stored)
     fully_shard(model, mesh=dense_mesh, mp_policy=gathered, reshard_after_forward=False)
     for method in ("lm_loss", "hidden"):  # the training and evaluation entries besides forward

@@ -98,7 +98,7 @@ class Trainer:
         self.decay_end = decay_end(cfg.schedule, cfg.train.steps, self.loader.epoch_steps)
         # every choice of how the run executes, resolved once and checked against the device's
         # memory before anything is allocated (ExecutionError, MemoryBudgetError: what to change)
-        self.plan = plan_execution(cfg, self.device, self.mesh.world_size)
+        self.plan = plan_execution(cfg, self.device, self.mesh.world_size, ranks_per_node=self.mesh.local_world)
         _log.info("%s: execution plan on %d x %s:\n%s", cfg.preset or "train", self.mesh.world_size,
                   self.device.type, self.plan.describe())
         # this rank's share of the model, never the whole of it (optimus_core.train.build)

@@ -10,9 +10,9 @@ ShardedAdamW in ``cfg.parallel.optimizer``'s mode when distributed); only the da
 uniform random tokens from a seeded generator, so no dataset is needed.
 
 Phases (optimus_core.timing, exclusive device seconds per step): ``compute`` forward + backward,
-``a2a`` the experts' all-to-alls and count exchanges, ``grad_sync`` what the host waits for of
-the gradient synchronisation after the backward (the EP-unaware experts' all-reduce, the
-losses' and routing counts' all-reduces; FSDP2's per-unit all-gathers and reduce-scatters run
+``a2a`` the experts' token exchange (the all-to-alls and their count exchanges, or the paper's
+all-gathers and reduce-scatters), ``grad_sync`` what the host waits for of the gradient
+synchronisation after the backward (the losses' and routing counts' all-reduces; FSDP2's per-unit all-gathers and reduce-scatters run
 inside the forward and backward and count there), ``optimizer`` grad norm + AdamW; ``idle_s`` is the wall
 time of the step left over (host overhead, waiting for other ranks). Each is the median over
 the timed steps on each rank, then the mean over ranks; ``step_s`` is the slowest rank's median;

@@ -1,31 +1,29 @@
-"""AdamW on each rank's shares of a fully sharded model (optimus_core.parallel.sharding), EP-aware
-or EP-unaware, with the clip's global norm.
+"""AdamW on each rank's shares of a fully sharded model (optimus_core.parallel.sharding), with the
+clip's global norm.
 
-    model = shard_model(expert_parallel(meta_model, mesh), mesh, experts_sharded=mode == "ep_aware")
-    opt = ShardedAdamW(model, mesh, cfg.optim, mode="ep_aware", kernel="triton")  # or "ep_unaware" (the ablation)
+    model = shard_model(expert_parallel(meta_model, mesh), mesh, optimizer=mode)
+    opt = ShardedAdamW(model, mesh, cfg.optim, mode="ep_aware", kernel="triton")  # or "dp_sharded" (the ablation)
     loss.backward()                                 # FSDP2 reduce-scatters the gradients as it goes
     grad_norm = opt.clip_and_step(max_norm=1.0)     # norm, clip, update the local shares
     opt.zero_grad()
 
 Each rank updates what it holds, so the AdamW state is sharded exactly as the weights are:
 
-    dense, both modes      1/W of every dense parameter (the gradient is FSDP2's reduce-scatter)
-    expert, ep_aware       1/(W/ep) of the rank's experts (FSDP2 on the expert-dp mesh)
-    expert, ep_unaware     the rank's experts whole, their gradients all-reduced over the
-                           expert-dp group here, every rank of the group updating all of them
-                           (the paper's baseline: state replicated W/ep times)
+    dense, ep_aware        1/W of every dense parameter (the gradient is FSDP2's reduce-scatter)
+    dense, dp_sharded      1/(W/ep) of every dense parameter, the same share on each rank of the
+                           EP group (the paper's baseline: dense state replicated ep times)
+    expert, both           1/(W/ep) of the rank's experts (FSDP2 on the expert-dp mesh)
 
 The global gradient norm: every element of every parameter lies on exactly one rank of each
 block of parallel.dp_shard ranks (the blocks are replicas: only the first block's ranks count;
-replicated experts count on expert-dp rank 0 only), so it is the square root of one all-reduce
-of each rank's sum of squares. The clip factor rides into the update kernel (TritonAdamW's grad_scale)
+under dp_sharded a dense share counts on EP rank 0 only), so it is the square root of one
+all-reduce of each rank's sum of squares. The clip factor rides into the update kernel (TritonAdamW's grad_scale)
 or scales the local gradients once (torch's AdamW). The update is torch.optim.AdamW's arithmetic
 (``kernel``, the execution plan's adamw: TritonAdamW on a GPU, on each share's local tensor).
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..config import OptimConfig
@@ -35,7 +33,7 @@ from ..parallel.mesh import Mesh
 from ..timing import phase
 from .optim import clip_coef_as_grad_scale, param_groups
 
-MODES = ("ep_aware", "ep_unaware")
+MODES = ("ep_aware", "dp_sharded")
 
 
 class ShardedAdamW:
@@ -50,18 +48,20 @@ class ShardedAdamW:
         from torch.distributed.tensor import DTensor
 
         params = [p for p in model.parameters() if p.requires_grad]
-        # EP-unaware experts: plain tensors inside the sharded model (FSDP2 ignores them)
-        self.replicated = [p for p in params if not isinstance(p, DTensor)] if mesh.distributed else []
-        # EP-aware experts at ep > 1: FSDP2's mean over the expert-dp group is ep x the world mean
+        # experts at ep > 1: FSDP2's mean over the expert-dp group is ep x the world mean
         # (optimus_core.parallel.sharding), set right before the norm
         experts = expert_parameter_names(model)
         self.ep_scaled = [p for n, p in model.named_parameters()
                           if n in experts and isinstance(p, DTensor) and mesh.ep > 1]
-        # Each element counts once in the norm: a replicated expert on expert-dp rank 0 only, a
-        # sharded share on the ranks of the first block only (parallel.dp_shard: the blocks are replicas)
+        # Each element counts once in the norm: a share on the ranks of the first block only
+        # (parallel.dp_shard: the blocks are replicas), a dp_sharded dense share on EP rank 0 only
         first_block = mesh.rank < mesh.shard_size
         self.counts_in_norm = {id(p): first_block for p in params}
-        self.counts_in_norm.update({id(p): mesh.expert_dp_rank == 0 for p in self.replicated})
+        dense_replicated = mode == "dp_sharded" and mesh.ep > 1
+        self.counts_in_norm.update({id(p): mesh.ep_rank == 0 for n, p in model.named_parameters()
+                                    if dense_replicated and p.requires_grad and n not in experts})
+        # HSDP: the gradients are all-reduced over the replicas in the last micro-batch only
+        self.hsdp = mesh.replicas > 1 or dense_replicated
         groups = param_groups(model, cfg.weight_decay, cfg.decay_norms)
         if kernel == "triton":
             from .adamw import TritonAdamW
@@ -76,23 +76,16 @@ class ShardedAdamW:
         return self.inner.state
 
     def before_micro_batch(self, last: bool) -> None:
-        """With replicas (parallel.dp_shard), the gradients are all-reduced over them in the last
-        micro-batch's backward only: the earlier ones reduce-scatter within the block and add up."""
-        if self.mesh.replicas > 1 and hasattr(self.model, "set_requires_all_reduce"):
+        """With replicas (parallel.dp_shard, or dp_sharded's dense units over the EP group), the
+        gradients are all-reduced over them in the last micro-batch's backward only: the earlier
+        ones reduce-scatter within the shard group and add up."""
+        if self.hsdp and hasattr(self.model, "set_requires_all_reduce"):
             self.model.set_requires_all_reduce(last)
 
     @torch.no_grad()
     def clip_and_step(self, max_norm: float | None) -> torch.Tensor:
-        """Sync the replicated experts' gradients, take the global norm (returned, before
-        clipping), clip and update."""
-        world = self.mesh.world_size
+        """Take the global norm (returned, before clipping), clip and update."""
         with phase("grad_sync"):
-            for p in self.replicated:  # sums over the expert-dp group: all W ranks' contributions
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                if self.mesh.expert_dp_size > 1:
-                    dist.all_reduce(p.grad, group=self.mesh.expert_dp_group)
-                p.grad.div_(world)  # FSDP2's units arrive as means; these as sums
             scaled = [local_tensor(p.grad) for p in self.ep_scaled if p.grad is not None]
             if scaled:
                 torch._foreach_mul_(scaled, 1.0 / self.mesh.ep)

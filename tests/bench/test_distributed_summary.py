@@ -33,15 +33,15 @@ def test_repeat_is_an_option_and_the_plan_is_per_pass():
     assert [p["label"] for p in plan(args, 2)] == ["weak-1", "weak-2"]
 
 
-def test_the_dispatch_suite_compares_all_gather_with_all_to_all_at_ep_2_and_8():
-    labels = [p["label"] for p in plan(parse_args(["--suites", "dispatch"]), 8)]
-    assert labels == ["dispatch-ep2-all_to_all", "dispatch-ep2-all_gather",
-                      "dispatch-ep8-all_to_all", "dispatch-ep8-all_gather"]
-    assert [p["label"] for p in plan(parse_args(["--suites", "dispatch"]), 4)] == labels[:2]  # no EP 8 on 4 GPUs
-    point = plan(parse_args(["--suites", "dispatch"]), 2)[1]
-    assert point["overrides"] == {"parallel.dispatch": "all_gather"} and point["ep"] == 2
-    records = [{"label": "dispatch-ep2-all_to_all", "tokens_per_s": 100.0},
-               {"label": "dispatch-ep2-all_gather", "tokens_per_s": 90.0}]
+def test_the_exchange_suite_compares_all_gather_with_all_to_all_at_ep_2_and_8():
+    labels = [p["label"] for p in plan(parse_args(["--suites", "exchange"]), 8)]
+    assert labels == ["exchange-ep2-all_to_all", "exchange-ep2-all_gather",
+                      "exchange-ep8-all_to_all", "exchange-ep8-all_gather"]
+    assert [p["label"] for p in plan(parse_args(["--suites", "exchange"]), 4)] == labels[:2]  # no EP 8 on 4 GPUs
+    point = plan(parse_args(["--suites", "exchange"]), 2)[1]
+    assert point["overrides"] == {"execution.expert_exchange": "all_gather"} and point["ep"] == 2
+    records = [{"label": "exchange-ep2-all_to_all", "tokens_per_s": 100.0},
+               {"label": "exchange-ep2-all_gather", "tokens_per_s": 90.0}]
     out = summarize(records, "gpu-x")
-    assert out["dispatch_all_gather_over_all_to_all_ep2"] == pytest.approx(0.9)
-    assert "dispatch_all_gather_over_all_to_all_ep8" not in out
+    assert out["exchange_all_gather_over_all_to_all_ep2"] == pytest.approx(0.9)
+    assert "exchange_all_gather_over_all_to_all_ep8" not in out

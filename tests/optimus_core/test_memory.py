@@ -14,7 +14,7 @@ from optimus_core.execution import recompute, use_kernels
 from optimus_core.flops import checkpointed_blocks
 from optimus_core.memory import (FIT_MARGIN, GIB, LM_LOSS_CHUNK_ROWS, MemoryBudgetError, MemoryLayout, block_activation_bytes,
                                  check_fits, checkpointing_candidates, estimate, fit_checkpointing,
-                                 parameter_table, static_bytes)
+                                 _held_elements, parameter_table, static_bytes)
 from optimus_core.model.transformer import Transformer
 
 MOE = ModelConfig(vocab_size=97, d_model=96, n_layers=3, n_heads=6, moe=MoEConfig(n_experts=6, top_k=2, d_expert=40))
@@ -106,8 +106,10 @@ def test_terms_move_the_right_way():
     peaks = [estimate(cfg, MemoryLayout(**{**base.__dict__, "checkpointing": m, "every": k})).peak_bytes
              for m, k in (("none", 1), ("full", 2), ("full", 1))]
     assert peaks[0] > peaks[1] > peaks[2]
-    unaware = MemoryLayout(**{**base.__dict__, "optimizer": "ep_unaware"})
-    assert estimate(cfg, unaware).terms["optimizer"] > 10 * estimate(cfg, base).terms["optimizer"]
+    # the paper's baseline: the dense state sharded over the 32 data-parallel ranks, not all 384
+    baseline = MemoryLayout(**{**base.__dict__, "optimizer": "dp_sharded"})
+    dense, experts = _held_elements(cfg, base)
+    assert _held_elements(cfg, baseline) == (pytest.approx(12 * dense, rel=0.02), experts)  # FSDP2's padding
     one = estimate(presets.get("mula-7b-a1b").model.replace(n_layers=8),
                    MemoryLayout(micro_batch=2, seq_len=2048, bf16_expert_grads=True))
     assert one.terms["weight copies"] > 0 and one.terms["gathered"] == 0  # one process: whole, with bf16 copies
@@ -214,3 +216,15 @@ def test_a_runs_layout_is_what_its_execution_plan_runs():
     given = MemoryLayout.of_run(cfg, 1, ("none", 1), plan)
     assert (given.lm_loss_kernel, given.expert_weight_casts, given.bf16_expert_grads) == (False, True, False)
     assert static_bytes(MOE, given)["gradients"] > static_bytes(MOE, gpu)["gradients"]  # float32 expert grads
+
+
+def test_the_papers_exchange_holds_every_ranks_tokens_for_a_moment():
+    """all_gather: each rank gathers its EP group's tokens and makes their partial sums, ep x its
+    own tokens x width each way; the all-to-all sends only to the ranks of each token's experts
+    (at most top_k of them), so at a large EP group the all-gather holds more."""
+    cfg = presets.get("mula-20b-a2b").model
+    a2a = MemoryLayout(world=96, ep=96, micro_batch=1, seq_len=2048)
+    gather = MemoryLayout(**{**a2a.__dict__, "exchange": "all_gather"})
+    T, D = a2a.tokens, cfg.d_model
+    assert estimate(cfg, gather).terms["transient"] >= 2 * 96 * T * D * 2
+    assert estimate(cfg, gather).terms["transient"] > estimate(cfg, a2a).terms["transient"]

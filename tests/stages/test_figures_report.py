@@ -77,7 +77,7 @@ def _write_study(store) -> None:
 
 
 # An ablation benchmark as bench/common.py ingests it: one table per point, one row of numbers.
-ABLATION_TOKENS_PER_S = {"ablation-ep1-loop-ep_unaware": 40.0, "ablation-ep1-triton-ep_unaware": 66.0,
+ABLATION_TOKENS_PER_S = {"ablation-ep1-loop-dp_sharded": 40.0, "ablation-ep1-triton-dp_sharded": 66.0,
                          "ablation-ep1-loop-ep_aware": 41.0, "ablation-ep1-triton-ep_aware": 70.0,
                          "ablation-ep2-triton-ep_aware": 80.0}  # EP=2 without its baseline: no group
 

@@ -18,8 +18,8 @@ def _point(devices, step, preset="mula-7b-a1b@laptop", device="cpu", optimizer="
             "optimizer": optimizer if devices > 1 else "local", "step_s": step, **{**base, **phases}}
 
 
-MEASURED = [_point(1, 1.0), _point(2, 0.6), _point(4, 0.4), _point(2, 0.7, optimizer="ep_unaware"),
-            _point(4, 0.5, optimizer="ep_unaware")]
+MEASURED = [_point(1, 1.0), _point(2, 0.6), _point(4, 0.4), _point(2, 0.7, optimizer="dp_sharded"),
+            _point(4, 0.5, optimizer="dp_sharded")]
 PREDICTED = [
     {**_point(n, t, preset="mula-220b-a10b", device=None), "machine": "aurora"}
     for n, t in ((384, 200.0), (768, 101.0), (1536, 52.0), (3072, 27.0), (6144, 15.0), (12288, 9.0))
@@ -34,7 +34,7 @@ HOLDOUT = [{"preset": "mula-7b-a1b@laptop", "device": "cpu", "devices": 4, "ep":
 
 def test_series_split_sweeps_and_share_the_one_rank_base():
     s = series(MEASURED)
-    assert set(s) == {("mula-7b-a1b@laptop", "cpu", "ep_aware"), ("mula-7b-a1b@laptop", "cpu", "ep_unaware")}
+    assert set(s) == {("mula-7b-a1b@laptop", "cpu", "ep_aware"), ("mula-7b-a1b@laptop", "cpu", "dp_sharded")}
     for rows in s.values():
         assert [r["devices"] for r in rows] == [1, 2, 4] and rows[0]["optimizer"] == "local"
     assert [r["devices"] for r in paper_rows(PREDICTED)] == [384, 768, 1536, 3072, 6144, 12288]
@@ -61,7 +61,7 @@ def test_report_section_puts_the_model_beside_the_paper_and_names_the_drivers():
     assert "no overlap of communication with compute" in text
     assert "max 12%, mean 12% over 1 points" in text and "within the 15% target" in text
     assert "| mula-7b-a1b@laptop | cpu | cpu EP=n | 4 | 4 | ep_aware | 1 2 | 0.4 | 0.45 | +12.5% |" in text
-    assert "*mula-7b-a1b@laptop on cpu (ep_unaware)*" in text
+    assert "*mula-7b-a1b@laptop on cpu (dp_sharded)*" in text
     assert "What-if" not in text
     whatif = scaling_report_markdown(MEASURED, PREDICTED + WHATIF, HOLDOUT)
     eff_whatif = 198.0 * 384 / (7.0 * 12288)

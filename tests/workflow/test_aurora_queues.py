@@ -75,7 +75,7 @@ def test_the_paper_dag_submitted_at_once_is_taken_by_the_queue_table(tmp_path, a
     submit a dry run of the stand-in qsub that holds the job queued a moment and then ends it:
     none is refused, because the queue slots let only one job per user into the debug queues."""
     jobs = {e.name: plan(e.paper, aurora) for e in dag("paper")}
-    assert sum(j.queue == "debug-scaling" for j in jobs.values()) >= 8  # the case the slots are for
+    assert sum(j.queue.startswith("debug") for j in jobs.values()) >= 8  # the case the slots are for
     refused, lock = [], threading.Lock()
 
     def submit(site, job, command, run_dir, name):
@@ -96,7 +96,7 @@ def test_the_paper_dag_submitted_at_once_is_taken_by_the_queue_table(tmp_path, a
         t.join(timeout=120)
     assert not refused, refused
     submitted = [l for l in (tmp_path / "pbs" / "qsub.log").read_text().splitlines() if l.startswith("qsub ")]
-    assert len(submitted) == len(jobs) == 15
+    assert len(submitted) == len(jobs) == 19
 
 
 def test_each_attempt_is_a_new_job_until_one_succeeds(tmp_path, aurora):

@@ -22,7 +22,7 @@ def test_dry_run_lists_every_stage_and_runs_nothing(tmp_path):
     assert out.returncode == 0, out.stderr
     text = out.stdout + out.stderr
     jobs = {"corpus": 1, "tokenize": 1, "pretrain": 5, "evaluate": 5, "figure": 10, "report": 1, "reference": 1,
-            "paper_plan": 1, "scaling": 1, "ingest_bench": 5, "perfmodel": 1, "total": 33}
+            "paper_plan": 1, "scaling": 1, "ingest_bench": 4, "perfmodel": 1, "total": 32}
     assert job_counts(text) == {**jobs, "all": 1}
     assert not (tmp_path / "results").exists()
     # the scale-up runs are evaluated on held-out loss alone (scaleup_eval), the 4T runs on every
@@ -42,8 +42,8 @@ def job_counts(text: str) -> dict[str, int]:
 
 @pytest.mark.parametrize("figure, jobs", [
     # the scaling study only: no corpus, no tokens, no training
-    ("scaling.png", {"scaling": 1, "ingest_bench": 3, "perfmodel": 1, "figure": 1, "total": 6}),
-    ("ablation.png", {"ingest_bench": 3, "figure": 1, "total": 4}),  # the GPU results only
+    ("scaling.png", {"scaling": 1, "ingest_bench": 2, "perfmodel": 1, "figure": 1, "total": 5}),
+    ("ablation.png", {"ingest_bench": 2, "figure": 1, "total": 3}),  # the GPU results only
     ("loss.png", {"corpus": 1, "tokenize": 1, "pretrain": 5, "figure": 1, "total": 8}),  # no evaluation
     ("eval_table.png", {"corpus": 1, "tokenize": 1, "pretrain": 5, "evaluate": 5, "figure": 1, "total": 13}),
     # the evaluations and the reference model's published scores

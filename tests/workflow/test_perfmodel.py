@@ -100,13 +100,18 @@ def test_rank_groups_match_the_mesh_layout():
         assert (ep_groups.tolist(), edp.tolist()) == group_layout(world, ep, None)
 
 
-def test_ep_aware_moves_and_updates_less_than_ep_unaware():
+def test_ep_aware_updates_less_than_the_papers_baseline_and_the_same_at_ep_1():
+    """dp_sharded keeps ep copies of the dense state (ep x the dense update) and all-reduces the
+    dense gradients over the EP groups besides; at EP 1 the two are one layout."""
     m = _machine()
-    kw = dict(devices=8, ep=2, global_batch=8, seq_len=32)
-    aware = pm.predict(MOE, pm.Layout(**kw, optimizer="ep_aware"), m)
-    unaware = pm.predict(MOE, pm.Layout(**kw, optimizer="ep_unaware"), m)
-    assert aware.optimizer_s < unaware.optimizer_s
-    assert aware.compute_s == unaware.compute_s and aware.a2a_s == unaware.a2a_s
+    kw = dict(devices=8, global_batch=8, seq_len=32, overlap="layers")
+    aware = pm.predict(MOE, pm.Layout(**kw, ep=4, optimizer="ep_aware"), m)
+    base = pm.predict(MOE, pm.Layout(**kw, ep=4, optimizer="dp_sharded"), m)
+    assert aware.optimizer_s < base.optimizer_s and aware.a2a_s == base.a2a_s
+    assert pm.predict(MOE, pm.Layout(**kw, ep=1, optimizer="dp_sharded"), m) == \
+        pm.predict(MOE, pm.Layout(**kw, ep=1, optimizer="ep_aware"), m)
+    with pytest.raises(ConfigError, match="layout.optimizer = 'dp_sharded'"):
+        pm.Layout(**{**kw, "overlap": "none"}, ep=4, optimizer="dp_sharded")
 
 
 def test_full_sharding_exposes_what_the_compute_cannot_cover():
@@ -368,12 +373,12 @@ def test_node_hours_price_the_experts_backend_the_run_will_execute():
     from workflow.experiments import get
 
     aurora = replace(pm.load_machine("aurora"), expert_overhead=1e-3)
-    loop, triton = (get(f"ablation-mula-20b-a2b-{v}").paper for v in ("optimizer", "both"))  # ep_aware both
+    loop, triton = (get(f"ablation-dp8-ep12-{v}").paper for v in ("loop", "fast"))  # ep_aware both
     assert loop.run_config().execution.experts == "loop" and triton.run_config().execution.experts == "triton"
     cfg = loop.run_config()
     for run, backend in ((loop, "loop"), (triton, "triton")):
-        layout = pm.Layout(devices=384, ep=32, global_batch=cfg.train.global_batch, micro_batch=1, seq_len=2048,
-                           optimizer="ep_aware", overlap="layers", dp_shard=384, experts=backend,
+        layout = pm.Layout(devices=96, ep=12, global_batch=cfg.train.global_batch, micro_batch=1, seq_len=2048,
+                           optimizer="ep_aware", overlap="layers", experts=backend,
                            reduce_bytes=2)  # the paper's recipe: gradients reduced in bf16
         assert pm.estimate_node_hours(run, aurora)["step_s"] == pytest.approx(pm.predict(cfg.model, layout,
                                                                                          aurora).step_s)

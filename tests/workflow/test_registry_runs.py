@@ -6,7 +6,7 @@ from optimus_core.execution import resolve_choices
 from workflow.cli import build_parser
 from workflow.commands import resolve_run_config
 from optimus_core import presets
-from workflow.experiments import (ABLATION_VARIANTS, EXPERIMENTS, LAPTOP_SCALEUP_STEPS, SCALING_STEPS, SCALING_TILES,
+from workflow.experiments import (ABLATION_ARMS, ABLATION_LAYOUTS, EXPERIMENTS, LAPTOP_SCALEUP_STEPS, SCALING_STEPS, SCALING_TILES,
                                   TILES_PER_NODE, RunScale, dag, get, of_kind, pretraining, scaleup, scaleup_figure)
 
 
@@ -15,8 +15,10 @@ def test_every_paper_run_of_the_study_is_registered():
         "mula-1b": 4 * 10**12, "mula-7b-a1b": 4 * 10**12, "mula-20b-a2b": 10**11, "mula-100b-a7b": 10**11,
         "mula-220b-a10b": 10**11}
     assert [e.paper.devices for e in of_kind("scaling")] == [384, 768, 1536, 3072, 6144, 12288] == list(SCALING_TILES)
-    assert [e.name.rsplit("-", 1)[1] for e in of_kind("ablation")] == ["baseline", "kernels", "optimizer", "both"]
-    assert len(EXPERIMENTS) == 15
+    assert [e.name for e in of_kind("ablation")] == [
+        "ablation-dp12-loop", "ablation-dp12-fast", "ablation-ep12-loop", "ablation-ep12-fast",
+        "ablation-ep12-dp_sharded", "ablation-dp8-ep12-loop", "ablation-dp8-ep12-fast", "ablation-dp8-ep12-dp_sharded"]
+    assert len(EXPERIMENTS) == 19
 
 
 def test_paper_layouts_fit_aurora():
@@ -63,21 +65,35 @@ def test_strong_scaling_changes_only_the_tiles():
     assert [r.nodes for r in runs] == [32, 64, 128, 256, 512, 1024]
 
 
-def test_ablation_variants_set_backend_and_optimizer():
+def test_the_ablations_are_the_authors_layouts_and_arms():
+    """OLMoE-1B-7B SE1.125 (72 experts), 32 steps of one sequence per tile at context 2048, in
+    DP12, EP12 and DP8-EP12; the kernel arm everywhere, the optimizer arm where EP > 1."""
     for exp in of_kind("ablation"):
-        variant = exp.name.rsplit("-", 1)[1]
-        backend, optimizer = ABLATION_VARIANTS[variant]
+        layout, arm = exp.name[len("ablation-"):].rsplit("-", 1)
+        (tiles, ep), (backend, optimizer) = ABLATION_LAYOUTS[layout], ABLATION_ARMS[arm]
         assert backend in ("loop", "triton")  # what runs on Aurora's XPUs (no torch._grouped_mm there)
         for scale in ("paper", "laptop"):
             cfg = exp.scale(scale).run_config()
             assert (cfg.execution.experts, cfg.parallel.optimizer) == (backend, optimizer)
             assert resolve_choices(cfg, "xpu", exp.scale(scale).devices, probe=False).experts == backend
-        assert exp.paper.preset == "mula-20b-a2b" and exp.paper.devices == 384 and exp.paper.steps == 20
+        p = exp.paper
+        assert (p.preset, p.devices, p.ep, p.batch, p.steps) == ("olmoe-1b-7b--SE1.125", tiles, ep, tiles, 32)
+        assert p.run_config().model.moe.n_experts == 72 and p.run_config().data.seq_len == 2048
+        assert exp.laptop.preset == "olmoe-1b-7b@laptop--SE1.125"
+
+
+def test_an_ep_group_that_does_not_fit_a_node_is_refused_unless_asked_for():
+    with pytest.raises(ConfigError, match=r"ep = 8: an EP group must sit on one node of 12 tiles"):
+        RunScale.for_steps("mula-20b-a2b", 2, 96, ep=8, global_batch=96)
+    asked = RunScale.for_steps("mula-20b-a2b", 2, 96, ep=8, global_batch=96,
+                               extra={"parallel.ep_across_nodes": True})
+    assert asked.run_config().parallel.ep_across_nodes
 
 
 def test_laptop_proxies_and_the_laptop_dag():
     for exp in EXPERIMENTS.values():
-        assert exp.laptop.preset == exp.paper.preset + "@laptop" and exp.laptop.devices == 1
+        base, _, tag = exp.paper.preset.partition("--")
+        assert exp.laptop.preset == base + "@laptop" + (f"--{tag}" if tag else "") and exp.laptop.devices == 1
     # every pretraining run, the scale-up runs after the two 4T runs; no scaling or ablation run
     assert [e.name for e in dag("laptop")] == ["pretrain-mula-1b", "pretrain-mula-7b-a1b", "pretrain-mula-20b-a2b",
                                                "pretrain-mula-100b-a7b", "pretrain-mula-220b-a10b"]

@@ -31,11 +31,12 @@ What one step does (optimus_core/train/step.py and sharded_adamw.py, optimus_cor
    reduce-scattered after its backward, all on a side stream one unit ahead of the compute: what
    the compute of the other units cannot cover is exposed (``exposed_sync_s``, part of
    ``compute_s``: the passes wait for it, and that is where a measurement sees it); after the
-   backward the EP-unaware experts' all-reduce and the step's two small all-reduces of losses and
-   routing counts (grad_sync_s). The ZeRO-1 optimizer of earlier measured points (``"none"`` /
+   backward the step's two small all-reduces of losses and routing counts (grad_sync_s). The
+   paper's baseline (``dp_sharded``) shards the dense units over the expert-dp groups and
+   all-reduces their reduced shards over the EP groups. The ZeRO-1 optimizer of earlier measured points (``"none"`` /
    ``"chunks"``; gone from the code, its model stays for those points): dense grads
    reduce-scatter over the world then the updated shards all-gather back; expert grads over the
-   expert-dp group: reduce-scatter + all-gather (ep_aware) or all-reduce (ep_unaware).
+   expert-dp group: reduce-scatter + all-gather.
 4. optimizer: the squared-grad-norm all-reduce, then AdamW on this rank's shard, memory-bound:
    bytes touched / memory bandwidth.
 5. idle: a fixed per-step overhead (host work outside the phases above).

@@ -14,7 +14,7 @@ from optimus_core.flops import checkpointed_blocks
 
 from .machine import DTYPES, Machine
 
-OPTIMIZERS = ("ep_aware", "ep_unaware", "local")
+OPTIMIZERS = ("ep_aware", "dp_sharded", "local")
 PHASES = ("compute_s", "a2a_s", "grad_sync_s", "optimizer_s", "idle_s")
 OVERLAPS = ("none", "chunks", "layers", "grad_sync")
 CHECKPOINTING = ("none", "full", "moe")
@@ -43,7 +43,7 @@ class Layout:
     global_batch: int = 1
     micro_batch: int = 0  # sequences per forward/backward per rank; 0 = the whole local batch
     seq_len: int = 4096
-    optimizer: str = "ep_aware"  # ep_aware | ep_unaware | local (one rank: plain AdamW)
+    optimizer: str = "ep_aware"  # ep_aware | dp_sharded (the paper's baseline) | local (one rank: plain AdamW)
     dtype: str = "bfloat16"
     # layers: full sharding, what the code does (optimus_core.parallel.sharding); none | chunks: the
     # ZeRO-1 optimizer of earlier measured points, without / with overlapped gradient chunks;
@@ -86,6 +86,9 @@ class Layout:
         shard = self.dp_shard or self.devices
         if self.dp_shard < 0 or self.devices % shard or shard % self.ep:
             bad("dp_shard", f"must be 0 or divide devices ({self.devices}) and be a multiple of ep ({self.ep})")
+        if self.optimizer == "dp_sharded" and (self.dp_shard or self.overlap in ("none", "chunks")):
+            bad("optimizer", "'dp_sharded' is fully sharded over the data-parallel ranks: it needs dp_shard 0 and "
+                             "overlap 'layers' or 'grad_sync'")
 
     @property
     def local_batch(self) -> int:
@@ -355,9 +358,6 @@ def _zero1(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, share: flo
             reduce_s += reduce(n_expert_local * MASTER_BYTES * share, edp_groups)
             gather_s += _collective_s("all_gather", n_expert_local * MASTER_BYTES * share, edp_groups, m)
             opt_elems += n_expert_local / edp
-        elif n_expert:  # ep_unaware: all-reduce, then every replica updates all its experts
-            reduce_s += _collective_s("all_reduce", n_expert_local * MASTER_BYTES * share, edp_groups, m)
-            opt_elems += n_expert_local
         if chunked:
             # The reductions run under the last micro-batch's backward (about 2/3 of its compute)
             # as its chunks finish; what shows is what that backward cannot cover, and at least
@@ -394,18 +394,21 @@ def _fully_sharded(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, sh
     is all-reduced over them in the last micro-batch's backward. They run beside the compute, one
     unit ahead: of each pass what the compute of the other units cannot cover shows, and at least
     one unit's share (the first gather, the last reduction); on a CPU whose cores all run ranks,
-    nothing hides. After the backward: the EP-unaware experts' all-reduce (grad_sync_s) and AdamW
-    on the shares (optimizer_s); the step's small all-reduces are predict's, as for every layout."""
+    nothing hides. The paper's baseline (dp_sharded) shards the dense units over the expert-dp
+    groups instead and all-reduces their reduced shards over the EP groups, as replicas. After the
+    backward: AdamW on the shares (optimizer_s); the step's small all-reduces are predict's, as for
+    every layout."""
     W, S = L.devices, L.dp_shard or L.devices
     blocks, expert_blocks, replicas = sharding_groups(W, L.ep, L.dp_shard)
-    _, edp_groups = rank_groups(W, L.ep)
+    ep_groups, edp_groups = rank_groups(W, L.ep)
+    if L.optimizer == "dp_sharded" and L.ep > 1:  # dense: sharded over expert-dp, replicated over EP
+        blocks, replicas, S = edp_groups, ep_groups, W // L.ep
     g = 2 if L.dtype == "bfloat16" else 4
     V, D = cfg.padded_vocab_size, cfg.d_model
     n_expert_layer = (_expert_params(cfg) // cfg.n_layers // L.ep) if cfg.moe is not None else 0
     dense_layer = (cfg.num_params() - _expert_params(cfg) - 2 * V * D - D) // cfg.n_layers
-    experts_apart = cfg.moe is not None and L.ep > 1 and L.optimizer == "ep_aware"
-    block = dense_layer + (n_expert_layer if (cfg.moe is not None and not experts_apart and L.optimizer == "ep_aware")
-                           else 0)
+    experts_apart = cfg.moe is not None and L.ep > 1
+    block = dense_layer + (n_expert_layer if cfg.moe is not None and not experts_apart else 0)
 
     def gather(elems, groups, nbytes=g):
         return _collective_s("all_gather", elems * nbytes * share, groups, m)
@@ -413,12 +416,14 @@ def _fully_sharded(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, sh
     def reduce(elems, groups):
         return _collective_s("reduce_scatter", elems * L.reduce_bytes * share, groups, m)
 
-    def across(elems, ranks):  # the replicas' all-reduce of a unit's reduced shard
-        return _collective_s("all_reduce", elems / ranks * L.reduce_bytes * share, replicas, m) if W > S else 0.0
+    def across(elems, ranks, groups=replicas):  # the replicas' all-reduce of a unit's reduced shard
+        return _collective_s("all_reduce", elems / ranks * L.reduce_bytes * share, groups, m) if W > S else 0.0
 
     layer_fwd = gather(block, blocks) + (gather(n_expert_layer, expert_blocks) if experts_apart else 0.0)
     layer_bwd = layer_fwd + reduce(block, blocks) + (reduce(n_expert_layer, expert_blocks) if experts_apart else 0.0)
-    layer_ar = across(block, S) + (across(n_expert_layer, S // L.ep) if experts_apart else 0.0)
+    expert_replicas = sharding_groups(W, L.ep, L.dp_shard)[2]  # the experts' replicas: parallel.dp_shard's only
+    layer_ar = across(block, S) + (across(n_expert_layer, S // L.ep, expert_replicas)
+                                   if experts_apart and L.dp_shard else 0.0)
     ends_fwd = gather(V * D, blocks, 4) + gather(V * D + D, blocks)  # the embedding (float32) and the root
     ends_bwd = ends_fwd - gather(V * D + D, blocks) + 2 * reduce(V * D, blocks)  # the root stays gathered
     ends_ar = 2 * across(V * D, S)
@@ -442,11 +447,8 @@ def _fully_sharded(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, sh
     n_dense = cfg.num_params() - _expert_params(cfg)
     n_expert_local = _expert_params(cfg) // L.ep
     opt_elems = n_dense / S
-    if cfg.moe is not None and L.optimizer == "ep_unaware":
-        sync_s += _collective_s("all_reduce", n_expert_local * MASTER_BYTES * share, edp_groups, m)
-        opt_elems += n_expert_local
-    elif cfg.moe is not None:
-        opt_elems += n_expert_local / (S // L.ep)
+    if cfg.moe is not None:
+        opt_elems += n_expert_local / ((L.dp_shard or W) // L.ep)
     optimizer_s = opt_elems * ADAMW_BYTES_PER_ELEMENT / m.memory_bandwidth * share
     return sync_s, optimizer_s, exposed
 

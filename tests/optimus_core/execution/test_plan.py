@@ -1,6 +1,7 @@
 """optimus_core.execution: the execution plan's rules (its module docstring), one test per rule,
 and the former names of its choices, refused by name."""
 import dataclasses
+import re
 import json
 
 import pytest
@@ -330,6 +331,7 @@ def test_plan_execution_takes_the_configured_budget():
     ("optim.implementation", "execution.adamw", "torch"),
     ("train.lm_loss_softmax", "execution.lm_loss", "torch"),
     ("train.recast_expert_weights", "execution.recast_expert_weights", True),
+    ("parallel.dispatch", "execution.expert_exchange", "all_gather"),
 ])
 def test_overriding_an_old_name_is_an_error_naming_the_new_one(old, new, value):
     cfg = run()
@@ -371,3 +373,39 @@ def test_the_expert_gemms_kernel_family_is_the_devices_and_says_why():
     assert cuda.expert_gemms is None and "decided when the run starts" in cuda.describe()
     cpu = resolve_choices(cfg, "cpu")
     assert cpu.experts == "loop" and cpu.expert_gemms is None and "expert GEMMs" not in cpu.describe()
+
+
+# ----------------------------------------------------------------------------- the expert exchange
+
+def ep_run(ep=2, capacity=None, **execution) -> RunConfig:
+    cfg = run(**execution)
+    moe = cfg.model.moe.replace(capacity_factor=capacity)
+    return cfg.replace(model=cfg.model.replace(moe=moe), parallel=cfg.parallel.replace(ep=ep))
+
+
+def test_the_paper_exchange_on_xpu_the_all_to_all_elsewhere_and_none_without_an_ep_group():
+    xpu = resolve_choices(ep_run(), "xpu", world_size=4, probe=False)
+    assert xpu.expert_exchange == "all_gather" and "AuroraBugTracking #111" in xpu.why["expert exchange"]
+    assert re.search(r"expert exchange +all-gather", xpu.describe())
+    cuda = resolve_choices(ep_run(), "cuda", world_size=4, probe=False)
+    assert cuda.expert_exchange == "all_to_all" and "not measured" in cuda.why["expert exchange"]
+    assert resolve_choices(ep_run(ep=1), "xpu", world_size=4, probe=False).expert_exchange is None
+    assert resolve_choices(run(model=DENSE), "xpu", world_size=4, probe=False).expert_exchange is None
+    assert "expert exchange" not in resolve_choices(ep_run(ep=1), "cuda", world_size=4, probe=False).describe()
+
+
+def test_a_dropping_capacity_keeps_the_all_to_all_and_refuses_the_paper_exchange_by_name():
+    plan = resolve_choices(ep_run(capacity=1.25), "xpu", world_size=4, probe=False)
+    assert plan.expert_exchange == "all_to_all" and "dropless" in plan.why["expert exchange"]
+    with pytest.raises(ConfigError, match=r"^execution.expert_exchange = 'all_gather': .*capacity_factor = null"):
+        ep_run(capacity=1.25, expert_exchange="all_gather")
+    asked = resolve_choices(ep_run(expert_exchange="all_gather"), "cuda", world_size=4, probe=False)
+    assert asked.expert_exchange == "all_gather" and asked.why["expert exchange"] == "asked"
+
+
+def test_the_plan_says_whether_an_ep_group_stays_on_its_node():
+    on_node = resolve_choices(ep_run(ep=2), "xpu", world_size=8, probe=False, ranks_per_node=4)
+    assert on_node.why["expert exchange"].endswith("one EP group of 2 on a node of 4 ranks")
+    across = resolve_choices(ep_run(ep=4), "xpu", world_size=8, probe=False, ranks_per_node=2)
+    assert across.why["expert exchange"].endswith("an EP group of 4 spans 2 nodes of 2 ranks: its exchange "
+                                                  "crosses the network")

@@ -1,6 +1,7 @@
-"""Expert parallelism: the all-to-all dispatch / combine gives the single-process layer's outputs
-and gradients, also when routing is uneven (EP ranks that receive no tokens for their experts)
-and when tokens are dropped over capacity."""
+"""Expert parallelism: either exchange (the all-to-all, the paper's all-gather / reduce-scatter)
+gives the single-process layer's outputs and gradients, also when routing is uneven (EP ranks
+that receive no tokens for their experts), every token goes to one expert, a token names an
+expert twice, and tokens are dropped over capacity."""
 import copy
 import os
 
@@ -9,8 +10,10 @@ import torch
 from torch import nn
 
 from optimus_core.config import MoEConfig, ParallelConfig
+from optimus_core.model.experts import Experts
 from optimus_core.model.moe import MoEFeedForward
 from optimus_core.parallel import expert_parallel, init_distributed, shutdown
+from optimus_core.parallel.expert_parallel import ExpertParallelExperts
 from optimus_core.parallel.launch import spawn_local
 
 D, E, ROWS_PER_RANK, SEQ = 16, 4, 2, 5
@@ -34,11 +37,11 @@ class _Holder(nn.Module):  # expert_parallel walks a model; any module holding t
         self.layer = layer
 
 
-def _check_layer(mesh, capacity, skew, backend="loop", dispatch="all_to_all"):
-    cfg = MoEConfig(n_experts=E, top_k=2, d_expert=8, capacity_factor=capacity)
+def _check_layer(mesh, capacity, skew, backend="loop", exchange="all_to_all", top_k=2):
+    cfg = MoEConfig(n_experts=E, top_k=top_k, d_expert=8, capacity_factor=capacity)
     ref = _layer(cfg, skew, backend)
     assert ref.experts.backend == backend
-    ep_model = expert_parallel(_Holder(copy.deepcopy(ref)), mesh, dispatch)
+    ep_model = expert_parallel(_Holder(copy.deepcopy(ref)), mesh, exchange)
     g = torch.Generator().manual_seed(1)
     x_all = torch.randn(mesh.world_size * ROWS_PER_RANK, SEQ, D, generator=g)
     x_all = x_all.abs() if skew else x_all
@@ -53,7 +56,7 @@ def _check_layer(mesh, capacity, skew, backend="loop", dispatch="all_to_all"):
         (out * w_all[r * ROWS_PER_RANK:(r + 1) * ROWS_PER_RANK]).sum().backward()
         ref_out.append(out.detach()), ref_dx.append(x.grad)
         if skew:
-            assert ref.last_tokens_per_expert_E[2:].sum() == 0  # EP rank 1 gets nothing
+            assert ref.last_tokens_per_expert_E[top_k:].sum() == 0  # only the first experts get tokens
 
     x = x_all[mine].clone().requires_grad_()
     out = ep_model.layer(x)
@@ -74,55 +77,75 @@ def _check_layer(mesh, capacity, skew, backend="loop", dispatch="all_to_all"):
         torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
 
 
-def _worker(ep, backend="loop", dispatch="all_to_all"):
+def _check_routed(mesh, exchange):
+    """apply_routed on routings a router never makes, against the one-process experts: a token
+    naming one expert in both slots, every token on expert 0, a rank with no tokens for any of
+    its experts (the last rank's experts, the first's here, never chosen)."""
+    whole = Experts(E, D, 8)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in whole.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    T = ROWS_PER_RANK * SEQ
+    routings = {
+        "repeated": torch.tensor([[1, 1], [2, 3], [3, 3], [0, 2], [1, 0]] * 2)[:T],
+        "one expert": torch.zeros(T, 2, dtype=torch.long),
+        "empty ranks": torch.full((T, 2), E - 1, dtype=torch.long),
+    }
+    for name, idx in routings.items():
+        experts = ExpertParallelExperts(copy.deepcopy(whole), mesh, exchange)
+        x_all = torch.randn(mesh.world_size, T, D, generator=g)
+        w_all = torch.rand(mesh.world_size, T, 2, generator=g)
+        out_grad = torch.randn(mesh.world_size, T, D, generator=g)
+        ref = copy.deepcopy(whole)
+        ref_out, ref_dx, ref_dw = [], [], []
+        for r in range(mesh.world_size):
+            x, w = x_all[r].clone().requires_grad_(), w_all[r].clone().requires_grad_()
+            out = ref.apply_routed(x, idx, w, E)
+            (out * out_grad[r]).sum().backward()
+            ref_out.append(out.detach()), ref_dx.append(x.grad), ref_dw.append(w.grad)
+        me = mesh.rank
+        x, w = x_all[me].clone().requires_grad_(), w_all[me].clone().requires_grad_()
+        out = experts.apply_routed(x, idx, w, E)
+        (out * out_grad[me]).sum().backward()
+        for got, want in ((out, ref_out[me]), (x.grad, ref_dx[me]), (w.grad, ref_dw[me])):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        for p_name in ("w_up", "w_down"):
+            grad = getattr(experts, p_name).grad.clone()
+            torch.distributed.all_reduce(grad, group=mesh.expert_dp_group)
+            first = experts.first_row(p_name)
+            want = getattr(ref, p_name).grad[first:first + grad.shape[0]]
+            torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {p_name}: {m}")
+
+
+def _worker(ep, backend="loop", exchange="all_to_all"):
     torch.set_num_threads(1)
     mesh = init_distributed(ParallelConfig(ep=ep), n_experts=E, device="cpu")
     try:
         for capacity, skew in ((None, False), (None, True), (1.0, False), (0.5, True)):
-            _check_layer(mesh, capacity, skew, backend, dispatch)
+            _check_layer(mesh, capacity, skew, backend, exchange)
+        _check_layer(mesh, None, True, backend, exchange, top_k=1)  # every token to expert 0
+        _check_routed(mesh, exchange)
     finally:
         shutdown(mesh)
 
 
-def _same_results_either_dispatch(ep):
-    """all_gather's outputs and gradients are all_to_all's, bit for bit (skewed and dropped routing)."""
-    torch.set_num_threads(1)
-    mesh = init_distributed(ParallelConfig(ep=ep), n_experts=E, device="cpu")
-    try:
-        for capacity, skew in ((None, True), (0.5, False)):
-            cfg = MoEConfig(n_experts=E, top_k=2, d_expert=8, capacity_factor=capacity)
-            ref = _layer(cfg, skew)
-            g = torch.Generator().manual_seed(2 + mesh.rank)
-            x0 = torch.randn(ROWS_PER_RANK, SEQ, D, generator=g)
-            x0 = x0.abs() if skew else x0
-            got = []
-            for dispatch in ("all_to_all", "all_gather"):
-                model = expert_parallel(_Holder(copy.deepcopy(ref)), mesh, dispatch)
-                x = x0.clone().requires_grad_()
-                out = model.layer(x)
-                (out * out).sum().backward()
-                got.append((out.detach(), x.grad, model.layer.experts.w_up.grad))
-            for a, b in zip(*got):
-                assert torch.equal(a, b)
-    finally:
-        shutdown(mesh)
+@pytest.mark.parametrize("world, ep", [(2, 2), (4, 2), (4, 4)])
+def test_paper_exchange_matches_single_process(world, ep):
+    spawn_local(_worker, world, (ep, "loop", "all_gather"), start_method="fork")
 
 
-def test_all_gather_dispatch_matches_single_process_and_all_to_all_4_ranks_ep4():
-    spawn_local(_worker, 4, (4, "loop", "all_gather"), start_method="fork")
-    spawn_local(_same_results_either_dispatch, 4, (4,), start_method="fork")
-
-
-def test_ep_layer_matches_single_process_4_ranks_ep2():
+def test_all_to_all_matches_single_process_4_ranks_ep2():
     spawn_local(_worker, 4, (2,), start_method="fork")
 
 
-def test_ep_layer_matches_single_process_2_ranks_ep2():
+def test_all_to_all_matches_single_process_2_ranks_ep2():
     spawn_local(_worker, 2, (2,), start_method="fork")
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton kernels on CPU need TRITON_INTERPRET=1")
-def test_ep_layer_with_the_triton_kernels_2_ranks_ep2():
+@pytest.mark.parametrize("exchange", ["all_to_all", "all_gather"])
+def test_ep_layer_with_the_triton_kernels_2_ranks_ep2(exchange):
     """The receiving rank makes rows only for its own experts' assignments (permute's n_rows):
     the kernels' path through that, against the same single-process reference."""
-    spawn_local(_worker, 2, (2, "triton"), start_method="fork")
+    spawn_local(_worker, 2, (2, "triton", exchange), start_method="fork")

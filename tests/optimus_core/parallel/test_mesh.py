@@ -2,7 +2,9 @@
 import pytest
 
 from optimus_core.config import ConfigError, ParallelConfig
-from optimus_core.parallel.mesh import Mesh, check_rendezvous, group_layout, init_distributed, read_launch_env
+from optimus_core.parallel.launch import spawn_local
+from optimus_core.parallel.mesh import (Mesh, check_rendezvous, group_layout, init_distributed, node_local_problem,
+                                     read_launch_env, shutdown)
 
 
 def test_torchrun_variables():
@@ -113,3 +115,40 @@ def test_at_12288_ranks_a_rank_joins_six_groups_and_creates_few():
         assert member_of == dict.fromkeys(layouts, 1), (rank, member_of)
     calls = sum(len(groups) for groups in layouts.values())
     assert calls == W // ep + ep + W // S + S + W // S * ep == 1856 < W // 4
+
+
+@pytest.mark.parametrize("ep, rank, local_rank, local_world, spans", [
+    (2, 5, 1, 4, None), (4, 4, 0, 4, None), (12, 13, 1, 12, None),  # blocks of a node
+    (1, 3, 0, 2, None), (2, 3, 3, None, None),  # no EP group; no launcher word on nodes
+    (8, 9, 9, 12, "spans 2 nodes of 12"), (24, 0, 0, 12, "spans 2 nodes of 12"),
+    (4, 1, 0, 2, "spans 2 nodes of 2"),
+    (2, 1, 0, 2, "consecutive ranks are not on one node"),  # round-robin placement
+])
+def test_an_ep_group_must_sit_on_one_node(ep, rank, local_rank, local_world, spans):
+    problem = node_local_problem(ep, rank, local_rank, local_world)
+    assert problem is None if spans is None else spans in problem
+
+
+def _two_ranks_per_node(ep, across, out):
+    import os
+
+    rank = int(os.environ["RANK"])
+    os.environ.update(LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2")  # a launcher: 2 ranks per node
+    try:
+        mesh = init_distributed(ParallelConfig(ep=ep, ep_across_nodes=across), n_experts=4, device="cpu")
+    except ConfigError as e:
+        open(f"{out}/{rank}", "w").write(str(e))
+        return
+    open(f"{out}/{rank}", "w").write(f"ok {list(mesh.ep_ranks)}")
+    shutdown(mesh)
+
+
+@pytest.mark.parametrize("ep, across, want", [(2, False, "ok"), (4, False, "parallel.ep = 4: "), (4, True, "ok")])
+def test_ep_groups_are_node_local_under_a_launcher_of_two_ranks_per_node(tmp_path, ep, across, want):
+    spawn_local(_two_ranks_per_node, 4, (ep, across, str(tmp_path)), start_method="fork")
+    said = [(tmp_path / str(r)).read_text() for r in range(4)]
+    assert all(line.startswith(want) for line in said), said  # every rank, not only the one that saw it
+    if want == "ok" and ep == 2:
+        assert said == ["ok [0, 1]", "ok [0, 1]", "ok [2, 3]", "ok [2, 3]"]  # each group one node's ranks
+    if want != "ok":
+        assert "parallel.ep_across_nodes=true" in said[0]

@@ -23,7 +23,7 @@ def _gpu_cfg(backend: str, **kw) -> RunConfig:
 
 
 @pytest.mark.parametrize("backend", ["loop", "triton"])
-@pytest.mark.parametrize("ep, optimizer", [(2, "ep_aware"), (1, "ep_aware"), (2, "ep_unaware")])
+@pytest.mark.parametrize("ep, optimizer", [(2, "ep_aware"), (1, "ep_aware"), (2, "dp_sharded")])
 def test_two_gpus_follow_one_gpu(tokens_dir, tmp_path, backend, ep, optimizer):
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 products, so the runs can agree
     sink = ListSink()
