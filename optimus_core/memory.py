@@ -130,7 +130,7 @@ class MemoryLayout:
         return cls(world=world, ep=cfg.parallel.ep, dp_shard=cfg.parallel.dp_shard if world > 1 else 0,
                    micro_batch=micro, accumulation=accumulation,
                    seq_len=cfg.data.seq_len, dtype=plan.dtype, optimizer=cfg.parallel.optimizer,
-                   exchange=getattr(plan, "expert_exchange", None) or "all_to_all",
+                   exchange=plan.expert_exchange or "all_to_all",
                    checkpointing=checkpointing[0], every=checkpointing[1],
                    lm_loss_kernel=plan.lm_loss == "triton", fp32_residual=plan.residual_dtype == "float32",
                    expert_weight_casts=plan.expert_copies,

@@ -292,8 +292,9 @@ def plan_execution(cfg: RunConfig, device: torch.device | str, world_size: int =
     """The whole plan of ``cfg`` on ``world_size`` ranks of ``device`` (module doc), activation
     checkpointing resolved and the run checked against ``budget_bytes`` (default:
     execution.memory_budget_gib, else the usable share of the device's memory when ``probe``;
-    None: unchecked); ``ranks_per_node`` as resolve_choices. MemoryBudgetError, naming the run, the GiB, the budget and what would help,
-    before anything is allocated; ExecutionError for a choice the device cannot run."""
+    None: unchecked); ``ranks_per_node`` as resolve_choices. MemoryBudgetError, naming the run,
+    the GiB, the budget and what would help, before anything is allocated; ExecutionError for a
+    choice the device cannot run."""
     plan = resolve_choices(cfg, device, world_size, probe=probe, ranks_per_node=ranks_per_node)
     if budget_bytes == "device":
         chosen = cfg.execution.memory_budget_gib
