@@ -268,7 +268,8 @@ def test_node_hours_from_the_model_and_the_site_fallback(monkeypatch, tmp_path):
     assert est["checkpointing"] == (mode, every)
     step = pm.predict(presets.get("mula-220b-a10b").model,
                       pm.Layout(devices=768, ep=12, global_batch=12288, micro_batch=1, seq_len=2048, reduce_bytes=2,
-                                overlap="layers", dp_shard=384, checkpointing=mode, checkpointing_every=every), aurora)
+                                overlap="layers", dp_shard=384, checkpointing=mode, checkpointing_every=every,
+                                exchange="all_gather"), aurora)  # the plan's on XPU
     assert est["step_s"] == pytest.approx(step.step_s) and est["nodes"] == 64
     assert est["node_hours"] == pytest.approx(run.steps * step.step_s / 3600 * 64)
     site = sites.load_site("aurora", account="A", machine="aurora")
@@ -379,7 +380,7 @@ def test_node_hours_price_the_experts_backend_the_run_will_execute():
     for run, backend in ((loop, "loop"), (triton, "triton")):
         layout = pm.Layout(devices=96, ep=12, global_batch=cfg.train.global_batch, micro_batch=1, seq_len=2048,
                            optimizer="ep_aware", overlap="layers", experts=backend,
-                           reduce_bytes=2)  # the paper's recipe: gradients reduced in bf16
+                           reduce_bytes=2, exchange="all_gather")  # the paper's recipe; the plan's exchange on XPU
         assert pm.estimate_node_hours(run, aurora)["step_s"] == pytest.approx(pm.predict(cfg.model, layout,
                                                                                          aurora).step_s)
     assert pm.estimate_node_hours(loop, aurora)["step_s"] > pm.estimate_node_hours(triton, aurora)["step_s"]
@@ -477,10 +478,35 @@ def test_the_paper_sweep_recomputes_as_its_runs_resolve():
     assert SCALING_CHECKPOINTING == ("none", 1)
     assert {r["checkpointing"] for r in rows} == {"none"}
     plain = pm.predict_sweep("mula-220b-a10b", [r["devices"] for r in rows], aurora, global_batch=rows[0]["global_batch"],
-                             ep=rows[0]["ep"], micro_batch=1, dp_shard=rows[0]["dp_shard"] or 384, reduce_bytes=2)
+                             ep=rows[0]["ep"], micro_batch=1, dp_shard=rows[0]["dp_shard"] or 384, reduce_bytes=2,
+                             exchange=rows[0]["exchange"])
     assert [r["step_s"] for r in rows] == pytest.approx([p["step_s"] for p in plain])
     # a pinned recomputation costs time at every size
     full = pm.predict_sweep("mula-220b-a10b", [r["devices"] for r in rows], aurora, global_batch=rows[0]["global_batch"],
                             ep=rows[0]["ep"], micro_batch=1, dp_shard=rows[0]["dp_shard"] or 384, reduce_bytes=2,
-                            checkpointing={r["devices"]: ("full", 4) for r in rows})
+                            exchange=rows[0]["exchange"], checkpointing={r["devices"]: ("full", 4) for r in rows})
     assert all(f["step_s"] > p["step_s"] for f, p in zip(full, plain))
+
+
+def test_the_papers_exchange_is_priced_as_gathers_and_reduce_scatters_of_every_ranks_tokens():
+    """all_gather: per MoE layer and micro-batch, the tokens and their routing metadata gathered
+    and the partial sums reduce-scattered (backward: the reverse), ep x the rank's tokens each,
+    whatever the routing; the all-to-all sends each token only to the ranks of its experts."""
+    m = _machine()
+    kw = dict(devices=8, ep=8, global_batch=8, seq_len=32, overlap="layers")
+    a2a = pm.predict(MOE, pm.Layout(**kw), m)
+    gather = pm.predict(MOE, pm.Layout(**kw, exchange="all_gather"), m)
+    tokens, groups = 32, pm.rank_groups(8, 8)[0]
+    x_B, meta_B = 8 * tokens * MOE.d_model * 2, 8 * tokens * 2 * MOE.moe.top_k * 4
+    per_layer = (2 * pm.step._collective_s("all_gather", x_B, groups, m) + 2 * pm.step._collective_s(
+        "reduce_scatter", x_B, groups, m) + pm.step._collective_s("all_gather", meta_B, groups, m)
+        + pm.step._collective_s("reduce_scatter", meta_B, groups, m))
+    assert gather.a2a_s - m.rank_skew * gather.compute_s == pytest.approx(per_layer * MOE.n_layers)
+    assert gather.a2a_s != a2a.a2a_s
+    with pytest.raises(ConfigError, match="layout.exchange = 'ring'"):
+        pm.Layout(**kw, exchange="ring")
+
+
+def test_the_paper_sweep_on_aurora_uses_the_exchange_its_plan_picks_there():
+    rows = pm.paper_sweep(pm.load_machine("aurora"))
+    assert {r["exchange"] for r in rows} == {"all_gather"}  # XPU: the paper's exchange (execution plan)

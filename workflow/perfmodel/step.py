@@ -17,6 +17,7 @@ from .machine import DTYPES, Machine
 OPTIMIZERS = ("ep_aware", "dp_sharded", "local")
 PHASES = ("compute_s", "a2a_s", "grad_sync_s", "optimizer_s", "idle_s")
 OVERLAPS = ("none", "chunks", "layers", "grad_sync")
+EXCHANGES = ("all_to_all", "all_gather")  # the expert exchange (optimus_core.parallel.expert_parallel)
 CHECKPOINTING = ("none", "full", "moe")
 WHATIFS = ("grad_sync",)  # overlaps our step does not do: priced to show what they would buy
 
@@ -57,6 +58,7 @@ class Layout:
     # ``checkpointing_every``-th block) | moe; the backward's recomputation is priced as compute
     checkpointing: str = "none"
     checkpointing_every: int = 1
+    exchange: str = "all_to_all"  # the expert exchange as the run's plan resolves it (EXCHANGES)
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -86,6 +88,8 @@ class Layout:
         shard = self.dp_shard or self.devices
         if self.dp_shard < 0 or self.devices % shard or shard % self.ep:
             bad("dp_shard", f"must be 0 or divide devices ({self.devices}) and be a multiple of ep ({self.ep})")
+        if self.exchange not in EXCHANGES:
+            bad("exchange", f"must be one of {', '.join(EXCHANGES)}")
         if self.optimizer == "dp_sharded" and (self.dp_shard or self.overlap in ("none", "chunks")):
             bad("optimizer", "'dp_sharded' is fully sharded over the data-parallel ranks: it needs dp_shard 0 and "
                              "overlap 'layers' or 'grad_sync'")
@@ -255,8 +259,11 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
     rate = m.matmul_flops[L.dtype] * m.compute_efficiency
     # All-to-all rows: per MoE layer and micro-batch each rank sends every token once to each EP
     # rank that holds one of its experts (its own included: the bus-bandwidth factor (n-1)/n
-    # discounts that part); the most loaded rank's share counts.
-    rows = L.tokens_per_rank / L.micro_batches * ranks_visited(cfg, L.ep) * m.moe_imbalance
+    # discounts that part); the most loaded rank's share counts. The paper's all-gather: every
+    # rank holds all ep ranks' tokens and their partial sums, whatever the routing.
+    tokens_mb = L.tokens_per_rank / L.micro_batches
+    gathered = L.exchange == "all_gather"
+    rows = tokens_mb * L.ep if gathered else tokens_mb * ranks_visited(cfg, L.ep) * m.moe_imbalance
 
     # Compute: FLOPs / achieved rate, the backward's recomputation included (activation
     # checkpointing); the experts' part waits on the most loaded EP rank.
@@ -289,9 +296,19 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
     # All-to-all, per MoE layer and micro-batch (expert_parallel.apply_routed): forward the rows
     # (x in the autocast dtype), their routing metadata (2 top_k float32: weights and expert ids)
     # and the weighted partial outputs back (autocast dtype); backward the same three reversed;
-    # plus the counts exchange (2 int64 per peer: latency only).
+    # plus the counts exchange (2 int64 per peer: latency only). The paper's exchange instead
+    # all-gathers the tokens and the metadata and reduce-scatters the partial sums (nccl-tests'
+    # S: the gathered size, ep x the rank's tokens), backward the reverse; no counts.
     a2a_s = 0.0
-    if cfg.moe is not None and L.ep > 1:
+    if cfg.moe is not None and L.ep > 1 and gathered:
+        act_bytes = 2 if L.dtype == "bfloat16" else 4
+        x_B, meta_B = rows * cfg.d_model * act_bytes * share, rows * 2 * cfg.moe.top_k * 4 * share
+        forward = (_collective_s("all_gather", x_B, ep_groups, m) + _collective_s("all_gather", meta_B, ep_groups, m)
+                   + _collective_s("reduce_scatter", x_B, ep_groups, m))
+        backward = (_collective_s("all_gather", x_B, ep_groups, m) + _collective_s("reduce_scatter", x_B, ep_groups, m)
+                    + _collective_s("reduce_scatter", meta_B, ep_groups, m))
+        a2a_s = ((forward + backward) * cfg.n_layers + forward * redispatched) * L.micro_batches
+    elif cfg.moe is not None and L.ep > 1:
         act_bytes = 2 if L.dtype == "bfloat16" else 4
         forward = sum(_collective_s("all_to_all", rows * row_bytes * share, ep_groups, m)
                       for row_bytes in (cfg.d_model * act_bytes, 2 * cfg.moe.top_k * 4, cfg.d_model * act_bytes))

@@ -27,12 +27,14 @@ def predict_sweep(preset: str, tiles_list: Sequence[int], machine: Machine, *, g
                   ep: int, micro_batch: int = 1, seq_len: int = 0, dtype: str = "bfloat16",
                   optimizer: str = "ep_aware", overrides: Optional[dict] = None, overlap: str = "layers",
                   chunk_mb: float = 128.0, dp_shard: int = 0, experts: str = "triton",
-                  checkpointing: Optional[dict] = None, reduce_bytes: int = 4) -> list[dict]:
+                  checkpointing: Optional[dict] = None, reduce_bytes: int = 4,
+                  exchange: str = "all_to_all") -> list[dict]:
     """One row per tile count: the layout (``overlap`` included), each phase, tokens/s and
     efficiency within the sweep. ``dp_shard``: the shard block (parallel.dp_shard), capped at
     each point's tile count. ``checkpointing``: {tiles: (mode, every)}, the activation
     checkpointing each point runs (none where absent); ``reduce_bytes``: of a gradient element in
-    the reduction (2: parallel.reduce_dtype bfloat16). A what-if ``overlap`` (WHATIFS: one our
+    the reduction (2: parallel.reduce_dtype bfloat16); ``exchange``: the expert exchange the plan
+    picks (Layout.exchange). A what-if ``overlap`` (WHATIFS: one our
     step does not do) marks its rows with ``scenario`` so they never mix with the plain sweep."""
     p = presets.get(preset)
     cfg = p.run_config(**overrides).model if overrides else p.model
@@ -43,13 +45,15 @@ def predict_sweep(preset: str, tiles_list: Sequence[int], machine: Machine, *, g
         layout = Layout(devices=tiles, ep=ep, global_batch=global_batch, micro_batch=micro_batch,
                         seq_len=seq_len, optimizer=optimizer if tiles > 1 else "local", dtype=dtype, overlap=overlap,
                         chunk_mb=chunk_mb, dp_shard=dp_shard if 0 < dp_shard < tiles else 0, experts=experts,
-                        checkpointing=mode, checkpointing_every=every, reduce_bytes=reduce_bytes)
+                        checkpointing=mode, checkpointing_every=every, reduce_bytes=reduce_bytes,
+                        exchange=exchange if ep > 1 else "all_to_all")
         pred = predict(cfg, layout, machine)
         rows.append({"preset": preset, "machine": machine.name, "devices": tiles, "ep": ep, "overlap": overlap,
                      "dp_shard": layout.dp_shard,
                      **({"scenario": f"overlap {overlap}"} if overlap in WHATIFS else {}),
                      "nodes": math.ceil(tiles / machine.devices_per_node), "global_batch": global_batch,
                      "micro_batch": micro_batch, "seq_len": seq_len, "dtype": dtype, "optimizer": layout.optimizer,
+                     "exchange": layout.exchange,
                      "checkpointing": mode + (f"/{every}" if mode == "full" and every > 1 else ""),
                      **pred.as_dict(), "tokens_per_s": global_batch * seq_len / pred.step_s})
     for row, eff in zip(rows, efficiency([r["devices"] for r in rows], [r["step_s"] for r in rows])):
@@ -104,7 +108,7 @@ def paper_sweep(machine: Machine, overlap: Optional[str] = None) -> list[dict]:
     return predict_sweep(run.preset, ex.SCALING_TILES, machine, global_batch=ex.SCALING_BATCH, ep=run.ep,
                          micro_batch=1, dtype=plan.dtype, experts=plan.experts or "loop", overlap=overlap or code_overlap(cfg.parallel),
                          dp_shard=runs[ex.SCALING_TILES[-1]].run_config().parallel.dp_shard, checkpointing=checkpointing,
-                         reduce_bytes=reduce_bytes(cfg, plan.dtype))
+                         reduce_bytes=reduce_bytes(cfg, plan.dtype), exchange=plan.expert_exchange or "all_to_all")
 
 
 def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> dict[str, Any]:
@@ -122,7 +126,7 @@ def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> di
                     micro_batch=mb, seq_len=cfg.data.seq_len, experts=plan.experts or "loop",
                     optimizer=cfg.parallel.optimizer if run_scale.devices > 1 else "local", dtype=plan.dtype,
                     overlap=code_overlap(cfg.parallel), dp_shard=cfg.parallel.dp_shard,
-                    reduce_bytes=reduce_bytes(cfg, plan.dtype),
+                    reduce_bytes=reduce_bytes(cfg, plan.dtype), exchange=plan.expert_exchange or "all_to_all",
                     checkpointing=mode, checkpointing_every=every)
     pred = predict(cfg.model, layout, machine)
     hours = run_scale.steps * pred.step_s / 3600
