@@ -56,19 +56,17 @@ FIGURES = {
                    "paper's Mula-220B-A10B sweep predicted on Aurora, and the paper's ~90% at 12288 tiles (star)",
     "scaling_breakdown.png": "Where a step's time goes per device count: measured (M) and modelled (P, hatched) "
                              "compute, expert all-to-all, gradient sync, optimizer and idle",
-    "ablation.png": "The paper's ablation, measured on GPUs (bench/distributed.py): training tokens/s with our "
-                    "kernels, with the EP-aware optimizer and with both, over the baseline (loop experts, "
-                    "the paper's baseline optimizer, dp_sharded), per expert-parallel degree; dashed: the "
-                    "paper's 1.71x",
+    "ablation.png": "The paper's ablation: training tokens/s of our kernels over the per-expert loop, of the "
+                    "EP-aware optimizer over the paper's baseline (dp_sharded), and their product, per layout "
+                    "of the registry's ablation runs (the authors' A/B) and of the 2-GPU benchmark "
+                    "(bench/distributed.py); dashed: the paper's 1.71x",
 }
 SCALING_FIGURES = ("scaling.png", "scaling_breakdown.png")  # drawn from the scaling study, not training runs
-BENCH_FIGURES = ("ablation.png",)  # drawn from the ingested GPU benchmarks (bench-* runs)
+BENCH_FIGURES = ("ablation.png",)  # drawn from the ablation runs and the ingested GPU benchmarks (bench-* runs)
 # The paper's ablation (arXiv 2604.00785, as ../shared/DESIGN.md cites it): kernels and EP-aware
 # optimizer together, "up to 1.71x faster training".
 PAPER_ABLATION_SPEEDUP = 1.71
-ABLATION_VARIANTS = (  # label, experts backend, optimizer: bench/distributed.py's "ablation" suite
-    ("baseline", "loop", "dp_sharded"), ("+kernels", "triton", "dp_sharded"),
-    ("+EP-aware optimizer", "loop", "ep_aware"), ("both", "triton", "ep_aware"))
+ABLATION_ARMS = ("kernels", "optimizer", "both")  # each arm's speedup, and their product
 # What each figure reads from the store, so that a workflow can build one figure after only the
 # stages it needs: "training" (the training runs' train / eval tables), "evaluation" (the evaluate
 # stage's heldout / downstream tables), "scaling" (the scaling study: perfmodel, `optimus scaling`),
@@ -85,7 +83,7 @@ FIGURE_READS = {
     "downstream.png": ("training", "evaluation", "reference"),
     "scaling.png": ("scaling",),
     "scaling_breakdown.png": ("scaling",),
-    "ablation.png": ("bench",),
+    "ablation.png": ("bench", "ablation"),
 }
 DASH = "–"  # a value the store does not have
 
@@ -390,42 +388,78 @@ def _scaling_breakdown(data: _Data) -> Union[Figure, str]:
 
 
 def ablation_speedups(store: ResultsStore) -> dict[str, dict[str, float]]:
-    """{"<device> EP=<ep>": {variant label: tokens/s over the baseline's}} from every ingested
-    ablation benchmark (runs bench-distributed-ablation-<device>), where its baseline was measured."""
+    """{group: {"kernels": x, "optimizer": y, "both": x * y}}: tokens/s of our kernels over the
+    per-expert loop and of the EP-aware optimizer over the paper's baseline (dp_sharded), each
+    with the other choice as the paper runs it, and their product. Groups: each layout of the
+    registry's ablation runs in the store (``<scale>-ablation-<layout>-<arm>``, arms ``loop``,
+    ``fast`` and ``dp_sharded``: workflow/experiments.py; the median tokens/s of each run's steps
+    after the first), and each EP degree of every ingested 2-GPU ablation benchmark
+    (``bench-distributed-ablation-<device>``; at EP 1 the two optimizers are one layout: the
+    kernel arm only). An arm whose runs are missing is left out, and so is the product."""
     out: dict[str, dict[str, float]] = {}
-    for run_id in store.runs()["run_id"]:
-        if not str(run_id).startswith("bench-distributed-ablation-"):
+    runs = [str(r) for r in store.runs()["run_id"]]
+    rates: dict[str, dict[str, float]] = {}  # "<layout> (<scale>)" -> arm -> tokens/s, in the store's order
+    for run_id in runs:
+        scale, _, rest = run_id.partition("-ablation-")
+        layout, _, arm = rest.rpartition("-")
+        if scale in ("laptop", "paper") and layout and arm in ("loop", "fast", "dp_sharded") \
+                and "train" in store.tables(run_id):
+            steps = store.metrics(run_id, "train")["tokens_per_s"].to_numpy()
+            rate = float(np.nanmedian(steps[1:] if len(steps) > 1 else steps))
+            rates.setdefault(f"{layout.upper()} ({scale})", {})[arm] = rate
+    for group, rate in rates.items():
+        if arms := _arms(rate.get("fast"), rate.get("loop"), rate.get("fast"), rate.get("dp_sharded")):
+            out[group] = arms
+    for run_id in runs:
+        if not run_id.startswith("bench-distributed-ablation-"):
             continue
-        device = str(run_id)[len("bench-distributed-ablation-"):]
-        tables = set(store.tables(run_id))
+        device, tables = run_id[len("bench-distributed-ablation-"):], set(store.tables(run_id))
         for ep in (1, 2, 4, 8):
-            rate = {label: float(store.metrics(run_id, name)["tokens_per_s"].iloc[-1])
-                    for label, backend, optimizer in ABLATION_VARIANTS
-                    if (name := f"ablation-ep{ep}-{backend}-{optimizer}") in tables}
-            if "baseline" in rate:
-                out[f"{device} EP={ep}"] = {label: r / rate["baseline"] for label, r in rate.items()}
+            rate = {(b, o): float(store.metrics(run_id, name)["tokens_per_s"].iloc[-1])
+                    for b in ("loop", "triton") for o in ("dp_sharded", "ep_aware")
+                    if (name := f"ablation-ep{ep}-{b}-{o}") in tables}
+            group = _arms(rate.get(("triton", "ep_aware")), rate.get(("loop", "ep_aware")),
+                          rate.get(("triton", "ep_aware")), rate.get(("triton", "dp_sharded")))
+            if ep == 1:  # one layout for both optimizers
+                group = {arm: v for arm, v in group.items() if arm == "kernels"}
+            if group:
+                out[f"{device} EP={ep}"] = group
+    return out
+
+
+def _arms(kernels: float | None, loop: float | None, aware: float | None, baseline: float | None) -> dict[str, float]:
+    """The arms' speedups from their tokens/s (None: not measured) and, with both, their product."""
+    out = {}
+    if kernels and loop:
+        out["kernels"] = kernels / loop
+    if aware and baseline:
+        out["optimizer"] = aware / baseline
+    if len(out) == 2:
+        out["both"] = out["kernels"] * out["optimizer"]
     return out
 
 
 def _ablation(data: _Data) -> Union[Figure, str]:
     groups = ablation_speedups(data.store)
     if not groups:
-        return "no ablation benchmark in the store (bench/distributed.py --suites ablation, then --ingest)"
-    fig = Figure(figsize=(8, 4.5))
+        return ("no ablation in the store (the registry's ablation-* runs, or bench/distributed.py --suites "
+                "ablation, then --ingest)")
+    fig = Figure(figsize=(max(8, 1.6 * len(groups)), 4.5))
     ax = fig.add_subplot()
-    width = 0.8 / len(ABLATION_VARIANTS)
-    for i, (label, _, _) in enumerate(ABLATION_VARIANTS):
-        xs = [g + (i - (len(ABLATION_VARIANTS) - 1) / 2) * width for g in range(len(groups))]
-        ys = [speedups.get(label, float("nan")) for speedups in groups.values()]
-        bars = ax.bar(xs, ys, width, label=label, color=f"C{i}")
+    width = 0.8 / len(ABLATION_ARMS)
+    for i, arm in enumerate(ABLATION_ARMS):
+        xs = [g + (i - (len(ABLATION_ARMS) - 1) / 2) * width for g in range(len(groups))]
+        ys = [speedups.get(arm, float("nan")) for speedups in groups.values()]
+        bars = ax.bar(xs, ys, width, label={"both": "product"}.get(arm, arm), color=f"C{i}")
         ax.bar_label(bars, labels=[f"{y:.2f}x" if np.isfinite(y) else "" for y in ys], fontsize=7)
     ax.axhline(PAPER_ABLATION_SPEEDUP, ls="--", color="dimgrey",
                label=f"paper: up to {PAPER_ABLATION_SPEEDUP}x (both, on Aurora)")
-    ax.set_xticks(range(len(groups)), list(groups))
-    ax.set_ylabel("training tokens/s over the baseline")
-    ax.set_ylim(0, 1.4 * max(max(v.values()) for v in groups.values()))  # room for the legend
-    ax.set_title("Ablation: our kernels and the EP-aware optimizer (bench/distributed.py)", fontsize=10)
-    ax.legend(fontsize=8, loc="upper center", ncol=3)
+    ax.set_xticks(range(len(groups)), list(groups), fontsize=8)
+    ax.set_ylabel("training tokens/s over the arm's baseline")
+    ax.set_ylim(0, 1.4 * max(max(max(v.values()) for v in groups.values()), PAPER_ABLATION_SPEEDUP))
+    ax.set_title("Ablation: our kernels over the per-expert loop, the EP-aware optimizer over the paper's "
+                 "baseline", fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", ncol=4)
     fig.tight_layout()
     return fig
 

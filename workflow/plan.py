@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from optimus_core.config import ConfigError
+from workflow.experiments import NOT_RUNNABLE
 from workflow.sites import ACCOUNT_ENV, SiteConfig
 
 
@@ -282,7 +283,8 @@ def plan_table(experiments, site: SiteConfig) -> tuple[str, list[JobPlan]]:
     if budgets:
         foot += (f"; memory per tile from optimus_core/memory.py, every job within the "
                  f"{', '.join(f'{b:g}' for b in sorted(budgets))} GiB budget per tile")
-    return "\n".join([head, "-" * len(head), *rows, foot]), plans
+    waiting = [f"not runnable yet: {name}: {why}" for name, why in NOT_RUNNABLE.items()]
+    return "\n".join([head, "-" * len(head), *rows, *waiting, foot]), plans
 
 
 def paper_run_rows(experiments, plans: list[JobPlan]) -> list[dict]:

@@ -79,7 +79,9 @@ def _write_study(store) -> None:
 # An ablation benchmark as bench/common.py ingests it: one table per point, one row of numbers.
 ABLATION_TOKENS_PER_S = {"ablation-ep1-loop-dp_sharded": 40.0, "ablation-ep1-triton-dp_sharded": 66.0,
                          "ablation-ep1-loop-ep_aware": 41.0, "ablation-ep1-triton-ep_aware": 70.0,
-                         "ablation-ep2-triton-ep_aware": 80.0}  # EP=2 without its baseline: no group
+                         "ablation-ep2-loop-ep_aware": 50.0, "ablation-ep2-triton-dp_sharded": 64.0,
+                         "ablation-ep2-triton-ep_aware": 80.0,
+                         "ablation-ep4-triton-ep_aware": 90.0}  # EP=4 without either baseline: no group
 
 
 def _write_ablation(store) -> None:
@@ -133,7 +135,7 @@ def test_figures_without_data_are_notes_listed_with_the_reason(tmp_path):
     assert result.skipped["downstream.png"].startswith("no run has a downstream table")
     assert result.skipped["scaleup.png"].startswith("no MoE training run in the store")
     assert result.skipped["scaling.png"].startswith("no scaling points in the store")
-    assert result.skipped["ablation.png"].startswith("no ablation benchmark in the store")
+    assert result.skipped["ablation.png"].startswith("no ablation in the store")
     assert "no run has a heldout or downstream table" in result.skipped["eval_table.png"]
     assert result.skipped["expert_load.png"] == "no MoE run in the store"
     assert "loss.<source>" in result.skipped["heldout.png"]
@@ -150,8 +152,25 @@ def test_ablation_speedups_are_over_each_groups_baseline(store_path):
     from stages.figures import ablation_speedups
 
     got = ablation_speedups(open_store(store_path, mode="r"))
-    assert got == {"gpu-x EP=1": {"baseline": 1.0, "+kernels": 66 / 40, "+EP-aware optimizer": 41 / 40,
-                                  "both": 70 / 40}}
+    assert got == {"gpu-x EP=1": {"kernels": 70 / 41},  # one layout for both optimizers at EP 1
+                   "gpu-x EP=2": {"kernels": 80 / 50, "optimizer": 80 / 64, "both": 80 / 50 * 80 / 64}}
+
+
+def test_the_registrys_ablation_runs_give_each_layouts_arms_and_their_product(tmp_path):
+    """The runs ``<scale>-ablation-<layout>-<arm>``: the kernel arm fast over loop, the optimizer
+    arm fast over dp_sharded (where the layout has it), the median tokens/s after the first step."""
+    from stages.figures import ablation_speedups
+
+    store = open_store(tmp_path / "store.zarr")
+    for run_id, rate in {"paper-ablation-ep12-loop": 100.0, "paper-ablation-ep12-fast": 150.0,
+                         "paper-ablation-ep12-dp_sharded": 120.0, "paper-ablation-dp12-loop": 90.0,
+                         "paper-ablation-dp12-fast": 99.0, "laptop-ablation-dp8-ep12-fast": 5.0}.items():
+        with store.run_writer(run_id, {"experiment": "paper"}) as w:
+            for step, r in enumerate((rate / 10, rate, rate, rate * 1.1), 1):  # the first step: warm-up, left out
+                w.log("train", {"step": step, "tokens_per_s": r})
+    got = ablation_speedups(open_store(tmp_path / "store.zarr", mode="r"))
+    assert got == {"EP12 (paper)": {"kernels": 1.5, "optimizer": 1.25, "both": 1.875},
+                   "DP12 (paper)": {"kernels": pytest.approx(1.1)}}  # no loop run for DP8-EP12: no group
 
 
 def test_eval_table_figure_holds_the_stores_numbers(store_path, tmp_path):

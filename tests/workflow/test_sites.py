@@ -223,7 +223,9 @@ def test_node_hours_follow_the_throughput_assumption():
     assert faster.node_hours == pytest.approx(job.node_hours / 2)
     table, plans = plan_table(dag("paper"), throughput)
     total = sum(p.node_hours for p in plans)
-    assert table.splitlines()[-1].startswith(f"TOTAL 19 jobs, {total:,.0f} node-hours")
+    *_, waiting, foot = table.splitlines()
+    assert foot.startswith(f"TOTAL 19 jobs, {total:,.0f} node-hours")
+    assert waiting.startswith("not runnable yet: ablation-dp2-pp4-ep12: ") and "pipeline parallelism" in waiting
 
 
 def test_paper_dry_run_lists_every_job_and_the_node_hour_total(tmp_path):

@@ -15,6 +15,7 @@ TOKENS = f"{RES}/data/tokens"
 PRETRAIN_RUNS = {e.run_id(SCALE): e for e in dag(SCALE)}
 EVAL_RUNS = [run for run, e in PRETRAIN_RUNS.items() if e.kind == "pretrain"]  # scaling/ablation: timed only
 TIMED_RUNS = [run for run, e in PRETRAIN_RUNS.items() if e.kind != "pretrain"]
+ABLATION_RUNS = [run for run, e in PRETRAIN_RUNS.items() if e.kind == "ablation"]
 # The paper's scale-up runs (evaluated with `scaleup_eval` where the config sets it), and the runs
 # scaleup.png draws: the MoE pretraining runs, the scale-up runs and their reference.
 SCALEUP_RUNS = [e.run_id(SCALE) for e in scaleup() if e.run_id(SCALE) in PRETRAIN_RUNS]

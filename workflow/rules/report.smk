@@ -9,6 +9,8 @@ FIGURE_NEEDS = {
     "evaluation": expand(f"{RES}/runs/{{run}}/eval.json", run=EVAL_RUNS),
     "scaling": [PERFMODEL_JSON, *BENCH_MARKERS],  # the scaling study (workflow/rules/scaling.smk)
     "bench": BENCH_MARKERS,  # the committed GPU benchmark results, ingested into the store
+    # the registry's ablation runs of this DAG (timed, never evaluated): none at laptop scale
+    "ablation": expand(f"{RES}/runs/{{run}}/summary.json", run=ABLATION_RUNS),
     "reference": REFERENCE_MARKERS,  # the reference models' published scores, in the store
 }
 
