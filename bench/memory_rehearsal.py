@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a rehearsed rank's peak memory lies, and what is allocated then (not a test).
 
-    python bench/memory_rehearsal.py --experiment pretrain-mula-7b-a1b --tiles 12288 [--top 25]
+    python bench/memory_rehearsal.py --experiment pretrain-mula-7b-a1b --tiles 12288 [--top 25] [--set K=V ...]
 
 The rank of `optimus rehearse` (optimus_core.rehearsal: the fake process group with loopback
 collectives) warmed up by one step, then one step recorded by the CUDA caching allocator and
@@ -51,6 +51,8 @@ def main(argv=None) -> None:
     p.add_argument("--tiles", type=int, default=0, help="default: the run's own")
     p.add_argument("--site", default="aurora")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override the run's config (e.g. execution.expert_exchange=all_gather)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = p.parse_args(argv)
 
@@ -63,11 +65,12 @@ def main(argv=None) -> None:
     from optimus_core.rehearsal import loopback_world
     from optimus_core.train.build import build_model, build_run_optimizer
     from optimus_core.train.step import train_step
-    from workflow.commands import rehearsal_jobs
+    from optimus_core.config import apply_overrides
+    from workflow.commands import parse_overrides, rehearsal_jobs
     from workflow.sites import load_site
 
     job, = rehearsal_jobs([args.experiment], [args.tiles] if args.tiles else [], load_site(args.site, account="x"))
-    cfg, device = job.run, torch.device("cuda")
+    cfg, device = apply_overrides(job.run, parse_overrides(args.set)), torch.device("cuda")
     from optimus_core.memory import MemoryLayout
 
     plan = dataclasses.replace(resolve_choices(cfg, device, job.world), checkpointing=job.checkpointing)
@@ -101,6 +104,7 @@ def main(argv=None) -> None:
         for what, size in list(result[key].items())[:args.top]:
             print(f"    {size / GIB:7.3f} GiB  {what[:120]}")
     record = {"bench": "memory_rehearsal", "name": job.name, "world": job.world, "device": device_slug(device),
+              "overrides": parse_overrides(args.set),
               "checkpointing": list(job.checkpointing), "checkpoint_early_stop": False,
               "max_memory_allocated_bytes": measured,
               "model_terms_gib": model_terms, **{k: v for k, v in result.items() if k not in ("at_peak", "at_backward_start")},

@@ -134,14 +134,16 @@ def static_terms(model) -> dict[str, float]:
 
 def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, device: str = "cuda",
              micro_batches: int | None = None, checkpointing: tuple[str, int] | None = None,
-             save_dir: str | None = None) -> dict:
+             save_dir: str | None = None, warmup: int = 0) -> dict:
     """Rehearse rank ``rank`` of ``cfg`` on ``world`` ranks (module doc). ``micro_batches``: at most
     this many of the rank's micro-batches per step (the peak is reached by the second: the
     gradients exist from the first on); ``checkpointing``: the resolved (mode, every) (default:
     the configured mode, "auto" resolved by the memory model on the device's budget);
     ``save_dir``: after the steps, write this rank's part of a checkpoint there (its rows of every
     parameter and moment, as a run's save writes them, without the collectives of the planning)
-    and record the device's peak during the save (``save_peak_allocated_gib``)."""
+    and record the device's peak during the save (``save_peak_allocated_gib``); ``warmup``: steps
+    run first and neither timed nor counted in the peak (the kernels' compilation and autotuning,
+    whose buffers a run allocates once)."""
     from .execution import device_memory_bytes, resolve_choices
     from .memory import device_budget, resolve_checkpointing
     from .train.build import build_model, build_run_optimizer
@@ -166,7 +168,7 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
               "optimizer": cfg.parallel.optimizer, "dtype": plan.dtype, "seq_len": cfg.data.seq_len,
               "micro_batch": layout.micro_batch, "accumulation": layout.accumulation,
               "checkpointing": f"{checkpointing[0]}" + (f"/{checkpointing[1]}" if checkpointing[0] == "full" else ""),
-              "experts_backend": plan.experts or "",
+              "experts_backend": plan.experts or "", "exchange": plan.expert_exchange or "",
               "model_gib": predicted.peak_gib, "model_at": predicted.at,
               "terms_gib": {k: v / GIB for k, v in predicted.terms.items()}, "device": dev.type,
               "torch": torch.__version__}
@@ -191,9 +193,9 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
         per_step = layout.micro_batch * layout.accumulation
         generator = torch.Generator(device=dev).manual_seed(cfg.train.seed * 7919 + rank)
         times = []
-        if gpu is not None:
-            gpu.reset_peak_memory_stats(dev)
-        for _ in range(steps):
+        for i in range(warmup + steps):
+            if i == warmup and gpu is not None:
+                gpu.reset_peak_memory_stats(dev)
             batch_BS1 = torch.randint(0, cfg.model.vocab_size, (per_step, cfg.data.seq_len + 1), generator=generator,
                                       device=dev)
             t0 = time.perf_counter()
@@ -202,8 +204,9 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
             record.setdefault("grad_norms", []).append(float(stats.grad_norm))
             if gpu is not None:
                 gpu.synchronize(dev)
-            times.append(time.perf_counter() - t0)
-        record.update(steps=steps, step_s=times, loss=float(stats.loss))
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        record.update(steps=steps, warmup=warmup, step_s=times, loss=float(stats.loss))
         if gpu is not None:  # the caching allocator's peaks over the steps: what the device had to hold
             record.update(peak_allocated_gib=(gpu.max_memory_allocated(dev) - held_before) / GIB,
                           held_before_gib=held_before / GIB,
