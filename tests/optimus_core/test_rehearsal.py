@@ -30,6 +30,16 @@ def test_a_rank_of_eight_trains_on_loopback_collectives_and_writes_its_checkpoin
     assert "8 ranks (ep 2, full/1, rank 3)" in fmt(record)
 
 
+def test_warm_up_steps_run_untimed_and_either_exchange_rehearses():
+    """The paper's exchange on the loopback world (the gathers return this rank's rows for every
+    peer); warm-up steps train but are not among the timed ones."""
+    record = rehearse(_cfg(**{"execution.expert_exchange": "all_gather"}), 8, rank=2, device="cpu", steps=2,
+                      micro_batches=1, warmup=1)
+    assert record["exchange"] == "all_gather" and record["warmup"] == 1
+    assert len(record["step_s"]) == 2 and len(record["grad_norms"]) == 3
+    assert math.isfinite(record["loss"])
+
+
 def test_a_rehearsed_rank_is_freed_when_the_rehearsal_returns(monkeypatch):
     # The MoE layers' routing losses, left on the modules after the step, would close a cycle
     # through the autograd graph and FSDP2's autograd functions that gc cannot see: every
