@@ -400,6 +400,15 @@ class ExecutionConfig(Validated):
     # paper's on XPU (oneCCL's variable all-to-all fails with empty splits), the all-to-all
     # elsewhere (fewer bytes; not measured against the other on a GPU yet)
     expert_exchange: Literal["auto", "all_to_all", "all_gather"] = "auto"
+    # How often several ranks gather their sharded weights (optimus_core.parallel.sharding):
+    # "per_micro_batch", each unit before its forward and again before its backward in every
+    # micro-batch, its gradients reduce-scattered after each backward (ZeRO-3); "per_step", the
+    # paper's granularity: each unit gathered once, in the step's first forward, and kept through
+    # its micro-batches, the gradients accumulated whole and reduced once, in the last backward
+    # (the gathers and reductions of one micro-batch, for the memory of the whole gathered share).
+    # auto: per_step where a rank runs several micro-batches a step and the memory model says it
+    # fits the budget, else per_micro_batch
+    weight_gathers: Literal["auto", "per_micro_batch", "per_step"] = "auto"
 
     def check(self) -> None:
         self._require(self.activation_checkpointing_every >= 1, "activation_checkpointing_every",

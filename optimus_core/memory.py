@@ -19,7 +19,8 @@ shapes (``parameter_table``, tested against the model) and what the code keeps:
 - ``weight copies``: one process under bf16, the experts' bf16 copies the optimizer keeps.
 - ``gathered``: FSDP2's unsharded units in the gather dtype (bf16 under bf16): the root (final
   norm + LM head) for the whole step, and at the forward's end two blocks and one block's
-  experts (the next block is prefetched).
+  experts (the next block is prefetched); gathered once a step (the plan's weight_gathers
+  per_step), every block and its experts, and in the backward their gradients accumulated whole.
 - ``activations``: what the forward keeps for the backward, per token and block (counted from
   the tensors autograd saves: bench/saved_activations.py; tests check the count against it on
   fake tensors), by checkpointing mode; one process under bf16 also keeps the autocast copies of
@@ -79,6 +80,7 @@ class MemoryLayout:
     dtype: str = "bfloat16"  # execution.dtype, resolved
     optimizer: str = "ep_aware"  # parallel.optimizer
     exchange: str = "all_to_all"  # the plan's expert exchange (EP > 1): all_to_all | all_gather
+    gathers: str = "per_micro_batch"  # the plan's weight gathers (several ranks): per_micro_batch | per_step
     checkpointing: str = "none"  # resolved execution.activation_checkpointing: none | full | moe
     every: int = 1  # full: every k-th block
     lm_loss_kernel: bool = True  # the fused LM loss's softmax by the Triton kernel (execution.lm_loss)
@@ -131,6 +133,7 @@ class MemoryLayout:
                    micro_batch=micro, accumulation=accumulation,
                    seq_len=cfg.data.seq_len, dtype=plan.dtype, optimizer=cfg.parallel.optimizer,
                    exchange=plan.expert_exchange or "all_to_all",
+                   gathers=plan.weight_gathers or "per_micro_batch",
                    checkpointing=checkpointing[0], every=checkpointing[1],
                    lm_loss_kernel=plan.lm_loss == "triton", fp32_residual=plan.residual_dtype == "float32",
                    expert_weight_casts=plan.expert_copies,
@@ -341,6 +344,12 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
         reduce_bytes = 2.0 + (4.0 if bf16 else 0.0)  # the unsharded gradient, and its float32 copy to reduce
         biggest_unit = max(dense_block, expert_unit)
         gathered_bwd = root + g * 2 * (dense_block + expert_unit) + reduce_bytes * biggest_unit
+        if L.gathers == "per_step":  # every unit kept gathered, its gradient accumulated whole
+            # (float32 where the run reduces in float32; bf16 runs reducing in bf16 keep half:
+            # priced at float32) beside the unit's gradient being made
+            whole = cfg.n_layers * (dense_block + expert_unit)
+            gathered_fwd = root + g * whole
+            gathered_bwd = root + g * whole + 4.0 * whole + g * biggest_unit
 
     accumulating = L.accumulation > 1
     static = {"weights": weights, "optimizer": optimizer, "weight copies": copies,

@@ -13,7 +13,8 @@
 2. precision: the residual stream's dtype, the experts' weights cast in each GEMM or once;
 3. activation recomputation: whole blocks ("full", every n-th) or the experts' compute ("moe");
 4. expert parallelism: each EP rank keeps its experts, tokens go to them (parallel.expert_parallel);
-5. sharding: FSDP2 over the dense and expert meshes (parallel.sharding);
+5. sharding: FSDP2 over the dense and expert meshes (parallel.sharding; the plan's
+   weight_gathers is the optimizer's: optimus_core.train.sharded_adamw);
 6. compile: each block's forward and the final norm's, last, so that the hooks the steps above
    put on a module (FSDP2's gathers, the optimizer's waits) run as Python around compiled code.
 

@@ -74,6 +74,7 @@ class ExecutionPlan:
     grad_norm_from_dw: bool
     update_beside_forward: bool
     expert_exchange: str | None = None  # EP > 1: "all_to_all" | "all_gather" (parallel.expert_parallel)
+    weight_gathers: str | None = None  # several ranks: "per_micro_batch" | "per_step" (parallel.sharding)
     checkpointing: tuple[str, int] = ("none", 1)  # (mode, every)
     memory: object | None = None  # optimus_core.memory.MemoryEstimate per rank
     budget_bytes: float | None = None
@@ -93,6 +94,7 @@ class ExecutionPlan:
                                                       else "") if self.grad_norm_under_backward else "after the backward"),
                 ("update", "beside the next forward" if self.update_beside_forward else "after the backward"),
                 *((("expert exchange", self.expert_exchange.replace("_", "-")),) if self.expert_exchange else ()),
+                *((("weight gathers", self.weight_gathers.replace("_", " ")),) if self.weight_gathers else ()),
                 ("activation checkpointing", mode + (f" (every {every})" if mode == "full" and every > 1 else ""))]
         if self.experts == "triton":
             family = (self.expert_gemms or "decided when the run starts").replace("_", "-")
@@ -265,12 +267,17 @@ def resolve_choices(cfg: RunConfig, device: torch.device | str, world_size: int 
         why["update"] = ("the sharded optimizer's own step" if not one_process else
                          "needs the Triton AdamW" if adamw != "triton" else "needs a CUDA side stream")
     exchange = _expert_exchange(cfg, device, world_size, ranks_per_node, why)
+    gathers = None
+    if world_size > 1:  # "auto" is per_micro_batch until plan_execution finds per_step fits
+        gathers = "per_micro_batch" if ex.weight_gathers == "auto" else ex.weight_gathers
+        why["weight gathers"] = "asked" if ex.weight_gathers != "auto" else "auto: one micro-batch a step"
     return ExecutionPlan(device_type=device.type, world_size=world_size, dtype=dtype, residual_dtype=residual,
                          experts=experts, expert_gemms=gemms,
                          compile=compile_on, adamw=adamw, lm_loss=lm_loss, qk_norm_rope=qk_norm_rope,
                          recast_expert_weights=recast,
                          expert_copies=copies, bf16_expert_grads=bf16_grads, grad_norm_under_backward=norm_under,
-                         grad_norm_from_dw=from_dw, update_beside_forward=beside, expert_exchange=exchange, why=why)
+                         grad_norm_from_dw=from_dw, update_beside_forward=beside, expert_exchange=exchange,
+                         weight_gathers=gathers, why=why)
 
 
 def check_launch(cfg: RunConfig, world_size: int = 1) -> str:
@@ -304,6 +311,9 @@ def plan_execution(cfg: RunConfig, device: torch.device | str, world_size: int =
             budget_bytes = device_budget(device_memory_bytes(torch.device(device))) if probe else None
     checkpointing, est = check_run(cfg, world_size, plan, budget_bytes, run=run or cfg.preset or "this run")
     why = dict(plan.why)
+    if cfg.execution.weight_gathers == "auto" and world_size > 1:
+        plan, est, why["weight gathers"] = _per_step_if_it_fits(cfg, world_size, plan, checkpointing, est,
+                                                                 budget_bytes)
     asked = cfg.execution.activation_checkpointing
     why["activation checkpointing"] = ("asked" if asked != "auto" else
                                        "auto: the least recomputation that fits" if budget_bytes else
@@ -333,6 +343,26 @@ def _expert_exchange(cfg: RunConfig, device: torch.device, world_size: int, rank
                    f"its exchange crosses the network")
     why["expert exchange"] = reason
     return exchange
+
+
+def _per_step_if_it_fits(cfg: RunConfig, world_size: int, plan: ExecutionPlan, checkpointing: tuple[str, int],
+                         est, budget_bytes: float | None):
+    """(plan, estimate, reason) of weight_gathers "auto": per_step where the rank accumulates
+    several micro-batches and the memory model puts it within the budget with its error to
+    spare (optimus_core.memory.FIT_MARGIN), else the plan as it is."""
+    from ..memory import FIT_MARGIN, MemoryLayout, estimate
+
+    layout = MemoryLayout.of_run(cfg, world_size, checkpointing, plan)
+    if layout.accumulation == 1:
+        return plan, est, "auto: one micro-batch a step"
+    if not budget_bytes:
+        return plan, est, "auto: no memory budget known to hold the gathered weights"
+    per_step = dataclasses.replace(plan, weight_gathers="per_step")
+    bigger = estimate(cfg.model, MemoryLayout.of_run(cfg, world_size, checkpointing, per_step))
+    if bigger.peak_bytes * (1 + FIT_MARGIN) > budget_bytes:
+        return plan, est, (f"auto: the gathered weights would need {bigger.peak_gib:.1f} GiB of the "
+                           f"{budget_bytes / GIB:.1f} GiB budget")
+    return per_step, bigger, f"auto: {layout.accumulation} micro-batches a step, and it fits"
 
 
 def _gemm_family(device: torch.device, probe: bool, why: dict) -> str | None:

@@ -38,7 +38,10 @@ their gradients reduce-scattered in ``reduce_dtype`` (the paper's runs: bf16) on
 shards; a float32 run reduces in float32. Each block's forward prefetches its experts and the
 next block; the backward prefetches in reverse order (FSDP2's default). Gradients are
 reduce-scattered as each unit's backward ends, in every micro-batch, so the synchronisation runs
-under the backward throughout.
+under the backward throughout. Gathered once a step instead (execution.weight_gathers
+"per_step", the paper's granularity: optimus_core.train.sharded_adamw sets it per micro-batch),
+the units stay gathered from the step's first forward to its last backward, which alone reduces
+their gradients, accumulated whole until then, and frees them.
 
 Gradient means: every rank's loss is the mean over its own tokens, and FSDP2 divides a unit's
 summed gradient by its mesh's size. That is the world mean for dense units; an expert's

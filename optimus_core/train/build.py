@@ -55,7 +55,8 @@ def build_run_optimizer(model: Transformer, cfg: RunConfig, mesh: Mesh, plan: Ex
     """The optimizer a run of ``cfg`` on ``mesh`` updates ``model`` with, as ``plan`` says."""
     plan = plan or plan_execution(cfg, mesh.device, mesh.world_size, budget_bytes=None)
     if mesh.distributed:
-        return ShardedAdamW(model, mesh, cfg.optim, mode=cfg.parallel.optimizer, kernel=plan.adamw)
+        return ShardedAdamW(model, mesh, cfg.optim, mode=cfg.parallel.optimizer, kernel=plan.adamw,
+                            weight_gathers=plan.weight_gathers or "per_micro_batch")
     return build_optimizer(model, cfg.optim, plan)
 
 

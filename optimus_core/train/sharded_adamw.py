@@ -41,10 +41,15 @@ class ShardedAdamW:
 
     syncs_gradients = True  # train_step: call clip_and_step instead of clipping itself
 
-    def __init__(self, model: nn.Module, mesh: Mesh, cfg: OptimConfig, mode: str = "ep_aware", kernel: str = "torch"):
+    def __init__(self, model: nn.Module, mesh: Mesh, cfg: OptimConfig, mode: str = "ep_aware", kernel: str = "torch",
+                 weight_gathers: str = "per_micro_batch"):
         if mode not in MODES:
             raise ValueError(f"parallel.optimizer = {mode!r}: must be one of {', '.join(map(repr, MODES))}")
-        self.mesh, self.mode, self.model = mesh, mode, model
+        self.mesh, self.mode, self.model, self.per_step = mesh, mode, model, weight_gathers == "per_step"
+        from torch.distributed.fsdp import FSDPModule
+
+        # the units below the root (whose weights stay gathered through the backward anyway)
+        self.units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
         from torch.distributed.tensor import DTensor
 
         params = [p for p in model.parameters() if p.requires_grad]
@@ -78,8 +83,16 @@ class ShardedAdamW:
     def before_micro_batch(self, last: bool) -> None:
         """With replicas (parallel.dp_shard, or dp_sharded's dense units over the EP group), the
         gradients are all-reduced over them in the last micro-batch's backward only: the earlier
-        ones reduce-scatter within the shard group and add up."""
-        if self.hsdp and hasattr(self.model, "set_requires_all_reduce"):
+        ones reduce-scatter within the shard group and add up. Gathered once a step (the plan's
+        weight_gathers per_step), the units stay gathered and their gradients accumulate whole
+        until the last micro-batch, whose backward reduces them and frees the gathered weights
+        (the update then writes the shards, which the next step's first forward gathers)."""
+        if self.per_step:
+            for unit in self.units:
+                unit.set_reshard_after_forward(False, recurse=False)
+            self.model.set_requires_gradient_sync(last)
+            self.model.set_reshard_after_backward(last)
+        elif self.hsdp and hasattr(self.model, "set_requires_all_reduce"):
             self.model.set_requires_all_reduce(last)
 
     @torch.no_grad()
@@ -113,6 +126,9 @@ class ShardedAdamW:
                 if max_norm is not None and grads:  # as torch.nn.utils.clip_grad_norm_
                     torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
                 self.inner.step()
+        if self.per_step:  # a forward outside the steps (an evaluation) gathers and frees as usual
+            for unit in self.units:
+                unit.set_reshard_after_forward(True, recurse=False)
         return norm
 
     def step(self) -> None:

@@ -510,3 +510,15 @@ def test_the_papers_exchange_is_priced_as_gathers_and_reduce_scatters_of_every_r
 def test_the_paper_sweep_on_aurora_uses_the_exchange_its_plan_picks_there():
     rows = pm.paper_sweep(pm.load_machine("aurora"))
     assert {r["exchange"] for r in rows} == {"all_gather"}  # XPU: the paper's exchange (execution plan)
+
+
+def test_weights_gathered_once_a_step_expose_one_micro_batchs_collectives():
+    m = _machine()
+    kw = dict(devices=8, ep=2, global_batch=32, micro_batch=1, seq_len=32, overlap="layers")
+    each = pm.predict(MOE, pm.Layout(**kw), m)
+    once = pm.predict(MOE, pm.Layout(**kw, gathers="per_step"), m)
+    assert once.exposed_sync_s < each.exposed_sync_s and once.a2a_s == each.a2a_s
+    assert once.optimizer_s == each.optimizer_s
+    single = dict(kw, global_batch=8)  # one micro-batch: the forward's gathers and the last reductions alike
+    assert pm.predict(MOE, pm.Layout(**single, gathers="per_step"), m).exposed_sync_s <= \
+        pm.predict(MOE, pm.Layout(**single), m).exposed_sync_s

@@ -59,6 +59,7 @@ class Layout:
     checkpointing: str = "none"
     checkpointing_every: int = 1
     exchange: str = "all_to_all"  # the expert exchange as the run's plan resolves it (EXCHANGES)
+    gathers: str = "per_micro_batch"  # the plan's weight_gathers: per_micro_batch | per_step (overlap "layers")
 
     def __post_init__(self):
         def bad(name, allowed):
@@ -88,6 +89,8 @@ class Layout:
         shard = self.dp_shard or self.devices
         if self.dp_shard < 0 or self.devices % shard or shard % self.ep:
             bad("dp_shard", f"must be 0 or divide devices ({self.devices}) and be a multiple of ep ({self.ep})")
+        if self.gathers not in ("per_micro_batch", "per_step"):
+            bad("gathers", "must be per_micro_batch or per_step")
         if self.exchange not in EXCHANGES:
             bad("exchange", f"must be one of {', '.join(EXCHANGES)}")
         if self.optimizer == "dp_sharded" and (self.dp_shard or self.overlap in ("none", "chunks")):
@@ -457,6 +460,9 @@ def _fully_sharded(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, sh
     bwd_comm = cfg.n_layers * layer_bwd + ends_bwd
     exposed = (L.micro_batches - 1) * (fwd + exposed_pass(bwd_comm, 2 * per_mb / 3)) + fwd + exposed_pass(
         bwd_comm + cfg.n_layers * layer_ar + ends_ar, 2 * per_mb / 3)
+    if L.gathers == "per_step":  # gathered in the first forward only, reduced in the last backward only
+        reduces = cfg.n_layers * (layer_bwd - layer_fwd) + ends_bwd - (ends_fwd - gather(V * D + D, blocks))
+        exposed = fwd + exposed_pass(reduces + cfg.n_layers * layer_ar + ends_ar, 2 * per_mb / 3)
     if L.overlap == "grad_sync":  # the what-if: every unit's collectives hidden
         exposed = 0.0
 

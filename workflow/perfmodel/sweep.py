@@ -28,13 +28,14 @@ def predict_sweep(preset: str, tiles_list: Sequence[int], machine: Machine, *, g
                   optimizer: str = "ep_aware", overrides: Optional[dict] = None, overlap: str = "layers",
                   chunk_mb: float = 128.0, dp_shard: int = 0, experts: str = "triton",
                   checkpointing: Optional[dict] = None, reduce_bytes: int = 4,
-                  exchange: str = "all_to_all") -> list[dict]:
+                  exchange: str = "all_to_all", gathers: dict | None = None) -> list[dict]:
     """One row per tile count: the layout (``overlap`` included), each phase, tokens/s and
     efficiency within the sweep. ``dp_shard``: the shard block (parallel.dp_shard), capped at
     each point's tile count. ``checkpointing``: {tiles: (mode, every)}, the activation
     checkpointing each point runs (none where absent); ``reduce_bytes``: of a gradient element in
     the reduction (2: parallel.reduce_dtype bfloat16); ``exchange``: the expert exchange the plan
-    picks (Layout.exchange). A what-if ``overlap`` (WHATIFS: one our
+    picks (Layout.exchange); ``gathers``: {tiles: the plan's weight_gathers} (per_micro_batch
+    where absent). A what-if ``overlap`` (WHATIFS: one our
     step does not do) marks its rows with ``scenario`` so they never mix with the plain sweep."""
     p = presets.get(preset)
     cfg = p.run_config(**overrides).model if overrides else p.model
@@ -46,14 +47,15 @@ def predict_sweep(preset: str, tiles_list: Sequence[int], machine: Machine, *, g
                         seq_len=seq_len, optimizer=optimizer if tiles > 1 else "local", dtype=dtype, overlap=overlap,
                         chunk_mb=chunk_mb, dp_shard=dp_shard if 0 < dp_shard < tiles else 0, experts=experts,
                         checkpointing=mode, checkpointing_every=every, reduce_bytes=reduce_bytes,
-                        exchange=exchange if ep > 1 else "all_to_all")
+                        exchange=exchange if ep > 1 else "all_to_all",
+                        gathers=(gathers or {}).get(tiles, "per_micro_batch"))
         pred = predict(cfg, layout, machine)
         rows.append({"preset": preset, "machine": machine.name, "devices": tiles, "ep": ep, "overlap": overlap,
                      "dp_shard": layout.dp_shard,
                      **({"scenario": f"overlap {overlap}"} if overlap in WHATIFS else {}),
                      "nodes": math.ceil(tiles / machine.devices_per_node), "global_batch": global_batch,
                      "micro_batch": micro_batch, "seq_len": seq_len, "dtype": dtype, "optimizer": layout.optimizer,
-                     "exchange": layout.exchange,
+                     "exchange": layout.exchange, "gathers": layout.gathers,
                      "checkpointing": mode + (f"/{every}" if mode == "full" and every > 1 else ""),
                      **pred.as_dict(), "tokens_per_s": global_batch * seq_len / pred.step_s})
     for row, eff in zip(rows, efficiency([r["devices"] for r in rows], [r["step_s"] for r in rows])):
@@ -93,6 +95,17 @@ def planned_checkpointing(cfg, machine: Machine, devices: int) -> tuple[str, int
                                  run=f"{cfg.preset} on {devices} {machine.name} devices")
 
 
+def planned_gathers(cfg, machine: Machine, devices: int) -> str:
+    """execution.weight_gathers of ``cfg`` on ``devices`` of ``machine`` as the run will resolve it
+    there (optimus_core.execution.plan_execution, against the device's budget)."""
+    from optimus_core.execution import plan_execution
+    from optimus_core.memory import device_budget
+
+    budget = device_budget(machine.memory_bytes) if machine.memory_bytes else None
+    plan = plan_execution(cfg, machine.device_kind, devices, budget_bytes=budget, probe=False)
+    return plan.weight_gathers or "per_micro_batch"
+
+
 def paper_sweep(machine: Machine, overlap: Optional[str] = None) -> list[dict]:
     """The paper's strong-scaling sweep of Mula-220B-A10B as the registry defines it
     (workflow/experiments.py: SCALING_TILES, SCALING_BATCH, EP 12, bf16), one sequence per
@@ -105,10 +118,12 @@ def paper_sweep(machine: Machine, overlap: Optional[str] = None) -> list[dict]:
     cfg = run.run_config()
     plan = planned_execution(cfg, machine, run.devices)
     checkpointing = {tiles: planned_checkpointing(r.run_config(), machine, tiles) for tiles, r in runs.items()}
+    gathers = {tiles: planned_gathers(r.run_config(), machine, tiles) for tiles, r in runs.items()}
     return predict_sweep(run.preset, ex.SCALING_TILES, machine, global_batch=ex.SCALING_BATCH, ep=run.ep,
                          micro_batch=1, dtype=plan.dtype, experts=plan.experts or "loop", overlap=overlap or code_overlap(cfg.parallel),
                          dp_shard=runs[ex.SCALING_TILES[-1]].run_config().parallel.dp_shard, checkpointing=checkpointing,
-                         reduce_bytes=reduce_bytes(cfg, plan.dtype), exchange=plan.expert_exchange or "all_to_all")
+                         reduce_bytes=reduce_bytes(cfg, plan.dtype), exchange=plan.expert_exchange or "all_to_all",
+                         gathers=gathers)
 
 
 def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> dict[str, Any]:
@@ -127,7 +142,8 @@ def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> di
                     optimizer=cfg.parallel.optimizer if run_scale.devices > 1 else "local", dtype=plan.dtype,
                     overlap=code_overlap(cfg.parallel), dp_shard=cfg.parallel.dp_shard,
                     reduce_bytes=reduce_bytes(cfg, plan.dtype), exchange=plan.expert_exchange or "all_to_all",
-                    checkpointing=mode, checkpointing_every=every)
+                    gathers=planned_gathers(cfg, machine, run_scale.devices) if run_scale.devices > 1 else
+                    "per_micro_batch", checkpointing=mode, checkpointing_every=every)
     pred = predict(cfg.model, layout, machine)
     hours = run_scale.steps * pred.step_s / 3600
     nodes = math.ceil(run_scale.devices / machine.devices_per_node)

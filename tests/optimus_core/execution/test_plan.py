@@ -409,3 +409,22 @@ def test_the_plan_says_whether_an_ep_group_stays_on_its_node():
     across = resolve_choices(ep_run(ep=4), "xpu", world_size=8, probe=False, ranks_per_node=2)
     assert across.why["expert exchange"].endswith("an EP group of 4 spans 2 nodes of 2 ranks: its exchange "
                                                   "crosses the network")
+
+
+# ----------------------------------------------------------------------------- weight gathers
+
+def test_weights_are_gathered_once_a_step_where_a_rank_accumulates_and_it_fits():
+    cfg = run(train=TrainConfig(global_batch=8, micro_batch=1))  # 4 micro-batches a rank on 2 ranks
+    plan = plan_execution(cfg, "cuda", 2, budget_bytes=64 * GIB, probe=False)
+    assert plan.weight_gathers == "per_step" and plan.why["weight gathers"].startswith("auto: 4 micro-batches")
+    assert re.search(r"weight gathers +per step", plan.describe())
+    tight = plan_execution(cfg, "cuda", 2, budget_bytes=plan.memory.peak_bytes * 1.05, probe=False)
+    assert tight.weight_gathers == "per_micro_batch" and "would need" in tight.why["weight gathers"]
+    unknown = plan_execution(cfg, "cuda", 2, budget_bytes=None, probe=False)
+    assert unknown.weight_gathers == "per_micro_batch" and "no memory budget" in unknown.why["weight gathers"]
+    one = plan_execution(run(train=TrainConfig(global_batch=2, micro_batch=1)), "cuda", 2, budget_bytes=64 * GIB,
+                         probe=False)
+    assert one.weight_gathers == "per_micro_batch" and one.why["weight gathers"] == "auto: one micro-batch a step"
+    assert plan_execution(cfg, "cuda", 1, budget_bytes=64 * GIB, probe=False).weight_gathers is None
+    asked = run(train=TrainConfig(global_batch=8, micro_batch=1), weight_gathers="per_step")
+    assert resolve_choices(asked, "cuda", 2, probe=False).weight_gathers == "per_step"

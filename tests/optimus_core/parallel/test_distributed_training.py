@@ -93,17 +93,24 @@ def test_ranks_follow_the_one_process_run(single, tokens_dir, tmp_path, nproc, e
         torch.testing.assert_close(mine[name], theirs[name], rtol=0, atol=5e-5)
 
 
-@pytest.mark.parametrize("ep, dp_shard, checkpointing", [(2, 0, "full"), (1, 1, "moe")])
-def test_accumulated_micro_batches_with_activation_checkpointing_follow_the_one_process_run(
-        single, tokens_dir, tmp_path, ep, dp_shard, checkpointing):
+@pytest.mark.parametrize("ep, dp_shard, checkpointing, gathers, optimizer", [
+    (2, 0, "full", "per_micro_batch", "ep_aware"), (1, 1, "moe", "per_micro_batch", "ep_aware"),
+    (2, 0, "none", "per_step", "ep_aware"), (1, 1, "full", "per_step", "ep_aware"),
+    (2, 0, "moe", "per_step", "dp_sharded"),
+])
+def test_accumulated_micro_batches_follow_the_one_process_run(single, tokens_dir, tmp_path, ep, dp_shard,
+                                                              checkpointing, gathers, optimizer):
     """2 ranks, 2 micro-batches each: sharded (ep 2), or replicated (dp_shard 1: each rank its
     own shard block, the all-reduce over replicas deferred to the last micro-batch); the backward
-    recomputing every block, or the experts' computation."""
+    recomputing every block, or the experts' computation; the weights gathered in every
+    micro-batch, or once a step (the paper's granularity: kept gathered, gradients accumulated
+    whole and reduced in the last backward); the evaluations between steps included."""
     ref, _ = single
-    cfg = _cfg(ep=ep, dp_shard=dp_shard)
-    cfg = cfg.replace(execution=cfg.execution.replace(activation_checkpointing=checkpointing))
+    cfg = _cfg(ep=ep, dp_shard=dp_shard, optimizer=optimizer)
+    cfg = cfg.replace(execution=cfg.execution.replace(activation_checkpointing=checkpointing, weight_gathers=gathers))
     got = _distributed(2, cfg, tokens_dir, tmp_path / "run", tmp_path / "rows.json")
     assert max(abs(a - b) for a, b in zip(got["loss"], ref["loss"])) < 1e-5
+    assert max(abs(a - b) for a, b in zip(got["eval"], ref["eval"])) < 1e-5
 
 
 @pytest.mark.parametrize("ep, dp_shard", [(2, 0), (2, 2), (1, 0)])
