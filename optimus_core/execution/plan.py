@@ -32,6 +32,9 @@ this module alone turns it, with the device, the world size and the memory model
   other on a GPU yet), and wherever a capacity factor drops tokens (the paper's is dropless).
 - activation checkpointing: "auto" is the least recomputation whose estimate fits the budget with
   the memory model's error to spare (optimus_core.memory.FIT_MARGIN), else the least that fits.
+- weight gathers (several ranks): "auto" is once a step where a rank accumulates micro-batches and
+  that estimate, with the whole gathered share and its accumulated gradients, fits the budget
+  with the same margin; else in every micro-batch.
 
 An explicit choice the device cannot run is one ExecutionError naming the choice and the reason;
 under "auto" the next choice is taken and the plan's line says why.

@@ -60,8 +60,9 @@ def test_cli_only_flag(store_path, tmp_path, capsys):
 def test_every_figure_says_what_it_reads():
     assert list(FIGURE_READS) == list(FIGURES)
     assert {need for needs in FIGURE_READS.values() for need in needs} == {
-        "training", "evaluation", "scaling", "bench", "scaleup", "reference"}
+        "training", "evaluation", "scaling", "bench", "scaleup", "reference", "ablation"}
     assert FIGURE_READS["scaleup.png"] == ("scaleup",)  # the MoE training runs only, no evaluate stage
+    assert FIGURE_READS["ablation.png"] == ("bench", "ablation")  # the GPU benchmark and the ablation runs
 
 
 # (run id, preset, total, active parameters): written largest first, so the figure must sort them
