@@ -35,7 +35,7 @@ from pathlib import Path
 from optimus_core.log import configure_logging
 from workflow.commands import (cmd_corpus, cmd_evaluate, cmd_execution, cmd_experiments, cmd_export_hf, cmd_figures,
                                cmd_perfmodel, cmd_plan, cmd_presets, cmd_pretrain, cmd_reference, cmd_rehearse,
-                               cmd_report, cmd_scaling, cmd_tokenize, emit)
+                               cmd_report, cmd_scaling, cmd_tokenize, cmd_window_order, emit)
 from workflow.failures import check_site_use, user_failure
 
 
@@ -157,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--figures", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("window-order", parents=[common],
+                       help="draw the paper's window order once, beside the tokens, for every rank to memory-map")
+    p.add_argument("--data", type=Path, required=True, help="an `optimus tokenize` output")
+    p.add_argument("--seq-len", type=int, default=2048, help="the window (data.seq_len)")
+    p.add_argument("--seed", type=int, default=42, help="the order's seed (data.seed)")
+    p.add_argument("--epochs", type=int, default=1, help="orders of this many epochs (each its own file)")
+    p.set_defaults(func=cmd_window_order)
 
     p = sub.add_parser("presets", parents=[common], help="the table of model presets")
     p.add_argument("--seq-len", type=int, default=None)

@@ -393,6 +393,19 @@ def cmd_report(args) -> Summary:
     return Summary(f"{result.report}: {len(result.runs)} run(s)", jsonable(result))
 
 
+def cmd_window_order(args) -> Summary:
+    from optimus_core.data.window_order import write_order
+    from optimus_core.data.windows import FileWindows
+
+    if args.epochs < 1:
+        raise ConfigError(f"--epochs = {args.epochs}: must be >= 1")
+    windows = FileWindows(args.data, "train", args.seq_len)
+    paths = [write_order(windows, args.seed, epoch) for epoch in range(args.epochs)]
+    lines = [f"{p} ({p.stat().st_size / 2**20:,.1f} MiB)" for p in paths]
+    return Summary(f"the order of {len(windows):,} windows of {args.seq_len} tokens, seed {args.seed}:\n"
+                   + "\n".join(lines), {"windows": len(windows), "paths": [str(p) for p in paths]})
+
+
 def cmd_presets(args) -> Summary:
     from optimus_core import presets
 
@@ -571,6 +584,7 @@ def cmd_execution(args) -> Summary:
     from optimus_core import presets
     from optimus_core.device import resolve_device_type
     from optimus_core.execution import plan_execution
+    from optimus_core.memory import GIB
 
     if bool(args.preset) == bool(args.experiment):
         raise ConfigError("execution needs --preset NAME or --experiment NAME (one of them)")
@@ -592,7 +606,10 @@ def cmd_execution(args) -> Summary:
     if device not in ("cpu", "cuda", "xpu"):
         raise ConfigError(f"--device {device}: must be auto, cpu, cuda or xpu")
     probe = device == here
-    plan = plan_execution(cfg, device, world, budget_bytes=None, probe=probe)
+    # the budget of execution.memory_budget_gib where set (what auto's recomputation and weight
+    # gathers are resolved against), else none: the device is often not here to ask
+    budget = cfg.execution.memory_budget_gib * GIB if cfg.execution.memory_budget_gib else None
+    plan = plan_execution(cfg, device, world, budget_bytes=budget, probe=probe)
     where = f"{world} rank(s) of {device}" + ("" if probe else " (not on this machine: planned from its type)")
     return Summary(f"{cfg.preset or preset_name} on {where}:\n{plan.describe()}",
                    jsonable({"preset": cfg.preset or preset_name, "device": device, "world": world, "probed": probe,

@@ -26,10 +26,11 @@ The paper trains one epoch. A run longer than that continues with the generator'
 permutation (the authors' "order 2"). The order is the same on any number of ranks, so a run
 resumes on another world size; the loader's state is the epoch and the position in its order.
 
-Each rank draws the order in memory when it starts: 8 bytes a window, 0.75 GiB and seconds of one
-CPU core for 1e8 windows. OLMoE-mix's ~2e9 windows of 2048 tokens would take ~15 GiB per rank and
-minutes; the authors draw it once, offline, into a file every rank reads (``generate_metadata.py``),
-which a paper-scale run will want too.
+Where the order was drawn once into a file beside the tokens (``optimus window-order``:
+optimus_core.data.window_order), each rank memory-maps it and reads only its positions; else each
+rank draws it in memory when it starts: 8 bytes a window, 0.75 GiB and seconds of one CPU core
+for 1e8 windows, ~15 GiB and minutes for OLMoE-mix's ~2e9 windows of 2048 tokens, which is why
+the authors draw theirs once, offline (``generate_metadata.py``), and a paper run reads a file.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ import torch
 
 from optimus_core.data.loader import BatchLoader, TokenDataset, check_layout, check_resumable
 from optimus_core.data.shards import ShardError, load_manifest, open_tokens
+from optimus_core.data.window_order import draw_order, read_order
 
 if TYPE_CHECKING:
     from optimus_core.config import DataConfig
@@ -55,8 +57,9 @@ class FileWindows:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
             raise ValueError(f"seq_len = {seq_len!r}: must be an integer >= 2")
         manifest = load_manifest(data_dir)
-        self.split, self.seq_len = split, seq_len
+        self.split, self.seq_len, self.root = split, seq_len, manifest.root
         files = manifest.files_for(split)
+        self.files = [(str(f.tokens), f.n_tokens) for f in files]  # the layout (window_order's digest)
         self._arrays = [open_tokens(manifest.root / f.tokens, manifest.dtype) for f in files]
         for f, a in zip(files, self._arrays):
             if len(a) != f.n_tokens:  # a truncated copy would otherwise shift every window
@@ -101,11 +104,11 @@ class WindowLoader:
         return len(self.dataset) // self.global_batch
 
     def _order_of(self, epoch: int) -> np.ndarray:
+        """Epoch ``epoch``'s order: memory-mapped from its file where one was drawn, else drawn."""
         if self._order_epoch != epoch:
-            rng = np.random.RandomState(self.seed)
-            for _ in range(epoch + 1):  # epoch e: the generator's (e + 1)-th permutation
-                order = rng.permutation(len(self.dataset))
-            self._order, self._order_epoch = order, epoch
+            order = read_order(self.dataset, self.seed, epoch)
+            self._order = draw_order(len(self.dataset), self.seed, epoch) if order is None else order
+            self._order_epoch = epoch
         return self._order
 
     def next_batch(self) -> torch.Tensor:

@@ -237,8 +237,8 @@ def test_paper_dry_run_lists_every_job_and_the_node_hour_total(tmp_path):
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     counts = {"corpus": 1, "tokenize": 1, "pretrain": 19, "evaluate": 5, "figure": 10, "report": 1,
-              "ingest_bench": 4, "perfmodel": 1, "reference": 1, "paper_plan": 1,
-              "total": 45}  # no CPU scaling sweep at paper scale
+              "ingest_bench": 4, "perfmodel": 1, "reference": 1, "paper_plan": 1, "window_order": 1,
+              "total": 46}  # no CPU scaling sweep at paper scale; one window order: every run's is 2048 / 42
     for rule, count in counts.items():
         assert any(line.split() == [rule, str(count)] for line in text.splitlines()), rule
     for exp in dag("paper"):
@@ -252,6 +252,7 @@ def test_paper_dry_run_lists_every_job_and_the_node_hour_total(tmp_path):
     assert all(p.est_source == "perfmodel:aurora" for p in plans)
     assert f"TOTAL 19 jobs, {total} node-hours (performance model on machine aurora for 19 jobs)" in text
     assert "--launcher parsl --site aurora" in text
+    assert "optimus window-order --data" in text and "--seq-len 2048 --seed 42" in text
     # each evaluation is a compute job of the site too (the model sharded as trained), in bf16
     assert re.search(r"optimus evaluate --run \S+ .*--dtype bfloat16 .*--launcher parsl --site aurora", text)
     # tokenization fans out through the site's CPU executor, its shards kept beside the tokens

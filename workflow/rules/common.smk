@@ -16,6 +16,12 @@ PRETRAIN_RUNS = {e.run_id(SCALE): e for e in dag(SCALE)}
 EVAL_RUNS = [run for run, e in PRETRAIN_RUNS.items() if e.kind == "pretrain"]  # scaling/ablation: timed only
 TIMED_RUNS = [run for run, e in PRETRAIN_RUNS.items() if e.kind != "pretrain"]
 ABLATION_RUNS = [run for run, e in PRETRAIN_RUNS.items() if e.kind == "ablation"]
+# The paper's window orders the runs read (data.order file_windows), each drawn once into a file
+# beside the tokens (`optimus window-order`) where the config says so (window_order_files: the
+# paper's ~2e9 windows would cost every rank ~15 GiB and minutes drawn in memory): (seq_len, seed)
+WINDOW_ORDERS = sorted({(c.data.seq_len, c.data.seed) for c in (e.scale(SCALE).run_config() for e in dag(SCALE))
+                        if c.data.order == "file_windows"}) if config.get("window_order_files") else []
+WINDOW_ORDER_MARKERS = [f"{RES}/data/window-order-s{s}-seed{seed}.done" for s, seed in WINDOW_ORDERS]
 # The paper's scale-up runs (evaluated with `scaleup_eval` where the config sets it), and the runs
 # scaleup.png draws: the MoE pretraining runs, the scale-up runs and their reference.
 SCALEUP_RUNS = [e.run_id(SCALE) for e in scaleup() if e.run_id(SCALE) in PRETRAIN_RUNS]

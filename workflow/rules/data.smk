@@ -29,3 +29,18 @@ rule tokenize:
     shell:
         "optimus tokenize --corpus {input} --out {output} --workers {threads} {params.tokenizer} {params.fanout}"
         " 2>&1 | tee {log}"
+
+
+# The window order of the paper's data order, drawn once for every run that reads it (common.smk
+# WINDOW_ORDERS), on the node that runs Snakemake: for OLMoE-mix ~2e9 windows, ~16 GiB of memory
+# and minutes, once, instead of on every rank of every job.
+rule window_order:
+    input:
+        TOKENS,
+    output:
+        f"{RES}/data/window-order-s{{seq_len}}-seed{{seed}}.done",
+    log:
+        f"{RES}/logs/window-order-s{{seq_len}}-seed{{seed}}.log",
+    shell:
+        "optimus window-order --data {input} --seq-len {wildcards.seq_len} --seed {wildcards.seed}"
+        " > {output}.tmp 2> {log} && mv {output}.tmp {output}"

@@ -7,7 +7,8 @@ PRETRAIN_RANK = {run: rank for rank, run in enumerate(sorted(PRETRAIN_RUNS, key=
 
 rule pretrain:
     input:
-        TOKENS,
+        data=TOKENS,
+        orders=WINDOW_ORDER_MARKERS,
     output:
         f"{RES}/runs/{{run}}/summary.json",
     params:
@@ -20,7 +21,7 @@ rule pretrain:
         f"{RES}/logs/pretrain-{{run}}.log",
     shell:
         "OMP_NUM_THREADS={threads} optimus pretrain --experiment {params.experiment} --scale " + SCALE
-        + " --data {input} --out {params.run_dir} --run-id {wildcards.run} --store " + STORE
+        + " --data {input.data} --out {params.run_dir} --run-id {wildcards.run} --store " + STORE
         + " --threads {threads} {params.overrides} " + LAUNCH + " 2>&1 | tee {log}"
 
 

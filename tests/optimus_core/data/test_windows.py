@@ -89,3 +89,48 @@ def test_too_little_data_is_one_clear_error(simple_dir):
         WindowLoader(FileWindows(simple_dir, "train", seq_len=9), 64, seed=42)
     with pytest.raises(ValueError, match="seq_len = 1: must be an integer >= 2"):
         FileWindows(simple_dir, "train", seq_len=1)
+
+
+def test_an_order_drawn_once_into_a_file_is_the_loaders_own_and_every_rank_maps_it(simple_dir, monkeypatch):
+    from optimus_core.data import window_order
+
+    windows = FileWindows(simple_dir, "train", seq_len=9)
+    drawn = [WindowLoader(windows, 4, seed=42, rank=r, world_size=2) for r in range(2)]
+    want = [[loader.next_batch() for _ in range(10)] for loader in drawn]  # two epochs and a half
+    paths = [window_order.write_order(windows, 42, e) for e in range(3)]
+    assert [p.parent.name for p in paths] == ["window-order"] * 3 and paths[0].name.startswith("train-s9-seed42-e0-")
+    assert np.load(paths[0]).dtype == np.uint32
+    assert np.array_equal(np.load(paths[1]), window_order.draw_order(len(windows), 42, 1))
+
+    def no_drawing(*args):
+        raise AssertionError("drew the order although its file exists")
+
+    monkeypatch.setattr("optimus_core.data.windows.draw_order", no_drawing)
+    mapped = [WindowLoader(windows, 4, seed=42, rank=r, world_size=2) for r in range(2)]
+    for r, loader in enumerate(mapped):
+        for step in range(10):
+            assert torch.equal(loader.next_batch(), want[r][step]), (r, step)
+    assert window_order.write_order(windows, 42, 0) == paths[0]  # kept, not drawn again
+
+
+def test_an_order_file_of_other_data_is_not_used_and_a_damaged_one_is_refused(simple_dir):
+    from optimus_core.data import window_order
+
+    nine = FileWindows(simple_dir, "train", seq_len=9)
+    window_order.write_order(nine, 42, 0)
+    eight = FileWindows(simple_dir, "train", seq_len=8)
+    assert window_order.read_order(eight, 42, 0) is None and window_order.read_order(nine, 7, 0) is None
+    path = window_order.order_path(nine, 42, 0)
+    np.save(path, np.arange(3, dtype=np.uint32))  # cut short
+    with pytest.raises(ValueError, match=r"3,\) window numbers, the train split has 25 windows; delete it"):
+        WindowLoader(nine, 4, seed=42).next_batch()
+
+
+def test_the_window_order_command_draws_each_epochs_file_once(simple_dir, capsys):
+    from workflow.cli import main
+
+    assert main(["window-order", "--data", str(simple_dir), "--seq-len", "9", "--epochs", "2"]) in (0, None)
+    out = capsys.readouterr().out
+    assert "the order of 25 windows of 9 tokens, seed 42" in out and out.count("window-order/train-s9-seed42-") == 2
+    assert main(["window-order", "--data", str(simple_dir), "--epochs", "0"]) == 2
+    assert "--epochs = 0: must be >= 1" in capsys.readouterr().err
