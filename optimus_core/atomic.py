@@ -23,11 +23,12 @@ import contextlib
 import errno
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Iterator, Union
 
-__all__ = ["atomic_write", "atomic_open", "atomic_dir", "fsync_dir", "NOT_WRITABLE"]
+__all__ = ["atomic_write", "atomic_open", "atomic_dir", "fsync_dir", "sweep_dead_builds", "NOT_WRITABLE"]
 
 NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)  # a write refused: permission, read-only file system
 
@@ -104,11 +105,16 @@ def atomic_dir(path: Union[str, Path]) -> Iterator[Path]:
     after the new content is complete and synced; on an exception the temporary directory is
     deleted and ``path`` is untouched. Replacing is two renames (old aside, new in), so a crash
     between them leaves ``path`` absent plus a hidden ``.<name>.old-*`` sibling, never a mix.
+    The temporary directory's name holds its builder's process id and host: a build killed
+    before its cleanup (kill -9, a node lost) is swept by the next build of ``path`` on that host
+    (sweep_dead_builds), never one whose process is alive.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    sweep_dead_builds(path)
     with _naming(path):
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{os.getpid()}@{socket.gethostname()}.",
+                                    dir=path.parent))
     try:
         with _naming(path, tmp):
             yield tmp
@@ -125,6 +131,32 @@ def atomic_dir(path: Union[str, Path]) -> Iterator[Path]:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def sweep_dead_builds(path: Union[str, Path]) -> list[Path]:
+    """Remove the temporary directories ``atomic_dir(path)`` left behind on this host whose
+    builder process is gone (killed before its cleanup); returns what was removed. A directory
+    of another host, of a live process, or of a name it did not make is left alone."""
+    path, host, removed = Path(path), socket.gethostname(), []
+    prefix = f".{path.name}.tmp-"
+    for tmp in path.parent.glob(prefix + "*@*"):
+        pid, _, rest = tmp.name[len(prefix):].partition("@")
+        owner_host = rest.rpartition(".")[0]
+        if not pid.isdigit() or owner_host != host or _alive(int(pid)):
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _sync_tree(root: Path) -> None:

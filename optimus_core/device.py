@@ -42,20 +42,21 @@ class DeviceUnavailableError(RuntimeError):
     where the device is; the message names the setting, the device and what torch reports."""
 
 
-def resolve_device_type(requested: str = "auto", field: str = "device") -> str:
+def resolve_device_type(requested: str = "auto", field: str = "device", instead: str = "auto or cpu") -> str:
     """``auto`` picks cuda, then xpu, then cpu; an explicit request that cannot be met is a
-    DeviceUnavailableError naming ``field`` (the setting that asked: "train.device", "--device")."""
+    DeviceUnavailableError naming ``field`` (the setting that asked: "train.device", "--device")
+    and ``instead``, the values of that setting that would run here."""
     available = {"cpu": True, "cuda": torch.cuda.is_available(), "xpu": has_xpu()}
     if requested == "auto":
         return next(t for t in ("cuda", "xpu", "cpu") if available[t])
     if requested not in available:
         raise ValueError(f"{field} = {requested!r}: must be one of auto, cpu, cuda, xpu")
     if not available[requested]:
-        raise DeviceUnavailableError(_unavailable(requested, field))
+        raise DeviceUnavailableError(_unavailable(requested, field, instead))
     return requested
 
 
-def _unavailable(device_type: str, field: str) -> str:
+def _unavailable(device_type: str, field: str, instead: str = "auto or cpu") -> str:
     """The sentence for an explicit ``device_type`` that this process does not see."""
     import os
 
@@ -69,7 +70,7 @@ def _unavailable(device_type: str, field: str) -> str:
     if masks:
         why += "; " + ", ".join(masks)
     return (f"{field} = {device_type} but no {device_type.upper()} device is visible ({why}); run on a machine "
-            f"with one, or set {field} to auto or cpu")
+            f"with one, or set {field} to {instead}")
 
 
 def collective_backend(device_type: str, *, torch_version: str = torch.__version__,

@@ -291,9 +291,10 @@ def _train(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainOutp
 
         store = open_store(outputs.store)
         store.check_owner(config.run_id, attrs["uid"], run_dir)  # another run's record is never replaced
-    atomic_write(run_dir / "meta.json", json.dumps(dict(meta, status="running", started=utc_now()), indent=2))
-
+    # the store's run opened first: a store that cannot be written (read-only, full) refuses the
+    # run before meta.json says "running" (a new run directory then goes, as for any refusal)
     writer = store.run_writer(config.run_id, attrs) if store else None
+    atomic_write(run_dir / "meta.json", json.dumps(dict(meta, status="running", started=utc_now()), indent=2))
     start = time.time()
     try:
         trainer.attach_writer(writer)

@@ -864,6 +864,24 @@ def test_scaling_perfmodel_and_rehearse_inputs_and_settings(tmp_path, capsys, mo
     fails(meta + ["--steps", 0], capsys, 2, "configuration error: --steps 0: must be >= 1")
     fails(meta + ["--rank", -1], capsys, 2, "configuration error: --rank -1: must be in [0, ")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    one_line(fails(["rehearse", "--experiment", "pretrain-mula-1b", "--device", "cuda"], capsys, 1,
-                   "--device = cuda but no CUDA device is visible"))
+    said = one_line(fails(["rehearse", "--experiment", "pretrain-mula-1b", "--device", "cuda"], capsys, 1,
+                          "--device = cuda but no CUDA device is visible"))
+    assert "set --device to cpu (or meta" in said and "auto" not in said.split("or set")[-1]  # what rehearse takes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weak.jsonl"]
+
+
+def test_a_store_that_cannot_be_written_refuses_the_run_before_it_says_running(tokens_dir, tmp_path, capsys,
+                                                                               monkeypatch):
+    """A read-only store (root ignores file modes, so the refusal is the store's own error, as a
+    read-only file system raises it): the run is refused in one line and leaves no run directory
+    whose meta.json says "running"."""
+    from optimus_core.store import ResultsStore
+
+    def read_only(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "s.zarr" / "runs"))
+
+    monkeypatch.setattr(ResultsStore, "run_writer", read_only)
+    one_line(fails(["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", tmp_path / "r",
+                    "--steps", 1, "--store", tmp_path / "s.zarr", *TINY], capsys, 1,
+                   f"cannot write {tmp_path / 's.zarr' / 'runs'}: permission denied"))
+    assert not (tmp_path / "r").exists()

@@ -521,7 +521,8 @@ def cmd_rehearse(args) -> Summary:
     if args.device in ("cuda", "xpu"):
         from optimus_core.device import resolve_device_type
 
-        resolve_device_type(args.device, field="--device")  # not here: one sentence, before any layout is built
+        # not here: one sentence, before any layout is built, naming what rehearse takes instead
+        resolve_device_type(args.device, field="--device", instead="cpu (or meta: the shares' sizes only)")
     asked = parse_checkpointing(args.checkpointing) if args.checkpointing else None
     jobs = rehearsal_jobs(args.experiment, args.tiles, load_site(args.site, account=args.site_account), asked)
     result = run_rehearse(RehearseConfig(jobs, rank=args.rank, steps=args.steps, device=args.device,

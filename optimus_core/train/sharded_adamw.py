@@ -2,7 +2,8 @@
 clip's global norm.
 
     model = shard_model(expert_parallel(meta_model, mesh), mesh, optimizer=mode)
-    opt = ShardedAdamW(model, mesh, cfg.optim, mode="ep_aware", kernel="triton")  # or "dp_sharded" (the ablation)
+    opt = ShardedAdamW(model, mesh, cfg.optim, mode="ep_aware", kernel="triton",  # or "dp_sharded" (the ablation)
+                       weight_gathers="per_micro_batch")                           # or "per_step" (the plan's)
     loss.backward()                                 # FSDP2 reduce-scatters the gradients as it goes
     grad_norm = opt.clip_and_step(max_norm=1.0)     # norm, clip, update the local shares
     opt.zero_grad()
@@ -45,12 +46,12 @@ class ShardedAdamW:
                  weight_gathers: str = "per_micro_batch"):
         if mode not in MODES:
             raise ValueError(f"parallel.optimizer = {mode!r}: must be one of {', '.join(map(repr, MODES))}")
-        self.mesh, self.mode, self.model, self.per_step = mesh, mode, model, weight_gathers == "per_step"
         from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
 
+        self.mesh, self.mode, self.model, self.per_step = mesh, mode, model, weight_gathers == "per_step"
         # the units below the root (whose weights stay gathered through the backward anyway)
         self.units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
-        from torch.distributed.tensor import DTensor
 
         params = [p for p in model.parameters() if p.requires_grad]
         # experts at ep > 1: FSDP2's mean over the expert-dp group is ep x the world mean
