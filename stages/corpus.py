@@ -45,7 +45,10 @@ from tqdm import tqdm
 from optimus_core.atomic import atomic_dir
 from optimus_core.outputs import check_output, mark_output
 from optimus_core.config import ConfigError
+from optimus_core.log import get_logger
 from optimus_core.paths import missing
+
+_log = get_logger(__name__)
 
 __all__ = [
     "CorpusConfig", "CorpusInputs", "CorpusOutputs", "CorpusResult", "run_corpus",
@@ -304,13 +307,23 @@ def _zstd_blocks(raw, size: int) -> Iterator[bytes]:
 
 def _scan(root: Path) -> list[CorpusFile]:
     base = root / "data" if (root / "data").is_dir() else root
-    files = []
+    files, passed_over = [], []
+    for path in sorted(base.iterdir()):  # a file beside the source directories is in none
+        if path.is_file() and not path.name.startswith("."):
+            passed_over.append(path)
     for source_dir in sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")):
         for path in sorted(source_dir.rglob("*")):
             rel = path.relative_to(root)
-            if (path.name.endswith(CORPUS_SUFFIXES) and path.is_file()
-                    and not any(part.startswith(".") for part in rel.parts)):  # .cache, temp files
+            if not path.is_file() or any(part.startswith(".") for part in rel.parts):  # .cache, temp files
+                continue
+            if path.name.endswith(CORPUS_SUFFIXES):
                 files.append(CorpusFile(source_dir.name, rel.as_posix(), path, path.stat().st_size))
+            else:
+                passed_over.append(path)
+    if passed_over:
+        shown = ", ".join(str(p.relative_to(root)) for p in passed_over[:3])
+        _log.warning("%s: %d file(s) not read: not *%s under a source directory (%s%s)", root, len(passed_over),
+                     "|*".join(CORPUS_SUFFIXES), shown, ", ..." if len(passed_over) > 3 else "")
     if not files:
         raise CorpusError(f"{root}: no corpus files; expected <dir>/<source>/*{'|*'.join(CORPUS_SUFFIXES)} "
                           f"(or the same under <dir>/data/), or an {INDEX_NAME} written by `optimus corpus`",

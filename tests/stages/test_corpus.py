@@ -146,3 +146,23 @@ def test_corpus_error_pickles_with_its_fields():
 
     e = pickle.loads(pickle.dumps(CorpusError("f.jsonl:3: not JSON", "f.jsonl", 3)))
     assert (str(e), e.path, e.line) == ("f.jsonl:3: not JSON", "f.jsonl", 3)
+
+
+def test_files_the_scan_passes_over_are_counted_in_a_warning(tmp_path, caplog):
+    """A file with another suffix, or beside the source directories, is not a corpus file: the
+    scan says how many it did not read, with the first of them."""
+    import logging
+
+    root = tmp_path / "download"
+    (root / "wiki").mkdir(parents=True)
+    (root / "wiki" / "a.jsonl").write_text('{"id": "1", "text": "x"}\n')
+    (root / "wiki" / "b.txt").write_text("notes")
+    (root / "top.jsonl").write_text('{"id": "2", "text": "y"}\n')
+    (root / "wiki" / ".cache").mkdir()
+    (root / "wiki" / ".cache" / "c.jsonl").write_text("")  # hidden: a temp file, not counted
+    with caplog.at_level(logging.WARNING):
+        files = list_corpus(root)
+    assert [f.rel for f in files] == ["wiki/a.jsonl"]
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 1 and said[0].startswith(f"{root}: 2 file(s) not read: not *.jsonl|")
+    assert said[0].endswith("under a source directory (top.jsonl, wiki/b.txt)")
