@@ -132,14 +132,19 @@ def timed_walltime(site: SiteConfig, est_hours: float) -> float:
     return math.ceil((est_hours * (1 + site.timed_margin) + site.startup_h) * 12) / 12
 
 
+UNSET_ACCOUNT = f"<set site.account or {ACCOUNT_ENV}>"  # a dry run's account where none is set
+
+
 def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
-         walltime_h: float | None = None) -> JobPlan:
+         walltime_h: float | None = None, dry_run: bool = False) -> JobPlan:
     """Plan one job: ``run`` is a registry RunScale (its tiles, walltime, FLOPs), or give ``ranks``.
 
     The walltime is ``walltime_h``, else the run's (0: the longest its queue allows), else the
     site's; a timed run (``run.timed``) asks for its estimate with room (``timed_walltime``) and
     must fit one job. A run longer than its walltime spans ``jobs`` chained jobs, each resuming
-    from the last checkpoint and each losing ``site.startup_h`` to its start."""
+    from the last checkpoint and each losing ``site.startup_h`` to its start. A PBS site needs an
+    account to submit to; ``dry_run`` (a table, nothing submitted) plans without one, the
+    account then UNSET_ACCOUNT."""
     if site is None:
         raise ConfigError("plan: a site is needed")
     ranks = ranks if ranks is not None else run.devices
@@ -147,7 +152,7 @@ def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
         walltime_h = run.walltime_h if run is not None else site.walltime_h
     # A local site is one machine: every rank on it, whatever tiles_per_node says.
     ppn = site.tiles_per_node if site.kind == "pbspro" else max(1, ranks)
-    if site.kind == "pbspro" and not site.account:
+    if site.kind == "pbspro" and not site.account and not dry_run:
         raise ConfigError(f"site {site.name}: account = '': missing; set site.account in the site YAML "
                           f"or the {ACCOUNT_ENV} environment variable")
     if ranks < 1:
@@ -172,7 +177,7 @@ def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
     queue = account = None
     sched, select = [], f"#PBS -l select={nodes}"
     if site.kind == "pbspro":
-        account = site.account
+        account = site.account or UNSET_ACCOUNT
         try:
             queue, walltime_h = choose_queue(site, nodes, walltime_h)
         except ConfigError as e:
@@ -257,13 +262,14 @@ def _machine(name: str):
 
 
 def plan_table(experiments, site: SiteConfig) -> tuple[str, list[JobPlan]]:
-    """The paper-scale jobs of ``experiments`` as a table, with the node-hour total last."""
+    """The paper-scale jobs of ``experiments`` as a table, with the node-hour total last: a dry
+    run, planned without an account where the site has none (and saying so before the total)."""
     rows, plans = [], []
     head = (f"{'run':30s} {'tiles':>6s} {'nodes':>5s} {'queue':>13s} {'walltime':>9s} {'jobs':>4s} "
             f"{'GiB/tile':>8s} {'act. ckpt':>9s} {'est. hours':>10s} {'node-hours':>11s}  {'estimate':s}")
     for exp in experiments:
         try:
-            p = plan(exp.paper, site)
+            p = plan(exp.paper, site, dry_run=True)
         except ConfigError as e:
             raise ConfigError(f"{exp.name}: {e}") from None
         plans.append(p)
@@ -284,6 +290,9 @@ def plan_table(experiments, site: SiteConfig) -> tuple[str, list[JobPlan]]:
         foot += (f"; memory per tile from optimus_core/memory.py, every job within the "
                  f"{', '.join(f'{b:g}' for b in sorted(budgets))} GiB budget per tile")
     waiting = [f"not runnable yet: {name}: {why}" for name, why in NOT_RUNNABLE.items()]
+    if site.kind == "pbspro" and not site.account:
+        waiting.append(f"no account: set site.account in the site YAML or the {ACCOUNT_ENV} environment variable "
+                       f"before submitting (the jobs above are planned without one)")
     return "\n".join([head, "-" * len(head), *rows, *waiting, foot]), plans
 
 

@@ -110,6 +110,9 @@ def test_planning_errors_name_field_value_and_allowed(aurora, monkeypatch):
     run = get("scaling-mula-220b-a10b-384").paper
     with pytest.raises(ConfigError, match=r"account = '': missing; set site.account .* or the OPTIMUS_ACCOUNT"):
         plan(run, sites.load_site("aurora"))
+    # a dry run plans without one, the account visibly unset in its PBS lines
+    dry = plan(run, sites.load_site("aurora"), dry_run=True)
+    assert "#PBS -A <set site.account or OPTIMUS_ACCOUNT>" in dry.pbs_lines()
     monkeypatch.setenv(sites.ACCOUNT_ENV, "FromEnv")
     assert plan(run, sites.load_site("aurora")).account == "FromEnv"
     with pytest.raises(ConfigError, match=r"tiles = 100: must be a multiple of tiles_per_node \(12\); nearest: 96 or 108"):
@@ -258,10 +261,19 @@ def test_paper_dry_run_lists_every_job_and_the_node_hour_total(tmp_path):
     # tokenization fans out through the site's CPU executor, its shards kept beside the tokens
     assert f"--launcher parsl --site aurora --shards {tmp_path / 'results'}/data/tokens.shards" in text
     assert not (tmp_path / "results").exists()
-    # Without an account the plan stops the dry run, naming the field.
+    # Without an account the dry run plans, with the account visibly unset, and says what to set
+    # before submitting (a submission refuses: tests/workflow/test_parsl_pbs.py); a placeholder
+    # path of the config is named too.
     env.pop("OPTIMUS_ACCOUNT")
-    bad = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "account = '': missing" in bad.stdout + bad.stderr
+    dry = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    said = dry.stdout + dry.stderr
+    assert dry.returncode == 0, said[-3000:]
+    assert "no account: set site.account in the site YAML or the OPTIMUS_ACCOUNT environment variable" in said
+    assert "config results = " not in said  # given on the command line here, no placeholder
+    as_shipped = subprocess.run(cmd[:cmd.index("--config")], cwd=REPO, env=env, capture_output=True, text=True,
+                                timeout=120)
+    assert "config results = /lus/flare/projects/CHANGE_ME/optimus/results: a placeholder" in \
+        as_shipped.stdout + as_shipped.stderr
 
 
 def test_pretrain_on_site_plans_and_submits_the_local_command(tmp_path, monkeypatch, capsys):

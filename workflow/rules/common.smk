@@ -31,6 +31,11 @@ FIGURES = [f"{RES}/figures/{name}" for name in FIGURE_FILES]  # one `figure` job
 REFERENCES = {Path(f).stem: f for f in config.get("references", [])}
 REFERENCE_MARKERS = [f"{RES}/reference/{stem}.ingested" for stem in REFERENCES]
 REPORT = f"{RES}/report.md"
+# A value the site's config leaves as a placeholder is planned with, and said before anything runs
+for key, value in config.items():
+    if isinstance(value, str) and "CHANGE_ME" in value:
+        print(f"config {key} = {value}: a placeholder; set it to your project's path before running for real",
+              file=sys.stderr)
 
 # Where training runs: here, or (launcher: parsl) through the Parsl site of the config's site:
 # block. The site plans every job now, at parse time, so a missing account, a queue too small
