@@ -22,9 +22,8 @@ tokens over the EP group in one of two ways (``exchange``, execution.expert_exch
 
 Both give the single-process layer's results (float32: to rounding), tokens dropped over a
 capacity factor included (the run config allows the all-gather only without one: the paper's is
-dropless). The
-all-gather moves every token to every rank (ep x the tokens' bytes each way), the all-to-all
-only to the ranks of its experts (at most top_k of them). The model's code does not change;
+dropless). The all-gather moves every token to every rank (ep x the tokens' bytes each way), the
+all-to-all only to the ranks of its experts (at most top_k of them). The model's code does not change;
 parameter names stay those of the plain model. A model on the meta device stays there
 (nothing is allocated: optimus_core.parallel.layout materialises each rank's rows); a model with
 weights gives each rank a copy of its experts' rows.

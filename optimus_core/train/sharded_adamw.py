@@ -31,10 +31,9 @@ from ..config import OptimConfig
 from ..parallel.expert_parallel import expert_parameter_names
 from ..parallel.layout import local_tensor
 from ..parallel.mesh import Mesh
+from ..parallel.sharding import OPTIMIZERS
 from ..timing import phase
 from .optim import clip_coef_as_grad_scale, param_groups
-
-MODES = ("ep_aware", "dp_sharded")
 
 
 class ShardedAdamW:
@@ -44,8 +43,8 @@ class ShardedAdamW:
 
     def __init__(self, model: nn.Module, mesh: Mesh, cfg: OptimConfig, mode: str = "ep_aware", kernel: str = "torch",
                  weight_gathers: str = "per_micro_batch"):
-        if mode not in MODES:
-            raise ValueError(f"parallel.optimizer = {mode!r}: must be one of {', '.join(map(repr, MODES))}")
+        if mode not in OPTIMIZERS:  # the sharding's layouts: each lays out where the state lives
+            raise ValueError(f"parallel.optimizer = {mode!r}: must be one of {', '.join(map(repr, OPTIMIZERS))}")
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
 

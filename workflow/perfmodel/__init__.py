@@ -76,8 +76,8 @@ from .step import (ADAMW_BYTES_PER_ELEMENT, FLAT_GRAD_BYTES_PER_ELEMENT, MASTER_
                    WHATIFS, CHECKPOINTING, Layout, Prediction, _collective_s, _expert_params, point_checkpointing,
                    point_experts, point_layout, point_model, point_overlap, predict, predict_point, rank_groups,
                    ranks_visited, sharding_groups)
-from .sweep import (code_overlap, efficiency, estimate_node_hours, paper_sweep, planned_checkpointing,
-                    planned_execution, predict_points, predict_sweep)
+from .sweep import (code_overlap, efficiency, estimate_node_hours, paper_sweep, planned_run, predict_points,
+                    predict_sweep)
 
 __all__ = [
     # machine
@@ -91,7 +91,7 @@ __all__ = [
     "HOLDOUT_SCHEMES", "KNOBS", "DEFAULT_FIT", "TARGETS", "FIELD_KNOBS", "calibrate", "knob_values",
     "split_points", "holdout_error", "error_rows",
     # sweep
-    "efficiency", "predict_sweep", "code_overlap", "planned_checkpointing", "planned_execution", "paper_sweep",
+    "efficiency", "predict_sweep", "code_overlap", "planned_run", "paper_sweep",
     "estimate_node_hours",
     "predict_points",
 ]

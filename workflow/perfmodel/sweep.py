@@ -68,14 +68,6 @@ def code_overlap(parallel) -> str:
     return "layers"
 
 
-def planned_execution(cfg, machine: Machine, devices: int):
-    """The execution plan of ``cfg`` on ``devices`` of ``machine``, as the run will resolve it
-    there (optimus_core.execution; its kernels assumed to pass their self-check)."""
-    from optimus_core.execution import resolve_choices
-
-    return resolve_choices(cfg, machine.device_kind, devices, probe=False)
-
-
 def reduce_bytes(cfg, dtype: str) -> int:
     """Bytes of a gradient element in the reduction of ``cfg`` (a RunConfig) run in ``dtype``:
     parallel.reduce_dtype's for a bf16 run, float32's for a float32 run (optimus_core.parallel.
@@ -83,27 +75,18 @@ def reduce_bytes(cfg, dtype: str) -> int:
     return 2 if dtype == "bfloat16" and cfg.parallel.reduce_dtype == "bfloat16" else 4
 
 
-def planned_checkpointing(cfg, machine: Machine, devices: int) -> tuple[str, int]:
-    """execution.activation_checkpointing of ``cfg`` (a RunConfig) on ``devices`` of ``machine``,
-    resolved as the run will resolve it there (optimus_core.memory.resolve_checkpointing, against
-    the device's budget; unknown memory: as configured, "auto" meaning none). MemoryBudgetError
-    where nothing fits."""
-    from optimus_core.memory import device_budget, resolve_checkpointing
-
-    budget = device_budget(machine.memory_bytes) if machine.memory_bytes else None
-    return resolve_checkpointing(cfg, devices, planned_execution(cfg, machine, devices), budget,
-                                 run=f"{cfg.preset} on {devices} {machine.name} devices")
-
-
-def planned_gathers(cfg, machine: Machine, devices: int) -> str:
-    """execution.weight_gathers of ``cfg`` on ``devices`` of ``machine`` as the run will resolve it
-    there (optimus_core.execution.plan_execution, against the device's budget)."""
+def planned_run(cfg, machine: Machine, devices: int):
+    """The whole execution plan of ``cfg`` (a RunConfig) on ``devices`` of ``machine`` as the run
+    will resolve it there (optimus_core.execution.plan_execution; its kernels assumed to pass
+    their self-check): activation checkpointing and weight gathers resolved against the device's
+    budget (unknown memory: as configured, "auto" meaning none and per micro-batch).
+    MemoryBudgetError where nothing fits."""
     from optimus_core.execution import plan_execution
     from optimus_core.memory import device_budget
 
     budget = device_budget(machine.memory_bytes) if machine.memory_bytes else None
-    plan = plan_execution(cfg, machine.device_kind, devices, budget_bytes=budget, probe=False)
-    return plan.weight_gathers or "per_micro_batch"
+    return plan_execution(cfg, machine.device_kind, devices, budget_bytes=budget, probe=False,
+                          run=f"{cfg.preset} on {devices} {machine.name} devices")
 
 
 def paper_sweep(machine: Machine, overlap: Optional[str] = None) -> list[dict]:
@@ -116,9 +99,10 @@ def paper_sweep(machine: Machine, overlap: Optional[str] = None) -> list[dict]:
     runs = {tiles: ex.get(f"scaling-mula-220b-a10b-{tiles}").paper for tiles in ex.SCALING_TILES}
     run = runs[ex.SCALING_TILES[0]]
     cfg = run.run_config()
-    plan = planned_execution(cfg, machine, run.devices)
-    checkpointing = {tiles: planned_checkpointing(r.run_config(), machine, tiles) for tiles, r in runs.items()}
-    gathers = {tiles: planned_gathers(r.run_config(), machine, tiles) for tiles, r in runs.items()}
+    plans = {tiles: planned_run(r.run_config(), machine, tiles) for tiles, r in runs.items()}
+    plan = plans[run.devices]
+    checkpointing = {tiles: p.checkpointing for tiles, p in plans.items()}
+    gathers = {tiles: p.weight_gathers or "per_micro_batch" for tiles, p in plans.items()}
     return predict_sweep(run.preset, ex.SCALING_TILES, machine, global_batch=ex.SCALING_BATCH, ep=run.ep,
                          micro_batch=1, dtype=plan.dtype, experts=plan.experts or "loop", overlap=overlap or code_overlap(cfg.parallel),
                          dp_shard=runs[ex.SCALING_TILES[-1]].run_config().parallel.dp_shard, checkpointing=checkpointing,
@@ -135,15 +119,14 @@ def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> di
         raise ConfigError(f"global_batch = {cfg.train.global_batch}: must be a multiple of the "
                           f"{run_scale.devices} devices for the performance model")
     mb = cfg.train.micro_batch or (micro_batch if local % micro_batch == 0 else 0)
-    plan = planned_execution(cfg, machine, run_scale.devices)
-    mode, every = planned_checkpointing(cfg, machine, run_scale.devices)
+    plan = planned_run(cfg, machine, run_scale.devices)
+    mode, every = plan.checkpointing
     layout = Layout(devices=run_scale.devices, ep=cfg.parallel.ep, global_batch=cfg.train.global_batch,
                     micro_batch=mb, seq_len=cfg.data.seq_len, experts=plan.experts or "loop",
                     optimizer=cfg.parallel.optimizer if run_scale.devices > 1 else "local", dtype=plan.dtype,
                     overlap=code_overlap(cfg.parallel), dp_shard=cfg.parallel.dp_shard,
                     reduce_bytes=reduce_bytes(cfg, plan.dtype), exchange=plan.expert_exchange or "all_to_all",
-                    gathers=planned_gathers(cfg, machine, run_scale.devices) if run_scale.devices > 1 else
-                    "per_micro_batch", checkpointing=mode, checkpointing_every=every)
+                    gathers=plan.weight_gathers or "per_micro_batch", checkpointing=mode, checkpointing_every=every)
     pred = predict(cfg.model, layout, machine)
     hours = run_scale.steps * pred.step_s / 3600
     nodes = math.ceil(run_scale.devices / machine.devices_per_node)
