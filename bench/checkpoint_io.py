@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]  # an uninstalled checkout: its packages, the kernels' source root
 
 from bench.common import SYNTHETIC_SEQ as SEQ, write_synthetic_tokens  # noqa: E402
 from bench.common import device_slug, ingest, publish  # noqa: E402

@@ -10,11 +10,11 @@ Shapes (OLMoE-1B-7B / Mula-7B-A1B): 64 experts, top-8, d_model 2048, expert hidd
   down  grouped_mm (T*8, 1024) x (64, 1024, 2048)              (K=1024, N=2048)
 for T tokens per GPU, routing balanced (every expert gets T*8/64 rows) or Zipf-skewed (expert
 e chosen with weight 1/(e+1)^1.2, top-8 without replacement, Gumbel top-k). Each backend of
-kernels.grouped_mm (loop, torch, triton: those that run here) is timed forward and backward
+optimus_kernels.grouped_mm (loop, torch, triton: those that run here) is timed forward and backward
 (dx and dw) separately, beside torch._grouped_mm called bare ("torch_raw": the "torch" backend
 also zeroes the rows past offsets[-1], one extra pass) and a dense torch.mm of the same FLOPs
-(the ceiling). "triton" is kernels.grouped_mm as the training calls it: the TMA kernels
-(kernels/hopper/grouped_mm_tma.py) where they can run, else the pointer kernels, chosen per call.
+(the ceiling). "triton" is optimus_kernels.grouped_mm as the training calls it: the TMA kernels
+(kernels/optimus_kernels/hopper/grouped_mm_tma.py) where they can run, else the pointer kernels, chosen per call.
 Beside it, rows that run the pointer kernels where TMA could run, through the private
 launchers' keyword (tma=False). The pointer kernels are the path on Intel XPU, pre-sm90 GPUs
 and unaligned shapes; these rows time them on the same GPU. They call the launchers directly,
@@ -35,13 +35,13 @@ of it), the pointer rows each launcher.
 permute+unpermute (forward pair, backward pair) is reported in GB/s of minimal traffic (each
 input read once, each output written once) beside a plain copy (clone) of the (T*8, 2048)
 sorted activations: fwd 2*(T + T*8)*D*2 bytes, bwd (3*T*8 + 2*T)*D*2 bytes, copy 2*T*8*D*2.
-The "expert sort" rows time kernels.permute.expert_sort alone (ids to sorted_idx and offsets),
+The "expert sort" rows time optimus_kernels.permute.expert_sort alone (ids to sorted_idx and offsets),
 in GB/s of ids read + sorted_idx written, and "expert sort E+1" the same with one more (empty)
 group, as capacity dropping and expert parallelism sort (65 groups: the counting sort's wider
 tiles): for "triton" the sort permute runs (the counting sort where it applies), for
 "triton-sort-torch" torch.sort + searchsorted (expert_sort's private counting=False; the
 sort rows only, since permute itself takes no choice of sort).
---ws (Hopper): each config of the warp-specialized Gluon kernel (kernels/hopper/grouped_mm_ws.py, what
+--ws (Hopper): each config of the warp-specialized Gluon kernel (kernels/optimus_kernels/hopper/grouped_mm_ws.py, what
 "triton" runs there for the forward and dx), forward and dx, checked against a float32
 reference, then timed in turns with the TMA kernel ("triton-tma") and torch._grouped_mm
 ("torch_raw"); the summary's ws_over_* hold the ratios.
@@ -71,15 +71,15 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script from anywhere in the checkout
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]  # an uninstalled checkout: its packages, the kernels' source root
 
 from bench.common import write_jsonl  # noqa: E402
 from bench.gpu_telemetry import GpuSampler, clock_note  # noqa: E402
-from kernels import available_backends, grouped_mm, permute, unpermute  # noqa: E402
-from kernels.grouped_mm import _launch_grouped_mm, _launch_grouped_mm_dw, _launch_grouped_mm_dx  # noqa: E402
-from kernels.hopper.grouped_mm_tma import tma_unsupported  # noqa: E402
-from kernels.hopper.grouped_mm_ws import ws_unsupported  # noqa: E402
-from kernels.permute import counting_sort_applies, expert_sort  # noqa: E402
+from optimus_kernels import available_backends, grouped_mm, permute, unpermute  # noqa: E402
+from optimus_kernels.grouped_mm import _launch_grouped_mm, _launch_grouped_mm_dw, _launch_grouped_mm_dx  # noqa: E402
+from optimus_kernels.hopper.grouped_mm_tma import tma_unsupported  # noqa: E402
+from optimus_kernels.hopper.grouped_mm_ws import ws_unsupported  # noqa: E402
+from optimus_kernels.permute import counting_sort_applies, expert_sort  # noqa: E402
 
 OLMOE = dict(experts=64, top_k=8, d_model=2048, hidden=1024)
 TINY = dict(experts=4, top_k=2, d_model=32, hidden=16)  # the interpreter smoke check
@@ -340,8 +340,8 @@ def _launcher_passes(x, w, offsets, dy, tma: dict, flop: int) -> dict:
 def tma_configs_chosen(device, dtype) -> dict[str, str]:
     """What the autotuner chose for the forward / dx TMA kernel, per autotune key (N, K, the row
     bucket, forward or dx, transposed w, and the argument dtypes); empty where it never ran."""
-    from kernels._triton import triton
-    from kernels.hopper.grouped_mm_tma import _grouped_mm_tma_tuned
+    from optimus_kernels._triton import triton
+    from optimus_kernels.hopper.grouped_mm_tma import _grouped_mm_tma_tuned
 
     if triton is None:
         return {}
@@ -363,7 +363,7 @@ def bench_dw_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
     the experts' gradients on their bf16 copies (the step's default) do: what the autotuner
     chose among, and by how much. torch._grouped_mm ("torch_raw", its dw in the inputs' dtype:
     ``out_dtype``) runs in the same turns; ``turns_out_dtype`` names the TMA kernel's beside it."""
-    from kernels.hopper.grouped_mm_tma import _dw_tma_configs, launch_grouped_mm_dw_tma
+    from optimus_kernels.hopper.grouped_mm_tma import _dw_tma_configs, launch_grouped_mm_dw_tma
     configs = named_configs(_dw_tma_configs(device.type, dtype))
     for out_dtype in dict.fromkeys((torch.float32, dtype)):  # once where the input is float32
         for gemm, x, dy, offsets, dw in _dw_operands(device, dtype, T, topk_idx, shape):
@@ -412,7 +412,7 @@ def _fwd_dx_operands(device, dtype, T, topk_idx, shape):
 def bench_tma_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
     """Each config of the forward / dx TMA kernel's autotuning list timed alone, in turns
     (--tma-configs): the up and down projections' forward and dx."""
-    from kernels.hopper.grouped_mm_tma import _tma_configs, launch_grouped_mm_tma
+    from optimus_kernels.hopper.grouped_mm_tma import _tma_configs, launch_grouped_mm_tma
     configs = named_configs(_tma_configs(device.type, dtype))
     for gemm, pass_, trans_w, x, w, offsets, y, flop in _fwd_dx_operands(device, dtype, T, topk_idx, shape):
         M, K, N = x.shape[0], *w.shape[1:]
@@ -429,13 +429,13 @@ def bench_tma_configs(rec, timer, device, dtype, T, routing, topk_idx, shape):
 
 
 def bench_ws(rec, timer, device, dtype, T, routing, topk_idx, shape):
-    """The warp-specialized Gluon kernel (--ws; kernels/hopper/grouped_mm_ws.py), each config checked
+    """The warp-specialized Gluon kernel (--ws; kernels/optimus_kernels/hopper/grouped_mm_ws.py), each config checked
     against a float32 reference and then timed, in turns with the TMA kernel ("triton-tma",
     autotuned) and torch._grouped_mm ("torch_raw"): the forward and dx of the up and down
     projections."""
-    from kernels import grouped_mm_reference
-    from kernels.hopper.grouped_mm_tma import launch_grouped_mm_tma
-    from kernels.hopper.grouped_mm_ws import CONFIGS, config_dict, config_name, launch_grouped_mm_ws, ws_unsupported
+    from optimus_kernels import grouped_mm_reference
+    from optimus_kernels.hopper.grouped_mm_tma import launch_grouped_mm_tma
+    from optimus_kernels.hopper.grouped_mm_ws import CONFIGS, config_dict, config_name, launch_grouped_mm_ws, ws_unsupported
     configs = {config_name(c): config_dict(*c) for c in CONFIGS}
     for gemm, pass_, trans_w, x, w, offsets, y, flop in _fwd_dx_operands(device, dtype, T, topk_idx, shape):
         M, K, N = x.shape[0], *w.shape[1:]

@@ -8,7 +8,7 @@ Nsight Compute's counters (not a timing benchmark: bench/kernels.py times both).
         python bench/ncu_grouped_mm.py [--op up|down] [--pass fwd|dw] [--tokens 32768] [--ws-configs]
 
 --ws-configs (forward, Hopper): also each config of the warp-specialized kernel
-(kernels/hopper/grouped_mm_ws.CONFIGS), one range each, "ws-<config>/" (add --nvtx-include "ws-*/" or
+(kernels/optimus_kernels/hopper/grouped_mm_ws.CONFIGS), one range each, "ws-<config>/" (add --nvtx-include "ws-*/" or
 one config's name): the ping-pong and cooperative schedules' bytes side by side.
 
 The question it serves: whether our kernels move more bytes from DRAM and L2 than
@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]  # an uninstalled checkout: its packages, the kernels' source root
 
-from kernels import grouped_mm  # noqa: E402
-from kernels.grouped_mm import _launch_grouped_mm_dw  # noqa: E402
+from optimus_kernels import grouped_mm  # noqa: E402
+from optimus_kernels.grouped_mm import _launch_grouped_mm_dw  # noqa: E402
 
 EXPERTS, TOP_K, D_MODEL, HIDDEN = 64, 8, 2048, 1024
 
@@ -87,8 +88,8 @@ def main(argv=None) -> None:
 
 def ws_ranges(x, w, offsets) -> dict:
     """{"ws-<config>": () -> the forward by the warp-specialized kernel with that config}, for
-    each config in kernels/hopper/grouped_mm_ws.CONFIGS; {} where the kernel cannot run (it says why)."""
-    from kernels.hopper import grouped_mm_ws as ws
+    each config in kernels/optimus_kernels/hopper/grouped_mm_ws.CONFIGS; {} where the kernel cannot run (it says why)."""
+    from optimus_kernels.hopper import grouped_mm_ws as ws
     y = torch.empty(x.shape[0], w.shape[2], device=x.device, dtype=x.dtype)
     if (reason := ws.ws_unsupported(x, w, y)) is not None:
         print(f"--ws-configs: skipped, {reason}")

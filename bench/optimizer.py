@@ -12,11 +12,11 @@ the training step passes it; lr 4e-4, betas (0.9, 0.95), eps 1e-8, weight decay 
 
     copy                     dst.copy_(src) of one float32 buffer: the bandwidth a stream reaches
     norm-torch               torch.linalg.vector_norm of the flat gradient
-    norm-triton              kernels.squared_norm of it (float32 per block, float64 sum)
+    norm-triton              optimus_kernels.squared_norm of it (float32 per block, float64 sum)
     adamw-torch-flat[/s]     torch.optim.AdamW(fused=True) on one flat tensor (the ZeRO-1 optimizer's layout)
     adamw-torch-list/s       the same on the model's 91 parameter tensors (1-D, in proportion,
                              when --numel shrinks N)
-    adamw-triton[/s]         kernels.adamw_step_ on the flat buffers
+    adamw-triton[/s]         optimus_kernels.adamw_step_ on the flat buffers
     adamw-triton+bf16/s      the same, also writing the bf16 copy of the parameters
 
 GB/s counts the minimal traffic: 8 bytes per element for the copy, 4 for a norm, 28 for AdamW
@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script from anywhere in the checkout
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]  # an uninstalled checkout: its packages, the kernels' source root
 
 import torch  # noqa: E402
 
@@ -126,7 +126,7 @@ def torch_adamw(params, grads, device, exp_avgs=None, exp_avg_sqs=None):
 def flat_cases(numel: int, device: torch.device, triton_ok: bool, measure) -> None:
     """The one-flat-buffer cases (the ZeRO-1 optimizer's layout): measure(case, tensors, bytes per
     element, fn) for each. The buffers live until this returns."""
-    from kernels import adamw_step_, squared_norm
+    from optimus_kernels import adamw_step_, squared_norm
 
     scale = torch.tensor(1.5, device=device)  # a clip factor: grads divided by 1.5
     p, g, m, v = (torch.empty(numel, device=device) for _ in range(4))
@@ -208,7 +208,7 @@ def main(argv=None) -> None:
     if device.type == "cpu" and numel > CPU_MAX:
         sys.exit(f"bench/optimizer.py measures GPU memory bandwidth and found no CUDA or XPU device; on the CPU "
                  f"it is a smoke check for --numel <= {CPU_MAX} (with TRITON_INTERPRET=1 for the Triton cases)")
-    from kernels._triton import INTERPRET, triton
+    from optimus_kernels._triton import INTERPRET, triton
 
     triton_ok = triton is not None and (device.type != "cpu" or INTERPRET)
     name = device_slug(device)

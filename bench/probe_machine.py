@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "kernels")]  # an uninstalled checkout: its packages, the kernels' source root
 
 from optimus_core.atomic import atomic_write  # noqa: E402
 

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]  # an uninstalled checkout: its packages, the kernels' source root
 
 from bench.common import device_slug, write_jsonl  # noqa: E402
 from bench.gpu_telemetry import GpuSampler, clock_note  # noqa: E402
@@ -41,7 +41,7 @@ CATEGORIES = [  # (category, regular expression on the kernel name), first match
     ("permute / unpermute", r"permute|combine"),
     ("SwiGLU", r"swiglu"),
     ("AdamW", r"adamw|adam"),
-    ("LM-loss softmax", r"xent|SoftMax"),  # ours (kernels.cross_entropy) or torch's log-softmax
+    ("LM-loss softmax", r"xent|SoftMax"),  # ours (optimus_kernels.cross_entropy) or torch's log-softmax
     ("norms", r"norm"),
     ("compiled fusions", r"^triton_"),
     ("copy / cast / fill", r"copy|cast|fill|elementwise|vectorized|unrolled"),

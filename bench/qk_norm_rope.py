@@ -12,11 +12,11 @@ hidden), and beside it the wall time between CUDA events (host overhead included
 
     eager     the model's torch ops (RMSNorm, then apply_rotary): what FSDP2 runs execute
     compiled  the same ops under torch.compile: a compiled block's path without the kernel
-    triton    kernels.qk_norm_rope
+    triton    optimus_kernels.qk_norm_rope
 
 beside the floor: the fewest bytes (forward: read x, write y; backward: read x and dy, write dx;
 2 bytes each in bf16) over the device's copy bandwidth, measured in the same call. ``--sweep``
-adds the kernel at other tiles (kernels.qk_norm_rope's TILE_ELEMENTS, WARPS and
+adds the kernel at other tiles (optimus_kernels.qk_norm_rope's TILE_ELEMENTS, WARPS and
 BACKWARD_PROGRAMS), as paths named ``triton[elements/warps/programs]``. Each path is
 first checked against the float64 reference on the same bf16 inputs (relative error of y, dx,
 dweight). Output: a table, bench/results/qk-norm-rope-<device>.jsonl (one line per shape and
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]  # an uninstalled checkout: its packages, the kernels' source root
 
 from bench.common import device_slug, ingest, publish  # noqa: E402
 
@@ -84,7 +84,7 @@ def path_fn(path: str, norm, cos, sin):
     own modules for eager and compiled."""
     import torch
 
-    from kernels import qk_norm_rope
+    from optimus_kernels import qk_norm_rope
     from optimus_core.model.layers import apply_rotary
 
     if path == "triton":
@@ -102,7 +102,7 @@ def measure(shape: str, path: str, reps: int, bandwidth: float, device) -> dict:
     import torch
 
     from bench.kernels import Timer
-    from kernels import qk_norm_rope_reference
+    from optimus_kernels import qk_norm_rope_reference
     from optimus_core.model.layers import RMSNorm, RotaryEmbedding
 
     B, S, D = map(int, shape.split("x"))
@@ -163,7 +163,7 @@ def main(argv=None) -> None:
     records = []
     print(f"{'shape':>14} {'path':>22} {'fwd ms':>7} {'x floor':>7} {'bwd ms':>7} {'x floor':>7} "
           f"{'err y':>8} {'err dx':>8} {'err dw':>8}")
-    tiles = importlib.import_module("kernels.qk_norm_rope")  # the package's qk_norm_rope is the function
+    tiles = importlib.import_module("optimus_kernels.qk_norm_rope")  # the package's qk_norm_rope is the function
     default = (tiles.TILE_ELEMENTS, tiles.WARPS, tiles.BACKWARD_PROGRAMS)
     runs = [(path, None) for path in args.paths] + ([("triton", t) for t in SWEEP if t != default] if args.sweep else [])
     for shape in args.shapes:

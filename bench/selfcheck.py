@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What the kernels' self-check (kernels/selfcheck.py) costs a run's start, on one GPU (not a test).
+"""What the kernels' self-check (kernels/optimus_kernels/selfcheck.py) costs a run's start, on one GPU (not a test).
 
     python bench/selfcheck.py [--tokens 8192]
     python bench/selfcheck.py --ingest bench/results/selfcheck-nvidia-h200.jsonl   # into the store
@@ -7,7 +7,7 @@
 Every case runs in a fresh process with an empty Triton cache (TRITON_CACHE_DIR), as a rank of a
 new job on a new node would:
 
-    check-<family>        kernels.selfcheck.check(family) for experts, adamw, cross_entropy
+    check-<family>        optimus_kernels.selfcheck.check(family) for experts, adamw, cross_entropy
     experts-first         the first forward + backward of an MoE layer's expert compute at
                           mula-7b-a1b width (permute, grouped_mm up, swiglu, grouped_mm down,
                           unpermute; --tokens rows x top-8 of 64 experts, bf16): its compiles
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "kernels")]  # an uninstalled checkout: its packages, the kernels' source root
 
 FAMILIES = ("experts", "adamw", "cross_entropy")
 
@@ -38,7 +38,7 @@ FAMILIES = ("experts", "adamw", "cross_entropy")
 def _first_step(tokens: int) -> float:
     import torch
 
-    import kernels
+    import optimus_kernels
 
     D, F, E, k = 2048, 1024, 64, 8
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -49,9 +49,9 @@ def _first_step(tokens: int) -> float:
     w_down = (torch.randn(E, F, D, device="cuda", generator=g) / F ** 0.5).bfloat16().requires_grad_()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    xs, offsets, sorted_idx = kernels.permute(x, idx, E)
-    h = kernels.swiglu(kernels.grouped_mm(xs, w_up, offsets))
-    y = kernels.unpermute(kernels.grouped_mm(h, w_down, offsets), sorted_idx, w_topk)
+    xs, offsets, sorted_idx = optimus_kernels.permute(x, idx, E)
+    h = optimus_kernels.swiglu(optimus_kernels.grouped_mm(xs, w_up, offsets))
+    y = optimus_kernels.unpermute(optimus_kernels.grouped_mm(h, w_down, offsets), sorted_idx, w_topk)
     y.float().square().sum().backward()
     torch.cuda.synchronize()
     return time.perf_counter() - t0
@@ -59,7 +59,7 @@ def _first_step(tokens: int) -> float:
 
 def run_case(case: str, tokens: int) -> dict:
     """One case in this process (``--case``)."""
-    from kernels import selfcheck
+    from optimus_kernels import selfcheck
 
     out: dict = {"case": case}
     if case.startswith("check-"):

@@ -65,7 +65,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "kernels")]  # an uninstalled checkout: its packages, the kernels' source root
 
 from bench.common import device_slug, ingest, publish, read_jsonl, write_jsonl  # noqa: E402
 from bench.gpu_telemetry import GpuSampler, clock_note  # noqa: E402

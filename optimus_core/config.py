@@ -360,19 +360,19 @@ class ExecutionConfig(Validated):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # the experts' GEMMs: "triton" (kernels/), "torch" (torch._grouped_mm), "loop" (one matmul per
     # expert, the ablation's baseline). auto: triton where it passed its self-check on the
-    # device (kernels.selfcheck), else torch where torch._grouped_mm has a fast path, else loop
+    # device (optimus_kernels.selfcheck), else torch where torch._grouped_mm has a fast path, else loop
     experts: Literal["auto", "loop", "torch", "triton"] = "auto"
     # torch.compile of each block. auto: on for one CUDA GPU (measured faster there), off on a
     # CPU and on XPU (not measured there yet)
     compile: Union[bool, Literal["auto"]] = "auto"
-    # the AdamW update: "triton" (one streaming kernel per tensor, kernels.adamw) or "torch"
+    # the AdamW update: "triton" (one streaming kernel per tensor, optimus_kernels.adamw) or "torch"
     # (torch.optim.AdamW). auto: triton on a GPU where it passed its self-check, else torch
     adamw: Literal["auto", "torch", "triton"] = "auto"
-    # the fused LM loss's log-softmax and gradient: "triton" (kernels.cross_entropy) or torch
+    # the fused LM loss's log-softmax and gradient: "triton" (optimus_kernels.cross_entropy) or torch
     # ops. auto: triton on a GPU where it passed its self-check, else torch
     lm_loss: Literal["auto", "torch", "triton"] = "auto"
     # the attention's QK-norm and RoPE: "triton" (one pass each way per projection,
-    # kernels.qk_norm_rope) or torch ops. auto: triton on a GPU where it passed its self-check,
+    # optimus_kernels.qk_norm_rope) or torch ops. auto: triton on a GPU where it passed its self-check,
     # else torch; torch for a model without QK-norm
     qk_norm_rope: Literal["auto", "torch", "triton"] = "auto"
     # What the backward recomputes instead of keeping from the forward: "none"; "full": every

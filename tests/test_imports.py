@@ -1,12 +1,14 @@
 """The house's import rules (DESIGN.md, rules 1 and 6), read from the source: every import
 statement counts, including those inside functions (a lazy import is still a dependency).
 
-- workflow -> stages -> optimus_core -> kernels, never back; the core imports no orchestrator or
-  plotting library; kernels import only torch, triton and the standard library.
+- workflow -> stages -> optimus_core -> optimus_kernels (kernels/), never back; the core imports no
+  orchestrator or plotting library; the kernels import only torch, triton and the standard library.
 - Inside the core: base modules (configs, planning, storage) <- data, model <- parallel <- train
   <- the core's entry points; no module imports a later layer, and there is no circle.
 """
 import ast
+import os
+import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -14,7 +16,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("optimus_core", "kernels", "stages", "workflow")
+# Each package's import name and the directory holding it (the kernels' source root is kernels/, so
+# that nothing at the top of the checkout is importable as ``kernels``: Hugging Face's name).
+SOURCE_ROOTS = {"optimus_core": ROOT, "optimus_kernels": ROOT / "kernels", "stages": ROOT, "workflow": ROOT}
+PACKAGES = tuple(SOURCE_ROOTS)
 
 # The core's layers, lowest first: a module may import its own layer and those before it.
 CORE_LAYERS = [
@@ -29,7 +34,8 @@ CORE_LAYERS = [
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    root = next(r for p, r in SOURCE_ROOTS.items() if path.is_relative_to(r / p))
+    parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -66,12 +72,12 @@ def _is_type_checking(node: ast.AST) -> bool:
 
 
 def _is_module(dotted: str) -> bool:
-    path = ROOT.joinpath(*dotted.split("."))
+    path = SOURCE_ROOTS.get(dotted.split(".")[0], ROOT).joinpath(*dotted.split("."))
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def sources(package: str) -> list[Path]:
-    return sorted((ROOT / package).rglob("*.py"))
+    return sorted((SOURCE_ROOTS[package] / package).rglob("*.py"))
 
 
 GRAPH = {module_name(p): imports(p) for package in PACKAGES for p in sources(package)}
@@ -92,7 +98,7 @@ def core_layer(module: str) -> int:
 
 
 @pytest.mark.parametrize("package, forbidden", [
-    ("kernels", ("optimus_core", "stages", "workflow")),
+    ("optimus_kernels", ("optimus_core", "stages", "workflow")),
     ("optimus_core", ("stages", "workflow", "snakemake", "parsl", "matplotlib")),
     ("stages", ("workflow", "snakemake", "parsl")),
 ])
@@ -103,8 +109,8 @@ def test_imports_point_one_way(package, forbidden):
 
 
 def test_kernels_import_only_torch_triton_and_the_standard_library():
-    allowed = {"torch", "triton", "kernels", "__future__"} | set(sys.stdlib_module_names)
-    bad = sorted(f"{m} imports {dep}" for m, deps in GRAPH.items() if m.startswith("kernels")
+    allowed = {"torch", "triton", "optimus_kernels", "__future__"} | set(sys.stdlib_module_names)
+    bad = sorted(f"{m} imports {dep}" for m, deps in GRAPH.items() if m.startswith("optimus_kernels")
                  for dep in deps if dep.split(".")[0] not in allowed)
     assert not bad, "\n".join(bad)
 
@@ -150,4 +156,19 @@ def test_the_graph_is_read_from_the_real_files():
     assert "optimus_core.train.loop" in GRAPH and "optimus_core.model.transformer" in GRAPH
     assert "optimus_core.train.build" in GRAPH["optimus_core.train.loop"]
     assert "optimus_core.parallel.mesh" in GRAPH["optimus_core.parallel.expert_parallel"]  # a relative import
-    assert "kernels._triton" in GRAPH["kernels.selfcheck"] or "kernels" in GRAPH["kernels.selfcheck"]
+    assert "optimus_kernels._triton" in GRAPH["optimus_kernels.selfcheck"]
+
+
+def test_the_checkout_leaves_the_import_name_kernels_to_hugging_face(tmp_path):
+    """transformers imports Hugging Face's ``kernels`` when it is installed; run from the top of a
+    checkout (the working directory first on sys.path), that import must still find theirs, and
+    ours stays importable as ``optimus_kernels``."""
+    theirs = tmp_path / "site" / "kernels"
+    theirs.mkdir(parents=True)
+    (theirs / "__init__.py").write_text("def get_kernel(name):\n    return 'hub:' + name\n")
+    probe = "import kernels, optimus_kernels; print(kernels.get_kernel('x'), optimus_kernels.grouped_mm.__name__)"
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"))
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["hub:x", "grouped_mm"]

@@ -47,7 +47,7 @@ def parallelize(model: Transformer, plan: ExecutionPlan, mesh: Mesh | None = Non
     (optimizer, reduce_dtype; default: its defaults)."""
     parallel = parallel or ParallelConfig()
     if plan.expert_gemms is not None:
-        from kernels.grouped_mm import use_family
+        from optimus_kernels.grouped_mm import use_family
 
         use_family(plan.expert_gemms)
     use_kernels(model, experts=plan.experts or "loop", lm_loss=plan.lm_loss == "triton",

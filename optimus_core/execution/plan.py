@@ -1,6 +1,6 @@
 """The execution plan: every choice of how a run executes, resolved once, with its reason.
 
-    plan = plan_execution(cfg, "cuda", world_size=1)   # probes the device's kernels (kernels.selfcheck)
+    plan = plan_execution(cfg, "cuda", world_size=1)   # probes the device's kernels (optimus_kernels.selfcheck)
     print(plan.describe())                             # one line per choice and why
     plan.dtype, plan.experts, plan.compile, plan.adamw, plan.lm_loss, plan.qk_norm_rope, ...
     plan_execution(cfg, "xpu", world_size=12288, probe=False)   # planned for a device not here
@@ -13,7 +13,7 @@ this module alone turns it, with the device, the world size and the memory model
   fp32_residual asks for float32.
 - experts: triton where its kernels passed their self-check on the device; else torch where
   torch._grouped_mm has its fast path (CUDA sm90+, bf16); else the loop. With triton, the
-  expert GEMMs' kernel family is the fastest the device has (kernels.grouped_mm.family_on):
+  expert GEMMs' kernel family is the fastest the device has (optimus_kernels.grouped_mm.family_on):
   warp-specialized on Hopper, TMA on other NVIDIA sm90+ GPUs, the pointer kernels elsewhere.
 - compile: on for one process on CUDA, where it was measured faster (bench/NOTES.md); off
   elsewhere (on XPU and under FSDP2 it has not been measured yet).
@@ -65,7 +65,7 @@ class ExecutionPlan:
     dtype: str  # "float32" | "bfloat16" (autocast, float32 master weights)
     residual_dtype: str  # the blocks' inputs and outputs: "float32" | "bfloat16"
     experts: str | None  # "loop" | "torch" | "triton"; None: a dense model
-    expert_gemms: str | None  # triton experts: their GEMMs' kernel family (kernels.grouped_mm.FAMILIES)
+    expert_gemms: str | None  # triton experts: their GEMMs' kernel family (optimus_kernels.grouped_mm.FAMILIES)
     compile: bool
     adamw: str  # "torch" | "triton"
     lm_loss: str  # "torch" | "triton"
@@ -120,8 +120,8 @@ class ExecutionPlan:
 
 def _kernel_ok(kernel: str, device: torch.device, probe: bool) -> str | None:
     """None if the Triton ``kernel`` family may run on ``device``, else why not (probe: run its
-    self-check now, kernels.selfcheck; else assume a GPU's kernels will pass at run time)."""
-    from kernels._triton import INTERPRET, launchable_on
+    self-check now, optimus_kernels.selfcheck; else assume a GPU's kernels will pass at run time)."""
+    from optimus_kernels._triton import INTERPRET, launchable_on
 
     if device.type not in GPU_TYPES and not INTERPRET:
         return (f"cannot run here: no Triton on {device.type} (it needs a CUDA or XPU device, or the Triton "
@@ -130,7 +130,7 @@ def _kernel_ok(kernel: str, device: torch.device, probe: bool) -> str | None:
         return None
     if not launchable_on(device):
         return f"Triton cannot launch on {device.type} here (is the triton package installed?)"
-    from kernels.selfcheck import failure
+    from optimus_kernels.selfcheck import failure
 
     why = failure(kernel, device)
     return f"failed its self-check on this device: {why}" if why else None
@@ -369,9 +369,9 @@ def _per_step_if_it_fits(cfg: RunConfig, world_size: int, plan: ExecutionPlan, c
 
 
 def _gemm_family(device: torch.device, probe: bool, why: dict) -> str | None:
-    """The triton experts' GEMM kernel family on ``device`` (kernels.grouped_mm.family_on), or
+    """The triton experts' GEMM kernel family on ``device`` (optimus_kernels.grouped_mm.family_on), or
     None for a CUDA GPU planned from its type alone (its compute capability decides)."""
-    from kernels.grouped_mm import family_on
+    from optimus_kernels.grouped_mm import family_on
 
     if device.type == "cuda" and not probe:
         why["expert GEMMs"] = ("planned from the device type: warp-specialized on Hopper, TMA on other sm90+ "

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
+import optimus_kernels
 
 from ..config import ModelConfig
 from .layers import RMSNorm, apply_rotary
@@ -33,8 +33,8 @@ class Attention(nn.Module):
         B, S, D = x_BSD.shape
         q, k, v = self.w_q(x_BSD), self.w_k(x_BSD), self.w_v(x_BSD)
         if self.q_norm is not None and self.qk_norm_rope_kernel:
-            q = kernels.qk_norm_rope(q, self.q_norm.weight, cos_SDh, sin_SDh, eps=self.q_norm.eps)
-            k = kernels.qk_norm_rope(k, self.k_norm.weight, cos_SDh, sin_SDh, eps=self.k_norm.eps)
+            q = optimus_kernels.qk_norm_rope(q, self.q_norm.weight, cos_SDh, sin_SDh, eps=self.q_norm.eps)
+            k = optimus_kernels.qk_norm_rope(k, self.k_norm.weight, cos_SDh, sin_SDh, eps=self.k_norm.eps)
             q_BHSDh = q.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
             k_BGSDh = k.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
         else:

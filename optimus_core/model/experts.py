@@ -21,7 +21,7 @@ Routing weights: each row's routing weight scales its SwiGLU output, before the 
 projection, and the combine is a plain sum. The down projection is linear, so the output is the
 same as weighting the combine, up to rounding; the backward needs less memory: a weighted
 combine must keep the experts' output rows (R x D) to differentiate its weights, the weighted
-SwiGLU gets that gradient from what it keeps anyway (kernels/swiglu.py). ``combine_sorted`` does
+SwiGLU gets that gradient from what it keeps anyway (kernels/optimus_kernels/swiglu.py). ``combine_sorted`` does
 it for this module's ``apply_routed`` and expert parallelism's.
 
 How the experts execute is set from outside, by the execution plan (optimus_core.execution):
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import kernels
+import optimus_kernels
 
 
 class Experts(nn.Module):
@@ -57,7 +57,7 @@ class Experts(nn.Module):
         self.w_up = nn.Parameter(torch.empty(n_experts * d_model, 2 * d_expert))  # module doc: rows (e, D)
         self.w_down = nn.Parameter(torch.empty(n_experts * d_expert, d_model))  # rows (e, F)
         # weight name -> a 0-d tensor whose gradient the dW kernel sets to the sum of the squares
-        # of the weight's gradient (kernels.grouped_mm's dw_square; optimus_core.train.optim)
+        # of the weight's gradient (optimus_kernels.grouped_mm's dw_square; optimus_core.train.optim)
         self.dw_squares: dict[str, torch.Tensor] = {}
 
     @property
@@ -67,12 +67,12 @@ class Experts(nn.Module):
 
     def permute(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, n_groups: int, n_rows: int | None = None):
         """(x_sorted_MD, offsets (n_groups,) int32, sorted_idx (T * K,)); M = n_rows or T * K."""
-        return kernels.permute(x_TD, topk_idx_TK, n_groups, backend=self.backend, n_rows=n_rows)
+        return optimus_kernels.permute(x_TD, topk_idx_TK, n_groups, backend=self.backend, n_rows=n_rows)
 
     def unpermute(self, y_MD: torch.Tensor, sorted_idx: torch.Tensor, topk_weight_TK: torch.Tensor | None,
                   top_k: int | None = None):
         """The top-k combine, weighted, or a plain sum over top_k rows with topk_weight_TK None."""
-        return kernels.unpermute(y_MD, sorted_idx, topk_weight_TK, top_k=top_k, backend=self.backend)
+        return optimus_kernels.unpermute(y_MD, sorted_idx, topk_weight_TK, top_k=top_k, backend=self.backend)
 
     def apply_routed(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor, topk_weight_TK: torch.Tensor,
                      n_groups: int) -> torch.Tensor:
@@ -123,14 +123,14 @@ class Experts(nn.Module):
                 # The float32 weights go in as they are: the op casts them, and writes their
                 # gradient in float32 itself (no cast pass over it); it keeps its cast copy for
                 # the backward, or with recast_weights casts again there (6 GiB less for 8
-                # OLMoE layers, one more pass) (kernels/grouped_mm.py).
+                # OLMoE layers, one more pass) (kernels/optimus_kernels/grouped_mm.py).
                 keep_cast = not self.recast_weights
             elif not self.recast_weights:  # cast once here; autograd keeps the copies for backward
                 w_up, w_down = w_up.to(dtype), w_down.to(dtype)
         squares, E = self.dw_squares, self.n_held
         w_up_EDF2, w_down_EFD, up_cast, down_cast = (None if w is None else w.view(E, -1, w.shape[-1])
                                                      for w in (w_up, w_down, up_cast, down_cast))
-        return kernels.expert_mlp(x_MD, w_up_EDF2, w_down_EFD, offsets_E, row_weight=row_weight_M,
+        return optimus_kernels.expert_mlp(x_MD, w_up_EDF2, w_down_EFD, offsets_E, row_weight=row_weight_M,
                                   backend=self.backend, keep_cast=keep_cast, up_cast=up_cast, down_cast=down_cast,
                                   up_square=squares.get("w_up"), down_square=squares.get("w_down"))
 

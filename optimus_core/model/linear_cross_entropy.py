@@ -20,7 +20,7 @@ bf16 and float32 and their gradients.
 
 ``kernel=True`` (the execution plan's lm_loss, optimus_core.execution): the log-softmax, the
 loss and the gradient of a chunk in one Triton kernel that overwrites the logits with their
-gradient (kernels.cross_entropy): each logit read twice and written once in the compute dtype (6
+gradient (optimus_kernels.cross_entropy): each logit read twice and written once in the compute dtype (6
 bytes for bf16) instead of the cast, the float32 log-softmax and the exp (20 bytes); the same
 arithmetic in float32, rounded once.
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels.cross_entropy
+import optimus_kernels.cross_entropy
 
 # Rows per chunk. Transient memory is ~6 bytes per logit of a chunk (bf16 logits + float32
 # log-probabilities): 1.2 GB at 4096 rows and V = 50,304; the logits path holds ~10 bytes
@@ -117,7 +117,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 h_CD, t_C1, valid_C1 = h_ND[rows].to(compute_dtype), safe_N[rows, None], valid_N[rows, None]
                 logits_CV = h_CD @ w_VD.T
                 if kernel:  # loss and gradient in one pass, over the logits; ignored rows' gradient is zero
-                    nll += kernels.cross_entropy.softmax_cross_entropy_(logits_CV, safe_N[rows], valid_N[rows],
+                    nll += optimus_kernels.cross_entropy.softmax_cross_entropy_(logits_CV, safe_N[rows], valid_N[rows],
                                                                         grad=grad).sum()
                     dlogits_CV, keep_C1 = logits_CV, None
                 else:

@@ -1,4 +1,4 @@
-"""AdamW whose update is one streaming Triton kernel per tensor (kernels.adamw_step_), with
+"""AdamW whose update is one streaming Triton kernel per tensor (optimus_kernels.adamw_step_), with
 torch.optim.AdamW's arithmetic, parameter groups and state layout.
 
     opt = TritonAdamW(param_groups, lr=4e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-import kernels
+import optimus_kernels
 
 from ..execution.weight_copies import grad_holder
 from ..parallel.layout import local_tensor
@@ -110,7 +110,7 @@ class TritonAdamW(torch.optim.Optimizer):
                 if not (p.is_contiguous() and grad.is_contiguous()):
                     raise ValueError("TritonAdamW: parameters and gradients must be contiguous")
                 fused = copy is not None and copy.dtype == torch.bfloat16 and copy.is_contiguous()
-                kernels.adamw_step_(p.view(-1), grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
+                optimus_kernels.adamw_step_(p.view(-1), grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
                                     lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                                     weight_decay=group["weight_decay"], step=int(state["step"]),
                                     grad_scale=grad_scale, param_bf16_N=copy.view(-1) if fused else None)

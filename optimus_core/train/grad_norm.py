@@ -14,7 +14,7 @@ left at the end. Gradients of earlier micro-batches are not final, hence ``arm()
 last backward only (train_step does it).
 
 Some kernels can do better than a read beside the backward: the triton experts' dW kernel sums
-the squares of the gradient as it stores it (kernels.grouped_mm's ``dw_square``: a 0-d tensor
+the squares of the gradient as it stores it (optimus_kernels.grouped_mm's ``dw_square``: a 0-d tensor
 whose gradient is that sum). ``norms.take_squares_from({param: dw_square})`` uses those sums for
 the parameters whose gradient the last backward makes whole (no gradient before ``arm()``, so no
 earlier micro-batch to add); the others are read as above.

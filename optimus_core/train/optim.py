@@ -33,7 +33,7 @@ def param_groups(model: nn.Module, weight_decay: float, decay_norms: bool = Fals
 
 
 def dw_squares(model: nn.Module) -> dict[nn.Parameter, torch.Tensor]:
-    """Give each expert weight computed by the Triton kernels a ``dw_square`` (kernels.grouped_mm),
+    """Give each expert weight computed by the Triton kernels a ``dw_square`` (optimus_kernels.grouped_mm),
     a 0-d float32 tensor on the weight's device whose gradient each backward sets to the sum of
     the squares of the weight's gradient, summed by the dW kernel as it stores that gradient;
     returns {weight: its dw_square} for the clip's norm (optimus_core.train.grad_norm). None for

@@ -4,10 +4,10 @@ not timed), the baselines are timed in the same turns, and every row says which 
 import pytest
 import torch
 
-import kernels.hopper.grouped_mm_ws as ws
+import optimus_kernels.hopper.grouped_mm_ws as ws
 from bench.kernels import TINY, Timer, bench_ws, route
-from kernels import grouped_mm_reference
-from kernels._triton import INTERPRET, triton
+from optimus_kernels import grouped_mm_reference
+from optimus_kernels._triton import INTERPRET, triton
 
 pytestmark = pytest.mark.skipif(triton is None or not INTERPRET,
                                 reason="the TMA baselines run here in Triton's interpreter (TRITON_INTERPRET=1)")
@@ -55,7 +55,7 @@ def test_dw_configs_time_every_tma_config_and_torch_in_the_same_turns():
     """--dw-configs: each config of the TMA dW kernel's list and torch._grouped_mm, timed in the
     same turns, for a float32 dw (the input here is float32: one output dtype)."""
     from bench.kernels import bench_dw_configs
-    from kernels.hopper.grouped_mm_tma import _dw_tma_configs
+    from optimus_kernels.hopper.grouped_mm_tma import _dw_tma_configs
 
     out = []
     device = torch.device("cpu")

@@ -14,7 +14,7 @@ def test_sources_name_the_launching_op_its_callers_and_frames():
                 kernels=[Kernel("elementwise_add", 0, 3000.0)])
     same_launcher = Event(name="aten::add", cpu_parent=backward, stack=["optimus_core/model/moe.py(71): forward"],
                           kernels=[Kernel("elementwise_add", 0, 1000.0)])
-    add_elsewhere = Event(name="aten::add", cpu_parent=None, stack=["kernels/permute.py(9): unpermute"],
+    add_elsewhere = Event(name="aten::add", cpu_parent=None, stack=["kernels/optimus_kernels/permute.py(9): unpermute"],
                           kernels=[Kernel("elementwise_add", 0, 600.0)])
     gather = Event(name="aten::index_select", cpu_parent=None, stack=[], kernels=[Kernel("gather", 0, 500.0)])
     gemm = Event(name="aten::mm", cpu_parent=None, stack=[], kernels=[Kernel("nvjet_sm90_gemm", 0, 9000.0)])

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from bench.saved_activations import main, saved_tensors
-from kernels import INTERPRET
+from optimus_kernels import INTERPRET
 from optimus_core import presets
 from optimus_core.model.experts import Experts
 

@@ -11,7 +11,7 @@ compared bit for bit with param.to(bfloat16) (round to nearest even).
 import pytest
 import torch
 
-from kernels import adamw_step_, adamw_step_reference_, squared_norm, squared_norm_reference
+from optimus_kernels import adamw_step_, adamw_step_reference_, squared_norm, squared_norm_reference
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)  # a large lr: the update moves p visibly
 
@@ -139,7 +139,7 @@ def test_reference_is_torch_adamw(weight_decay):
 
 def test_launch_ranges_split_off_the_ragged_tail():
     """The vectorized launch covers a multiple of 16 elements, the second the rest (see _ranges)."""
-    from kernels.adamw import _ranges
+    from optimus_kernels.adamw import _ranges
 
     assert _ranges(4097, 128) == [(0, 4096, 32), (4096, 4097, 1)]
     assert _ranges(1000, 128) == [(0, 992, 8), (992, 1000, 1)]

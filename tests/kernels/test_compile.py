@@ -5,8 +5,8 @@ autograd registration, AOT dispatch), and a whole SwiGLU expert block under torc
 import pytest
 import torch
 
-import kernels  # noqa: F401  (registers the optimus:: ops)
-from kernels import grouped_mm, permute, swiglu, unpermute
+import optimus_kernels  # noqa: F401  (registers the optimus:: ops)
+from optimus_kernels import grouped_mm, permute, swiglu, unpermute
 
 
 def expert_block(x, topk_idx, topk_weights, w_up, w_down, backend):
@@ -74,8 +74,8 @@ def test_compiled_block_bf16_on_gpu(backend, gpu_device, rel_err):
     torch._dynamo.reset()
     leaves, topk_idx = inputs(gpu_device, T=300, D=64, H=32, E=8, k=2)
     leaves = [t.detach().bfloat16().requires_grad_() for t in leaves]
-    if backend == "torch" and kernels.torch_grouped_mm_unsupported(leaves[0], leaves[2]):
-        pytest.skip(kernels.torch_grouped_mm_unsupported(leaves[0], leaves[2]))
+    if backend == "torch" and optimus_kernels.torch_grouped_mm_unsupported(leaves[0], leaves[2]):
+        pytest.skip(optimus_kernels.torch_grouped_mm_unsupported(leaves[0], leaves[2]))
     compiled = torch.compile(expert_block, backend="aot_eager", fullgraph=True)
     out = compiled(leaves[0], topk_idx, *leaves[1:], backend=backend)
     want = expert_block(leaves[0], topk_idx, *leaves[1:], backend=backend)
@@ -89,7 +89,7 @@ def test_qk_norm_rope_opcheck_and_compiled_attention_inputs(triton_device):
     """The QK-norm + RoPE op: opcheck (its backward op has no autograd: plain inputs), and under
     torch.compile (fullgraph, AOTAutograd) the same output and gradients as eager, with the
     head-major transposed view the attention takes."""
-    from kernels import qk_norm_rope
+    from optimus_kernels import qk_norm_rope
     from optimus_core.model.layers import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(3)

@@ -1,11 +1,11 @@
-"""kernels.softmax_cross_entropy_: per-row losses and the in-place gradient against
+"""optimus_kernels.softmax_cross_entropy_: per-row losses and the in-place gradient against
 F.cross_entropy and autograd, on odd vocabulary sizes that cross the interpreter's block edges,
 with ignored rows, huge and tied logits; the reference; and the argument checks."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cross_entropy import softmax_cross_entropy_, softmax_cross_entropy_reference_
+from optimus_kernels.cross_entropy import softmax_cross_entropy_, softmax_cross_entropy_reference_
 
 def _case(C, V, seed=0, scale=3.0, device="cpu"):
     g = torch.Generator().manual_seed(seed)

@@ -1,5 +1,5 @@
 """expert_mlp: swiglu(x @ w_up) @ w_down per group, the SwiGLU fused into the GEMMs
-(kernels/expert_mlp.py).
+(kernels/optimus_kernels/expert_mlp.py).
 
 Its contract is the three ops': grouped_mm, swiglu, grouped_mm. On the CPU the triton backend's
 ops run the unfused kernels in the interpreter (the fused epilogues are Gluon, Hopper only), so
@@ -14,9 +14,9 @@ import importlib
 import pytest
 import torch
 
-import kernels.hopper.grouped_mm_tma as gm_tma
-import kernels.hopper.grouped_mm_ws as ws
-from kernels import expert_mlp, grouped_mm, swiglu
+import optimus_kernels.hopper.grouped_mm_tma as gm_tma
+import optimus_kernels.hopper.grouped_mm_ws as ws
+from optimus_kernels import expert_mlp, grouped_mm, swiglu
 
 from test_grouped_mm import make
 
@@ -224,7 +224,7 @@ def test_fused_backward_epilogue_gives_the_pairs_bits_on_hopper(weighted, progra
     kernel then the swiglu backward kernel: dh bit for bit (the same 16-bit da into the same
     formulas), the row weights' gradient to float32 rounding (summed in another order), on odd
     row counts, empty groups and a tail whose dh must come out zero (it starts as NaN)."""
-    from kernels.swiglu import _launch_swiglu_bwd, _launch_swiglu_weighted_bwd
+    from optimus_kernels.swiglu import _launch_swiglu_bwd, _launch_swiglu_weighted_bwd
 
     sizes = [0, 3000, 1, 0, 5170, 640, 1290, 0, 77] if programs is None else [0, 300, 1, 0, 517, 64, 129, 0]
     H, D = 256, 192
@@ -256,7 +256,7 @@ def test_fused_backward_epilogue_gives_the_pairs_bits_on_hopper(weighted, progra
 @pytest.mark.gpu
 def test_fused_mlp_matches_float32_reference_on_hopper(gpu_device, rel_err, monkeypatch):
     """The MLP in bf16, both epilogues fused (H = 256: whole tiles), against the float32 loop."""
-    mlp = importlib.import_module("kernels.expert_mlp")  # the package's attribute is the function
+    mlp = importlib.import_module("optimus_kernels.expert_mlp")  # the package's attribute is the function
 
     x, w_up, w_down, offsets, row_weight, dy = inputs([0, 700, 3, 1200, 64], 5, 256, 256, 192, gpu_device,
                                                       torch.bfloat16)

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from kernels import available_backends, grouped_mm, grouped_mm_reference, torch_grouped_mm_unsupported
+from optimus_kernels import available_backends, grouped_mm, grouped_mm_reference, torch_grouped_mm_unsupported
 
 # name: (rows per group, rows past offsets[-1], K, N). The interpreter's blocks are 16 x 16 x 16.
 CASES = {

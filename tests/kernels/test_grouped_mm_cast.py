@@ -10,7 +10,7 @@ casting w itself, and the backward keeps no float32 w alive.
 import pytest
 import torch
 
-from kernels import grouped_mm
+from optimus_kernels import grouped_mm
 
 from test_grouped_mm import make
 

@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from kernels import grouped_mm, grouped_mm_reference
+from optimus_kernels import grouped_mm, grouped_mm_reference
 
-gm = importlib.import_module("kernels.grouped_mm")  # the module: the package's `grouped_mm` is the function
+gm = importlib.import_module("optimus_kernels.grouped_mm")  # the module: the package's `grouped_mm` is the function
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -1,5 +1,5 @@
 """grouped_mm's two sets of triton kernels against the loop: the TMA kernels
-(kernels/hopper/grouped_mm_tma.py: tensor descriptors, persistent grid; dx with w transposed in shared
+(kernels/optimus_kernels/hopper/grouped_mm_tma.py: tensor descriptors, persistent grid; dx with w transposed in shared
 memory; dW with per-group descriptors, groups dealt largest first) and the pointer kernels that
 run where TMA cannot (dx reading w^T through transposed strides). Each set runs through the
 private launchers' explicit keyword (`tma=True`: the TMA kernels where they can run; `tma=False`:
@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels.hopper.grouped_mm_tma as gm_tma
-import kernels.hopper.grouped_mm_ws as gm_ws
-from kernels import grouped_mm, grouped_mm_reference
-from kernels._triton import jit, tl
-from kernels.grouped_mm_tiles import group_of_rank, groups_by_size
+import optimus_kernels.hopper.grouped_mm_tma as gm_tma
+import optimus_kernels.hopper.grouped_mm_ws as gm_ws
+from optimus_kernels import grouped_mm, grouped_mm_reference
+from optimus_kernels._triton import jit, tl
+from optimus_kernels.grouped_mm_tiles import group_of_rank, groups_by_size
 from test_grouped_mm import GPU_CASES, forward_backward, make
 
-gm = importlib.import_module("kernels.grouped_mm")  # the module: the package's `grouped_mm` is the function
+gm = importlib.import_module("optimus_kernels.grouped_mm")  # the module: the package's `grouped_mm` is the function
 
 # name: (rows per group, rows past offsets[-1], K, N)
 CASES = {
@@ -412,7 +412,7 @@ def test_every_dw_config_compiles_for_hopper_within_shared_memory():
     H200's shared memory and spills nothing."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", "import json; from kernels.hopper.grouped_mm_tma import dw_sm90_report; "
+    run = subprocess.run([sys.executable, "-c", "import json; from optimus_kernels.hopper.grouped_mm_tma import dw_sm90_report; "
                           "print(json.dumps(dw_sm90_report()))"], cwd=Path(__file__).resolve().parents[2],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

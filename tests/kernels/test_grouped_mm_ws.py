@@ -1,4 +1,4 @@
-"""The warp-specialized Gluon kernel (kernels/hopper/grouped_mm_ws.py): the grouped GEMM's forward and dx
+"""The warp-specialized Gluon kernel (kernels/optimus_kernels/hopper/grouped_mm_ws.py): the grouped GEMM's forward and dx
 (the SwiGLU epilogues of both: tests/kernels/test_expert_mlp.py).
 
 Gluon has no interpreter, so on a CPU every config is compiled for sm90 (in a fresh process:
@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels.hopper.grouped_mm_tma as gm_tma
-import kernels.hopper.grouped_mm_ws as ws
-from kernels import grouped_mm_reference
+import optimus_kernels.hopper.grouped_mm_tma as gm_tma
+import optimus_kernels.hopper.grouped_mm_ws as ws
+from optimus_kernels import grouped_mm_reference
 from test_grouped_mm import make
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ def sm90():
     """grouped_mm_ws.sm90_report() from a fresh process: an interpreted kernel run earlier in
     this one (any CPU kernel test) leaves state that breaks Gluon's compiler."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", "import json; from kernels.hopper.grouped_mm_ws import sm90_report; "
+    run = subprocess.run([sys.executable, "-c", "import json; from optimus_kernels.hopper.grouped_mm_ws import sm90_report; "
                           "print(json.dumps(sm90_report()))"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -12,10 +12,10 @@ import importlib
 import pytest
 import torch
 
-from kernels import permute, permute_reference, unpermute, unpermute_reference
-from kernels.permute import MAX_SORT_GROUPS, counting_sort_applies, expert_sort, sort_geometry
+from optimus_kernels import permute, permute_reference, unpermute, unpermute_reference
+from optimus_kernels.permute import MAX_SORT_GROUPS, counting_sort_applies, expert_sort, sort_geometry
 
-permute_module = importlib.import_module("kernels.permute")  # the package's `permute` is the function
+permute_module = importlib.import_module("optimus_kernels.permute")  # the package's `permute` is the function
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

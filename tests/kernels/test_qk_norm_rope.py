@@ -10,7 +10,7 @@ import importlib
 import pytest
 import torch
 
-from kernels import qk_norm_rope, qk_norm_rope_reference
+from optimus_kernels import qk_norm_rope, qk_norm_rope_reference
 from optimus_core.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
 # (B, S, heads, Dh, table rows): odd head counts and half-heads off the power-of-two tiles, one
@@ -79,7 +79,7 @@ def test_dweight_is_deterministic_and_sums_every_row(triton_device, monkeypatch)
     x, w, dy = make(B, S, H, Dh, triton_device, seed=7)
     cos, sin = (t.to(triton_device) for t in tables(S, Dh))
     # 21 rows: 6 a program, the last with 3 (the package's qk_norm_rope is the function, not the module)
-    monkeypatch.setattr(importlib.import_module("kernels.qk_norm_rope"), "BACKWARD_PROGRAMS", 4)
+    monkeypatch.setattr(importlib.import_module("optimus_kernels.qk_norm_rope"), "BACKWARD_PROGRAMS", 4)
     a, b = grads(qk_norm_rope, x, w, cos, sin, dy), grads(qk_norm_rope, x, w, cos, sin, dy)
     want = grads(qk_norm_rope_reference, x.double(), w.double(), cos.double(), sin.double(), dy.double())
     assert torch.equal(a[2], b[2]) and torch.equal(a[1], b[1])

@@ -8,8 +8,8 @@ import warnings
 import pytest
 import torch
 
-import kernels.hopper.grouped_mm_ws as ws
-from kernels import grouped_mm_reference, selfcheck
+import optimus_kernels.hopper.grouped_mm_ws as ws
+from optimus_kernels import grouped_mm_reference, selfcheck
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="the Triton kernels on CPU need TRITON_INTERPRET=1")
@@ -27,7 +27,7 @@ def test_the_experts_check_takes_the_forward_and_dx_kernels_a_run_takes_on_hoppe
     which the interpreter is not, for bf16, the self-check's dtype on a GPU), so on Hopper the
     self-check runs the kernels a run's experts run; the kernel itself is stood in for by the
     reference here (Gluon has no interpreter)."""
-    gm = importlib.import_module("kernels.grouped_mm")  # the module: the package's `grouped_mm` is the function
+    gm = importlib.import_module("optimus_kernels.grouped_mm")  # the module: the package's `grouped_mm` is the function
     calls = []
 
     def stand_in(x, w, offsets, y, *, trans_w=False):
@@ -48,9 +48,9 @@ def test_the_experts_check_runs_both_swiglu_epilogues_a_run_takes_on_hopper(monk
     """Its MLP passes the SwiGLU epilogues' shape rules (bf16, the device stood in), so on
     Hopper the self-check runs the fused forward and backward a run's experts run; the fused
     kernels themselves are stood in for by the unfused ones here (Gluon has no interpreter)."""
-    from kernels.swiglu import _launch_swiglu, _launch_swiglu_weighted_bwd
+    from optimus_kernels.swiglu import _launch_swiglu, _launch_swiglu_weighted_bwd
 
-    mlp = importlib.import_module("kernels.expert_mlp")
+    mlp = importlib.import_module("optimus_kernels.expert_mlp")
     calls = []
     rules = ws.swiglu_unsupported, ws.swiglu_backward_unsupported
     monkeypatch.setattr(ws, "ws_device_unsupported", lambda device: None)
@@ -113,14 +113,14 @@ def test_an_accelerator_is_checked_once_and_a_failure_warns_once(monkeypatch):
 def test_a_run_whose_expert_kernels_fail_is_planned_on_the_loop(monkeypatch):
     """Under "auto" the plan takes the next choice and says why; the model built from it computes
     its experts that way. Explicit "triton" is an error that names the choice and the failure."""
-    import kernels._triton
+    import optimus_kernels._triton
     from optimus_core import presets
     from optimus_core.execution import ExecutionError, resolve_choices
     from optimus_core.model.experts import Experts
     from optimus_core.train import build
 
     cfg = presets.get("mula-7b-a1b@laptop").run_config(**{"train.device": "cpu", "model.n_layers": 1})
-    monkeypatch.setattr(kernels._triton, "launchable_on", lambda device: True)
+    monkeypatch.setattr(optimus_kernels._triton, "launchable_on", lambda device: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no torch._grouped_mm fast path either
     monkeypatch.setattr(selfcheck, "failure", lambda kernel, device: "RuntimeError: no codegen"
                         if kernel == "experts" else None)

@@ -8,7 +8,7 @@ operations per entry), far inside 1e-5.
 import pytest
 import torch
 
-from kernels import swiglu, swiglu_reference
+from optimus_kernels import swiglu, swiglu_reference
 
 # (M, H, scale of h): the large scale drives sigmoid into saturation, where a naive
 # exp(-gate) overflows.

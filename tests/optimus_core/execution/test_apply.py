@@ -81,7 +81,7 @@ def test_bad_choices_are_refused_by_name():
 def test_the_plans_gemm_family_becomes_the_processs_ceiling():
     import importlib
 
-    gm = importlib.import_module("kernels.grouped_mm")  # the module: the package's `grouped_mm` is the function
+    gm = importlib.import_module("optimus_kernels.grouped_mm")  # the module: the package's `grouped_mm` is the function
     before = gm._ceiling
     try:
         parallelize(Transformer(MODEL), _plan(experts="triton", expert_gemms="pointer"))

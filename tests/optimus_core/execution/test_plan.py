@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-import kernels._triton
-import kernels.selfcheck
+import optimus_kernels._triton
+import optimus_kernels.selfcheck
 from optimus_core import presets
 from optimus_core.config import (ConfigError, DataConfig, ExecutionConfig, ModelConfig, MoEConfig, OptimConfig,
                                  RunConfig, TrainConfig, apply_overrides)
@@ -38,7 +38,7 @@ def choices(plan: ExecutionPlan) -> dict:
 def test_auto_on_a_cpu_is_the_plain_torch_path(monkeypatch, interpret):
     """float32, the loop, no compile, torch's AdamW and loss, no copies -- also under the
     interpreter, which is the tests' harness and never chosen by "auto"."""
-    monkeypatch.setattr(kernels._triton, "INTERPRET", interpret)
+    monkeypatch.setattr(optimus_kernels._triton, "INTERPRET", interpret)
     plan = resolve_choices(run(), "cpu")
     assert plan.device_type == "cpu" and plan.world_size == 1
     assert choices(plan) == dict(dtype="float32", experts="loop", compile=False, adamw="torch", lm_loss="torch",
@@ -173,13 +173,13 @@ def test_torch_experts_in_float32_on_cuda_are_refused_naming_the_choice():
 @pytest.mark.parametrize("choice, kernel", [("adamw", "adamw"), ("lm_loss", "cross_entropy"), ("experts", "experts"),
                                            ("qk_norm_rope", "qk_norm_rope")])
 def test_explicit_triton_on_a_cpu_needs_the_interpreter(monkeypatch, choice, kernel):
-    monkeypatch.setattr(kernels._triton, "INTERPRET", False)
+    monkeypatch.setattr(optimus_kernels._triton, "INTERPRET", False)
     with pytest.raises(ExecutionError, match=rf"^execution\.{choice} = 'triton': the Triton {kernel} kernel "
                                              r"cannot run here: no Triton on cpu \(it needs a CUDA or XPU device, or "
                                              r"the Triton interpreter: TRITON_INTERPRET=1 set before Python starts\); "
                                              + ("use 'auto' or 'loop'$" if choice == "experts" else "use 'auto' or 'torch'$")):
         resolve_choices(run(**{choice: "triton"}), "cpu")
-    monkeypatch.setattr(kernels._triton, "INTERPRET", True)  # the tests' harness: allowed
+    monkeypatch.setattr(optimus_kernels._triton, "INTERPRET", True)  # the tests' harness: allowed
     plan = resolve_choices(run(**{choice: "triton"}), "cpu", probe=False)
     assert getattr(plan, choice) == "triton" and plan.why[choice] == "asked"
 
@@ -191,8 +191,8 @@ def test_check_launch_refuses_a_missing_device_and_an_explicit_kernel_it_cannot_
     from optimus_core.execution import check_launch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(kernels._triton, "INTERPRET", False)
-    monkeypatch.setattr(kernels.selfcheck, "failure", lambda kernel, device: pytest.fail("no self-check here"))
+    monkeypatch.setattr(optimus_kernels._triton, "INTERPRET", False)
+    monkeypatch.setattr(optimus_kernels.selfcheck, "failure", lambda kernel, device: pytest.fail("no self-check here"))
     with pytest.raises(DeviceUnavailableError, match=r"^train\.device = cuda but no CUDA device is visible"):
         check_launch(run(train=TrainConfig(global_batch=8, device="cuda")))
     with pytest.raises(ExecutionError, match=r"^execution\.experts = 'triton': .*TRITON_INTERPRET=1"):
@@ -207,10 +207,10 @@ def fake_cuda(monkeypatch):
     """A CUDA device whose Triton launches, without torch._grouped_mm's fast path, and whose
     self-check fails for the kernel families in the returned set."""
     failing = set()
-    monkeypatch.setattr(kernels._triton, "INTERPRET", False)
-    monkeypatch.setattr(kernels._triton, "launchable_on", lambda device: True)
+    monkeypatch.setattr(optimus_kernels._triton, "INTERPRET", False)
+    monkeypatch.setattr(optimus_kernels._triton, "launchable_on", lambda device: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(kernels.selfcheck, "failure",
+    monkeypatch.setattr(optimus_kernels.selfcheck, "failure",
                         lambda kernel, device: f"AssertionError: {kernel} off by 0.5" if kernel in failing else None)
     return failing
 
@@ -254,7 +254,7 @@ def test_a_failed_self_check_under_explicit_triton_is_an_error(fake_cuda, choice
 
 
 def test_triton_that_cannot_launch_falls_back_under_auto(monkeypatch):
-    monkeypatch.setattr(kernels._triton, "launchable_on", lambda device: False)
+    monkeypatch.setattr(optimus_kernels._triton, "launchable_on", lambda device: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     plan = resolve_choices(run(), "cuda")
     assert (plan.experts, plan.adamw, plan.lm_loss, plan.qk_norm_rope) == ("loop", "torch", "torch", "torch")
@@ -360,7 +360,7 @@ def test_the_residual_stream_follows_the_compute_dtype_unless_asked_for_float32(
 
 
 def test_the_expert_gemms_kernel_family_is_the_devices_and_says_why():
-    """With the triton experts the plan names their GEMMs' kernel family (kernels.grouped_mm.
+    """With the triton experts the plan names their GEMMs' kernel family (optimus_kernels.grouped_mm.
     family_on): an Intel GPU's are the pointer kernels; a CUDA GPU planned from its type alone is
     decided when the run starts; without the triton experts there is none."""
     from optimus_core import presets

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import kernels
+import optimus_kernels
 from optimus_core.config import ModelConfig, MoEConfig, OptimConfig
 from optimus_core.execution import use_kernels
 from optimus_core.model.transformer import Transformer
@@ -11,7 +11,7 @@ from optimus_core.train.step import train_step
 
 # These runs are on the CPU in float32, so the triton backend needs the interpreter here even on a
 # machine with a GPU (bf16 on the GPU: tests/kernels and the gpu-marked tests of optimus_core).
-needs_triton = pytest.mark.skipif(not (kernels.INTERPRET and kernels.triton),
+needs_triton = pytest.mark.skipif(not (optimus_kernels.INTERPRET and optimus_kernels.triton),
                                   reason="the triton backend on CPU tensors needs TRITON_INTERPRET=1")
 
 
@@ -74,7 +74,7 @@ def test_routing_weights_on_the_swiglu_output_are_the_weighted_combine(phantom):
 
 
 def test_torch_backend_refuses_clearly_where_unsupported():
-    if "torch" in kernels.available_backends():
+    if "torch" in optimus_kernels.available_backends():
         pytest.skip("torch._grouped_mm is supported here")
     with pytest.raises(RuntimeError, match="backend='torch' is unavailable"):
         losses("torch", steps=1)

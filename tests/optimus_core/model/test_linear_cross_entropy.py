@@ -281,7 +281,7 @@ def test_lm_loss_resolves_per_device(monkeypatch):
     """execution.lm_loss: auto is the kernel on GPUs only (never the slow interpreter on a CPU
     run); triton where it cannot run is a clear error naming the choice, not a silent fallback;
     build_model turns the plan's choice into the model's lm_loss_kernel."""
-    import kernels._triton as kt
+    import optimus_kernels._triton as kt
     from optimus_core.config import DataConfig, ExecutionConfig, RunConfig
     from optimus_core.execution import ExecutionError, resolve_choices
     from optimus_core.train.build import build_model

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-import kernels
+import optimus_kernels
 from optimus_core import presets
 from optimus_core.config import (DataConfig, ExecutionConfig, ModelConfig, MoEConfig, OptimConfig, RunConfig,
                                  TrainConfig)
@@ -60,13 +60,13 @@ def test_every_step_keeps_the_copies_current_and_the_run_unchanged(implementatio
     plan = _plan(cfg, adamw=implementation)
     assert plan.expert_copies and plan.bf16_expert_grads == (implementation == "triton")
     fused = []
-    real = kernels.adamw_step_
+    real = optimus_kernels.adamw_step_
 
     def spy(*args, param_bf16_N=None, **kw):
         fused.append(param_bf16_N is not None)
         return real(*args, param_bf16_N=param_bf16_N, **kw)
 
-    monkeypatch.setattr(kernels, "adamw_step_", spy)
+    monkeypatch.setattr(optimus_kernels, "adamw_step_", spy)
     plain, copied = _model(casts=False), _model(casts=True)
     plain_opt, opt = build_optimizer(plain, cfg, plan), build_optimizer(copied, cfg, plan)
     assert type(opt).__name__ == ("TritonAdamW" if implementation == "triton" else "AdamW")

@@ -108,7 +108,7 @@ def test_a_dropped_model_is_freed_without_the_cycle_collector():
 
 
 class _GroupedLayer(nn.Module):
-    """A Linear, then a grouped GEMM whose weight has a dw_square (kernels.grouped_mm, loop backend)."""
+    """A Linear, then a grouped GEMM whose weight has a dw_square (optimus_kernels.grouped_mm, loop backend)."""
 
     def __init__(self):
         super().__init__()
@@ -118,10 +118,10 @@ class _GroupedLayer(nn.Module):
         self.square = torch.zeros((), requires_grad=True)
 
     def forward(self, x):
-        import kernels
+        import optimus_kernels
 
         offsets = torch.tensor([4, 4, 16], dtype=torch.int32)  # one empty group
-        return kernels.grouped_mm(self.inp(x), self.w, offsets, backend="loop", dw_square=self.square)
+        return optimus_kernels.grouped_mm(self.inp(x), self.w, offsets, backend="loop", dw_square=self.square)
 
 
 def test_squares_from_the_kernel_stand_for_whole_gradients(monkeypatch):

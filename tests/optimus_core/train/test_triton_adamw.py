@@ -83,9 +83,9 @@ def test_the_plans_adamw_choice(monkeypatch):
     assert type(build_optimizer(_model(), cfg)).__name__ == "AdamW"
     assert type(build_optimizer(_model(), cfg, _plan(cfg, "torch"))).__name__ == "AdamW"
     assert type(build_optimizer(_model(), cfg, _plan(cfg, "triton"))).__name__ == "TritonAdamW"
-    import kernels._triton
+    import optimus_kernels._triton
 
-    monkeypatch.setattr(kernels._triton, "INTERPRET", False)
+    monkeypatch.setattr(optimus_kernels._triton, "INTERPRET", False)
     with pytest.raises(ExecutionError, match=r"execution\.adamw = 'triton'.*no Triton on cpu"):
         _plan(cfg, "triton")
     assert _plan(cfg, "auto").adamw == "torch"

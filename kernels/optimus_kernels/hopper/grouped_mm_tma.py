@@ -8,7 +8,7 @@ y[rows of g] = x[rows of g] @ B_g with B_g = w[g] for w (G, K, N), or, with tran
 for w (G, N, K): that is dx = dy @ w[g]^T read straight from the forward's weight, transposed in
 shared memory instead of copied. And dw[g] = x[rows of g]^T @ dy[rows of g], the weight
 gradient. Same contracts as grouped_mm.py's pointer kernels (rows past offsets[-1] come out zero
-or add nothing, empty groups, any sizes); kernels/grouped_mm.py chooses between them.
+or add nothing, empty groups, any sizes); kernels/optimus_kernels/grouped_mm.py chooses between them.
 
 Forward and dx: one program per SM loops over the (row tile, column tile) work items, numbered
 from offsets on the device (grouped_mm_tiles), so there is no host sync and no idle tail of tiny

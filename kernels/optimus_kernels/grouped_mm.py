@@ -39,12 +39,12 @@ Backends:
   kernel families, fastest first (FAMILIES); each call takes the fastest its device and
   tensors allow, up to the ceiling the execution plan sets for the process (``family_on``
   names the device's, ``use_family`` sets it; optimus_core.execution prints and records it):
-    warp_specialized  (kernels/hopper/grouped_mm_ws.py, Hopper: Gluon, 16-bit inputs, the
+    warp_specialized  (kernels/optimus_kernels/hopper/grouped_mm_ws.py, Hopper: Gluon, 16-bit inputs, the
              forward's K a multiple of 64) a TMA loader warp running ahead of two wgmma
              warpgroups, both on each 128 x 256 tile, or taking turns on 128 x 128 tiles where
              N is an odd multiple of 128 (grouped_mm_ws.default_config), for the forward and for
              dx (reading w as stored, its tiles transposed in shared memory); dW by the TMA kernel;
-    tma      (kernels/hopper/grouped_mm_tma.py, NVIDIA sm90+ or the interpreter: device-side
+    tma      (kernels/optimus_kernels/hopper/grouped_mm_tma.py, NVIDIA sm90+ or the interpreter: device-side
              descriptors, 16-bit inputs, 16-byte aligned rows) persistent kernels for the
              forward, dx and dW (dW's items dealt round-robin, largest group first);
     pointer  (here) one program per output tile by pointer loads, dx reading w^T through

@@ -1,7 +1,7 @@
 """Optimus kernels: the experts' compute of an MoE layer, behind one seam (the experts' kernels enter the
 model only through the grouped matmul, permute / unpermute and the fused SwiGLU).
 
-    from kernels import grouped_mm, permute, unpermute, swiglu, available_backends
+    from optimus_kernels import grouped_mm, permute, unpermute, swiglu, available_backends
 
     permute(x_TD, topk_idx_Tk, E)              -> x_sorted_RD, offsets_E (int32), sorted_idx_R (int64)
     grouped_mm(x_MK, w_GKN, offsets_G)         -> y_MN
@@ -16,14 +16,14 @@ docstring. Suffix legend: T tokens, k top-k, R = T*k rows sorted by expert, D mo
 E = G experts (groups), M rows, K in-features, N out-features, H hidden features.
 The triton ops are registered as torch custom ops (namespace `optimus`) so that torch.compile
 traces a layer using them. Beside the experts' ops, for the optimizer and the LM loss (Triton
-only, each with a plain-torch ``*_reference_``): ``adamw_step_`` (kernels.adamw) and
-``softmax_cross_entropy_`` (kernels.cross_entropy: a chunk's logits become their gradient); for
+only, each with a plain-torch ``*_reference_``): ``adamw_step_`` (optimus_kernels.adamw) and
+``softmax_cross_entropy_`` (optimus_kernels.cross_entropy: a chunk's logits become their gradient); for
 the attention (Triton only, reference ``qk_norm_rope_reference``): ``qk_norm_rope``
-(kernels.qk_norm_rope: QK-norm and RoPE in one pass).
+(optimus_kernels.qk_norm_rope: QK-norm and RoPE in one pass).
 
-The portable Triton kernels are the modules here; kernels/hopper/ holds the NVIDIA sm90+ variants of
+The portable Triton kernels are the modules here; kernels/optimus_kernels/hopper/ holds the NVIDIA sm90+ variants of
 the grouped GEMM (the TMA kernels, and the warp-specialized Gluon kernel for Hopper). Which one runs
-is the execution plan's choice (kernels.grouped_mm.family_on / use_family; `optimus execution` prints it).
+is the execution plan's choice (optimus_kernels.grouped_mm.family_on / use_family; `optimus execution` prints it).
 This package imports only torch and (optionally) triton.
 """
 

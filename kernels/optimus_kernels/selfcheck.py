@@ -1,6 +1,6 @@
 """Each Triton kernel checks itself on a device before a run trusts it.
 
-    from kernels.selfcheck import validated
+    from optimus_kernels.selfcheck import validated
     if not validated("experts", device):      # the first call on a device: ~a second of small launches
         backend = "loop"                        # it failed to compile or to match: one warning said so
 
@@ -96,7 +96,7 @@ def _check_experts(device: torch.device) -> None:
         _close(f"unpermute ({dtype})", unpermute(xs, sorted_idx, topk_w, backend="triton"),
                unpermute_reference(xs_r, sorted_r, topk_w), tol)
         # The MLP as a run calls it: H in whole 128-column tiles, so that on Hopper the SwiGLU
-        # runs in both GEMMs' epilogues (kernels/expert_mlp.py).
+        # runs in both GEMMs' epilogues (kernels/optimus_kernels/expert_mlp.py).
         H = 128
         w_up = (torch.randn(E, K, 2 * H, generator=g) / K ** 0.5).to(device, dtype)
         w_down = (torch.randn(E, H, N, generator=g) / H ** 0.5).to(device, dtype)

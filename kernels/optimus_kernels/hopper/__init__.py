@@ -5,7 +5,7 @@
     grouped_mm_ws    a warp-specialized Gluon kernel (a TMA loader warp, two wgmma warpgroups)
                      for the forward and dx, with the SwiGLU fused into its epilogues; Hopper only
 
-kernels/grouped_mm.py chooses among these and its portable pointer kernels (its FAMILIES), up to
+kernels/optimus_kernels/grouped_mm.py chooses among these and its portable pointer kernels (its FAMILIES), up to
 the execution plan's choice; each is kept for its measured gain on the training step
 (bench/README.md).
 """

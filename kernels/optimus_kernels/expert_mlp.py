@@ -4,12 +4,12 @@
                keep_cast=False, up_cast=None, down_cast=None, up_square=None, down_square=None) -> y_MN
 
 y = grouped_mm(swiglu(grouped_mm(x, w_up, offsets), row_weight), w_down, offsets): the values,
-shapes, dtypes and gradients of those three ops (kernels.grouped_mm, kernels.swiglu: shapes,
+shapes, dtypes and gradients of those three ops (optimus_kernels.grouped_mm, optimus_kernels.swiglu: shapes,
 ``keep_cast``, the weights' copies ``*_cast`` and their gradients' squares ``*_square`` as
 ``w_cast`` and ``dw_square`` there). Suffixes: M rows, D in-features, H hidden features, N
 out-features, G groups.
 
-What differs is where the SwiGLU runs, with the triton backend on Hopper (kernels/hopper/grouped_mm_ws.py):
+What differs is where the SwiGLU runs, with the triton backend on Hopper (kernels/optimus_kernels/hopper/grouped_mm_ws.py):
 - forward: the up projection's epilogue writes h = x @ w_up[g], which the backward needs, and
   out = silu(gate) * up * row_weight from the same 16-bit values (``swiglu_out``). Each work item
   loads the gate's columns c + [0, B/2) and the up's H + c + [0, B/2) into one B-column tile (B

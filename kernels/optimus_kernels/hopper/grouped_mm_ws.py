@@ -6,8 +6,8 @@
     ws_unsupported(x_MK, w, y_MN, trans_w=False) -> str | None   # why it cannot run these, or None
     swiglu_unsupported(...), swiglu_backward_unsupported(...)   # the same for the SwiGLU epilogues
 
-grouped_mm's forward and dx take it wherever ws_unsupported returns None (kernels/grouped_mm.py);
-the experts' MLP (kernels/expert_mlp.py) takes its SwiGLU epilogues: the up projection's forward
+grouped_mm's forward and dx take it wherever ws_unsupported returns None (kernels/optimus_kernels/grouped_mm.py);
+the experts' MLP (kernels/optimus_kernels/expert_mlp.py) takes its SwiGLU epilogues: the up projection's forward
 also writing silu(gate) * up * row_weight, and the down projection's dx writing the SwiGLU's
 backward (dh, the row weights' gradient) instead of its own output.
 
