@@ -83,7 +83,7 @@ def saved_tensors(preset: str, tokens: int, seq: int, backend: str, moe_override
         use_kernels(model, experts=backend, qk_norm_rope=qk_norm_rope == "triton" and cfg.qk_norm)
         if cfg.moe:
             keep_expert_copies(model, torch.bfloat16)  # as training keeps them (the plan's expert copies)
-        block = model.blocks[0]
+        block = model.blocks["0"]
         cos, sin = model.rope(seq)
         x = torch.randn(tokens // seq, seq, cfg.d_model, dtype=getattr(torch, residual), requires_grad=True)
         with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

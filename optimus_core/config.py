@@ -271,14 +271,55 @@ class ParallelConfig(Validated):
     # false: a launch whose EP groups would not each sit on one node stops before training
     # (optimus_core.parallel.mesh). The paper's EP groups are one node's tiles.
     ep_across_nodes: bool = False
+    # Pipeline stages the model's layers are cut into (optimus_core.parallel.pipeline): the rank
+    # order is DP, PP, EP (an EP group one node's ranks, a pipeline across nodes); every other
+    # choice above applies within a stage, over its world / pp ranks. 1: no pipeline.
+    pp: int = 1
+    # Layers of each stage, first to last, where pp does not cut the layers evenly; empty: an even cut
+    pp_split: tuple[int, ...] = ()
+    # The pipeline's schedule: "1f1b" (the paper's: one forward, one backward, in-flight
+    # micro-batches at most the stages ahead)
+    pp_schedule: Literal["1f1b"] = "1f1b"
 
     def check(self) -> None:
         self._require(self.ep >= 1, "ep", "must be >= 1")
+        self._require(self.pp >= 1, "pp", "must be >= 1")
+        self._require(not self.pp_split or len(self.pp_split) == self.pp, "pp_split",
+                      f"must give the layers of each of the {self.pp} stages (parallel.pp), or be empty")
+        self._require(all(n >= 1 for n in self.pp_split), "pp_split", "a stage of no layers: every stage needs one")
         self._require(self.dp_shard >= 0 and self.dp_shard % self.ep == 0, "dp_shard",
                       f"must be 0 (the whole world) or a multiple of ep ({self.ep})")
         self._require(self.collective_timeout_s > 0, "collective_timeout_s", "must be > 0 (seconds)")
         self._require(self.optimizer != "dp_sharded" or self.dp_shard == 0, "optimizer",
                       "'dp_sharded' shards over the data-parallel ranks: it needs parallel.dp_shard = 0")
+
+    def stage_layers(self, n_layers: int) -> list[tuple[int, int]]:
+        """The layers of each pipeline stage as [first, stop) ranges: ``pp_split`` where given,
+        else an even cut; ConfigError naming the field where the model's ``n_layers`` cannot be
+        cut so.
+
+        >>> ParallelConfig(pp=2).stage_layers(8)
+        [(0, 4), (4, 8)]
+        >>> ParallelConfig(pp=2, pp_split=(3, 4)).stage_layers(7)
+        [(0, 3), (3, 7)]
+        """
+        pp = self.pp
+        if pp > n_layers:
+            fail("parallel.pp", pp, f"more pipeline stages than the model's {n_layers} layers")
+        if self.pp_split:
+            if sum(self.pp_split) != n_layers:
+                fail("parallel.pp_split", list(self.pp_split), f"its layers add up to {sum(self.pp_split)}, "
+                     f"the model has {n_layers}")
+            counts = list(self.pp_split)
+        elif n_layers % pp:
+            base, extra = divmod(n_layers, pp)
+            example = ",".join(str(base + (i >= pp - extra)) for i in range(pp))
+            fail("parallel.pp", pp, f"does not cut the model's {n_layers} layers evenly: give each stage's "
+                 f"layers in parallel.pp_split (e.g. [{example}])")
+        else:
+            counts = [n_layers // pp] * pp
+        starts = [sum(counts[:i]) for i in range(pp)]
+        return [(first, first + c) for first, c in zip(starts, counts)]
 
 
 @dataclass(frozen=True)
@@ -435,6 +476,14 @@ class RunConfig(Validated):
             fail("data.seq_len", self.data.seq_len, f"must be <= model.max_seq_len ({self.model.max_seq_len})")
         if self.model.moe is not None and self.model.moe.n_experts % self.parallel.ep:
             fail("parallel.ep", self.parallel.ep, f"must divide model.moe.n_experts ({self.model.moe.n_experts})")
+        if self.parallel.pp > 1:
+            self.parallel.stage_layers(self.model.n_layers)
+            if self.execution.weight_gathers == "per_step":
+                fail("execution.weight_gathers", "per_step", "the pipeline's schedule interleaves the micro-batches' "
+                     f"forwards and backwards (parallel.pp = {self.parallel.pp}): use 'per_micro_batch' or 'auto'")
+            if self.model.moe is not None and self.model.moe.lb_loss_scope == "global":
+                fail("model.moe.lb_loss_scope", "global", "is not carried between pipeline stages (parallel.pp "
+                     f"= {self.parallel.pp}); use 'forward'")
         if self.model.moe is None and self.execution.activation_checkpointing == "moe":
             fail("execution.activation_checkpointing", "moe", "needs an MoE model (model.moe); use 'full' or 'none'")
         if self.execution.expert_exchange == "all_gather" and self.model.moe is not None \

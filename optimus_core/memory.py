@@ -31,6 +31,13 @@ shapes (``parameter_table``, tested against the model) and what the code keeps:
   tokens and their partial outputs, ep x the rank's tokens x width each), or one block's
   recomputation; at the backward's start also one layer's expert dW.
 
+Pipeline stages (parallel.pp; optimus_core.parallel.pipeline): a rank holds its stage's layers
+only -- the embedding on the first, the final norm, the LM head and the loss on the last -- and
+under 1F1B stage s keeps the activations of min(micro-batches, pp - s) micro-batches in flight
+(the first stage the most); ``pipeline`` is the schedule's receive buffers (hidden states in,
+their gradients back: one per micro-batch). The run's peak is its heaviest stage's
+(``heaviest_stage``).
+
 The peak is the larger of the forward's end (everything the backward needs at once) and the
 backward's start (the same activations, with the last units gathered again and their gradients
 being made and reduced). Each term was checked against the allocator's record of a rehearsed
@@ -87,6 +94,9 @@ class MemoryLayout:
     fp32_residual: bool = False  # under bf16, the residual stream in float32 (the plan's residual_dtype)
     expert_weight_casts: bool = True  # the experts' bf16 copies (one process under bf16: the plan's)
     bf16_expert_grads: bool = False  # the expert gradients on those copies (the plan's)
+    pp: int = 1  # pipeline stages (parallel.pp); world is then one stage's ranks
+    stage: int = 0  # which stage this layout is (0 .. pp - 1)
+    cut: tuple[tuple[int, int], ...] | None = None  # every stage's layers [first, stop) (pp > 1)
 
     def __post_init__(self):
         if self.world < 1 or self.ep < 1 or self.world % self.ep:
@@ -99,6 +109,36 @@ class MemoryLayout:
                               f"{', '.join(map(repr, CHECKPOINTING))} (or 'auto')")
         if self.every < 1 or self.micro_batch < 1 or self.accumulation < 1:
             raise ConfigError("memory layout: every, micro_batch and accumulation must be >= 1")
+        if not 0 <= self.stage < self.pp or (self.pp > 1) != (self.cut is not None and len(self.cut) == self.pp):
+            raise ConfigError(f"memory layout: stage {self.stage} of {self.pp}, cut {self.cut}: a pipeline's layout "
+                              f"gives each stage's layers, a whole model's none")
+
+    @property
+    def layers(self) -> tuple[int, int] | None:
+        """This stage's layers [first, stop), or None: every layer."""
+        return self.cut[self.stage] if self.cut is not None else None
+
+    def stage_layers(self, n_layers: int) -> range:
+        """The layers this rank holds."""
+        return range(*self.layers) if self.layers is not None else range(n_layers)
+
+    def stage_layouts(self) -> list["MemoryLayout"]:
+        """This layout for every stage of its pipeline ([self] without one)."""
+        return [replace(self, stage=s) for s in range(self.pp)] if self.pp > 1 else [self]
+
+    def holds(self, name: str, n_layers: int) -> bool:
+        """Whether this rank holds the parameter ``name`` (a name of parameter_table)."""
+        if self.layers is None:
+            return True
+        if name.startswith("blocks."):
+            return int(name.split(".")[1]) in self.stage_layers(n_layers)
+        return self.stage == 0 if name.startswith("embed.") else self.stage == self.pp - 1
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches whose activations this rank holds at once: under 1F1B, stage s runs
+        pp - s forwards before its first backward."""
+        return min(self.accumulation, self.pp - self.stage)
 
     @property
     def tokens(self) -> int:
@@ -118,10 +158,12 @@ class MemoryLayout:
     @classmethod
     def of_run(cls, cfg, world: int, checkpointing: tuple[str, int], plan,
                micro_batches: int | None = None) -> "MemoryLayout":
-        """The layout of ``cfg`` (a RunConfig) on ``world`` ranks, with ``checkpointing`` resolved
-        and the rest as ``plan`` (an optimus_core.execution.ExecutionPlan: the memory model reads
-        its choices and knows nothing of how they are made) executes it; ``micro_batches`` caps
-        the micro-batches per step (a rehearsal's)."""
+        """The layout of ``cfg`` (a RunConfig) on ``world`` ranks (with pipeline stages: the ranks
+        of one stage; the layout is the first stage's, ``heaviest_stage`` finds the run's
+        peak), with ``checkpointing`` resolved and the rest as ``plan`` (an
+        optimus_core.execution.ExecutionPlan: the memory model reads its choices and knows
+        nothing of how they are made) executes it; ``micro_batches`` caps the micro-batches per
+        step (a rehearsal's)."""
         per_rank = cfg.train.global_batch // world
         if per_rank < 1:
             raise ConfigError(f"train.global_batch = {cfg.train.global_batch}: fewer sequences than ranks ({world})")
@@ -137,7 +179,8 @@ class MemoryLayout:
                    checkpointing=checkpointing[0], every=checkpointing[1],
                    lm_loss_kernel=plan.lm_loss == "triton", fp32_residual=plan.residual_dtype == "float32",
                    expert_weight_casts=plan.expert_copies,
-                   bf16_expert_grads=plan.bf16_expert_grads and accumulation == 1)
+                   bf16_expert_grads=plan.bf16_expert_grads and accumulation == 1, pp=cfg.parallel.pp,
+                   cut=tuple(cfg.parallel.stage_layers(cfg.model.n_layers)) if cfg.parallel.pp > 1 else None)
 
 
 @dataclass
@@ -279,8 +322,8 @@ def expected_ranks_visited(ep: int, top_k: int) -> float:
 # ----------------------------------------------------------------------------- the estimate
 
 def _held_elements(cfg: ModelConfig, L: MemoryLayout) -> tuple[int, int]:
-    """(dense, expert) parameter elements one rank holds."""
-    table = parameter_table(cfg)
+    """(dense, expert) parameter elements one rank holds (of its stage's parameters)."""
+    table = [p for p in parameter_table(cfg) if L.holds(p.name, cfg.n_layers)]
     return (sum(_share_elements(p, L) for p in table if not p.expert),
             sum(_share_elements(p, L) for p in table if p.expert))
 
@@ -308,17 +351,23 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
     experts = _held_elements(cfg, L)[1]
     copies = 2.0 * experts if bf16 and not sharded and L.expert_weight_casts else 0.0
 
-    # activations: blocks recomputed keep their input; the rest what autograd saves
-    full = checkpointed_blocks(cfg.n_layers, L.checkpointing, L.every)
-    acts = sum(block_activation_bytes(cfg, T, checkpointed=i in full, experts_only=L.checkpointing == "moe",
-                                      residual_bytes=L.residual_bytes)
-               for i in range(cfg.n_layers))
+    # activations: blocks recomputed keep their input; the rest what autograd saves (a pipeline
+    # stage: its blocks, for each micro-batch in flight)
+    layers = L.stage_layers(cfg.n_layers)
+    first, last = layers.start == 0, layers.stop == cfg.n_layers
+    full = set(checkpointed_blocks(cfg.n_layers, L.checkpointing, L.every)) & set(layers)
+    acts = L.in_flight * sum(block_activation_bytes(cfg, T, checkpointed=i in full,
+                                                    experts_only=L.checkpointing == "moe",
+                                                    residual_bytes=L.residual_bytes) for i in layers)
     if bf16 and not sharded:  # autocast's bf16 copies of each kept block's dense weights
-        acts += 2.0 * _dense_block_params(cfg) * (cfg.n_layers - len(full))
+        acts += 2.0 * _dense_block_params(cfg) * (len(layers) - len(full))
+    # the schedule's receive buffers, one per micro-batch: hidden states in, their gradients back
+    pipeline = (int(not first) + int(not last)) * L.accumulation * T * D * L.residual_bytes if L.pp > 1 else 0.0
 
-    lm_loss = 4.0 * V * D + L.residual_bytes * T * D  # the head's float32 dW, and dh in h's dtype
+    # the head's float32 dW, and dh in h's dtype (the last stage's)
+    lm_loss = 4.0 * V * D + L.residual_bytes * T * D if last else 0.0
     # a chunk's logits, and two more buffers of its size at the loss's peak (measured on an H200)
-    lm_chunk = 3 * min(LM_LOSS_CHUNK_ROWS, T) * V * 2.0
+    lm_chunk = 3 * min(LM_LOSS_CHUNK_ROWS, T) * V * 2.0 if last else 0.0
     recompute = 0.0
     if L.checkpointing == "full":
         recompute = block_activation_bytes(cfg, T, residual_bytes=L.residual_bytes)
@@ -339,7 +388,7 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
         g = 2.0 if bf16 else 4.0
         dense_block = _dense_block_params(cfg)
         expert_unit = local_expert_params if cfg.moe is not None else 0
-        root = g * (V * D + D)
+        root = g * (V * D + D) if last else 0.0
         gathered_fwd = root + g * (2 * dense_block + expert_unit)
         reduce_bytes = 2.0 + (4.0 if bf16 else 0.0)  # the unsharded gradient, and its float32 copy to reduce
         biggest_unit = max(dense_block, expert_unit)
@@ -347,7 +396,7 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
         if L.gathers == "per_step":  # every unit kept gathered, its gradient accumulated whole
             # (float32 where the run reduces in float32; bf16 runs reducing in bf16 keep half:
             # priced at float32) beside the unit's gradient being made
-            whole = cfg.n_layers * (dense_block + expert_unit)
+            whole = len(layers) * (dense_block + expert_unit)
             gathered_fwd = root + g * whole
             gathered_bwd = root + g * whole + 4.0 * whole + g * biggest_unit
 
@@ -355,15 +404,25 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
     static = {"weights": weights, "optimizer": optimizer, "weight copies": copies,
               "gradients": gradients if accumulating else 0.0}
     forward_end = dict(static, gathered=gathered_fwd, activations=acts, **{"lm loss": lm_loss}, transient=transient)
+    if L.pp > 1:
+        forward_end["pipeline"] = pipeline
     # The backward's start: every activation still held, the LM loss's dW, the last units
     # gathered again with their gradients being made and reduced (FSDP2's buffers), one layer's
     # expert dW in bf16 (the grouped GEMM's output), the recomputation or the dispatch's buffers.
     expert_dw = 2.0 * local_expert_params if cfg.moe is not None else 0.0
-    backward = dict(static, gathered=gathered_bwd, activations=acts, **{"lm loss": 4.0 * V * D},
+    backward = dict(static, gathered=gathered_bwd, activations=acts, **{"lm loss": 4.0 * V * D if last else 0.0},
                     transient=max(recompute, dispatch) + expert_dw)
+    if L.pp > 1:
+        backward["pipeline"] = pipeline
     if sum(forward_end.values()) >= sum(backward.values()):
         return MemoryEstimate(forward_end, "forward end")
     return MemoryEstimate(backward, "backward start")
+
+
+def heaviest_stage(cfg: ModelConfig, L: MemoryLayout) -> MemoryLayout:
+    """The stage of ``L``'s pipeline whose estimate peaks highest (``L`` itself without stages):
+    the one that has to fit its device."""
+    return max(L.stage_layouts(), key=lambda S: estimate(cfg, S).peak_bytes)
 
 
 def recompute_fraction(cfg: ModelConfig, checkpointing: str, every: int, seq_len: int) -> float:
@@ -388,13 +447,13 @@ def fit_checkpointing(cfg: ModelConfig, L: MemoryLayout, budget_bytes: float | N
     MemoryBudgetError when even full checkpointing does not fit."""
     if budget_bytes is None:
         return "none", 1
-    peaks = {c: estimate(cfg, replace(L, checkpointing=c[0], every=c[1])).peak_bytes
+    peaks = {c: max(estimate(cfg, replace(S, checkpointing=c[0], every=c[1])).peak_bytes for S in L.stage_layouts())
              for c in checkpointing_candidates(cfg, L.seq_len)}
     for limit in (budget_bytes / (1 + FIT_MARGIN), budget_bytes):
         for candidate, peak in peaks.items():  # least recomputation first
             if peak <= limit:
                 return candidate
-    raise over_budget(cfg, replace(L, checkpointing="full", every=1), budget_bytes, run)
+    raise over_budget(cfg, heaviest_stage(cfg, replace(L, checkpointing="full", every=1)), budget_bytes, run)
 
 
 def resolve_checkpointing(cfg, world: int, plan, budget_bytes: float | None, *,
@@ -415,7 +474,7 @@ def check_run(cfg, world: int, plan, budget_bytes: float | None, *,
     ExecutionPlan) executes it, checkpointing resolved (resolve_checkpointing); MemoryBudgetError
     if over ``budget_bytes``."""
     checkpointing = resolve_checkpointing(cfg, world, plan, budget_bytes, run=run)
-    layout = MemoryLayout.of_run(cfg, world, checkpointing, plan)
+    layout = heaviest_stage(cfg.model, MemoryLayout.of_run(cfg, world, checkpointing, plan))
     return checkpointing, check_fits(cfg.model, layout, budget_bytes, run=run)
 
 
@@ -430,6 +489,8 @@ def check_fits(cfg: ModelConfig, L: MemoryLayout, budget_bytes: float | None, *,
 def over_budget(cfg: ModelConfig, L: MemoryLayout, budget_bytes: float, run: str) -> MemoryBudgetError:
     """The error for a layout over its budget: the run, the GiB, the budget and what would help."""
     est = estimate(cfg, L)
+    if L.pp > 1:
+        run = f"{run} (stage {L.stage} of {L.pp}, layers {L.layers[0]}-{L.layers[1] - 1})"
     hints = []
     if L.checkpointing != "full" or L.every != 1:
         hints.append("execution.activation_checkpointing=full (or auto)")
@@ -441,6 +502,8 @@ def over_budget(cfg: ModelConfig, L: MemoryLayout, budget_bytes: float, run: str
         bigger = [e for e in _divisors(cfg.moe.n_experts) if e > L.ep and L.world % e == 0]
         if bigger:
             hints.append(f"a larger parallel.ep ({bigger[0]})")
+    if L.pp > 1:
+        hints.append(f"more pipeline stages (parallel.pp, {L.pp} now)")
     hints.append("more ranks (tiles)")
     return MemoryBudgetError(f"{run}: {est.describe()} per rank is over the budget of {budget_bytes / GIB:.1f} GiB "
                              f"per device; try {', or '.join(hints)}")

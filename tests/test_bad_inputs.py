@@ -384,7 +384,7 @@ def test_launch_settings_are_checked_before_any_rank_starts(tokens_dir, tmp_path
     base = ["pretrain", "--preset", "mula-1b@laptop", "--data", tokens_dir, "--out", tmp_path / "r", "--steps", 1]
     fails(base + ["--threads", -3], capsys, 2, "--threads = -3: must be >= 1")
     fails(base + ["--nproc", 3, "--set", "train.global_batch=4"], capsys, 2,
-          "train.global_batch = 4: must be divisible by the world size (3 ranks)")
+          "train.global_batch = 4: must be divisible by the data-parallel ranks (3 ranks)")
     assert not (tmp_path / "r").exists()
 
 

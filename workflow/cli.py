@@ -86,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=1,
                    help="local ranks to start (CPU or one per GPU); under torchrun / mpiexec: 1 or the world size")
     p.add_argument("--ep", type=int, help="expert-parallel ranks (divides --nproc and the expert count)")
+    p.add_argument("--pp", type=int, help="pipeline stages the layers are cut into (parallel.pp; --pp x --ep "
+                                          "divides --nproc)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"),
                    help="execution.dtype (default auto: bf16 autocast on a GPU, float32 on a CPU)")
     p.add_argument("--seed", type=int)

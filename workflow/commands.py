@@ -175,7 +175,7 @@ def cmd_tokenize(args) -> Summary:
 
 # pretrain's flags that set a config field (a --set of the same field must agree with them)
 FLAG_FIELDS = {"train.steps": "--steps", "train.seed": "--seed", "execution.dtype": "--dtype",
-               "train.checkpoint_every": "--checkpoint-every", "parallel.ep": "--ep",
+               "train.checkpoint_every": "--checkpoint-every", "parallel.ep": "--ep", "parallel.pp": "--pp",
                "execution.experts": "--experts-backend"}
 
 
@@ -236,9 +236,15 @@ def cmd_pretrain(args) -> Summary | None:
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads = {args.threads}: must be >= 1")
     world = launch.world_size if launch.world_size > 1 else args.nproc
-    if cfg.train.global_batch % world:  # found before any rank is started, not by each of them
-        raise ConfigError(f"train.global_batch = {cfg.train.global_batch}: must be divisible by the world size "
-                          f"({world} ranks)")
+    # found before any rank is started, not by each of them
+    from optimus_core.parallel.mesh import pipeline_layout
+
+    pipeline_layout(world, cfg.parallel.pp, cfg.parallel.ep)
+    data_world = world // cfg.parallel.pp  # the ranks that read distinct sequences
+    if cfg.train.global_batch % data_world:
+        raise ConfigError(f"train.global_batch = {cfg.train.global_batch}: must be divisible by the data-parallel "
+                          f"ranks ({data_world}" + (f" = {world} ranks / parallel.pp {cfg.parallel.pp})"
+                                                    if cfg.parallel.pp > 1 else " ranks)"))
     if launch.world_size == 1:  # (a launcher's ranks bind their devices themselves, saying host and rank)
         from optimus_core.execution import check_launch
 
@@ -272,7 +278,7 @@ def cmd_pretrain(args) -> Summary | None:
         from optimus_core.parallel.mesh import group_layout
 
         # A bad layout fails here, before any rank starts (the ranks check again themselves).
-        group_layout(args.nproc, cfg.parallel.ep, cfg.model.moe.n_experts if cfg.model.moe else None,
+        group_layout(args.nproc // cfg.parallel.pp, cfg.parallel.ep, cfg.model.moe.n_experts if cfg.model.moe else None,
                      cfg.parallel.dp_shard)
         # No launcher around us: start the ranks here; each re-enters this function as one rank.
         from torch.multiprocessing import ProcessExitedException

@@ -8,6 +8,9 @@
 
 ``parallelize`` applies, in this order:
 
+0. pipeline stages (parallel.pp > 1): the model pruned to this rank's stage's layers
+   (parallel.pipeline.keep_stage); every step below then applies to the stage on its stage mesh
+   (the ranks of the stage: parallel.mesh), as to a whole model on a world of that size;
 1. kernels: the experts' backend and their GEMMs' kernel family (process-wide: one device per
    process), the LM loss and the QK-norm + RoPE kernels;
 2. precision: the residual stream's dtype, the experts' weights cast in each GEMM or once;
@@ -18,8 +21,9 @@
 6. compile: each block's forward and the final norm's, last, so that the hooks the steps above
    put on a module (FSDP2's gathers, the optimizer's waits) run as Python around compiled code.
 
-A new way of executing (pipeline stages, another parallelism) is one more step here, with its
-choice resolved in the plan (optimus_core.execution.plan). The weight copies wait for the
+A new way of executing (another parallelism) is one more step here, with its choice resolved in
+the plan (optimus_core.execution.plan); the pipeline's schedule runs in the training step
+(optimus_core.train.step, parallel.pipeline.Pipeline). The weight copies wait for the
 weights (they are made from them); the optimizer enables what its update needs itself
 (optimus_core.train.optim). Every step sets plain attributes the model's modules document; the
 model has no method for any of it.
@@ -33,6 +37,7 @@ from ..config import ParallelConfig
 from ..flops import checkpointed_blocks
 from ..model.transformer import Transformer
 from ..parallel import Mesh, expert_parallel
+from ..parallel.pipeline import keep_stage
 from ..parallel.sharding import shard_model
 from .plan import ExecutionPlan
 
@@ -44,8 +49,11 @@ def parallelize(model: Transformer, plan: ExecutionPlan, mesh: Mesh | None = Non
     """``model`` (plain, on any device, the meta one included) executing as ``plan`` says on
     ``mesh`` (default: one process), in the module docstring's order; returns the model to use
     (expert parallelism swaps modules inside it). ``parallel``: the run's parallel section
-    (optimizer, reduce_dtype; default: its defaults)."""
+    (optimizer, reduce_dtype, the pipeline's cut; default: its defaults)."""
     parallel = parallel or ParallelConfig()
+    if mesh is not None and mesh.pp > 1:
+        keep_stage(model, mesh.pp_rank, parallel.stage_layers(model.cfg.n_layers))
+        mesh = mesh.stage
     if plan.expert_gemms is not None:
         from optimus_kernels.grouped_mm import use_family
 
@@ -78,7 +86,7 @@ def use_kernels(model: Transformer, *, experts: str | None = None, lm_loss: bool
     if lm_loss is not None:
         model.lm_loss_kernel = lm_loss
     if qk_norm_rope is not None:
-        for block in model.blocks:
+        for block in model.blocks.values():
             block.attn.qk_norm_rope_kernel = qk_norm_rope
     return model
 
@@ -91,7 +99,7 @@ def recompute(model: Transformer, mode: str, every: int = 1) -> None:
         raise ValueError(f"activation checkpointing {mode!r}: must be one of {', '.join(RECOMPUTE_MODES)}")
     if mode == "moe" and not model.moe_layers():
         raise ValueError("activation checkpointing 'moe' needs MoE layers; this model is dense")
-    model.recompute_blocks = frozenset(checkpointed_blocks(len(model.blocks), mode, every))
+    model.recompute_blocks = frozenset(checkpointed_blocks(model.cfg.n_layers, mode, every))  # layer indices
     for layer in model.moe_layers():
         layer.experts.checkpoint_compute = mode == "moe"
 
@@ -105,5 +113,6 @@ def compile_blocks(model: Transformer) -> None:
     compiled, one kernel each way. (Each compiled forward is bound to its module: a deep copy of
     a compiled model would call the original's; copy, then compile.)"""
     module: nn.Module
-    for module in (*model.blocks, model.final_norm):
-        module.forward = torch.compile(module.forward)
+    for module in (*model.blocks.values(), model.final_norm):
+        if module is not None:  # (a pipeline stage but the last has no final norm)
+            module.forward = torch.compile(module.forward)

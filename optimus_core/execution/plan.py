@@ -78,6 +78,7 @@ class ExecutionPlan:
     update_beside_forward: bool
     expert_exchange: str | None = None  # EP > 1: "all_to_all" | "all_gather" (parallel.expert_parallel)
     weight_gathers: str | None = None  # several ranks: "per_micro_batch" | "per_step" (parallel.sharding)
+    pipeline: str | None = None  # pipeline stages (parallel.pp > 1): stages, schedule, micro-batches
     checkpointing: tuple[str, int] = ("none", 1)  # (mode, every)
     memory: object | None = None  # optimus_core.memory.MemoryEstimate per rank
     budget_bytes: float | None = None
@@ -98,6 +99,7 @@ class ExecutionPlan:
                 ("update", "beside the next forward" if self.update_beside_forward else "after the backward"),
                 *((("expert exchange", self.expert_exchange.replace("_", "-")),) if self.expert_exchange else ()),
                 *((("weight gathers", self.weight_gathers.replace("_", " ")),) if self.weight_gathers else ()),
+                *((("pipeline", self.pipeline),) if self.pipeline else ()),
                 ("activation checkpointing", mode + (f" (every {every})" if mode == "full" and every > 1 else ""))]
         if self.experts == "triton":
             family = (self.expert_gemms or "decided when the run starts").replace("_", "-")
@@ -178,13 +180,15 @@ def resolve_choices(cfg: RunConfig, device: torch.device | str, world_size: int 
                     probe: bool = True, ranks_per_node: int | None = None) -> ExecutionPlan:
     """The plan of ``cfg`` without its memory part (checkpointing unresolved, no estimate).
     ``ranks_per_node``: where known (a launcher, a site), the plan says whether an EP group's
-    exchange stays on a node."""
+    exchange stays on a node. With pipeline stages (parallel.pp) every choice below is a stage's,
+    made for the world_size / pp ranks it is built, sharded and updated on."""
     device = torch.device(device)
     if device.type == "meta":  # shapes only: plan as for the GPU they stand for
         device, probe = torch.device("cuda"), False
     ex, why = cfg.execution, {}
     gpu = device.type in GPU_TYPES
-    one_process = world_size == 1
+    stage_world = stage_world_size(cfg, world_size)
+    one_process = stage_world == 1
 
     dtype = ex.dtype
     if dtype == "auto":
@@ -254,7 +258,7 @@ def resolve_choices(cfg: RunConfig, device: torch.device | str, world_size: int 
     copies = bf16 and moe and one_process and not recast
     if moe and bf16 and not one_process:
         why["expert weights"] = "sharded units are gathered in bf16"
-    per_rank = cfg.train.global_batch // max(1, world_size)
+    per_rank = cfg.train.global_batch // max(1, stage_world)
     one_micro_batch = cfg.train.micro_batch in (0, per_rank)
     bf16_grads = copies and adamw == "triton" and one_micro_batch
     if copies and not bf16_grads:
@@ -269,9 +273,9 @@ def resolve_choices(cfg: RunConfig, device: torch.device | str, world_size: int 
     if not beside:
         why["update"] = ("the sharded optimizer's own step" if not one_process else
                          "needs the Triton AdamW" if adamw != "triton" else "needs a CUDA side stream")
-    exchange = _expert_exchange(cfg, device, world_size, ranks_per_node, why)
+    exchange = _expert_exchange(cfg, device, stage_world, ranks_per_node, why)
     gathers = None
-    if world_size > 1:  # "auto" is per_micro_batch until plan_execution finds per_step fits
+    if stage_world > 1:  # "auto" is per_micro_batch until plan_execution finds per_step fits
         gathers = "per_micro_batch" if ex.weight_gathers == "auto" else ex.weight_gathers
         why["weight gathers"] = "asked" if ex.weight_gathers != "auto" else "auto: one micro-batch a step"
     return ExecutionPlan(device_type=device.type, world_size=world_size, dtype=dtype, residual_dtype=residual,
@@ -280,7 +284,32 @@ def resolve_choices(cfg: RunConfig, device: torch.device | str, world_size: int 
                          recast_expert_weights=recast,
                          expert_copies=copies, bf16_expert_grads=bf16_grads, grad_norm_under_backward=norm_under,
                          grad_norm_from_dw=from_dw, update_beside_forward=beside, expert_exchange=exchange,
-                         weight_gathers=gathers, why=why)
+                         weight_gathers=gathers, pipeline=_pipeline(cfg, per_rank, why), why=why)
+
+
+def stage_world_size(cfg: RunConfig, world_size: int) -> int:
+    """The ranks one pipeline stage is built, sharded and updated on (world_size without
+    stages); ConfigError naming parallel.pp where the stages do not divide the world."""
+    pp = cfg.parallel.pp
+    if world_size % pp:
+        raise ConfigError(f"parallel.pp = {pp}: must divide the world size ({world_size} ranks)")
+    return world_size // pp
+
+
+def _pipeline(cfg: RunConfig, per_rank: int, why: dict) -> str | None:
+    """The pipeline line of the plan, with its bubble as the reason, or None without stages."""
+    pp = cfg.parallel.pp
+    if pp == 1:
+        return None
+    micro = cfg.train.micro_batch or per_rank
+    m = max(1, per_rank // micro)
+    layers = [stop - first for first, stop in cfg.parallel.stage_layers(cfg.model.n_layers)]
+    cut = (f"{layers[0]} layer{'s' if layers[0] > 1 else ''} each" if len(set(layers)) == 1
+           else "layers " + "+".join(map(str, layers)))
+    why["pipeline"] = (f"idle {pp - 1}/{m + pp - 1} = {(pp - 1) / (m + pp - 1):.0%} of the step (the bubble)"
+                       + (": fewer micro-batches than stages" if m < pp else ""))
+    return (f"{pp} stages ({cut}), {cfg.parallel.pp_schedule}, {m} micro-batch{'es' if m > 1 else ''} of "
+            f"{micro} sequence{'s' if micro > 1 else ''}")
 
 
 def check_launch(cfg: RunConfig, world_size: int = 1) -> str:
@@ -312,10 +341,13 @@ def plan_execution(cfg: RunConfig, device: torch.device | str, world_size: int =
             budget_bytes = chosen * GIB
         else:
             budget_bytes = device_budget(device_memory_bytes(torch.device(device))) if probe else None
-    checkpointing, est = check_run(cfg, world_size, plan, budget_bytes, run=run or cfg.preset or "this run")
+    # A stage's memory: the memory model does not yet cut the model into stages; it counts the
+    # whole model on the stage's ranks (an overestimate by up to the number of stages)
+    stage_world = stage_world_size(cfg, world_size)
+    checkpointing, est = check_run(cfg, stage_world, plan, budget_bytes, run=run or cfg.preset or "this run")
     why = dict(plan.why)
-    if cfg.execution.weight_gathers == "auto" and world_size > 1:
-        plan, est, why["weight gathers"] = _per_step_if_it_fits(cfg, world_size, plan, checkpointing, est,
+    if cfg.execution.weight_gathers == "auto" and stage_world > 1:
+        plan, est, why["weight gathers"] = _per_step_if_it_fits(cfg, stage_world, plan, checkpointing, est,
                                                                  budget_bytes)
     asked = cfg.execution.activation_checkpointing
     why["activation checkpointing"] = ("asked" if asked != "auto" else
@@ -353,15 +385,17 @@ def _per_step_if_it_fits(cfg: RunConfig, world_size: int, plan: ExecutionPlan, c
     """(plan, estimate, reason) of weight_gathers "auto": per_step where the rank accumulates
     several micro-batches and the memory model puts it within the budget with its error to
     spare (optimus_core.memory.FIT_MARGIN), else the plan as it is."""
-    from ..memory import FIT_MARGIN, MemoryLayout, estimate
+    from ..memory import FIT_MARGIN, MemoryLayout, estimate, heaviest_stage
 
     layout = MemoryLayout.of_run(cfg, world_size, checkpointing, plan)
+    if cfg.parallel.pp > 1:
+        return plan, est, "auto: every micro-batch under pipeline stages (the schedule interleaves them)"
     if layout.accumulation == 1:
         return plan, est, "auto: one micro-batch a step"
     if not budget_bytes:
         return plan, est, "auto: no memory budget known to hold the gathered weights"
     per_step = dataclasses.replace(plan, weight_gathers="per_step")
-    bigger = estimate(cfg.model, MemoryLayout.of_run(cfg, world_size, checkpointing, per_step))
+    bigger = estimate(cfg.model, heaviest_stage(cfg.model, MemoryLayout.of_run(cfg, world_size, checkpointing, per_step)))
     if bigger.peak_bytes * (1 + FIT_MARGIN) > budget_bytes:
         return plan, est, (f"auto: the gathered weights would need {bigger.peak_gib:.1f} GiB of the "
                            f"{budget_bytes / GIB:.1f} GiB budget")

@@ -8,7 +8,11 @@
 
 The model knows nothing of how it executes or is parallelised: the execution plan
 (optimus_core.execution) sets its kernels, precision and recomputation from outside
-(``parallelize``), through the plain attributes each module documents.
+(``parallelize``), through the plain attributes each module documents. Its blocks are keyed by
+layer index (``blocks["3"]``, parameter names ``blocks.3.*``); a part of the model (a pipeline
+stage: some blocks, the embedding absent on all but the first, the final norm and the LM head
+on all but the last) computes its share with the same methods, hidden states in where it has no
+embedding (optimus_core.parallel.pipeline).
 """
 from __future__ import annotations
 
@@ -54,7 +58,7 @@ class Transformer(nn.Module):
         # padding_idx: the padding row's gradient is zero, so it stays the zero the init gives it
         self.embed = nn.Embedding(cfg.padded_vocab_size, cfg.d_model, padding_idx=cfg.pad_token_id)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_seq_len)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.final_norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)  # untied
 
@@ -77,7 +81,7 @@ class Transformer(nn.Module):
         self.rope.reset_parameters()
 
     def moe_layers(self) -> list[MoEFeedForward]:
-        return [b.ffn for b in self.blocks if isinstance(b.ffn, MoEFeedForward)]
+        return [b.ffn for b in self.blocks.values() if isinstance(b.ffn, MoEFeedForward)]
 
     def clear_routing(self) -> None:
         """Drop every MoE layer's losses and statistics of the last forward (MoEFeedForward.
@@ -134,18 +138,20 @@ class Transformer(nn.Module):
                                     chunk_rows=chunk_rows, kernel=self.lm_loss_kernel)
 
     def hidden(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        """The final-normed hidden states h_BSD, the LM head's input."""
+        """The final-normed hidden states h_BSD, the LM head's input. A part of the model without
+        the embedding takes the hidden states x_BSD of the blocks before it instead of tokens;
+        one without the final norm returns its last block's output."""
         S = tokens_BS.shape[1]
         if S > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {S} exceeds model.max_seq_len {self.cfg.max_seq_len}")
         cos_SDh, sin_SDh = self.rope(S)
-        x_BSD = self.embed(tokens_BS)
+        x_BSD = self.embed(tokens_BS) if self.embed is not None else tokens_BS
         device_type = x_BSD.device.type
-        if not self.fp32_residual and torch.is_autocast_enabled(device_type):
+        if self.embed is not None and not self.fp32_residual and torch.is_autocast_enabled(device_type):
             x_BSD = x_BSD.to(torch.get_autocast_dtype(device_type))
-        for i, block in enumerate(self.blocks):
-            if i in self.recompute_blocks and self.training:
+        for i, block in self.blocks.items():
+            if int(i) in self.recompute_blocks and self.training:
                 x_BSD = checkpoint(block, x_BSD, cos_SDh, sin_SDh, use_reentrant=False)
             else:
                 x_BSD = block(x_BSD, cos_SDh, sin_SDh)
-        return self.final_norm(x_BSD)
+        return self.final_norm(x_BSD) if self.final_norm is not None else x_BSD

@@ -1,10 +1,11 @@
-"""Who am I, and with whom do I talk: launcher environment, process groups (dp, ep, expert-dp).
+"""Who am I, and with whom do I talk: launcher environment, process groups (dp, pp, ep, expert-dp).
 
     mesh = init_distributed(cfg.parallel, n_experts=cfg.model.moe.n_experts)   # every rank
     mesh.rank, mesh.world_size, mesh.ep_rank, mesh.expert_dp_rank
     mesh.ep_group          # the ``ep`` consecutive ranks that split the experts between them
     mesh.expert_dp_group   # the world/ep ranks that hold the same experts (one per EP group)
     meshes = mesh.device_meshes()   # torch DeviceMeshes: "world", "grid" (ep, expert_dp), "dense", "experts"
+    stage = mesh.stage     # pipeline stages (parallel.pp): the ranks of this rank's stage, a mesh of their own
 
 Rank, world size and local rank come from torchrun (RANK, WORLD_SIZE, LOCAL_RANK), Open MPI
 (OMPI_COMM_WORLD_*), or PMI / PALS (PMI_RANK, PMI_SIZE, PALS_LOCAL_RANKID or PMI_LOCAL_RANK) as
@@ -22,6 +23,14 @@ Sharding (parallel.dp_shard = S, 0 = the whole world): the parameters are sharde
 S consecutive ranks and replicated over the W / S blocks (hybrid sharding, HSDP: a collective
 per layer spans S ranks, not the world; one all-reduce per step over the replicas); within a
 block, the S / ep ranks of one EP rank shard that rank's experts.
+
+Pipeline stages (parallel.pp = P > 1): the rank order is the paper's, DP, PP, EP: rank
+``(d P + s) ep + e`` is EP rank e of stage s of data-parallel replica d, so an EP group stays
+consecutive (on one node) and a pipeline (the P ranks of one (d, e), ``pp_group``) spans nodes.
+The mesh above is the whole world (who records, agreement on flags, checkpoints' RNG rows);
+``mesh.stage`` is the mesh of this rank's stage: its W / P ranks numbered ``d ep + e``, with
+their own EP, expert-dp and sharding groups as laid out above. A stage is built, sharded and
+updated on its stage mesh exactly as a whole model is on a world of that size.
 """
 from __future__ import annotations
 
@@ -165,9 +174,26 @@ def sharding_layout(world_size: int, ep: int, dp_shard: int = 0) -> dict[str, li
     }
 
 
+def pipeline_layout(world_size: int, pp: int, ep: int = 1) -> tuple[list[list[int]], list[list[int]]]:
+    """(stages, pipelines) as global rank lists (module doc): ``stages[s]`` the ranks of stage s
+    in their stage numbering, ``pipelines`` the P ranks of each (replica, EP rank), stage order.
+
+    >>> pipeline_layout(8, 2, 2)
+    ([[0, 1, 4, 5], [2, 3, 6, 7]], [[0, 2], [1, 3], [4, 6], [5, 7]])
+    """
+    if pp < 1 or world_size % (pp * ep):
+        raise ConfigError(f"parallel.pp = {pp} x parallel.ep = {ep}: must divide the world size ({world_size} ranks)")
+    replicas = world_size // (pp * ep)
+    stages = [[(d * pp + s) * ep + e for d in range(replicas) for e in range(ep)] for s in range(pp)]
+    pipelines = [[(d * pp + s) * ep + e for s in range(pp)] for d in range(replicas) for e in range(ep)]
+    return stages, pipelines
+
+
 @dataclass
 class Mesh:
-    """One rank's view of the layout. Groups are None in a world of one (no collectives run)."""
+    """One rank's view of the layout. Groups are None in a world of one (no collectives run).
+    A stage mesh (module doc: ``Mesh.stage``) numbers its ranks within the stage: ``group`` is
+    its world's process group and ``global_ranks`` its ranks' numbers in the whole world."""
 
     rank: int
     world_size: int
@@ -183,6 +209,13 @@ class Mesh:
     local_world: int | None = None  # ranks on this node, where the launcher says
     groups: dict = field(default_factory=dict, repr=False)  # this rank's sharding groups (sharding_layout)
     owns_process_group: bool = False  # init_distributed created it, so shutdown destroys it
+    group: Any = None  # this mesh's world as a process group (None: the default group, the whole world)
+    global_ranks: tuple[int, ...] | None = None  # each rank's number in the whole world (None: the same)
+    pp: int = 1  # pipeline stages (parallel.pp)
+    pp_rank: int = 0  # this rank's stage
+    pp_group: Any = None  # this rank's pipeline: one rank of each stage holding the same data and experts
+    pp_ranks: tuple[int, ...] = ()  # its global ranks, stage order
+    _stage: "Mesh | None" = field(default=None, repr=False, compare=False)
     _device_meshes: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -194,6 +227,28 @@ class Mesh:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def stage(self) -> "Mesh":
+        """The mesh a model is built, sharded and updated on: this rank's pipeline stage (module
+        doc), or this mesh itself without pipeline stages."""
+        return self._stage or self
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of the global batch this rank reads: its rank within its stage (every
+        stage of a pipeline reads the same sequences)."""
+        return self.stage.rank
+
+    @property
+    def data_world(self) -> int:
+        """Ranks that read distinct shares of the global batch: the world over the stages."""
+        return self.stage.world_size
+
+    def global_rank(self, rank: int | None = None) -> int:
+        """``rank`` of this mesh (default: this rank) numbered in the whole world."""
+        rank = self.rank if rank is None else rank
+        return self.global_ranks[rank] if self.global_ranks is not None else rank
 
     @property
     def ep_rank(self) -> int:
@@ -222,18 +277,25 @@ class Mesh:
             dist.barrier()
 
     def all_reduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
-        """In place over the whole world; a no-op in a world of one."""
+        """In place over this mesh's world (a stage mesh: its stage); a no-op in a world of one."""
         if self.distributed:
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def all_reduce_pipeline_sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """In place over this rank's pipeline (one rank per stage: the stages' disjoint parts of
+        one model); a no-op without pipeline stages."""
+        if self.pp > 1:
+            dist.all_reduce(t, group=self.pp_group)
         return t
 
     def all_max(self, values: list[float]) -> list[float]:
-        """The element-wise maximum of ``values`` over the world (a collective; one small
+        """The element-wise maximum of ``values`` over this mesh's world (a collective; one small
         all-reduce on this rank's device): how the ranks agree on a flag or a step."""
         if not self.distributed:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.tolist()
 
     def device_meshes(self):
@@ -251,8 +313,13 @@ class Mesh:
             from torch.distributed.device_mesh import DeviceMesh
 
             W, S, ep = self.world_size, self.shard_size, self.ep
-            ranks = torch.arange(W)
-            world = DeviceMesh.from_group(dist.group.WORLD, self.device.type, mesh_dim_names=("world",))
+            ranks = torch.tensor(self.global_ranks) if self.global_ranks is not None else torch.arange(W)
+            world = DeviceMesh.from_group(self.group or dist.group.WORLD, self.device.type,
+                                          mesh=ranks if self.global_ranks is not None else None,
+                                          mesh_dim_names=("world",))
+            if self.pp > 1 and self._stage is not None:  # the whole world of a pipeline: no groups of its own
+                self._device_meshes = {"world": world}
+                return self._device_meshes
             grid = DeviceMesh.from_group([self.ep_group, self.expert_dp_group], self.device.type,
                                          mesh=ranks.reshape(W // ep, ep).T.contiguous(),
                                          mesh_dim_names=("ep", "expert_dp"))
@@ -276,7 +343,8 @@ def init_distributed(parallel: ParallelConfig, n_experts: int | None = None, dev
                      env: Mapping[str, str] | None = None) -> Mesh:
     """Read the launcher, validate, join the world and build the groups (every rank, same order)."""
     launch = read_launch_env(env)
-    group_layout(launch.world_size, parallel.ep, n_experts, parallel.dp_shard)  # raises on every rank, before any collective
+    pipeline_layout(launch.world_size, parallel.pp, parallel.ep)  # these raise on every rank, before any collective
+    group_layout(launch.world_size // parallel.pp, parallel.ep, n_experts, parallel.dp_shard)
     check_rendezvous(launch)
     dev = bind_device(device, launch, env)
     device_type = dev.type
@@ -285,7 +353,7 @@ def init_distributed(parallel: ParallelConfig, n_experts: int | None = None, dev
     backend = collective_backend(device_type)
     import_vendor_extensions(device_type, backend)
     mesh = Mesh(launch.rank, launch.world_size, launch.local_rank, parallel.ep, dev, backend, dp_shard=parallel.dp_shard,
-                local_world=launch.local_world)
+                local_world=launch.local_world, pp=parallel.pp)
     timeout = datetime.timedelta(seconds=parallel.collective_timeout_s)
     if not dist.is_initialized():
         mesh.owns_process_group = True
@@ -356,26 +424,53 @@ def bind_device(requested: str, launch: LaunchEnv, env: Mapping[str, str] | None
 
 def build_groups(mesh: Mesh, timeout: datetime.timedelta | None = None) -> Mesh:
     """Create every EP, expert-dp and (with replicas) sharding group on every rank, in one order
-    (new_group is collective).
+    (new_group is collective); with pipeline stages, every stage's groups and the pipelines, and
+    this rank's stage mesh (``mesh.stage``). Returns ``mesh``.
 
     ``timeout``: of every collective in these groups (a subgroup does not inherit the world's:
     without it torch uses its own default)."""
-    ep_groups, expert_dp_groups = group_layout(mesh.world_size, mesh.ep, None, mesh.dp_shard)
-    for ranks in ep_groups:
+    if mesh.pp == 1:
+        _stage_groups(mesh, list(range(mesh.world_size)), mesh.rank, mesh.ep, mesh.dp_shard, timeout)
+        return mesh
+    stages, pipelines = pipeline_layout(mesh.world_size, mesh.pp, mesh.ep)
+    for s, ranks in enumerate(stages):
+        group = dist.new_group(ranks, timeout=timeout)
+        mine = mesh.rank in ranks
+        stage = Mesh(ranks.index(mesh.rank) if mine else 0, len(ranks), mesh.local_rank, mesh.ep, mesh.device,
+                     mesh.backend, dp_shard=mesh.dp_shard, local_world=mesh.local_world, group=group,
+                     global_ranks=tuple(ranks), pp=mesh.pp, pp_rank=s)
+        _stage_groups(stage if mine else None, ranks, mesh.rank, mesh.ep, mesh.dp_shard, timeout)
+        if mine:
+            mesh._stage, mesh.pp_rank = stage, s
+    for ranks in pipelines:
         group = dist.new_group(ranks, timeout=timeout)
         if mesh.rank in ranks:
-            mesh.ep_group, mesh.ep_ranks = group, tuple(ranks)
-    for ranks in expert_dp_groups:
-        group = dist.new_group(ranks, timeout=timeout)
-        if mesh.rank in ranks:
-            mesh.expert_dp_group, mesh.expert_dp_ranks = group, tuple(ranks)
-    if mesh.replicas > 1:
-        for kind, layout in sharding_layout(mesh.world_size, mesh.ep, mesh.dp_shard).items():
-            for ranks in layout:
-                group = dist.new_group(ranks, timeout=timeout)
-                if mesh.rank in ranks:
-                    mesh.groups[kind] = group
+            mesh.pp_group = mesh._stage.pp_group = group
+            mesh.pp_ranks = mesh._stage.pp_ranks = tuple(ranks)
     return mesh
+
+
+def _stage_groups(mesh: Mesh | None, ranks: list[int], me: int, ep: int, dp_shard: int,
+                  timeout: datetime.timedelta | None) -> None:
+    """The EP, expert-dp and sharding groups of the world ``ranks`` (global numbers; a stage's,
+    or the whole world), made on every rank; kept in ``mesh`` where this rank ``me`` is one of
+    them (``mesh``: its mesh, None elsewhere)."""
+    ep_groups, expert_dp_groups = group_layout(len(ranks), ep, None, dp_shard)
+    layouts = [("ep", ep_groups), ("expert_dp", expert_dp_groups)]
+    if (dp_shard or len(ranks)) < len(ranks):  # replicas: the sharding blocks' groups
+        layouts += list(sharding_layout(len(ranks), ep, dp_shard).items())
+    for kind, layout in layouts:
+        for local in layout:
+            members = [ranks[i] for i in local]
+            group = dist.new_group(members, timeout=timeout)
+            if mesh is None or me not in members:
+                continue
+            if kind == "ep":
+                mesh.ep_group, mesh.ep_ranks = group, tuple(members)
+            elif kind == "expert_dp":
+                mesh.expert_dp_group, mesh.expert_dp_ranks = group, tuple(members)
+            else:
+                mesh.groups[kind] = group
 
 
 def shutdown(mesh: Mesh) -> None:

@@ -98,7 +98,7 @@ def shard_model(model: nn.Module, mesh: Mesh, *, dtype: str = "float32", optimiz
     else:
         gathered = MixedPrecisionPolicy(reduce_dtype=reduce, cast_forward_inputs=False)
     as_stored = MixedPrecisionPolicy(reduce_dtype=reduce, cast_forward_inputs=False)
-    blocks = list(model.blocks)
+    blocks = list(model.blocks.values())
     expert_unit = {}  # block index -> its experts, where they are a unit of their own
     for i, block in enumerate(blocks):
         experts = block.ffn.experts if isinstance(block.ffn, MoEFeedForward) else None
@@ -106,7 +106,8 @@ def shard_model(model: nn.Module, mesh: Mesh, *, dtype: str = "float32", optimiz
             fully_shard(experts, mesh=expert_mesh, mp_policy=gathered)
             expert_unit[i] = experts
         fully_shard(block, mesh=dense_mesh, mp_policy=gathered)
-    fully_shard(model.embed, mesh=dense_mesh, mp_policy=as_stored)
+    if model.embed is not None:  # (a pipeline stage past the first has none)
+        fully_shard(model.embed, mesh=dense_mesh, mp_policy=as_stored)
     fully_shard(model, mesh=dense_mesh, mp_policy=gathered, reshard_after_forward=False)
     for method in ("lm_loss", "hidden"):  # the training and evaluation entries besides forward
         register_fsdp_forward_method(model, method)

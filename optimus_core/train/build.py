@@ -40,22 +40,23 @@ def build_model(cfg: RunConfig, mesh: Mesh | None = None, device: torch.device |
     plan = plan or plan_execution(cfg, device, mesh.world_size, budget_bytes=None)
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    model = parallelize(model, plan, mesh, cfg.parallel)
-    materialize(model, mesh, device, seed=cfg.train.seed)
+    model = parallelize(model, plan, mesh, cfg.parallel)  # with pipeline stages: this rank's stage
+    materialize(model, mesh.stage, device, seed=cfg.train.seed)
     if device.type == "meta":
         return model
     if cfg.train.init_from:
-        load_whole_weights_(model, mesh, _import_weights(cfg))
+        load_whole_weights_(model, mesh.stage, _import_weights(cfg))
     if plan.expert_copies:  # from the weights, before the optimizer: it keeps them
         keep_expert_copies(model, torch.bfloat16)
     return model
 
 
 def build_run_optimizer(model: Transformer, cfg: RunConfig, mesh: Mesh, plan: ExecutionPlan | None = None):
-    """The optimizer a run of ``cfg`` on ``mesh`` updates ``model`` with, as ``plan`` says."""
+    """The optimizer a run of ``cfg`` on ``mesh`` updates ``model`` with, as ``plan`` says (with
+    pipeline stages: the stage's, on its stage mesh; the clip's norm spans the stages)."""
     plan = plan or plan_execution(cfg, mesh.device, mesh.world_size, budget_bytes=None)
-    if mesh.distributed:
-        return ShardedAdamW(model, mesh, cfg.optim, mode=cfg.parallel.optimizer, kernel=plan.adamw,
+    if mesh.stage.distributed:
+        return ShardedAdamW(model, mesh.stage, cfg.optim, mode=cfg.parallel.optimizer, kernel=plan.adamw,
                             weight_gathers=plan.weight_gathers or "per_micro_batch")
     return build_optimizer(model, cfg.optim, plan)
 

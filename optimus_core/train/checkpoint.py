@@ -327,7 +327,7 @@ def training_tensors(model, optimizer, mesh) -> dict:
 
     out = model_tensors(model, mesh)
     by_name = dict(model.named_parameters())
-    for name, share in shares(model, mesh).items():
+    for name, share in shares(model, mesh.stage).items():
         state = _adamw_state(optimizer, by_name[name])
         for moment in MOMENTS:
             out[f"{OPTIM}{name}/{moment}"] = share.like(local_tensor(state[moment])).dtensor()
@@ -344,7 +344,7 @@ def model_tensors(model, mesh) -> dict:
     an evaluation of a sharded model loads with ``load_tensors_``."""
     from ..parallel.layout import shares
 
-    out = {MODEL + name: share.dtensor() for name, share in shares(model, mesh).items()}
+    out = {MODEL + name: share.dtensor() for name, share in shares(model, mesh.stage).items()}
     for name, buf in model.named_buffers(remove_duplicate=True):
         if _persistent(model, name):
             out[MODEL + name] = buf

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -12,8 +13,13 @@ from .step import autocast_context
 
 @torch.no_grad()
 def heldout_metrics(model: torch.nn.Module, data_dir, *, seq_len: int, batch_size: int, max_batches: int,
-                    dtype: str = "float32", device: torch.device | str = "cpu") -> dict[str, float]:
+                    dtype: str = "float32", device: torch.device | str = "cpu",
+                    loss_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
     """``{"loss.<source>", "ppl.<source>", "bpb.<source>", ..., "loss", "ppl", "bpb"}``.
+
+    ``loss_sum(batch_BS1)``: the summed cross entropy of a batch, where ``model`` is one part of
+    the model (a pipeline stage: parallel.pipeline.Pipeline.loss_sum, under the run's autocast);
+    default: ``model``'s logits under ``dtype``'s autocast.
 
     Every source's loss is the mean cross entropy (nats) over its held-out tokens; the overall
     ``loss`` weighs sources by their token counts. Bits per byte divide the total bits by the
@@ -29,10 +35,13 @@ def heldout_metrics(model: torch.nn.Module, data_dir, *, seq_len: int, batch_siz
         nll = n_tokens = 0.0
         for batch_BS1 in heldout_batches(data_dir, source, seq_len, batch_size, max_batches):
             batch_BS1 = batch_BS1.to(device)
-            with autocast_context(device.type, dtype):
-                logits_BSV = model(batch_BS1[:, :-1])
             targets_BS = batch_BS1[:, 1:]
-            nll += F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten(), reduction="sum").item()
+            if loss_sum is not None:
+                nll += loss_sum(batch_BS1).item()
+            else:
+                with autocast_context(device.type, dtype):
+                    logits_BSV = model(batch_BS1[:, :-1])
+                nll += F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten(), reduction="sum").item()
             n_tokens += targets_BS.numel()
         if n_tokens == 0:
             continue  # a source too small to hold out one sequence: reported as absent

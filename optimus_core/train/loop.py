@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import torch
 from tqdm.auto import tqdm
 
-from ..config import RunConfig
+from ..config import ConfigError, RunConfig
 from ..data import TokenDataset, training_loader
 from ..data.identity import check_tokenizer, refuse_other_tokenizer, trained_tokenizer
 from ..device import DeviceInfo, device_info
@@ -27,6 +27,7 @@ from ..model.transformer import Transformer
 from ..execution import plan_execution
 from ..execution.weight_copies import expert_copies, refresh_copies
 from ..parallel import Mesh
+from ..parallel.pipeline import Pipeline
 from . import checkpoint as ckpt
 from . import disk_space
 from .build import build_model, build_run_optimizer
@@ -34,7 +35,7 @@ from .evaluate import heldout_metrics
 from .resilience import Diverged, LossGuard, Preempted, StopRequest, describe_event
 from .schedule import decay_end, lr_at
 from .staging import HostStaging
-from .step import clip_at, train_step
+from .step import autocast_context, clip_at, pipeline_train_step, train_step
 from .update_stream import settle_updates
 from .watchdog import Watchdog
 
@@ -91,8 +92,10 @@ class Trainer:
         # The data before anything is allocated: too little of it, a missing or truncated held-out
         # file (opened now, not at the first evaluation; each evaluation maps its source's again)
         # or a decay horizon within the warmup stops the run before it builds or writes anything.
+        # (every stage of a pipeline reads its data rank's sequences: the first its tokens, the
+        # last its targets)
         self.loader = training_loader(self.data_dir, cfg.data, cfg.train.global_batch,
-                                      rank=self.mesh.rank, world_size=self.mesh.world_size)
+                                      rank=self.mesh.data_rank, world_size=self.mesh.data_world)
         TokenDataset(self.data_dir, split="val", seq_len=cfg.data.seq_len)
         # the step at which the lr reaches its floor: the run's, an epoch of this data's, or given
         self.decay_end = decay_end(cfg.schedule, cfg.train.steps, self.loader.epoch_steps)
@@ -104,6 +107,8 @@ class Trainer:
         # this rank's share of the model, never the whole of it (optimus_core.train.build)
         self.model: Transformer = build_model(cfg, self.mesh, plan=self.plan)
         self.optimizer = build_run_optimizer(self.model, cfg, self.mesh, self.plan)
+        # with pipeline stages: this rank's stage and its schedule (optimus_core.parallel.pipeline)
+        self.pipeline = self._pipeline() if self.mesh.pp > 1 else None
         self.step = 0
         self.last_loss = float("nan")
         self.events: list[dict] = []  # faults handled while running (skips, rollbacks)
@@ -116,6 +121,17 @@ class Trainer:
         self._staging = HostStaging()
         self.resumed_from = self._resume()
         self.flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
+
+    def _pipeline(self) -> Pipeline:
+        cfg, plan = self.cfg, self.plan
+        local = cfg.train.global_batch // self.mesh.data_world
+        micro = cfg.train.micro_batch or local
+        if local % micro:
+            raise ConfigError(f"train.micro_batch = {micro}: must divide each data rank's {local} sequences a step "
+                              f"(train.global_batch {cfg.train.global_batch} over {self.mesh.data_world} data ranks)")
+        return Pipeline(self.model, self.mesh.stage, micro_batches=local // micro,
+                        act_dtype=getattr(torch, plan.residual_dtype), schedule=cfg.parallel.pp_schedule,
+                        autocast=lambda: autocast_context(self.device.type, plan.dtype))
 
     def attach_writer(self, writer: MetricsSink | None) -> None:
         """Record into ``writer`` from now on (global rank 0 only, like the constructor's)."""
@@ -237,6 +253,7 @@ class Trainer:
         state = {"loader": self.loader.state_dict(), "guard": self.guard.state_dict()}
         meta = {"config": self.cfg.to_dict(), "execution_plan": self.plan.to_dict(), "tokens": self.tokens,
                 "data_position": self.loader.state_dict(), "world_size": self.mesh.world_size, "ep": self.mesh.ep,
+                "pp": self.mesh.pp,
                 "tokenizer_sha256": self.tokenizer_sha256, "uid": self.uid}
         if self.is_lead and self.writer is not None:
             self.writer.flush()  # metrics up to a checkpoint survive a kill, as the weights do
@@ -305,7 +322,8 @@ class Trainer:
         with self._io_phase("evaluation"):
             row = heldout_metrics(self.model, self.data_dir, seq_len=self.cfg.data.seq_len,
                                   batch_size=self.cfg.train.micro_batch or t.global_batch,
-                                  max_batches=t.eval_batches, dtype=self.plan.dtype, device=self.device)
+                                  max_batches=t.eval_batches, dtype=self.plan.dtype, device=self.device,
+                                  loss_sum=self.pipeline.loss_sum if self.pipeline else None)
         self._log("eval", {"step": self.step, "tokens": self.tokens, **row})
         return row
 
@@ -375,9 +393,13 @@ class Trainer:
         t0 = time.perf_counter()
         batch = self.loader.next_batch().to(self.device, non_blocking=True)
         lr = lr_at(self.step, self.decay_end, self.cfg.optim.lr, self.cfg.schedule)
-        stats = train_step(self.model, self.optimizer, batch, micro_batch=t.micro_batch,
-                           grad_clip=clip_at(self.step, self.cfg), lr=lr, dtype=self.plan.dtype, mesh=self.mesh,
-                           accept=guard.accept)
+        if self.pipeline is not None:
+            stats = pipeline_train_step(self.pipeline, self.optimizer, batch, grad_clip=clip_at(self.step, self.cfg),
+                                        lr=lr, mesh=self.mesh, accept=guard.accept)
+        else:
+            stats = train_step(self.model, self.optimizer, batch, micro_batch=t.micro_batch,
+                               grad_clip=clip_at(self.step, self.cfg), lr=lr, dtype=self.plan.dtype, mesh=self.mesh,
+                               accept=guard.accept)
         if stats.skipped:
             self._event(kind=guard.judge(stats.loss), step=self.step + 1, loss=stats.loss)
             if guard.should_roll_back:

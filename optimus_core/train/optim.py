@@ -10,6 +10,8 @@ lists every gradient a step applies.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -111,14 +113,6 @@ def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
 
 
-def clip_grad_norm(grads: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
-    """Global L2 norm of ``grads`` (returned before clipping); clip them in place when max_norm is set."""
-    norm = total_norm(grads)
-    if max_norm is not None:  # torch.nn.utils.clip_grad_norm_'s factor, on gradients rather than parameters
-        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    return norm
-
-
 def is_fused(optimizer: torch.optim.Optimizer) -> bool:
     """Takes the clip divisor as ``grad_scale`` inside its update (torch's fused AdamW, TritonAdamW)."""
     return bool(optimizer.defaults.get("fused") or getattr(optimizer, "takes_grad_scale", False))
@@ -140,27 +134,29 @@ def step_with_grad_scale(optimizer: torch.optim.Optimizer, grad_scale: torch.Ten
         del optimizer.grad_scale
 
 
-def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None) -> torch.Tensor:
+def clip_and_step(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float | None,
+                  sum_squares: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Clip by the global gradient norm (returned, before clipping) and update.
 
     A fused optimizer (CUDA) gets the clip factor as its grad_scale, which saves one read and
     one write of every gradient per step; elsewhere the gradients are clipped in place first.
+    ``sum_squares``: where ``model`` is one part of the model (a pipeline stage), sums the
+    parts' squared norms in place (Mesh.all_reduce_pipeline_sum_), so the norm is the whole
+    model's.
     """
     norms = getattr(optimizer, "grad_norms", None)  # computed under the backward, when armed
     armed = norms is not None and norms.armed
+    if armed and (max_norm is not None and not is_fused(optimizer)):
+        norms.disarm()
+        armed = False
+    norm = norms.total() if armed else total_norm(gradients(model, optimizer))
+    if sum_squares is not None:
+        norm = sum_squares(norm.double().square()).sqrt().float()
     if max_norm is None:  # no clipping (the warmup, under optim.clip_after_warmup): the norm for the log
-        norm = norms.total() if armed else total_norm(gradients(model, optimizer))
         optimizer.step()
-        return norm
-    if not is_fused(optimizer):
-        if armed:
-            norms.disarm()
-        norm = clip_grad_norm(gradients(model, optimizer), max_norm)
+    elif not is_fused(optimizer):
+        torch._foreach_mul_(gradients(model, optimizer), torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         optimizer.step()
-        return norm
-    if armed:
-        norm = norms.total()
     else:
-        norm = total_norm(gradients(model, optimizer))
-    step_with_grad_scale(optimizer, clip_coef_as_grad_scale(norm, max_norm))
+        step_with_grad_scale(optimizer, clip_coef_as_grad_scale(norm, max_norm))
     return norm

@@ -18,7 +18,8 @@ Each rank updates what it holds, so the AdamW state is sharded exactly as the we
 The global gradient norm: every element of every parameter lies on exactly one rank of each
 block of parallel.dp_shard ranks (the blocks are replicas: only the first block's ranks count;
 under dp_sharded a dense share counts on EP rank 0 only), so it is the square root of one
-all-reduce of each rank's sum of squares. The clip factor rides into the update kernel (TritonAdamW's grad_scale)
+all-reduce of each rank's sum of squares (with pipeline stages, a second one over the pipeline:
+the stages hold disjoint parameters). The clip factor rides into the update kernel (TritonAdamW's grad_scale)
 or scales the local gradients once (torch's AdamW). The update is torch.optim.AdamW's arithmetic
 (``kernel``, the execution plan's adamw: TritonAdamW on a GPU, on each share's local tensor).
 """
@@ -115,7 +116,7 @@ class ShardedAdamW:
             sq = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
             if counted:  # a float32 norm per tensor, squared and summed in float64
                 sq += torch.stack(torch._foreach_norm(counted, 2, dtype=torch.float32)).double().square().sum()
-            norm = self.mesh.all_reduce_sum_(sq).sqrt().float()
+            norm = self.mesh.all_reduce_pipeline_sum_(self.mesh.all_reduce_sum_(sq)).sqrt().float()
             if getattr(self.inner, "takes_grad_scale", False) and max_norm is not None:
                 self.inner.grad_scale = clip_coef_as_grad_scale(norm, max_norm)
                 try:

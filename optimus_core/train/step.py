@@ -120,6 +120,39 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
             sums_4 = mesh.all_reduce_sum_(sums_4) / mesh.world_size
             if load_LE is not None:
                 mesh.all_reduce_sum_(load_LE)
+    return _update(model, optimizer, sums_4, load_LE, list(range(len(moe_layers))), grad_clip=grad_clip, lr=lr,
+                   accept=accept)
+
+
+def pipeline_train_step(pipe, optimizer: torch.optim.Optimizer, batch_BS1: torch.Tensor, *,
+                        grad_clip: float | None, lr: float, mesh,
+                        accept: Callable[[float], bool] | None = None) -> StepStats:
+    """``train_step`` for one rank's stage of a pipeline (optimus_core.parallel.pipeline.Pipeline
+    ``pipe``): every micro-batch of ``batch_BS1`` (this rank's share of the global batch, read
+    alike by every stage of its pipeline) through the schedule, then the same statistics, guard
+    and update. ``mesh``: the whole world's (its stage mesh is ``mesh.stage``); the losses are
+    the last stages' means over the data-parallel ranks, the routing counts those of every
+    layer, on every rank; the clip's norm spans the stages. The stages compute under the run's
+    autocast (the Pipeline's)."""
+    model = pipe.model
+    model.train()
+    with phase("compute"):
+        out = pipe.step(batch_BS1)
+    sums_4, load_LE = out.sums_4, out.counts_LE
+    with phase("grad_sync"):  # every stage's part: the others add zeros
+        sums_4 = mesh.all_reduce_sum_(sums_4) / mesh.data_world
+        if load_LE is not None:
+            mesh.all_reduce_sum_(load_LE)
+    return _update(model, optimizer, sums_4, load_LE, pipe.module.layer_ids, grad_clip=grad_clip, lr=lr,
+                   accept=accept, sum_squares=mesh.stage.all_reduce_pipeline_sum_)
+
+
+def _update(model: Transformer, optimizer, sums_4: torch.Tensor, load_LE: torch.Tensor | None,
+            layer_ids: list[int], *, grad_clip: float | None, lr: float, accept, sum_squares=None) -> StepStats:
+    """The step after its backward: the guard's verdict on the loss, the clip and the update,
+    each MoE layer's balance bias from its row ``layer_ids[i]`` of ``load_LE``; the stats."""
+    moe_layers = model.moe_layers()
+    moe = load_LE is not None
     nan = float("nan")
     if accept is not None:  # the guard needs the loss before the update: the host waits here
         loss_sum, aux_sum, lb_sum, z_sum = sums_4.tolist()
@@ -127,7 +160,7 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
             if getattr(optimizer, "grad_norms", None) is not None:
                 optimizer.grad_norms.disarm()
             optimizer.zero_grad(set_to_none=True)
-            return StepStats(loss_sum, aux_sum, lb_sum if moe_layers else nan, z_sum if moe_layers else nan,
+            return StepStats(loss_sum, aux_sum, lb_sum if moe else nan, z_sum if moe else nan,
                              nan, load_LE, skipped=True)
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -135,11 +168,10 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
         grad_norm = optimizer.clip_and_step(grad_clip)  # marks its own phases
     else:
         with phase("optimizer"):
-            grad_norm = clip_and_step(model, optimizer, grad_clip)
+            grad_norm = clip_and_step(model, optimizer, grad_clip, sum_squares)
     optimizer.zero_grad(set_to_none=True)
-    for layer, load_E in zip(moe_layers, load_LE if load_LE is not None else []):
-        layer.router.update_balance_bias(load_E)
+    for layer, row in zip(moe_layers, layer_ids):
+        layer.router.update_balance_bias(load_LE[row])
     if accept is None:  # read once the update is queued, so the device does not idle before it
         loss_sum, aux_sum, lb_sum, z_sum = sums_4.tolist()
-    return StepStats(loss_sum, aux_sum, lb_sum if moe_layers else nan, z_sum if moe_layers else nan,
-                     grad_norm, load_LE)
+    return StepStats(loss_sum, aux_sum, lb_sum if moe else nan, z_sum if moe else nan, grad_norm, load_LE)

@@ -46,11 +46,13 @@ from torch import nn
 
 def forward_stages(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
     """[(the module whose forward starts the use, the parameters it uses)] in forward order, for
-    optimus_core.model.transformer.Transformer: embedding, each block, final norm + LM head."""
-    tail = list(model.final_norm.parameters()) + list(model.lm_head.parameters())
-    return ([(model.embed, list(model.embed.parameters()))]
-            + [(block, list(block.parameters())) for block in model.blocks]
-            + [(model.final_norm, tail)])
+    optimus_core.model.transformer.Transformer: embedding, each block, final norm + LM head (a
+    pipeline stage: those it has)."""
+    stages = [(model.embed, list(model.embed.parameters()))] if model.embed is not None else []
+    stages += [(block, list(block.parameters())) for block in model.blocks.values()]
+    if model.final_norm is not None:
+        stages.append((model.final_norm, list(model.final_norm.parameters()) + list(model.lm_head.parameters())))
+    return stages
 
 
 class UpdateBesideForward:

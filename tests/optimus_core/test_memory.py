@@ -53,7 +53,7 @@ def saved_activation_bytes(cfg: ModelConfig, batch: int, seq: int, mode: str = "
             torch.set_default_dtype(torch.float32)
         recompute(model, "moe" if mode == "moe" else "none")
         use_kernels(model, qk_norm_rope=qk_norm_rope_kernel)
-        block, (cos, sin) = model.blocks[0], model.rope(seq)
+        block, (cos, sin) = model.blocks["0"], model.rope(seq)
         x = torch.randn(batch, seq, cfg.d_model, dtype=residual, requires_grad=True)
         with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             if mode == "full":  # as Transformer.hidden checkpoints a block

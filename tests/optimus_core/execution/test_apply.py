@@ -21,10 +21,10 @@ def _executed(model: Transformer) -> dict:
     experts = [layer.experts for layer in model.moe_layers()]
     return {"experts": {e.backend for e in experts}, "recast": {e.recast_weights for e in experts},
             "moe recompute": {e.checkpoint_compute for e in experts},
-            "qk_norm_rope": {b.attn.qk_norm_rope_kernel for b in model.blocks},
+            "qk_norm_rope": {b.attn.qk_norm_rope_kernel for b in model.blocks.values()},
             "lm_loss": model.lm_loss_kernel, "fp32_residual": model.fp32_residual,
             "blocks": model.recompute_blocks,
-            "compiled": {"forward" in vars(m) for m in (*model.blocks, model.final_norm)}}
+            "compiled": {"forward" in vars(m) for m in (*model.blocks.values(), model.final_norm)}}
 
 
 PLAIN = {"experts": {"loop"}, "recast": {False}, "moe recompute": {False}, "qk_norm_rope": {False},

@@ -73,7 +73,7 @@ def test_state_dicts_do_not_change_and_loading_recasts():
     assert assert_copies_current(model) == 2 * len(model.moe_layers())
     model.load_state_dict(_model(seed=1).state_dict())
     assert assert_copies_current(model) == 4
-    assert torch.equal(model.blocks[0].ffn.experts.w_up_cast, _model(seed=1).blocks[0].ffn.experts.w_up.bfloat16())
+    assert torch.equal(model.blocks["0"].ffn.experts.w_up_cast, _model(seed=1).blocks["0"].ffn.experts.w_up.bfloat16())
 
 
 def test_copies_are_made_from_the_weights_as_they_are_and_dropped_on_request():

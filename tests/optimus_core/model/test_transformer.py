@@ -86,7 +86,7 @@ def forward_router_logits(model, tokens) -> list[torch.Tensor]:
     """A forward of ``tokens``, and each MoE layer's router logits (T, E) in float32, layer by layer."""
     logits = []
     hooks = [b.ffn.router.gate.register_forward_hook(lambda m, i, out: logits.append(out.detach().float()))
-             for b in model.blocks]
+             for b in model.blocks.values()]
     try:
         model(tokens)
     finally:
@@ -134,7 +134,7 @@ def test_init_is_truncated_normal_and_deterministic():
         assert torch.equal(p, q), name
         if p.ndim >= 2:
             assert p.abs().max() <= 3 * cfg.init_std + 1e-7, name
-    w = a.blocks[0].ffn.experts.w_up
+    w = a.blocks["0"].ffn.experts.w_up
     assert abs(w.std().item() - 0.02 * 0.9866) < 0.0005  # std of N(0, .02) truncated at 3 sigma
     assert not torch.equal(build(cfg, seed=4).embed.weight, a.embed.weight)
 
@@ -145,7 +145,7 @@ def test_the_papers_init_is_untruncated_with_a_zero_padding_row():
     cfg = presets.get("mula-7b-a1b@laptop").model
     assert cfg.init_truncation is None and cfg.pad_token_id == 1
     model = build(cfg, seed=3)
-    w = model.blocks[0].ffn.experts.w_up
+    w = model.blocks["0"].ffn.experts.w_up
     beyond = (w.abs() > 3 * cfg.init_std).float().mean().item()
     assert 0.0015 < beyond < 0.004 and abs(w.std().item() - 0.02) < 0.0005
     embed = model.embed.weight
@@ -193,7 +193,7 @@ def test_init_of_any_rows_is_the_init_of_the_whole():
 def test_moe_aux_losses_match_hand_computed_values():
     cfg = MoEConfig(n_experts=4, top_k=2, d_expert=8)
     model = Transformer(ModelConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, moe=cfg))
-    router = model.blocks[0].ffn.router
+    router = model.blocks["0"].ffn.router
     x = torch.eye(8)[:4]  # 4 tokens; logits = rows of the gate weight's transpose
     with torch.no_grad():
         router.gate.weight.copy_(torch.tensor([[1.0, 0, 0, 0, 0, 0, 0, 0], [0, 2.0, 0, 0, 0, 0, 0, 0],
@@ -405,7 +405,7 @@ def test_aux_loss_with_shares_counted_elsewhere_uses_them_and_the_forwards_proba
     model.cfg = cfg
     torch.testing.assert_close(got, expected)
     got.backward()
-    assert model.blocks[0].ffn.router.gate.weight.grad.abs().sum() > 0
+    assert model.blocks["0"].ffn.router.gate.weight.grad.abs().sum() > 0
 
 
 KERNEL_ON_CPU = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -451,7 +451,7 @@ def test_the_residual_stream_is_in_the_autocast_dtype_unless_asked_for_float32(f
     model = build(cfg)
     model.fp32_residual = fp32_residual
     seen = []
-    for block in model.blocks:
+    for block in model.blocks.values():
         block.register_forward_hook(lambda m, args, out: seen.append((args[0].dtype, out.dtype)))
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=torch.bfloat16):

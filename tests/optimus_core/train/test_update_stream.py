@@ -34,7 +34,7 @@ def _batch(step, device="cpu", rows=4):
 def test_stages_cover_every_parameter_once_in_forward_order():
     model = _model()
     stages = forward_stages(model)
-    assert [m for m, _ in stages] == [model.embed, *model.blocks, model.final_norm]
+    assert [m for m, _ in stages] == [model.embed, *model.blocks.values(), model.final_norm]
     staged = [p for _, ps in stages for p in ps]
     assert len(staged) == len({id(p) for p in staged}) == len(list(model.parameters()))
     assert stages[-1][1][-1] is model.lm_head.weight  # the head's update is awaited at the final norm
@@ -69,10 +69,10 @@ def test_each_stage_waits_for_its_own_update_and_never_twice():
     updates.backend = recorder = _Recorder()
     updates._pending = {i: f"event {i}" for i in range(len(updates.stages))}  # a step was queued
     updates._held = {i: [f"gradients of stage {i}"] for i in range(len(updates.stages))}
-    model.blocks[1](*_block_inputs(model))  # block 1 is stage 2: it waits for stage 2, so for 0 and 1
+    model.blocks["1"](*_block_inputs(model))  # block 1 is stage 2: it waits for stage 2, so for 0 and 1
     assert recorder.waits == ["event 2"] and sorted(updates._pending) == [3, 4]
     assert sorted(updates._held) == [3, 4]  # what the waited updates read is released
-    model.blocks[1](*_block_inputs(model))  # its update is done: no second wait
+    model.blocks["1"](*_block_inputs(model))  # its update is done: no second wait
     assert recorder.waits == ["event 2"]
     model(torch.zeros(1, 4, dtype=torch.long))  # a whole forward: the rest, each stage once
     assert recorder.waits == ["event 2", "event 3", "event 4"] and not updates.pending and not updates._held

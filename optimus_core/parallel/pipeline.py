@@ -1,0 +1,244 @@
+"""Pipeline parallelism: the model cut into stages by layers, run under torch's 1F1B schedule.
+
+    layers = cfg.parallel.stage_layers(cfg.model.n_layers)   # [(first, stop), ...] (optimus_core.config)
+    keep_stage(model, mesh.pp_rank, layers)       # a meta model pruned to this rank's stage, in place
+    ...                                           # then parallelized and materialised as a whole model is
+    pipe = Pipeline(model, mesh.stage, micro_batches=4, act_dtype=torch.bfloat16)
+    out = pipe.step(batch_BS1)                    # every micro-batch's forward and backward, 1F1B order
+
+A stage keeps the blocks of its layers under their own names (``blocks.<layer>``), so its
+parameters' names, their seeded init and their checkpoint keys are those of the whole model;
+the first stage also keeps the embedding, the last the final norm and the LM head (and so the
+loss). Between stages travel the residual stream and, for an MoE model, one small vector of
+routing sums (``ROUTING_SUMS``): each stage adds its layers' routing shares, mean router
+probabilities, per-layer load-balancing terms and z-losses, and the last stage makes the
+auxiliary loss of every layer from them, exactly as one process does over all its layers
+(Transformer.aux_loss). The gradient of that loss flows back through the same vector to each
+stage's routers: the authors pass the router outputs down the pipeline for the same reason.
+
+The schedule is torch's (torch.distributed.pipelining): ``Schedule1F1B`` over the ``pp``
+consecutive stages of the pipeline group (the ranks that hold the same data and experts, one
+per stage). Each micro-batch's loss is weighted by its token share (the schedule does not
+scale the gradients again), so a step's gradients are those of the mean loss over the rank's
+batch, as without stages. The stages' shapes are given to the schedule up front: no trial
+forward runs.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, ContextManager
+
+import torch
+from torch import nn
+
+from ..config import ConfigError
+from ..model.linear_cross_entropy import DEFAULT_CHUNK_ROWS
+from ..model.moe import MoEFeedForward
+from .mesh import Mesh
+
+SCHEDULES = ("1f1b",)
+
+
+def keep_stage(model: nn.Module, stage: int, layers: list[tuple[int, int]]) -> nn.Module:
+    """Prune a (meta-built) Transformer in place to stage ``stage`` of ``layers``: its blocks,
+    the embedding on the first stage, the final norm and the LM head on the last. Returns it."""
+    first, stop = layers[stage]
+    for key in list(model.blocks.keys()):
+        if not first <= int(key) < stop:
+            del model.blocks[key]
+    if stage > 0:
+        model.embed = None
+    if stage < len(layers) - 1:
+        model.final_norm = None
+        model.lm_head = None
+    return model
+
+
+# The routing sums a stage adds to and passes on, for E experts: the sum over its layers of
+# each layer's share of assignments per expert (E, no gradient), of its mean router probability
+# per expert (E), of its per-layer load-balancing term E sum_e f_e P_e (1) and of its z-loss (1).
+ROUTING_SUMS = ("shares", "probs", "per_layer_lb", "z")
+
+
+def routing_sums_size(n_experts: int) -> int:
+    return 2 * n_experts + 2
+
+
+def add_routing_sums(layers: list[MoEFeedForward], sums: torch.Tensor | None) -> torch.Tensor:
+    """``sums`` (float32, routing_sums_size) plus those of ``layers``' last forward (a new
+    tensor; zeros where ``sums`` is None): graph-connected through the probabilities."""
+    counts_LE = torch.stack([m.last_tokens_per_expert_E for m in layers]).float()
+    share_LE = counts_LE / counts_LE.sum(-1, keepdim=True).clamp_min(1)  # as Transformer.routing_shares
+    probs_LE = torch.stack([m.last_mean_probs_E for m in layers]).float()
+    E = probs_LE.shape[1]
+    per_layer = (E * (share_LE * probs_LE).sum(-1)).sum()
+    z = torch.stack([m.last_z_loss for m in layers]).float().sum()
+    mine = torch.cat([share_LE.sum(0), probs_LE.sum(0), per_layer.view(1), z.view(1)])
+    return mine if sums is None else sums + mine
+
+
+def aux_from_routing_sums(sums: torch.Tensor, moe_cfg, n_moe_layers: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(aux, lb, z) of every MoE layer from the pipeline's routing sums, as Transformer.aux_loss,
+    lb_loss and the z-loss mean make them on one process (lb and z unscaled)."""
+    E, L = moe_cfg.n_experts, n_moe_layers
+    shares, probs, per_layer, z = sums[:E], sums[E:2 * E], sums[2 * E], sums[2 * E + 1]
+    if moe_cfg.lb_loss_form == "all_layers":
+        lb = E * moe_cfg.top_k * ((shares / L) * (probs / L)).sum()
+    else:
+        lb = per_layer / L
+    z = z / L
+    return moe_cfg.lb_loss_coef * lb + moe_cfg.z_loss_coef * z, lb, z
+
+
+class StageModule(nn.Module):
+    """One stage's forward as the schedule calls it: tokens (first stage) or the previous stage's
+    (hidden states, routing sums) in; (hidden states in ``act_dtype``, routing sums) out, or on
+    the last stage the micro-batch's weighted objective (cross entropy + auxiliary loss), its
+    parts kept in ``parts`` for the step's statistics. ``model``: this stage's Transformer
+    (keep_stage), parallelized; its forward methods are FSDP2's where it is sharded.
+    ``autocast``: the run's autocast context (a no-argument callable)."""
+
+    def __init__(self, model: nn.Module, *, first: bool, last: bool, weight: float, act_dtype: torch.dtype,
+                 autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+                 chunk_rows: int = DEFAULT_CHUNK_ROWS):
+        super().__init__()
+        self.model, self.first, self.last, self.weight = model, first, last, weight
+        self.act_dtype, self.autocast, self.chunk_rows = act_dtype, autocast, chunk_rows
+        # the index in the whole model of each of this stage's MoE layers
+        self.layer_ids = [int(k) for k, b in model.blocks.items() if isinstance(b.ffn, MoEFeedForward)]
+        self.parts: list[torch.Tensor] = []  # last stage: per micro-batch (ce, aux, lb, z), detached
+        self.counts: list[torch.Tensor] = []  # per micro-batch: (this stage's MoE layers, E) counts
+
+    def forward(self, x, sums=None, targets=None):
+        with self.autocast():
+            return self._forward(x, sums, targets)
+
+    def _forward(self, x, sums, targets):
+        moe = self.model.moe_layers()
+        if self.last:
+            ce = self.model.lm_loss(x, targets, chunk_rows=self.chunk_rows)
+        else:
+            h = self.model.hidden(x).to(self.act_dtype)  # as the next stage expects it (a no-op as planned)
+        if moe:
+            sums = add_routing_sums(moe, sums)
+            self.counts.append(torch.stack([m.last_tokens_per_expert_E for m in moe]).detach())
+            self.model.clear_routing()  # read: the sums hold what the backward needs
+        if not self.last:
+            return (h, sums) if sums is not None else h
+        if sums is not None:
+            cfg = self.model.cfg
+            aux, lb, z = aux_from_routing_sums(sums, cfg.moe, cfg.n_layers)
+            objective = ce + aux
+            self.parts.append(torch.stack([ce.detach(), aux.detach(), lb.detach(), z.detach()]))
+        else:
+            objective = ce
+            self.parts.append(torch.stack([ce.detach(), torch.zeros_like(ce), torch.zeros_like(ce),
+                                           torch.zeros_like(ce)]))
+        return (objective * self.weight).reshape(1)  # (1,): the schedule concatenates the micro-batches' outputs
+
+
+@dataclass
+class PipelineStep:
+    """What one rank's pipeline step gives back: the step's (ce, aux, lb, z), means over its
+    micro-batches (last stage; zeros elsewhere), and this stage's MoE counts summed over them,
+    one row per layer of the whole model (zeros for other stages' layers); None for a dense model."""
+
+    sums_4: torch.Tensor
+    counts_LE: torch.Tensor | None
+
+
+class Pipeline:
+    """This rank's stage of the pipeline and its schedule (module doc). ``mesh``: the stage mesh
+    (Mesh.stage); ``micro_batches`` a step; ``act_dtype``: the residual stream's between stages
+    (the plan's)."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, *, micro_batches: int, act_dtype: torch.dtype,
+                 schedule: str = "1f1b", autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+                 chunk_rows: int = DEFAULT_CHUNK_ROWS):
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"parallel.pp_schedule = {schedule!r}: must be one of {', '.join(SCHEDULES)}")
+        if micro_batches < 1:
+            raise ConfigError(f"pipeline: {micro_batches} micro-batches a step: need at least one")
+        self.mesh, self.model, self.micro_batches, self.act_dtype = mesh, model, micro_batches, act_dtype
+        self.first, self.last = mesh.pp_rank == 0, mesh.pp_rank == mesh.pp - 1
+        self.n_layers = model.cfg.n_layers
+        self.module = StageModule(model, first=self.first, last=self.last, weight=1.0 / micro_batches,
+                                  act_dtype=act_dtype, autocast=autocast, chunk_rows=chunk_rows)
+        self._schedule, self._shape = None, None
+
+    def _schedule_for(self, micro_batch: int, seq_len: int):
+        """The 1F1B schedule for micro-batches of (micro_batch, seq_len) tokens, made at the first
+        step (and again should the shape change), with the stages' inputs and outputs given as
+        the schedule sees them (shapes, dtypes, and that the floating ones carry gradients), so
+        that it runs no trial forward to learn them."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        if self._shape != (micro_batch, seq_len):
+            cfg, mesh, meta = self.model.cfg, self.mesh, torch.device("meta")
+            tokens = torch.empty(micro_batch, seq_len, dtype=torch.long, device=meta)
+            hidden = torch.empty(micro_batch, seq_len, cfg.d_model, dtype=self.act_dtype, device=meta,
+                                 requires_grad=True)
+            sums = (torch.empty(routing_sums_size(cfg.moe.n_experts), device=meta, requires_grad=True),) \
+                if cfg.moe else ()
+            inputs = (tokens,) if self.first else (hidden, *sums)
+            outputs = (torch.empty(1, device=meta, requires_grad=True),) if self.last else (hidden, *sums)
+            stage = PipelineStage(self.module, mesh.pp_rank, mesh.pp, mesh.device, input_args=inputs,
+                                  output_args=outputs, group=mesh.pp_group)
+            self._schedule = Schedule1F1B(stage, self.micro_batches, loss_fn=lambda out, _target: out.sum(),
+                                          scale_grads=False)
+            self._shape = (micro_batch, seq_len)
+        return self._schedule
+
+    def step(self, batch_BS1: torch.Tensor) -> PipelineStep:
+        """Every micro-batch's forward and backward of this rank's share ``batch_BS1`` (B
+        sequences of S+1 tokens, B = micro_batches x micro_batch), in the schedule's order; the
+        gradients stay on the parameters, the update is the caller's."""
+        tokens_BS, targets_BS = batch_BS1[:, :-1].contiguous(), batch_BS1[:, 1:].contiguous()
+        B, S = tokens_BS.shape
+        if B % self.micro_batches:
+            raise ValueError(f"pipeline: {B} sequences do not split into {self.micro_batches} micro-batches")
+        schedule = self._schedule_for(B // self.micro_batches, S)
+        self.module.parts.clear()
+        self.module.counts.clear()
+        args = (tokens_BS,) if self.first else ()
+        kwargs = {"targets": targets_BS} if self.last else {}
+        # the targets go to the last stage's forward (its loss is fused with the LM head); the
+        # schedule's own target only keys its loss function, which passes the objective on
+        schedule.step(*args, target=targets_BS if self.last else None, **kwargs)
+        device = batch_BS1.device
+        sums_4 = torch.zeros(4, dtype=torch.float64, device=device)
+        if self.last:
+            sums_4 += torch.stack(self.module.parts).double().mean(0)
+        counts = None
+        if self.model.cfg.moe is not None:
+            counts = torch.zeros(self.n_layers, self.model.cfg.moe.n_experts, dtype=torch.long, device=device)
+            counts[self.module.layer_ids] = torch.stack(self.module.counts).sum(0).to(counts.dtype)
+        self.model.clear_routing()  # a recomputed forward sets them again
+        return PipelineStep(sums_4, counts)
+
+    @torch.no_grad()
+    def loss_sum(self, batch_BS1: torch.Tensor) -> torch.Tensor:
+        """The summed next-token cross entropy of ``batch_BS1`` (float64, 0-d, on every stage of
+        the pipeline): one forward through the stages, without the schedule (an evaluation;
+        every rank of the pipeline calls it with the same batch)."""
+        import torch.distributed as dist
+        import torch.nn.functional as F
+
+        tokens_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
+        B, S = tokens_BS.shape
+        ranks, s = self.mesh.pp_ranks, self.mesh.pp_rank
+        with self.module.autocast():
+            if self.first:
+                x = tokens_BS
+            else:
+                x = torch.empty(B, S, self.model.cfg.d_model, dtype=self.act_dtype, device=batch_BS1.device)
+                dist.recv(x, src=ranks[s - 1])
+            if self.last:
+                logits = self.model(x)
+                total = F.cross_entropy(logits.float().flatten(0, 1), targets_BS.flatten(), reduction="sum").double()
+            else:
+                dist.send(self.model.hidden(x).to(self.act_dtype).contiguous(), dst=ranks[s + 1])
+                total = torch.zeros((), dtype=torch.float64, device=batch_BS1.device)
+        self.model.clear_routing()
+        return self.mesh.all_reduce_pipeline_sum_(total)
