@@ -17,6 +17,13 @@ what it sent. Counts and buffer sizes are then those of balanced routing, and th
 finite; the losses and norms are not the job's (a rank outside the first shard block counts
 nothing towards the clip's norm, as in the job, but here no other rank adds the rest).
 
+With pipeline stages (parallel.pp) the rank rehearsed belongs to the heaviest stage (the memory
+model's: optimus_core.memory.heaviest_stage): the loopback world is that stage's ranks, and each
+step runs the stage's micro-batches in its 1F1B order -- as many forwards in flight as the stage
+holds, then one backward and one forward at a time -- on random hidden states from the stage
+before and random gradients from the stage after, where the schedule would receive them. The
+step time is then one stage's compute with its sends and receives left out.
+
 On the meta device nothing is allocated or run: the rank's shares are built and their sizes
 compared with the memory model's static terms (weights, gradients, optimizer state), which is
 what CI checks for every paper run.
@@ -33,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError, RunConfig
-from .memory import GIB, MemoryLayout, estimate, static_bytes
-from .parallel.mesh import Mesh, build_groups
+from .memory import GIB, MemoryLayout, estimate, heaviest_stage, static_bytes
+from .parallel.mesh import Mesh, build_groups, pipeline_layout
 
 LOOPBACK_NOISE = 1e-3  # added to all-gathered weights: breaks the ties of repeated router rows
 
@@ -95,9 +102,10 @@ def _loopback_collectives(rank_of):
 
 
 @contextlib.contextmanager
-def loopback_world(cfg: RunConfig, world: int, rank: int, device: torch.device):
+def loopback_world(cfg: RunConfig, world: int, rank: int, device: torch.device, stage: int = 0):
     """A Mesh for rank ``rank`` of ``world`` on the fake process group, with loopback collectives
-    (module doc); torch.distributed is restored on exit."""
+    (module doc); torch.distributed is restored on exit. With pipeline stages, ``world`` is the
+    ranks of one stage, ``stage`` (no pipeline group: the stage's neighbours are not there)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401  (registers "fake")
 
     if dist.is_initialized():
@@ -115,6 +123,7 @@ def loopback_world(cfg: RunConfig, world: int, rank: int, device: torch.device):
         for name, fn in patches.items():
             setattr(dist, name, fn)
         mesh = build_groups(Mesh(rank, world, 0, cfg.parallel.ep, device, "fake", dp_shard=cfg.parallel.dp_shard))
+        mesh.pp, mesh.pp_rank = cfg.parallel.pp, stage
         yield mesh
     finally:
         for name, fn in saved.items():
@@ -154,17 +163,25 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
 
     if steps < 1:
         raise ValueError(f"--steps {steps}: must be >= 1")
-    group_layout(world, cfg.parallel.ep, cfg.model.moe.n_experts if cfg.model.moe else None, cfg.parallel.dp_shard)
-    if cfg.train.global_batch % world:
-        raise ConfigError(f"train.global_batch = {cfg.train.global_batch}: must be a multiple of the {world} ranks")
+    pipeline_layout(world, cfg.parallel.pp, cfg.parallel.ep)
+    stage_world = world // cfg.parallel.pp  # the ranks of one pipeline stage (the world without stages)
+    group_layout(stage_world, cfg.parallel.ep, cfg.model.moe.n_experts if cfg.model.moe else None,
+                 cfg.parallel.dp_shard)
+    if cfg.train.global_batch % stage_world:
+        raise ConfigError(f"train.global_batch = {cfg.train.global_batch}: must be a multiple of the {stage_world} "
+                          f"data-parallel ranks")
+    if not 0 <= rank < stage_world:
+        raise ConfigError(f"--rank {rank}: must be in [0, {stage_world})" +
+                          (" (a rank of the heaviest pipeline stage)" if cfg.parallel.pp > 1 else ""))
     dev = torch.device(device)
     plan = resolve_choices(cfg, dev, world)  # as rank ``rank`` of the world would execute
     if checkpointing is None:
-        checkpointing = resolve_checkpointing(cfg, world, plan, device_budget(device_memory_bytes(dev)))
+        checkpointing = resolve_checkpointing(cfg, stage_world, plan, device_budget(device_memory_bytes(dev)))
     plan = dataclasses.replace(plan, checkpointing=checkpointing)
-    layout = MemoryLayout.of_run(cfg, world, checkpointing, plan, micro_batches)
+    layout = heaviest_stage(cfg.model, MemoryLayout.of_run(cfg, stage_world, checkpointing, plan, micro_batches))
     predicted = estimate(cfg.model, layout)
     record = {"preset": cfg.preset, "world": world, "rank": rank, "ep": cfg.parallel.ep,
+              "pp": cfg.parallel.pp, "stage": layout.stage, "in_flight": layout.in_flight,
               "optimizer": cfg.parallel.optimizer, "dtype": plan.dtype, "seq_len": cfg.data.seq_len,
               "micro_batch": layout.micro_batch, "accumulation": layout.accumulation,
               "checkpointing": f"{checkpointing[0]}" + (f"/{checkpointing[1]}" if checkpointing[0] == "full" else ""),
@@ -183,7 +200,8 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
         gpu.empty_cache()
     held_before = gpu.memory_allocated(dev) if gpu is not None else 0
     # the meta rehearsal's mesh is the CPU's (torch has no meta process groups); its shares stay meta
-    with loopback_world(cfg, world, rank, torch.device("cpu") if dev.type == "meta" else dev) as mesh:
+    with loopback_world(cfg, stage_world, rank, torch.device("cpu") if dev.type == "meta" else dev,
+                        stage=layout.stage) as mesh:
         model = build_model(cfg, mesh, device=dev, plan=plan)
         optimizer = build_run_optimizer(model, cfg, mesh, plan)
         record["shares_gib"] = {k: v / GIB for k, v in static_terms(model).items()}
@@ -199,8 +217,11 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
             batch_BS1 = torch.randint(0, cfg.model.vocab_size, (per_step, cfg.data.seq_len + 1), generator=generator,
                                       device=dev)
             t0 = time.perf_counter()
-            stats = train_step(model, optimizer, batch_BS1, micro_batch=layout.micro_batch,
-                               grad_clip=cfg.optim.grad_clip, lr=cfg.optim.lr, dtype=plan.dtype, mesh=mesh)
+            if cfg.parallel.pp > 1:
+                stats = _stage_step(model, optimizer, batch_BS1, layout, plan, cfg, generator)
+            else:
+                stats = train_step(model, optimizer, batch_BS1, micro_batch=layout.micro_batch,
+                                   grad_clip=cfg.optim.grad_clip, lr=cfg.optim.lr, dtype=plan.dtype, mesh=mesh)
             record.setdefault("grad_norms", []).append(float(stats.grad_norm))
             if gpu is not None:
                 gpu.synchronize(dev)
@@ -217,6 +238,56 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
         if save_dir is not None:  # after the steps' peak is read: the save resets the counters
             record.update(_rehearse_save(model, optimizer, mesh, save_dir, gpu))
     return record
+
+
+def _stage_step(model, optimizer, batch_BS1: torch.Tensor, layout: MemoryLayout, plan, cfg: RunConfig,
+                generator: torch.Generator):
+    """One step of a pipeline stage alone (module doc): its micro-batches in 1F1B order with
+    random inputs and output gradients where its neighbours would send them, then its update.
+    Returns the step's StepStats (loss: the last stage's, else nan)."""
+    from .parallel.pipeline import StageModule, routing_sums_size
+    from .train.step import _update, autocast_context
+
+    dev, m = batch_BS1.device, layout.accumulation
+    first, last = layout.stage == 0, layout.stage == layout.pp - 1
+    act_dtype = getattr(torch, plan.residual_dtype)
+    module = StageModule(model, first=first, last=last, weight=1.0 / m, act_dtype=act_dtype,
+                         autocast=lambda: autocast_context(dev.type, plan.dtype))
+    chunks = batch_BS1.split(layout.micro_batch)
+    moe = model.cfg.moe is not None
+
+    def forward(chunk):
+        tokens, targets = chunk[:, :-1], chunk[:, 1:]
+        if first:
+            inputs = (tokens,)
+        else:
+            h = torch.randn(*tokens.shape, model.cfg.d_model, generator=generator, device=dev).to(act_dtype)
+            sums = (torch.zeros(routing_sums_size(model.cfg.moe.n_experts), device=dev),) if moe else ()
+            inputs = tuple(t.requires_grad_() for t in (h, *sums))
+        return module(*inputs, targets=targets if last else None)
+
+    def backward(out):
+        if last:
+            out.sum().backward()
+        else:
+            outs = out if isinstance(out, tuple) else (out,)
+            torch.autograd.backward(outs, [torch.randn(o.shape, generator=generator, device=dev).to(o.dtype) * 1e-3
+                                           for o in outs])
+
+    model.train()
+    in_flight, next_forward = [], 0
+    while next_forward < min(layout.in_flight, m):  # the warm-up: as many forwards as the stage holds
+        in_flight.append(forward(chunks[next_forward]))
+        next_forward += 1
+    while in_flight:  # then one backward and one forward at a time, and the last backwards
+        backward(in_flight.pop(0))
+        if next_forward < m:
+            in_flight.append(forward(chunks[next_forward]))
+            next_forward += 1
+    model.clear_routing()
+    sums_4 = torch.stack(module.parts).double().mean(0) if module.parts else torch.full((4,), float("nan"),
+                                                                                         dtype=torch.float64)
+    return _update(model, optimizer, sums_4, None, [], grad_clip=cfg.optim.grad_clip, lr=cfg.optim.lr, accept=None)
 
 
 def _rehearse_save(model, optimizer, mesh, save_dir: str, gpu) -> dict:
@@ -249,8 +320,9 @@ def _rehearse_save(model, optimizer, mesh, save_dir: str, gpu) -> dict:
 
 def fmt(record: dict) -> str:
     """One line of a rehearsal record."""
+    stage = f", stage {record['stage']} of {record['pp']}" if record.get("pp", 1) > 1 else ""
     head = (f"{record['preset']} on {record['world']} ranks (ep {record['ep']}, {record['checkpointing']}, "
-            f"rank {record['rank']}):")
+            f"rank {record['rank']}{stage}):")
     if "peak_allocated_gib" not in record:
         shares = ", ".join(f"{k} {v:.3f}" for k, v in record["shares_gib"].items())
         ran = f"; {record['steps']} steps, loss {record['loss']:.3f}" if "steps" in record else ""

@@ -2,6 +2,7 @@
 saves (fake tensors: no memory, no compute), its terms move the right way, the fit picks the
 least recomputation that fits, and an over-budget layout is one clear error."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from optimus_core.execution import recompute, use_kernels
 from optimus_core.flops import checkpointed_blocks
 from optimus_core.memory import (FIT_MARGIN, GIB, LM_LOSS_CHUNK_ROWS, MemoryBudgetError, MemoryLayout, block_activation_bytes,
                                  check_fits, checkpointing_candidates, estimate, fit_checkpointing,
-                                 _held_elements, parameter_table, static_bytes)
+                                 _held_elements, heaviest_stage, parameter_table, static_bytes)
 from optimus_core.model.transformer import Transformer
 
 MOE = ModelConfig(vocab_size=97, d_model=96, n_layers=3, n_heads=6, moe=MoEConfig(n_experts=6, top_k=2, d_expert=40))
@@ -228,3 +229,22 @@ def test_the_papers_exchange_holds_every_ranks_tokens_for_a_moment():
     T, D = a2a.tokens, cfg.d_model
     assert estimate(cfg, gather).terms["transient"] >= 2 * 96 * T * D * 2
     assert estimate(cfg, gather).terms["transient"] > estimate(cfg, a2a).terms["transient"]
+
+
+def test_pipeline_stages_split_the_model_and_the_first_holds_the_most_micro_batches():
+    """PP 4 over 4 layers, 8 micro-batches of one sequence: the stages' weights add up to the
+    whole model's; the first holds the embedding and 4 micro-batches' activations, the last the
+    LM head, its loss and one; the middle stages receive hidden states and send gradients back."""
+    cfg = presets.get("mula-7b-a1b@laptop").model.replace(n_layers=4)
+    whole = MemoryLayout(world=1, micro_batch=1, accumulation=8, seq_len=64, dtype="float32")
+    stages = replace(whole, pp=4, cut=((0, 1), (1, 2), (2, 3), (3, 4))).stage_layouts()
+    ests = [estimate(cfg, S) for S in stages]
+    assert sum(e.terms["weights"] for e in ests) == estimate(cfg, whole).terms["weights"]
+    assert [S.in_flight for S in stages] == [4, 3, 2, 1]
+    one_block = block_activation_bytes(cfg, 64, residual_bytes=4)
+    assert [e.terms["activations"] for e in ests] == [4 * one_block, 3 * one_block, 2 * one_block, one_block]
+    assert [e.terms["lm loss"] > 0 for e in ests] == [False, False, False, True]
+    assert [e.terms["pipeline"] for e in ests] == [8 * 64 * cfg.d_model * 4 * n for n in (1, 2, 2, 1)]
+    assert heaviest_stage(cfg, stages[0]).stage == max(range(4), key=lambda s: ests[s].peak_bytes)
+    with pytest.raises(ConfigError, match="a pipeline's layout gives each stage's layers"):
+        replace(whole, pp=2)

@@ -69,3 +69,27 @@ def test_a_bad_layout_is_an_error_before_any_process_group():
     with pytest.raises(ValueError, match=r"--rank 8: must be in \[0, 8\)"):
         rehearse(_cfg(), 8, rank=8, device="meta")
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_the_heaviest_pipeline_stage_is_rehearsed_in_its_one_f_one_b_order(device):
+    """PP 2 over 16 ranks: the rank rehearsed is one of the 8 of the stage the memory model puts
+    highest, its shares exactly the model's; on the CPU its micro-batches run in 1F1B order
+    with random neighbours and it takes its update."""
+    from optimus_core.execution import resolve_choices
+    from optimus_core.memory import MemoryLayout, estimate, heaviest_stage
+
+    cfg = _cfg(**{"parallel.pp": 2})
+    record = rehearse(cfg, 16, rank=1, device=device, steps=1)
+    assert not dist.is_initialized()
+    plan = resolve_choices(cfg, "cpu", 16)
+    layouts = MemoryLayout.of_run(cfg, 8, ("none", 1), plan).stage_layouts()
+    heaviest = heaviest_stage(cfg.model, layouts[0])
+    assert record["pp"] == 2 and record["stage"] == heaviest.stage
+    assert record["model_gib"] == max(estimate(cfg.model, S).peak_gib for S in layouts)
+    assert record["in_flight"] == min(2, 2 - heaviest.stage)  # 2 micro-batches of one sequence a step
+    assert record["shares_gib"] == record["model_shares_gib"]
+    assert f"stage {heaviest.stage} of 2" in fmt(record)
+    if device == "cpu":
+        assert record["steps"] == 1 and all(math.isfinite(g) and g > 0 for g in record["grad_norms"])
+        assert math.isfinite(record["loss"]) == (heaviest.stage == 1)  # the loss is the last stage's
