@@ -418,10 +418,15 @@ class ExecutionConfig(Validated):
     qk_norm_rope: Literal["auto", "torch", "triton"] = "auto"
     # What the backward recomputes instead of keeping from the forward: "none"; "full": every
     # ``activation_checkpointing_every``-th block whole (its input is all it keeps); "moe": the
-    # experts' GEMMs and SwiGLU only (the routed rows in, not the dispatch). auto: the least
-    # recomputation that fits memory_budget_gib with the memory model's error to spare, else the
-    # least that fits (optimus_core.memory.fit_checkpointing; "none" where no budget is known)
-    activation_checkpointing: Literal["auto", "none", "full", "moe"] = "auto"
+    # experts' GEMMs and SwiGLU only (the routed rows in, not the dispatch); "level<N>": the
+    # authors' recompute levels, a bitmask over every layer (optimus_core.flops.LEVEL_BITS): 1 the
+    # MoE block after its routing (its exchange, the experts, the combine), 2 the attention
+    # (projections, QK-norm, RoPE, scores), 4 the norms (the paper's Mula-100B-A7B: level1,
+    # Mula-220B-A10B: level7). auto: the least recomputation of none, moe and full that fits
+    # memory_budget_gib with the memory model's error to spare, else the least that fits
+    # (optimus_core.memory.fit_checkpointing; "none" where no budget is known)
+    activation_checkpointing: Literal["auto", "none", "full", "moe", "level1", "level2", "level3", "level4",
+                                      "level5", "level6", "level7"] = "auto"
     activation_checkpointing_every: int = 1
     # GiB one rank may plan to allocate on its device: the run is checked against it before
     # anything is allocated. None: the usable share of the device's memory (a CPU's is unknown)
@@ -484,8 +489,10 @@ class RunConfig(Validated):
             if self.model.moe is not None and self.model.moe.lb_loss_scope == "global":
                 fail("model.moe.lb_loss_scope", "global", "is not carried between pipeline stages (parallel.pp "
                      f"= {self.parallel.pp}); use 'forward'")
-        if self.model.moe is None and self.execution.activation_checkpointing == "moe":
-            fail("execution.activation_checkpointing", "moe", "needs an MoE model (model.moe); use 'full' or 'none'")
+        checkpointing = self.execution.activation_checkpointing
+        if self.model.moe is None and (checkpointing == "moe" or flops.level_bits(checkpointing) & 1):
+            fail("execution.activation_checkpointing", checkpointing, "recomputes the MoE block: it needs an MoE "
+                 "model (model.moe); use 'full', 'none' or a level without bit 1")
         if self.execution.expert_exchange == "all_gather" and self.model.moe is not None \
                 and self.model.moe.capacity_factor is not None:
             fail("execution.expert_exchange", "all_gather", "the paper's exchange is dropless: it needs "

@@ -13,7 +13,10 @@ Conventions (as PaLM appendix B / Megatron / torchtitan):
 - ``recompute_flops_per_token(seq_len, mode, every)`` is what activation checkpointing adds to
   a step's work, not to its useful work: the forward FLOPs the backward repeats, one third of
   the checkpointed blocks' share of the count above ("full": every ``every``-th block whole,
-  attention included; "moe": the experts' GEMMs of every MoE layer; "none": 0).
+  attention included; "moe": the experts' GEMMs of every MoE layer; the authors' "level<N>"
+  (RECOMPUTE_LEVELS): of every layer the experts' GEMMs where N has bit 1 (the MoE block after
+  its routing: the exchange runs again too, which is no FLOPs), the attention's projections and
+  scores where it has bit 2, nothing countable for the norms (bit 4); "none": 0).
 """
 from __future__ import annotations
 
@@ -72,6 +75,18 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     return 6 * active_matmul_params(cfg) + 12 * cfg.n_layers * cfg.d_model * seq_len
 
 
+# The authors' recompute levels (GitHub IntelLabs/Optimus-LM, their activation checkpointing
+# level): a bitmask over every layer of what the backward recomputes.
+LEVEL_BITS = {1: "the MoE block after its routing (exchange, experts, combine)", 2: "the attention",
+              4: "the norms"}
+RECOMPUTE_LEVELS = tuple(f"level{n}" for n in range(1, 8))
+
+
+def level_bits(mode: str) -> int:
+    """The bitmask of an activation-checkpointing mode: N for "level<N>", 0 for our own modes."""
+    return int(mode[len("level"):]) if mode in RECOMPUTE_LEVELS else 0
+
+
 def checkpointed_blocks(n_layers: int, mode: str, every: int = 1) -> set[int]:
     """The blocks the backward recomputes whole: under "full", every ``every``-th from the
     ``every``-th on; none otherwise. The rule optimus_core.execution.recompute applies, here
@@ -85,13 +100,19 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, mode: str, every: 
     as checkpointed_blocks picks them; see the module docstring."""
     if mode == "none":
         return 0
-    if mode == "moe":
+    kv_dim = cfg.kv_heads * cfg.head_dim
+    bits = level_bits(mode)
+    if mode == "moe" or bits & 1:
         if cfg.moe is None:
-            raise ValueError("activation checkpointing 'moe' needs an MoE model")
+            raise ValueError(f"activation checkpointing {mode!r} recomputes the MoE block: it needs an MoE model")
+    if bits:
+        experts = 2 * cfg.moe.top_k * 3 * cfg.d_model * cfg.moe.d_expert if bits & 1 else 0
+        attention = 2 * (2 * cfg.d_model * cfg.d_model + 2 * cfg.d_model * kv_dim) + 4 * cfg.d_model * seq_len
+        return cfg.n_layers * (experts + (attention if bits & 2 else 0))
+    if mode == "moe":
         return cfg.n_layers * 2 * cfg.moe.top_k * 3 * cfg.d_model * cfg.moe.d_expert
     if mode != "full" or every < 1:
-        raise ValueError(f"activation checkpointing ({mode!r}, every {every}): mode must be none, full or moe, "
-                         "every >= 1")
-    kv_dim = cfg.kv_heads * cfg.head_dim
+        raise ValueError(f"activation checkpointing ({mode!r}, every {every}): mode must be none, full, moe or "
+                         f"level1..level7, every >= 1")
     block = 2 * (2 * cfg.d_model * cfg.d_model + 2 * cfg.d_model * kv_dim + _ffn_params(cfg, active=True))
     return len(checkpointed_blocks(cfg.n_layers, "full", every)) * (block + 4 * cfg.d_model * seq_len)

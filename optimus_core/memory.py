@@ -52,7 +52,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 from .config import ConfigError, ModelConfig
-from .flops import checkpointed_blocks
+from .flops import RECOMPUTE_LEVELS, checkpointed_blocks, level_bits
 
 GIB = 2 ** 30
 # The share of a device's memory a run may plan to allocate: the rest is the runtime's context,
@@ -66,7 +66,7 @@ USABLE_FRACTION = 0.90
 # chosen mode stays under it. Where no mode has that headroom, the least recomputation that fits
 # at all.
 FIT_MARGIN = 0.09
-CHECKPOINTING = ("none", "moe", "full")
+CHECKPOINTING = ("none", "moe", "full", *RECOMPUTE_LEVELS)  # "auto" chooses among the first three
 LM_LOSS_CHUNK_ROWS = 4096  # optimus_core.model.linear_cross_entropy.DEFAULT_CHUNK_ROWS
 
 
@@ -258,7 +258,7 @@ def _share_elements(p: ParamShape, L: MemoryLayout) -> int:
 # ----------------------------------------------------------------------------- activations
 
 def block_activation_bytes(cfg: ModelConfig, tokens: int, checkpointed: bool = False, experts_only: bool = False,
-                           residual_bytes: int = 2) -> float:
+                           residual_bytes: int = 2, level: int = 0) -> float:
     """Bytes one block keeps for its backward over ``tokens`` tokens (eager, Triton experts, bf16
     autocast, the residual stream ``residual_bytes`` an element: 2 in bf16, 4 in float32),
     counted from the tensors autograd saves:
@@ -279,7 +279,10 @@ def block_activation_bytes(cfg: ModelConfig, tokens: int, checkpointed: bool = F
                               tensor, or two casts), 4 bf16 (tokens x d_ff)
 
     ``checkpointed``: the block recomputes everything, keeping its input; ``experts_only`` (the
-    "moe" mode): the routed rows' up projection and SwiGLU output are recomputed.
+    "moe" mode): the routed rows' up projection and SwiGLU output are recomputed. ``level``: the
+    authors' recompute level's bits (optimus_core.flops.LEVEL_BITS): 1 keeps of the MoE block
+    only its normed input and routing (none of the routed rows), 2 of the attention only its
+    normed input, 4 none of the norms' statistics (their inputs are kept anyway).
     """
     D, H, r = cfg.d_model, cfg.n_heads, residual_bytes
     if r not in (2, 4):
@@ -295,12 +298,19 @@ def block_activation_bytes(cfg: ModelConfig, tokens: int, checkpointed: bool = F
         normalised, qkv_input, gate_up_input = (2 * 4 * D if rms else 0), 3 * 2 * D, 2 * 2 * D
     stats = 8 if rms else 16  # the two norms' rsqrt (and LayerNorm's means) per token
     raw_qk = 0 if cfg.qk_norm else 2 * (D + kv)  # without QK-norm the raw q and k are not kept
-    attn = 2 * r * D + normalised + qkv_input + 12 * D - raw_qk + 4 * H + stats
+    if level & 4:  # the norms recomputed: their statistics and normalised values not kept
+        normalised, stats = 0, 0
+    inner = 12 * D - raw_qk + 4 * H  # the attention's own tensors
+    if level & 2:  # the attention recomputed: it keeps its input, the normed residual as it comes
+        inner, qkv_input = 0, r * D
+    attn = 2 * r * D + normalised + qkv_input + inner + stats
     if cfg.moe is None:
         ffn = gate_up_input + 8 * cfg.d_ff
     else:
         E, K, F = cfg.moe.n_experts, cfg.moe.top_k, cfg.moe.d_expert
         rows = 2 * K * D + (0 if experts_only else 2 * K * 3 * F)
+        if level & 1:  # the MoE block recomputed after its routing: it keeps its input as it comes
+            rows = 0 if r == 2 else r * D  # (in bf16 the router's input already; a float32 one apart)
         ffn = 2 * D + 8 * E + 20 * K + rows
     return float(attn + ffn) * tokens
 
@@ -340,8 +350,8 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
     """Bytes per rank at the peak of a step of ``cfg`` laid out as ``L`` (module doc)."""
     if cfg.moe is not None and cfg.moe.n_experts % L.ep:
         raise ConfigError(f"parallel.ep = {L.ep}: must divide model.moe.n_experts ({cfg.moe.n_experts})")
-    if cfg.moe is None and L.checkpointing == "moe":
-        raise ConfigError("execution.activation_checkpointing = 'moe': needs an MoE model")
+    if cfg.moe is None and (L.checkpointing == "moe" or level_bits(L.checkpointing) & 1):
+        raise ConfigError(f"execution.activation_checkpointing = {L.checkpointing!r}: needs an MoE model")
     bf16 = L.dtype == "bfloat16"
     sharded = L.world > 1
     T, D, V = L.tokens, cfg.d_model, cfg.padded_vocab_size
@@ -356,9 +366,10 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
     layers = L.stage_layers(cfg.n_layers)
     first, last = layers.start == 0, layers.stop == cfg.n_layers
     full = set(checkpointed_blocks(cfg.n_layers, L.checkpointing, L.every)) & set(layers)
+    bits = level_bits(L.checkpointing)
     acts = L.in_flight * sum(block_activation_bytes(cfg, T, checkpointed=i in full,
                                                     experts_only=L.checkpointing == "moe",
-                                                    residual_bytes=L.residual_bytes) for i in layers)
+                                                    residual_bytes=L.residual_bytes, level=bits) for i in layers)
     if bf16 and not sharded:  # autocast's bf16 copies of each kept block's dense weights
         acts += 2.0 * _dense_block_params(cfg) * (len(layers) - len(full))
     # the schedule's receive buffers, one per micro-batch: hidden states in, their gradients back
@@ -373,6 +384,11 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
         recompute = block_activation_bytes(cfg, T, residual_bytes=L.residual_bytes)
     elif L.checkpointing == "moe":
         recompute = 2.0 * T * cfg.moe.top_k * 3 * cfg.moe.d_expert
+    elif bits:  # the largest part one layer recomputes: its routed rows, or its attention's tensors
+        H, kv = cfg.n_heads, cfg.kv_heads * cfg.head_dim
+        rows = 2.0 * T * cfg.moe.top_k * (D + 3 * cfg.moe.d_expert) if bits & 1 else 0.0
+        attention = float(T * (12 * D - (0 if cfg.qk_norm else 2 * (D + kv)) + 4 * H)) if bits & 2 else 0.0
+        recompute = max(rows, attention)
     dispatch = 0.0
     if cfg.moe is not None and L.ep > 1 and L.exchange == "all_gather":
         # every rank's tokens gathered, and the partial sums of all of them before the

@@ -34,14 +34,14 @@ import torch
 from torch import nn
 
 from ..config import ParallelConfig
-from ..flops import checkpointed_blocks
+from ..flops import RECOMPUTE_LEVELS, checkpointed_blocks, level_bits
 from ..model.transformer import Transformer
 from ..parallel import Mesh, expert_parallel
 from ..parallel.pipeline import keep_stage
 from ..parallel.sharding import shard_model
 from .plan import ExecutionPlan
 
-RECOMPUTE_MODES = ("none", "full", "moe")
+RECOMPUTE_MODES = ("none", "full", "moe", *RECOMPUTE_LEVELS)
 
 
 def parallelize(model: Transformer, plan: ExecutionPlan, mesh: Mesh | None = None,
@@ -93,15 +93,21 @@ def use_kernels(model: Transformer, *, experts: str | None = None, lm_loss: bool
 
 def recompute(model: Transformer, mode: str, every: int = 1) -> None:
     """What the backward recomputes (execution.activation_checkpointing, resolved): "none",
-    "full" (every ``every``-th block whole) or "moe" (the experts' computation of every MoE layer,
-    the dispatch kept)."""
+    "full" (every ``every``-th block whole), "moe" (the experts' computation of every MoE layer,
+    the dispatch kept) or the authors' "level<N>" (optimus_core.flops.LEVEL_BITS: of every layer
+    the MoE block after its routing, the attention, the norms)."""
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"activation checkpointing {mode!r}: must be one of {', '.join(RECOMPUTE_MODES)}")
-    if mode == "moe" and not model.moe_layers():
-        raise ValueError("activation checkpointing 'moe' needs MoE layers; this model is dense")
+    bits = level_bits(mode)
+    if (mode == "moe" or bits & 1) and not model.moe_layers():
+        raise ValueError(f"activation checkpointing {mode!r} needs MoE layers; this model is dense")
     model.recompute_blocks = frozenset(checkpointed_blocks(model.cfg.n_layers, mode, every))  # layer indices
+    model.recompute_final_norm = bool(bits & 4)
+    for block in model.blocks.values():
+        block.recompute_attention, block.recompute_norms = bool(bits & 2), bool(bits & 4)
     for layer in model.moe_layers():
         layer.experts.checkpoint_compute = mode == "moe"
+        layer.recompute_routed = bool(bits & 1)
 
 
 def compile_blocks(model: Transformer) -> None:

@@ -5,6 +5,7 @@ import math
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..config import MoEConfig
 from .experts import Experts
@@ -30,6 +31,11 @@ class MoEFeedForward(nn.Module):
     after each forward and drops them (``clear_routing``) once the micro-batch's backward has run.
     """
 
+    # The backward recomputes everything after the routing -- the expert exchange, the experts,
+    # the combine -- from the normed input and the routing (set by optimus_core.execution: the
+    # authors' recompute level's MoE bit); the router's own activations are kept.
+    recompute_routed: bool = False
+
     def __init__(self, d_model: int, cfg: MoEConfig):
         super().__init__()
         self.cfg = cfg
@@ -52,7 +58,11 @@ class MoEFeedForward(nn.Module):
             topk_weight_TK = topk_weight_TK * keep_TK
             n_groups = E + 1
 
-        out_TD = self.experts.apply_routed(x_TD, topk_idx_TK, topk_weight_TK, n_groups)
+        if self.recompute_routed and self.training:
+            out_TD = checkpoint(self.experts.apply_routed, x_TD, topk_idx_TK, topk_weight_TK, n_groups,
+                                use_reentrant=False)
+        else:
+            out_TD = self.experts.apply_routed(x_TD, topk_idx_TK, topk_weight_TK, n_groups)
 
         self.last_z_loss = routing.z_loss
         self.last_tokens_per_expert_E = routing.tokens_per_expert_E

@@ -29,6 +29,12 @@ from .moe import MoEFeedForward
 
 
 class Block(nn.Module):
+    # What the backward recomputes of this block when training, set by optimus_core.execution
+    # (the authors' recompute levels): the attention (its projections, QK-norm, RoPE and scores:
+    # the normed input is what it keeps) and the two norms (their inputs are kept anyway).
+    recompute_attention: bool = False
+    recompute_norms: bool = False
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attn_norm = make_norm(cfg)
@@ -37,8 +43,15 @@ class Block(nn.Module):
         self.ffn = MoEFeedForward(cfg.d_model, cfg.moe) if cfg.moe else SwiGLU(cfg.d_model, cfg.d_ff)
 
     def forward(self, x_BSD, cos_SDh, sin_SDh):
-        h_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos_SDh, sin_SDh)
-        return h_BSD + self.ffn(self.ffn_norm(h_BSD))
+        h_BSD = x_BSD + _maybe_recomputed(self.attn, self.recompute_attention and self.training,
+                                          _maybe_recomputed(self.attn_norm, self.recompute_norms and self.training,
+                                                            x_BSD), cos_SDh, sin_SDh)
+        return h_BSD + self.ffn(_maybe_recomputed(self.ffn_norm, self.recompute_norms and self.training, h_BSD))
+
+
+def _maybe_recomputed(module: nn.Module, recompute: bool, *args):
+    """``module(*args)``, its activations recomputed in the backward where ``recompute``."""
+    return checkpoint(module, *args, use_reentrant=False) if recompute else module(*args)
 
 
 class Transformer(nn.Module):
@@ -51,6 +64,8 @@ class Transformer(nn.Module):
     # in float32 (execution.fp32_residual) instead of the autocast dtype. Either way the norms
     # compute in float32 and every matmul reads the autocast dtype.
     fp32_residual: bool = False
+    # and the final norm recomputed in the backward (the authors' recompute level's norms bit)
+    recompute_final_norm: bool = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -154,4 +169,6 @@ class Transformer(nn.Module):
                 x_BSD = checkpoint(block, x_BSD, cos_SDh, sin_SDh, use_reentrant=False)
             else:
                 x_BSD = block(x_BSD, cos_SDh, sin_SDh)
-        return self.final_norm(x_BSD) if self.final_norm is not None else x_BSD
+        if self.final_norm is None:
+            return x_BSD
+        return _maybe_recomputed(self.final_norm, self.recompute_final_norm and self.training, x_BSD)

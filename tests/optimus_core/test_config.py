@@ -24,7 +24,7 @@ from optimus_core.config import (MOVED, RETIRED, ConfigError, ExecutionConfig, M
     (lambda: ExecutionConfig(activation_checkpointing_every=0), "execution.activation_checkpointing_every = 0: must be >= 1"),
     (lambda: ExecutionConfig(memory_budget_gib=0), "execution.memory_budget_gib = 0.0: must be null (the device's) or > 0"),
     (lambda: RunConfig(execution=ExecutionConfig(activation_checkpointing="moe")),
-     "execution.activation_checkpointing = 'moe': needs an MoE model"),
+     "execution.activation_checkpointing = 'moe': recomputes the MoE block: it needs an MoE model"),
 ])
 def test_bad_values_name_the_field(build, message):
     with pytest.raises(ConfigError) as err:

@@ -22,7 +22,8 @@ def counted_flops(model: Transformer, tokens_BS: torch.Tensor) -> int:
     return counter.get_total_flops()
 
 
-@pytest.mark.parametrize("mode,every", [("full", 1), ("full", 2), ("full", 3), ("moe", 1)])
+@pytest.mark.parametrize("mode,every", [("full", 1), ("full", 2), ("full", 3), ("moe", 1), ("level1", 1), ("level2", 1),
+                                        ("level4", 1), ("level7", 1)])
 def test_recompute_flops_are_what_the_backward_repeats(mode, every):
     cfg = presets.get("mula-7b-a1b@laptop").model.replace(n_layers=5)
     torch.manual_seed(0)
@@ -45,7 +46,13 @@ def test_recompute_flops_conventions():
     # every block recomputed: one more forward of the blocks, a third of their training FLOPs
     head = 6 * cfg.padded_vocab_size * 2048
     assert cfg.recompute_flops_per_token(4096, "full") * 3 == cfg.flops_per_token(4096) - head
-    with pytest.raises(ValueError, match="must be none, full or moe"):
+    # the authors' levels: the experts of every layer (bit 1), the attention (bit 2), norms free
+    attention = 2 * 4 * 2048 * 2048 + 4 * 2048 * 4096
+    assert cfg.recompute_flops_per_token(4096, "level1") == cfg.recompute_flops_per_token(4096, "moe")
+    assert cfg.recompute_flops_per_token(4096, "level6") == 16 * attention
+    assert cfg.recompute_flops_per_token(4096, "level7") == 16 * attention + cfg.recompute_flops_per_token(4096, "moe")
+    with pytest.raises(ValueError, match="must be none, full, moe or level1..level7"):
         cfg.recompute_flops_per_token(4096, "selective")
-    with pytest.raises(ValueError, match="needs an MoE model"):
-        presets.get("mula-1b").model.recompute_flops_per_token(4096, "moe")
+    for mode in ("moe", "level1"):
+        with pytest.raises(ValueError, match="needs an MoE model"):
+            presets.get("mula-1b").model.recompute_flops_per_token(4096, mode)

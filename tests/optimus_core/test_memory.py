@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from optimus_core import presets
 from optimus_core.config import ConfigError, ModelConfig, MoEConfig
 from optimus_core.execution import recompute, use_kernels
-from optimus_core.flops import checkpointed_blocks
+from optimus_core.flops import checkpointed_blocks, level_bits
 from optimus_core.memory import (FIT_MARGIN, GIB, LM_LOSS_CHUNK_ROWS, MemoryBudgetError, MemoryLayout, block_activation_bytes,
                                  check_fits, checkpointing_candidates, estimate, fit_checkpointing,
                                  _held_elements, heaviest_stage, parameter_table, static_bytes)
@@ -52,7 +52,7 @@ def saved_activation_bytes(cfg: ModelConfig, batch: int, seq: int, mode: str = "
             model = use_kernels(Transformer(cfg.replace(n_layers=1)), experts="triton")  # the count's backend
         finally:
             torch.set_default_dtype(torch.float32)
-        recompute(model, "moe" if mode == "moe" else "none")
+        recompute(model, mode if mode == "moe" or mode.startswith("level") else "none")
         use_kernels(model, qk_norm_rope=qk_norm_rope_kernel)
         block, (cos, sin) = model.blocks["0"], model.rope(seq)
         x = torch.randn(batch, seq, cfg.d_model, dtype=residual, requires_grad=True)
@@ -68,12 +68,15 @@ def saved_activation_bytes(cfg: ModelConfig, batch: int, seq: int, mode: str = "
 @pytest.mark.parametrize("residual", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("kernel", [False, True], ids=["qk-torch", "qk-kernel"])
 @pytest.mark.parametrize("cfg, mode", [(MOE, "none"), (MOE, "moe"), (MOE, "full"), (WIDE, "none"), (WIDE, "moe"),
-                                       (DENSE, "none"), (DENSE, "full"), (OLMO, "none")])
+                                       (DENSE, "none"), (DENSE, "full"), (OLMO, "none"),
+                                       (MOE, "level1"), (MOE, "level2"), (MOE, "level4"), (MOE, "level7"),
+                                       (DENSE, "level6"), (OLMO, "level2")])
 def test_block_activations_are_what_autograd_saves(cfg, mode, kernel, residual):
     """Within 3%: the count leaves out the QK-norms' statistics (a few bytes per token). Both
     QK-norm paths (execution.qk_norm_rope) keep the q and k projections as they are, in bf16. The
     RoPE tables (float32 cos and sin), which every block saves, are made once per forward: not a
-    block's. A checkpointed block keeps its input and nothing else."""
+    block's (but a recomputed attention keeps them as its inputs). A checkpointed block keeps its
+    input and nothing else; the authors' levels keep their recomputed parts' inputs."""
     if kernel and not cfg.qk_norm:
         pytest.skip("the QK-norm + RoPE kernel needs a model with QK-norm")
     batch, seq = 2, 64
@@ -81,7 +84,7 @@ def test_block_activations_are_what_autograd_saves(cfg, mode, kernel, residual):
     want = saved_activation_bytes(cfg, batch, seq, mode, qk_norm_rope_kernel=kernel, residual=residual) - tables
     r = residual.itemsize
     got = block_activation_bytes(cfg, batch * seq, checkpointed=mode == "full", experts_only=mode == "moe",
-                                 residual_bytes=r)
+                                 residual_bytes=r, level=level_bits(mode))
     assert got == pytest.approx(want, rel=0.03)
     if mode == "full":
         assert got == want == r * cfg.d_model * batch * seq

@@ -522,3 +522,22 @@ def test_weights_gathered_once_a_step_expose_one_micro_batchs_collectives():
     single = dict(kw, global_batch=8)  # one micro-batch: the forward's gathers and the last reductions alike
     assert pm.predict(MOE, pm.Layout(**single, gathers="per_step"), m).exposed_sync_s <= \
         pm.predict(MOE, pm.Layout(**single), m).exposed_sync_s
+
+
+def test_pipeline_stages_add_the_1f1b_bubble_and_the_stage_sends():
+    """PP 2 over 8 devices, 4 micro-batches of one sequence: the last stage (one of two layers,
+    the head) alone on 4 devices, plus (pp - 1) of its micro-batch times and 2 (m + pp - 1)
+    inter-node sends of one micro-batch's hidden states."""
+    m = _machine()
+    L = pm.Layout(devices=8, ep=2, global_batch=16, micro_batch=1, seq_len=32, dtype="float32", pp=2)
+    alone = pm.predict(MOE.replace(n_layers=1), replace(L, devices=4, pp=1), m)
+    got = pm.predict(MOE, L, m)
+    per_mb = (alone.compute_s + alone.a2a_s) / 4
+    hop = 1e-4 + 32 * MOE.d_model * 4 / 2e9
+    assert got.step_s == pytest.approx(alone.step_s + per_mb + 2 * (4 + 1) * hop)
+    assert got.idle_s - alone.idle_s == pytest.approx(per_mb + 10 * hop)
+    assert (got.compute_s, got.grad_sync_s, got.optimizer_s) == (alone.compute_s, alone.grad_sync_s, alone.optimizer_s)
+    with pytest.raises(ConfigError, match="must be a multiple of the data-parallel devices"):
+        pm.Layout(devices=8, pp=2, global_batch=6)
+    with pytest.raises(ConfigError, match="more stages than the model's 2 layers"):
+        pm.predict(MOE, pm.Layout(devices=4, pp=4, global_batch=4, seq_len=32), m)

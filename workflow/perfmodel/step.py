@@ -10,7 +10,7 @@ import numpy as np
 
 from optimus_core import presets
 from optimus_core.config import MOVED, RETIRED, ConfigError, ModelConfig
-from optimus_core.flops import checkpointed_blocks
+from optimus_core.flops import RECOMPUTE_LEVELS, checkpointed_blocks, level_bits
 
 from .machine import DTYPES, Machine
 
@@ -18,7 +18,7 @@ OPTIMIZERS = ("ep_aware", "dp_sharded", "local")
 PHASES = ("compute_s", "a2a_s", "grad_sync_s", "optimizer_s", "idle_s")
 OVERLAPS = ("none", "chunks", "layers", "grad_sync")
 EXCHANGES = ("all_to_all", "all_gather")  # the expert exchange (optimus_core.parallel.expert_parallel)
-CHECKPOINTING = ("none", "full", "moe")
+CHECKPOINTING = ("none", "full", "moe", *RECOMPUTE_LEVELS)
 WHATIFS = ("grad_sync",)  # overlaps our step does not do: priced to show what they would buy
 
 # Bytes one parameter element costs torch's (non-fused, foreach) AdamW step in float32: decay
@@ -60,18 +60,21 @@ class Layout:
     checkpointing_every: int = 1
     exchange: str = "all_to_all"  # the expert exchange as the run's plan resolves it (EXCHANGES)
     gathers: str = "per_micro_batch"  # the plan's weight_gathers: per_micro_batch | per_step (overlap "layers")
+    pp: int = 1  # pipeline stages (parallel.pp, 1F1B): devices / pp ranks per stage
 
     def __post_init__(self):
         def bad(name, allowed):
             raise ConfigError(f"layout.{name} = {getattr(self, name)!r}: {allowed}")
 
-        for name in ("devices", "ep", "global_batch", "seq_len"):
+        for name in ("devices", "ep", "global_batch", "seq_len", "pp"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(name, "must be an integer >= 1")
         if self.devices % self.ep:
             bad("ep", f"must divide devices ({self.devices})")
-        if self.global_batch % self.devices:
-            bad("global_batch", f"must be a multiple of devices ({self.devices})")
+        if self.devices % (self.ep * self.pp):
+            bad("pp", f"x ep ({self.ep}) must divide devices ({self.devices})")
+        if self.global_batch % self.data_devices:
+            bad("global_batch", f"must be a multiple of the data-parallel devices ({self.data_devices})")
         if self.micro_batch < 0 or (self.micro_batch and self.local_batch % self.micro_batch):
             bad("micro_batch", f"must be 0 or divide the local batch ({self.local_batch} sequences)")
         if self.optimizer not in OPTIMIZERS:
@@ -98,8 +101,13 @@ class Layout:
                              "overlap 'layers' or 'grad_sync'")
 
     @property
+    def data_devices(self) -> int:
+        """Devices that read distinct sequences: one stage's."""
+        return self.devices // self.pp
+
+    @property
     def local_batch(self) -> int:
-        return self.global_batch // self.devices
+        return self.global_batch // self.data_devices
 
     @property
     def micro_batches(self) -> int:
@@ -218,16 +226,23 @@ def _expert_flops_per_token(cfg: ModelConfig) -> int:
 def _recompute_flops_per_token(cfg: ModelConfig, L: "Layout") -> tuple[int, int]:
     """(all, the experts' part) of the forward FLOPs per token the backward repeats under L's
     activation checkpointing (optimus_core.flops.recompute_flops_per_token)."""
-    if L.checkpointing == "moe" and cfg.moe is None:
-        raise ConfigError("layout.checkpointing = 'moe': needs an MoE model")
+    bits = level_bits(L.checkpointing)
+    if (L.checkpointing == "moe" or bits & 1) and cfg.moe is None:
+        raise ConfigError(f"layout.checkpointing = {L.checkpointing!r}: needs an MoE model")
     total = cfg.recompute_flops_per_token(L.seq_len, L.checkpointing, L.checkpointing_every)
+    if bits & 1:  # the MoE block of every layer: its experts' GEMMs among what is recomputed
+        return total, cfg.recompute_flops_per_token(L.seq_len, "moe")
     if cfg.moe is None or L.checkpointing != "full":
         return total, total if L.checkpointing == "moe" else 0
     return total, cfg.recompute_flops_per_token(L.seq_len, "moe") * _recomputed_blocks(cfg, L) // cfg.n_layers
 
 
 def _recomputed_blocks(cfg: ModelConfig, L: "Layout") -> int:
-    """Blocks the backward recomputes whole (checkpointing "full"; optimus_core.flops.checkpointed_blocks)."""
+    """Blocks whose expert exchange the backward runs again: those recomputed whole (checkpointing
+    "full"; optimus_core.flops.checkpointed_blocks), or every one under a recompute level with
+    the MoE bit (the MoE block after its routing is recomputed, exchange included)."""
+    if level_bits(L.checkpointing) & 1:
+        return cfg.n_layers
     return len(checkpointed_blocks(cfg.n_layers, L.checkpointing, L.checkpointing_every))
 
 
@@ -243,6 +258,8 @@ def ranks_visited(cfg: ModelConfig, ep: int) -> float:
 
 def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
     """Step time and its phases for ``cfg`` trained with ``layout`` on ``machine`` (package doc)."""
+    if layout.pp > 1:
+        return _pipelined(cfg, layout, machine)
     m, L = machine, layout
     if L.dtype not in m.matmul_flops:
         raise ConfigError(f"machine {m.name}: device.matmul_flops.{L.dtype}: missing (layout.dtype = {L.dtype!r})")
@@ -286,7 +303,7 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
     # A block recomputed whole (checkpointing "full") dispatches its tokens again: its forward's
     # share (half) of the dispatch's passes and its forward all-to-alls come back; "moe"
     # recomputes the experts from the rows already dispatched.
-    redispatched = _recomputed_blocks(cfg, L)  # 0 but under "full"
+    redispatched = _recomputed_blocks(cfg, L)  # 0 but under "full" or a level with the MoE bit
     dispatch_s = 0.0
     if cfg.moe is not None and L.ep > 1:
         dispatch_s = m.dispatch_passes * rows * cfg.d_model * 4 / m.memory_bandwidth * L.micro_batches \
@@ -343,6 +360,27 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
     idle_s = m.step_overhead
     step_s = compute_s + a2a_s + sync_s + optimizer_s + idle_s  # phases in sequence (package doc)
     return Prediction(step_s, compute_s, a2a_s, sync_s, optimizer_s, idle_s, exposed_s)
+
+
+def _pipelined(cfg: ModelConfig, L: Layout, m: Machine) -> Prediction:
+    """A step of ``pp`` pipeline stages under 1F1B (package doc): the busiest stage -- the last,
+    with the most layers of an even cut and the LM head -- priced as a run of its own on its
+    devices / pp ranks (its compute and expert exchange for every micro-batch, its gradient sync
+    and update); the bubble, (pp - 1) of its micro-batch times (of m + pp - 1 in all), and the
+    stage-to-stage sends (each micro-batch's hidden states forward and their gradients back,
+    across nodes: every send the schedule waits on) are idle time."""
+    if cfg.n_layers < L.pp:
+        raise ConfigError(f"layout.pp = {L.pp}: more stages than the model's {cfg.n_layers} layers")
+    stage = cfg.replace(n_layers=-(-cfg.n_layers // L.pp))
+    alone = predict(stage, replace(L, devices=L.data_devices, pp=1), m)
+    mbs = L.micro_batches
+    per_mb = (alone.compute_s + alone.a2a_s) / mbs
+    bubble = (L.pp - 1) * per_mb
+    act_bytes = 2 if L.dtype == "bfloat16" else 4
+    link = (m.inter or m.intra)["all_to_all"]  # a pairwise transfer: the nearest collective's link
+    hop = link.latency + L.tokens_per_rank / mbs * cfg.d_model * act_bytes / link.bandwidth
+    sends = 2 * (mbs + L.pp - 1) * hop
+    return replace(alone, step_s=alone.step_s + bubble + sends, idle_s=alone.idle_s + bubble + sends)
 
 
 def _zero1(cfg: ModelConfig, L: Layout, m: Machine, compute_s: float, share: float, world: np.ndarray,

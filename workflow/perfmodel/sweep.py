@@ -114,10 +114,11 @@ def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> di
     """Hours and node-hours of a registry run (workflow.experiments.RunScale) on ``machine``:
     steps x predicted step time. ``source`` says it is the model's estimate."""
     cfg = run_scale.run_config()
-    local = cfg.train.global_batch // run_scale.devices
-    if local < 1 or cfg.train.global_batch % run_scale.devices:
+    data_devices = run_scale.devices // cfg.parallel.pp  # with pipeline stages: one stage's
+    local = cfg.train.global_batch // data_devices
+    if local < 1 or cfg.train.global_batch % data_devices:
         raise ConfigError(f"global_batch = {cfg.train.global_batch}: must be a multiple of the "
-                          f"{run_scale.devices} devices for the performance model")
+                          f"{data_devices} data-parallel devices for the performance model")
     mb = cfg.train.micro_batch or (micro_batch if local % micro_batch == 0 else 0)
     plan = planned_run(cfg, machine, run_scale.devices)
     mode, every = plan.checkpointing
@@ -126,7 +127,8 @@ def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> di
                     optimizer=cfg.parallel.optimizer if run_scale.devices > 1 else "local", dtype=plan.dtype,
                     overlap=code_overlap(cfg.parallel), dp_shard=cfg.parallel.dp_shard,
                     reduce_bytes=reduce_bytes(cfg, plan.dtype), exchange=plan.expert_exchange or "all_to_all",
-                    gathers=plan.weight_gathers or "per_micro_batch", checkpointing=mode, checkpointing_every=every)
+                    gathers=plan.weight_gathers or "per_micro_batch", checkpointing=mode, checkpointing_every=every,
+                    pp=cfg.parallel.pp)
     pred = predict(cfg.model, layout, machine)
     hours = run_scale.steps * pred.step_s / 3600
     nodes = math.ceil(run_scale.devices / machine.devices_per_node)

@@ -90,3 +90,31 @@ def test_the_plans_gemm_family_becomes_the_processs_ceiling():
         assert gm.allows("warp_specialized")
     finally:
         gm.use_family(before)
+
+
+@pytest.mark.parametrize("level", ["level1", "level2", "level4", "level7"])
+def test_the_authors_recompute_levels_change_no_gradient(level):
+    """Each level recomputes its parts of every layer (the MoE block after its routing, the
+    attention, the norms) in the backward: the same loss and gradients as keeping everything
+    (float32), and fewer tensors kept for the backward."""
+    cfg = ModelConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, max_seq_len=16,
+                      moe=MoEConfig(n_experts=4, top_k=2, d_expert=16))
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def run(mode):
+        torch.manual_seed(0)
+        model = Transformer(cfg)
+        model.init_weights(seed=0)
+        recompute(model, mode)
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel()) or t, lambda t: t):
+            loss = model(tokens).float().logsumexp(-1).mean() + model.aux_loss()
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, sum(kept)
+
+    ref_loss, ref_grads, ref_kept = run("none")
+    loss, grads, kept = run(level)
+    assert torch.equal(loss, ref_loss)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)
+    assert kept < ref_kept

@@ -191,9 +191,10 @@ def single(tokens_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("nproc, pp, ep, recompute", [
-    (2, 2, 1, "none"), (2, 2, 1, "full"),  # every block recomputed: the paper's recompute level 7
+    (2, 2, 1, "none"), (2, 2, 1, "level7"),  # the 220B's recompute level: MoE block, attention, norms
     (4, 2, 1, "none"),  # two data-parallel pipelines, each stage sharded over its 2 ranks
-    (4, 2, 2, "full"),  # each stage's experts split over an EP group of 2
+    (4, 2, 2, "level1"),  # each stage's experts split over an EP group of 2; the 100B's level
+    (4, 2, 2, "full"),
     (4, 4, 1, "moe"),  # one layer a stage, as many micro-batches as stages; the experts recomputed
 ])
 def test_stages_follow_the_one_process_run(single, tokens_dir, tmp_path, nproc, pp, ep, recompute):
