@@ -180,14 +180,15 @@ def _paper_runs(store: ResultsStore) -> list[str]:
     for run_id in store.runs_of_kind("plan"):
         attrs = store.attrs(run_id)
         rows = [["preset", "tag", "layers", "width", "heads", "experts", "total / active", "name", "context",
-                 "batch", "tokens", "steps", "tiles (EP)", "node-hours", "GiB/tile"]]
+                 "batch", "tokens", "steps", "tiles (EP, PP)", "recompute", "node-hours", "GiB/tile"]]
         for r in attrs.get("paper_runs", []):
             experts = f"{r['experts']} (top-{r['top_k']})" if r["experts"] else DASH
             rows.append([r["preset"], f"`{r['base']}--{r['tag']}`" if r["tag"] else f"`{r['base']}`",
                          str(r["layers"]), str(r["d_model"]), str(r["heads"]), experts,
                          f"{format_count(r['params'])} / {format_count(r['active_params'])}", r["nominal"] or DASH,
                          str(r["seq_len"]), str(r["batch"]), format_count(r["tokens"]), f"{r['steps']:,}",
-                         f"{r['tiles']} ({r['ep']})", _num(r["node_hours"], ",.0f"), _num(r["gib_per_tile"], ".1f")])
+                         f"{r['tiles']} ({r['ep']}, {r.get('pp', 1)})", r.get("checkpointing") or DASH,
+                         _num(r["node_hours"], ",.0f"), _num(r["gib_per_tile"], ".1f")])
         if len(rows) == 1:
             continue
         lines += ["## The paper's runs", "",
@@ -196,8 +197,26 @@ def _paper_runs(store: ResultsStore) -> list[str]:
                   f"`{attrs.get('machine')}`, GiB per tile from the memory model). Models are the authors' base models "
                   "rescaled by their tags (GitHub IntelLabs/Optimus-LM), with the paper's recipe: context 2048, 3072 "
                   "sequences a step, the decay over one epoch of the data. \"Name\": the sizes the model's name "
-                  "states, beside our exact counts.", "", *_markdown_table(rows, "llrrrlllrrrrrrr"), ""]
+                  "states, beside our exact counts.", "", *_markdown_table(rows, "llrrrlllrrrrrlrr"), ""]
+        lines += _designs(attrs)
     return lines
+
+
+def _designs(attrs: dict) -> list[str]:
+    """"Two designs of the same runs": each run that has a design of ours beside the authors'
+    layout, both as planned (the plan's performance and memory models)."""
+    rows = [["run", "design", "tiles (EP, PP)", "recompute", "est. hours", "node-hours", "GiB/tile"]]
+    for r in attrs.get("designs", []):
+        rows.append([r["run"], r["design"], f"{r['tiles']} ({r['ep']}, {r['pp']})", r["checkpointing"] or DASH,
+                     _num(r["est_hours"], ",.1f"), _num(r["node_hours"], ",.0f"), _num(r["gib_per_tile"], ".1f")])
+    if len(rows) == 1:
+        return []
+    return ["## Two designs of the same runs", "",
+            "The authors' layouts (pipeline stages, their recompute levels) and ours (no pipeline, every parameter "
+            "sharded in blocks of 384 tiles, the least recomputation that fits), planned alike on "
+            f"`{attrs.get('site')}` (`optimus plan --layout authors|zero3-blocks`): hours from the performance model, "
+            "GiB per tile from the memory model (the heaviest pipeline stage's). The strong-scaling section gives "
+            "the sweep in both.", "", *_markdown_table(rows, "llrlrrr"), ""]
 
 
 def _memory(store: ResultsStore) -> list[str]:

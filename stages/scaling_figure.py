@@ -43,7 +43,7 @@ from optimus_core.atomic import atomic_open
 PAPER = {"preset": "mula-220b-a10b", "base_tiles": 384, "tiles": 12288, "efficiency": 0.90}
 PHASES = ("compute_s", "a2a_s", "grad_sync_s", "optimizer_s", "idle_s")
 PHASE_LABELS = {"compute_s": "compute", "a2a_s": "expert all-to-all", "grad_sync_s": "gradient sync",
-                "optimizer_s": "optimizer", "idle_s": "idle / host"}
+                "optimizer_s": "optimizer", "idle_s": "idle (host, pipeline bubble)"}
 PHASE_COLOURS = {"compute_s": "C0", "a2a_s": "C1", "grad_sync_s": "C2", "optimizer_s": "C4", "idle_s": "0.6"}
 HOLDOUT_TARGET = 0.15  # issue 8: held-out prediction error at most 15 %
 
@@ -292,6 +292,19 @@ def _whatifs(predicted: Sequence[dict]) -> list[tuple[str, list[dict]]]:
     return [(sc, rows) for sc in scenarios if len(rows := paper_rows(predicted, sc)) > 1]
 
 
+def _scenario_line(scenario: str, rows: list[dict]) -> str:
+    """The report's line for a sweep beside the plain one: a what-if of the step, or the same
+    runs in another design (workflow.experiments.DESIGNS)."""
+    eff = f"{_pct(_efficiencies(rows)[-1])} at {rows[-1]['devices']} tiles"
+    if scenario.startswith("design "):
+        first, last = rows[0], rows[-1]
+        return (f"- The same runs in our design, {scenario[len('design '):]} (no pipeline, every parameter sharded in "
+                f"blocks, activation checkpointing {last.get('checkpointing', '?')}): {float(first['step_s']):.3g} s a "
+                f"step at {first['devices']} and {float(last['step_s']):.3g} s at {last['devices']} tiles, {eff}.")
+    return (f"- What-if, {scenario}: the same model with every layer's collectives hidden (our step hides what "
+            f"the other layers' compute covers) predicts {eff}.")
+
+
 def drivers(rows: Sequence[dict]) -> list[str]:
     """Sentences, computed from a predicted sweep, on what costs efficiency between its ends."""
     if len(rows) < 2:
@@ -333,10 +346,7 @@ def scaling_report_markdown(measured: list[dict], predicted: list[dict], holdout
             *([f"- Of the compute, the layers' all-gathers and reduce-scatters that the compute does not cover: "
                f"{float(first['exposed_sync_s']):.3g} s at {first['devices']} and {float(last['exposed_sync_s']):.3g} s "
                f"at {last['devices']} tiles."] if last.get("exposed_sync_s") is not None else []),
-            *[f"- What-if, {sc}: the same model with every layer's collectives hidden (our step hides what "
-              f"the other layers' compute covers) predicts "
-              f"{_pct(_efficiencies(rows)[-1])} at {rows[-1]['devices']} tiles."
-              for sc, rows in _whatifs(predicted)],
+            *[_scenario_line(sc, rows) for sc, rows in _whatifs(predicted)],
             _overlap_note(last),
             "- Aurora's numbers are sourced or marked as assumptions in workflow/machines/aurora.yaml; the "
             "achieved compute fraction, the intra-node (Xe Link) collective bandwidth and the fraction of "

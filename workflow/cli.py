@@ -36,6 +36,7 @@ from optimus_core.log import configure_logging
 from workflow.commands import (cmd_corpus, cmd_evaluate, cmd_execution, cmd_experiments, cmd_export_hf, cmd_figures,
                                cmd_perfmodel, cmd_plan, cmd_presets, cmd_pretrain, cmd_reference, cmd_rehearse,
                                cmd_report, cmd_scaling, cmd_tokenize, cmd_window_order, emit)
+from workflow.experiments import DESIGNS
 from workflow.failures import check_site_use, user_failure
 
 
@@ -79,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experiment", default=None, help="a run of workflow/experiments.py")
     p.add_argument("--scale", choices=("laptop", "paper"), default=None,
                    help="with --experiment: its laptop (default) or paper configuration")
+    p.add_argument("--layout", choices=DESIGNS, default=None,
+                   help="with --experiment --scale paper: the authors' layout (default) or our design of the run")
     p.add_argument("--data", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True, help="the run directory")
     p.add_argument("--run-id", default=None, help="default: the run directory's name")
@@ -224,8 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="meta: no device, the shares' sizes only (checked against the memory model)")
     p.add_argument("--site", default="aurora", help="whose machine's memory budget the layouts are planned for")
     p.add_argument("--checkpointing", default=None, metavar="MODE",
-                   help="none, moe, full or full/K: rehearse this activation checkpointing instead of the one "
-                        "the plan resolves (to measure a choice before the plan makes it)")
+                   help="none, moe, full, full/K or level1..level7: rehearse this activation checkpointing instead "
+                        "of the one the plan resolves (to measure a choice before the plan makes it)")
+    p.add_argument("--layout", choices=DESIGNS, default=None,
+                   help="the runs in the authors' layout (default) or our design")
     p.add_argument("--no-save", action="store_true", help="skip the checkpoint write after the steps")
     p.add_argument("--site-account", default="rehearsal", help=argparse.SUPPRESS)
     p.add_argument("--jsonl", type=Path, default=None, help="write the records here (bench/results/rehearsal-*.jsonl)")
@@ -238,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default=None)
     p.add_argument("--experiment", default=None, help="a registry run, at --scale, on its own number of ranks")
     p.add_argument("--scale", choices=("paper", "laptop"), default="paper")
+    p.add_argument("--layout", choices=DESIGNS, default=None, help="the authors' layout (default) or our design")
     p.add_argument("--device", default="auto", help="cpu, cuda or xpu (default: this machine's); a device not "
                    "here is planned from its type")
     p.add_argument("--world", type=int, default=None, help="ranks (default: 1, or the experiment's tiles)")
@@ -253,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", type=Path, default=None,
                    help="also record the pretraining runs' shapes, recipe and plan in this results store (the report's "
                         "table of the paper's runs)")
+    p.add_argument("--layout", choices=DESIGNS, default=None,
+                   help="the runs in the authors' layout (default) or our design, where a run has one")
     p.add_argument("experiments", nargs="*", help="default: every run of the paper-scale DAG")
     p.set_defaults(func=cmd_plan)
     return parser

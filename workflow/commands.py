@@ -179,6 +179,13 @@ FLAG_FIELDS = {"train.steps": "--steps", "train.seed": "--seed", "execution.dtyp
                "execution.experts": "--experts-backend"}
 
 
+def _layout(args) -> str:
+    """The design ``--layout`` names (workflow.experiments.DESIGNS), the authors' where not given."""
+    from workflow.experiments import AUTHORS
+
+    return getattr(args, "layout", None) or AUTHORS
+
+
 def resolve_run_config(args):
     """Preset (or experiment) + flags + --set overrides -> a validated RunConfig and run id."""
     from optimus_core import presets
@@ -188,6 +195,9 @@ def resolve_run_config(args):
     if args.experiment and args.preset:
         raise ConfigError(f"--preset {args.preset} and --experiment {args.experiment}: give one (an experiment "
                           f"names its own preset)")
+    if getattr(args, "layout", None) and not args.experiment:
+        raise ConfigError(f"--layout {args.layout} chooses an --experiment's paper-scale design; a --preset has one "
+                          f"configuration")
     if args.scale and not args.experiment:
         raise ConfigError(f"--scale {args.scale} chooses an --experiment's configuration; a --preset has one "
                           f"(a laptop preset is named NAME@laptop)")
@@ -195,9 +205,9 @@ def resolve_run_config(args):
         from workflow.experiments import get as get_experiment
 
         exp = get_experiment(args.experiment)
-        scale = exp.scale(args.scale or "laptop")
+        scale = exp.scale(args.scale or "laptop", _layout(args))
         preset_name, overrides = scale.preset, dict(scale.overrides())
-        run_id, experiment = run_id or exp.run_id(args.scale or "laptop"), exp.name
+        run_id, experiment = run_id or exp.run_id(args.scale or "laptop", _layout(args)), exp.name
     elif args.preset:
         preset_name = args.preset
     else:
@@ -470,7 +480,7 @@ def cmd_plan(args) -> Summary:
 
     site = load_site(args.site)
     experiments = [get_experiment(n) for n in args.experiments] if args.experiments else dag("paper")
-    table, plans = plan_table(experiments, site)
+    table, plans = plan_table(experiments, site, _layout(args))
     jobs = [{"run": exp.name, **jsonable(job), "walltime": job.walltime, "node_hours": job.node_hours,
              "launcher": job.launcher, "pbs": job.pbs_lines()} for exp, job in zip(experiments, plans)]
     if args.pbs:
@@ -479,24 +489,30 @@ def cmd_plan(args) -> Summary:
     if args.store:
         from workflow.plan import record_plan
 
-        run_id = record_plan(args.store, site, experiments, plans)
+        run_id = record_plan(args.store, site, experiments, plans, _layout(args))
         table += f"\n{args.store}: run {run_id} (the report's table of the paper's runs)"
     return Summary(table, {"site": site.name, "jobs": jobs, "node_hours": sum(job.node_hours for job in plans)})
 
 
 def parse_checkpointing(text: str) -> tuple[str, int]:
-    """``none``, ``moe``, ``full`` or ``full/K`` (every K-th block) as (mode, every)."""
+    """``none``, ``moe``, ``full``, ``full/K`` (every K-th block) or ``level1`` .. ``level7`` as
+    (mode, every)."""
+    from optimus_core.flops import RECOMPUTE_LEVELS
+
     mode, _, every = text.partition("/")
-    if mode not in ("none", "moe", "full") or (every and (mode != "full" or not every.isdigit() or int(every) < 1)):
-        raise ConfigError(f"--checkpointing {text}: must be none, moe, full or full/K (every K-th block, K >= 1)")
+    if mode not in ("none", "moe", "full", *RECOMPUTE_LEVELS) or (
+            every and (mode != "full" or not every.isdigit() or int(every) < 1)):
+        raise ConfigError(f"--checkpointing {text}: must be none, moe, full, full/K (every K-th block, K >= 1) or "
+                          f"level1 .. level7 (the authors' recompute levels)")
     return mode, int(every or 1)
 
 
-def rehearsal_jobs(names, tiles, site, checkpointing: tuple[str, int] | None = None):
-    """The registry's paper runs (``names``; default every run of the paper DAG) as rehearsals,
-    each at its own tile count or at each of ``tiles``, its checkpointing resolved for the site's
-    machine as `optimus plan` resolves it (workflow.plan.plan_memory), or ``checkpointing``
-    (mode, every) where given: a choice rehearsed before the plan makes it."""
+def rehearsal_jobs(names, tiles, site, checkpointing: tuple[str, int] | None = None, layout: str = "authors"):
+    """The registry's paper runs (``names``; default every run of the paper DAG) in design
+    ``layout`` (workflow.experiments.DESIGNS) as rehearsals, each at its own tile count or at
+    each of ``tiles``, its checkpointing resolved for the site's machine as `optimus plan`
+    resolves it (workflow.plan.plan_memory), or ``checkpointing`` (mode, every) where given: a
+    choice rehearsed before the plan makes it."""
     from stages.rehearse import Rehearsal
     from workflow.experiments import dag, get as get_experiment
     from workflow.plan import plan_memory
@@ -504,8 +520,9 @@ def rehearsal_jobs(names, tiles, site, checkpointing: tuple[str, int] | None = N
     experiments = [get_experiment(n) for n in names] if names else dag("paper")
     jobs = []
     for exp in experiments:
-        for n in tiles or [exp.paper.devices]:
-            run = exp.paper.at_tiles(n)
+        paper = exp.scale("paper", layout)
+        for n in tiles or [paper.devices]:
+            run = paper.at_tiles(n)
             _, budget, resolved = plan_memory(run, site, n)  # MemoryBudgetError: over the budget
             jobs.append(Rehearsal(exp.name, run.run_config(), n, checkpointing or resolved or ("none", 1),
                                   budget if budget == budget else None))
@@ -530,7 +547,8 @@ def cmd_rehearse(args) -> Summary:
         # not here: one sentence, before any layout is built, naming what rehearse takes instead
         resolve_device_type(args.device, field="--device", instead="cpu (or meta: the shares' sizes only)")
     asked = parse_checkpointing(args.checkpointing) if args.checkpointing else None
-    jobs = rehearsal_jobs(args.experiment, args.tiles, load_site(args.site, account=args.site_account), asked)
+    jobs = rehearsal_jobs(args.experiment, args.tiles, load_site(args.site, account=args.site_account), asked,
+                          _layout(args))
     result = run_rehearse(RehearseConfig(jobs, rank=args.rank, steps=args.steps, device=args.device,
                                          micro_batches=args.micro_batches or None, save=not args.no_save),
                           RehearseOutputs(jsonl=args.jsonl, store=args.store))
@@ -577,8 +595,9 @@ def cmd_perfmodel(args) -> Summary:
     lines += [f"skipped: {name}: {why}" for name, why in study["skipped"].items()]
     paper = study["paper"]
     lines.append(f"paper sweep on {paper['machine']}: efficiency at {paper['tiles'][-1]} tiles "
-                 f"{paper['efficiency'][-1]:.1%} (overlap grad_sync what-if: "
-                 f"{paper['efficiency_overlap_grad_sync'][-1]:.1%})")
+                 f"{paper['efficiency'][-1]:.1%} in the authors' layout (overlap grad_sync what-if: "
+                 f"{paper['efficiency_overlap_grad_sync'][-1]:.1%}; our zero3-blocks design: "
+                 f"{paper['efficiency_zero3_blocks'][-1]:.1%})")
     if args.out:
         lines.append(str(args.out))
     return Summary("\n".join(lines), jsonable(study))
@@ -601,7 +620,7 @@ def cmd_execution(args) -> Summary:
     if args.experiment:
         from workflow.experiments import get as get_experiment
 
-        scale = get_experiment(args.experiment).scale(args.scale)
+        scale = get_experiment(args.experiment).scale(args.scale, _layout(args))
         preset_name, overrides, world = scale.preset, dict(scale.overrides()), scale.devices
     else:
         preset_name, world = args.preset, 1

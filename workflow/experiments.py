@@ -10,7 +10,7 @@ truth per fact). Model shapes are not here: they live in optimus_core/presets.py
     >>> exp.paper.steps, exp.paper.batch, exp.laptop.steps
     (635783, 3072, 240)
     >>> len(dag("laptop")), len(dag("paper"))
-    (5, 15)
+    (5, 22)
     >>> [e.name for e in scaleup()]
     ['pretrain-mula-20b-a2b', 'pretrain-mula-100b-a7b', 'pretrain-mula-220b-a10b']
 
@@ -32,17 +32,22 @@ sequences of 2048 tokens a step (6.29M tokens: the presets' recipe, optimus_core
 4T tokens take 635,783 steps and 100B tokens 15,895. The decay horizon is one epoch of the data
 (``schedule.decay_horizon = "epoch"``), also for the 100B-token runs, which stop early on it.
 Expert parallelism is the authors' degree, 12 (one node's tiles) for Mula-20B-A2B, -100B-A7B and
--220B-A10B, none for Mula-1B and -7B-A1B. The authors also pipeline the 100B (PP 4) and 220B
-(PP 8) runs; until pipeline parallelism lands, those two run in our layout: parameters sharded
-(below) with the recomputation their tiles need.
+-220B-A10B, none for Mula-1B and -7B-A1B. The 100B and 220B runs are the authors' layouts
+(``submit_aurora_job_paper.pbs``): Mula-100B-A7B in 4 pipeline stages of 12 layers (1F1B, 4
+micro-batches of one sequence per pipeline and step), recompute level 1 (the MoE block); Mula-
+220B-A10B in 8 stages of 8 layers (8 micro-batches), recompute level 7 (MoE block, attention,
+norms). Our own design for them stays registered by name (``Experiment.layouts``, DESIGNS):
+"zero3-blocks", no pipeline, every parameter sharded in blocks of 384 tiles (below) with the
+least recomputation its tiles need; `optimus pretrain|plan|rehearse --layout zero3-blocks`
+selects it, and the report compares the two designs on the same runs.
 
 Every paper-scale run trains in micro-batches of one sequence per tile (``train.micro_batch=1``,
 what the performance model prices), accumulating ``global_batch / tiles`` of them per step, so
 ``global_batch`` must be a multiple of ``tiles x micro_batch``; RunScale checks it for every run.
 
 Every paper-scale run of more than 384 tiles shards its parameters in blocks of 384 tiles (32
-nodes: ``parallel.dp_shard``, the strong-scaling sweep's smallest job) and replicates them over
-the blocks (hybrid sharding): a layer's all-gathers and reduce-scatters then span at most 32
+nodes: ``parallel.dp_shard``, the strong-scaling sweep's smallest job; with pipeline stages,
+blocks of at most a stage's tiles) and replicates them over the blocks (hybrid sharding): a layer's all-gathers and reduce-scatters then span at most 32
 nodes, not up to 1024 (whose ring latency workflow/perfmodel/ puts at 61% efficiency at
 12288 tiles, against 95% in blocks), and the per-tile state stays within the tile's memory
 (optimus_core/memory.py: at most 1/12 of an EP rank's experts per tile). Activation
@@ -52,10 +57,13 @@ by `optimus plan` (its GiB/tile column) and again by each run on its device. The
 sweep is the exception: its smallest size's choice is pinned for all its sizes
 (SCALING_CHECKPOINTING), so that every point does the same work per step.
 
-Strong scaling keeps one global batch of 12288 sequences of 2048 tokens (25M tokens: one sequence
-per tile at 12288 tiles, 32 accumulated micro-batches per tile at 384) for 6 steps, EP 12
-everywhere. The authors' sweep batch is not in their code: this batch is our assumption, the
-smallest that gives every point whole micro-batches of one sequence. A timed run fits one job
+Strong scaling keeps one global batch of 12288 sequences of 2048 tokens (25M tokens) for 6 steps,
+EP 12 everywhere, in the authors' layout of Mula-220B-A10B (PP 8, recompute level 7): at 12288
+tiles 8 micro-batches of one sequence per pipeline, at 384 tiles 256. What is known of the
+authors' sweep: its sizes (384 to 12288 tiles), the model and its layout; its batch is not in
+their code, so this batch is our assumption, the smallest that gives every point whole
+micro-batches of one sequence in our own design ("zero3-blocks": one sequence per tile at
+12288, 32 accumulated per tile at 384), where every point runs SCALING_CHECKPOINTING. A timed run fits one job
 with room (workflow/plan.py), and the 384-tile point must fit the one-hour debug-scaling queue
 (32 nodes is below prod's smallest tier).
 
@@ -89,6 +97,10 @@ from optimus_core import presets
 from optimus_core.config import ConfigError
 
 Scale = Literal["laptop", "paper"]
+# The designs of a paper-scale run (Experiment.layouts): the authors' layout, every run's
+# default, and ours where it differs (the module doc)
+AUTHORS = "authors"
+DESIGNS = (AUTHORS, "zero3-blocks")
 Kind = Literal["pretrain", "scaling", "ablation"]
 KINDS = ("pretrain", "scaling", "ablation")
 TILES_PER_NODE = 12  # Aurora: 6 PVC GPUs x 2 tiles, one rank per tile
@@ -110,8 +122,9 @@ class RunScale:
     extra: dict[str, Any] = field(default_factory=dict)  # further --set overrides
     ep: int = 1
     global_batch: int = 0
-    dp_shard: int = 0  # shard block in ranks (parallel.dp_shard); 0 or >= devices: the whole job
+    dp_shard: int = 0  # shard block in ranks (parallel.dp_shard); 0 or >= a stage's devices: the whole stage
     timed: bool = False  # measured, not trained to a result (scaling, ablation): one job with room, never resumed
+    pp: int = 1  # pipeline stages (parallel.pp): devices / pp tiles per stage
 
     def __post_init__(self):
         presets.get(self.preset)  # unknown preset names fail at import, not at submit time
@@ -126,10 +139,14 @@ class RunScale:
             raise ConfigError(f"ep = {self.ep}: an EP group must sit on one node of {TILES_PER_NODE} tiles (ep "
                               f"dividing {TILES_PER_NODE}); set parallel.ep_across_nodes in its overrides to run "
                               f"its exchange across nodes")
-        micro = cfg.train.micro_batch or max(1, self.batch // self.devices)  # 0: the whole local batch at once
-        if self.batch % (self.devices * micro):
-            raise ConfigError(f"global_batch = {self.batch}: must be a multiple of devices x micro_batch "
-                              f"({self.devices} x {micro} = {self.devices * micro} sequences), so that every "
+        if self.devices % (self.pp * self.ep):
+            raise ConfigError(f"pp = {self.pp} x ep = {self.ep}: must divide devices ({self.devices})")
+        data = self.data_devices
+        micro = cfg.train.micro_batch or max(1, self.batch // data)  # 0: the whole local batch at once
+        if self.batch % (data * micro):
+            what = "devices" if self.pp == 1 else "devices / pp"
+            raise ConfigError(f"global_batch = {self.batch}: must be a multiple of {what} x micro_batch "
+                              f"({data} x {micro} = {data * micro} sequences), so that every "
                               f"rank runs whole micro-batches")
 
     @classmethod
@@ -154,13 +171,20 @@ class RunScale:
     def nodes(self) -> int:
         return math.ceil(self.devices / TILES_PER_NODE)
 
+    @property
+    def data_devices(self) -> int:
+        """Devices that read distinct sequences: one pipeline stage's (all of them without stages)."""
+        return self.devices // self.pp
+
     def overrides(self) -> dict[str, Any]:
         out: dict[str, Any] = {"train.steps": self.steps}
         if self.global_batch:
             out["train.global_batch"] = self.global_batch
         if self.ep != 1:
             out["parallel.ep"] = self.ep
-        if self.dp_shard and self.dp_shard < self.devices:
+        if self.pp != 1:
+            out["parallel.pp"] = self.pp
+        if self.dp_shard and self.dp_shard < self.data_devices:
             out["parallel.dp_shard"] = self.dp_shard
         return {**out, **self.extra}
 
@@ -173,10 +197,11 @@ class RunScale:
         if tiles == self.devices:
             return self
         micro = self.run_config().train.micro_batch or 1
-        batch = self.batch if self.batch % (tiles * micro) == 0 else -(-self.batch // (tiles * micro)) * tiles * micro
+        data = tiles // self.pp
+        batch = self.batch if self.batch % (data * micro) == 0 else -(-self.batch // (data * micro)) * data * micro
         return RunScale.for_steps(self.preset, self.steps, tiles, walltime_h=self.walltime_h, extra=self.extra,
-                                  ep=self.ep, global_batch=batch, timed=self.timed,
-                                  dp_shard=self.dp_shard if 0 < self.dp_shard < tiles else 0)
+                                  ep=self.ep, global_batch=batch, timed=self.timed, pp=self.pp,
+                                  dp_shard=self.dp_shard if 0 < self.dp_shard < data else 0)
 
     def flops(self) -> float:
         """Training FLOPs of the whole run (the model's FLOP-per-token count x tokens)."""
@@ -193,18 +218,31 @@ class Experiment:
     description: str = ""
     laptop_dag: bool = False  # trained by `make reproduce` (the laptop `rule all`)
     scaleup: bool = False  # one of the paper's scale-up runs (scaleup.png, the report's "Scale-up")
+    # other designs of the paper-scale run, by name (DESIGNS; ``paper`` is the authors' layout)
+    layouts: dict[str, RunScale] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ConfigError(f"kind = {self.kind!r}: must be one of {', '.join(KINDS)}")
+        unknown = set(self.layouts) - set(DESIGNS)
+        if unknown:
+            raise ConfigError(f"{self.name}: layouts {sorted(unknown)}: must be among {', '.join(DESIGNS)}")
 
-    def scale(self, scale: Scale) -> RunScale:
+    def scale(self, scale: Scale, layout: str = AUTHORS) -> RunScale:
+        """The run at ``scale``; at paper scale in design ``layout`` (DESIGNS; the authors' by
+        default) where the run has one of its own, else its only layout, the authors'."""
         if scale not in ("laptop", "paper"):
             raise ConfigError(f"scale = {scale!r}: must be 'laptop' or 'paper'")
-        return self.paper if scale == "paper" else self.laptop
+        if layout not in DESIGNS:
+            raise ConfigError(f"--layout {layout}: must be one of {', '.join(DESIGNS)}")
+        if scale == "laptop":
+            return self.laptop
+        return self.layouts.get(layout, self.paper)
 
-    def run_id(self, scale: Scale) -> str:
-        return f"{scale}-{self.name}"
+    def run_id(self, scale: Scale, layout: str = AUTHORS) -> str:
+        """``<scale>-<name>``, and ``--<layout>`` for a paper-scale design other than the authors'."""
+        ours = scale == "paper" and layout in self.layouts
+        return f"{scale}-{self.name}" + (f"--{layout}" if ours else "")
 
     def describe(self) -> str:
         p, l = self.paper, self.laptop
@@ -251,53 +289,67 @@ SCALING_STEPS, SCALING_BATCH = 6, 12288
 SCALING_CHECKPOINTING = ("none", 1)
 ABLATION_STEPS, LAPTOP_TIMED_STEPS = 32, 20
 ABLATION_MODEL = "olmoe-1b-7b--SE1.125"  # the authors' A/B model: OLMoE-1B-7B with 72 experts
-# The authors' layouts: name -> (tiles, ep), one sequence per data rank and step
-ABLATION_LAYOUTS = {"dp12": (12, 1), "ep12": (12, PAPER_EP), "dp8-ep12": (96, PAPER_EP)}
+# The authors' layouts: name -> (tiles, ep, pp), one sequence per data rank and step, except the
+# pipeline's: 4 micro-batches of one sequence per pipeline and step (a sequence per tile either way)
+ABLATION_LAYOUTS = {"dp12": (12, 1, 1), "ep12": (12, PAPER_EP, 1), "dp8-ep12": (96, PAPER_EP, 1),
+                    "dp2-pp4-ep12": (96, PAPER_EP, 4)}
+# The authors' pipelined runs (module doc): model -> (stages, recompute level)
+PAPER_PIPELINES = {"mula-100b-a7b": (4, "level1"), "mula-220b-a10b": (8, "level7")}
 # The arms: name -> (experts backend, optimizer). "fast" is the paper's runs (our kernels, the
 # EP-aware optimizer); "loop" the per-expert loop (kernels/ "loop": torch._grouped_mm has no path
 # on Aurora's XPUs), the kernel arm's baseline; "dp_sharded" the paper's baseline optimizer, the
 # optimizer arm's, run only where an EP group exists (at EP 1 the two optimizers are one).
 ABLATION_ARMS = {"loop": ("loop", "ep_aware"), "fast": ("triton", "ep_aware"), "dp_sharded": ("triton", "dp_sharded")}
-# Layouts of the study not registered because the code cannot run them yet: name -> why
-NOT_RUNNABLE = {
-    "ablation-dp2-pp4-ep12": "the authors' DP2-PP4-EP12 A/B layout (96 tiles, 4 micro-batches of one sequence per "
-                             "pipeline) needs pipeline parallelism, which Optimus does not have yet",
-}
+# Layouts of the study not registered because the code cannot run them yet: name -> why (none now)
+NOT_RUNNABLE: dict[str, str] = {}
+
+
+def _pipelined(model: str) -> dict[str, Any]:
+    """RunScale fields of the authors' pipelined layout of ``model`` (none for the others)."""
+    if model not in PAPER_PIPELINES:
+        return {}
+    stages, level = PAPER_PIPELINES[model]
+    return {"pp": stages, "extra": {"execution.activation_checkpointing": level}}
 
 
 def _pretrain(model: str, tokens: int, tiles: int, ep: int = 1, batch: int = 0,
               scaleup: bool = False, description: str = "") -> Experiment:
     laptop = (RunScale.for_steps(f"{model}@laptop", LAPTOP_SCALEUP_STEPS, 1, extra=LAPTOP_SCALEUP_TRAIN) if scaleup
               else RunScale.for_steps(f"{model}@laptop", LAPTOP_4T_STEPS, 1, extra=LAPTOP_EVAL))
+    ours = RunScale(model, tokens, devices=tiles, ep=ep, global_batch=batch, extra=PAPER_TRAIN, dp_shard=SHARD_BLOCK)
+    pipe = _pipelined(model)
+    authors = RunScale(model, tokens, devices=tiles, ep=ep, global_batch=batch, pp=pipe["pp"],
+                       extra={**PAPER_TRAIN, **pipe["extra"]}, dp_shard=SHARD_BLOCK) if pipe else ours
     return Experiment(
-        f"pretrain-{model}", "pretrain",
-        paper=RunScale(model, tokens, devices=tiles, ep=ep, global_batch=batch,
-                       extra=PAPER_TRAIN,
-                       dp_shard=SHARD_BLOCK),
+        f"pretrain-{model}", "pretrain", paper=authors,
         laptop=laptop, description=description, laptop_dag=True, scaleup=scaleup,
+        layouts={"zero3-blocks": ours} if pipe else {},
     )
 
 
 def _scaling(tiles: int) -> Experiment:
+    pipe = _pipelined("mula-220b-a10b")
     return Experiment(
         f"scaling-mula-220b-a10b-{tiles}", "scaling",
-        paper=RunScale.for_steps("mula-220b-a10b", SCALING_STEPS, tiles, timed=True, ep=PAPER_EP,
-                                 global_batch=SCALING_BATCH, dp_shard=SHARD_BLOCK,
-                                 extra={**PAPER_TIMED, "execution.activation_checkpointing": SCALING_CHECKPOINTING[0],
-                                        "execution.activation_checkpointing_every": SCALING_CHECKPOINTING[1]}),
+        paper=RunScale.for_steps("mula-220b-a10b", SCALING_STEPS, tiles, timed=True, ep=PAPER_EP, pp=pipe["pp"],
+                                 global_batch=SCALING_BATCH, dp_shard=SHARD_BLOCK, extra={**PAPER_TIMED, **pipe["extra"]}),
         laptop=RunScale.for_steps("mula-220b-a10b@laptop", LAPTOP_TIMED_STEPS, 1, extra=LAPTOP_SHORT),
         description=f"strong scaling of Mula-220B-A10B: {tiles} tiles, {SCALING_STEPS} steps of "
                     f"{SCALING_BATCH} x {presets.get('mula-220b-a10b').seq_len} tokens",
+        layouts={"zero3-blocks": RunScale.for_steps(
+            "mula-220b-a10b", SCALING_STEPS, tiles, timed=True, ep=PAPER_EP, global_batch=SCALING_BATCH,
+            dp_shard=SHARD_BLOCK, extra={**PAPER_TIMED, "execution.activation_checkpointing": SCALING_CHECKPOINTING[0],
+                                         "execution.activation_checkpointing_every": SCALING_CHECKPOINTING[1]})},
     )
 
 
 def _ablation(layout: str, arm: str) -> Experiment:
-    (tiles, ep), (backend, optimizer) = ABLATION_LAYOUTS[layout], ABLATION_ARMS[arm]
+    (tiles, ep, pp), (backend, optimizer) = ABLATION_LAYOUTS[layout], ABLATION_ARMS[arm]
     sets = {"execution.experts": backend, "parallel.optimizer": optimizer}
     base, tag = ABLATION_MODEL.split("--")
     return Experiment(
         f"ablation-{layout}-{arm}", "ablation",
-        paper=RunScale.for_steps(ABLATION_MODEL, ABLATION_STEPS, tiles, timed=True, ep=ep, global_batch=tiles,
+        paper=RunScale.for_steps(ABLATION_MODEL, ABLATION_STEPS, tiles, timed=True, ep=ep, global_batch=tiles, pp=pp,
                                  extra={**PAPER_TIMED, **sets}),
         laptop=RunScale.for_steps(f"{base}{presets.LAPTOP}--{tag}", LAPTOP_TIMED_STEPS, 1,
                                   extra={**LAPTOP_SHORT, **sets}),
@@ -317,7 +369,7 @@ _REGISTRY = [
     _pretrain("mula-220b-a10b", 100 * B, PAPER_TILES, ep=PAPER_EP, scaleup=True,
               description="scale-up: MoE Mula-220B-A10B to 100B tokens"),
     *[_scaling(t) for t in SCALING_TILES],
-    *[_ablation(layout, arm) for layout, (_, ep) in ABLATION_LAYOUTS.items() for arm in ABLATION_ARMS
+    *[_ablation(layout, arm) for layout, (_, ep, _) in ABLATION_LAYOUTS.items() for arm in ABLATION_ARMS
       if ep > 1 or arm != "dp_sharded"],
 ]
 EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in _REGISTRY}

@@ -261,19 +261,20 @@ def _machine(name: str):
     return _MACHINES[name]
 
 
-def plan_table(experiments, site: SiteConfig) -> tuple[str, list[JobPlan]]:
-    """The paper-scale jobs of ``experiments`` as a table, with the node-hour total last: a dry
-    run, planned without an account where the site has none (and saying so before the total)."""
+def plan_table(experiments, site: SiteConfig, layout: str = "authors") -> tuple[str, list[JobPlan]]:
+    """The paper-scale jobs of ``experiments`` in design ``layout`` (workflow.experiments.DESIGNS)
+    as a table, with the node-hour total last: a dry run, planned without an account where the
+    site has none (and saying so before the total)."""
     rows, plans = [], []
-    head = (f"{'run':30s} {'tiles':>6s} {'nodes':>5s} {'queue':>13s} {'walltime':>9s} {'jobs':>4s} "
+    head = (f"{'run':32s} {'tiles':>6s} {'nodes':>5s} {'queue':>13s} {'walltime':>9s} {'jobs':>4s} "
             f"{'GiB/tile':>8s} {'act. ckpt':>9s} {'est. hours':>10s} {'node-hours':>11s}  {'estimate':s}")
     for exp in experiments:
         try:
-            p = plan(exp.paper, site, dry_run=True)
+            p = plan(exp.scale("paper", layout), site, dry_run=True)
         except ConfigError as e:
             raise ConfigError(f"{exp.name}: {e}") from None
         plans.append(p)
-        rows.append(f"{exp.name:30s} {p.ranks:6d} {p.nodes:5d} {p.queue or '-':>13s} {p.walltime:>9s} {p.jobs:4d} "
+        rows.append(f"{exp.name:32s} {p.ranks:6d} {p.nodes:5d} {p.queue or '-':>13s} {p.walltime:>9s} {p.jobs:4d} "
                     f"{p.memory_gib:8.1f} {p.checkpointing or '-':>9s} {p.est_hours:10.2f} {p.node_hours:11,.1f}  "
                     f"{p.est_source}")
     total = sum(p.node_hours for p in plans)
@@ -296,17 +297,18 @@ def plan_table(experiments, site: SiteConfig) -> tuple[str, list[JobPlan]]:
     return "\n".join([head, "-" * len(head), *rows, *waiting, foot]), plans
 
 
-def paper_run_rows(experiments, plans: list[JobPlan]) -> list[dict]:
-    """One row per pretraining run of ``experiments`` as planned (``plans``): its preset and the
-    authors' tag, its shape, total and active parameters beside the name's nominal sizes, context,
-    batch, tokens, steps, tiles, EP degree, node-hours and GiB per tile."""
+def paper_run_rows(experiments, plans: list[JobPlan], layout: str = "authors") -> list[dict]:
+    """One row per pretraining run of ``experiments`` as planned (``plans``) in design ``layout``:
+    its preset and the authors' tag, its shape, total and active parameters beside the name's
+    nominal sizes, context, batch, tokens, steps, tiles, EP and PP degrees, node-hours, GiB per
+    tile and activation checkpointing."""
     from optimus_core import presets
 
     rows = []
     for exp, job in zip(experiments, plans):
         if exp.kind != "pretrain":
             continue
-        run = exp.paper
+        run = exp.scale("paper", layout)
         p = presets.get(run.preset)
         m = p.model
         rows.append({
@@ -314,7 +316,7 @@ def paper_run_rows(experiments, plans: list[JobPlan]) -> list[dict]:
             "d_model": m.d_model, "heads": m.n_heads, "experts": m.moe.n_experts if m.moe else 0,
             "top_k": m.moe.top_k if m.moe else 0, "params": m.num_params(), "active_params": m.num_active_params(),
             "nominal": nominal_size(run.preset), "seq_len": p.seq_len, "batch": run.batch, "tokens": run.tokens,
-            "steps": run.steps, "tiles": run.devices, "nodes": run.nodes, "ep": run.ep,
+            "steps": run.steps, "tiles": run.devices, "nodes": run.nodes, "ep": run.ep, "pp": run.pp,
             "node_hours": job.node_hours, "gib_per_tile": job.memory_gib, "budget_gib": job.budget_gib,
             "checkpointing": job.checkpointing})
     return rows
@@ -330,15 +332,31 @@ def nominal_size(preset: str) -> str:
     return f"{total} / {active}"
 
 
-def record_plan(store_path, site: SiteConfig, experiments, plans: list[JobPlan]) -> str:
-    """Write the pretraining runs' rows (paper_run_rows) into run ``plan-<site>`` of the results
-    store, as attrs (they hold strings): the report's table of the paper's runs. Returns the run id."""
+def design_rows(experiments, site: SiteConfig) -> list[dict]:
+    """For each run of ``experiments`` that has a design of its own beside the authors' layout
+    (workflow.experiments.Experiment.layouts), one row per design as planned on ``site``: tiles,
+    EP and PP, activation checkpointing, estimated hours, node-hours, GiB per tile."""
+    rows = []
+    for exp in (e for e in experiments if e.layouts):
+        for layout in ("authors", *exp.layouts):
+            run = exp.scale("paper", layout)
+            job = plan(run, site, dry_run=True)
+            rows.append({"run": exp.name, "design": layout, "tiles": run.devices, "ep": run.ep, "pp": run.pp,
+                         "checkpointing": job.checkpointing, "est_hours": job.est_hours,
+                         "node_hours": job.node_hours, "gib_per_tile": job.memory_gib, "source": job.est_source})
+    return rows
+
+
+def record_plan(store_path, site: SiteConfig, experiments, plans: list[JobPlan], layout: str = "authors") -> str:
+    """Write the pretraining runs' rows (paper_run_rows, in design ``layout``) and every run's
+    designs side by side (design_rows) into run ``plan-<site>`` of the results store, as attrs
+    (they hold strings): the report's tables of the paper's runs. Returns the run id."""
     from optimus_core.store import open_store
 
     run_id = f"plan-{site.name}"
     # "running": this writer (re)starts the run, so leaving it marks the run completed (or failed)
-    attrs = {"kind": "plan", "site": site.name, "machine": site.machine, "status": "running",
-             "paper_runs": paper_run_rows(experiments, plans)}
+    attrs = {"kind": "plan", "site": site.name, "machine": site.machine, "status": "running", "layout": layout,
+             "paper_runs": paper_run_rows(experiments, plans, layout), "designs": design_rows(experiments, site)}
     with open_store(store_path).run_writer(run_id, attrs):
         pass
     return run_id

@@ -96,7 +96,7 @@ def test_the_paper_dag_submitted_at_once_is_taken_by_the_queue_table(tmp_path, a
         t.join(timeout=120)
     assert not refused, refused
     submitted = [l for l in (tmp_path / "pbs" / "qsub.log").read_text().splitlines() if l.startswith("qsub ")]
-    assert len(submitted) == len(jobs) == 19
+    assert len(submitted) == len(jobs) == 22
 
 
 def test_each_attempt_is_a_new_job_until_one_succeeds(tmp_path, aurora):

@@ -260,9 +260,9 @@ def test_node_hours_from_the_model_and_the_site_fallback(monkeypatch, tmp_path):
 
     monkeypatch.delenv(sites.ACCOUNT_ENV, raising=False)
     aurora = pm.load_machine("aurora")
-    run = get("scaling-mula-220b-a10b-768").paper
+    run = get("scaling-mula-220b-a10b-768").scale("paper", "zero3-blocks")
     est = pm.estimate_node_hours(run, aurora)
-    # what the run does: sharded in blocks, every K-th block recomputed (the sweep's pin, its
+    # what our design does: sharded in blocks, every K-th block recomputed (the sweep's pin, its
     # checkpointing as the run resolves it on a 64 GiB tile: the plan's memory column says the same)
     mode, every = SCALING_CHECKPOINTING
     assert est["checkpointing"] == (mode, every)
@@ -471,12 +471,12 @@ def test_a_points_checkpointing_is_what_its_plan_recorded():
 
 def test_the_paper_sweep_recomputes_as_its_runs_resolve():
     aurora = pm.load_machine("aurora")
-    rows = pm.paper_sweep(aurora)
+    rows = pm.paper_sweep(aurora, design="zero3-blocks")
     from workflow.experiments import SCALING_CHECKPOINTING
 
-    # 64 GiB tiles: the sweep's pinned recomputation at every size; at context 2048 and EP 12 none
+    # 64 GiB tiles: our design's pinned recomputation at every size; at context 2048 and EP 12 none
     assert SCALING_CHECKPOINTING == ("none", 1)
-    assert {r["checkpointing"] for r in rows} == {"none"}
+    assert {r["checkpointing"] for r in rows} == {"none"} and {r["scenario"] for r in rows} == {"design zero3-blocks"}
     plain = pm.predict_sweep("mula-220b-a10b", [r["devices"] for r in rows], aurora, global_batch=rows[0]["global_batch"],
                              ep=rows[0]["ep"], micro_batch=1, dp_shard=rows[0]["dp_shard"] or 384, reduce_bytes=2,
                              exchange=rows[0]["exchange"])
@@ -541,3 +541,14 @@ def test_pipeline_stages_add_the_1f1b_bubble_and_the_stage_sends():
         pm.Layout(devices=8, pp=2, global_batch=6)
     with pytest.raises(ConfigError, match="more stages than the model's 2 layers"):
         pm.predict(MOE, pm.Layout(devices=4, pp=4, global_batch=4, seq_len=32), m)
+
+
+def test_the_paper_sweep_in_the_authors_layout_is_pipelined():
+    """The registry's sweep: 8 stages, level 7, 12288 sequences a step; the micro-batches per
+    pipeline fall from 256 at 384 tiles to 8 at 12288, so the 1F1B bubble's share of the step grows."""
+    aurora = pm.load_machine("aurora")
+    rows = pm.paper_sweep(aurora)
+    assert all(r["pp"] == 8 and r["checkpointing"] == "level7" and "scenario" not in r for r in rows)
+    shares = [r["idle_s"] / r["step_s"] for r in rows]
+    assert shares == sorted(shares) and shares[-1] > 7 / 15 * 0.5
+    assert rows[-1]["efficiency"] < rows[1]["efficiency"] < 1.0

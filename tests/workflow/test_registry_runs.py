@@ -17,8 +17,9 @@ def test_every_paper_run_of_the_study_is_registered():
     assert [e.paper.devices for e in of_kind("scaling")] == [384, 768, 1536, 3072, 6144, 12288] == list(SCALING_TILES)
     assert [e.name for e in of_kind("ablation")] == [
         "ablation-dp12-loop", "ablation-dp12-fast", "ablation-ep12-loop", "ablation-ep12-fast",
-        "ablation-ep12-dp_sharded", "ablation-dp8-ep12-loop", "ablation-dp8-ep12-fast", "ablation-dp8-ep12-dp_sharded"]
-    assert len(EXPERIMENTS) == 19
+        "ablation-ep12-dp_sharded", "ablation-dp8-ep12-loop", "ablation-dp8-ep12-fast", "ablation-dp8-ep12-dp_sharded",
+        "ablation-dp2-pp4-ep12-loop", "ablation-dp2-pp4-ep12-fast", "ablation-dp2-pp4-ep12-dp_sharded"]
+    assert len(EXPERIMENTS) == 22
 
 
 def test_paper_layouts_fit_aurora():
@@ -67,17 +68,19 @@ def test_strong_scaling_changes_only_the_tiles():
 
 def test_the_ablations_are_the_authors_layouts_and_arms():
     """OLMoE-1B-7B SE1.125 (72 experts), 32 steps of one sequence per tile at context 2048, in
-    DP12, EP12 and DP8-EP12; the kernel arm everywhere, the optimizer arm where EP > 1."""
+    DP12, EP12, DP8-EP12 and DP2-PP4-EP12 (4 micro-batches of one sequence per pipeline); the
+    kernel arm everywhere, the optimizer arm where EP > 1."""
     for exp in of_kind("ablation"):
         layout, arm = exp.name[len("ablation-"):].rsplit("-", 1)
-        (tiles, ep), (backend, optimizer) = ABLATION_LAYOUTS[layout], ABLATION_ARMS[arm]
+        (tiles, ep, pp), (backend, optimizer) = ABLATION_LAYOUTS[layout], ABLATION_ARMS[arm]
         assert backend in ("loop", "triton")  # what runs on Aurora's XPUs (no torch._grouped_mm there)
         for scale in ("paper", "laptop"):
             cfg = exp.scale(scale).run_config()
             assert (cfg.execution.experts, cfg.parallel.optimizer) == (backend, optimizer)
             assert resolve_choices(cfg, "xpu", exp.scale(scale).devices, probe=False).experts == backend
         p = exp.paper
-        assert (p.preset, p.devices, p.ep, p.batch, p.steps) == ("olmoe-1b-7b--SE1.125", tiles, ep, tiles, 32)
+        assert (p.preset, p.devices, p.ep, p.pp, p.batch, p.steps) == ("olmoe-1b-7b--SE1.125", tiles, ep, pp, tiles, 32)
+        assert p.run_config().train.global_batch // (tiles // pp) // p.run_config().train.micro_batch == pp
         assert p.run_config().model.moe.n_experts == 72 and p.run_config().data.seq_len == 2048
         assert exp.laptop.preset == "olmoe-1b-7b@laptop--SE1.125"
 

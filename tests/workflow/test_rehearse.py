@@ -32,9 +32,12 @@ def test_a_run_at_another_tile_count_keeps_its_layout():
     job, = rehearsal_jobs(["pretrain-mula-7b-a1b"], [12288], site)
     assert job.world == 12288 and job.run.train.global_batch == 12288  # a sequence per tile at least
     assert job.run.parallel.dp_shard == 384 and job.budget_gib == pytest.approx(64 * 0.9)
-    small, = rehearsal_jobs(["scaling-mula-220b-a10b-768"], [384], site)
+    small, = rehearsal_jobs(["scaling-mula-220b-a10b-768"], [384], site, layout="zero3-blocks")
     assert small.run.parallel.dp_shard == 0 and small.checkpointing == ("none", 1)  # 384 tiles: one block
     assert small.budget_gib * GIB > 0
+    # the authors' layout of the same run: 8 stages of 48 tiles each, their recompute level 7
+    theirs, = rehearsal_jobs(["scaling-mula-220b-a10b-768"], [384], site)
+    assert (theirs.run.parallel.pp, theirs.run.parallel.dp_shard, theirs.checkpointing) == (8, 0, ("level7", 1))
 
 
 def test_a_checkpointing_can_be_rehearsed_before_the_plan_chooses_it(tmp_path):

@@ -68,12 +68,15 @@ def test_held_out_points_are_predicted_from_the_smaller_ones(bench_file, tmp_pat
     assert sorted((r["run_id"], r["devices"]) for r in model) == sorted(roles)
     paper = [r for r in result["predicted"] if r["preset"] == "mula-220b-a10b"]
     assert [r["devices"] for r in paper if "scenario" not in r] == [384, 768, 1536, 3072, 6144, 12288]
-    assert {r["scenario"] for r in paper if "scenario" in r} == {"overlap grad_sync"}
+    assert {r["scenario"] for r in paper if "scenario" in r} == {"overlap grad_sync", "design zero3-blocks"}
     assert result["paper"]["efficiency"][-1] == pytest.approx(paper[5]["efficiency"])
     # the what-if hides collectives: every step at most as long as the plain sweep's
-    whatif = [r for r in paper if "scenario" in r]
+    whatif = [r for r in paper if r.get("scenario") == "overlap grad_sync"]
     assert all(w["step_s"] <= p["step_s"] for w, p in zip(whatif, paper[:6]))
     assert len(result["paper"]["efficiency_overlap_grad_sync"]) == 6
+    ours = [r for r in paper if r.get("scenario") == "design zero3-blocks"]
+    assert [r["efficiency"] for r in ours] == result["paper"]["efficiency_zero3_blocks"]
+    assert {r["pp"] for r in paper[:6]} == {8} and {r["pp"] for r in ours} == {1}
 
 
 def test_store_round_trip_and_rerun_replace(bench_file, tmp_path):

@@ -28,15 +28,17 @@ def predict_sweep(preset: str, tiles_list: Sequence[int], machine: Machine, *, g
                   optimizer: str = "ep_aware", overrides: Optional[dict] = None, overlap: str = "layers",
                   chunk_mb: float = 128.0, dp_shard: int = 0, experts: str = "triton",
                   checkpointing: Optional[dict] = None, reduce_bytes: int = 4,
-                  exchange: str = "all_to_all", gathers: dict | None = None) -> list[dict]:
+                  exchange: str = "all_to_all", gathers: dict | None = None, pp: int = 1,
+                  scenario: str | None = None) -> list[dict]:
     """One row per tile count: the layout (``overlap`` included), each phase, tokens/s and
     efficiency within the sweep. ``dp_shard``: the shard block (parallel.dp_shard), capped at
     each point's tile count. ``checkpointing``: {tiles: (mode, every)}, the activation
     checkpointing each point runs (none where absent); ``reduce_bytes``: of a gradient element in
     the reduction (2: parallel.reduce_dtype bfloat16); ``exchange``: the expert exchange the plan
     picks (Layout.exchange); ``gathers``: {tiles: the plan's weight_gathers} (per_micro_batch
-    where absent). A what-if ``overlap`` (WHATIFS: one our
-    step does not do) marks its rows with ``scenario`` so they never mix with the plain sweep."""
+    where absent); ``pp``: pipeline stages (Layout.pp). A what-if ``overlap`` (WHATIFS: one our
+    step does not do), or ``scenario`` (another design of the runs), marks its rows with
+    ``scenario`` so they never mix with the plain sweep."""
     p = presets.get(preset)
     cfg = p.run_config(**overrides).model if overrides else p.model
     seq_len = seq_len or p.seq_len
@@ -45,14 +47,14 @@ def predict_sweep(preset: str, tiles_list: Sequence[int], machine: Machine, *, g
         mode, every = (checkpointing or {}).get(tiles, ("none", 1))
         layout = Layout(devices=tiles, ep=ep, global_batch=global_batch, micro_batch=micro_batch,
                         seq_len=seq_len, optimizer=optimizer if tiles > 1 else "local", dtype=dtype, overlap=overlap,
-                        chunk_mb=chunk_mb, dp_shard=dp_shard if 0 < dp_shard < tiles else 0, experts=experts,
+                        chunk_mb=chunk_mb, dp_shard=dp_shard if 0 < dp_shard < tiles // pp else 0, experts=experts,
                         checkpointing=mode, checkpointing_every=every, reduce_bytes=reduce_bytes,
                         exchange=exchange if ep > 1 else "all_to_all",
-                        gathers=(gathers or {}).get(tiles, "per_micro_batch"))
+                        gathers=(gathers or {}).get(tiles, "per_micro_batch"), pp=pp)
+        label = scenario or (f"overlap {overlap}" if overlap in WHATIFS else None)
         pred = predict(cfg, layout, machine)
-        rows.append({"preset": preset, "machine": machine.name, "devices": tiles, "ep": ep, "overlap": overlap,
-                     "dp_shard": layout.dp_shard,
-                     **({"scenario": f"overlap {overlap}"} if overlap in WHATIFS else {}),
+        rows.append({"preset": preset, "machine": machine.name, "devices": tiles, "ep": ep, "pp": pp,
+                     "overlap": overlap, "dp_shard": layout.dp_shard, **({"scenario": label} if label else {}),
                      "nodes": math.ceil(tiles / machine.devices_per_node), "global_batch": global_batch,
                      "micro_batch": micro_batch, "seq_len": seq_len, "dtype": dtype, "optimizer": layout.optimizer,
                      "exchange": layout.exchange, "gathers": layout.gathers,
@@ -89,14 +91,15 @@ def planned_run(cfg, machine: Machine, devices: int):
                           run=f"{cfg.preset} on {devices} {machine.name} devices")
 
 
-def paper_sweep(machine: Machine, overlap: Optional[str] = None) -> list[dict]:
+def paper_sweep(machine: Machine, overlap: Optional[str] = None, design: str = "authors") -> list[dict]:
     """The paper's strong-scaling sweep of Mula-220B-A10B as the registry defines it
     (workflow/experiments.py: SCALING_TILES, SCALING_BATCH, EP 12, bf16), one sequence per
-    micro-batch (12288 tiles hold one sequence each; 384 accumulate 32). ``overlap`` None: what
-    the run's configuration does (code_overlap); a what-if otherwise."""
+    micro-batch, in ``design`` (workflow.experiments.DESIGNS: the authors' pipelined layout, or
+    our own, whose rows carry ``scenario`` "design <name>"). ``overlap`` None: what the run's
+    configuration does (code_overlap); a what-if otherwise."""
     from workflow import experiments as ex
 
-    runs = {tiles: ex.get(f"scaling-mula-220b-a10b-{tiles}").paper for tiles in ex.SCALING_TILES}
+    runs = {tiles: ex.get(f"scaling-mula-220b-a10b-{tiles}").scale("paper", design) for tiles in ex.SCALING_TILES}
     run = runs[ex.SCALING_TILES[0]]
     cfg = run.run_config()
     plans = {tiles: planned_run(r.run_config(), machine, tiles) for tiles, r in runs.items()}
@@ -107,7 +110,7 @@ def paper_sweep(machine: Machine, overlap: Optional[str] = None) -> list[dict]:
                          micro_batch=1, dtype=plan.dtype, experts=plan.experts or "loop", overlap=overlap or code_overlap(cfg.parallel),
                          dp_shard=runs[ex.SCALING_TILES[-1]].run_config().parallel.dp_shard, checkpointing=checkpointing,
                          reduce_bytes=reduce_bytes(cfg, plan.dtype), exchange=plan.expert_exchange or "all_to_all",
-                         gathers=gathers)
+                         gathers=gathers, pp=run.pp, scenario=None if design == ex.AUTHORS else f"design {design}")
 
 
 def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> dict[str, Any]:
