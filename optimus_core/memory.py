@@ -158,15 +158,20 @@ class MemoryLayout:
     @classmethod
     def of_run(cls, cfg, world: int, checkpointing: tuple[str, int], plan,
                micro_batches: int | None = None) -> "MemoryLayout":
-        """The layout of ``cfg`` (a RunConfig) on ``world`` ranks (with pipeline stages: the ranks
-        of one stage; the layout is the first stage's, ``heaviest_stage`` finds the run's
-        peak), with ``checkpointing`` resolved and the rest as ``plan`` (an
-        optimus_core.execution.ExecutionPlan: the memory model reads its choices and knows
-        nothing of how they are made) executes it; ``micro_batches`` caps the micro-batches per
-        step (a rehearsal's)."""
+        """The layout of ``cfg`` (a RunConfig) on ``world`` ranks (with pipeline stages the
+        layout's world is one stage's world / parallel.pp ranks; the layout is the first
+        stage's, ``heaviest_stage`` finds the run's peak), with ``checkpointing`` resolved and
+        the rest as ``plan`` (an optimus_core.execution.ExecutionPlan: the memory model reads
+        its choices and knows nothing of how they are made) executes it; ``micro_batches`` caps
+        the micro-batches per step (a rehearsal's)."""
+        pp = cfg.parallel.pp
+        if world % pp:
+            raise ConfigError(f"parallel.pp = {pp}: must divide the world size ({world} ranks)")
+        world //= pp
         per_rank = cfg.train.global_batch // world
         if per_rank < 1:
-            raise ConfigError(f"train.global_batch = {cfg.train.global_batch}: fewer sequences than ranks ({world})")
+            raise ConfigError(f"train.global_batch = {cfg.train.global_batch}: fewer sequences than data-parallel "
+                              f"ranks ({world})")
         micro = cfg.train.micro_batch or per_rank
         accumulation = max(1, per_rank // micro)
         if micro_batches is not None:

@@ -176,9 +176,9 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
     dev = torch.device(device)
     plan = resolve_choices(cfg, dev, world)  # as rank ``rank`` of the world would execute
     if checkpointing is None:
-        checkpointing = resolve_checkpointing(cfg, stage_world, plan, device_budget(device_memory_bytes(dev)))
+        checkpointing = resolve_checkpointing(cfg, world, plan, device_budget(device_memory_bytes(dev)))
     plan = dataclasses.replace(plan, checkpointing=checkpointing)
-    layout = heaviest_stage(cfg.model, MemoryLayout.of_run(cfg, stage_world, checkpointing, plan, micro_batches))
+    layout = heaviest_stage(cfg.model, MemoryLayout.of_run(cfg, world, checkpointing, plan, micro_batches))
     predicted = estimate(cfg.model, layout)
     record = {"preset": cfg.preset, "world": world, "rank": rank, "ep": cfg.parallel.ep,
               "pp": cfg.parallel.pp, "stage": layout.stage, "in_flight": layout.in_flight,

@@ -341,13 +341,10 @@ def plan_execution(cfg: RunConfig, device: torch.device | str, world_size: int =
             budget_bytes = chosen * GIB
         else:
             budget_bytes = device_budget(device_memory_bytes(torch.device(device))) if probe else None
-    # A stage's memory: the memory model does not yet cut the model into stages; it counts the
-    # whole model on the stage's ranks (an overestimate by up to the number of stages)
-    stage_world = stage_world_size(cfg, world_size)
-    checkpointing, est = check_run(cfg, stage_world, plan, budget_bytes, run=run or cfg.preset or "this run")
+    checkpointing, est = check_run(cfg, world_size, plan, budget_bytes, run=run or cfg.preset or "this run")
     why = dict(plan.why)
-    if cfg.execution.weight_gathers == "auto" and stage_world > 1:
-        plan, est, why["weight gathers"] = _per_step_if_it_fits(cfg, stage_world, plan, checkpointing, est,
+    if cfg.execution.weight_gathers == "auto" and stage_world_size(cfg, world_size) > 1:
+        plan, est, why["weight gathers"] = _per_step_if_it_fits(cfg, world_size, plan, checkpointing, est,
                                                                  budget_bytes)
     asked = cfg.execution.activation_checkpointing
     why["activation checkpointing"] = ("asked" if asked != "auto" else

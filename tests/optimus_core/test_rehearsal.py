@@ -83,7 +83,7 @@ def test_the_heaviest_pipeline_stage_is_rehearsed_in_its_one_f_one_b_order(devic
     record = rehearse(cfg, 16, rank=1, device=device, steps=1)
     assert not dist.is_initialized()
     plan = resolve_choices(cfg, "cpu", 16)
-    layouts = MemoryLayout.of_run(cfg, 8, ("none", 1), plan).stage_layouts()
+    layouts = MemoryLayout.of_run(cfg, 16, ("none", 1), plan).stage_layouts()
     heaviest = heaviest_stage(cfg.model, layouts[0])
     assert record["pp"] == 2 and record["stage"] == heaviest.stage
     assert record["model_gib"] == max(estimate(cfg.model, S).peak_gib for S in layouts)
