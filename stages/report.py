@@ -227,15 +227,17 @@ def _memory(store: ResultsStore) -> list[str]:
     lines = []
     for run_id in runs:
         records = store.attrs(run_id).get("records", {})
-        rows = [["run", "tiles", "act. ckpt", "model GiB", "rehearsal GiB (allocated)", "reserved", "budget",
-                 "model error", "checkpoint write GiB", "held before GiB"]]
+        rows = [["run", "tiles", "PP (stage)", "act. ckpt", "model GiB", "rehearsal GiB (allocated)", "reserved",
+                 "budget", "model error", "checkpoint write GiB", "held before GiB"]]
         found = []
         for table in store.tables(run_id):
             frame = _table(store, run_id, table)
             if len(frame):
                 found.append((records.get(table, {}), frame.iloc[-1], table))
         for info, row, table in sorted(found, key=lambda f: (f[0].get("name", f[2]), float(f[1].get("world", 0)))):
-            rows.append([info.get("name", table), _int(row.get("world")), info.get("checkpointing", DASH),
+            pp = int(float(row.get("pp") or 1)) if not _missing(row.get("pp")) else 1
+            stage = f"{pp} ({int(float(row['stage']))})" if pp > 1 and not _missing(row.get("stage")) else str(pp)
+            rows.append([info.get("name", table), _int(row.get("world")), stage, info.get("checkpointing", DASH),
                          _num(row.get("model_gib"), ".1f"), _num(row.get("peak_allocated_gib"), ".1f"),
                          _num(row.get("peak_reserved_gib"), ".1f"), _num(row.get("budget_gib"), ".1f"),
                          DASH if _missing(row.get("model_error")) else f"{float(row['model_error']):+.1%}",
@@ -252,8 +254,9 @@ def _memory(store: ResultsStore) -> list[str]:
                   "before the rehearsal built anything, subtracted from its peak. GPU records without it count the "
                   "weights of the rehearsals run before them in the same process; records where it is over 0.25 GiB "
                   "(an earlier rehearsal's garbage) may count up to that much too little, where it was freed during "
-                  "the rehearsal.", "",
-                  *_markdown_table(rows, "lrlrrrrrrr"), ""]
+                  "the rehearsal. A pipelined layout (PP > 1, the authors') rehearses its heaviest stage, all its "
+                  "micro-batches in their 1F1B order.", "",
+                  *_markdown_table(rows, "lrllrrrrrrr"), ""]
     return lines
 
 

@@ -26,4 +26,5 @@ def test_records_go_to_the_file_and_the_store_and_the_report(tmp_path):
     assert "## Memory per tile" in text
     rows = [line for line in text.splitlines() if line.startswith("| laptop-moe")]
     assert [row.split(" | ")[1] for row in rows] == ["8", "16"]  # by tile count
-    assert rows[0].split(" | ")[6] == "1.0"  # the budget
+    assert rows[0].split(" | ")[2] == "1"  # no pipeline stages
+    assert rows[0].split(" | ")[7] == "1.0"  # the budget

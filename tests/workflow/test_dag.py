@@ -22,7 +22,7 @@ def test_dry_run_lists_every_stage_and_runs_nothing(tmp_path):
     assert out.returncode == 0, out.stderr
     text = out.stdout + out.stderr
     jobs = {"corpus": 1, "tokenize": 1, "pretrain": 5, "evaluate": 5, "figure": 10, "report": 1, "reference": 1,
-            "paper_plan": 1, "scaling": 1, "ingest_bench": 4, "perfmodel": 1, "total": 32}
+            "paper_plan": 1, "scaling": 1, "ingest_bench": 5, "perfmodel": 1, "total": 33}
     assert job_counts(text) == {**jobs, "all": 1}
     assert not (tmp_path / "results").exists()
     # the scale-up runs are evaluated on held-out loss alone (scaleup_eval), the 4T runs on every

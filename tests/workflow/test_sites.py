@@ -240,8 +240,8 @@ def test_paper_dry_run_lists_every_job_and_the_node_hour_total(tmp_path):
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     counts = {"corpus": 1, "tokenize": 1, "pretrain": 22, "evaluate": 5, "figure": 10, "report": 1,
-              "ingest_bench": 4, "perfmodel": 1, "reference": 1, "paper_plan": 1, "window_order": 1,
-              "total": 49}  # no CPU scaling sweep at paper scale; one window order: every run's is 2048 / 42
+              "ingest_bench": 5, "perfmodel": 1, "reference": 1, "paper_plan": 1, "window_order": 1,
+              "total": 50}  # no CPU scaling sweep at paper scale; one window order: every run's is 2048 / 42
     for rule, count in counts.items():
         assert any(line.split() == [rule, str(count)] for line in text.splitlines()), rule
     for exp in dag("paper"):
