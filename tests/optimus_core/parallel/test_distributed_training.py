@@ -15,6 +15,7 @@ from optimus_core.parallel import init_distributed, shutdown
 from optimus_core.parallel.launch import spawn_local
 from optimus_core.train import checkpoint as ckpt
 from optimus_core.train.loop import Trainer
+from ranks import train_on_ranks
 from sinks import ListSink
 
 STEPS = 20
@@ -41,24 +42,8 @@ def _rows(sink):
             "load": [r["expert_load"].tolist() for r in sink.rows["train"]]}
 
 
-def _train_worker(cfg_json, tokens_dir, run_dir, out_path):
-    torch.set_num_threads(1)
-    cfg = RunConfig.from_json(cfg_json)
-    mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts, device=cfg.train.device)
-    try:
-        sink = ListSink()
-        Trainer(cfg, tokens_dir, run_dir, writer=sink, progress=False, mesh=mesh).fit()
-        if mesh.rank == 0:
-            out_path.write_text(json.dumps(_rows(sink)))
-        else:
-            assert sink.rows == {}  # only global rank 0 records
-    finally:
-        shutdown(mesh)
-
-
 def _distributed(nproc, cfg, tokens_dir, run_dir, out_path):
-    spawn_local(_train_worker, nproc, (cfg.to_json(), tokens_dir, run_dir, out_path), start_method="fork")
-    return json.loads(out_path.read_text())
+    return train_on_ranks(nproc, cfg, tokens_dir, run_dir, out_path, _rows)
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,11 @@ from optimus_core.config import (ConfigError, DataConfig, ExecutionConfig, Model
                                  RunConfig, ScheduleConfig, TrainConfig)
 from optimus_core.execution import plan_execution
 from optimus_core.model.transformer import Transformer
-from optimus_core.parallel import init_distributed, shutdown
-from optimus_core.parallel.launch import spawn_local
+from optimus_core.parallel import init_distributed
 from optimus_core.parallel.mesh import pipeline_layout
 from optimus_core.parallel.pipeline import add_routing_sums, aux_from_routing_sums, keep_stage
 from optimus_core.train.loop import Trainer
+from ranks import train_on_ranks
 from sinks import ListSink
 
 STEPS = 10
@@ -48,24 +48,8 @@ def _single(cfg, tokens_dir, run_dir):
     return _rows(sink)
 
 
-def _worker(cfg_json, tokens_dir, run_dir, out_path):
-    torch.set_num_threads(1)
-    cfg = RunConfig.from_json(cfg_json)
-    mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts, device="cpu")
-    try:
-        sink = ListSink()
-        Trainer(cfg, tokens_dir, run_dir, writer=sink, progress=False, mesh=mesh).fit()
-        if mesh.rank == 0:
-            out_path.write_text(json.dumps(_rows(sink)))
-        else:
-            assert sink.rows == {}  # only global rank 0 records
-    finally:
-        shutdown(mesh)
-
-
 def _ranks(nproc, cfg, tokens_dir, run_dir, out_path):
-    spawn_local(_worker, nproc, (cfg.to_json(), tokens_dir, run_dir, out_path), start_method="fork")
-    return json.loads(out_path.read_text())
+    return train_on_ranks(nproc, cfg, tokens_dir, run_dir, out_path, _rows)
 
 
 def _close(got, ref):
