@@ -90,9 +90,12 @@ def read_scaling(store) -> tuple[list[dict], list[dict], list[dict]]:
 
 
 def _where(row: dict) -> str:
-    """The hardware of a row: a measured point's device, a prediction's machine (and its what-if
-    scenario, e.g. "overlap grad_sync", so a what-if never joins the plain sweep)."""
+    """The hardware of a row: a measured point's device, a prediction's machine, its pipeline
+    stages where it has some (and its what-if or design scenario, e.g. "overlap grad_sync", so
+    a scenario never joins the plain sweep)."""
     where = str(row.get("device") or row.get("machine") or "?")
+    pp = float(row.get("pp") or 1)
+    where += f" PP {int(pp)}" if pp > 1 else ""  # (NaN, a row without stages: not > 1)
     return f"{where}, {row['scenario']}" if row.get("scenario") else where
 
 
@@ -163,16 +166,35 @@ def draw_breakdown(measured: list[dict], predicted: list[dict], out_png: Path, t
 
 
 def scaling_figure(measured: list[dict], predicted: list[dict], title: str = "Strong scaling") -> Figure:
-    """Efficiency vs device count (log2 axis): measured sweeps as markers, model sweeps as lines,
-    held-out measured points open with the model's error beside them, and the paper's ~90 % at
-    12288 tiles. With no row at all, a note says so."""
+    """Efficiency vs device count (log2 axes) in two panels: the paper's sweep (its preset: the
+    model's sweeps in each design and what-if, its measured points where there are any, the
+    paper's ~90 % at 12288 tiles), and the calibration sweeps (every other preset: measured sweeps
+    as markers, the model beside each as a line, held-out points open with the model's error
+    beside them). A panel with no row is left out; with no row at all, a note says so."""
     if not measured and not predicted:
         return _note("no measured or predicted scaling points")
-    fig = Figure(figsize=(9, 6.5), layout="constrained")
-    ax = fig.add_subplot()
+
+    def of_paper(rows, want):
+        return [r for r in rows if (r["preset"] == PAPER["preset"]) == want]
+
+    panels = [(name, of_paper(measured, want), of_paper(predicted, want))
+              for name, want in ((f"The paper's sweep: {PAPER['preset']}", True), ("Calibration sweeps", False))]
+    panels = [p for p in panels if p[1] or p[2]]
+    fig = Figure(figsize=(7.5 * len(panels), 7.5), layout="constrained")
     colour = {}
     for i, key in enumerate(sorted({k[:2] for k in {**series(measured), **series(predicted)}})):
         colour[key] = f"C{i % 10}"
+    for ax, (name, panel_measured, panel_predicted) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        _efficiency_panel(ax, panel_measured, panel_predicted, colour, paper=name.startswith("The paper's"))
+        ax.set_title(name, fontsize="medium")
+        ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncols=1)
+    fig.suptitle(title)
+    return fig
+
+
+def _efficiency_panel(ax, measured: list[dict], predicted: list[dict], colour: dict, paper: bool) -> None:
+    """One panel of scaling_figure: the model's sweeps as lines, the measured ones as markers
+    (held-out points open, the model's error beside them), the paper's point where ``paper``."""
     for key, rows in series(predicted).items():
         xs = [int(r["devices"]) for r in rows]
         ax.plot(xs, _efficiencies(rows), "-", lw=1.8, color=colour[key[:2]], label=f"model: {_label(key)}")
@@ -199,17 +221,15 @@ def scaling_figure(measured: list[dict], predicted: list[dict], title: str = "St
                 ax.annotate(f"{model['step_s'] / r['step_s'] - 1:+.0%}", (x, e), textcoords="offset points",
                             xytext=(8 + 22 * notes_at[x], -3), fontsize=7, color=colour[key[:2]])
                 notes_at[x] += 1
-    ax.plot([PAPER["tiles"]], [PAPER["efficiency"]], "*", ms=16, color="gold", mec="black", zorder=5,
-            label=f"paper: ~{PAPER['efficiency']:.0%} at {PAPER['tiles']} tiles (base {PAPER['base_tiles']})")
+    if paper:
+        ax.plot([PAPER["tiles"]], [PAPER["efficiency"]], "*", ms=16, color="gold", mec="black", zorder=5,
+                label=f"paper: ~{PAPER['efficiency']:.0%} at {PAPER['tiles']} tiles (base {PAPER['base_tiles']})")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="devices (ranks / tiles, log2)", ylabel="strong-scaling efficiency  T(base)·base / (T(n)·n)",
-           title=title)
+    ax.set(xlabel="devices (ranks / tiles, log2)", ylabel="strong-scaling efficiency  T(base)·base / (T(n)·n)")
     top = max([1.05] + [e for rows in series(measured).values() for e in _efficiencies(rows)])
     ax.set_ylim(0, min(top * 1.05, 2.0))
     ax.grid(alpha=0.3, which="both")
-    fig.legend(fontsize="x-small", loc="outside lower center", ncols=2)  # below the axes, inside the figure
-    return fig
 
 
 def breakdown_figure(measured: list[dict], predicted: list[dict], title: str = "Where a step's time goes",

@@ -25,8 +25,9 @@ def _worker(cfg_json, tokens_dir, run_dir, out_path, rows):
         shutdown(mesh)
 
 
-def train_on_ranks(nproc, cfg, tokens_dir, run_dir, out_path, rows):
-    """Train ``cfg`` (an MoE model) on ``nproc`` forked gloo ranks from ``tokens_dir`` into
-    ``run_dir``; returns ``rows(sink)`` of global rank 0's metrics, through ``out_path`` (JSON)."""
-    spawn_local(_worker, nproc, (cfg.to_json(), tokens_dir, run_dir, out_path, rows), start_method="fork")
+def train_on_ranks(nproc, cfg, tokens_dir, run_dir, out_path, rows, start_method="fork"):
+    """Train ``cfg`` (an MoE model) on ``nproc`` local ranks (forked: gloo on the CPU; "spawn"
+    for GPUs) from ``tokens_dir`` into ``run_dir``; returns ``rows(sink)`` of global rank 0's
+    metrics, through ``out_path`` (JSON)."""
+    spawn_local(_worker, nproc, (cfg.to_json(), tokens_dir, run_dir, out_path, rows), start_method=start_method)
     return json.loads(out_path.read_text())

@@ -382,17 +382,17 @@ def _per_step_if_it_fits(cfg: RunConfig, world_size: int, plan: ExecutionPlan, c
     """(plan, estimate, reason) of weight_gathers "auto": per_step where the rank accumulates
     several micro-batches and the memory model puts it within the budget with its error to
     spare (optimus_core.memory.FIT_MARGIN), else the plan as it is."""
-    from ..memory import FIT_MARGIN, MemoryLayout, estimate, heaviest_stage
+    from ..memory import FIT_MARGIN, MemoryLayout, estimate
 
-    layout = MemoryLayout.of_run(cfg, world_size, checkpointing, plan)
     if cfg.parallel.pp > 1:
         return plan, est, "auto: every micro-batch under pipeline stages (the schedule interleaves them)"
+    layout = MemoryLayout.of_run(cfg, world_size, checkpointing, plan)
     if layout.accumulation == 1:
         return plan, est, "auto: one micro-batch a step"
     if not budget_bytes:
         return plan, est, "auto: no memory budget known to hold the gathered weights"
     per_step = dataclasses.replace(plan, weight_gathers="per_step")
-    bigger = estimate(cfg.model, heaviest_stage(cfg.model, MemoryLayout.of_run(cfg, world_size, checkpointing, per_step)))
+    bigger = estimate(cfg.model, MemoryLayout.of_run(cfg, world_size, checkpointing, per_step))
     if bigger.peak_bytes * (1 + FIT_MARGIN) > budget_bytes:
         return plan, est, (f"auto: the gathered weights would need {bigger.peak_gib:.1f} GiB of the "
                            f"{budget_bytes / GIB:.1f} GiB budget")

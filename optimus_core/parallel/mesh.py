@@ -245,11 +245,6 @@ class Mesh:
         """Ranks that read distinct shares of the global batch: the world over the stages."""
         return self.stage.world_size
 
-    def global_rank(self, rank: int | None = None) -> int:
-        """``rank`` of this mesh (default: this rank) numbered in the whole world."""
-        rank = self.rank if rank is None else rank
-        return self.global_ranks[rank] if self.global_ranks is not None else rank
-
     @property
     def ep_rank(self) -> int:
         return self.rank % self.ep

@@ -10,7 +10,7 @@ A stage keeps the blocks of its layers under their own names (``blocks.<layer>``
 parameters' names, their seeded init and their checkpoint keys are those of the whole model;
 the first stage also keeps the embedding, the last the final norm and the LM head (and so the
 loss). Between stages travel the residual stream and, for an MoE model, one small vector of
-routing sums (``ROUTING_SUMS``): each stage adds its layers' routing shares, mean router
+routing sums (``add_routing_sums``): each stage adds its layers' routing shares, mean router
 probabilities, per-layer load-balancing terms and z-losses, and the last stage makes the
 auxiliary loss of every layer from them, exactly as one process does over all its layers
 (Transformer.aux_loss). The gradient of that loss flows back through the same vector to each
@@ -55,19 +55,17 @@ def keep_stage(model: nn.Module, stage: int, layers: list[tuple[int, int]]) -> n
     return model
 
 
-# The routing sums a stage adds to and passes on, for E experts: the sum over its layers of
-# each layer's share of assignments per expert (E, no gradient), of its mean router probability
-# per expert (E), of its per-layer load-balancing term E sum_e f_e P_e (1) and of its z-loss (1).
-ROUTING_SUMS = ("shares", "probs", "per_layer_lb", "z")
-
-
 def routing_sums_size(n_experts: int) -> int:
+    """Elements of the routing sums (add_routing_sums) of a model of ``n_experts`` experts."""
     return 2 * n_experts + 2
 
 
 def add_routing_sums(layers: list[MoEFeedForward], sums: torch.Tensor | None) -> torch.Tensor:
-    """``sums`` (float32, routing_sums_size) plus those of ``layers``' last forward (a new
-    tensor; zeros where ``sums`` is None): graph-connected through the probabilities."""
+    """``sums`` plus those of ``layers``' last forward, a new float32 tensor (``layers``' own
+    where ``sums`` is None), graph-connected through the probabilities. For E experts, the sums
+    over the layers of: each layer's share of assignments per expert (E, no gradient), its mean
+    router probability per expert (E), its per-layer load-balancing term E sum_e f_e P_e (1)
+    and its z-loss (1)."""
     counts_LE = torch.stack([m.last_tokens_per_expert_E for m in layers]).float()
     share_LE = counts_LE / counts_LE.sum(-1, keepdim=True).clamp_min(1)  # as Transformer.routing_shares
     probs_LE = torch.stack([m.last_mean_probs_E for m in layers]).float()
@@ -79,8 +77,9 @@ def add_routing_sums(layers: list[MoEFeedForward], sums: torch.Tensor | None) ->
 
 
 def aux_from_routing_sums(sums: torch.Tensor, moe_cfg, n_moe_layers: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(aux, lb, z) of every MoE layer from the pipeline's routing sums, as Transformer.aux_loss,
-    lb_loss and the z-loss mean make them on one process (lb and z unscaled)."""
+    """(aux, lb, z) of all ``n_moe_layers`` MoE layers (an MoE model's every layer) from the
+    pipeline's routing sums, as Transformer.aux_loss, lb_loss and the z-loss mean make them on
+    one process (lb and z unscaled)."""
     E, L = moe_cfg.n_experts, n_moe_layers
     shares, probs, per_layer, z = sums[:E], sums[E:2 * E], sums[2 * E], sums[2 * E + 1]
     if moe_cfg.lb_loss_form == "all_layers":

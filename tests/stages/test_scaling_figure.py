@@ -95,15 +95,18 @@ def test_held_out_points_are_open_with_their_error_and_figures_build_without_sav
 
     measured = [{**p, "role": "held-out" if p["devices"] == 4 else "fitted"} for p in MEASURED]
     fig = scaling_figure(measured, PREDICTED)
-    (ax,) = fig.axes
+    paper_ax, ax = fig.axes  # the paper's sweep apart from the calibration sweeps
+    assert paper_ax.get_title() == "The paper's sweep: mula-220b-a10b" and ax.get_title() == "Calibration sweeps"
+    assert {line.get_label() for line in paper_ax.get_lines() if not line.get_label().startswith("_")} == {
+        "model: mula-220b-a10b on aurora (ep_aware)", "paper: ~90% at 12288 tiles (base 384)"}
     opened = [line for line in ax.get_lines() if line.get_markerfacecolor() == "none"]
     assert len(opened) == 2  # the 4-device point of each of the two measured sweeps
     assert sorted(x for line in opened for x in line.get_xdata()) == [4, 4]
     # the measured series draw filled markers only at their fitted points (1 and 2 devices)
     series_lines = [line for line in ax.get_lines() if line.get_label().startswith("measured:")]
     assert len(series_lines) == 2 and all(line.get_markevery() == [0, 1] for line in series_lines)
-    assert "held out (open): predicted, not fitted" in [t.get_text() for t in fig.legends[0].get_texts()]
-    assert not [line for line in scaling_figure(MEASURED, PREDICTED).axes[0].get_lines()
+    assert "held out (open): predicted, not fitted" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert not [line for line in scaling_figure(MEASURED, PREDICTED).axes[1].get_lines()
                 if line.get_markerfacecolor() == "none"]
     # the model's error on a held-out point is written beside it (rows of one sweep share a run_id)
     tagged = [{**p, "run_id": "EP=n batch 8"} for p in measured if p["optimizer"] in ("ep_aware", "local")]

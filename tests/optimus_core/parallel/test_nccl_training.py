@@ -1,16 +1,15 @@
 """On 2 GPUs (NCCL): data + expert parallel training follows the 1-GPU run of the same model,
 data and global batch, with the loop reference and with the Triton kernels (float32)."""
-import json
 
 import pytest
 import torch
 
 from optimus_core.config import RunConfig
-from optimus_core.parallel.launch import spawn_local
 from optimus_core.train.loop import Trainer
 from sinks import ListSink
 
-from test_distributed_training import STEPS, _cfg, _rows, _train_worker
+from ranks import train_on_ranks
+from test_distributed_training import STEPS, _cfg, _rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
@@ -29,10 +28,8 @@ def test_two_gpus_follow_one_gpu(tokens_dir, tmp_path, backend, ep, optimizer):
     sink = ListSink()
     Trainer(_gpu_cfg(backend), tokens_dir, tmp_path / "one", writer=sink, progress=False).fit()
     ref = _rows(sink)
-    out = tmp_path / "rows.json"
-    spawn_local(_train_worker, 2, (_gpu_cfg(backend, ep=ep, optimizer=optimizer).to_json(), tokens_dir,
-                                 tmp_path / "two", out))
-    got = json.loads(out.read_text())
+    got = train_on_ranks(2, _gpu_cfg(backend, ep=ep, optimizer=optimizer), tokens_dir, tmp_path / "two",
+                         tmp_path / "rows.json", _rows, start_method="spawn")
     assert got["steps"] == list(range(1, STEPS + 1))
     assert max(abs(a - b) for a, b in zip(got["loss"], ref["loss"])) < 1e-4
     torch.testing.assert_close(torch.tensor(got["load"]), torch.tensor(ref["load"]))
