@@ -45,9 +45,11 @@ from optimus_core.model.transformer import Transformer
 from optimus_core.provenance import utc_now
 from optimus_core.store import open_store
 from optimus_core.train.checkpoint import Checkpoint, latest_valid, newest_meta, valid_checkpoints
-from optimus_core.train.evaluate import heldout_metrics
+from optimus_core.log import get_logger
 from optimus_core.paths import missing
+from optimus_core.train.evaluate import heldout_metrics
 
+_log = get_logger(__name__)
 BUILTIN_TASKS = ("heldout", "continuation", "docstring")  # anything else is handed to lm-eval by name
 
 
@@ -111,6 +113,8 @@ class EvaluateResult:
     step: int  # the newest checkpoint's
     metrics: dict = field(default_factory=dict)  # of the newest checkpoint
     checkpoints: list[int] = field(default_factory=list)  # steps evaluated, oldest first
+    # the held-out evaluation of the newest checkpoint: {"batches", "sequences"} (heldout_metrics)
+    heldout_counts: dict = field(default_factory=dict)
 
 
 def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: EvaluateOutputs) -> EvaluateResult:
@@ -139,14 +143,21 @@ def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
         # directory: nothing is left behind that could go stale against a re-tokenized corpus.
         names = _task_names(config, data_dir, Path(tmp)) if config.downstream else []
         manager = _task_manager(config, names, tmp) if names else None  # unknown names: before any model loads
-        for point in found:
+        counts: dict = {}
+        for k, point in enumerate(found, 1):
+            _log.info("%s: checkpoint %d of %d (step %d) loading", run_id, k, len(found), point.step)
             model = point.load()
             base = {"step": point.step, "tokens": point.tokens}
             if "heldout" in config.tasks:
+                counts = {}
                 heldout_rows.append({**base, **heldout_metrics(
                     model, data_dir, seq_len=point.cfg.data.seq_len, batch_size=config.batch_size,
-                    max_batches=config.max_batches, dtype=config.dtype)})
+                    max_batches=config.max_batches, dtype=config.dtype, counts=counts)})
+                _log.info("%s: step %d held-out loss %.4f over %d batches (%d sequences)", run_id, point.step,
+                          heldout_rows[-1].get("loss", float("nan")), counts.get("batches", 0),
+                          counts.get("sequences", 0))
             if names and (point is newest or config.downstream_all_checkpoints):
+                _log.info("%s: step %d downstream tasks %s", run_id, point.step, ", ".join(names))
                 scores = _downstream(config, model, point.cfg, data_dir, names, manager)
                 down_rows.append({**base, **{f"{metric}.{task}": v for task, m in scores.items()
                                              for metric, v in m.items()}})
@@ -170,7 +181,7 @@ def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
     atomic_write(outputs.eval_json, json.dumps(doc, indent=2))
     down_row = {k: v for k, v in (down_rows[-1] if down_rows else {}).items() if k not in base}
     return EvaluateResult(run_id, newest.step, {**metrics, **down_row},
-                          checkpoints=[r["step"] for r in heldout_rows or down_rows])
+                          checkpoints=[r["step"] for r in heldout_rows or down_rows], heldout_counts=counts)
 
 
 def _run_sharded(config: EvaluateConfig, inputs: EvaluateInputs, outputs: EvaluateOutputs,
@@ -196,11 +207,14 @@ def _run_sharded(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
     try:
         found = _checkpoints(run_dir, config.all_checkpoints, (mesh.rank, mesh.world_size), mesh.all_max)
         data_dir = _checked_data(inputs.data_dir or found[-1].cfg.data.path, run_dir)
-        for point in found:
+        counts: dict = {}
+        for k, point in enumerate(found, 1):
+            _log.info("%s: checkpoint %d of %d (step %d) loading", run_id, k, len(found), point.step)
             model = _load_sharded(point, mesh)
+            counts = {}
             rows.append({"step": point.step, "tokens": point.tokens, **heldout_metrics(
                 model, data_dir, seq_len=point.cfg.data.seq_len, batch_size=config.batch_size,
-                max_batches=config.max_batches, dtype=config.dtype, device=mesh.device)})
+                max_batches=config.max_batches, dtype=config.dtype, device=mesh.device, counts=counts)})
             del model
     finally:
         shutdown(mesh)
@@ -217,7 +231,8 @@ def _run_sharded(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
         if config.all_checkpoints:
             doc["checkpoints"] = rows
         atomic_write(outputs.eval_json, json.dumps(doc, indent=2))
-    return EvaluateResult(run_id, newest["step"], metrics, checkpoints=[r["step"] for r in rows])
+    return EvaluateResult(run_id, newest["step"], metrics, checkpoints=[r["step"] for r in rows],
+                          heldout_counts=counts)
 
 
 def _eval_layout(cfg: RunConfig, world: int) -> RunConfig:
@@ -226,8 +241,9 @@ def _eval_layout(cfg: RunConfig, world: int) -> RunConfig:
     execution defaults of this machine: how the run executed where it trained (an explicit
     Triton choice, its memory budget) need not hold here, and does not change its weights."""
     block = cfg.parallel.dp_shard if cfg.parallel.dp_shard and world % cfg.parallel.dp_shard == 0 else 0
-    return cfg.replace(parallel=cfg.parallel.replace(dp_shard=block), train=cfg.train.replace(init_from=None),
-                       execution=ExecutionConfig())
+    # no pipeline stages: every rank evaluates the whole model's share (a checkpoint loads across them)
+    return cfg.replace(parallel=cfg.parallel.replace(dp_shard=block, pp=1, pp_split=()),
+                       train=cfg.train.replace(init_from=None), execution=ExecutionConfig())
 
 
 def _load_sharded(point: "_Point", mesh) -> Transformer:

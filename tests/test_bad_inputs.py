@@ -10,6 +10,7 @@ warning (tests/optimus_core/train/test_loop.py), damaged results stores
 import gzip
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -885,3 +886,14 @@ def test_a_store_that_cannot_be_written_refuses_the_run_before_it_says_running(t
                     "--steps", 1, "--store", tmp_path / "s.zarr", *TINY], capsys, 1,
                    f"cannot write {tmp_path / 's.zarr' / 'runs'}: permission denied"))
     assert not (tmp_path / "r").exists()
+
+
+def test_evaluate_says_what_it_is_doing_and_over_how_many_batches(finished_run, tmp_path, capsys):
+    """Nothing lost, class 10: a line as each checkpoint loads and as its held-out loss is taken,
+    and the summary names the batches the mean is over (a run's own evaluation reads another
+    count, train.eval_batches: the two means differ for that reason)."""
+    assert main(["evaluate", "--run", str(finished_run), "--max-batches", "2", "--out", str(tmp_path / "e.json")]) == 0
+    out, err = capsys.readouterr()
+    assert "checkpoint 1 of 1 (step 1) loading" in err
+    assert re.search(r"step 1 held-out loss \d+\.\d{4} over \d+ batches \(\d+ sequences\)", err)
+    assert re.search(r"\(held out: \d+ batches, \d+ sequences; at most --max-batches 2 per source\)", out)

@@ -367,7 +367,11 @@ def cmd_evaluate(args) -> Summary | None:
     scalars = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     shown = ", ".join(f"{k} {v:.4g}" for k, v in scalars.items() if "." not in k)  # per source: in the JSON
     tasks = [k for k, v in result.metrics.items() if isinstance(v, dict)]
-    return Summary(f"{result.run_id} step {result.step} ({len(result.checkpoints)} checkpoint(s)): {shown}"
+    counts = result.heldout_counts
+    # the mean over this many batches: a run's own evaluation reads train.eval_batches of them instead
+    over = (f" (held out: {counts['batches']} batches, {counts['sequences']} sequences; at most --max-batches "
+            f"{args.max_batches} per source)" if counts.get("batches") else "")
+    return Summary(f"{result.run_id} step {result.step} ({len(result.checkpoints)} checkpoint(s)): {shown}{over}"
                    + (f"; tasks {', '.join(tasks)}" if tasks else "") + f" -> {out}",
                    jsonable({"run_id": result.run_id, "step": result.step, "checkpoints": result.checkpoints,
                              "eval_json": out, **result.metrics}))

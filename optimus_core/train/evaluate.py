@@ -14,12 +14,15 @@ from .step import autocast_context
 @torch.no_grad()
 def heldout_metrics(model: torch.nn.Module, data_dir, *, seq_len: int, batch_size: int, max_batches: int,
                     dtype: str = "float32", device: torch.device | str = "cpu",
-                    loss_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+                    loss_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                    counts: dict | None = None) -> dict[str, float]:
     """``{"loss.<source>", "ppl.<source>", "bpb.<source>", ..., "loss", "ppl", "bpb"}``.
 
     ``loss_sum(batch_BS1)``: the summed cross entropy of a batch, where ``model`` is one part of
     the model (a pipeline stage: parallel.pipeline.Pipeline.loss_sum, under the run's autocast);
-    default: ``model``'s logits under ``dtype``'s autocast.
+    default: ``model``'s logits under ``dtype``'s autocast. ``counts``: where given, its
+    "batches" and "sequences" are increased by what was evaluated (at most ``max_batches``
+    batches of ``batch_size`` sequences per source: a different count gives a different mean).
 
     Every source's loss is the mean cross entropy (nats) over its held-out tokens; the overall
     ``loss`` weighs sources by their token counts. Bits per byte divide the total bits by the
@@ -43,6 +46,9 @@ def heldout_metrics(model: torch.nn.Module, data_dir, *, seq_len: int, batch_siz
                     logits_BSV = model(batch_BS1[:, :-1])
                 nll += F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten(), reduction="sum").item()
             n_tokens += targets_BS.numel()
+            if counts is not None:
+                counts["batches"] = counts.get("batches", 0) + 1
+                counts["sequences"] = counts.get("sequences", 0) + batch_BS1.shape[0]
         if n_tokens == 0:
             continue  # a source too small to hold out one sequence: reported as absent
         val = manifest.totals["val"][source]

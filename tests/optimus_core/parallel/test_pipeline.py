@@ -211,6 +211,15 @@ def test_cli_pp_2_starts_the_stages(tokens_dir, tmp_path):
     meta = json.loads((out / "meta.json").read_text())
     assert meta["status"] == "completed" and meta["config"]["parallel"]["pp"] == 2
     assert meta["execution_plan"]["pipeline"] == "2 stages (1 layer each), 1f1b, 2 micro-batches of 2 sequences"
+    # its checkpoint evaluates whole on one process and sharded on two ranks (no stages there)
+    losses = []
+    for nproc in ("1", "2"):
+        done = subprocess.run([sys.executable, "-m", "workflow.cli", "evaluate", "--run", str(out), "--nproc", nproc,
+                               "--max-batches", "1", "--device", "cpu", "--out", str(tmp_path / f"eval{nproc}.json")],
+                              capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses.append(json.loads((tmp_path / f"eval{nproc}.json").read_text())["loss"])
+    assert abs(losses[0] - losses[1]) < 1e-5
 
 
 def test_cli_a_bad_pipeline_is_a_clear_error_before_any_rank_starts(tokens_dir, tmp_path, capsys):
