@@ -275,17 +275,26 @@ class ParallelConfig(Validated):
     # order is DP, PP, EP (an EP group one node's ranks, a pipeline across nodes); every other
     # choice above applies within a stage, over its world / pp ranks. 1: no pipeline.
     pp: int = 1
-    # Layers of each stage, first to last, where pp does not cut the layers evenly; empty: an even cut
+    # Layers of each stage, first to last (pp x pp_chunks of them), where the layers are not cut
+    # evenly; empty: an even cut
     pp_split: tuple[int, ...] = ()
     # The pipeline's schedule: "1f1b" (the paper's: one forward, one backward, in-flight
-    # micro-batches at most the stages ahead)
-    pp_schedule: Literal["1f1b"] = "1f1b"
+    # micro-batches at most the stages ahead) or "interleaved_1f1b" (each rank holds pp_chunks
+    # stages, rank r stages r, r + pp, ...: a smaller bubble, more activations in flight)
+    pp_schedule: Literal["1f1b", "interleaved_1f1b"] = "1f1b"
+    # Stages each rank holds: 1 under 1f1b, 2 or more under interleaved_1f1b
+    pp_chunks: int = 1
 
     def check(self) -> None:
         self._require(self.ep >= 1, "ep", "must be >= 1")
         self._require(self.pp >= 1, "pp", "must be >= 1")
-        self._require(not self.pp_split or len(self.pp_split) == self.pp, "pp_split",
-                      f"must give the layers of each of the {self.pp} stages (parallel.pp), or be empty")
+        self._require(self.pp_chunks >= 1, "pp_chunks", "must be >= 1")
+        self._require((self.pp_chunks > 1) == (self.pp_schedule == "interleaved_1f1b"), "pp_chunks",
+                      f"{self.pp_chunks} with parallel.pp_schedule {self.pp_schedule!r}: interleaved_1f1b holds 2 or "
+                      f"more stages per rank, 1f1b one")
+        self._require(not self.pp_split or len(self.pp_split) == self.stages, "pp_split",
+                      f"must give the layers of each of the {self.stages} stages (parallel.pp x pp_chunks), or be "
+                      f"empty")
         self._require(all(n >= 1 for n in self.pp_split), "pp_split", "a stage of no layers: every stage needs one")
         self._require(self.dp_shard >= 0 and self.dp_shard % self.ep == 0, "dp_shard",
                       f"must be 0 (the whole world) or a multiple of ep ({self.ep})")
@@ -293,19 +302,30 @@ class ParallelConfig(Validated):
         self._require(self.optimizer != "dp_sharded" or self.dp_shard == 0, "optimizer",
                       "'dp_sharded' shards over the data-parallel ranks: it needs parallel.dp_shard = 0")
 
+    @property
+    def stages(self) -> int:
+        """Pipeline stages in all: pp ranks of pp_chunks stages each."""
+        return self.pp * self.pp_chunks
+
+    def rank_stages(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank ``pp_rank`` holds: itself, then every pp-th after it."""
+        return [pp_rank + chunk * self.pp for chunk in range(self.pp_chunks)]
+
     def stage_layers(self, n_layers: int) -> list[tuple[int, int]]:
-        """The layers of each pipeline stage as [first, stop) ranges: ``pp_split`` where given,
-        else an even cut; ConfigError naming the field where the model's ``n_layers`` cannot be
-        cut so.
+        """The layers of each pipeline stage (``stages`` of them) as [first, stop) ranges:
+        ``pp_split`` where given, else an even cut; ConfigError naming the field where the
+        model's ``n_layers`` cannot be cut so.
 
         >>> ParallelConfig(pp=2).stage_layers(8)
         [(0, 4), (4, 8)]
         >>> ParallelConfig(pp=2, pp_split=(3, 4)).stage_layers(7)
         [(0, 3), (3, 7)]
         """
-        pp = self.pp
+        pp = self.stages
         if pp > n_layers:
-            fail("parallel.pp", pp, f"more pipeline stages than the model's {n_layers} layers")
+            fail("parallel.pp", self.pp, f"x pp_chunks {self.pp_chunks}: more pipeline stages than the model's "
+                 f"{n_layers} layers" if self.pp_chunks > 1 else f"more pipeline stages than the model's {n_layers} "
+                 f"layers")
         if self.pp_split:
             if sum(self.pp_split) != n_layers:
                 fail("parallel.pp_split", list(self.pp_split), f"its layers add up to {sum(self.pp_split)}, "
@@ -314,8 +334,8 @@ class ParallelConfig(Validated):
         elif n_layers % pp:
             base, extra = divmod(n_layers, pp)
             example = ",".join(str(base + (i >= pp - extra)) for i in range(pp))
-            fail("parallel.pp", pp, f"does not cut the model's {n_layers} layers evenly: give each stage's "
-                 f"layers in parallel.pp_split (e.g. [{example}])")
+            fail("parallel.pp", self.pp, f"does not cut the model's {n_layers} layers evenly into {pp} stages: give "
+                 f"each stage's layers in parallel.pp_split (e.g. [{example}])")
         else:
             counts = [n_layers // pp] * pp
         starts = [sum(counts[:i]) for i in range(pp)]

@@ -94,9 +94,10 @@ class MemoryLayout:
     fp32_residual: bool = False  # under bf16, the residual stream in float32 (the plan's residual_dtype)
     expert_weight_casts: bool = True  # the experts' bf16 copies (one process under bf16: the plan's)
     bf16_expert_grads: bool = False  # the expert gradients on those copies (the plan's)
-    pp: int = 1  # pipeline stages (parallel.pp); world is then one stage's ranks
-    stage: int = 0  # which stage this layout is (0 .. pp - 1)
-    cut: tuple[tuple[int, int], ...] | None = None  # every stage's layers [first, stop) (pp > 1)
+    pp: int = 1  # pipeline ranks (parallel.pp); world is then one pipeline rank's stage world
+    stage: int = 0  # which pipeline rank this layout is (0 .. pp - 1)
+    chunks: int = 1  # stages each pipeline rank holds (parallel.pp_chunks: interleaved 1F1B)
+    cut: tuple[tuple[int, int], ...] | None = None  # every stage's layers [first, stop) (pp x chunks of them)
 
     def __post_init__(self):
         if self.world < 1 or self.ep < 1 or self.world % self.ep:
@@ -109,18 +110,21 @@ class MemoryLayout:
                               f"{', '.join(map(repr, CHECKPOINTING))} (or 'auto')")
         if self.every < 1 or self.micro_batch < 1 or self.accumulation < 1:
             raise ConfigError("memory layout: every, micro_batch and accumulation must be >= 1")
-        if not 0 <= self.stage < self.pp or (self.pp > 1) != (self.cut is not None and len(self.cut) == self.pp):
+        if not 0 <= self.stage < self.pp or (self.pp > 1) != (
+                self.cut is not None and len(self.cut) == self.pp * self.chunks):
             raise ConfigError(f"memory layout: stage {self.stage} of {self.pp}, cut {self.cut}: a pipeline's layout "
                               f"gives each stage's layers, a whole model's none")
 
     @property
     def layers(self) -> tuple[int, int] | None:
-        """This stage's layers [first, stop), or None: every layer."""
+        """The layers of this rank's first stage [first, stop), or None: every layer."""
         return self.cut[self.stage] if self.cut is not None else None
 
-    def stage_layers(self, n_layers: int) -> range:
-        """The layers this rank holds."""
-        return range(*self.layers) if self.layers is not None else range(n_layers)
+    def stage_layers(self, n_layers: int) -> list[int]:
+        """The layers this rank holds (of its stages: this one, then every pp-th after it)."""
+        if self.cut is None:
+            return list(range(n_layers))
+        return [i for c in range(self.chunks) for i in range(*self.cut[self.stage + c * self.pp])]
 
     def stage_layouts(self) -> list["MemoryLayout"]:
         """This layout for every stage of its pipeline ([self] without one)."""
@@ -135,10 +139,14 @@ class MemoryLayout:
         return self.stage == 0 if name.startswith("embed.") else self.stage == self.pp - 1
 
     @property
-    def in_flight(self) -> int:
-        """Micro-batches whose activations this rank holds at once: under 1F1B, stage s runs
-        pp - s forwards before its first backward."""
-        return min(self.accumulation, self.pp - self.stage)
+    def in_flight(self) -> float:
+        """Micro-batches' worth of this rank's activations it holds at once: under 1F1B, stage s
+        runs pp - s forwards before its first backward; interleaved, its warm-up is 2 (pp - s - 1)
+        + (chunks - 1) pp forwards of one of its chunks (Megatron's count), and one more."""
+        if self.chunks == 1:
+            return min(self.accumulation, self.pp - self.stage)
+        warm = 2 * (self.pp - self.stage - 1) + (self.chunks - 1) * self.pp + 1
+        return min(self.accumulation * self.chunks, warm) / self.chunks
 
     @property
     def tokens(self) -> int:
@@ -185,6 +193,7 @@ class MemoryLayout:
                    lm_loss_kernel=plan.lm_loss == "triton", fp32_residual=plan.residual_dtype == "float32",
                    expert_weight_casts=plan.expert_copies,
                    bf16_expert_grads=plan.bf16_expert_grads and accumulation == 1, pp=cfg.parallel.pp,
+                   chunks=cfg.parallel.pp_chunks,
                    cut=tuple(cfg.parallel.stage_layers(cfg.model.n_layers)) if cfg.parallel.pp > 1 else None)
 
 
@@ -369,7 +378,7 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
     # activations: blocks recomputed keep their input; the rest what autograd saves (a pipeline
     # stage: its blocks, for each micro-batch in flight)
     layers = L.stage_layers(cfg.n_layers)
-    first, last = layers.start == 0, layers.stop == cfg.n_layers
+    first, last = 0 in layers, cfg.n_layers - 1 in layers
     full = set(checkpointed_blocks(cfg.n_layers, L.checkpointing, L.every)) & set(layers)
     bits = level_bits(L.checkpointing)
     acts = L.in_flight * sum(block_activation_bytes(cfg, T, checkpointed=i in full,
@@ -378,7 +387,9 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
     if bf16 and not sharded:  # autocast's bf16 copies of each kept block's dense weights
         acts += 2.0 * _dense_block_params(cfg) * (len(layers) - len(full))
     # the schedule's receive buffers, one per micro-batch: hidden states in, their gradients back
-    pipeline = (int(not first) + int(not last)) * L.accumulation * T * D * L.residual_bytes if L.pp > 1 else 0.0
+    # (each of its stages but the model's first receives inputs, each but the last gradients)
+    receives = 2 * L.chunks - int(first) - int(last)
+    pipeline = receives * L.accumulation * T * D * L.residual_bytes if L.pp > 1 else 0.0
 
     # the head's float32 dW, and dh in h's dtype (the last stage's)
     lm_loss = 4.0 * V * D + L.residual_bytes * T * D if last else 0.0
@@ -511,7 +522,8 @@ def over_budget(cfg: ModelConfig, L: MemoryLayout, budget_bytes: float, run: str
     """The error for a layout over its budget: the run, the GiB, the budget and what would help."""
     est = estimate(cfg, L)
     if L.pp > 1:
-        run = f"{run} (stage {L.stage} of {L.pp}, layers {L.layers[0]}-{L.layers[1] - 1})"
+        held = L.stage_layers(cfg.n_layers)
+        run = f"{run} (pipeline rank {L.stage} of {L.pp}, {len(held)} layers from {held[0]})"
     hints = []
     if L.checkpointing != "full" or L.every != 1:
         hints.append("execution.activation_checkpointing=full (or auto)")

@@ -52,7 +52,7 @@ def parallelize(model: Transformer, plan: ExecutionPlan, mesh: Mesh | None = Non
     (optimizer, reduce_dtype, the pipeline's cut; default: its defaults)."""
     parallel = parallel or ParallelConfig()
     if mesh is not None and mesh.pp > 1:
-        keep_stage(model, mesh.pp_rank, parallel.stage_layers(model.cfg.n_layers))
+        keep_stage(model, parallel.rank_stages(mesh.pp_rank), parallel.stage_layers(model.cfg.n_layers))
         mesh = mesh.stage
     if plan.expert_gemms is not None:
         from optimus_kernels.grouped_mm import use_family

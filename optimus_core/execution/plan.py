@@ -303,12 +303,19 @@ def _pipeline(cfg: RunConfig, per_rank: int, why: dict) -> str | None:
         return None
     micro = cfg.train.micro_batch or per_rank
     m = max(1, per_rank // micro)
+    chunks = cfg.parallel.pp_chunks
+    if chunks > 1 and m % pp:
+        raise ConfigError(f"parallel.pp_schedule = 'interleaved_1f1b': {m} micro-batches a step must be a multiple "
+                          f"of parallel.pp ({pp}); set train.micro_batch so they are")
     layers = [stop - first for first, stop in cfg.parallel.stage_layers(cfg.model.n_layers)]
     cut = (f"{layers[0]} layer{'s' if layers[0] > 1 else ''} each" if len(set(layers)) == 1
            else "layers " + "+".join(map(str, layers)))
-    why["pipeline"] = (f"idle {pp - 1}/{m + pp - 1} = {(pp - 1) / (m + pp - 1):.0%} of the step (the bubble)"
+    # the bubble: pp - 1 of a rank's stage times, each 1 / chunks of its micro-batch time
+    span = chunks * m + pp - 1
+    why["pipeline"] = (f"idle {pp - 1}/{span} = {(pp - 1) / span:.0%} of the step (the bubble)"
                        + (": fewer micro-batches than stages" if m < pp else ""))
-    return (f"{pp} stages ({cut}), {cfg.parallel.pp_schedule}, {m} micro-batch{'es' if m > 1 else ''} of "
+    stages = f"{pp} stages" if chunks == 1 else f"{pp} ranks x {chunks} stages"
+    return (f"{stages} ({cut}), {cfg.parallel.pp_schedule}, {m} micro-batch{'es' if m > 1 else ''} of "
             f"{micro} sequence{'s' if micro > 1 else ''}")
 
 

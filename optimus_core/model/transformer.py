@@ -138,37 +138,43 @@ class Transformer(nn.Module):
             return moe.n_experts * moe.top_k * (share_LE.mean(0) * probs_LE.mean(0)).sum()
         return (moe.n_experts * (share_LE * probs_LE).sum(-1)).mean()
 
-    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.hidden(tokens_BS))
+    def forward(self, tokens_BS: torch.Tensor, layers: range | None = None) -> torch.Tensor:
+        return self.lm_head(self.hidden(tokens_BS, layers=layers))
 
     def lm_loss(self, tokens_BS: torch.Tensor, targets_BS: torch.Tensor, *,
-                chunk_rows: int = DEFAULT_CHUNK_ROWS) -> torch.Tensor:
+                chunk_rows: int = DEFAULT_CHUNK_ROWS, layers: range | None = None) -> torch.Tensor:
         """Mean cross-entropy of the next-token logits against ``targets_BS`` (float32, 0-d).
 
         The same value and gradients as F.cross_entropy(self(tokens_BS).float(), targets), with
         the LM head fused into the loss chunk by chunk (optimus_core.model.linear_cross_entropy).
+        ``layers``: as for ``hidden``.
         """
-        h_BSD = self.hidden(tokens_BS)
+        h_BSD = self.hidden(tokens_BS, layers=layers)
         return linear_cross_entropy(h_BSD.flatten(0, 1), self.lm_head.weight, targets_BS.flatten(),
                                     chunk_rows=chunk_rows, kernel=self.lm_loss_kernel)
 
-    def hidden(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+    def hidden(self, tokens_BS: torch.Tensor, layers: range | None = None) -> torch.Tensor:
         """The final-normed hidden states h_BSD, the LM head's input. A part of the model without
         the embedding takes the hidden states x_BSD of the blocks before it instead of tokens;
-        one without the final norm returns its last block's output."""
+        one without the final norm returns its last block's output. ``layers``: only the blocks of
+        these layers (which this part holds), the embedding first where they start at layer 0,
+        the final norm last where they end at the last layer (one of the stages a rank holds)."""
         S = tokens_BS.shape[1]
         if S > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {S} exceeds model.max_seq_len {self.cfg.max_seq_len}")
         cos_SDh, sin_SDh = self.rope(S)
-        x_BSD = self.embed(tokens_BS) if self.embed is not None else tokens_BS
+        embeds = self.embed is not None and (layers is None or layers.start == 0)
+        x_BSD = self.embed(tokens_BS) if embeds else tokens_BS
         device_type = x_BSD.device.type
-        if self.embed is not None and not self.fp32_residual and torch.is_autocast_enabled(device_type):
+        if embeds and not self.fp32_residual and torch.is_autocast_enabled(device_type):
             x_BSD = x_BSD.to(torch.get_autocast_dtype(device_type))
         for i, block in self.blocks.items():
+            if layers is not None and int(i) not in layers:
+                continue
             if int(i) in self.recompute_blocks and self.training:
                 x_BSD = checkpoint(block, x_BSD, cos_SDh, sin_SDh, use_reentrant=False)
             else:
                 x_BSD = block(x_BSD, cos_SDh, sin_SDh)
-        if self.final_norm is None:
+        if self.final_norm is None or (layers is not None and layers.stop != self.cfg.n_layers):
             return x_BSD
         return _maybe_recomputed(self.final_norm, self.recompute_final_norm and self.training, x_BSD)

@@ -1,9 +1,9 @@
-"""Pipeline parallelism: the model cut into stages by layers, run under torch's 1F1B schedule.
+"""Pipeline parallelism: the model cut into stages by layers, run under torch's 1F1B schedules.
 
     layers = cfg.parallel.stage_layers(cfg.model.n_layers)   # [(first, stop), ...] (optimus_core.config)
-    keep_stage(model, mesh.pp_rank, layers)       # a meta model pruned to this rank's stage, in place
+    keep_stage(model, cfg.parallel.rank_stages(mesh.pp_rank), layers)   # a meta model pruned to this rank's stages
     ...                                           # then parallelized and materialised as a whole model is
-    pipe = Pipeline(model, mesh.stage, micro_batches=4, act_dtype=torch.bfloat16)
+    pipe = Pipeline(model, mesh.stage, cfg.parallel, micro_batches=4, act_dtype=torch.bfloat16)
     out = pipe.step(batch_BS1)                    # every micro-batch's forward and backward, 1F1B order
 
 A stage keeps the blocks of its layers under their own names (``blocks.<layer>``), so its
@@ -18,7 +18,9 @@ stage's routers: the authors pass the router outputs down the pipeline for the s
 
 The schedule is torch's (torch.distributed.pipelining): ``Schedule1F1B`` over the ``pp``
 consecutive stages of the pipeline group (the ranks that hold the same data and experts, one
-per stage). Each micro-batch's loss is weighted by its token share (the schedule does not
+per stage), or ``ScheduleInterleaved1F1B`` where each rank holds ``pp_chunks`` stages (rank r
+stages r, r + pp, ...: parallel.pp_schedule "interleaved_1f1b"), each a module of its own over
+the rank's one (pruned) model, its layers run by ``Transformer.hidden(layers=...)``. Each micro-batch's loss is weighted by its token share (the schedule does not
 scale the gradients again), so a step's gradients are those of the mean loss over the rank's
 batch, as without stages. The stages' shapes are given to the schedule up front: no trial
 forward runs.
@@ -37,19 +39,20 @@ from ..model.linear_cross_entropy import DEFAULT_CHUNK_ROWS
 from ..model.moe import MoEFeedForward
 from .mesh import Mesh
 
-SCHEDULES = ("1f1b",)
+SCHEDULES = ("1f1b", "interleaved_1f1b")
 
 
-def keep_stage(model: nn.Module, stage: int, layers: list[tuple[int, int]]) -> nn.Module:
-    """Prune a (meta-built) Transformer in place to stage ``stage`` of ``layers``: its blocks,
-    the embedding on the first stage, the final norm and the LM head on the last. Returns it."""
-    first, stop = layers[stage]
+def keep_stage(model: nn.Module, stages: list[int], layers: list[tuple[int, int]]) -> nn.Module:
+    """Prune a (meta-built) Transformer in place to the ``stages`` of ``layers`` (every stage's
+    [first, stop)) a rank holds: their blocks, the embedding with the first stage, the final norm
+    and the LM head with the last. Returns it."""
+    kept = {i for s in stages for i in range(*layers[s])}
     for key in list(model.blocks.keys()):
-        if not first <= int(key) < stop:
+        if int(key) not in kept:
             del model.blocks[key]
-    if stage > 0:
+    if 0 not in stages:
         model.embed = None
-    if stage < len(layers) - 1:
+    if len(layers) - 1 not in stages:
         model.final_norm = None
         model.lm_head = None
     return model
@@ -94,18 +97,22 @@ class StageModule(nn.Module):
     """One stage's forward as the schedule calls it: tokens (first stage) or the previous stage's
     (hidden states, routing sums) in; (hidden states in ``act_dtype``, routing sums) out, or on
     the last stage the micro-batch's weighted objective (cross entropy + auxiliary loss), its
-    parts kept in ``parts`` for the step's statistics. ``model``: this stage's Transformer
-    (keep_stage), parallelized; its forward methods are FSDP2's where it is sharded.
-    ``autocast``: the run's autocast context (a no-argument callable)."""
+    parts kept in ``parts`` for the step's statistics. ``model``: the rank's Transformer
+    (keep_stage), parallelized; its forward methods are FSDP2's where it is sharded; ``layers``:
+    this stage's (default: every layer the model holds). ``autocast``: the run's autocast
+    context (a no-argument callable)."""
 
     def __init__(self, model: nn.Module, *, first: bool, last: bool, weight: float, act_dtype: torch.dtype,
-                 autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+                 layers: range | None = None, autocast: Callable[[], ContextManager] = contextlib.nullcontext,
                  chunk_rows: int = DEFAULT_CHUNK_ROWS):
         super().__init__()
         self.model, self.first, self.last, self.weight = model, first, last, weight
         self.act_dtype, self.autocast, self.chunk_rows = act_dtype, autocast, chunk_rows
+        held = sorted(int(k) for k in model.blocks.keys())
+        self.layers = layers if layers is not None else range(held[0], held[-1] + 1)
+        self.moe = [model.blocks[str(i)].ffn for i in self.layers if isinstance(model.blocks[str(i)].ffn, MoEFeedForward)]
         # the index in the whole model of each of this stage's MoE layers
-        self.layer_ids = [int(k) for k, b in model.blocks.items() if isinstance(b.ffn, MoEFeedForward)]
+        self.layer_ids = [i for i in self.layers if isinstance(model.blocks[str(i)].ffn, MoEFeedForward)]
         self.parts: list[torch.Tensor] = []  # last stage: per micro-batch (ce, aux, lb, z), detached
         self.counts: list[torch.Tensor] = []  # per micro-batch: (this stage's MoE layers, E) counts
 
@@ -114,15 +121,16 @@ class StageModule(nn.Module):
             return self._forward(x, sums, targets)
 
     def _forward(self, x, sums, targets):
-        moe = self.model.moe_layers()
+        moe = self.moe
         if self.last:
-            ce = self.model.lm_loss(x, targets, chunk_rows=self.chunk_rows)
-        else:
-            h = self.model.hidden(x).to(self.act_dtype)  # as the next stage expects it (a no-op as planned)
+            ce = self.model.lm_loss(x, targets, chunk_rows=self.chunk_rows, layers=self.layers)
+        else:  # as the next stage expects it (a no-op as planned)
+            h = self.model.hidden(x, layers=self.layers).to(self.act_dtype)
         if moe:
             sums = add_routing_sums(moe, sums)
             self.counts.append(torch.stack([m.last_tokens_per_expert_E for m in moe]).detach())
-            self.model.clear_routing()  # read: the sums hold what the backward needs
+            for layer in moe:  # read: the sums hold what the backward needs
+                layer.clear_routing()
         if not self.last:
             return (h, sums) if sums is not None else h
         if sums is not None:
@@ -148,30 +156,43 @@ class PipelineStep:
 
 
 class Pipeline:
-    """This rank's stage of the pipeline and its schedule (module doc). ``mesh``: the stage mesh
-    (Mesh.stage); ``micro_batches`` a step; ``act_dtype``: the residual stream's between stages
-    (the plan's)."""
+    """This rank's stages of the pipeline and their schedule (module doc). ``mesh``: the stage
+    mesh (Mesh.stage); ``parallel``: the run's parallel section (the cut, the schedule);
+    ``micro_batches`` a step; ``act_dtype``: the residual stream's between stages (the plan's)."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh, *, micro_batches: int, act_dtype: torch.dtype,
-                 schedule: str = "1f1b", autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+    def __init__(self, model: nn.Module, mesh: Mesh, parallel, *, micro_batches: int, act_dtype: torch.dtype,
+                 autocast: Callable[[], ContextManager] = contextlib.nullcontext,
                  chunk_rows: int = DEFAULT_CHUNK_ROWS):
-        if schedule not in SCHEDULES:
-            raise ConfigError(f"parallel.pp_schedule = {schedule!r}: must be one of {', '.join(SCHEDULES)}")
+        if parallel.pp_schedule not in SCHEDULES:
+            raise ConfigError(f"parallel.pp_schedule = {parallel.pp_schedule!r}: must be one of {', '.join(SCHEDULES)}")
         if micro_batches < 1:
             raise ConfigError(f"pipeline: {micro_batches} micro-batches a step: need at least one")
+        if parallel.pp_chunks > 1 and micro_batches % parallel.pp:
+            raise ConfigError(f"parallel.pp_schedule = 'interleaved_1f1b': {micro_batches} micro-batches a step must "
+                              f"be a multiple of parallel.pp ({parallel.pp}); set train.micro_batch so they are")
         self.mesh, self.model, self.micro_batches, self.act_dtype = mesh, model, micro_batches, act_dtype
-        self.first, self.last = mesh.pp_rank == 0, mesh.pp_rank == mesh.pp - 1
         self.n_layers = model.cfg.n_layers
-        self.module = StageModule(model, first=self.first, last=self.last, weight=1.0 / micro_batches,
-                                  act_dtype=act_dtype, autocast=autocast, chunk_rows=chunk_rows)
+        layers = parallel.stage_layers(self.n_layers)
+        self.stage_ids = parallel.rank_stages(mesh.pp_rank)
+        self.n_stages = len(layers)
+        self.first, self.last = 0 in self.stage_ids, self.n_stages - 1 in self.stage_ids
+        self.interleaved = parallel.pp_chunks > 1
+        self.modules = [StageModule(model, first=s == 0, last=s == self.n_stages - 1, weight=1.0 / micro_batches,
+                                    act_dtype=act_dtype, layers=range(*layers[s]), autocast=autocast,
+                                    chunk_rows=chunk_rows) for s in self.stage_ids]
         self._schedule, self._shape = None, None
 
+    @property
+    def layer_ids(self) -> list[int]:
+        """The index in the whole model of each MoE layer this rank holds, in order."""
+        return [i for m in self.modules for i in m.layer_ids]
+
     def _schedule_for(self, micro_batch: int, seq_len: int):
-        """The 1F1B schedule for micro-batches of (micro_batch, seq_len) tokens, made at the first
-        step (and again should the shape change), with the stages' inputs and outputs given as
-        the schedule sees them (shapes, dtypes, and that the floating ones carry gradients), so
-        that it runs no trial forward to learn them."""
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+        """The schedule for micro-batches of (micro_batch, seq_len) tokens, made at the first step
+        (and again should the shape change), with every stage's inputs and outputs given as the
+        schedule sees them (shapes, dtypes, and that the floating ones carry gradients), so that
+        it runs no trial forward to learn them."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
         if self._shape != (micro_batch, seq_len):
             cfg, mesh, meta = self.model.cfg, self.mesh, torch.device("meta")
@@ -180,12 +201,17 @@ class Pipeline:
                                  requires_grad=True)
             sums = (torch.empty(routing_sums_size(cfg.moe.n_experts), device=meta, requires_grad=True),) \
                 if cfg.moe else ()
-            inputs = (tokens,) if self.first else (hidden, *sums)
-            outputs = (torch.empty(1, device=meta, requires_grad=True),) if self.last else (hidden, *sums)
-            stage = PipelineStage(self.module, mesh.pp_rank, mesh.pp, mesh.device, input_args=inputs,
-                                  output_args=outputs, group=mesh.pp_group)
-            self._schedule = Schedule1F1B(stage, self.micro_batches, loss_fn=lambda out, _target: out.sum(),
-                                          scale_grads=False)
+            stages = []
+            for s, module in zip(self.stage_ids, self.modules):
+                inputs = (tokens,) if module.first else (hidden, *sums)
+                outputs = (torch.empty(1, device=meta, requires_grad=True),) if module.last else (hidden, *sums)
+                stages.append(PipelineStage(module, s, self.n_stages, mesh.device, input_args=inputs,
+                                            output_args=outputs, group=mesh.pp_group))
+            loss = lambda out, _target: out.sum()  # noqa: E731  (the last stage's output is the weighted objective)
+            if self.interleaved:
+                self._schedule = ScheduleInterleaved1F1B(stages, self.micro_batches, loss_fn=loss, scale_grads=False)
+            else:
+                self._schedule = Schedule1F1B(stages[0], self.micro_batches, loss_fn=loss, scale_grads=False)
             self._shape = (micro_batch, seq_len)
         return self._schedule
 
@@ -198,8 +224,9 @@ class Pipeline:
         if B % self.micro_batches:
             raise ValueError(f"pipeline: {B} sequences do not split into {self.micro_batches} micro-batches")
         schedule = self._schedule_for(B // self.micro_batches, S)
-        self.module.parts.clear()
-        self.module.counts.clear()
+        for module in self.modules:
+            module.parts.clear()
+            module.counts.clear()
         args = (tokens_BS,) if self.first else ()
         kwargs = {"targets": targets_BS} if self.last else {}
         # the targets go to the last stage's forward (its loss is fused with the LM head); the
@@ -208,36 +235,40 @@ class Pipeline:
         device = batch_BS1.device
         sums_4 = torch.zeros(4, dtype=torch.float64, device=device)
         if self.last:
-            sums_4 += torch.stack(self.module.parts).double().mean(0)
+            sums_4 += torch.stack(self.modules[-1].parts).double().mean(0)
         counts = None
         if self.model.cfg.moe is not None:
             counts = torch.zeros(self.n_layers, self.model.cfg.moe.n_experts, dtype=torch.long, device=device)
-            counts[self.module.layer_ids] = torch.stack(self.module.counts).sum(0).to(counts.dtype)
+            for module in self.modules:
+                if module.counts:
+                    counts[module.layer_ids] = torch.stack(module.counts).sum(0).to(counts.dtype)
         self.model.clear_routing()  # a recomputed forward sets them again
         return PipelineStep(sums_4, counts)
 
     @torch.no_grad()
     def loss_sum(self, batch_BS1: torch.Tensor) -> torch.Tensor:
-        """The summed next-token cross entropy of ``batch_BS1`` (float64, 0-d, on every stage of
-        the pipeline): one forward through the stages, without the schedule (an evaluation;
+        """The summed next-token cross entropy of ``batch_BS1`` (float64, 0-d, on every rank of the
+        pipeline): one forward through the stages in order, without the schedule (an evaluation;
         every rank of the pipeline calls it with the same batch)."""
         import torch.distributed as dist
         import torch.nn.functional as F
 
         tokens_BS, targets_BS = batch_BS1[:, :-1], batch_BS1[:, 1:]
         B, S = tokens_BS.shape
-        ranks, s = self.mesh.pp_ranks, self.mesh.pp_rank
-        with self.module.autocast():
-            if self.first:
-                x = tokens_BS
-            else:
-                x = torch.empty(B, S, self.model.cfg.d_model, dtype=self.act_dtype, device=batch_BS1.device)
-                dist.recv(x, src=ranks[s - 1])
-            if self.last:
-                logits = self.model(x)
-                total = F.cross_entropy(logits.float().flatten(0, 1), targets_BS.flatten(), reduction="sum").double()
-            else:
-                dist.send(self.model.hidden(x).to(self.act_dtype).contiguous(), dst=ranks[s + 1])
-                total = torch.zeros((), dtype=torch.float64, device=batch_BS1.device)
+        ranks, pp = self.mesh.pp_ranks, self.mesh.pp
+        total = torch.zeros((), dtype=torch.float64, device=batch_BS1.device)
+        with self.modules[0].autocast():
+            for s, module in zip(self.stage_ids, self.modules):
+                if module.first:
+                    x = tokens_BS
+                else:  # from the rank of the stage before
+                    x = torch.empty(B, S, self.model.cfg.d_model, dtype=self.act_dtype, device=batch_BS1.device)
+                    dist.recv(x, src=ranks[(s - 1) % pp])
+                if module.last:
+                    logits = self.model(x, layers=module.layers)
+                    total = F.cross_entropy(logits.float().flatten(0, 1), targets_BS.flatten(), reduction="sum").double()
+                else:
+                    dist.send(self.model.hidden(x, layers=module.layers).to(self.act_dtype).contiguous(),
+                              dst=ranks[(s + 1) % pp])
         self.model.clear_routing()
         return self.mesh.all_reduce_pipeline_sum_(total)

@@ -129,8 +129,8 @@ class Trainer:
         if local % micro:
             raise ConfigError(f"train.micro_batch = {micro}: must divide each data rank's {local} sequences a step "
                               f"(train.global_batch {cfg.train.global_batch} over {self.mesh.data_world} data ranks)")
-        return Pipeline(self.model, self.mesh.stage, micro_batches=local // micro,
-                        act_dtype=getattr(torch, plan.residual_dtype), schedule=cfg.parallel.pp_schedule,
+        return Pipeline(self.model, self.mesh.stage, cfg.parallel, micro_batches=local // micro,
+                        act_dtype=getattr(torch, plan.residual_dtype),
                         autocast=lambda: autocast_context(self.device.type, plan.dtype))
 
     def attach_writer(self, writer: MetricsSink | None) -> None:

@@ -143,7 +143,7 @@ def pipeline_train_step(pipe, optimizer: torch.optim.Optimizer, batch_BS1: torch
         sums_4 = mesh.all_reduce_sum_(sums_4) / mesh.data_world
         if load_LE is not None:
             mesh.all_reduce_sum_(load_LE)
-    return _update(model, optimizer, sums_4, load_LE, pipe.module.layer_ids, grad_clip=grad_clip, lr=lr,
+    return _update(model, optimizer, sums_4, load_LE, pipe.layer_ids, grad_clip=grad_clip, lr=lr,
                    accept=accept, sum_squares=mesh.stage.all_reduce_pipeline_sum_)
 
 

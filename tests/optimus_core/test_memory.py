@@ -251,3 +251,18 @@ def test_pipeline_stages_split_the_model_and_the_first_holds_the_most_micro_batc
     assert heaviest_stage(cfg, stages[0]).stage == max(range(4), key=lambda s: ests[s].peak_bytes)
     with pytest.raises(ConfigError, match="a pipeline's layout gives each stage's layers"):
         replace(whole, pp=2)
+
+
+def test_an_interleaved_rank_holds_its_chunks_and_more_micro_batches_in_flight():
+    """PP 2 x 2 chunks over 4 layers, 8 micro-batches: rank 0 holds layers 0 and 2 (the embedding,
+    not the head), rank 1 layers 1 and 3 (the head); rank 0 runs 2 (pp - 1) + pp = 4 chunk
+    forwards and one more before its first backward: 2.5 micro-batches' worth of its layers."""
+    cfg = presets.get("mula-7b-a1b@laptop").model.replace(n_layers=4)
+    L = MemoryLayout(world=1, micro_batch=1, accumulation=8, seq_len=64, dtype="float32", pp=2, chunks=2,
+                     cut=((0, 1), (1, 2), (2, 3), (3, 4)))
+    first, second = L.stage_layouts()
+    assert first.stage_layers(4) == [0, 2] and second.stage_layers(4) == [1, 3]
+    assert (first.in_flight, second.in_flight) == (2.5, 1.5)
+    assert first.holds("embed.weight", 4) and not first.holds("lm_head.weight", 4) and second.holds("lm_head.weight", 4)
+    one_block = block_activation_bytes(cfg, 64, residual_bytes=4)
+    assert estimate(cfg, first).terms["activations"] == 2.5 * 2 * one_block

@@ -537,6 +537,12 @@ def test_pipeline_stages_add_the_1f1b_bubble_and_the_stage_sends():
     assert got.step_s == pytest.approx(alone.step_s + per_mb + 2 * (4 + 1) * hop)
     assert got.idle_s - alone.idle_s == pytest.approx(per_mb + 10 * hop)
     assert (got.compute_s, got.grad_sync_s, got.optimizer_s) == (alone.compute_s, alone.grad_sync_s, alone.optimizer_s)
+    # interleaved, two stages a rank (4 layers): half the bubble, a send at each of twice the boundaries
+    deep = MOE.replace(n_layers=4)
+    alone = pm.predict(deep.replace(n_layers=2), replace(L, devices=4, pp=1), m)
+    two = pm.predict(deep, replace(L, pp_chunks=2), m)
+    per_mb = (alone.compute_s + alone.a2a_s) / 4
+    assert two.step_s == pytest.approx(alone.step_s + per_mb / 2 + 2 * (2 * 4 + 1) * hop)
     with pytest.raises(ConfigError, match="must be a multiple of the data-parallel devices"):
         pm.Layout(devices=8, pp=2, global_batch=6)
     with pytest.raises(ConfigError, match="more stages than the model's 2 layers"):

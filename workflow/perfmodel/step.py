@@ -60,13 +60,14 @@ class Layout:
     checkpointing_every: int = 1
     exchange: str = "all_to_all"  # the expert exchange as the run's plan resolves it (EXCHANGES)
     gathers: str = "per_micro_batch"  # the plan's weight_gathers: per_micro_batch | per_step (overlap "layers")
-    pp: int = 1  # pipeline stages (parallel.pp, 1F1B): devices / pp ranks per stage
+    pp: int = 1  # pipeline ranks (parallel.pp, 1F1B): devices / pp ranks per stage
+    pp_chunks: int = 1  # stages each pipeline rank holds (parallel.pp_chunks: interleaved 1F1B)
 
     def __post_init__(self):
         def bad(name, allowed):
             raise ConfigError(f"layout.{name} = {getattr(self, name)!r}: {allowed}")
 
-        for name in ("devices", "ep", "global_batch", "seq_len", "pp"):
+        for name in ("devices", "ep", "global_batch", "seq_len", "pp", "pp_chunks"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 bad(name, "must be an integer >= 1")
         if self.devices % self.ep:
@@ -363,23 +364,25 @@ def predict(cfg: ModelConfig, layout: Layout, machine: Machine) -> Prediction:
 
 
 def _pipelined(cfg: ModelConfig, L: Layout, m: Machine) -> Prediction:
-    """A step of ``pp`` pipeline stages under 1F1B (package doc): the busiest stage -- the last,
+    """A step of ``pp`` pipeline ranks under 1F1B (package doc): the busiest rank -- the last,
     with the most layers of an even cut and the LM head -- priced as a run of its own on its
     devices / pp ranks (its compute and expert exchange for every micro-batch, its gradient sync
-    and update); the bubble, (pp - 1) of its micro-batch times (of m + pp - 1 in all), and the
-    stage-to-stage sends (each micro-batch's hidden states forward and their gradients back,
-    across nodes: every send the schedule waits on) are idle time."""
-    if cfg.n_layers < L.pp:
+    and update); the bubble, (pp - 1) of its stage times (a micro-batch's time over its
+    ``pp_chunks`` stages: interleaved, each stage is a chunk of the rank's layers), and the
+    stage-to-stage sends (each micro-batch's hidden states forward and their gradients back at
+    every stage boundary the rank holds, across nodes: every send the schedule waits on) are
+    idle time."""
+    if cfg.n_layers < L.pp * L.pp_chunks:
         raise ConfigError(f"layout.pp = {L.pp}: more stages than the model's {cfg.n_layers} layers")
     stage = cfg.replace(n_layers=-(-cfg.n_layers // L.pp))
-    alone = predict(stage, replace(L, devices=L.data_devices, pp=1), m)
+    alone = predict(stage, replace(L, devices=L.data_devices, pp=1, pp_chunks=1), m)
     mbs = L.micro_batches
     per_mb = (alone.compute_s + alone.a2a_s) / mbs
-    bubble = (L.pp - 1) * per_mb
+    bubble = (L.pp - 1) * per_mb / L.pp_chunks
     act_bytes = 2 if L.dtype == "bfloat16" else 4
     link = (m.inter or m.intra)["all_to_all"]  # a pairwise transfer: the nearest collective's link
     hop = link.latency + L.tokens_per_rank / mbs * cfg.d_model * act_bytes / link.bandwidth
-    sends = 2 * (mbs + L.pp - 1) * hop
+    sends = 2 * (L.pp_chunks * mbs + L.pp - 1) * hop
     return replace(alone, step_s=alone.step_s + bubble + sends, idle_s=alone.idle_s + bubble + sends)
 
 

@@ -131,7 +131,7 @@ def estimate_node_hours(run_scale, machine: Machine, micro_batch: int = 1) -> di
                     overlap=code_overlap(cfg.parallel), dp_shard=cfg.parallel.dp_shard,
                     reduce_bytes=reduce_bytes(cfg, plan.dtype), exchange=plan.expert_exchange or "all_to_all",
                     gathers=plan.weight_gathers or "per_micro_batch", checkpointing=mode, checkpointing_every=every,
-                    pp=cfg.parallel.pp)
+                    pp=cfg.parallel.pp, pp_chunks=cfg.parallel.pp_chunks)
     pred = predict(cfg.model, layout, machine)
     hours = run_scale.steps * pred.step_s / 3600
     nodes = math.ceil(run_scale.devices / machine.devices_per_node)

@@ -24,7 +24,7 @@ from sinks import ListSink
 STEPS = 10
 
 
-def _cfg(pp=1, ep=1, steps=STEPS, recompute="none", schedule="cosine", lb_form="per_layer", micro_batch=2):
+def _cfg(pp=1, ep=1, steps=STEPS, recompute="none", schedule="cosine", lb_form="per_layer", micro_batch=2, chunks=1):
     # micro_batch 2 everywhere: the load-balancing loss is a per-forward statistic, so the
     # 1-process run must see the same 2-sequence forwards as the stages do (global batch 8)
     return RunConfig(
@@ -33,7 +33,9 @@ def _cfg(pp=1, ep=1, steps=STEPS, recompute="none", schedule="cosine", lb_form="
                                         lb_loss_form=lb_form)),
         train=TrainConfig(steps=steps, global_batch=8, micro_batch=micro_batch, device="cpu", eval_batches=1),
         data=DataConfig(seq_len=32), schedule=ScheduleConfig(kind=schedule, warmup_steps=3),
-        parallel=ParallelConfig(ep=ep, pp=pp), execution=ExecutionConfig(activation_checkpointing=recompute))
+        parallel=ParallelConfig(ep=ep, pp=pp, pp_chunks=chunks,
+                                pp_schedule="interleaved_1f1b" if chunks > 1 else "1f1b"),
+        execution=ExecutionConfig(activation_checkpointing=recompute))
 
 
 def _rows(sink):
@@ -132,7 +134,7 @@ def test_stages_keep_the_whole_models_names_and_initial_weights():
     whole.init_weights(seed=3)
     parts = []
     for stage in range(2):
-        part = keep_stage(Transformer(cfg), stage, ParallelConfig(pp=2).stage_layers(cfg.n_layers))
+        part = keep_stage(Transformer(cfg), [stage], ParallelConfig(pp=2).stage_layers(cfg.n_layers))
         part.init_weights(seed=3)
         parts.append(dict(part.named_parameters()))
     assert parts[0].keys().isdisjoint(parts[1].keys())
@@ -174,15 +176,18 @@ def single(tokens_dir, tmp_path_factory):
     return _single(_cfg(), tokens_dir, tmp_path_factory.mktemp("single"))
 
 
-@pytest.mark.parametrize("nproc, pp, ep, recompute", [
-    (2, 2, 1, "none"), (2, 2, 1, "level7"),  # the 220B's recompute level: MoE block, attention, norms
-    (4, 2, 1, "none"),  # two data-parallel pipelines, each stage sharded over its 2 ranks
-    (4, 2, 2, "level1"),  # each stage's experts split over an EP group of 2; the 100B's level
-    (4, 2, 2, "full"),
-    (4, 4, 1, "moe"),  # one layer a stage, as many micro-batches as stages; the experts recomputed
+@pytest.mark.parametrize("nproc, pp, ep, recompute, chunks", [
+    (2, 2, 1, "none", 1), (2, 2, 1, "level7", 1),  # the 220B's recompute level: MoE block, attention, norms
+    (4, 2, 1, "none", 1),  # two data-parallel pipelines, each stage sharded over its 2 ranks
+    (4, 2, 2, "level1", 1),  # each stage's experts split over an EP group of 2; the 100B's level
+    (4, 2, 2, "full", 1),
+    (4, 4, 1, "moe", 1),  # one layer a stage, as many micro-batches as stages; the experts recomputed
+    (2, 2, 1, "none", 2),  # interleaved: rank 0 holds layers 0 and 2, rank 1 layers 1 and 3
+    (4, 2, 2, "level7", 2),
 ])
-def test_stages_follow_the_one_process_run(single, tokens_dir, tmp_path, nproc, pp, ep, recompute):
-    got = _ranks(nproc, _cfg(pp=pp, ep=ep, recompute=recompute), tokens_dir, tmp_path / "run", tmp_path / "rows.json")
+def test_stages_follow_the_one_process_run(single, tokens_dir, tmp_path, nproc, pp, ep, recompute, chunks):
+    cfg = _cfg(pp=pp, ep=ep, recompute=recompute, chunks=chunks)
+    got = _ranks(nproc, cfg, tokens_dir, tmp_path / "run", tmp_path / "rows.json")
     _close(got, single)
 
 
@@ -230,3 +235,23 @@ def test_cli_a_bad_pipeline_is_a_clear_error_before_any_rank_starts(tokens_dir, 
                  "--set", "train.device=cpu", "--set", "model.n_layers=2"])
     assert code == 2
     assert "parallel.pp = 2 x parallel.ep = 1: must divide the world size (3 ranks)" in capsys.readouterr().err
+
+
+def test_the_interleaved_schedule_holds_every_pp_th_stage_and_is_checked_before_it_runs():
+    parallel = ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", pp_chunks=2)
+    assert parallel.stage_layers(4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert parallel.rank_stages(0) == [0, 2] and parallel.rank_stages(1) == [1, 3]
+    names = set(dict(keep_stage(Transformer(_cfg().model), [1, 3], parallel.stage_layers(4)).named_parameters()))
+    assert {n.split(".")[1] for n in names if n.startswith("blocks.")} == {"1", "3"} and "lm_head.weight" in names
+    with pytest.raises(ConfigError, match="interleaved_1f1b holds 2 or more stages per rank, 1f1b one"):
+        ParallelConfig(pp=2, pp_chunks=2)
+    with pytest.raises(ConfigError, match="interleaved_1f1b holds 2 or more stages per rank"):
+        ParallelConfig(pp=2, pp_schedule="interleaved_1f1b")
+    with pytest.raises(ConfigError, match=r"parallel.pp = 2: x pp_chunks 4: more pipeline stages than the model's 4"):
+        _cfg(pp=2, chunks=4)
+    cfg = _cfg(pp=2, chunks=2)
+    plan = plan_execution(cfg, "cpu", 2, budget_bytes=None)
+    assert plan.pipeline == "2 ranks x 2 stages (1 layer each), interleaved_1f1b, 4 micro-batches of 2 sequences"
+    assert plan.why["pipeline"] == "idle 1/9 = 11% of the step (the bubble)"  # 1/5 under 1f1b
+    with pytest.raises(ConfigError, match=r"3 micro-batches a step must be a multiple of parallel.pp \(2\)"):
+        plan_execution(cfg.replace(train=cfg.train.replace(global_batch=6)), "cpu", 2, budget_bytes=None)
