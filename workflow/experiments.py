@@ -47,9 +47,10 @@ what the performance model prices), accumulating ``global_batch / tiles`` of the
 
 Every paper-scale run of more than 384 tiles shards its parameters in blocks of 384 tiles (32
 nodes: ``parallel.dp_shard``, the strong-scaling sweep's smallest job; with pipeline stages,
-blocks of at most a stage's tiles) and replicates them over the blocks (hybrid sharding): a layer's all-gathers and reduce-scatters then span at most 32
-nodes, not up to 1024 (whose ring latency workflow/perfmodel/ puts at 61% efficiency at
-12288 tiles, against 95% in blocks), and the per-tile state stays within the tile's memory
+blocks of at most a stage's tiles) and replicates them over the blocks (hybrid sharding): a
+layer's all-gathers and reduce-scatters then span at most 32 nodes, not up to 1024 (whose ring
+latency workflow/perfmodel/ puts at 61% efficiency at 12288 tiles, against 95% in blocks), and
+the per-tile state stays within the tile's memory
 (optimus_core/memory.py: at most 1/12 of an EP rank's experts per tile). Activation
 checkpointing is ``auto``: the least recomputation that fits a 64 GiB tile with the
 memory model's error to spare (optimus_core.memory.FIT_MARGIN), resolved
@@ -63,9 +64,9 @@ tiles 8 micro-batches of one sequence per pipeline, at 384 tiles 256. What is kn
 authors' sweep: its sizes (384 to 12288 tiles), the model and its layout; its batch is not in
 their code, so this batch is our assumption, the smallest that gives every point whole
 micro-batches of one sequence in our own design ("zero3-blocks": one sequence per tile at
-12288, 32 accumulated per tile at 384), where every point runs SCALING_CHECKPOINTING. A timed run fits one job
-with room (workflow/plan.py), and the 384-tile point must fit the one-hour debug-scaling queue
-(32 nodes is below prod's smallest tier).
+12288, 32 accumulated per tile at 384), where every point runs SCALING_CHECKPOINTING. A timed
+run fits one job with room (workflow/plan.py), and the 384-tile point must fit the one-hour
+debug-scaling queue (32 nodes is below prod's smallest tier).
 
 Laptop proxies: the tiny presets (``<name>@laptop``: the same tags on tiny bases,
 optimus_core/presets.py), one CPU process each, with the paper's recipe at a laptop's scale. The
@@ -332,7 +333,8 @@ def _scaling(tiles: int) -> Experiment:
     return Experiment(
         f"scaling-mula-220b-a10b-{tiles}", "scaling",
         paper=RunScale.for_steps("mula-220b-a10b", SCALING_STEPS, tiles, timed=True, ep=PAPER_EP, pp=pipe["pp"],
-                                 global_batch=SCALING_BATCH, dp_shard=SHARD_BLOCK, extra={**PAPER_TIMED, **pipe["extra"]}),
+                                 global_batch=SCALING_BATCH, dp_shard=SHARD_BLOCK,
+                                 extra={**PAPER_TIMED, **pipe["extra"]}),
         laptop=RunScale.for_steps("mula-220b-a10b@laptop", LAPTOP_TIMED_STEPS, 1, extra=LAPTOP_SHORT),
         description=f"strong scaling of Mula-220B-A10B: {tiles} tiles, {SCALING_STEPS} steps of "
                     f"{SCALING_BATCH} x {presets.get('mula-220b-a10b').seq_len} tokens",

@@ -20,10 +20,10 @@ The schedule is torch's (torch.distributed.pipelining): ``Schedule1F1B`` over th
 consecutive stages of the pipeline group (the ranks that hold the same data and experts, one
 per stage), or ``ScheduleInterleaved1F1B`` where each rank holds ``pp_chunks`` stages (rank r
 stages r, r + pp, ...: parallel.pp_schedule "interleaved_1f1b"), each a module of its own over
-the rank's one (pruned) model, its layers run by ``Transformer.hidden(layers=...)``. Each micro-batch's loss is weighted by its token share (the schedule does not
-scale the gradients again), so a step's gradients are those of the mean loss over the rank's
-batch, as without stages. The stages' shapes are given to the schedule up front: no trial
-forward runs.
+the rank's one (pruned) model, its layers run by ``Transformer.hidden(layers=...)``. Each
+micro-batch's loss is weighted by its token share (the schedule does not scale the gradients
+again), so a step's gradients are those of the mean loss over the rank's batch, as without
+stages. The stages' shapes are given to the schedule up front: no trial forward runs.
 """
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ def add_routing_sums(layers: list[MoEFeedForward], sums: torch.Tensor | None) ->
     return mine if sums is None else sums + mine
 
 
-def aux_from_routing_sums(sums: torch.Tensor, moe_cfg, n_moe_layers: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def aux_from_routing_sums(sums: torch.Tensor, moe_cfg,
+                          n_moe_layers: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(aux, lb, z) of all ``n_moe_layers`` MoE layers (an MoE model's every layer) from the
     pipeline's routing sums, as Transformer.aux_loss, lb_loss and the z-loss mean make them on
     one process (lb and z unscaled)."""
@@ -110,9 +111,9 @@ class StageModule(nn.Module):
         self.act_dtype, self.autocast, self.chunk_rows = act_dtype, autocast, chunk_rows
         held = sorted(int(k) for k in model.blocks.keys())
         self.layers = layers if layers is not None else range(held[0], held[-1] + 1)
-        self.moe = [model.blocks[str(i)].ffn for i in self.layers if isinstance(model.blocks[str(i)].ffn, MoEFeedForward)]
-        # the index in the whole model of each of this stage's MoE layers
+        # the index in the whole model of each of this stage's MoE layers, and those layers
         self.layer_ids = [i for i in self.layers if isinstance(model.blocks[str(i)].ffn, MoEFeedForward)]
+        self.moe = [model.blocks[str(i)].ffn for i in self.layer_ids]
         self.parts: list[torch.Tensor] = []  # last stage: per micro-batch (ce, aux, lb, z), detached
         self.counts: list[torch.Tensor] = []  # per micro-batch: (this stage's MoE layers, E) counts
 
@@ -266,7 +267,8 @@ class Pipeline:
                     dist.recv(x, src=ranks[(s - 1) % pp])
                 if module.last:
                     logits = self.model(x, layers=module.layers)
-                    total = F.cross_entropy(logits.float().flatten(0, 1), targets_BS.flatten(), reduction="sum").double()
+                    total = F.cross_entropy(logits.float().flatten(0, 1), targets_BS.flatten(),
+                                            reduction="sum").double()
                 else:
                     dist.send(self.model.hidden(x, layers=module.layers).to(self.act_dtype).contiguous(),
                               dst=ranks[(s + 1) % pp])
