@@ -21,10 +21,10 @@ The runs
   and a fixed number of steps, so time per step is the only thing that changes.
 - ablation (kind ``ablation``): the authors' own A/B (their README, "OLMoE Pretraining"):
   OLMoE-1B-7B rescaled ``SE1.125`` (72 experts), 32 steps at context 2048, one sequence per data
-  rank (run_experiment.sh's batch), in their layouts DP12 and EP12 (one node), DP8-EP12 (8
-  nodes); in each, the per-expert loop against our kernels (the kernel arm), and at EP 12 the
-  paper's baseline optimizer against the EP-aware one (the optimizer arm). Their DP2-PP4-EP12
-  layout waits for pipeline parallelism and is not registered.
+  rank (run_experiment.sh's batch), in their layouts DP12 and EP12 (one node), DP8-EP12 and
+  DP2-PP4-EP12 (8 nodes; the pipeline's 4 micro-batches of one sequence per pipeline); in each,
+  the per-expert loop against our kernels (the kernel arm), and at EP 12 the paper's baseline
+  optimizer against the EP-aware one (the optimizer arm).
 
 Tile counts, batch and context are the authors' (GitHub IntelLabs/Optimus-LM,
 ``submit_aurora_job_paper.pbs``, read 2026-12-06): every paper run on 256 nodes (3072 tiles), 3072
