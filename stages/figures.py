@@ -37,7 +37,7 @@ from optimus_core.outputs import check_output, mark_output_in_place
 from optimus_core.store import ResultsStore, StoreKeyError, open_store
 from stages.downstream_figure import downstream_figure
 from stages.scaleup import scaleup_figure, scaleup_runs
-from stages.scaling_figure import breakdown_figure, read_scaling, scaling_figure
+from stages.scaling_figure import breakdown_figure, centred, note_figure, read_scaling, scaling_figure
 
 # File name -> caption; the report embeds them in this order.
 FIGURES = {
@@ -148,7 +148,7 @@ def run_figures(config: FiguresConfig, inputs: FiguresInputs, outputs: FiguresOu
         fig = draw[name](data) if data.runs or not needs_training else "no completed run in the store"
         if isinstance(fig, str):
             result.skipped[name] = fig
-            fig = _note(fig)
+            fig = note_figure(fig)
         path = out / name
         with atomic_open(path, "wb") as f:
             fig.savefig(f, format="png", dpi=config.dpi)  # a bare Figure saves PNGs with Agg
@@ -303,14 +303,14 @@ def _expert_load(data: _Data) -> Union[Figure, str]:
                         title=f"{run_id}: expert load at step {train['step'].iloc[logged[-1]]} "
                               f"(uniform = {1 / last.shape[-1]:.3g})")
         else:
-            _centred(heat_ax, f"{run_id}: expert_load never logged")
+            centred(heat_ax, f"{run_id}: expert_load never logged")
         if data.table(run_id, "train", "moe_imbalance") is not None:
             line_ax.plot(train["step"], train["moe_imbalance"], color=data.colour[run_id])
             line_ax.axhline(1.0, color="grey", ls="--", lw=0.8)
             line_ax.set(xlabel="step", ylabel="max / mean tokens per expert", title="load imbalance")
             line_ax.grid(alpha=0.3)
         else:
-            _centred(line_ax, f"{run_id}: no moe_imbalance logged")
+            centred(line_ax, f"{run_id}: no moe_imbalance logged")
     return fig
 
 
@@ -466,13 +466,4 @@ def _ablation(data: _Data) -> Union[Figure, str]:
     return fig
 
 
-def _note(text: str) -> Figure:
-    fig = Figure(figsize=(6, 3))
-    _centred(fig.add_subplot(), text)
-    return fig
 
-
-def _centred(ax, text: str) -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="dimgrey")
-    ax.set_xticks([])
-    ax.set_yticks([])

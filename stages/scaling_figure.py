@@ -31,6 +31,7 @@ stage saves them); ``draw_*`` save PNGs with the Agg canvas (no pyplot), atomica
 from __future__ import annotations
 
 import math
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -136,13 +137,20 @@ def _label(key: tuple[str, str, str]) -> str:
     return f"{preset} on {where}" + (f" ({opt})" if opt and opt != "local" else "")
 
 
-def _note(text: str) -> Figure:
+def note_figure(text: str) -> Figure:
+    """A figure that is only ``text`` (its data absent), centred, wrapped within its frame."""
     fig = Figure(figsize=(6, 3))
-    ax = fig.add_subplot()
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="dimgrey")
+    centred(fig.add_subplot(), text)
+    return fig
+
+
+def centred(ax, text: str, width: int = 60) -> None:
+    """``text`` in the middle of ``ax``, wrapped at ``width`` characters so that it stays inside
+    the axes (a long note would run past the figure's edges and be clipped), no ticks."""
+    ax.text(0.5, 0.5, textwrap.fill(text, width), ha="center", va="center", transform=ax.transAxes,
+            color="dimgrey")
     ax.set_xticks([])
     ax.set_yticks([])
-    return fig
 
 
 def _save(fig: Figure, out_png: Path, dpi: int) -> Path:
@@ -172,7 +180,7 @@ def scaling_figure(measured: list[dict], predicted: list[dict], title: str = "St
     as markers, the model beside each as a line, held-out points open with the model's error
     beside them). A panel with no row is left out; with no row at all, a note says so."""
     if not measured and not predicted:
-        return _note("no measured or predicted scaling points")
+        return note_figure("no measured or predicted scaling points")
 
     def of_paper(rows, want):
         return [r for r in rows if (r["preset"] == PAPER["preset"]) == want]
@@ -243,7 +251,7 @@ def breakdown_figure(measured: list[dict], predicted: list[dict], title: str = "
             for r in ser:  # one bar per (panel, devices, kind): the first series wins on a tie
                 panels[key[:2]][int(r["devices"])].setdefault(kind, r)
     if not panels:
-        return _note("no measured or predicted scaling points")
+        return note_figure("no measured or predicted scaling points")
     n = len(panels)
     ncols = min(n, 2)
     nrows = math.ceil(n / ncols)

@@ -897,3 +897,14 @@ def test_evaluate_says_what_it_is_doing_and_over_how_many_batches(finished_run, 
     assert "checkpoint 1 of 1 (step 1) loading" in err
     assert re.search(r"step 1 held-out loss \d+\.\d{4} over \d+ batches \(\d+ sequences\)", err)
     assert re.search(r"\(held out: \d+ batches, \d+ sequences; at most --max-batches 2 per source\)", out)
+
+
+def test_figures_with_no_data_are_named_as_notes_not_as_drawn(tmp_path, capsys):
+    """Nothing lost, class 11: a figure drawn as a "no data" note is not listed among the drawn
+    figures (stdout, one path a line for xargs); it is named apart on stderr with the reason."""
+    store, figures = _empty_store(tmp_path), tmp_path / "figs"
+    assert main(["figures", "--store", str(store), "--out", str(figures), "--only", "loss.png", "ablation.png"]) == 0
+    out, err = capsys.readouterr()
+    assert str(figures / "loss.png") not in out.split()
+    assert f"{figures / 'loss.png'}: a note, not a figure: no completed run in the store" in err
+    assert (figures / "loss.png").is_file()  # still written: a workflow's rule declares the file

@@ -393,7 +393,13 @@ def cmd_figures(args) -> Summary:
     config = FiguresConfig(only=tuple(args.only) if args.only else None)
     check_writable(args.out)  # the directory named, not the first file drawn into it
     result = run_figures(config, FiguresInputs(store=args.store), FiguresOutputs(out_dir=args.out))
-    return Summary("\n".join(map(str, result.paths)), jsonable(result))  # one path a line: for `xargs`
+    # One figure's path a line (for `xargs`); a file drawn as a note because its data is absent
+    # is not a figure: it is named apart, with why, and not among them.
+    for path in result.paths:
+        if path.name in result.skipped:
+            print(f"{path}: a note, not a figure: {result.skipped[path.name]}", file=sys.stderr)
+    drawn = [path for path in result.paths if path.name not in result.skipped]
+    return Summary("\n".join(map(str, drawn)), jsonable(result))
 
 
 def cmd_reference(args) -> Summary:

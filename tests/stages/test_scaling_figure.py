@@ -155,3 +155,19 @@ def test_report_lists_every_design_point_with_its_error_and_the_load():
                     "| 1 rank batch 8 | fitted | 0.5 | 0.5 | +0.0% | 0.05 / 0.01 | 1.0% |",
                     "| 2 ranks EP=n batch 8 | held-out | 0.4 | 0.52 | +30.0% | 0.04 / 0.01 | 25% |"]
     assert "Every measured point" not in scaling_report_markdown(MEASURED, PREDICTED, HOLDOUT)  # no roles: none
+
+
+def test_a_long_note_stays_inside_its_figure():
+    """Nothing lost, class 11: a figure drawn as a note (its data absent) wraps its text within
+    the frame instead of running past the figure's edges."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from stages.scaling_figure import note_figure
+
+    fig = note_figure("no ablation in the store (the registry's ablation-* runs, or bench/distributed.py "
+                      "--suites ablation, then --ingest) " * 2)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    (text,) = fig.axes[0].texts
+    box = text.get_window_extent(canvas.get_renderer())
+    assert 0 <= box.x0 < box.x1 <= fig.bbox.width and 0 <= box.y0 < box.y1 <= fig.bbox.height
