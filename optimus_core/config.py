@@ -307,6 +307,22 @@ class ParallelConfig(Validated):
         """Pipeline stages in all: pp ranks of pp_chunks stages each."""
         return self.pp * self.pp_chunks
 
+    def stage_world(self, world_size: int) -> int:
+        """The ranks one pipeline stage is built, sharded and updated on, of a run of
+        ``world_size`` (world_size without stages); ConfigError where pp does not divide it."""
+        if world_size % self.pp:
+            fail("parallel.pp", self.pp, f"must divide the world size ({world_size} ranks)")
+        return world_size // self.pp
+
+    def check_micro_batches(self, micro_batches: int) -> None:
+        """ConfigError where a step's ``micro_batches`` cannot run under the schedule: none at all,
+        or, interleaved, not a multiple of pp."""
+        if micro_batches < 1:
+            fail("train.micro_batch", micro_batches, "leaves no micro-batch a step for the pipeline")
+        if self.pp_chunks > 1 and micro_batches % self.pp:
+            fail("parallel.pp_schedule", self.pp_schedule, f"{micro_batches} micro-batches a step must be a "
+                 f"multiple of parallel.pp ({self.pp}); set train.micro_batch so they are")
+
     def rank_stages(self, pp_rank: int) -> list[int]:
         """The stages pipeline rank ``pp_rank`` holds: itself, then every pp-th after it."""
         return [pp_rank + chunk * self.pp for chunk in range(self.pp_chunks)]

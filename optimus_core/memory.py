@@ -172,10 +172,7 @@ class MemoryLayout:
         the rest as ``plan`` (an optimus_core.execution.ExecutionPlan: the memory model reads
         its choices and knows nothing of how they are made) executes it; ``micro_batches`` caps
         the micro-batches per step (a rehearsal's)."""
-        pp = cfg.parallel.pp
-        if world % pp:
-            raise ConfigError(f"parallel.pp = {pp}: must divide the world size ({world} ranks)")
-        world //= pp
+        world = cfg.parallel.stage_world(world)
         per_rank = cfg.train.global_batch // world
         if per_rank < 1:
             raise ConfigError(f"train.global_batch = {cfg.train.global_batch}: fewer sequences than data-parallel "

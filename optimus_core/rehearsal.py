@@ -167,7 +167,7 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
         raise ConfigError("parallel.pp_schedule = 'interleaved_1f1b': a rank of several stages is not rehearsed yet "
                           "(the memory model prices it); rehearse the layout under '1f1b'")
     pipeline_layout(world, cfg.parallel.pp, cfg.parallel.ep)
-    stage_world = world // cfg.parallel.pp  # the ranks of one pipeline stage (the world without stages)
+    stage_world = cfg.parallel.stage_world(world)  # the ranks of one pipeline stage (the world without stages)
     group_layout(stage_world, cfg.parallel.ep, cfg.model.moe.n_experts if cfg.model.moe else None,
                  cfg.parallel.dp_shard)
     if cfg.train.global_batch % stage_world:

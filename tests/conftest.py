@@ -1,4 +1,4 @@
-"""Shared fixtures: small tokenized corpora, one of each per test session, built by the real stages."""
+"""Shared fixtures: small tokenized corpora, one of each per pytest run, built by the real stages."""
 from pathlib import Path
 
 import pytest

@@ -250,7 +250,7 @@ def cmd_pretrain(args) -> Summary | None:
     from optimus_core.parallel.mesh import pipeline_layout
 
     pipeline_layout(world, cfg.parallel.pp, cfg.parallel.ep)
-    data_world = world // cfg.parallel.pp  # the ranks that read distinct sequences
+    data_world = cfg.parallel.stage_world(world)  # the ranks that read distinct sequences
     if cfg.train.global_batch % data_world:
         raise ConfigError(f"train.global_batch = {cfg.train.global_batch}: must be divisible by the data-parallel "
                           f"ranks ({data_world}" + (f" = {world} ranks / parallel.pp {cfg.parallel.pp})"

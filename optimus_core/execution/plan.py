@@ -187,7 +187,7 @@ def resolve_choices(cfg: RunConfig, device: torch.device | str, world_size: int 
         device, probe = torch.device("cuda"), False
     ex, why = cfg.execution, {}
     gpu = device.type in GPU_TYPES
-    stage_world = stage_world_size(cfg, world_size)
+    stage_world = cfg.parallel.stage_world(world_size)
     one_process = stage_world == 1
 
     dtype = ex.dtype
@@ -287,15 +287,6 @@ def resolve_choices(cfg: RunConfig, device: torch.device | str, world_size: int 
                          weight_gathers=gathers, pipeline=_pipeline(cfg, per_rank, why), why=why)
 
 
-def stage_world_size(cfg: RunConfig, world_size: int) -> int:
-    """The ranks one pipeline stage is built, sharded and updated on (world_size without
-    stages); ConfigError naming parallel.pp where the stages do not divide the world."""
-    pp = cfg.parallel.pp
-    if world_size % pp:
-        raise ConfigError(f"parallel.pp = {pp}: must divide the world size ({world_size} ranks)")
-    return world_size // pp
-
-
 def _pipeline(cfg: RunConfig, per_rank: int, why: dict) -> str | None:
     """The pipeline line of the plan, with its bubble as the reason, or None without stages."""
     pp = cfg.parallel.pp
@@ -304,9 +295,7 @@ def _pipeline(cfg: RunConfig, per_rank: int, why: dict) -> str | None:
     micro = cfg.train.micro_batch or per_rank
     m = max(1, per_rank // micro)
     chunks = cfg.parallel.pp_chunks
-    if chunks > 1 and m % pp:
-        raise ConfigError(f"parallel.pp_schedule = 'interleaved_1f1b': {m} micro-batches a step must be a multiple "
-                          f"of parallel.pp ({pp}); set train.micro_batch so they are")
+    cfg.parallel.check_micro_batches(m)
     layers = [stop - first for first, stop in cfg.parallel.stage_layers(cfg.model.n_layers)]
     cut = (f"{layers[0]} layer{'s' if layers[0] > 1 else ''} each" if len(set(layers)) == 1
            else "layers " + "+".join(map(str, layers)))
@@ -350,7 +339,7 @@ def plan_execution(cfg: RunConfig, device: torch.device | str, world_size: int =
             budget_bytes = device_budget(device_memory_bytes(torch.device(device))) if probe else None
     checkpointing, est = check_run(cfg, world_size, plan, budget_bytes, run=run or cfg.preset or "this run")
     why = dict(plan.why)
-    if cfg.execution.weight_gathers == "auto" and stage_world_size(cfg, world_size) > 1:
+    if cfg.execution.weight_gathers == "auto" and cfg.parallel.stage_world(world_size) > 1:
         plan, est, why["weight gathers"] = _per_step_if_it_fits(cfg, world_size, plan, checkpointing, est,
                                                                  budget_bytes)
     asked = cfg.execution.activation_checkpointing

@@ -34,13 +34,9 @@ from typing import Callable, ContextManager
 import torch
 from torch import nn
 
-from ..config import ConfigError
 from ..model.linear_cross_entropy import DEFAULT_CHUNK_ROWS
 from ..model.moe import MoEFeedForward
 from .mesh import Mesh
-
-SCHEDULES = ("1f1b", "interleaved_1f1b")
-
 
 def keep_stage(model: nn.Module, stages: list[int], layers: list[tuple[int, int]]) -> nn.Module:
     """Prune a (meta-built) Transformer in place to the ``stages`` of ``layers`` (every stage's
@@ -164,13 +160,7 @@ class Pipeline:
     def __init__(self, model: nn.Module, mesh: Mesh, parallel, *, micro_batches: int, act_dtype: torch.dtype,
                  autocast: Callable[[], ContextManager] = contextlib.nullcontext,
                  chunk_rows: int = DEFAULT_CHUNK_ROWS):
-        if parallel.pp_schedule not in SCHEDULES:
-            raise ConfigError(f"parallel.pp_schedule = {parallel.pp_schedule!r}: must be one of {', '.join(SCHEDULES)}")
-        if micro_batches < 1:
-            raise ConfigError(f"pipeline: {micro_batches} micro-batches a step: need at least one")
-        if parallel.pp_chunks > 1 and micro_batches % parallel.pp:
-            raise ConfigError(f"parallel.pp_schedule = 'interleaved_1f1b': {micro_batches} micro-batches a step must "
-                              f"be a multiple of parallel.pp ({parallel.pp}); set train.micro_batch so they are")
+        parallel.check_micro_batches(micro_batches)
         self.mesh, self.model, self.micro_batches, self.act_dtype = mesh, model, micro_batches, act_dtype
         self.n_layers = model.cfg.n_layers
         layers = parallel.stage_layers(self.n_layers)
