@@ -34,8 +34,8 @@ from pathlib import Path
 
 from optimus_core.log import configure_logging
 from workflow.commands import (cmd_corpus, cmd_evaluate, cmd_execution, cmd_experiments, cmd_export_hf, cmd_figures,
-                               cmd_perfmodel, cmd_plan, cmd_presets, cmd_pretrain, cmd_reference, cmd_rehearse,
-                               cmd_report, cmd_scaling, cmd_tokenize, cmd_window_order, emit)
+                               cmd_hosts, cmd_perfmodel, cmd_plan, cmd_presets, cmd_pretrain, cmd_reference,
+                               cmd_rehearse, cmd_report, cmd_scaling, cmd_tokenize, cmd_window_order, emit)
 from workflow.experiments import DESIGNS
 from workflow.failures import check_site_use, user_failure
 
@@ -170,6 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=42, help="the order's seed (data.seed)")
     p.add_argument("--epochs", type=int, default=1, help="orders of this many epochs (each its own file)")
     p.set_defaults(func=cmd_window_order)
+
+    p = sub.add_parser("hosts", parents=[common],
+                       help="inside a PBS job: the hostfile of its healthy nodes (those a run named faulty left out)")
+    p.add_argument("--nodes", type=int, required=True, help="the hosts the ranks need")
+    p.add_argument("--out", type=Path, required=True, help="the hostfile to write (one host a line)")
+    p.add_argument("--faults", type=Path, default=None, help="a run's node-faults.json (absent: none named)")
+    p.add_argument("--nodefile", type=Path, default=None, help="default: $PBS_NODEFILE")
+    p.set_defaults(func=cmd_hosts)
 
     p = sub.add_parser("presets", parents=[common], help="the table of model presets")
     p.add_argument("--seq-len", type=int, default=None)

@@ -432,6 +432,14 @@ def cmd_window_order(args) -> Summary:
                    + "\n".join(lines), {"windows": len(windows), "paths": [str(p) for p in paths]})
 
 
+def cmd_hosts(args) -> Summary:
+    from workflow.hostfile import write_hostfile
+
+    hosts = write_hostfile(args.out, nodes=args.nodes, faults=args.faults, nodefile=args.nodefile,
+                           log=lambda line: print(line, file=sys.stderr))
+    return Summary(f"{args.out}: {len(hosts)} host(s)", {"hostfile": str(args.out), "hosts": hosts})
+
+
 def cmd_presets(args) -> Summary:
     from optimus_core import presets
 

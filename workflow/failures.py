@@ -103,6 +103,9 @@ def user_failure(args, e: BaseException) -> tuple[int, str] | None:
     resilience = sys.modules.get("optimus_core.train.resilience")
     if resilience is not None and isinstance(e, resilience.Diverged):  # training cannot go on: says what to change
         return 1, f"{said}error: {e}"
+    faults = sys.modules.get("optimus_core.train.node_faults")
+    if faults is not None and isinstance(e, faults.NodeFault):  # a node's hardware: rerun without it
+        return e.exit_code, f"{said}error: {e}"
     if isinstance(e, RuntimeError):  # the device asked for is not here: the environment (valid elsewhere)
         device = sys.modules.get("optimus_core.device")  # not imported: not its error (and no torch import)
         if device is not None and isinstance(e, (device.DeviceUnavailableError, device.DeviceBindingError)):

@@ -25,8 +25,9 @@ from typing import Any
 
 from optimus_core.config import ConfigError
 from optimus_core.log import get_logger
+from optimus_core.train.node_faults import FAULTS_FILE, NODE_FAULT_EXIT_CODE
 from workflow.parsl_sites import parsl_config
-from workflow.plan import JobPlan
+from workflow.plan import HOSTFILE_VARIABLE, JobPlan
 from workflow.sites import SiteConfig
 
 _log = get_logger(__name__)
@@ -60,11 +61,28 @@ def command_argv(command: str, options: dict[str, Any], optimus: str = "optimus"
     return argv + ["--launcher", "local"]
 
 
-def command_line(job: JobPlan, argv: list[str]) -> str:
+def command_line(job: JobPlan, argv: list[str], hosts: tuple[str, Path, Path | None] | None = None) -> str:
     """The shell line the job runs: the mpiexec prefix (if any), the site's per-rank GPU affinity
-    wrapper (if any: each rank sees only its tile) and the command."""
+    wrapper (if any: each rank sees only its tile) and the command. Where the mpiexec line names
+    a hostfile, ``hosts`` = (the `optimus` command, a directory, the run's node-faults.json or
+    None) writes it first on the job's head node, as ``hostfile.<PBS job id>`` in the directory:
+    the job's nodes less those the run named faulty (`optimus hosts`, workflow/hostfile.py), so
+    that a relaunch leaves them out."""
     cmd = shlex.join(argv)
-    return f"{job.launcher} {cmd}" if job.launcher else cmd
+    line = f"{job.launcher} {cmd}" if job.launcher else cmd
+    if f"${HOSTFILE_VARIABLE}" not in job.mpiexec:
+        return line
+    if hosts is None:
+        raise ValueError("command_line: the site's mpiexec line names a {hostfile}: give hosts=(optimus, dir, faults)")
+    optimus, directory, faults = hosts
+    write = [*shlex.split(optimus), "hosts", "--nodes", str(job.nodes)]
+    write += ["--faults", str(faults)] if faults is not None else []
+    steps = [f"export {HOSTFILE_VARIABLE}={shlex.quote(str(directory))}/hostfile.\"${{PBS_JOBID:-local}}\"",
+             f"{shlex.join(write)} --out \"${HOSTFILE_VARIABLE}\""]
+    if job.master_addr:  # rank 0 runs on the hostfile's first host, which need not be the node file's
+        addr = job.master_addr.replace("{host}", "$(head -n 1 \"$" + HOSTFILE_VARIABLE + "\" | cut -d. -f1)")
+        steps.append(f"export MASTER_ADDR={addr}")
+    return " && ".join([*steps, line])
 
 
 @dataclass
@@ -120,14 +138,16 @@ class LaunchError(ValueError):
 
 
 def launch_chain(site: SiteConfig, job: JobPlan, command: str, run_dir: str | Path, name: str,
-                 submit_fn=None, log=print, poll_s: float = 10.0) -> Submitted:
+                 submit_fn=None, log=print, poll_s: float = 10.0, faults: Path | None = None) -> Submitted:
     """Submit ``command`` as chained jobs until one ends with success: ``job.jobs`` jobs for a run
     longer than one walltime, each resuming from the newest checkpoint, plus ``site.retries`` for
     failures. Every attempt is a new PBS job, so a failed node is not given back to the run in the
     same allocation, and each holds a slot of its queue while it is queued or running
     (workflow/queue_slots.py: the queue's jobs-per-user limit). A timed run gets no second job for
     its length (it fits one), only the retries. A configuration error (status 2) ends the chain:
-    the next job would refuse the same command."""
+    the next job would refuse the same command. A node fault (status 76: the run named hosts in
+    ``faults``, its node-faults.json) is said with the hosts; the next job leaves them out where
+    it holds spare nodes (``site.spare_nodes``; command_line's hostfile)."""
     from workflow.queue_slots import queue_slots
 
     submit_fn = submit_fn or submit
@@ -142,6 +162,14 @@ def launch_chain(site: SiteConfig, job: JobPlan, command: str, run_dir: str | Pa
             return done
         log(f"[optimus launch] {name}: job {attempt} ended with status {done.returncode}"
             + ("; submitting the next, which resumes from the newest checkpoint" if attempt < attempts else ""))
+        if done.returncode == NODE_FAULT_EXIT_CODE and faults is not None:
+            from optimus_core.train import node_faults
+
+            hosts = ", ".join(node_faults.read(faults)["hosts"]) or "(none recorded)"
+            log(f"[optimus launch] {name}: a node fault: host(s) {hosts} named in {faults}; "
+                + (f"the next job leaves them out ({site.spare_nodes} spare node(s) a job)" if site.spare_nodes else
+                   "the site holds no spare nodes (site.spare_nodes), so the next job runs without them only "
+                   "if PBS gives it other nodes"))
     return done
 
 
@@ -190,11 +218,14 @@ def _run_on_site(site: SiteConfig, job: JobPlan, subcommand: str, forwarded: dic
     argv = command_argv(subcommand, forwarded, optimus=site.optimus)
     if job.ranks > 1 and not job.mpiexec:  # no MPI launcher on this site: the command spawns its ranks
         argv[-2:-2] = ["--nproc", str(job.ranks)]
-    command = command_line(job, argv)
+    run_dir = forwarded.get("out") if subcommand == "pretrain" else forwarded.get("run")
+    faults = Path(run_dir) / FAULTS_FILE if run_dir is not None else None
+    # one hostfile per PBS job, beside Parsl's files of this launch
+    command = command_line(job, argv, hosts=(site.optimus, Path(site.run_dir).resolve() / name, faults))
     _log.info(f"launch on site {site.name}: {job.nodes} node(s), {job.ranks} rank(s), queue {job.queue or '-'}, "
               f"walltime {job.walltime}, up to {job.jobs} job(s)")
     _log.info(f"launch: {command}")
-    done = launch_chain(site, job, command, Path(site.run_dir).resolve() / name, name, log=_log.info)
+    done = launch_chain(site, job, command, Path(site.run_dir).resolve() / name, name, log=_log.info, faults=faults)
     if done.returncode != 0:
         raise LaunchError(f"{name}: the job on site {site.name} failed (exit {done.returncode}); "
                           f"stderr {done.stderr}:\n{done.tail()}")

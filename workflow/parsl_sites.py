@@ -69,7 +69,7 @@ def _address(site: SiteConfig) -> dict:
 
 
 def _provider(site: SiteConfig, job: JobPlan, launcher, max_blocks: int = 1):
-    """The Parsl provider of ``job``'s blocks: PBS Pro (``job.nodes`` nodes per block) or this machine."""
+    """The Parsl provider of ``job``'s blocks: PBS Pro (``job.nodes`` and its spares per block) or this machine."""
     from parsl.providers import LocalProvider, PBSProProvider
 
     class PolledPBSPro(PBSProProvider):  # Parsl fixes the qstat interval at 60 s; the site chooses
@@ -81,7 +81,7 @@ def _provider(site: SiteConfig, job: JobPlan, launcher, max_blocks: int = 1):
     if site.kind == "pbspro":
         return PolledPBSPro(
             account=job.account, queue=job.queue, scheduler_options=job.scheduler_options,
-            select_options=site.select_options, worker_init=init, nodes_per_block=job.nodes,
+            select_options=site.select_options, worker_init=init, nodes_per_block=job.nodes + job.spare_nodes,
             cpus_per_node=site.cpus_per_node, init_blocks=1, min_blocks=0, max_blocks=max_blocks,
             walltime=job.walltime, launcher=launcher,
         )

@@ -68,6 +68,8 @@ class JobPlan:
     memory_gib: float = float("nan")  # per tile, the memory model's (optimus_core.memory); nan: no run or machine
     budget_gib: float = float("nan")  # per tile: the usable share of the machine's device memory
     checkpointing: str = ""  # train.activation_checkpointing as resolved for the job
+    spare_nodes: int = 0  # held beyond ``nodes`` (site.spare_nodes): a host named faulty is left out of the next job
+    master_addr: str = ""  # site.master_addr: MASTER_ADDR from the hostfile's first host ({host})
 
     @property
     def launcher(self) -> str:
@@ -81,7 +83,7 @@ class JobPlan:
 
     @property
     def node_hours(self) -> float:
-        return self.nodes * self.est_hours
+        return (self.nodes + self.spare_nodes) * self.est_hours  # spares are held, and charged, too
 
     def pbs_lines(self) -> list[str]:
         """Every directive the job gets: -A/-q (Parsl passes them to qsub) and the script's #PBS lines."""
@@ -132,7 +134,8 @@ def timed_walltime(site: SiteConfig, est_hours: float) -> float:
     return math.ceil((est_hours * (1 + site.timed_margin) + site.startup_h) * 12) / 12
 
 
-UNSET_ACCOUNT = f"<set site.account or {ACCOUNT_ENV}>"  # a dry run's account where none is set
+UNSET_ACCOUNT = f"<set site.account or {ACCOUNT_ENV}>"
+HOSTFILE_VARIABLE = "OPTIMUS_HOSTFILE"  # a job's hostfile (workflow/hostfile.py), where the mpiexec line has {hostfile}  # a dry run's account where none is set
 
 
 def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
@@ -179,13 +182,13 @@ def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
     if site.kind == "pbspro":
         account = site.account or UNSET_ACCOUNT
         try:
-            queue, walltime_h = choose_queue(site, nodes, walltime_h)
+            queue, walltime_h = choose_queue(site, nodes + site.spare_nodes, walltime_h)
         except ConfigError as e:
             if timed:
                 raise ConfigError(f"{e} (a timed run: {est:.2f} h estimated, asking {walltime_h:.2f} h with room; "
                                   f"fewer steps or more tiles would fit)") from None
             raise
-        select = f"#PBS -l select={nodes}:ncpus={site.cpus_per_node}" + (
+        select = f"#PBS -l select={nodes + site.spare_nodes}:ncpus={site.cpus_per_node}" + (
             f":{site.select_options.lstrip(':')}" if site.select_options else "")
         if site.filesystems:
             sched.append(f"#PBS -l filesystems={site.filesystems}")
@@ -199,10 +202,12 @@ def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
         raise ConfigError(f"site {site.name}: walltime_h = {walltime_h:g}: not more than startup_h = "
                           f"{site.startup_h:g}, so no job would train")
     jobs = 1 if timed or est != est else max(1, math.ceil(est / useful))
-    mpiexec = site.mpiexec.format(ranks=ranks, nodes=nodes, ppn=ppn, cpu_bind=site.cpu_bind).strip()
+    mpiexec = site.mpiexec.format(ranks=ranks, nodes=nodes, ppn=ppn, cpu_bind=site.cpu_bind,
+                                  hostfile=f'"${HOSTFILE_VARIABLE}"').strip()
     affinity = site.gpu_affinity.wrapper() if site.gpu_affinity is not None else ""
     return JobPlan(site.name, ranks, nodes, ppn, queue, account, walltime_h, "\n".join(sched), select, mpiexec,
-                   dict(site.env), est, jobs, source, affinity, memory_gib, budget_gib, _label(checkpointing))
+                   dict(site.env), est, jobs, source, affinity, memory_gib, budget_gib, _label(checkpointing),
+                   site.spare_nodes if site.kind == "pbspro" else 0, site.master_addr)
 
 
 def _label(checkpointing: tuple[str, int] | None) -> str:

@@ -237,7 +237,9 @@ class SiteConfig:
     scheduler_options: list[str] = field(default_factory=list)  # further `#PBS` lines
     worker_init: list[str] = field(default_factory=list)  # module loads, venv activation
     env: dict[str, str] = field(default_factory=dict)  # exported in the job (oneCCL / xccl, ...)
-    mpiexec: str = ""  # template: {ranks} {nodes} {ppn} {cpu_bind}; empty = no MPI launcher
+    mpiexec: str = ""  # template: {ranks} {nodes} {ppn} {cpu_bind} {hostfile}; empty = no MPI launcher
+    spare_nodes: int = 0  # nodes a job holds beyond its run's: a host a run names faulty is left out of the next job
+    master_addr: str = ""  # with a {hostfile}: MASTER_ADDR from its first host, {host} its short name ("" = not set)
     cpu_bind: str = ""  # "list:A:B:...": local rank i runs on the i-th core set (one per rank of a node)
     gpu_affinity: Optional[GpuAffinity] = None  # which GPU (tile) each rank sees; None = all of them
     cpu_executor: CpuExecutor = field(default_factory=CpuExecutor)  # CPU fan-out (tokenization)
@@ -281,6 +283,14 @@ class SiteConfig:
             bad("queues", "a PBS site needs its queue table (name: {min_nodes, max_nodes, walltime_h} or {tiers})")
         if self.device not in ("auto", "cpu", "cuda", "xpu"):
             bad("device", "must be one of auto, cpu, cuda, xpu")
+        if self.spare_nodes < 0:
+            bad("spare_nodes", "must be >= 0")
+        if self.spare_nodes and "{hostfile}" not in self.mpiexec:
+            bad("spare_nodes", "spare nodes need an mpiexec line with a {hostfile} placeholder (the ranks' hosts, "
+                               "the faulty ones left out)")
+        if self.master_addr and ("{host}" not in self.master_addr or "{hostfile}" not in self.mpiexec):
+            bad("master_addr", "a template with {host} (the first host of the job's hostfile), for an mpiexec line "
+                               "with a {hostfile} placeholder")
         if self.max_jobs_per_project < 0:
             bad("max_jobs_per_project", "must be >= 0 (0 = no limit)")
         if self.queue != "auto" and self.queues and self.queue not in self.queues:
@@ -295,9 +305,10 @@ class SiteConfig:
                               f"must divide tiles_per_node ({self.tiles_per_node})")
         if self.mpiexec:
             try:
-                self.mpiexec.format(ranks=1, nodes=1, ppn=1, cpu_bind="")
+                self.mpiexec.format(ranks=1, nodes=1, ppn=1, cpu_bind="", hostfile="")
             except (KeyError, IndexError) as e:
-                bad("mpiexec", f"unknown placeholder {e}; allowed: {{ranks}} {{nodes}} {{ppn}} {{cpu_bind}}")
+                bad("mpiexec", f"unknown placeholder {e}; allowed: {{ranks}} {{nodes}} {{ppn}} {{cpu_bind}} "
+                               f"{{hostfile}}")
 
 
 def site_from_dict(data: dict[str, Any], **overrides: Any) -> SiteConfig:

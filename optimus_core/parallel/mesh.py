@@ -107,11 +107,13 @@ def pbs_rendezvous(env: Mapping[str, str], port: str | None) -> tuple[str | None
     """Rank 0's host and a port for mpiexec inside a PBS job, which sets no MASTER_ADDR.
 
     mpiexec places ranks in node-file order, so global rank 0 runs on the first host of
-    $PBS_NODEFILE (every rank reads the same file, so all agree). The port, unless MASTER_PORT
+    $PBS_NODEFILE, or of the hostfile the job started its ranks on ($OPTIMUS_HOSTFILE: its
+    nodes less those named faulty, workflow/hostfile.py); every rank reads the same file, so
+    all agree. The port, unless MASTER_PORT
     is set, is 29500 + a number from $PBS_JOBID: the same on every rank, and different for two
     jobs that share a first node. (None, port) outside PBS: check_rendezvous then says what to set.
     """
-    nodefile = env.get("PBS_NODEFILE")
+    nodefile = env.get("OPTIMUS_HOSTFILE") or env.get("PBS_NODEFILE")
     if not nodefile:
         return None, port
     try:

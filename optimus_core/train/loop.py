@@ -9,6 +9,7 @@ it. A run directory that holds a valid checkpoint is resumed from it, with no fl
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -29,7 +30,7 @@ from ..execution.weight_copies import expert_copies, refresh_copies
 from ..parallel import Mesh
 from ..parallel.pipeline import Pipeline
 from . import checkpoint as ckpt
-from . import disk_space
+from . import disk_space, node_faults
 from .build import build_model, build_run_optimizer
 from .evaluate import heldout_metrics
 from .resilience import Diverged, LossGuard, Preempted, StopRequest, describe_event
@@ -208,6 +209,23 @@ class Trainer:
         with self._io_phase(f"checkpoint load of step {found.step}"):
             self._load(found)
         self.loader.load_state_dict(position)
+
+    def _stop_on_node_fault(self, stats) -> None:
+        """The world's loss is not finite: if only some ranks' are, their hosts are named in the
+        run directory and every rank stops with NodeFault (optimus_core.train.node_faults)."""
+        hosts = node_faults.suspect_hosts(self.mesh, stats.local_sums)
+        if not hosts:
+            return
+        path = self.run_dir / node_faults.FAULTS_FILE
+        if self.is_lead:
+            node_faults.record(self.run_dir, self.step + 1, hosts)
+        self._event(kind="node_fault", step=self.step + 1, hosts=hosts)
+        raise node_faults.NodeFault(self.step + 1, hosts, path)
+
+    def _previous_norm_nonfinite(self) -> bool:
+        """Whether the last update's gradient norm (the same on every rank) was not finite."""
+        norm, self._last_norm = getattr(self, "_last_norm", None), None
+        return norm is not None and not math.isfinite(float(norm))
 
     def _event(self, **event: Any) -> None:
         """A fault handled while running: kept in the run's store attrs (``events``) and printed."""
@@ -400,10 +418,16 @@ class Trainer:
             stats = train_step(self.model, self.optimizer, batch, micro_batch=t.micro_batch,
                                grad_clip=clip_at(self.step, self.cfg), lr=lr, dtype=self.plan.dtype, mesh=self.mesh,
                                accept=guard.accept)
-        if stats.skipped:
-            self._event(kind=guard.judge(stats.loss), step=self.step + 1, loss=stats.loss)
-            if guard.should_roll_back:
-                bad, at = guard.consecutive_bad, self.step
+        if stats.skipped and guard.judge(stats.loss) == "nonfinite":
+            self._stop_on_node_fault(stats)  # some ranks' losses only: their hosts, not the model
+        poisoned = self._previous_norm_nonfinite()
+        if stats.skipped or poisoned:
+            if poisoned:  # the last update applied a non-finite gradient: the weights are lost
+                self._event(kind="nonfinite_grad_norm", step=self.step, loss=stats.loss)
+            else:
+                self._event(kind=guard.judge(stats.loss), step=self.step + 1, loss=stats.loss)
+            if poisoned or guard.should_roll_back:
+                bad, at = max(guard.consecutive_bad, 1), self.step
                 self._roll_back(bad)
                 guard.reset()
                 bar.reset(total=t.steps)
@@ -411,6 +435,7 @@ class Trainer:
                 self._event(kind="rollback", step=at, to_step=self.step, bad_steps=bad)
             return
         self.step += 1
+        self._last_norm = stats.grad_norm  # read at the next step's loss, when it is long done
         step_time = time.perf_counter() - t0
         step_times.append(step_time)
         self.last_loss = stats.loss

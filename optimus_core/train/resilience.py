@@ -48,6 +48,12 @@ def describe_event(event: dict) -> str:
     if kind == "rollback":
         return (f"step {step}: {event.get('bad_steps')} bad losses in a row: rolled back to the checkpoint of "
                 f"step {event.get('to_step')}, the data since skipped")
+    if kind == "nonfinite_grad_norm":
+        return (f"step {step}: the gradient norm of the last update was not finite: its weights are lost, "
+                f"rolled back to the newest checkpoint")
+    if kind == "node_fault":
+        return (f"step {step}: the loss is not finite on host(s) {', '.join(event.get('hosts', []))} only: "
+                f"a node fault; stopping without an update or a checkpoint")
     if kind == "nonfinite_state":
         return (f"step {step}: the weights or the optimizer state hold non-finite values: no checkpoint written "
                 f"(the previous one stays the newest)")

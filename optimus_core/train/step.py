@@ -30,6 +30,9 @@ class StepStats:
     grad_norm: float | torch.Tensor  # a 0-d tensor until read: reading it waits for the backward
     tokens_per_expert_LE: torch.Tensor | None  # routing counts of the step, per MoE layer
     skipped: bool = False  # the loss was rejected: no update was made
+    # this rank's own (ce, aux, lb, z) sums before the mean over the ranks, a device tensor read
+    # only when the world's loss is not finite: which ranks made it so (optimus_core.train.node_faults)
+    local_sums: torch.Tensor | None = None
 
 
 def autocast_context(device_type: str, dtype: str):
@@ -115,13 +118,15 @@ def train_step(model: Transformer, optimizer: torch.optim.Optimizer, batch_BS1: 
                     sums_4[0] += ce.detach().double() * weight
             model.clear_routing()  # read and back-propagated (a recompute set them again): drop the graph
 
+    local_4 = sums_4
     if mesh is not None and mesh.distributed:
         with phase("grad_sync"):  # a few numbers: latency, counted with the gradient traffic
+            local_4 = sums_4.clone()
             sums_4 = mesh.all_reduce_sum_(sums_4) / mesh.world_size
             if load_LE is not None:
                 mesh.all_reduce_sum_(load_LE)
     return _update(model, optimizer, sums_4, load_LE, list(range(len(moe_layers))), grad_clip=grad_clip, lr=lr,
-                   accept=accept)
+                   accept=accept, local_4=local_4)
 
 
 def pipeline_train_step(pipe, optimizer: torch.optim.Optimizer, batch_BS1: torch.Tensor, *,
@@ -139,18 +144,21 @@ def pipeline_train_step(pipe, optimizer: torch.optim.Optimizer, batch_BS1: torch
     with phase("compute"):
         out = pipe.step(batch_BS1)
     sums_4, load_LE = out.sums_4, out.counts_LE
+    local_4 = sums_4.clone()  # a last stage's losses; zeros on the others
     with phase("grad_sync"):  # every stage's part: the others add zeros
         sums_4 = mesh.all_reduce_sum_(sums_4) / mesh.data_world
         if load_LE is not None:
             mesh.all_reduce_sum_(load_LE)
     return _update(model, optimizer, sums_4, load_LE, pipe.layer_ids, grad_clip=grad_clip, lr=lr,
-                   accept=accept, sum_squares=mesh.stage.all_reduce_pipeline_sum_)
+                   accept=accept, sum_squares=mesh.stage.all_reduce_pipeline_sum_, local_4=local_4)
 
 
 def _update(model: Transformer, optimizer, sums_4: torch.Tensor, load_LE: torch.Tensor | None,
-            layer_ids: list[int], *, grad_clip: float | None, lr: float, accept, sum_squares=None) -> StepStats:
+            layer_ids: list[int], *, grad_clip: float | None, lr: float, accept, sum_squares=None,
+            local_4: torch.Tensor | None = None) -> StepStats:
     """The step after its backward: the guard's verdict on the loss, the clip and the update,
-    each MoE layer's balance bias from its row ``layer_ids[i]`` of ``load_LE``; the stats."""
+    each MoE layer's balance bias from its row ``layer_ids[i]`` of ``load_LE``; the stats
+    (``local_4``: this rank's sums before the mean over the ranks)."""
     moe_layers = model.moe_layers()
     moe = load_LE is not None
     nan = float("nan")
@@ -161,7 +169,7 @@ def _update(model: Transformer, optimizer, sums_4: torch.Tensor, load_LE: torch.
                 optimizer.grad_norms.disarm()
             optimizer.zero_grad(set_to_none=True)
             return StepStats(loss_sum, aux_sum, lb_sum if moe else nan, z_sum if moe else nan,
-                             nan, load_LE, skipped=True)
+                             nan, load_LE, skipped=True, local_sums=local_4)
     for group in optimizer.param_groups:
         group["lr"] = lr
     if getattr(optimizer, "syncs_gradients", False):
@@ -174,4 +182,5 @@ def _update(model: Transformer, optimizer, sums_4: torch.Tensor, load_LE: torch.
         layer.router.update_balance_bias(load_LE[row])
     if accept is None:  # read once the update is queued, so the device does not idle before it
         loss_sum, aux_sum, lb_sum, z_sum = sums_4.tolist()
-    return StepStats(loss_sum, aux_sum, lb_sum if moe else nan, z_sum if moe else nan, grad_norm, load_LE)
+    return StepStats(loss_sum, aux_sum, lb_sum if moe else nan, z_sum if moe else nan, grad_norm, load_LE,
+                     local_sums=local_4)
