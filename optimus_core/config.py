@@ -491,6 +491,10 @@ class ExecutionConfig(Validated):
     # auto: per_step where a rank runs several micro-batches a step and the memory model says it
     # fits the budget, else per_micro_batch
     weight_gathers: Literal["auto", "per_micro_batch", "per_step"] = "auto"
+    # Import intel_extension_for_pytorch on an XPU run (its optimized xpu ops). Off: Intel archived
+    # it and ALCF deprecates its import; torch's own xpu runs everything here, and a run imports it
+    # only when it asks, on one rank as on many.
+    intel_extension: bool = False
 
     def check(self) -> None:
         self._require(self.activation_checkpointing_every >= 1, "activation_checkpointing_every",

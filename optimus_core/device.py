@@ -101,9 +101,16 @@ def _xccl_available() -> bool:
         return False
 
 
-def import_vendor_extensions(device_type: str, backend: str) -> None:
-    """Import the Intel extensions only where they are installed and actually needed."""
-    if device_type == "xpu" and importlib.util.find_spec("intel_extension_for_pytorch") is not None:
+def import_vendor_extensions(device_type: str, backend: str, intel_extension: bool = False) -> None:
+    """Import Intel's extensions only where a run needs them: intel_extension_for_pytorch when it
+    asks by name (execution.intel_extension) on an XPU, the oneCCL bindings for their "ccl"
+    backend. Asked for and not installed: a ConfigError naming the field."""
+    if intel_extension and device_type == "xpu":
+        if importlib.util.find_spec("intel_extension_for_pytorch") is None:
+            from .config import ConfigError
+
+            raise ConfigError("execution.intel_extension = true: intel_extension_for_pytorch is not installed here "
+                              "(torch's own xpu needs none: set it false)")
         import intel_extension_for_pytorch  # noqa: F401  (registers optimized xpu ops)
     if backend == "ccl":
         import oneccl_bindings_for_pytorch  # noqa: F401  (registers the "ccl" backend)

@@ -202,7 +202,8 @@ def _run_sharded(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
     if meta is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint (expected checkpoints/step_*/ with meta.json)")
     cfg = _eval_layout(from_dict(RunConfig, meta["config"]), read_launch_env().world_size)
-    mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts if cfg.model.moe else None, config.device)
+    mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts if cfg.model.moe else None, config.device,
+                            intel_extension=cfg.execution.intel_extension)
     rows = []
     try:
         found = _checkpoints(run_dir, config.all_checkpoints, (mesh.rank, mesh.world_size), mesh.all_max)

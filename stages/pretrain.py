@@ -160,7 +160,8 @@ def run_pretrain(config: PretrainConfig, inputs: PretrainInputs, outputs: Pretra
     cfg = config.run.replace(data=config.run.data.replace(path=str(Path(inputs.data_dir).resolve())))
     if cfg.train.init_from:  # recorded as an absolute path, like the data
         cfg = cfg.replace(train=cfg.train.replace(init_from=str(Path(cfg.train.init_from).resolve())))
-    mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts if cfg.model.moe else None, cfg.train.device)
+    mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts if cfg.model.moe else None, cfg.train.device,
+                            intel_extension=cfg.execution.intel_extension)
     try:
         return _run_rank(config, inputs, outputs, cfg, mesh)
     finally:

@@ -13,6 +13,11 @@ VENV=${1:-.venv}
 cd "$(dirname "$0")/.."
 
 type module >/dev/null 2>&1 || source /etc/profile
+if ! module is-avail "$FRAMEWORKS"; then
+    echo "aurora_env.sh: module $FRAMEWORKS is not available here (ALCF's PyTorch page names the current one);" \
+         "set OPTIMUS_FRAMEWORKS and the site's worker_init (workflow/config/aurora.yaml) to it" >&2
+    exit 1
+fi
 module load "$FRAMEWORKS"
 python3 -m venv --system-site-packages "$VENV"
 source "$VENV/bin/activate"

@@ -43,7 +43,7 @@ from typing import Any, Optional
 
 from optimus_core.config import ConfigError
 from workflow.experiments import NOT_RUNNABLE
-from workflow.sites import ACCOUNT_ENV, SiteConfig
+from workflow.sites import ACCOUNT_ENV, SiteConfig, job_env
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,9 @@ def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
     if walltime_h < 0 or walltime_h != walltime_h:
         raise ConfigError(f"walltime_h = {walltime_h}: must be > 0 (or 0: the longest the queue allows)")
     nodes = ranks // ppn
+    if site.kind == "pbspro" and site.spare_nodes > nodes:
+        raise ConfigError(f"site {site.name}: spare_nodes = {site.spare_nodes}: more than the job's {nodes} node(s); "
+                          f"a spare stands in for a faulty node, so at most {nodes}")
     memory_gib, budget_gib, checkpointing = plan_memory(run, site, ranks)
     est, source = estimate_hours(run, site, ranks)
     timed = bool(getattr(run, "timed", False))
@@ -206,7 +209,7 @@ def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
                                   hostfile=f'"${HOSTFILE_VARIABLE}"').strip()
     affinity = site.gpu_affinity.wrapper() if site.gpu_affinity is not None else ""
     return JobPlan(site.name, ranks, nodes, ppn, queue, account, walltime_h, "\n".join(sched), select, mpiexec,
-                   dict(site.env), est, jobs, source, affinity, memory_gib, budget_gib, _label(checkpointing),
+                   job_env(site, nodes), est, jobs, source, affinity, memory_gib, budget_gib, _label(checkpointing),
                    site.spare_nodes if site.kind == "pbspro" else 0, site.master_addr)
 
 

@@ -211,6 +211,30 @@ class CpuExecutor:
             bad("launcher", f"'simple' starts workers on one node only; use 'mpiexec' for nodes = {self.nodes}")
 
 
+@dataclass(frozen=True)
+class ScaleEnv:
+    """Environment a job exports only from ``min_nodes`` nodes up (oneCCL's settings for scale,
+    which ALCF prescribes for large jobs only); ``why`` says whose prescription it is."""
+
+    min_nodes: int
+    env: dict[str, str]
+    why: str = ""
+
+    @classmethod
+    def from_dict(cls, i: int, data: Any) -> "ScaleEnv":
+        where = f"site.scale_env[{i}]"
+        if isinstance(data, ScaleEnv):
+            return data
+        if not isinstance(data, dict) or not {"min_nodes", "env"} <= set(data) or set(data) - {"min_nodes", "env", "why"}:
+            raise ConfigError(f"{where} = {data!r}: needs min_nodes and env (a mapping), and may have why")
+        _check_type(f"{where}.min_nodes", data["min_nodes"], int, "must be an integer >= 1")
+        if data["min_nodes"] < 1:
+            raise ConfigError(f"{where}.min_nodes = {data['min_nodes']}: must be >= 1")
+        if not isinstance(data["env"], dict) or not all(_ENV_NAME.fullmatch(str(k)) for k in data["env"]):
+            raise ConfigError(f"{where}.env = {data['env']!r}: must map environment variable names to values")
+        return cls(data["min_nodes"], {str(k): str(v) for k, v in data["env"].items()}, str(data.get("why", "")))
+
+
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _AFFINITY_VALUE = re.compile(r"([A-Za-z0-9_.,:-]|\{(gpu|tile|local_rank)\})*")
 
@@ -237,6 +261,7 @@ class SiteConfig:
     scheduler_options: list[str] = field(default_factory=list)  # further `#PBS` lines
     worker_init: list[str] = field(default_factory=list)  # module loads, venv activation
     env: dict[str, str] = field(default_factory=dict)  # exported in the job (oneCCL / xccl, ...)
+    scale_env: list[ScaleEnv] = field(default_factory=list)  # exported too in jobs of at least min_nodes nodes
     mpiexec: str = ""  # template: {ranks} {nodes} {ppn} {cpu_bind} {hostfile}; empty = no MPI launcher
     spare_nodes: int = 0  # nodes a job holds beyond its run's: a host a run names faulty is left out of the next job
     master_addr: str = ""  # with a {hostfile}: MASTER_ADDR from its first host, {host} its short name ("" = not set)
@@ -283,14 +308,6 @@ class SiteConfig:
             bad("queues", "a PBS site needs its queue table (name: {min_nodes, max_nodes, walltime_h} or {tiers})")
         if self.device not in ("auto", "cpu", "cuda", "xpu"):
             bad("device", "must be one of auto, cpu, cuda, xpu")
-        if self.spare_nodes < 0:
-            bad("spare_nodes", "must be >= 0")
-        if self.spare_nodes and "{hostfile}" not in self.mpiexec:
-            bad("spare_nodes", "spare nodes need an mpiexec line with a {hostfile} placeholder (the ranks' hosts, "
-                               "the faulty ones left out)")
-        if self.master_addr and ("{host}" not in self.master_addr or "{hostfile}" not in self.mpiexec):
-            bad("master_addr", "a template with {host} (the first host of the job's hostfile), for an mpiexec line "
-                               "with a {hostfile} placeholder")
         if self.max_jobs_per_project < 0:
             bad("max_jobs_per_project", "must be >= 0 (0 = no limit)")
         if self.queue != "auto" and self.queues and self.queue not in self.queues:
@@ -309,6 +326,23 @@ class SiteConfig:
             except (KeyError, IndexError) as e:
                 bad("mpiexec", f"unknown placeholder {e}; allowed: {{ranks}} {{nodes}} {{ppn}} {{cpu_bind}} "
                                f"{{hostfile}}")
+        if self.spare_nodes < 0:
+            bad("spare_nodes", "must be >= 0")
+        if self.spare_nodes and "{hostfile}" not in self.mpiexec:
+            bad("spare_nodes", "spare nodes need an mpiexec line with a {hostfile} placeholder (the ranks' hosts, "
+                               "the faulty ones left out)")
+        if self.master_addr and ("{host}" not in self.master_addr or "{hostfile}" not in self.mpiexec):
+            bad("master_addr", "a template with {host} (the first host of the job's hostfile), for an mpiexec line "
+                               "with a {hostfile} placeholder")
+
+
+def job_env(site: "SiteConfig", nodes: int) -> dict[str, str]:
+    """What a job of ``nodes`` nodes exports: the site's env, then each scale_env it is large enough for."""
+    env = dict(site.env)
+    for entry in site.scale_env:
+        if nodes >= entry.min_nodes:
+            env.update(entry.env)
+    return env
 
 
 def site_from_dict(data: dict[str, Any], **overrides: Any) -> SiteConfig:
@@ -333,6 +367,10 @@ def site_from_dict(data: dict[str, Any], **overrides: Any) -> SiteConfig:
     if not data.get("account"):
         data["account"] = os.environ.get(ACCOUNT_ENV, "")
     data["env"] = {str(k): str(v) for k, v in (data.get("env") or {}).items()}
+    scale = data.get("scale_env") or []
+    if not isinstance(scale, list):
+        raise ConfigError(f"site.scale_env = {scale!r}: must be a list of {{min_nodes, env, why}}")
+    data["scale_env"] = [ScaleEnv.from_dict(i, entry) for i, entry in enumerate(scale)]
     affinity = data.get("gpu_affinity")
     if isinstance(affinity, dict):
         try:

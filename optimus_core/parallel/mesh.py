@@ -337,8 +337,9 @@ class Mesh:
 
 
 def init_distributed(parallel: ParallelConfig, n_experts: int | None = None, device: str = "auto",
-                     env: Mapping[str, str] | None = None) -> Mesh:
-    """Read the launcher, validate, join the world and build the groups (every rank, same order)."""
+                     env: Mapping[str, str] | None = None, intel_extension: bool = False) -> Mesh:
+    """Read the launcher, validate, join the world and build the groups (every rank, same order).
+    ``intel_extension``: the run's execution.intel_extension (optimus_core.device), one rank or many."""
     launch = read_launch_env(env)
     pipeline_layout(launch.world_size, parallel.pp, parallel.ep)  # these raise on every rank, before any collective
     group_layout(launch.world_size // parallel.pp, parallel.ep, n_experts, parallel.dp_shard)
@@ -346,9 +347,10 @@ def init_distributed(parallel: ParallelConfig, n_experts: int | None = None, dev
     dev = bind_device(device, launch, env)
     device_type = dev.type
     if launch.world_size == 1:
+        import_vendor_extensions(device_type, "none", intel_extension)
         return Mesh.single(dev)
     backend = collective_backend(device_type)
-    import_vendor_extensions(device_type, backend)
+    import_vendor_extensions(device_type, backend, intel_extension)
     mesh = Mesh(launch.rank, launch.world_size, launch.local_rank, parallel.ep, dev, backend, dp_shard=parallel.dp_shard,
                 local_world=launch.local_world, pp=parallel.pp)
     timeout = datetime.timedelta(seconds=parallel.collective_timeout_s)

@@ -96,3 +96,27 @@ def test_a_rank_that_cannot_see_its_device_stops_before_any_collective(monkeypat
     monkeypatch.setattr(torch.cuda, "set_device", bound.append)
     monkeypatch.setattr(mesh, "visible_devices", lambda kind: ["H200"] * 12)
     assert mesh.bind_device("auto", launch, env={}) == torch.device("cuda", 1) == bound[0]
+
+
+def test_intel_extension_is_imported_only_when_a_run_asks(tmp_path, monkeypatch):
+    import sys
+
+    from optimus_core.config import ConfigError
+    from optimus_core.device import import_vendor_extensions
+
+    # a stand-in extension that says when it is imported
+    (tmp_path / "intel_extension_for_pytorch.py").write_text("import os\nos.environ['IPEX_IMPORTED'] = '1'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("IPEX_IMPORTED", raising=False)
+    monkeypatch.delitem(sys.modules, "intel_extension_for_pytorch", raising=False)
+    for backend in ("xccl", "none"):  # many ranks or one: installed, but not asked for
+        import_vendor_extensions("xpu", backend)
+    assert "IPEX_IMPORTED" not in __import__("os").environ
+    import_vendor_extensions("xpu", "xccl", intel_extension=True)
+    assert __import__("os").environ.get("IPEX_IMPORTED") == "1"
+    monkeypatch.delitem(sys.modules, "intel_extension_for_pytorch")
+    (tmp_path / "intel_extension_for_pytorch.py").unlink()
+    import importlib
+    importlib.invalidate_caches()
+    with pytest.raises(ConfigError, match="execution.intel_extension"):
+        import_vendor_extensions("xpu", "none", intel_extension=True)

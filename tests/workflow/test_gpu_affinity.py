@@ -73,7 +73,10 @@ def test_two_nodes_each_rank_binds_its_own_tile_on_its_own_cores(aurora, tmp_pat
     from optimus_core.device import binding_index
     from optimus_core.parallel.mesh import read_launch_env
 
-    job = plan(None, aurora, ranks=24)
+    # the site's launch line without its hostfile step (workflow/hostfile.py has its own tests)
+    bare = sites.load_site("aurora", account="MyProj", master_addr="",
+                           mpiexec=aurora.mpiexec.replace(" --hostfile {hostfile}", ""))
+    job = plan(None, bare, ranks=24)
     assert (job.nodes, job.ppn) == (2, 12) and job.gpu_affinity == ""
     show = ["sh", "-c", 'echo "$PALS_RANKID $PALS_NODEID $PALS_LOCAL_RANKID ${ZE_AFFINITY_MASK:-none} $STANDIN_CORES"']
     line = command_line(job, show)

@@ -39,17 +39,30 @@ def test_aurora_job_pbs_lines_and_mpiexec(aurora, run, nodes, queue, walltime):
     assert (job.nodes, job.ranks, job.queue, job.walltime) == (nodes, nodes * 12, queue, walltime)
     assert job.pbs_lines() == [
         "#PBS -A MyProj", f"#PBS -q {queue}", f"#PBS -l select={nodes}:ncpus=208",
-        f"#PBS -l walltime={walltime}", "#PBS -l filesystems=home:flare", "#PBS -l place=scatter",
+        f"#PBS -l walltime={walltime}", "#PBS -l filesystems=home:flare", "#PBS -l place=scatter", "#PBS -k doe",
     ]
-    assert job.scheduler_options == "#PBS -l filesystems=home:flare\n#PBS -l place=scatter"
-    assert job.mpiexec == f"mpiexec -n {nodes * 12} --ppn 12 --cpu-bind {CPU_BIND}"
+    assert job.scheduler_options == "#PBS -l filesystems=home:flare\n#PBS -l place=scatter\n#PBS -k doe"
+    assert job.mpiexec == f'mpiexec -n {nodes * 12} --ppn 12 --hostfile "$OPTIMUS_HOSTFILE" --cpu-bind {CPU_BIND}'
     assert job.gpu_affinity == ""  # FLAT: each rank binds tile <local rank> itself, no mask
     minimal = {"CCL_PROCESS_LAUNCHER": "pmix", "CCL_ATL_TRANSPORT": "mpi", "CCL_KVS_MODE": "mpi",
                "FI_MR_CACHE_MONITOR": "userfaultfd"}
     scale = {"CCL_ALLREDUCE_SCALEOUT": "direct:0-1048576;rabenseifner:1048577-max",
-             "CCL_KVS_CONNECTION_TIMEOUT": "600", "CCL_ZE_CACHE_OPEN_IPC_HANDLES_THRESHOLD": "1024",
-             "CCL_ATL_SYNC_COLL": "1", "CCL_OP_SYNC": "1"}
-    assert job.env.items() >= {**minimal, **scale}.items()
+             "CCL_KVS_CONNECTION_TIMEOUT": "600", "CCL_ATL_SYNC_COLL": "1", "CCL_OP_SYNC": "1"}
+    authors = {"CCL_ZE_CACHE_OPEN_IPC_HANDLES_THRESHOLD": "32768", "CCL_SYCL_SCALEOUT_HOST_BUF_SIZE": "2147483648",
+               "CCL_WORKER_COUNT": "1", "MPIR_CVAR_REQUEST_ERR_FATAL": "1"}
+    assert job.env.items() >= {**minimal, **scale, **authors}.items()
+    assert "ForceExtendedUSMBufferSize" not in job.env  # a driver debug key their runs never enabled
+
+
+def test_aurora_sets_oneccls_scale_settings_only_where_alcf_prescribes_them(aurora):
+    """ALCF's tuning and hang-avoidance lists are for more than 16 nodes; a small job runs on the
+    minimal set, and the all-to-all avoids oneCCL's empty-split bug at every size."""
+    small, large = plan(None, aurora, ranks=12 * 16), plan(None, aurora, ranks=12 * 17)
+    for name in ("CCL_ATL_SYNC_COLL", "CCL_OP_SYNC", "CCL_ALLREDUCE_SCALEOUT", "CCL_KVS_CONNECTION_TIMEOUT"):
+        assert name not in small.env and name in large.env, name
+    for job in (small, large):
+        assert job.env["CCL_ALLTOALLV"] == job.env["CCL_ALLTOALLV_SCALEOUT"] == "naive"
+        assert job.env["CCL_PROCESS_LAUNCHER"] == "pmix"
 
 
 def test_cpu_binding_leaves_each_rank_a_core_for_oneccl_and_the_os_its_own(aurora):
@@ -189,18 +202,26 @@ def test_the_aurora_job_script_line_by_line(aurora):
     job = plan(get("scaling-mula-220b-a10b-768").paper, aurora)
     init = worker_init(aurora, job).splitlines()
     assert init[0] == "type module >/dev/null 2>&1 || source /etc/profile"
-    assert re.fullmatch(r"module load frameworks/\d{4}\.\d+\.\d+", init[1])  # pinned, not "frameworks"
-    assert re.fullmatch(r"source \S+/\.venv/bin/activate", init[2])
+    version = re.fullmatch(r"module is-avail (frameworks/\d{4}\.\d+\.\d+) \|\| \{ echo (.*) >&2; exit 1; \}", init[1])
+    assert version and "is not available" in version.group(2)  # one line before any rank starts
+    assert init[2] == f"module load {version.group(1)}"  # pinned, not "frameworks"
+    assert re.fullmatch(r"source \S+/\.venv/bin/activate", init[3])
     assert "export TMPDIR=/tmp" in init
-    assert ('export MASTER_ADDR=$(head -n 1 "$PBS_NODEFILE" | cut -d. -f1).hsn.cm.aurora.alcf.anl.gov' in init)
     assert "export MPI_PROVIDER=$FI_PROVIDER" in init
     for name, value in (("CCL_KVS_MODE", "mpi"), ("CCL_ATL_SYNC_COLL", "1"), ("OMP_NUM_THREADS", "7"),
                         ("CCL_ALLREDUCE_SCALEOUT", "'direct:0-1048576;rabenseifner:1048577-max'")):
         assert f"export {name}={value}" in init, name
     argv = pretrain_argv({"experiment": "scaling-mula-220b-a10b-768", "scale": "paper", "threads": 1, "quiet": True})
-    line = command_line(job, argv)
+    line = command_line(job, argv, hosts=("optimus", Path("/p/parsl/x"), Path("/r/x/node-faults.json")))
     assert "ZE_AFFINITY_MASK" not in line and "--threads" not in line
-    assert line.startswith(f"mpiexec -n 768 --ppn 12 --cpu-bind {CPU_BIND} optimus pretrain ")
+    # the hostfile of the job's healthy nodes first, rank 0's address on the high-speed network
+    # from its first host, then the ranks on it
+    steps = line.split(" && ")
+    assert steps[:3] == ['export OPTIMUS_HOSTFILE=/p/parsl/x/hostfile."${PBS_JOBID:-local}"',
+                         'optimus hosts --nodes 64 --faults /r/x/node-faults.json --out "$OPTIMUS_HOSTFILE"',
+                         'export MASTER_ADDR=$(head -n 1 "$OPTIMUS_HOSTFILE" | cut -d. -f1).hsn.cm.aurora.alcf.anl.gov']
+    assert steps[3].startswith(f'mpiexec -n 768 --ppn 12 --hostfile "$OPTIMUS_HOSTFILE" --cpu-bind {CPU_BIND} '
+                               'optimus pretrain ')
 
 
 def test_command_line_is_the_laptop_command_under_mpiexec(aurora):
@@ -208,10 +229,12 @@ def test_command_line_is_the_laptop_command_under_mpiexec(aurora):
     argv = pretrain_argv({"experiment": "scaling-mula-220b-a10b-768", "scale": "paper", "data": Path("/d/tok"),
                           "out": "/r/x", "preset": None, "quiet": True, "dtype": None, "set": ["a=1", "b=2"],
                           "launcher": "parsl", "site": "aurora", "nproc": 1})
-    line = command_line(job, argv)
-    assert line == (f"mpiexec -n 768 --ppn 12 --cpu-bind {CPU_BIND} optimus pretrain --experiment "
-                    "scaling-mula-220b-a10b-768 --scale paper --data /d/tok --out /r/x --quiet --set a=1 "
+    line = command_line(job, argv, hosts=("optimus", Path("/p"), None)).split(" && ")[-1]
+    assert line == (f'mpiexec -n 768 --ppn 12 --hostfile "$OPTIMUS_HOSTFILE" --cpu-bind {CPU_BIND} optimus pretrain '
+                    "--experiment scaling-mula-220b-a10b-768 --scale paper --data /d/tok --out /r/x --quiet --set a=1 "
                     "--set b=2 --launcher local")
+    with pytest.raises(ValueError, match="hostfile"):
+        command_line(job, argv)  # the line needs its hostfile's directory
     flat = sites.load_site("aurora", account="A", gpu_affinity={"variable": "ZE_AFFINITY_MASK"})
     assert "export ZE_AFFINITY_MASK=$r;" in plan(get("scaling-mula-220b-a10b-768").paper, flat).gpu_affinity
 
@@ -302,8 +325,11 @@ def test_pretrain_on_site_plans_and_submits_the_local_command(tmp_path, monkeypa
     assert main([*base, "--experiment", "scaling-mula-220b-a10b-6144", "--scale", "paper", "--site", "aurora"]) == 0
     assert (seen["site"], seen["nodes"], seen["queue"]) == ("aurora", 512, "prod")
     # no mask: each rank binds its tile; the site's device and checkpoint interval lead the --set list
-    assert seen["command"].startswith(f"mpiexec -n 6144 --ppn 12 --cpu-bind {CPU_BIND} optimus pretrain "
-                                      "--experiment")
+    hostfile, *_, line = seen["command"].split(" && ")
+    assert hostfile.startswith(f"export OPTIMUS_HOSTFILE={seen['run_dir']}/hostfile.")
+    assert f"optimus hosts --nodes 512 --faults {tmp_path}/runs/x/node-faults.json" in seen["command"]
+    assert line.startswith(f'mpiexec -n 6144 --ppn 12 --hostfile "$OPTIMUS_HOSTFILE" --cpu-bind {CPU_BIND} '
+                           "optimus pretrain --experiment")
     assert "--set train.device=xpu --set train.checkpoint_every_minutes=30" in seen["command"]
     assert seen["run_dir"].name == "paper-scaling-mula-220b-a10b-6144"
 
@@ -327,7 +353,9 @@ def test_evaluate_on_site_is_a_compute_job_of_the_runs_tiles(tmp_path, monkeypat
     assert main(["evaluate", "--run", str(run), "--launcher", "parsl", "--site", "aurora", "--nproc", "24",
                  "--dtype", "bfloat16", "--store", "s.zarr"]) == 0
     assert (seen["nodes"], seen["queue"], seen["name"]) == (2, "debug", "evaluate-paper-x")
-    assert seen["command"].startswith(f"mpiexec -n 24 --ppn 12 --cpu-bind {CPU_BIND} optimus evaluate --run {run} ")
+    assert f"optimus hosts --nodes 2 --faults {run}/node-faults.json" in seen["command"]
+    assert seen["command"].split(" && ")[-1].startswith(
+        f'mpiexec -n 24 --ppn 12 --hostfile "$OPTIMUS_HOSTFILE" --cpu-bind {CPU_BIND} optimus evaluate --run {run} ')
     assert "--device xpu" in seen["command"] and "--dtype bfloat16" in seen["command"]
     assert seen["command"].endswith("--launcher local") and "--nproc" not in seen["command"]
     assert f"--store {Path('s.zarr').resolve()}" in seen["command"]  # the job's working directory is not ours
