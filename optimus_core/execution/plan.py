@@ -84,6 +84,18 @@ class ExecutionPlan:
     budget_bytes: float | None = None
     why: dict = field(default_factory=dict)  # choice -> the reason it was made
 
+    @property
+    def warnings(self) -> list[str]:
+        """Where "auto" left a Triton kernel out because it failed its self-check on this device:
+        the run then computes with another kernel than the one planned for it (on Aurora, the
+        paper's kernels would not be the ones measured), which is said, not swapped in silence."""
+        chosen = {"experts": self.experts, "adamw": self.adamw, "lm_loss": self.lm_loss,
+                  "qk_norm_rope": self.qk_norm_rope}
+        return [f"{name}: the Triton kernel failed its self-check on this device, so this run uses {chosen[name]} "
+                f"instead; it is not the experiment planned ({why.split('self-check on this device: ', 1)[-1]})"
+                for name, why in self.why.items() if name in chosen and why.startswith("auto:")
+                and "failed its self-check" in why]
+
     def describe(self) -> str:
         """The plan for people: one line per choice, with its reason."""
         mode, every = self.checkpointing
@@ -107,6 +119,7 @@ class ExecutionPlan:
         if self.memory is not None:
             budget = f" of {self.budget_bytes / GIB:.1f} GiB" if self.budget_bytes else " (no budget known)"
             rows.append(("memory per rank", self.memory.describe() + budget))
+        rows += [("WARNING", w) for w in self.warnings]
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"  {name:<{width}}  {value}" + (f"  ({self.why[name]})" if self.why.get(name) else "")
                          for name, value in rows)
@@ -117,6 +130,7 @@ class ExecutionPlan:
         out["checkpointing"] = list(self.checkpointing)
         out["memory_gib"] = self.memory.peak_gib if self.memory is not None else None
         out["why"] = dict(self.why)
+        out["warnings"] = self.warnings
         return out
 
 

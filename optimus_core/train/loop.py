@@ -105,6 +105,8 @@ class Trainer:
         self.plan = plan_execution(cfg, self.device, self.mesh.world_size, ranks_per_node=self.mesh.local_world)
         _log.info("%s: execution plan on %d x %s:\n%s", cfg.preset or "train", self.mesh.world_size,
                   self.device.type, self.plan.describe())
+        for warning in self.plan.warnings:  # also in meta.json and the store (ExecutionPlan.to_dict)
+            _log.warning("%s: %s", cfg.preset or "train", warning)
         # this rank's share of the model, never the whole of it (optimus_core.train.build)
         self.model: Transformer = build_model(cfg, self.mesh, plan=self.plan)
         self.optimizer = build_run_optimizer(self.model, cfg, self.mesh, self.plan)

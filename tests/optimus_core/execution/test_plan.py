@@ -428,3 +428,26 @@ def test_weights_are_gathered_once_a_step_where_a_rank_accumulates_and_it_fits()
     assert plan_execution(cfg, "cuda", 1, budget_bytes=64 * GIB, probe=False).weight_gathers is None
     asked = run(train=TrainConfig(global_batch=8, micro_batch=1), weight_gathers="per_step")
     assert resolve_choices(asked, "cuda", 2, probe=False).weight_gathers == "per_step"
+
+
+def test_a_kernel_that_fails_its_self_check_under_auto_is_a_warning_not_a_silent_swap(monkeypatch):
+    """On a device where the experts' Triton kernels fail their self-check (as on an XPU whose
+    Triton rejects a compile option), "auto" falls back, and the plan says the experiment changed:
+    in its description, in to_dict (meta.json and the store) and nowhere for kernels that pass."""
+    monkeypatch.setattr(optimus_kernels._triton, "INTERPRET", True)
+    monkeypatch.setattr(optimus_kernels.selfcheck, "failure",
+                        lambda kernel, device: "Unknown grf_mode" if kernel == "experts" else None)
+    cfg = presets.get("mula-7b-a1b@laptop").run_config()
+    plan = resolve_choices(cfg, "cuda", probe=True)
+    assert plan.experts == "loop" and plan.adamw == "triton"
+    [warning] = plan.warnings
+    assert warning.startswith("experts: the Triton kernel failed its self-check") and "Unknown grf_mode" in warning
+    assert "uses loop instead" in warning
+    assert json.loads(json.dumps(plan.to_dict()))["warnings"] == [warning]
+    assert "WARNING" in plan.describe()
+    monkeypatch.setattr(optimus_kernels.selfcheck, "failure", lambda kernel, device: None)
+    assert resolve_choices(cfg, "cuda", probe=True).warnings == []
+    # an explicit choice that fails is an error, as before, not a warning
+    with pytest.raises(ExecutionError, match="self-check"):
+        monkeypatch.setattr(optimus_kernels.selfcheck, "failure", lambda kernel, device: "boom")
+        resolve_choices(cfg.replace(execution=cfg.execution.replace(experts="triton")), "cuda", probe=True)
