@@ -378,6 +378,10 @@ class TrainConfig(Validated):
     checkpoint_every_minutes: float = 0.0
     keep_checkpoints: int = 2  # the newest N checkpoints are kept ...
     keep_every: int = 0  # ... and every one at a multiple of this step (0: none)
+    # A model-only checkpoint (the weights, none of the optimizer state: a third of a full one's
+    # bytes) every N steps, all kept, for the evaluation curves of a long run (the paper's "cold"
+    # checkpoints, in run_dir/model_checkpoints/); 0: none
+    model_checkpoint_every: int = 0
     # Write checkpoints in the background from a CPU copy (training goes on meanwhile); the
     # newest is published (its step directory appears) when the next one starts or the run ends.
     async_checkpoint: bool = False
@@ -412,6 +416,7 @@ class TrainConfig(Validated):
         self._require(self.checkpoint_every_minutes >= 0, "checkpoint_every_minutes", "must be >= 0 (0 = by steps only)")
         self._require(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
         self._require(self.keep_every >= 0, "keep_every", "must be >= 0 (0 = keep only the newest)")
+        self._require(self.model_checkpoint_every >= 0, "model_checkpoint_every", "must be >= 0 (0 = none)")
         self._require(self.loss_spike_factor is None or self.loss_spike_factor > 1, "loss_spike_factor",
                       "must be null or > 1")
         self._require(self.max_bad_steps >= 1, "max_bad_steps", "must be >= 1")

@@ -44,7 +44,7 @@ from optimus_core.config import ConfigError, ExecutionConfig, RunConfig, from_di
 from optimus_core.model.transformer import Transformer
 from optimus_core.provenance import utc_now
 from optimus_core.store import open_store
-from optimus_core.train.checkpoint import Checkpoint, latest_valid, newest_meta, valid_checkpoints
+from optimus_core.train.checkpoint import MODEL_ONLY, Checkpoint, latest_valid, newest_meta, valid_checkpoints
 from optimus_core.log import get_logger
 from optimus_core.paths import missing
 from optimus_core.train.evaluate import heldout_metrics
@@ -294,11 +294,14 @@ def _run_meta(run_dir: Path) -> dict:
 
 def _checkpoints(run_dir: Path, every: bool, share: tuple[int, int] = (0, 1),
                  all_max=None) -> list[_Point]:
-    """The newest valid checkpoint, or (``every``) each valid one, oldest first; several ranks
+    """The newest valid checkpoint, or (``every``) each valid one, oldest first, the run's
+    model-only checkpoints among them (a full one where both hold a step); several ranks
     (``share``, ``all_max``: optimus_core.train.checkpoint.latest_valid) each check their share."""
     collective = {"share": share, **({"all_max": all_max} if all_max else {})}
     if every:
-        found = valid_checkpoints(run_dir, **collective)
+        by_step = {c.step: c for c in valid_checkpoints(run_dir, kind=MODEL_ONLY, **collective)}
+        by_step.update({c.step: c for c in valid_checkpoints(run_dir, **collective)})
+        found = [by_step[step] for step in sorted(by_step)]
     else:
         newest = latest_valid(run_dir, **collective)
         found = [newest] if newest is not None else []

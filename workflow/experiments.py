@@ -259,11 +259,12 @@ T, B = 10**12, 10**9
 # (which a corpus of ~6,000 windows of 128 tokens would put at a few hundred steps, varying with
 # the Python whose standard library the embedded corpus is made of): the 4T proxies decay over
 # their whole run, and the scale-up proxies stop early on that horizon, as the paper's 100B-token
-# runs stop early on the 4T runs' epoch. Every 40th step's checkpoint is kept for the evaluation
-# against tokens (the paper evaluates every model-only checkpoint).
+# runs stop early on the 4T runs' epoch. A model-only checkpoint every 40th step is kept for the
+# evaluation against tokens (the paper evaluates every model-only checkpoint).
 LAPTOP_4T_STEPS = 240
 LAPTOP_EVAL = {"train.eval_every": 40, "train.eval_batches": 4, "train.log_every": 1,
-               "train.checkpoint_every": 40, "train.keep_every": 40, "schedule.decay_horizon": LAPTOP_4T_STEPS}
+               "train.checkpoint_every": 40, "train.model_checkpoint_every": 40,
+               "schedule.decay_horizon": LAPTOP_4T_STEPS}
 LAPTOP_SHORT = {"train.eval_every": 0, "train.eval_batches": 2, "train.log_every": 1}
 # The scale-up proxies: LAPTOP_SCALEUP_STEPS steps of the 4T proxies' batch (module doc), held-out
 # loss every 8 steps for the curve, the preset's warmup (20 steps).
@@ -276,6 +277,9 @@ LAPTOP_SCALEUP_TRAIN = {"train.eval_every": 8, "train.eval_batches": 4, "train.l
 # (bf16 autocast, our Triton experts where they pass their self-check on the tiles) is the
 # execution plan's default (optimus_core.execution), as a laptop run's is; the ablation sets its own.
 PAPER_TRAIN = {"train.checkpoint_every": 500, "train.micro_batch": 1}
+# The authors' model-only ("cold") checkpoints, the evaluation's: every 1000 steps, every 500 for
+# Mula-100B-A7B and every 250 for Mula-220B-A10B (their submit_aurora_job_paper.pbs)
+PAPER_MODEL_CHECKPOINTS = {"mula-100b-a7b": 500, "mula-220b-a10b": 250}
 PAPER_TIMED = {"train.eval_every": 0, "train.eval_batches": 1, "train.micro_batch": 1}
 SHARD_BLOCK = 384  # tiles (32 nodes) a parameter is sharded over (parallel.dp_shard; module doc)
 PAPER_TILES = 3072  # 256 nodes: every paper run (module doc)
@@ -317,10 +321,11 @@ def _pretrain(model: str, tokens: int, tiles: int, ep: int = 1, batch: int = 0,
               scaleup: bool = False, description: str = "") -> Experiment:
     laptop = (RunScale.for_steps(f"{model}@laptop", LAPTOP_SCALEUP_STEPS, 1, extra=LAPTOP_SCALEUP_TRAIN) if scaleup
               else RunScale.for_steps(f"{model}@laptop", LAPTOP_4T_STEPS, 1, extra=LAPTOP_EVAL))
-    ours = RunScale(model, tokens, devices=tiles, ep=ep, global_batch=batch, extra=PAPER_TRAIN, dp_shard=SHARD_BLOCK)
+    train = {**PAPER_TRAIN, "train.model_checkpoint_every": PAPER_MODEL_CHECKPOINTS.get(model, 1000)}
+    ours = RunScale(model, tokens, devices=tiles, ep=ep, global_batch=batch, extra=train, dp_shard=SHARD_BLOCK)
     pipe = _pipelined(model)
     authors = RunScale(model, tokens, devices=tiles, ep=ep, global_batch=batch, pp=pipe["pp"],
-                       extra={**PAPER_TRAIN, **pipe["extra"]}, dp_shard=SHARD_BLOCK) if pipe else ours
+                       extra={**train, **pipe["extra"]}, dp_shard=SHARD_BLOCK) if pipe else ours
     return Experiment(
         f"pretrain-{model}", "pretrain", paper=authors,
         laptop=laptop, description=description, laptop_dag=True, scaleup=scaleup,

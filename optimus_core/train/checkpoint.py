@@ -3,6 +3,8 @@
     run_dir/checkpoints/step_000120/   __0_0.distcp [__0_1.distcp ... __1_0.distcp ...] .metadata
                                        state.pt meta.json manifests/rank_00000.json [rank_00001.json ...]
     run_dir/checkpoints/invalid/       step directories a resume found invalid, set aside
+    run_dir/model_checkpoints/step_000500/   a model-only checkpoint (train.model_checkpoint_every):
+                                       the model/ keys alone, the same files otherwise, never pruned
 
 Every layout writes the same format (torch.distributed.checkpoint): each rank writes the rows it
 holds (optimus_core.parallel.layout), nothing is gathered or copied on the device (the writers
@@ -133,8 +135,13 @@ class Checkpoint:
         return torch.load(self.path / "state.pt", map_location="cpu", weights_only=True)
 
 
-def checkpoints_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
+FULL, MODEL_ONLY = "checkpoints", "model_checkpoints"  # a run directory's two kinds of checkpoint
+
+
+def checkpoints_dir(run_dir: Path, kind: str = FULL) -> Path:
+    """Where a run's checkpoints of ``kind`` live: FULL (everything a resume needs, pruned) or
+    MODEL_ONLY (the weights alone, for evaluation, all kept)."""
+    return Path(run_dir) / kind
 
 
 def _sweep(root: Path) -> None:
@@ -171,9 +178,9 @@ def set_aside(run_dir: Path, newer_than: int) -> list[Path]:
     return moved
 
 
-def list_step_dirs(run_dir: Path) -> list[Path]:
+def list_step_dirs(run_dir: Path, kind: str = FULL) -> list[Path]:
     """Step directories, oldest first (temporary and unrelated entries ignored)."""
-    root = checkpoints_dir(run_dir)
+    root = checkpoints_dir(run_dir, kind)
     if not root.is_dir():
         return []
     dirs = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
@@ -230,7 +237,7 @@ def _no_collective(values: list[float]) -> list[float]:
 
 
 def latest_valid(run_dir: Path, share: tuple[int, int] = (0, 1),
-                 all_max: Callable[[list[float]], list[float]] = _no_collective) -> Checkpoint | None:
+                 all_max: Callable[[list[float]], list[float]] = _no_collective, kind: str = FULL) -> Checkpoint | None:
     """The newest checkpoint that validates; None if there is none. Step directories are
     published whole; checksums catch the rest.
 
@@ -241,31 +248,32 @@ def latest_valid(run_dir: Path, share: tuple[int, int] = (0, 1),
     the newest step any rank sees, so a rank that lists the directory differently still agrees."""
     below = float("inf")
     while True:
-        mine = [step for step in _steps(run_dir) if step < below]
+        mine = [step for step in _steps(run_dir, kind) if step < below]
         step = int(all_max([float(max(mine, default=-1))])[0])
         if step < 0:
             return None
-        found = _agreed(checkpoints_dir(run_dir) / f"step_{step:06d}", share, all_max)
+        found = _agreed(checkpoints_dir(run_dir, kind) / f"step_{step:06d}", share, all_max)
         if found is not None:
             return found
         below = step
 
 
 def valid_checkpoints(run_dir: Path, share: tuple[int, int] = (0, 1),
-                      all_max: Callable[[list[float]], list[float]] = _no_collective) -> list[Checkpoint]:
-    """Every checkpoint that validates, oldest first; ``share`` and ``all_max`` as for
+                      all_max: Callable[[list[float]], list[float]] = _no_collective,
+                      kind: str = FULL) -> list[Checkpoint]:
+    """Every checkpoint of ``kind`` that validates, oldest first; ``share`` and ``all_max`` as for
     ``latest_valid`` (every rank then gets the same list)."""
-    steps = _steps(run_dir)
+    steps = _steps(run_dir, kind)
     most = all_max([float(len(steps))])[0]
     if all_max([float(len(steps) != most)])[0]:  # every rank raises, or none
-        raise ValueError(f"{checkpoints_dir(run_dir)}: the ranks see different step directories "
+        raise ValueError(f"{checkpoints_dir(run_dir, kind)}: the ranks see different step directories "
                          f"({len(steps)} here, {most:.0f} on another rank)")
-    found = [_agreed(checkpoints_dir(run_dir) / f"step_{step:06d}", share, all_max) for step in steps]
+    found = [_agreed(checkpoints_dir(run_dir, kind) / f"step_{step:06d}", share, all_max) for step in steps]
     return [c for c in found if c is not None]
 
 
-def _steps(run_dir: Path) -> list[int]:
-    return [int(STEP_DIR.match(p.name).group(1)) for p in list_step_dirs(run_dir)]
+def _steps(run_dir: Path, kind: str = FULL) -> list[int]:
+    return [int(STEP_DIR.match(p.name).group(1)) for p in list_step_dirs(run_dir, kind)]
 
 
 def _agreed(path: Path, share: tuple[int, int], all_max) -> Checkpoint | None:
@@ -447,7 +455,8 @@ def write_rank_manifest(tmp: Path, rank: int, save_id: str, step: int) -> None:
 def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, meta: dict, rank: int = 0,
                     distributed: bool = False, keep: int = 2, keep_every: int = 0, process_group=None,
                     asynchronous: bool = False, all_max: Callable[[list[float]], list[float]] | None = None,
-                    staging: HostStaging | None = None, threads: int | None = None) -> Path | None | PendingSave:
+                    staging: HostStaging | None = None, threads: int | None = None,
+                    kind: str = FULL) -> Path | None | PendingSave:
     """Write checkpoint ``step`` (collective when ``distributed``: every rank calls it, with
     ``all_max`` as for ``latest_valid``, e.g. ``Mesh.all_max``). Every rank writes its part of
     ``tensors`` (``training_tensors``) into one step directory and its manifest; once every
@@ -460,7 +469,9 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, met
     for the call where none is given) and written in the background (distributed: planned over
     ``process_group``, see checkpoint_group), and a PendingSave is returned: finish it before
     the next save with the same ``staging``. A rank that fails to write stops every rank (with
-    its error there, a RuntimeError naming the step elsewhere) and nothing is published."""
+    its error there, a RuntimeError naming the step elsewhere) and nothing is published.
+    ``kind``: FULL (pruned to ``keep`` and ``keep_every``) or MODEL_ONLY (``tensors`` the model's
+    alone, ``model_tensors``; every one kept)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -468,7 +479,7 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, met
         raise ValueError("save_checkpoint(distributed=True) needs all_max (say, Mesh.all_max)")
     all_max = all_max or _no_collective
     world = dist.get_world_size() if distributed else 1
-    root = checkpoints_dir(run_dir)
+    root = checkpoints_dir(run_dir, kind)
     final = root / f"step_{step:06d}"
     stack = contextlib.ExitStack()
     tmp = None
@@ -504,7 +515,8 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, met
                 (tmp / "meta.json").write_text(json.dumps(full_meta, indent=2, sort_keys=True))
         if rank != 0:
             return None
-        _prune(run_dir, keep, keep_every)
+        if kind == FULL:
+            _prune(run_dir, keep, keep_every)
         return final
 
     threads = threads or max(1, min(WRITE_THREADS, bytes_to_write(tensors) // BYTES_PER_FILE))

@@ -319,6 +319,24 @@ class Trainer:
                 bad += (~torch.isfinite(local)).sum().to(bad.device, torch.float64)
         return self.mesh.all_reduce_sum_(bad.reshape(1)).item() == 0
 
+    def save_model_only(self) -> Path | None:
+        """Write a model-only checkpoint of this step (a collective): the weights, for evaluation,
+        in run_dir/model_checkpoints/ (optimus_core.train.checkpoint, MODEL_ONLY), in the
+        foreground; never one with non-finite weights."""
+        with self._io_phase(f"model-only checkpoint save of step {self.step}"):
+            settle_updates(self.optimizer)
+            tensors = ckpt.model_tensors(self.model, self.mesh)
+            if not self._finite(tensors):
+                self._event(kind="nonfinite_state", step=self.step)
+                return None
+            self.publish_checkpoint()  # a background full save finishes first: one write at a time
+            meta = {"config": self.cfg.to_dict(), "tokens": self.tokens, "world_size": self.mesh.world_size,
+                    "ep": self.mesh.ep, "pp": self.mesh.pp, "tokenizer_sha256": self.tokenizer_sha256,
+                    "uid": self.uid, "model_only": True}
+            return ckpt.save_checkpoint(self.run_dir, self.step, tensors=tensors, state={}, meta=meta,
+                                        rank=self.mesh.rank, distributed=self.mesh.distributed,
+                                        all_max=self.mesh.all_max, kind=ckpt.MODEL_ONLY)
+
     def publish_checkpoint(self) -> Path | None:
         """Finish a background checkpoint write, if one is under way (every rank calls it)."""
         pending, self._pending_save = getattr(self, "_pending_save", None), None
@@ -449,3 +467,5 @@ class Trainer:
             self.evaluate()
         if self._should(t.checkpoint_every) and self.step < t.steps:
             self.save()
+        if self._should(t.model_checkpoint_every):
+            self.save_model_only()
