@@ -16,8 +16,8 @@ also zeroes the rows past offsets[-1], one extra pass) and a dense torch.mm of t
 (the ceiling). "triton" is optimus_kernels.grouped_mm as the training calls it: the TMA kernels
 (kernels/optimus_kernels/hopper/grouped_mm_tma.py) where they can run, else the pointer kernels, chosen per call.
 Beside it, rows that run the pointer kernels where TMA could run, through the private
-launchers' keyword (tma=False). The pointer kernels are the path on Intel XPU, pre-sm90 GPUs
-and unaligned shapes; these rows time them on the same GPU. They call the launchers directly,
+launchers' keyword (tma=False). The pointer kernels are the path on pre-sm90 GPUs and unaligned
+shapes (Intel XPU runs the TMA kernels' tensor-descriptor form); these rows time them on the same GPU. They call the launchers directly,
 without autograd and the custom ops' dispatch: less host time per call, which favours them
 where the host bounds an eager call (small GEMMs, e.g. --quick's 2048 tokens); compare them
 with "triton" at 8k+ tokens. Each row records the kernels that really ran ("kernels": "ws",

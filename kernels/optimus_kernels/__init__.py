@@ -22,7 +22,8 @@ the attention (Triton only, reference ``qk_norm_rope_reference``): ``qk_norm_rop
 (optimus_kernels.qk_norm_rope: QK-norm and RoPE in one pass).
 
 The portable Triton kernels are the modules here; kernels/optimus_kernels/hopper/ holds the NVIDIA sm90+ variants of
-the grouped GEMM (the TMA kernels, and the warp-specialized Gluon kernel for Hopper). Which one runs
+the grouped GEMM (the TMA kernels, which Intel XPU runs too with its own configs, and the warp-specialized
+Gluon kernel for Hopper). Which one runs
 is the execution plan's choice (optimus_kernels.grouped_mm.family_on / use_family; `optimus execution` prints it).
 This package imports only torch and (optionally) triton.
 """

@@ -36,11 +36,58 @@ def jit(fn=None, **options):
     return triton.jit(fn, **options) if triton is not None else fn
 
 
+# The grf_mode values (registers per hardware thread) that Intel's Triton compiles, each a string:
+# what intel-xpu-backend-for-triton v3.6.0 (225cdbde3ea155d5ed4c0aad1f2aa4bd2b3c4a3d) accepts in
+# XPUBackend.make_spv, third_party/intel/backend/compiler.py. That is the pytorch-triton-xpu
+# 3.6.0+git225cdbde of torch 2.10 and of ALCF Aurora's frameworks/2025.3.1 module
+# (argonne-lcf/user-guides 7d04a3f9, docs/aurora/system-updates.md). Any other value raises
+# "Unknown grf_mode" there (since a9362d254498cd069a9a037ede3d3cfe5ee5022a, which renamed 'small'
+# / 'large' to '128' / '256'); '256' also raises with num_warps > 32. '512' came in v3.7.2.
+XPU_GRF_MODES = ("128", "256", "auto", "default")
+XPU_LARGE_GRF = "256"  # the big-tile configs' mode, as in Intel's PVC GEMM configs (v3.6.0,
+# benchmarks/triton_kernels_benchmark/gemm_benchmark.py, get_matmul_autotune_configs)
+XPU_LARGE_GRF_MAX_WARPS = 32
+
+# Every function that gives a kernel here its configs per device type, by "module.name":
+# configs_for(device_type) or configs_for(device_type, dtype). `autotuned` registers its own;
+# config_source registers one that a launcher calls itself. tests/kernels/test_xpu_configs.py
+# reads every one for "xpu".
+CONFIG_SOURCES: dict = {}
+
+
+def config_source(configs_for):
+    """Register ``configs_for`` in CONFIG_SOURCES (a decorator; returns it unchanged)."""
+    CONFIG_SOURCES[f"{configs_for.__module__}.{configs_for.__qualname__}"] = configs_for
+    return configs_for
+
+
+def grf_mode_unsupported(grf_mode, num_warps: int | None = None) -> str | None:
+    """Why Intel's Triton (XPU_GRF_MODES) would refuse ``grf_mode`` with ``num_warps``, or None."""
+    if grf_mode not in XPU_GRF_MODES:
+        return f"grf_mode = {grf_mode!r}: Intel's Triton 3.6 accepts only {', '.join(map(repr, XPU_GRF_MODES))}"
+    if grf_mode == XPU_LARGE_GRF and num_warps is not None and num_warps > XPU_LARGE_GRF_MAX_WARPS:
+        return f"grf_mode = {grf_mode!r} with num_warps = {num_warps}: at most {XPU_LARGE_GRF_MAX_WARPS} warps"
+    return None
+
+
+def config_grf_unsupported(config) -> str | None:
+    """Why Intel's Triton would refuse the grf_mode of ``config`` (a triton.Config, a dict of
+    launch options, or a tuple of numbers, which sets none), or None (also where it sets none)."""
+    if isinstance(config, dict):
+        options, warps = config, config.get("num_warps")
+    elif hasattr(config, "kwargs"):
+        options, warps = config.kwargs, config.num_warps
+    else:
+        return None
+    return grf_mode_unsupported(options["grf_mode"], warps) if "grf_mode" in options else None
+
+
 def autotuned(configs_for, key, **options):
     """Decorate a jitted kernel so that `kernel(*variant)` is its autotuner over the configs
     `configs_for(*variant)`, e.g. variant = (device type,): CUDA and Intel XPU want different
     config lists. One autotuner per variant, each caching its choice per `key`; options go to
     triton.autotune (e.g. reset_to_zero for a buffer that each timed launch consumes)."""
+    config_source(configs_for)
 
     def wrap(kernel):
         @functools.cache
@@ -54,9 +101,14 @@ def autotuned(configs_for, key, **options):
 
 def tile_configs(shapes, **options):
     """GEMM configs from (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) tuples; options (e.g. Intel's
-    grf_mode) go to every config."""
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, **options}, num_warps=w, num_stages=s)
-            for m, n, k, w, s in shapes]
+    grf_mode, checked against XPU_GRF_MODES) go to every config."""
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, **options}, num_warps=w, num_stages=s)
+               for m, n, k, w, s in shapes]
+    for config in configs:
+        problem = config_grf_unsupported(config)
+        if problem is not None:
+            raise ValueError(f"tile_configs: {problem}")
+    return configs
 
 
 def row_configs(device_type: str):

@@ -47,7 +47,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from ._triton import INTERPRET, check_launchable, device_guard, jit, tl, triton
+from ._triton import INTERPRET, check_launchable, config_source, device_guard, jit, tl, triton
 
 TUNE_MAX = 1 << 24  # elements of the scratch buffers a config is timed on
 TUNE_MIN = 1 << 16  # below this, no timing: the first config
@@ -165,6 +165,7 @@ def _sq_norm_kernel(x_ptr, partial_ptr, start, N, BLOCK: tl.constexpr):
 
 
 # ---------------------------------------------------------------- configs and tuning
+@config_source
 def stream_configs(device_type: str) -> list[tuple[int, int]]:
     """(BLOCK, num_warps) candidates for a flat streaming kernel: 4-32 float32 per thread and
     tensor, i.e. one to eight 16-byte accesses in flight per thread and buffer."""

@@ -35,7 +35,7 @@ Backends:
   Torch leaves rows past offsets[-1] unwritten (seen on an H200, torch 2.11); this backend
   zeroes them in y and dx with a small Triton kernel that touches only those rows.
 - "triton": our kernels, no host sync and no loop over groups. Products accumulate in float32;
-  float32 inputs multiply in full fp32 ("ieee", not tf32), as torch.mm does by default. Three
+  float32 inputs multiply in full fp32 ("ieee", not tf32), as torch.mm does by default. Four
   kernel families, fastest first (FAMILIES); each call takes the fastest its device and
   tensors allow, up to the ceiling the execution plan sets for the process (``family_on``
   names the device's, ``use_family`` sets it; optimus_core.execution prints and records it):
@@ -47,23 +47,31 @@ Backends:
     tma      (kernels/optimus_kernels/hopper/grouped_mm_tma.py, NVIDIA sm90+ or the interpreter: device-side
              descriptors, 16-bit inputs, 16-byte aligned rows) persistent kernels for the
              forward, dx and dW (dW's items dealt round-robin, largest group first);
+    descriptor  the same kernels on Intel XPU (or the interpreter), with PVC configs (256 x 256
+             x 32 tiles, 32 warps, grf_mode "256") and one program per Xe core: Intel's Triton
+             turns the descriptors into 2D block loads (grouped_mm_tma's docstring); same rules;
     pointer  (here) one program per output tile by pointer loads, dx reading w^T through
              transposed strides (no copy); dW one program per (group, K tile, N tile): what
-             runs on Intel XPU, pre-sm90 GPUs, float32 on a GPU and unaligned rows.
+             runs on pre-sm90 GPUs, float32 on a GPU and unaligned rows, and the reference
+             the others are tested against.
   The private launchers (_launch_grouped_mm, _launch_grouped_mm_dx, _launch_grouped_mm_dw)
-  take ``tma=False`` to run the pointer kernels where TMA could run, for the tests and for
-  bench/kernels.py's pointer rows.
+  take ``tma=False`` to run the pointer kernels where the descriptor kernels (either family)
+  could run, for the tests and for bench/kernels.py's pointer rows.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
-from ._triton import INTERPRET, autotuned, bucket, check_launchable, device_guard, jit, tile_configs, tl, triton
+from ._triton import (INTERPRET, XPU_LARGE_GRF, autotuned, bucket, check_launchable, device_guard, jit, tile_configs,
+                      tl, triton)
 from .grouped_mm_tiles import locate_tile, segment_tiles
-from .hopper.grouped_mm_tma import (_num_programs, launch_grouped_mm_dw_tma, launch_grouped_mm_tma,
-                                    tma_device_unsupported, tma_unsupported)
+from .hopper.grouped_mm_tma import (_num_programs, descriptor_device_unsupported, descriptor_unsupported,
+                                    launch_grouped_mm_dw_tma, launch_grouped_mm_tma, tma_device_unsupported,
+                                    tma_unsupported)
 from .hopper.grouped_mm_ws import launch_grouped_mm_ws, ws_device_unsupported, ws_unsupported
 
 BACKENDS = ("loop", "torch", "triton")
@@ -202,7 +210,7 @@ def _mm_configs(device_type: str, dtype: torch.dtype):
         return tile_configs([(64, 64, 32, 4, 2)])
     if device_type == "xpu":  # Intel Max (PVC): big tiles, 32 warps, the large register file
         return tile_configs([(256, 256, 32, 32, 2), (256, 256, 32, 32, 3), (256, 128, 32, 32, 2),
-                             (128, 256, 32, 32, 2), (128, 128, 32, 16, 2)], grf_mode="large")
+                             (128, 256, 32, 32, 2), (128, 128, 32, 16, 2)], grf_mode=XPU_LARGE_GRF)
     return tile_configs([(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
                          (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 3)])
 
@@ -215,7 +223,7 @@ def _dw_configs(device_type: str, dtype: torch.dtype):
         return _mm_configs(device_type, dtype)
     if device_type == "xpu":
         return tile_configs([(32, 256, 256, 32, 2), (32, 256, 256, 32, 3), (32, 256, 128, 32, 2),
-                             (32, 128, 256, 32, 2), (32, 128, 128, 16, 2)], grf_mode="large")
+                             (32, 128, 256, 32, 2), (32, 128, 128, 16, 2)], grf_mode=XPU_LARGE_GRF)
     return tile_configs([(64, 256, 128, 8, 3), (64, 128, 256, 8, 3), (32, 128, 128, 4, 4),
                          (64, 128, 128, 8, 3), (64, 128, 128, 4, 4)])
 
@@ -305,6 +313,7 @@ def _grouped_mm_dw_kernel(
 FAMILIES = {
     "warp_specialized": "the warp-specialized Gluon kernel for the forward and dx, the TMA kernel for dW",
     "tma": "the TMA kernels",
+    "descriptor": "the tensor-descriptor kernels with Intel PVC tiles (2D block loads)",
     "pointer": "the pointer kernels",
 }
 _ceiling = "warp_specialized"
@@ -322,7 +331,10 @@ def family_on(device: torch.device | str) -> tuple[str, str]:
     tma = tma_device_unsupported(device)
     if tma is None:
         return "tma", f"{FAMILIES['tma']}: {ws}"
-    return "pointer", f"{FAMILIES['pointer']}: {tma}"
+    descriptor = descriptor_device_unsupported(device)
+    if descriptor is None:
+        return "descriptor", f"{FAMILIES['descriptor']}: {tma}"
+    return "pointer", f"{FAMILIES['pointer']}: {descriptor if device.type == 'xpu' else tma}"
 
 
 def use_family(name: str) -> None:
@@ -340,20 +352,48 @@ def allows(family: str) -> bool:
     return order.index(family) >= order.index(_ceiling)
 
 
+@contextlib.contextmanager
+def ceiling_at_least(name: str):
+    """Inside the block, calls may take ``name`` (and every family the ceiling allowed before):
+    the ceiling is the faster of the two; restored after. The self-check runs the family
+    family_on names this way, whatever ceiling was set before it."""
+    global _ceiling
+    if name not in FAMILIES:
+        raise ValueError(f"grouped GEMM kernels {name!r}: must be one of {', '.join(FAMILIES)}")
+    before = _ceiling
+    if not allows(name):
+        _ceiling = name
+    try:
+        yield
+    finally:
+        _ceiling = before
+
+
+def _descriptor_kernels_unsupported(x: Tensor, w: Tensor, y: Tensor) -> str | None:
+    """Why no call on these tensors may take the descriptor kernels (hopper/grouped_mm_tma.py),
+    or None: as the tma family (NVIDIA sm90+) or as the descriptor family (Intel XPU), each
+    under the ceiling and its own rules; for dW: (x, dw, dy)."""
+    tma = tma_unsupported(x, w, y) if allows("tma") else "the ceiling excludes the tma family"
+    if tma is None:
+        return None
+    descriptor = descriptor_unsupported(x, w, y) if allows("descriptor") else "the ceiling excludes it"
+    return None if descriptor is None else f"tma: {tma}; descriptor: {descriptor}"
+
+
 # ---------------------------------------------------------------- backend "triton": launchers
 def _launch_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, dx: bool = False, tma: bool = True,
                        y: Tensor | None = None) -> Tensor:
     """y = x @ w[g] per group, w (G, K, N) in any strides: the warp-specialized kernel where it
-    runs on these tensors, else the TMA kernel where it does, else the pointer kernel (always
-    the pointer kernel with ``tma=False``). ``y``: a contiguous (M, N) tensor in x's dtype to
-    fill, else a new one."""
+    runs on these tensors, else the descriptor kernel where it does (the tma family, or the
+    descriptor family on an XPU), else the pointer kernel (always the pointer kernel with
+    ``tma=False``). ``y``: a contiguous (M, N) tensor in x's dtype to fill, else a new one."""
     (M, K), (G, _, N) = x.shape, w.shape
     y = x.new_empty(M, N) if y is None else y
     if y.numel() == 0:
         return y
     if tma and allows("warp_specialized") and ws_unsupported(x, w, y) is None:
         return launch_grouped_mm_ws(x, w, offsets, y)
-    if tma and allows("tma") and tma_unsupported(x, w, y) is None:
+    if tma and _descriptor_kernels_unsupported(x, w, y) is None:
         return launch_grouped_mm_tma(x, w, offsets, y, dx=dx)
 
     def grid(meta):
@@ -368,15 +408,15 @@ def _launch_grouped_mm(x: Tensor, w: Tensor, offsets: Tensor, *, dx: bool = Fals
 
 def _launch_grouped_mm_dx(dy: Tensor, w: Tensor, offsets: Tensor, *, tma: bool = True) -> Tensor:
     """dx = dy @ w[g]^T per group, w (G, K, N) as the forward got it (float32 master weights
-    are cast here): the warp-specialized kernel, else the TMA kernel, reading w as stored where
-    they run on these tensors, else (and with ``tma=False``) the pointer kernel reading w^T
-    through transposed strides."""
+    are cast here): the warp-specialized kernel, else the descriptor kernel (tma or descriptor
+    family), reading w as stored where they run on these tensors, else (and with ``tma=False``)
+    the pointer kernel reading w^T through transposed strides."""
     w = w.to(dy.dtype)
     if tma:
         dx = dy.new_empty(dy.shape[0], w.shape[1])
         if allows("warp_specialized") and ws_unsupported(dy, w, dx, trans_w=True) is None:
             return launch_grouped_mm_ws(dy, w, offsets, dx, trans_w=True)
-        if allows("tma") and tma_unsupported(dy, w, dx) is None:
+        if _descriptor_kernels_unsupported(dy, w, dx) is None:
             if dx.numel():
                 launch_grouped_mm_tma(dy, w, offsets, dx, trans_w=True, dx=True)
             return dx
@@ -387,15 +427,15 @@ def _launch_grouped_mm_dw(x: Tensor, dy: Tensor, offsets: Tensor, float32_out: b
                           squares: bool = False, *, tma: bool = True) -> Tensor | tuple[Tensor, Tensor]:
     """dw[g] = x[rows of g]^T @ dy[rows of g], accumulated in float32 and stored in x's dtype or,
     with ``float32_out``, as float32 (the gradient of float32 master weights, no cast after):
-    the TMA dW kernel where it runs on these tensors, else (and with ``tma=False``) the pointer
-    dW kernel. With ``squares``: (dw, sum of dw's squares as a 0-d
+    the descriptor dW kernel where it runs on these tensors (tma or descriptor family), else
+    (and with ``tma=False``) the pointer dW kernel. With ``squares``: (dw, sum of dw's squares as a 0-d
     float32), the sum taken by the kernel from the values it stores (per program, then added in
     a fixed order) instead of by one more pass over dw."""
     (M, K), N, G = x.shape, dy.shape[1], offsets.shape[0]
     dw = x.new_empty(G, K, N, dtype=torch.float32 if float32_out else x.dtype)
     if dw.numel() == 0 or (M == 0 and squares):
         return (dw.zero_(), dw.new_zeros((), dtype=torch.float32)) if squares else dw
-    if tma and allows("tma") and tma_unsupported(x, dw, dy) is None:
+    if tma and _descriptor_kernels_unsupported(x, dw, dy) is None:
         slots = torch.zeros(_num_programs(x.device), dtype=torch.float32, device=x.device) if squares else None
         launch_grouped_mm_dw_tma(x, dy, offsets, dw, squares=slots)
         return (dw, slots.sum()) if squares else dw

@@ -12,8 +12,9 @@ that are not a tile multiple) in bf16 against its plain-torch reference, forward
 and caches the verdict per device name in this process. A failure warns once, naming
 the kernel and the error, and the caller takes the reference path instead.
 
-Families: ``experts`` (grouped_mm forward, dx and dW; permute / unpermute; swiglu; the
-expert MLP with its SwiGLU in the GEMMs' epilogues), ``adamw``
+Families: ``experts`` (grouped_mm forward, dx and dW, by the grouped GEMM kernel family that
+grouped_mm.family_on names for the device, e.g. the descriptor kernels on an Intel XPU;
+permute / unpermute; swiglu; the expert MLP with its SwiGLU in the GEMMs' epilogues), ``adamw``
 (the fused step and the squared norm), ``cross_entropy`` (the fused softmax cross-entropy),
 ``qk_norm_rope`` (the attention's QK-norm and RoPE, forward and both gradients).
 Under TRITON_INTERPRET=1 (the tests' harness, on the CPU) nothing is checked: ``validated`` is
@@ -52,6 +53,15 @@ def _tolerance(dtype: torch.dtype) -> float:
 
 
 def _check_experts(device: torch.device) -> None:
+    """The experts' kernels with the grouped GEMM family family_on names for ``device`` allowed,
+    whatever ceiling a plan set before (its shapes pass that family's rules)."""
+    from .grouped_mm import ceiling_at_least, family_on
+
+    with ceiling_at_least(family_on(device)[0]):
+        _check_experts_kernels(device)
+
+
+def _check_experts_kernels(device: torch.device) -> None:
     from .expert_mlp import expert_mlp
     from .grouped_mm import grouped_mm, grouped_mm_reference
     from .permute import permute, permute_reference, unpermute, unpermute_reference
@@ -61,9 +71,10 @@ def _check_experts(device: torch.device) -> None:
     for dtype in _dtypes():
         tol = _tolerance(dtype)
         # Odd row counts, and expert 2 gets no token; K and N multiples of 16 as the models' are,
-        # so the kernels compiled here are the ones a run's autotuning then finds compiled, and K a
-        # multiple of 64, so that on Hopper the forward takes the warp-specialized kernel, as a
-        # run's does (hopper.grouped_mm_ws.ws_unsupported).
+        # so the kernels compiled here are the ones a run's autotuning then finds compiled (and
+        # 16-byte bf16 rows, so that the tma and descriptor families take them), and K a multiple
+        # of 64, so that on Hopper the forward takes the warp-specialized kernel, as a run's does
+        # (hopper.grouped_mm_ws.ws_unsupported).
         T, k, E, K, N = 19, 2, 4, 64, 48
         idx = torch.tensor([[0, 1], [3, 0], [1, 3]] * 6 + [[0, 3]], dtype=torch.long)[:T].to(device)
         x = torch.randn(T, K, generator=g).to(device, dtype)

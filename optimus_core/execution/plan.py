@@ -14,7 +14,8 @@ this module alone turns it, with the device, the world size and the memory model
 - experts: triton where its kernels passed their self-check on the device; else torch where
   torch._grouped_mm has its fast path (CUDA sm90+, bf16); else the loop. With triton, the
   expert GEMMs' kernel family is the fastest the device has (optimus_kernels.grouped_mm.family_on):
-  warp-specialized on Hopper, TMA on other NVIDIA sm90+ GPUs, the pointer kernels elsewhere.
+  warp-specialized on Hopper, TMA on other NVIDIA sm90+ GPUs, the tensor-descriptor kernels on
+  Intel XPU, the pointer kernels elsewhere.
 - compile: on for one process on CUDA, where it was measured faster (bench/NOTES.md); off
   elsewhere (on XPU and under FSDP2 it has not been measured yet).
 - adamw, lm_loss, qk_norm_rope: the Triton kernel on a GPU where it passed its self-check, else

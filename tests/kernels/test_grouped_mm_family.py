@@ -22,16 +22,42 @@ def ceiling():
 
 
 def test_the_families_are_ordered_fastest_first_and_a_bad_name_is_refused(ceiling):
-    assert list(gm.FAMILIES) == ["warp_specialized", "tma", "pointer"]
-    with pytest.raises(ValueError, match="must be one of warp_specialized, tma, pointer"):
+    assert list(gm.FAMILIES) == ["warp_specialized", "tma", "descriptor", "pointer"]
+    with pytest.raises(ValueError, match="must be one of warp_specialized, tma, descriptor, pointer"):
         gm.use_family("cutlass")
     gm.use_family("tma")
-    assert not gm.allows("warp_specialized") and gm.allows("tma") and gm.allows("pointer")
+    assert not gm.allows("warp_specialized") and gm.allows("tma") and gm.allows("descriptor") and gm.allows("pointer")
+    gm.use_family("descriptor")
+    assert not gm.allows("tma") and gm.allows("descriptor") and gm.allows("pointer")
 
 
-def test_an_intel_gpu_has_the_pointer_kernels_and_says_why():
+def test_an_intel_gpu_has_the_descriptor_kernels_and_says_why(monkeypatch):
+    """An XPU: the descriptor family (device-side tensor descriptors, Triton 3.4+), the reason
+    being that the TMA family needs an NVIDIA GPU; without descriptors in its Triton, the pointer
+    kernels, saying why."""
+    if not hasattr(gm.tl, "make_tensor_descriptor"):
+        pytest.skip("this Triton has no device-side tensor descriptors")
     family, why = gm.family_on("xpu")
-    assert family == "pointer" and "NVIDIA" in why
+    assert family == "descriptor" and "NVIDIA" in why and "PVC" in why
+    monkeypatch.setattr(gm, "descriptor_device_unsupported", lambda device: "Triton 3.2 has no device-side descriptors")
+    assert gm.family_on("xpu") == ("pointer", "the pointer kernels: Triton 3.2 has no device-side descriptors")
+
+
+def test_the_ceiling_can_be_raised_for_a_block_and_is_restored(ceiling):
+    """ceiling_at_least (the self-check's): a lower ceiling is raised to the family inside the
+    block and restored after, even when the block raises; a higher one is kept."""
+    gm.use_family("pointer")
+    with gm.ceiling_at_least("descriptor"):
+        assert gm.allows("descriptor") and not gm.allows("tma")
+    assert gm._ceiling == "pointer"
+    with pytest.raises(RuntimeError, match="inside"), gm.ceiling_at_least("tma"):
+        raise RuntimeError("inside")
+    assert gm._ceiling == "pointer"
+    gm.use_family("warp_specialized")
+    with gm.ceiling_at_least("descriptor"):
+        assert gm.allows("warp_specialized")
+    with pytest.raises(ValueError, match="must be one of"), gm.ceiling_at_least("cutlass"):
+        pass
 
 
 @pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")

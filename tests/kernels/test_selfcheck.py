@@ -75,6 +75,48 @@ def test_the_experts_check_runs_both_swiglu_epilogues_a_run_takes_on_hopper(monk
     assert calls == ["forward", "backward"]
 
 
+@interpreted
+def test_the_experts_check_runs_the_descriptor_kernels_an_xpu_takes(monkeypatch):
+    """On an XPU family_on names the descriptor family (stood in for here: the device is the
+    CPU); the experts check then runs the GEMMs' forward, dx and dW by the descriptor kernels,
+    also where a lower ceiling was set before it (kept after), and its shapes pass the family's
+    rules in bf16, the check's dtype on an XPU (the device rule stood in)."""
+    import optimus_kernels.hopper.grouped_mm_tma as gm_tma
+
+    gm = importlib.import_module("optimus_kernels.grouped_mm")
+    xpu = gm.family_on("xpu")
+    if xpu[0] != "descriptor":
+        pytest.skip(xpu[1])
+    monkeypatch.setattr(gm, "family_on", lambda device: xpu)
+    calls = []
+
+    def xpu_rules(x, w, y):
+        with monkeypatch.context() as m:
+            m.setattr(gm_tma, "INTERPRET", False)
+            m.setattr(gm_tma, "descriptor_device_unsupported", lambda device: None)
+            return gm_tma.descriptor_unsupported(*(t.bfloat16() for t in (x, w, y)))
+
+    def spy(x, w, offsets, y, **kw):
+        calls.append(("mm", kw.get("trans_w", False), xpu_rules(x, w, y)))
+        return gm_tma.launch_grouped_mm_tma(x, w, offsets, y, **kw)
+
+    def spy_dw(x, dy, offsets, dw, **kw):
+        calls.append(("dw", None, xpu_rules(x, dw, dy)))
+        return gm_tma.launch_grouped_mm_dw_tma(x, dy, offsets, dw, **kw)
+
+    monkeypatch.setattr(gm, "launch_grouped_mm_tma", spy)
+    monkeypatch.setattr(gm, "launch_grouped_mm_dw_tma", spy_dw)
+    before = gm._ceiling
+    gm.use_family("pointer")
+    try:
+        assert selfcheck.check("experts", "cpu") is None
+        assert gm._ceiling == "pointer"
+    finally:
+        gm.use_family(before)
+    assert {call[:2] for call in calls} == {("mm", False), ("mm", True), ("dw", None)}
+    assert {call[2] for call in calls} == {None}
+
+
 def test_a_wrong_or_broken_kernel_is_named(monkeypatch):
     def wrong(device):
         selfcheck._close("grouped_mm dx (torch.bfloat16)", torch.ones(3), torch.zeros(3) + 0.5, 1e-2)

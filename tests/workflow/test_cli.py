@@ -108,7 +108,7 @@ def test_execution_prints_the_plan_of_a_device_not_here_with_its_reasons(capsys)
     out = json.loads(capsys.readouterr().out)
     assert (out["device"], out["world"], out["probed"]) == ("xpu", 12, False)
     plan = out["plan"]
-    assert plan["experts"] == "triton" and plan["expert_gemms"] == "pointer" and plan["compile"] is False
+    assert plan["experts"] == "triton" and plan["expert_gemms"] == "descriptor" and plan["compile"] is False
     assert "NVIDIA" in plan["why"]["expert GEMMs"]
     assert main(["execution", "--experiment", "pretrain-mula-220b-a10b", "--device", "cuda"]) == 0
     text = capsys.readouterr().out

@@ -1,8 +1,19 @@
-"""The grouped GEMM's Hopper kernels: tensor descriptors (TMA) and a persistent grid.
+"""The grouped GEMM's tensor-descriptor kernels (TMA on Hopper) and a persistent grid.
 
     launch_grouped_mm_tma(x_MK, w, offsets_G, y_MN, *, trans_w=False, dx=False)
     launch_grouped_mm_dw_tma(x_MK, dy_MN, offsets_G, dw_GKN, *, config=None, squares=None)
-    tma_unsupported(x_MK, w, y_MN) -> str | None     # why it cannot run these tensors, or None
+    tma_unsupported(x_MK, w, y_MN) -> str | None         # NVIDIA sm90+: why not, or None
+    descriptor_unsupported(x_MK, w, y_MN) -> str | None  # Intel XPU: why not, or None
+
+Two of grouped_mm.py's kernel families run these kernels: "tma" on NVIDIA sm90+ GPUs, and
+"descriptor" on Intel XPU (Max / PVC), with configs of its own per device type (_tma_configs,
+_dw_tma_configs) and one program per Xe core. Intel's Triton (intel-xpu-backend-for-triton
+v3.6.0) rewrites device-side descriptors into block pointers in its make_ttir
+(third_party/intel/lib/Dialect/Triton/Transforms/TensorDescToBlockPointer.cpp), which become 2D
+block loads and stores where the row pitch is a multiple of 16 bytes and the last stride 1
+(third_party/intel/lib/TritonIntelGPUTransforms/MaterializeBlockPointer.cpp), the rule
+tma_unaligned checks; there a masked load of a tensor of pointers, as the pointer kernels' are
+(rows against a group's end), gets no block IO (MaterializeTensorOfPointers).
 
 y[rows of g] = x[rows of g] @ B_g with B_g = w[g] for w (G, K, N), or, with trans_w, B_g = w[g]^T
 for w (G, N, K): that is dx = dy @ w[g]^T read straight from the forward's weight, transposed in
@@ -36,8 +47,10 @@ dw[g + 1]. An empty group's tiles are stored as zeros (dw is new_empty). The flo
 shared-memory staging tile is large (128 KB for a 128 x 256 tile, beside 48 KB per pipeline
 stage), so configs with SPLIT_N = 2 store the tile as two BLOCK_K x BLOCK_N/2 halves.
 
-Needs Triton with device-side descriptors (3.4+), an NVIDIA sm90+ GPU, 16-bit inputs with
-16-byte aligned rows (K, N multiples of 8), or the interpreter (float32, any TMA-legal shape).
+Needs Triton with device-side descriptors (3.4+), an NVIDIA sm90+ GPU or an Intel XPU, 16-bit
+inputs with 16-byte aligned rows (K, N multiples of 8), or the interpreter (float32, any
+TMA-legal shape). On an XPU, v3.6.0's MaterializeBlockPointer skips block IO for the transposed
+A operand of a dot, which dW's x_blk^T is: its x loads may be gathers (not measured on a PVC).
 """
 
 from __future__ import annotations
@@ -47,7 +60,8 @@ import functools
 import torch
 from torch import Tensor
 
-from .._triton import INTERPRET, autotuned, bucket, device_guard, jit, ptxas_report, tile_configs, tl, triton
+from .._triton import (INTERPRET, XPU_LARGE_GRF, autotuned, bucket, device_guard, jit, ptxas_report, tile_configs,
+                       tl, triton)
 from ..grouped_mm_tiles import group_of_rank, groups_by_size, locate_tile, segment_tiles
 
 
@@ -74,6 +88,29 @@ def tma_device_unsupported(device: torch.device) -> str | None:
     return None
 
 
+def descriptor_unsupported(x: Tensor, w: Tensor, y: Tensor) -> str | None:
+    """Why the descriptor family (these kernels on an Intel XPU) cannot run on these tensors (w as
+    the kernel reads it), or None; for dW: descriptor_unsupported(x, dw, dy). The same rules as
+    tma_unsupported bar the device: 16-bit inputs, 16-byte aligned rows and base (2D block IO's
+    pitch and base), w contiguous."""
+    problem = descriptor_device_unsupported(x.device)
+    if problem is None and not INTERPRET and x.dtype not in (torch.bfloat16, torch.float16):
+        problem = f"the descriptor kernel is for 16-bit inputs (float32 runs the pointer kernels), got {x.dtype}"
+    return problem or tma_layout_unsupported(x, w, y)
+
+
+def descriptor_device_unsupported(device: torch.device) -> str | None:
+    """Why the descriptor family cannot run on ``device`` (its Triton, its GPU), or None: an Intel
+    XPU with Triton's device-side tensor descriptors; the Triton interpreter runs it on the CPU."""
+    if triton is None or not hasattr(tl, "make_tensor_descriptor") or not hasattr(triton, "set_allocator"):
+        return f"Triton {getattr(triton, '__version__', None)} has no device-side tensor descriptors"
+    if INTERPRET and device.type == "cpu":
+        return None
+    if device.type != "xpu":
+        return f"the descriptor kernels' configs are for an Intel XPU, got {device.type}"
+    return None
+
+
 def tma_layout_unsupported(x: Tensor, w: Tensor, y: Tensor) -> str | None:
     """What in these tensors' shapes and strides no TMA kernel here can read (w as one (G*K, N)
     matrix), or None: tma_unsupported less its Triton and device checks."""
@@ -85,11 +122,12 @@ def tma_layout_unsupported(x: Tensor, w: Tensor, y: Tensor) -> str | None:
 
 
 def tma_unaligned(**tensors: Tensor) -> str | None:
-    """Which of the named tensors TMA cannot address (rows contiguous, rows and base 16-byte
-    aligned), or None."""
+    """Which of the named tensors a tensor descriptor cannot address (TMA; Intel's 2D block IO:
+    rows contiguous, rows and base 16-byte aligned), or None."""
     for name, t in tensors.items():
         if t.stride(-1) != 1 or any(s * t.element_size() % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            return f"{name} needs 16-byte aligned rows and base for TMA, got strides {t.stride()}"
+            return (f"{name} needs 16-byte aligned rows and base for tensor descriptors, got strides {t.stride()} "
+                    f"of {t.element_size()}-byte elements")
     return None
 
 
@@ -97,9 +135,16 @@ def _tma_configs(device_type: str, dtype: torch.dtype):
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Shared memory per stage is (BM + BN) * BK * 2
     bytes, plus BM * BN * 2 for the TMA store's staging tile: 128 x 256 x 64 with 3 stages is
     208 KB of the H200's 227 KB. One program per SM: configs small enough for two per SM, so
-    that one's epilogue would run under the other's products, measured no faster than these."""
+    that one's epilogue would run under the other's products, measured no faster than these.
+    Intel XPU (PVC): the tiles of Intel's PVC GEMM configs (intel-xpu-backend-for-triton v3.6.0,
+    benchmarks/triton_kernels_benchmark/gemm_benchmark.py, get_matmul_autotune_configs), 32 warps
+    with 256 registers each, one work-group per Xe core: 256 x 256 x 32, and 256 x 128 x 32 and
+    64 x 128 x 32 for groups of few rows (stages as there; not yet measured on a PVC)."""
     if INTERPRET:
         return tile_configs([(16, 16, 16, 1, 1)])
+    if device_type == "xpu":
+        return tile_configs([(256, 256, 32, 32, 3), (256, 128, 32, 32, 3), (64, 128, 32, 32, 2)],
+                            grf_mode=XPU_LARGE_GRF)
     return tile_configs([(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
                          (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (256, 128, 64, 8, 3)])
 
@@ -167,9 +212,14 @@ _grouped_mm_tma_tuned = autotuned(_tma_configs, key=["N", "K", "M_BUCKET", "DX",
 
 @functools.cache
 def _num_programs(device: torch.device) -> int:
-    """One program per SM; in the interpreter a few, so that each loops over several tiles."""
+    """One program per SM, or per Xe core of an Intel XPU (gpu_subslice_count in torch's XPU
+    device properties: every XPU config is one 32-warp work-group that fills an Xe core's
+    threads in the 256-register mode); in the interpreter a few, so that each loops over
+    several tiles."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "xpu":
+        return torch.xpu.get_device_properties(device).gpu_subslice_count
     return 3
 
 
@@ -229,13 +279,20 @@ def _dw_tma_configs(device_type: str, dtype: torch.dtype):
     with half the shared memory each, to hide one's store under the other's products, measured
     slower. Each config compiles for sm90 within shared memory and without register spills, for
     either output (dw_sm90_report, a CPU test); the GPU test
-    test_every_dw_tma_config_compiles_and_matches runs them."""
+    test_every_dw_tma_config_compiles_and_matches runs them.
+    Intel XPU (PVC): the forward's PVC tiles with K in the role of M, BLOCK_R = 32 rows a step
+    (256 x 256 x 32, 256 x 128 x 32, 64 x 128 x 32; 32 warps, 256 registers each), whole stores:
+    the split halves an sm90 TMA store's shared-memory staging tile, which a PVC store has not."""
+    options = {}
     if INTERPRET:
         shapes = [(16, 16, 16, 1, 1, 2)]
+    elif device_type == "xpu":
+        shapes = [(32, 256, 256, 32, 3, 1), (32, 256, 128, 32, 3, 1), (32, 64, 128, 32, 2, 1)]
+        options = {"grf_mode": XPU_LARGE_GRF}
     else:
         shapes = [(64, 128, 256, 8, 3, 2), (64, 256, 128, 8, 3, 2), (64, 128, 128, 8, 4, 1),
                   (64, 128, 128, 4, 4, 1), (32, 128, 256, 8, 5, 2), (128, 128, 128, 8, 2, 1)]
-    return [triton.Config({"BLOCK_R": r, "BLOCK_K": k, "BLOCK_N": n, "SPLIT_N": split},
+    return [triton.Config({"BLOCK_R": r, "BLOCK_K": k, "BLOCK_N": n, "SPLIT_N": split, **options},
                           num_warps=w, num_stages=st) for r, k, n, w, st, split in shapes]
 
 

@@ -361,14 +361,14 @@ def test_the_residual_stream_follows_the_compute_dtype_unless_asked_for_float32(
 
 def test_the_expert_gemms_kernel_family_is_the_devices_and_says_why():
     """With the triton experts the plan names their GEMMs' kernel family (optimus_kernels.grouped_mm.
-    family_on): an Intel GPU's are the pointer kernels; a CUDA GPU planned from its type alone is
+    family_on): an Intel GPU's are the tensor-descriptor kernels; a CUDA GPU planned from its type alone is
     decided when the run starts; without the triton experts there is none."""
     from optimus_core import presets
 
     cfg = presets.get("mula-7b-a1b").run_config()
     xpu = resolve_choices(cfg, "xpu", probe=False)
-    assert xpu.experts == "triton" and xpu.expert_gemms == "pointer" and "NVIDIA" in xpu.why["expert GEMMs"]
-    assert "expert GEMMs" in xpu.describe() and xpu.to_dict()["expert_gemms"] == "pointer"
+    assert xpu.experts == "triton" and xpu.expert_gemms == "descriptor" and "NVIDIA" in xpu.why["expert GEMMs"]
+    assert "expert GEMMs" in xpu.describe() and xpu.to_dict()["expert_gemms"] == "descriptor"
     cuda = resolve_choices(cfg, "cuda", probe=False)
     assert cuda.expert_gemms is None and "decided when the run starts" in cuda.describe()
     cpu = resolve_choices(cfg, "cpu")
