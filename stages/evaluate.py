@@ -128,9 +128,12 @@ def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
             raise FileNotFoundError(f"task directory {task_dir}: "
                                     f"{missing(task_dir, 'directory')} "
                                     f"(of lm-eval task YAMLs)")
+    from optimus_core.compile_cache import use_compile_cache
     from optimus_core.parallel.mesh import read_launch_env
 
-    if read_launch_env().world_size > 1:
+    launch = read_launch_env()
+    use_compile_cache(launch.local_rank)  # the site's warm kernels, before any compiles
+    if launch.world_size > 1:
         return _run_sharded(config, inputs, outputs, run_id)
     found = _checkpoints(run_dir, config.all_checkpoints)
     newest = found[-1]

@@ -157,6 +157,10 @@ def run_pretrain(config: PretrainConfig, inputs: PretrainInputs, outputs: Pretra
     """Train on this process's rank: a world of one, or one rank of a torchrun / mpiexec / local
     launch (optimus_core.parallel.init_distributed reads which). Every rank trains; global rank
     0 alone writes meta.json, the store and summary.json; the others return the same result."""
+    from optimus_core.compile_cache import use_compile_cache
+    from optimus_core.parallel.mesh import read_launch_env
+
+    use_compile_cache(read_launch_env().local_rank)  # the site's warm kernels, before any compiles
     cfg = config.run.replace(data=config.run.data.replace(path=str(Path(inputs.data_dir).resolve())))
     if cfg.train.init_from:  # recorded as an absolute path, like the data
         cfg = cfg.replace(train=cfg.train.replace(init_from=str(Path(cfg.train.init_from).resolve())))

@@ -87,6 +87,9 @@ def record_key(record: dict) -> str:
 def run_rehearse(config: RehearseConfig, outputs: RehearseOutputs) -> RehearseResult:
     import torch
 
+    from optimus_core.compile_cache import use_compile_cache
+
+    use_compile_cache()  # the site's cache: filled here by `optimus warm-cache`, else its copy
     device = torch.device(config.device)
     kept = _read(outputs.jsonl) if outputs.jsonl and Path(outputs.jsonl).is_file() else []
     kept = [r for r in kept if "name" in r]

@@ -35,7 +35,8 @@ from pathlib import Path
 from optimus_core.log import configure_logging
 from workflow.commands import (cmd_corpus, cmd_evaluate, cmd_execution, cmd_experiments, cmd_export_hf, cmd_figures,
                                cmd_hosts, cmd_perfmodel, cmd_plan, cmd_presets, cmd_pretrain, cmd_reference,
-                               cmd_rehearse, cmd_report, cmd_scaling, cmd_tokenize, cmd_window_order, emit)
+                               cmd_rehearse, cmd_report, cmd_scaling, cmd_tokenize, cmd_warm_cache, cmd_window_order,
+                               emit)
 from workflow.experiments import DESIGNS
 from workflow.failures import check_site_use, user_failure
 
@@ -178,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--faults", type=Path, default=None, help="a run's node-faults.json (absent: none named)")
     p.add_argument("--nodefile", type=Path, default=None, help="default: $PBS_NODEFILE")
     p.set_defaults(func=cmd_hosts)
+
+    p = sub.add_parser("warm-cache", parents=[common],
+                       help="fill the site's shared compile cache once (one node): every later job starts from it")
+    p.add_argument("--site", required=True, help="the site whose compile_cache to fill (aurora, or a YAML file)")
+    p.add_argument("--experiment", nargs="*", default=[], help="registry runs (default: every paper-scale run)")
+    p.add_argument("--steps", type=int, default=2, help="rehearsed steps of each run (the kernels' shapes)")
+    p.set_defaults(func=cmd_warm_cache)
 
     p = sub.add_parser("presets", parents=[common], help="the table of model presets")
     p.add_argument("--seq-len", type=int, default=None)

@@ -440,6 +440,15 @@ def cmd_hosts(args) -> Summary:
     return Summary(f"{args.out}: {len(hosts)} host(s)", {"hostfile": str(args.out), "hosts": hosts})
 
 
+def cmd_warm_cache(args) -> Summary:
+    from workflow.launch import warm_cache_on_site
+
+    if args.steps < 1:
+        raise ConfigError(f"--steps = {args.steps}: must be >= 1")
+    done = warm_cache_on_site(vars(args))
+    return _site_summary(done, args, f"compile cache of site {args.site} filled")
+
+
 def cmd_presets(args) -> Summary:
     from optimus_core import presets
 

@@ -232,6 +232,44 @@ def _run_on_site(site: SiteConfig, job: JobPlan, subcommand: str, forwarded: dic
     return done
 
 
+def warm_cache_on_site(options: dict[str, Any]) -> Submitted:
+    """`optimus warm-cache --site NAME`: the site's compile cache (``site.compile_cache``) filled
+    once, by one process on one node of the site: `optimus rehearse` of every paper run given
+    (default: all) on the site's device, compiling and autotuning each kernel on the runs' own
+    shapes into the shared cache (optimus_core.compile_cache, OPTIMUS_COMPILE_CACHE_FILL=1), for
+    every later job to start from. The cache directory is checked writable here, before
+    anything is submitted."""
+    import dataclasses
+
+    from optimus_core.compile_cache import FILL
+    from workflow.plan import plan
+    from workflow.sites import load_site
+
+    site = load_site(options["site"])
+    if not site.compile_cache:
+        raise ConfigError(f"site {site.name}: compile_cache = '': no shared compile cache to fill; set "
+                          f"site.compile_cache to a directory every job can read")
+    from optimus_core.compile_cache import _writable
+
+    _writable(Path(site.compile_cache), "site.compile_cache")
+    job = plan(None, site, ranks=site.tiles_per_node if site.kind == "pbspro" else 1)
+    # one process on the head node's first tile: no mpiexec, no hostfile
+    job = dataclasses.replace(job, mpiexec="", gpu_affinity="", env={**job.env, FILL: "1"})
+    argv = [*shlex.split(site.optimus), "rehearse", "--no-save", "--steps", str(options.get("steps") or 2),
+            "--site", str(Path(options["site"]).resolve()) if Path(options["site"]).suffix in (".yaml", ".yml")
+            else options["site"]]
+    argv += ["--device", site.device] if site.device != "auto" else []
+    argv += ["--experiment", *options["experiment"]] if options.get("experiment") else []
+    name = "warm-cache"
+    _log.info(f"warm-cache on site {site.name}: 1 node, queue {job.queue or '-'}, walltime {job.walltime}: "
+              f"{shlex.join(argv)}")
+    done = launch_chain(site, job, shlex.join(argv), Path(site.run_dir).resolve() / name, name, log=_log.info)
+    if done.returncode != 0:
+        raise LaunchError(f"{name}: the job on site {site.name} failed (exit {done.returncode}); "
+                          f"stderr {done.stderr}:\n{done.tail()}")
+    return done
+
+
 def evaluate_on_site(options: dict[str, Any]) -> Submitted:
     """`optimus evaluate --launcher parsl --site NAME ...`: the held-out evaluation of a run as a
     compute job, on the model sharded as it was trained (stages/evaluate.py), so that a model no

@@ -29,9 +29,11 @@ from workflow.sites import SiteConfig
 
 
 def worker_init(site: SiteConfig, job: JobPlan) -> str:
-    """The job script's preamble: module loads / venv, then the environment exports."""
+    """The job script's preamble: module loads / venv, the environment exports, then the lines of
+    the job's size (site.at_scale: Copper's start, whose paths the exports may name)."""
     lines = list(site.worker_init)
     lines += [f"export {k}={shlex.quote(v)}" for k, v in job.env.items()]
+    lines += job.init
     return "\n".join(lines)
 
 

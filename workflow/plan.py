@@ -38,12 +38,13 @@ plan table say which one each job used.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from optimus_core.compile_cache import NODE_LOCAL, SHARED as COMPILE_CACHE
 from optimus_core.config import ConfigError
 from workflow.experiments import NOT_RUNNABLE
-from workflow.sites import ACCOUNT_ENV, SiteConfig, job_env
+from workflow.sites import ACCOUNT_ENV, SiteConfig, at_scale
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class JobPlan:
     checkpointing: str = ""  # train.activation_checkpointing as resolved for the job
     spare_nodes: int = 0  # held beyond ``nodes`` (site.spare_nodes): a host named faulty is left out of the next job
     master_addr: str = ""  # site.master_addr: MASTER_ADDR from the hostfile's first host ({host})
+    init: list[str] = field(default_factory=list)  # worker_init lines of this job's size (site.at_scale)
 
     @property
     def launcher(self) -> str:
@@ -208,9 +210,12 @@ def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
     mpiexec = site.mpiexec.format(ranks=ranks, nodes=nodes, ppn=ppn, cpu_bind=site.cpu_bind,
                                   hostfile=f'"${HOSTFILE_VARIABLE}"').strip()
     affinity = site.gpu_affinity.wrapper() if site.gpu_affinity is not None else ""
+    env, init = at_scale(site, nodes)
+    if site.compile_cache:  # every rank starts from the warm cache (optimus_core.compile_cache)
+        env.update({COMPILE_CACHE: site.compile_cache, NODE_LOCAL: site.node_local})
     return JobPlan(site.name, ranks, nodes, ppn, queue, account, walltime_h, "\n".join(sched), select, mpiexec,
-                   job_env(site, nodes), est, jobs, source, affinity, memory_gib, budget_gib, _label(checkpointing),
-                   site.spare_nodes if site.kind == "pbspro" else 0, site.master_addr)
+                   env, est, jobs, source, affinity, memory_gib, budget_gib, _label(checkpointing),
+                   site.spare_nodes if site.kind == "pbspro" else 0, site.master_addr, init)
 
 
 def _label(checkpointing: tuple[str, int] | None) -> str:

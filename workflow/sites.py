@@ -212,27 +212,34 @@ class CpuExecutor:
 
 
 @dataclass(frozen=True)
-class ScaleEnv:
-    """Environment a job exports only from ``min_nodes`` nodes up (oneCCL's settings for scale,
-    which ALCF prescribes for large jobs only); ``why`` says whose prescription it is."""
+class AtScale:
+    """Settings a job takes only from ``min_nodes`` nodes up: ``env`` exported and ``init`` lines
+    run after the site's worker_init (oneCCL's settings for scale and Copper's imports, which
+    ALCF prescribes for large jobs only); ``why`` says whose prescription it is."""
 
     min_nodes: int
-    env: dict[str, str]
+    env: dict[str, str] = field(default_factory=dict)
+    init: list[str] = field(default_factory=list)
     why: str = ""
 
     @classmethod
-    def from_dict(cls, i: int, data: Any) -> "ScaleEnv":
-        where = f"site.scale_env[{i}]"
-        if isinstance(data, ScaleEnv):
+    def from_dict(cls, i: int, data: Any) -> "AtScale":
+        where = f"site.at_scale[{i}]"
+        if isinstance(data, AtScale):
             return data
-        if not isinstance(data, dict) or not {"min_nodes", "env"} <= set(data) or set(data) - {"min_nodes", "env", "why"}:
-            raise ConfigError(f"{where} = {data!r}: needs min_nodes and env (a mapping), and may have why")
+        known = {"min_nodes", "env", "init", "why"}
+        if not isinstance(data, dict) or "min_nodes" not in data or set(data) - known:
+            raise ConfigError(f"{where} = {data!r}: needs min_nodes, and may have env (a mapping), init (a list of "
+                              f"shell lines) and why")
         _check_type(f"{where}.min_nodes", data["min_nodes"], int, "must be an integer >= 1")
         if data["min_nodes"] < 1:
             raise ConfigError(f"{where}.min_nodes = {data['min_nodes']}: must be >= 1")
-        if not isinstance(data["env"], dict) or not all(_ENV_NAME.fullmatch(str(k)) for k in data["env"]):
-            raise ConfigError(f"{where}.env = {data['env']!r}: must map environment variable names to values")
-        return cls(data["min_nodes"], {str(k): str(v) for k, v in data["env"].items()}, str(data.get("why", "")))
+        env, init = data.get("env") or {}, data.get("init") or []
+        if not isinstance(env, dict) or not all(_ENV_NAME.fullmatch(str(k)) for k in env):
+            raise ConfigError(f"{where}.env = {env!r}: must map environment variable names to values")
+        if not isinstance(init, list) or not all(isinstance(line, str) for line in init):
+            raise ConfigError(f"{where}.init = {init!r}: must be a list of shell lines")
+        return cls(data["min_nodes"], {str(k): str(v) for k, v in env.items()}, list(init), str(data.get("why", "")))
 
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -261,10 +268,12 @@ class SiteConfig:
     scheduler_options: list[str] = field(default_factory=list)  # further `#PBS` lines
     worker_init: list[str] = field(default_factory=list)  # module loads, venv activation
     env: dict[str, str] = field(default_factory=dict)  # exported in the job (oneCCL / xccl, ...)
-    scale_env: list[ScaleEnv] = field(default_factory=list)  # exported too in jobs of at least min_nodes nodes
+    at_scale: list[AtScale] = field(default_factory=list)  # env and init lines of jobs of at least min_nodes nodes
     mpiexec: str = ""  # template: {ranks} {nodes} {ppn} {cpu_bind} {hostfile}; empty = no MPI launcher
     spare_nodes: int = 0  # nodes a job holds beyond its run's: a host a run names faulty is left out of the next job
     master_addr: str = ""  # with a {hostfile}: MASTER_ADDR from its first host, {host} its short name ("" = not set)
+    compile_cache: str = ""  # shared Triton / Inductor caches, filled by `optimus warm-cache` ("" = each rank its own)
+    node_local: str = "/tmp"  # each node's own storage, where a job's ranks copy the compile cache
     cpu_bind: str = ""  # "list:A:B:...": local rank i runs on the i-th core set (one per rank of a node)
     gpu_affinity: Optional[GpuAffinity] = None  # which GPU (tile) each rank sees; None = all of them
     cpu_executor: CpuExecutor = field(default_factory=CpuExecutor)  # CPU fan-out (tokenization)
@@ -336,13 +345,15 @@ class SiteConfig:
                                "with a {hostfile} placeholder")
 
 
-def job_env(site: "SiteConfig", nodes: int) -> dict[str, str]:
-    """What a job of ``nodes`` nodes exports: the site's env, then each scale_env it is large enough for."""
-    env = dict(site.env)
-    for entry in site.scale_env:
+def at_scale(site: "SiteConfig", nodes: int) -> tuple[dict[str, str], list[str]]:
+    """(env, init lines) of a job of ``nodes`` nodes: the site's env, then every at_scale entry's
+    the job is large enough for (later entries win), and those entries' init lines in order."""
+    env, init = dict(site.env), []
+    for entry in site.at_scale:
         if nodes >= entry.min_nodes:
             env.update(entry.env)
-    return env
+            init += entry.init
+    return env, init
 
 
 def site_from_dict(data: dict[str, Any], **overrides: Any) -> SiteConfig:
@@ -367,10 +378,10 @@ def site_from_dict(data: dict[str, Any], **overrides: Any) -> SiteConfig:
     if not data.get("account"):
         data["account"] = os.environ.get(ACCOUNT_ENV, "")
     data["env"] = {str(k): str(v) for k, v in (data.get("env") or {}).items()}
-    scale = data.get("scale_env") or []
+    scale = data.get("at_scale") or []
     if not isinstance(scale, list):
-        raise ConfigError(f"site.scale_env = {scale!r}: must be a list of {{min_nodes, env, why}}")
-    data["scale_env"] = [ScaleEnv.from_dict(i, entry) for i, entry in enumerate(scale)]
+        raise ConfigError(f"site.at_scale = {scale!r}: must be a list of {{min_nodes, env, init, why}}")
+    data["at_scale"] = [AtScale.from_dict(i, entry) for i, entry in enumerate(scale)]
     affinity = data.get("gpu_affinity")
     if isinstance(affinity, dict):
         try:

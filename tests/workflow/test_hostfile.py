@@ -79,3 +79,42 @@ def test_spare_nodes_are_asked_for_charged_and_checked(monkeypatch):
                         mpiexec="mpiexec -n {ranks} --ppn {ppn} --cpu-bind {cpu_bind}")
     with pytest.raises(ConfigError, match="spare_nodes = -1: must be >= 0"):
         sites.load_site("aurora", account="A", spare_nodes=-1)
+
+
+def test_warm_cache_is_one_process_on_one_node_filling_the_sites_cache(tmp_path, monkeypatch):
+    """`optimus warm-cache`: a one-node job of the site whose command is `optimus rehearse` of the
+    paper runs (no mpiexec, no hostfile), with the fill flag, after the cache is checked writable;
+    every other job of the site carries the cache's place."""
+    from workflow import launch
+    from workflow.cli import main
+
+    seen = {}
+
+    def fake_submit(site, job, command, run_dir, name):
+        seen.update(job=job, command=command, name=name)
+        (tmp_path / "o").write_text("done\n")
+        return launch.Submitted(0, tmp_path / "o", tmp_path / "e", 0.0)
+
+    monkeypatch.setattr(launch, "submit", fake_submit)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv(sites.ACCOUNT_ENV, "P")
+    site = tmp_path / "site.yaml"
+    import yaml
+    block = yaml.safe_load((Path(__file__).resolve().parents[2] / "workflow/config/aurora.yaml").read_text())["site"]
+    block.update(compile_cache=str(tmp_path / "cache"), run_dir=str(tmp_path / "parsl"),
+                 slots_dir=str(tmp_path / "slots"))
+    site.write_text(yaml.safe_dump({"site": block}))
+    assert main(["warm-cache", "--site", str(site), "--experiment", "pretrain-mula-1b", "--steps", "3"]) == 0
+    job = seen["job"]
+    assert job.nodes == 1 and job.mpiexec == "" and job.env["OPTIMUS_COMPILE_CACHE_FILL"] == "1"
+    assert job.env["OPTIMUS_COMPILE_CACHE"] == str(tmp_path / "cache") and (tmp_path / "cache").is_dir()
+    assert seen["command"] == (f"optimus rehearse --no-save --steps 3 --site {site} --device xpu "
+                               "--experiment pretrain-mula-1b")
+    big = plan(None, sites.load_site(str(site)), ranks=12 * 256)
+    assert big.env["OPTIMUS_COMPILE_CACHE"] == str(tmp_path / "cache") and "OPTIMUS_COMPILE_CACHE_FILL" not in big.env
+    # a cache no job can write: one line, nothing submitted
+    (tmp_path / "flat").write_text("x")
+    block["compile_cache"] = str(tmp_path / "flat" / "cache")
+    site.write_text(yaml.safe_dump({"site": block}))
+    seen.clear()
+    assert main(["warm-cache", "--site", str(site)]) == 2 and not seen

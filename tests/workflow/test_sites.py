@@ -264,7 +264,9 @@ def test_paper_dry_run_lists_every_job_and_the_node_hour_total(tmp_path):
     assert out.returncode == 0, text[-3000:]
     counts = {"corpus": 1, "tokenize": 1, "pretrain": 22, "evaluate": 5, "figure": 10, "report": 1,
               "ingest_bench": 5, "perfmodel": 1, "reference": 1, "paper_plan": 1, "window_order": 1,
-              "total": 50}  # no CPU scaling sweep at paper scale; one window order: every run's is 2048 / 42
+              "compile_cache": 1, "total": 51}
+    # no CPU scaling sweep at paper scale; one window order: every run's is 2048 / 42; one
+    # warm-up job fills the compile cache before the training jobs
     for rule, count in counts.items():
         assert any(line.split() == [rule, str(count)] for line in text.splitlines()), rule
     for exp in dag("paper"):
@@ -279,6 +281,7 @@ def test_paper_dry_run_lists_every_job_and_the_node_hour_total(tmp_path):
     assert f"TOTAL 22 jobs, {total} node-hours (performance model on machine aurora for 22 jobs)" in text
     assert "--launcher parsl --site aurora" in text
     assert "optimus window-order --data" in text and "--seq-len 2048 --seed 42" in text
+    assert "optimus warm-cache --site aurora" in text
     # each evaluation is a compute job of the site too (the model sharded as trained), in bf16
     assert re.search(r"optimus evaluate --run \S+ .*--dtype bfloat16 .*--launcher parsl --site aurora", text)
     # tokenization fans out through the site's CPU executor, its shards kept beside the tokens

@@ -22,6 +22,10 @@ ABLATION_RUNS = [run for run, e in PRETRAIN_RUNS.items() if e.kind == "ablation"
 WINDOW_ORDERS = sorted({(c.data.seq_len, c.data.seed) for c in (e.scale(SCALE).run_config() for e in dag(SCALE))
                         if c.data.order == "file_windows"}) if config.get("window_order_files") else []
 WINDOW_ORDER_MARKERS = [f"{RES}/data/window-order-s{s}-seed{seed}.done" for s, seed in WINDOW_ORDERS]
+# The site's shared compile cache (site.compile_cache), filled once by a one-node warm-up job
+# before the training jobs, each of which starts from a copy of it on its nodes (data.smk)
+COMPILE_CACHE_MARKERS = ([f"{RES}/compile-cache.done"]
+                         if config.get("launcher") == "parsl" and (config.get("site") or {}).get("compile_cache") else [])
 # The paper's scale-up runs (evaluated with `scaleup_eval` where the config sets it), and the runs
 # scaleup.png draws: the MoE pretraining runs, the scale-up runs and their reference.
 SCALEUP_RUNS = [e.run_id(SCALE) for e in scaleup() if e.run_id(SCALE) in PRETRAIN_RUNS]

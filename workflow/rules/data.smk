@@ -44,3 +44,17 @@ rule window_order:
     shell:
         "optimus window-order --data {input} --seq-len {wildcards.seq_len} --seed {wildcards.seed}"
         " > {output}.tmp 2> {log} && mv {output}.tmp {output}"
+
+
+# The site's compile cache, filled once by one process on one node (`optimus warm-cache`: every
+# paper run rehearsed on one tile, its kernels compiled and autotuned on the runs' own shapes),
+# before the training jobs (COMPILE_CACHE_MARKERS in common.smk), so that none of their ranks
+# compiles or autotunes what this job did.
+rule compile_cache:
+    output:
+        f"{RES}/compile-cache.done",
+    log:
+        f"{RES}/logs/compile-cache.log",
+    shell:
+        "optimus warm-cache --site " + (config.get("site") or {}).get("name", "aurora")
+        + " > {output}.tmp 2> {log} && mv {output}.tmp {output}"

@@ -9,6 +9,7 @@ rule pretrain:
     input:
         data=TOKENS,
         orders=WINDOW_ORDER_MARKERS,
+        compile_cache=COMPILE_CACHE_MARKERS,
     output:
         f"{RES}/runs/{{run}}/summary.json",
     params:
