@@ -382,6 +382,12 @@ class TrainConfig(Validated):
     # bytes) every N steps, all kept, for the evaluation curves of a long run (the paper's "cold"
     # checkpoints, in run_dir/model_checkpoints/); 0: none
     model_checkpoint_every: int = 0
+    # Ranks write a checkpoint in this many waves, by data-parallel replica (replica d in wave
+    # d mod W; a replica's ranks, one node's under the paper's rank order, together), each wave
+    # after the one before: at most 1/W of the replicas write at once (each manifest records its
+    # window; checkpoint.concurrent_writers). 1: every rank at once. What a replicated part is
+    # written once, by one replica, DCP already spreads over the replicas.
+    checkpoint_write_waves: int = 1
     # Write checkpoints in the background from a CPU copy (training goes on meanwhile); the
     # newest is published (its step directory appears) when the next one starts or the run ends.
     async_checkpoint: bool = False
@@ -417,6 +423,7 @@ class TrainConfig(Validated):
         self._require(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
         self._require(self.keep_every >= 0, "keep_every", "must be >= 0 (0 = keep only the newest)")
         self._require(self.model_checkpoint_every >= 0, "model_checkpoint_every", "must be >= 0 (0 = none)")
+        self._require(self.checkpoint_write_waves >= 1, "checkpoint_write_waves", "must be >= 1 (1: all at once)")
         self._require(self.loss_spike_factor is None or self.loss_spike_factor > 1, "loss_spike_factor",
                       "must be null or > 1")
         self._require(self.max_bad_steps >= 1, "max_bad_steps", "must be >= 1")

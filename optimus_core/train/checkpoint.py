@@ -444,19 +444,65 @@ def checkpoint_group(mesh, timeout=None):
     return mesh._checkpoint_group
 
 
-def write_rank_manifest(tmp: Path, rank: int, save_id: str, step: int) -> None:
-    """This rank's manifest: the sha256 of the files it wrote (DCP names them ``__<rank>_<n>``)."""
+def write_rank_manifest(tmp: Path, rank: int, save_id: str, step: int, written: dict | None = None) -> None:
+    """This rank's manifest: the sha256 of the files it wrote (DCP names them ``__<rank>_<n>``),
+    and ``written``: when it wrote them (WaveWriter.written: its wave, the wall-clock window)."""
     files = _sha256_files(sorted(tmp.glob(f"__{rank}_*.distcp")))
     (tmp / MANIFESTS).mkdir(exist_ok=True)
     atomic_write(tmp / manifest_name(rank), json.dumps({"save_id": save_id, "step": step, "rank": rank,
-                                                        "files": files}, indent=1, sort_keys=True))
+                                                        "files": files, **(written or {})}, indent=1, sort_keys=True))
+
+
+def _wave_writer(path: Path, threads: int, wave: tuple[int, int], process_group, distributed: bool):
+    """DCP's file writer, its writes in waves: rank r writes in wave ``wave[0]`` of ``wave[1]``,
+    each wave after the one before has finished (a barrier over ``process_group`` between waves;
+    every rank passes them all). ``written``: this rank's wave and wall-clock write window."""
+    import time
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.futures import Future
+
+    class WaveWriter(dcp.FileSystemWriter):
+        written: dict = {}
+
+        def write_data(self, plan, planner):
+            mine, waves = wave
+            results = None
+            for w in range(waves):
+                if w == mine:
+                    start = time.time()
+                    results = super().write_data(plan, planner).wait()
+                    self.written = {"wave": mine, "waves": waves, "write_window": [start, time.time()]}
+                if distributed and waves > 1:
+                    dist.barrier(group=process_group)
+            done = Future()
+            done.set_result(results)
+            return done
+
+    return WaveWriter(path, thread_count=threads)
+
+
+def concurrent_writers(path: Path) -> int:
+    """The most ranks that wrote a checkpoint's files at once, from its manifests' write windows
+    (0 where none records one)."""
+    events = []
+    for manifest in sorted((Path(path) / MANIFESTS).glob("rank_*.json")):
+        window = json.loads(manifest.read_text()).get("write_window")
+        if window:
+            events += [(window[0], 1), (window[1], -1)]
+    peak = now = 0
+    for _, change in sorted(events, key=lambda e: (e[0], e[1])):  # an end before a start at the same instant
+        now += change
+        peak = max(peak, now)
+    return peak
 
 
 def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, meta: dict, rank: int = 0,
                     distributed: bool = False, keep: int = 2, keep_every: int = 0, process_group=None,
                     asynchronous: bool = False, all_max: Callable[[list[float]], list[float]] | None = None,
                     staging: HostStaging | None = None, threads: int | None = None,
-                    kind: str = FULL) -> Path | None | PendingSave:
+                    kind: str = FULL, wave: tuple[int, int] = (0, 1)) -> Path | None | PendingSave:
     """Write checkpoint ``step`` (collective when ``distributed``: every rank calls it, with
     ``all_max`` as for ``latest_valid``, e.g. ``Mesh.all_max``). Every rank writes its part of
     ``tensors`` (``training_tensors``) into one step directory and its manifest; once every
@@ -471,9 +517,9 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, met
     the next save with the same ``staging``. A rank that fails to write stops every rank (with
     its error there, a RuntimeError naming the step elsewhere) and nothing is published.
     ``kind``: FULL (pruned to ``keep`` and ``keep_every``) or MODEL_ONLY (``tensors`` the model's
-    alone, ``model_tensors``; every one kept)."""
+    alone, ``model_tensors``; every one kept). ``wave`` = (w, W): this rank writes its files in
+    wave w of W, after the waves before it (``_wave_writer``; its manifest records when)."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
     if distributed and all_max is None:
         raise ValueError("save_checkpoint(distributed=True) needs all_max (say, Mesh.all_max)")
@@ -495,7 +541,7 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, met
     def write_manifest() -> BaseException | None:
         """This rank's manifest; its failure is returned, for ``publish`` to stop every rank."""
         try:
-            write_rank_manifest(tmp, rank, save_id, step)
+            write_rank_manifest(tmp, rank, save_id, step, writer.written)
         except OSError as e:
             return e
         return None
@@ -520,7 +566,7 @@ def save_checkpoint(run_dir: Path, step: int, *, tensors: dict, state: dict, met
         return final
 
     threads = threads or max(1, min(WRITE_THREADS, bytes_to_write(tensors) // BYTES_PER_FILE))
-    writer = dcp.FileSystemWriter(tmp, thread_count=threads)
+    writer = _wave_writer(tmp, threads, wave, process_group, distributed)
     try:
         if asynchronous or staging is not None:
             tensors = (staging or HostStaging()).stage(tensors, snapshot=asynchronous)

@@ -302,7 +302,8 @@ class Trainer:
         path = ckpt.save_checkpoint(self.run_dir, self.step, state=state, meta=meta, rank=self.mesh.rank,
                                     tensors=tensors, all_max=self.mesh.all_max, staging=self._staging,
                                     distributed=self.mesh.distributed, process_group=group, asynchronous=background,
-                                    keep=self.cfg.train.keep_checkpoints, keep_every=self.cfg.train.keep_every)
+                                    keep=self.cfg.train.keep_checkpoints, keep_every=self.cfg.train.keep_every,
+                                    wave=self._write_wave())
         if isinstance(path, ckpt.PendingSave):
             self._pending_save = path
             return None
@@ -335,7 +336,13 @@ class Trainer:
                     "uid": self.uid, "model_only": True}
             return ckpt.save_checkpoint(self.run_dir, self.step, tensors=tensors, state={}, meta=meta,
                                         rank=self.mesh.rank, distributed=self.mesh.distributed,
-                                        all_max=self.mesh.all_max, kind=ckpt.MODEL_ONLY)
+                                        all_max=self.mesh.all_max, kind=ckpt.MODEL_ONLY, wave=self._write_wave())
+
+    def _write_wave(self) -> tuple[int, int]:
+        """(this rank's wave, waves) of a checkpoint write: by data-parallel replica (rank order
+        DP, PP, EP: a replica is the pp x ep ranks of a block), train.checkpoint_write_waves."""
+        waves = min(self.cfg.train.checkpoint_write_waves, self.mesh.world_size // (self.mesh.pp * self.mesh.ep))
+        return (self.mesh.rank // (self.mesh.pp * self.mesh.ep)) % waves, waves
 
     def publish_checkpoint(self) -> Path | None:
         """Finish a background checkpoint write, if one is under way (every rank calls it)."""
