@@ -28,20 +28,24 @@ import tempfile
 from pathlib import Path
 from typing import Iterator, Union
 
-__all__ = ["atomic_write", "atomic_open", "atomic_dir", "fsync_dir", "sweep_dead_builds", "NOT_WRITABLE"]
+__all__ = ["atomic_write", "atomic_open", "atomic_dir", "fsync_dir", "sweep_dead_builds", "NOT_WRITABLE", "NO_SPACE"]
 
 NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)  # a write refused: permission, read-only file system
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a write that ran out of room: the disk's or the quota's
 
 
 @contextlib.contextmanager
 def _naming(path: Path, tmp: Union[str, Path, None] = None) -> Iterator[None]:
     """A write refused (NOT_WRITABLE) inside the block names ``path``: a temporary sibling of it
     (``.<name>.tmp-*`` / ``.<name>.old-*``) is ``path`` itself, a file inside ``tmp`` (the
-    directory being built) is the same file under ``path``. Other errors pass as they are."""
+    directory being built) is the same file under ``path``; so is a write out of room (NO_SPACE),
+    and one that names no file names ``path``. Other errors pass as they are."""
     try:
         yield
     except OSError as e:
-        if e.errno not in NOT_WRITABLE or e.filename is None:
+        if e.errno in NO_SPACE and e.filename is None:  # a plain write() says no path: the output's
+            raise type(e)(e.errno, e.strerror, os.fspath(path)) from e
+        if e.errno not in NOT_WRITABLE + NO_SPACE or e.filename is None:
             raise
         name = os.fspath(e.filename)
         if tmp is not None and (name == os.fspath(tmp) or name.startswith(os.fspath(tmp) + os.sep)):

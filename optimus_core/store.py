@@ -59,6 +59,7 @@ import json
 import os
 import socket
 import time
+import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -83,8 +84,30 @@ class StoreKeyError(KeyError):
         return str(self.args[0])
 
 
-def open_store(path: str | os.PathLike, mode: str = "a") -> "ResultsStore":
-    """Open the results store at ``path``: mode "a" creates it if missing, "r" never writes."""
+class StoreDamagedError(ValueError):
+    """A run group, table or column of the store cannot be read (metadata lost or not valid, a
+    chunk that does not decode): the message names it and what to do. Never read as absent."""
+
+
+def _group_damage(path: Path) -> str | None:
+    """Why the group directory ``path`` cannot be read as a zarr group, or None."""
+    meta = path / "zarr.json"
+    if not meta.is_file():
+        return "its zarr.json is missing"
+    try:
+        doc = json.loads(meta.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"its zarr.json is not valid JSON ({e})"
+    if not isinstance(doc, dict) or doc.get("node_type") not in ("group", "array"):
+        return "its zarr.json is not a zarr node's"
+    return None
+
+
+def open_store(path: str | os.PathLike, mode: str = "a", skip_damaged: bool = False) -> "ResultsStore":
+    """Open the results store at ``path``: mode "a" creates it if missing, "r" never writes.
+    A damaged run (a group, table or column whose metadata is lost or broken) stops every read
+    of the run table with StoreDamagedError naming it; ``skip_damaged`` reads the others and
+    warns, naming each run left out."""
     path = Path(path)
     if mode not in ("r", "a"):
         raise ValueError(f"mode = {mode!r}: must be 'r' (read) or 'a' (read and write)")
@@ -111,15 +134,49 @@ def open_store(path: str | os.PathLike, mode: str = "a") -> "ResultsStore":
         # other's between its check and its write raises ContainsGroupError: also done.
         with contextlib.suppress(zarr.errors.ContainsGroupError):
             zarr.open_group(str(path), mode="a")
-    return ResultsStore(path, mode)
+    return ResultsStore(path, mode, skip_damaged)
 
 
 class ResultsStore:
     """Read access to every run, and ``run_writer`` to add one. Build with ``open_store``."""
 
-    def __init__(self, path: Path, mode: str):
+    def __init__(self, path: Path, mode: str, skip_damaged: bool = False):
         self.path = path
         self.mode = mode
+        self.skip_damaged = skip_damaged
+
+    def damaged(self) -> dict[str, str]:
+        """The store's parts that cannot be read, by path within it (a run, ``run/table`` or
+        ``run/table/column``) -> why; {} for a healthy store. Metadata only: no chunk is read."""
+        found = {}
+        for run in sorted(p for p in self.path.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            why = _group_damage(run)
+            if why:
+                found[run.name] = why
+                continue
+            for table in sorted(p for p in run.iterdir() if p.is_dir() and not p.name.startswith(".")):
+                why = _group_damage(table)
+                if why:
+                    found[f"{run.name}/{table.name}"] = why
+                    continue
+                for column in sorted(p for p in table.iterdir() if p.is_dir() and not p.name.startswith(".")):
+                    if not (column / "zarr.json").is_file():  # (a column's JSON is parsed when it is read)
+                        found[f"{run.name}/{table.name}/{column.name}"] = "its zarr.json is missing"
+        return found
+
+    def _damaged_runs(self) -> set[str]:
+        """The runs with a damaged part: StoreDamagedError naming them, or (skip_damaged) a
+        warning naming those left out, and their ids."""
+        damaged = self.damaged()
+        if not damaged:
+            return set()
+        parts = "; ".join(f"{self.path / name}: {why}" for name, why in damaged.items())
+        runs = sorted({name.split("/")[0] for name in damaged})
+        if not self.skip_damaged:
+            raise StoreDamagedError(f"{parts}: the store's run(s) {', '.join(runs)} cannot be read whole; move "
+                                    f"them out of the store, or pass --skip-damaged to read the others")
+        warnings.warn(f"left out damaged run(s) {', '.join(runs)} ({parts})", stacklevel=3)
+        return set(runs)
 
     def __repr__(self) -> str:
         return f"ResultsStore({str(self.path)!r}, mode={self.mode!r})"
@@ -131,6 +188,9 @@ class ResultsStore:
 
     def _run(self, run_id: str) -> zarr.Group:
         root = self._root()
+        if (self.path / run_id).is_dir() and _group_damage(self.path / run_id):
+            raise StoreDamagedError(f"{self.path / run_id}: {_group_damage(self.path / run_id)}: run {run_id!r} "
+                                    f"cannot be read; move it out of the store")
         if run_id not in root or not isinstance(root[run_id], zarr.Group):
             known = ", ".join(sorted(root.group_keys())) or "none"
             raise StoreKeyError(f"no run {run_id!r} in {self.path}; known runs: {known}")
@@ -138,6 +198,10 @@ class ResultsStore:
 
     def _table(self, run_id: str, table: str) -> zarr.Group:
         run = self._run(run_id)
+        where = self.path / run_id / table
+        if where.is_dir() and _group_damage(where):
+            raise StoreDamagedError(f"{where}: {_group_damage(where)}: table {table!r} of run {run_id!r} cannot "
+                                    f"be read; move the run out of the store")
         if table not in run or not isinstance(run[table], zarr.Group):
             known = ", ".join(sorted(run.group_keys())) or "none"
             raise StoreKeyError(f"run {run_id!r} has no table {table!r}; its tables: {known}")
@@ -146,8 +210,12 @@ class ResultsStore:
     def runs(self) -> pd.DataFrame:
         """One row per run, sorted by creation: the RUN_COLUMNS, then every flat scalar attr."""
         rows = []
+        skipped = self._damaged_runs()
         root = self._root()
-        for run_id in root.group_keys():
+        with warnings.catch_warnings():  # zarr's word for a damaged group: _damaged_runs said it
+            warnings.filterwarnings("ignore", message=".*not recognized as a component")
+            run_ids = [run_id for run_id in root.group_keys() if run_id not in skipped]
+        for run_id in run_ids:
             attrs = root[run_id].attrs.asdict()
             rows.append({k: v for k, v in attrs.items()
                          if v is None or isinstance(v, (str, int, float, bool))})
@@ -194,10 +262,27 @@ class ResultsStore:
         n = group.attrs["n_rows"]
         data = {}
         for name in group.attrs["columns"]:
-            arr = group[name]
+            arr = self._column(group, run_id, table, name)
             if arr.ndim == 1:
-                data[name] = _decode(arr[:n], arr.attrs.get("kind"))
+                data[name] = _decode(self._read(arr, n, run_id, table, name), arr.attrs.get("kind"))
         return pd.DataFrame(data)
+
+    def _column(self, group: zarr.Group, run_id: str, table: str, name: str):
+        try:
+            return group[name]
+        except (KeyError, ValueError, OSError) as e:
+            raise StoreDamagedError(f"{self.path / run_id / table / name}: column {name!r} of {run_id}/{table} "
+                                    f"cannot be opened ({type(e).__name__}: {e}); move the run out of the "
+                                    f"store") from None
+
+    def _read(self, arr, n: int, run_id: str, table: str, name: str) -> np.ndarray:
+        """``arr[:n]``; a chunk that does not decode is a StoreDamagedError naming the column."""
+        try:
+            return arr[:n]
+        except Exception as e:  # noqa: BLE001  (any codec's error: the bytes on disk are damaged)
+            raise StoreDamagedError(f"{self.path / run_id / table / name}: column {name!r} of {run_id}/{table} "
+                                    f"does not decode ({type(e).__name__}: {e}); move the run out of the "
+                                    f"store") from None
 
     def array(self, run_id: str, table: str, column: str) -> np.ndarray:
         """One column as a numpy array of shape (rows, ...), missing rows as NaN."""
@@ -206,8 +291,8 @@ class ResultsStore:
         if column not in columns:
             raise StoreKeyError(f"table {run_id}/{table} has no column {column!r}; "
                                 f"its columns: {', '.join(columns) or 'none'}")
-        arr = group[column]
-        return _decode(arr[: group.attrs["n_rows"]], arr.attrs.get("kind"))
+        arr = self._column(group, run_id, table, column)
+        return _decode(self._read(arr, group.attrs["n_rows"], run_id, table, column), arr.attrs.get("kind"))
 
     # ------------------------------------------------------------------ writing
     def run_writer(self, run_id: str, attrs: Optional[Mapping[str, Any]] = None, *,

@@ -97,6 +97,7 @@ class FiguresConfig(Validated):
     smoothing: float = 0.9  # EMA weight of the past for the smoothed training loss; 0 = none
     log_x: bool = False  # tokens on a log axis
     dpi: int = 120
+    skip_damaged: bool = False  # read the store's healthy runs, naming the damaged ones left out
 
     def check(self) -> None:
         self._require(0 <= self.smoothing < 1, "smoothing", "must be in [0, 1)")
@@ -123,7 +124,7 @@ class FiguresResult:
 
 
 def run_figures(config: FiguresConfig, inputs: FiguresInputs, outputs: FiguresOutputs) -> FiguresResult:
-    data = _Data(open_store(inputs.store, mode="r"), config)
+    data = _Data(open_store(inputs.store, mode="r", skip_damaged=config.skip_damaged), config)
     out, store = Path(outputs.out_dir), Path(inputs.store)
     if out.resolve() == store.resolve() or store.resolve() in out.resolve().parents:
         raise FileExistsError(f"figures output {out} is {'the' if out.resolve() == store.resolve() else 'inside the'} "

@@ -49,6 +49,7 @@ class ReportConfig(Validated):
     runs: Optional[tuple[str, ...]] = None  # None: every completed run
     title: str = "Optimus results"
     final_loss_rows: int = 10  # "final train loss" is the mean over this many last rows
+    skip_damaged: bool = False  # read the store's healthy runs, naming the damaged ones left out
 
     def check(self) -> None:
         self._require(self.final_loss_rows >= 1, "final_loss_rows", "must be >= 1")
@@ -72,7 +73,7 @@ class ReportResult:
 
 
 def run_report(config: ReportConfig, inputs: ReportInputs, outputs: ReportOutputs) -> ReportResult:
-    store = open_store(inputs.store, mode="r")
+    store = open_store(inputs.store, mode="r", skip_damaged=config.skip_damaged)
     figures = Path(inputs.figures_dir)
     if not figures.is_dir():  # a figure of it may be missing (a note says so), the directory may not
         raise FileNotFoundError(f"figures directory {figures} {'is a file' if figures.exists() else 'does not exist'}: "

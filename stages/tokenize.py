@@ -24,6 +24,7 @@ names the file and line; with ``skip_bad_records`` it is skipped and counted in 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import heapq
 import itertools
@@ -32,6 +33,7 @@ import multiprocessing
 import os
 import platform
 import shutil
+import signal
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -296,8 +298,13 @@ class _SplitWriter:
             self.n_bytes += n_bytes
             start = end
         flat = itertools.chain.from_iterable((*ids, self.job.eos_id) for _, _, ids in batch)
-        with open(path, "ab") as f:  # opened per batch: nothing stays open if the task fails
-            np.fromiter(flat, dtype=self.dtype).tofile(f)
+        try:
+            with open(path, "ab") as f:  # opened per batch: nothing stays open if the task fails
+                np.fromiter(flat, dtype=self.dtype).tofile(f)
+        except OSError as e:  # numpy's short write carries no errno and no path: a full disk, named
+            if e.filename is not None and e.errno is not None:
+                raise
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (a short write: {e})", str(path)) from None
 
     def close(self, input_sha256: str) -> Optional[TokenFile]:
         """Write the index; the file's manifest entry, or None if no document came."""
@@ -349,6 +356,9 @@ _worker_tokenizer: Optional[Tokenizer] = None  # in a worker process: loaded onc
 
 def _init_worker(tokenizer_path: str) -> None:
     global _worker_tokenizer
+    # Ctrl-C reaches the whole process group: the parent alone stops (and ends the pool), the
+    # workers do not each print a KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # The processes are the parallelism; tokenizers' own threads would only oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_tokenizer = load_tokenizer(tokenizer_path)

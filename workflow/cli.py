@@ -150,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", action="extend", nargs="+", metavar="NAME", default=None,
                    help="draw only these figures (file names such as scaling.png ablation.png)")
+    p.add_argument("--skip-damaged", action="store_true",
+                   help="draw the store's healthy runs, naming the damaged ones left out (default: refuse)")
     p.set_defaults(func=cmd_figures)
 
     p = sub.add_parser("reference", parents=[common], help="a reference model's published downstream scores "
@@ -162,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", type=Path, required=True)
     p.add_argument("--figures", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--skip-damaged", action="store_true",
+                   help="report the store's healthy runs, naming the damaged ones left out (default: refuse)")
     p.set_defaults(func=cmd_report)
 
     p = sub.add_parser("window-order", parents=[common],
@@ -283,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 BROKEN_PIPE_EXIT_CODE = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader closed the pipe
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:  # the scheduler asked us to stop: the launcher reruns, which resumes
         print(f"optimus {args.command}: {e}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C in a command that is not a training run (that one checkpoints)
+        print(f"optimus {args.command}: interrupted (Ctrl-C); nothing unfinished was published: rerun it to "
+              f"start again", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
     except SystemExit as e:  # the status of the ranks or attempts this command launched (they said why)
         if not isinstance(e.code, int):
             raise

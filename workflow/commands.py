@@ -378,6 +378,11 @@ def cmd_evaluate(args) -> Summary | None:
 
 
 def cmd_export_hf(args) -> Summary:
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:  # before anything is read or written
+        raise ValueError("export-hf needs transformers, which is not installed here; install the eval extra: "
+                         "pip install -e '.[eval]'")
     from stages.export import ExportConfig, ExportInputs, ExportOutputs, run_export
 
     check_writable(Path(args.out).parent)  # built beside it, then renamed: before the checkpoint is read
@@ -390,7 +395,7 @@ def cmd_export_hf(args) -> Summary:
 def cmd_figures(args) -> Summary:
     from stages.figures import FiguresConfig, FiguresInputs, FiguresOutputs, run_figures
 
-    config = FiguresConfig(only=tuple(args.only) if args.only else None)
+    config = FiguresConfig(only=tuple(args.only) if args.only else None, skip_damaged=args.skip_damaged)
     check_writable(args.out)  # the directory named, not the first file drawn into it
     result = run_figures(config, FiguresInputs(store=args.store), FiguresOutputs(out_dir=args.out))
     # One figure's path a line (for `xargs`); a file drawn as a note because its data is absent
@@ -414,7 +419,8 @@ def cmd_report(args) -> Summary:
 
     check_file_output(args.out, "--out", "report.md", inputs=[("--store", args.store)],
                       ours=is_report)
-    result = run_report(ReportConfig(), ReportInputs(store=args.store, figures_dir=args.figures),
+    result = run_report(ReportConfig(skip_damaged=args.skip_damaged),
+                        ReportInputs(store=args.store, figures_dir=args.figures),
                         ReportOutputs(report=args.out))
     return Summary(f"{result.report}: {len(result.runs)} run(s)", jsonable(result))
 

@@ -99,7 +99,15 @@ def user_failure(args, e: BaseException) -> tuple[int, str] | None:
 
         if e.errno in NOT_WRITABLE and e.filename is not None:
             return 1, f"{said}error: {not_writable_message(e, args)}"
+        from optimus_core.atomic import NO_SPACE
+
+        if e.errno in NO_SPACE and e.filename is not None:
+            return 1, (f"{said}error: no space left writing {e.filename} ({e.strerror}): free space there, or "
+                       f"give an --out on another file system; nothing unfinished was published")
         return None
+    space = sys.modules.get("optimus_core.train.disk_space")
+    if space is not None and isinstance(e, space.DiskFullError):  # a checkpoint's: its path and bytes
+        return 1, f"{said}error: {e}"
     resilience = sys.modules.get("optimus_core.train.resilience")
     if resilience is not None and isinstance(e, resilience.Diverged):  # training cannot go on: says what to change
         return 1, f"{said}error: {e}"
