@@ -186,7 +186,7 @@ def _run_rank(config: PretrainConfig, inputs: PretrainInputs, outputs: PretrainO
     # Global rank 0 alone takes the run directory's lock, for its whole job, before anything is
     # written; the ranks then agree on whether it did (the collective is also the barrier after
     # which the other ranks may look for checkpoints in run_dir: rank 0 has made it).
-    lock = RunLock(run_dir, config.run_id)
+    lock = RunLock(run_dir, config.run_id, uid=_read_meta(run_dir).get("uid"))  # a resumed run's identity
     failed: BaseException | None = None
     made = lead and not run_dir.exists()  # a run refused before it writes anything leaves no directory behind
     if lead:

@@ -52,6 +52,7 @@ from optimus_core.data.shards import (
     write_index, write_manifest,
 )
 from optimus_core.paths import missing
+from optimus_core.log import configure_logging, get_logger
 from stages.corpus import CORPUS_SUFFIXES, INDEX_NAME, CorpusError, CorpusFile, list_corpus, read_records
 
 __all__ = ["TokenizeConfig", "TokenizeInputs", "TokenizeOutputs", "TokenizeResult", "run_tokenize",
@@ -59,7 +60,12 @@ __all__ = ["TokenizeConfig", "TokenizeInputs", "TokenizeOutputs", "TokenizeResul
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|padding|>"
+_log = get_logger(__name__)
 _BATCH_DOCS = 512  # documents per encode_batch call: amortises the call, bounds memory
+# A document longer than this is encoded in pieces of about this many characters, cut where its
+# tokens do not change (_pieces): the tokenizer's working memory grows with what it encodes at
+# once (a 50 MB document took 9.3 GB whole), not with the document
+_PIECE_CHARS = 1 << 20
 # Train documents per file remembered as candidates for the val guarantee. Only sources far
 # short of val_fraction use them, and those have a few times 1 / val_fraction documents at most.
 _CANDIDATES = 64
@@ -326,15 +332,14 @@ def _tokenize_file(job: _Job, f: CorpusFile, tokenizer: Tokenizer,
     skipped = Counter() if job.skip_bad_records else None
     records, candidates = 0, []  # a max-heap by score (negated) of at most _CANDIDATES
     for batch in _batched(read_records(f, skipped), _BATCH_DOCS):
-        encodings = tokenizer.encode_batch([r.text for r in batch], add_special_tokens=False)
         by_split: dict[str, list] = {s: [] for s in SPLITS}
-        for r, enc in zip(batch, encodings):
+        for r, ids in zip(batch, _encode(tokenizer, batch, f)):
             score = val_score(r.id, job.seed)
             split = "val" if score < job.val_fraction or r.line in force_val else "train"
             if split == "train":
-                entry = (-score, r.line, len(enc.ids) + 1)
+                entry = (-score, r.line, len(ids) + 1)
                 (heapq.heappush if len(candidates) < _CANDIDATES else heapq.heappushpop)(candidates, entry)
-            by_split[split].append((r.id, len(r.text.encode("utf-8")), enc.ids))
+            by_split[split].append((r.id, len(r.text.encode("utf-8")), ids))
         for split, docs in by_split.items():
             if docs:
                 writers[split].add(docs)
@@ -343,6 +348,38 @@ def _tokenize_file(job: _Job, f: CorpusFile, tokenizer: Tokenizer,
     outputs = tuple(t for t in (w.close(sha) for w in writers.values()) if t is not None)
     lowest = tuple(sorted((-neg, line, n) for neg, line, n in candidates))
     return _FileResult(f, sha, records, dict(skipped or {}), outputs, lowest)
+
+
+def _encode(tokenizer: Tokenizer, batch: list, f: CorpusFile) -> list[list[int]]:
+    """The token ids of each record of ``batch``: the short ones in one encode_batch call, each
+    long one (over _PIECE_CHARS) piece by piece (_pieces), said in a log line as it starts."""
+    ids: list = [None] * len(batch)
+    short = [i for i, r in enumerate(batch) if len(r.text) <= _PIECE_CHARS]
+    for i, enc in zip(short, tokenizer.encode_batch([batch[i].text for i in short], add_special_tokens=False)):
+        ids[i] = enc.ids
+    for i in (i for i, r in enumerate(batch) if ids[i] is None):
+        pieces = list(_pieces(batch[i].text))
+        _log.info("%s line %d: a document of %.1f MB, encoded in %d pieces", f.rel, batch[i].line,
+                  len(batch[i].text.encode("utf-8")) / 1e6, len(pieces))
+        ids[i] = [t for piece in pieces for t in tokenizer.encode(piece, add_special_tokens=False).ids]
+    return ids
+
+
+def _pieces(text: str, size: int = _PIECE_CHARS):
+    """``text`` cut into pieces of about ``size`` characters, each ending with a newline that a
+    character other than whitespace follows: there a byte-level BPE's pre-tokenizer splits the
+    whole text too (the newline ends a whitespace run, the next token starts with no space), so
+    the pieces' tokens are the whole text's. A text with no such newline is one piece."""
+    start = 0
+    while len(text) - start > size:
+        cut = start + size
+        while cut < len(text) and not (text[cut - 1] == "\n" and not text[cut].isspace()):
+            cut += 1
+        if cut >= len(text):
+            break
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
 
 
 def _batched(items, n: int):
@@ -359,6 +396,7 @@ def _init_worker(tokenizer_path: str) -> None:
     # Ctrl-C reaches the whole process group: the parent alone stops (and ends the pool), the
     # workers do not each print a KeyboardInterrupt
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logging()  # a worker's lines (a long document's) reach stderr as the parent's do
     # The processes are the parallelism; tokenizers' own threads would only oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_tokenizer = load_tokenizer(tokenizer_path)

@@ -24,7 +24,7 @@ PACKAGES = tuple(SOURCE_ROOTS)
 # The core's layers, lowest first: a module may import its own layer and those before it.
 CORE_LAYERS = [
     {"atomic", "outputs", "paths", "config", "device", "flops", "log", "timing", "provenance", "store", "presets", "tags", "memory",
-     "validation"},
+     "validation", "compile_cache"},
     {"data", "model"},
     {"parallel"},
     {"execution"},  # the plan, applied to the model from outside: above the model and parallel/

@@ -6,7 +6,8 @@
 Contract:
 
 - The lock is ``run_dir/run.lock``, JSON: the holder's ``host`` (socket.gethostname()), ``pid``,
-  ``run_id``, a ``token`` unique to this holding, ``started`` and ``heartbeat`` (Unix seconds;
+  ``run_id``, the run's ``uid`` where the directory has one (its meta.json's: the run's identity
+  wherever it moves), a ``token`` unique to this holding, ``started`` and ``heartbeat`` (Unix seconds;
   ``started_utc`` for people) and ``heartbeat_every_s``. A daemon thread rewrites it
   (atomically) every ``heartbeat_s`` (30 s) while the lock is held (and creates it again if it
   was removed by hand).
@@ -21,7 +22,9 @@ Contract:
   ``run.lock.takeover`` (O_EXCL, held for milliseconds, itself stale after 60 s): holding it, the
   taker re-reads the lock, replaces it (rename of a complete file) only if it is still the one it
   judged stale, and re-reads to confirm it holds it; otherwise it starts again, and a fresh lock
-  refuses it. A lock whose content cannot be parsed (a taker between its create and its write, or
+  refuses it. A stale lock of another run (another run id, or another uid where both are known)
+  is never taken over, nor is a lock that is a link (a run's lock is a file of its own: a link is
+  another directory's part): both refuse, naming what they are. A lock whose content cannot be parsed (a taker between its create and its write, or
   one killed there) is judged by the file's age instead.
 - Releasing (the ``with`` block's end, normal or not) stops the heartbeat and removes the lock
   if it is still this holding's. A holder whose lock was taken over (it had stopped refreshing
@@ -104,12 +107,12 @@ class RunLock:
     the ``with`` block). ``heartbeat_s`` and ``stale_after_s`` are parameters for tests; runs use
     the defaults. After ``acquire``, ``took_over`` is the stale holder it replaced (or None)."""
 
-    def __init__(self, run_dir: str | Path, run_id: str, *, heartbeat_s: float = HEARTBEAT_S,
+    def __init__(self, run_dir: str | Path, run_id: str, *, uid: str | None = None, heartbeat_s: float = HEARTBEAT_S,
                  stale_after_s: float = STALE_AFTER_S):
         if not heartbeat_s > 0 or not stale_after_s > heartbeat_s:
             raise ValueError(f"heartbeat_s = {heartbeat_s}, stale_after_s = {stale_after_s}: need "
                              f"0 < heartbeat_s < stale_after_s")
-        self.run_dir, self.run_id = Path(run_dir), run_id
+        self.run_dir, self.run_id, self.uid = Path(run_dir), run_id, uid
         self.path = self.run_dir / LOCK_NAME
         self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
         self.host, self.pid = socket.gethostname(), os.getpid()
@@ -125,7 +128,8 @@ class RunLock:
     # ------------------------------------------------------------------ what the file holds
     def _content(self) -> bytes:
         now = time.time()
-        return json.dumps({"host": self.host, "pid": self.pid, "run_id": self.run_id, "token": self.token,
+        return json.dumps({"host": self.host, "pid": self.pid, "run_id": self.run_id, "uid": self.uid,
+                           "token": self.token,
                            "started": self._started, "started_utc": self._started_utc, "heartbeat": now,
                            "heartbeat_every_s": self.heartbeat_s}, indent=2).encode()
 
@@ -166,6 +170,16 @@ class RunLock:
             return RunDirBusy(f"{self.run_dir}: {why or 'the run lock was not taken'}")
         return self._busy(holder)
 
+    def _foreign(self, holder: dict | None) -> str | None:
+        """What makes the lock ``holder`` another run's, or None (it is this run's, or unreadable)."""
+        if not holder:
+            return None
+        if holder.get("run_id") not in (None, self.run_id):
+            return f"run {holder.get('run_id')!r}"
+        if holder.get("uid") and self.uid and holder["uid"] != self.uid:
+            return f"another run {self.run_id!r} (uid {holder['uid']}, this one's is {self.uid})"
+        return None
+
     def _busy(self, holder: dict | None) -> RunDirBusy:
         return RunDirBusy(f"{self.run_dir} is being trained by {self.describe(holder)}: wait for it to finish or "
                           f"stop it; a lock whose heartbeat stops is taken over after {self.stale_after_s:.0f} s")
@@ -178,14 +192,22 @@ class RunLock:
         self._started = time.time()
         self._started_utc = utc_now()
         for attempt in range(_ATTEMPTS):
+            if self.path.is_symlink():
+                raise RunDirBusy(f"{self.path} is a link to {os.readlink(self.path)}: a run's lock is a file of its "
+                                 f"own, not another directory's; remove the link (nothing was changed)")
             if self._create():
                 break
             raw, holder = _read(self.path)
             if raw is None:  # released between our create and our read: try again
                 continue
             why = self._why_stale(raw, holder, time.time())
-            if why is None:
+            if why is None:  # live, this run's or another's: its holder named
                 raise self._busy(holder)
+            foreign = self._foreign(holder)
+            if foreign is not None:
+                raise RunDirBusy(f"{self.path} is the lock of {foreign}, not of run {self.run_id!r} in "
+                                 f"{self.run_dir} (stale: {why}): this run never takes another run's lock over; "
+                                 f"remove it once that run is done (nothing was changed)")
             if self._take_over(raw):
                 self.took_over = dict(holder or {}, why=why)
                 _log.warning("%s: took over the stale lock of %s (%s)", self.run_dir, self.describe(holder), why)

@@ -24,7 +24,7 @@ REFUSAL_END = "wait for it to finish or stop it; a lock whose heartbeat stops is
 
 
 def write_lock(run_dir: Path, *, host: str = HOST, pid: int | None = None, age_s: float = 0.0,
-               run_id: str = "holder") -> bytes:
+               run_id: str = "r") -> bytes:
     """A lock as another holder leaves it: its heartbeat ``age_s`` seconds ago."""
     beat = time.time() - age_s
     raw = json.dumps({"host": host, "pid": os.getpid() if pid is None else pid, "run_id": run_id,
@@ -92,7 +92,7 @@ def test_a_live_lock_of_this_host_refuses_and_is_left_as_it_was(tmp_path):
 def test_a_fresh_lock_of_another_host_refuses(tmp_path):
     raw = write_lock(tmp_path, host="login-7.elsewhere", pid=dead_pid(), age_s=12)  # its pid means nothing here
     with pytest.raises(RunDirBusy, match=r"is being trained by pid \d+ on host login-7.elsewhere \(heartbeat 12 s "
-                                         r"ago, run holder\)"):
+                                         r"ago, run r\)"):
         RunLock(tmp_path, "r").acquire()
     assert (tmp_path / "run.lock").read_bytes() == raw
 
@@ -105,7 +105,7 @@ def test_the_lock_of_a_dead_process_of_this_host_is_taken_over_with_a_warning(tm
         assert lock.took_over["pid"] == pid and "no longer running on this host" in lock.took_over["why"]
     warned = [r.getMessage() for r in lock_log if r.levelname == "WARNING"]
     assert warned == [f"{tmp_path}: took over the stale lock of pid {pid} on host {HOST} (heartbeat 1 s ago, "
-                      f"run holder) (pid {pid} is no longer running on this host)"]
+                      f"run r) (pid {pid} is no longer running on this host)"]
     assert not (tmp_path / "run.lock").exists()
 
 
@@ -154,7 +154,7 @@ def test_a_holder_whose_lock_was_taken_over_stops_and_leaves_the_new_lock(tmp_pa
 
 def test_a_taker_that_judged_a_lock_stale_does_not_replace_the_one_taken_over_meanwhile(tmp_path, monkeypatch):
     write_lock(tmp_path, pid=dead_pid())
-    slow, quick = RunLock(tmp_path, "slow"), RunLock(tmp_path, "quick")
+    slow, quick = RunLock(tmp_path, "r"), RunLock(tmp_path, "r")  # two jobs of one run
     judge = RunLock._why_stale
 
     def judged_then_overtaken(self, raw, holder, now):
@@ -164,7 +164,7 @@ def test_a_taker_that_judged_a_lock_stale_does_not_replace_the_one_taken_over_me
         return why
 
     monkeypatch.setattr(RunLock, "_why_stale", judged_then_overtaken)
-    with pytest.raises(RunDirBusy, match="run quick"):
+    with pytest.raises(RunDirBusy, match=f"being trained by pid {os.getpid()}"):
         slow.acquire()
     assert holder(tmp_path)["token"] == quick.token
     quick.release()
@@ -178,28 +178,53 @@ def test_of_concurrent_takers_exactly_one_holds_the_lock(tmp_path, stale):
             write_lock(run_dir, pid=dead_pid())
         else:
             run_dir.mkdir()
-        locks = [RunLock(run_dir, f"t{i}") for i in range(6)]
+        locks = [RunLock(run_dir, "r") for _ in range(6)]  # six jobs of one run at once
         start, outcomes = threading.Barrier(len(locks)), {}
 
-        def take(lock):
+        def take(i, lock):
             start.wait()
             try:
                 lock.acquire()
-                outcomes[lock.run_id] = "held"
+                outcomes[i] = "held"
             except RunDirBusy:
-                outcomes[lock.run_id] = "refused"
+                outcomes[i] = "refused"
 
-        threads = [threading.Thread(target=take, args=(lock,)) for lock in locks]
+        threads = [threading.Thread(target=take, args=(i, lock)) for i, lock in enumerate(locks)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        winners = [lock for lock in locks if outcomes[lock.run_id] == "held"]
+        winners = [lock for i, lock in enumerate(locks) if outcomes[i] == "held"]
         assert len(winners) == 1, outcomes
         assert holder(run_dir)["token"] == winners[0].token
         assert not (run_dir / "run.lock.takeover").exists()
         winners[0].release()
         assert not (run_dir / "run.lock").exists()
+
+
+def test_another_runs_lock_is_never_taken_over_even_stale(tmp_path):
+    raw = write_lock(tmp_path, pid=dead_pid(), run_id="other")  # stale: its process is gone
+    with pytest.raises(RunDirBusy, match=r"run.lock is the lock of run 'other', not of run 'r' .*stale"):
+        RunLock(tmp_path, "r").acquire()
+    assert (tmp_path / "run.lock").read_bytes() == raw  # untouched
+    # the same run id, another run (its uid): refused too, live or stale
+    lock = json.loads(raw)
+    (tmp_path / "run.lock").write_text(json.dumps({**lock, "run_id": "r", "uid": "aaaa"}))
+    with pytest.raises(RunDirBusy, match=r"uid aaaa, this one's is bbbb"):
+        RunLock(tmp_path, "r", uid="bbbb").acquire()
+    with RunLock(tmp_path, "r", uid="aaaa") as mine:  # its own run's stale lock: taken over, recording the uid
+        assert holder(tmp_path)["uid"] == "aaaa" and mine.took_over is not None
+
+
+def test_a_lock_that_is_a_link_to_another_directorys_is_refused(tmp_path):
+    other = tmp_path / "other"
+    raw = write_lock(other, pid=dead_pid())
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.lock").symlink_to(other / "run.lock")
+    with pytest.raises(RunDirBusy, match="is a link to .*other/run.lock"):
+        RunLock(run, "r").acquire()
+    assert (other / "run.lock").read_bytes() == raw and (run / "run.lock").is_symlink()
 
 
 # ----------------------------------------------------------------------------- through `optimus pretrain`

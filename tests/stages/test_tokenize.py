@@ -273,3 +273,29 @@ def test_interrupted_run_leaves_nothing_and_keeps_the_old_output(small_tokens, w
     with pytest.raises(KeyboardInterrupt):
         tokenize_dir(corpus, out, small_tokens / "tokenizer.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]  # no output, no temporary
+
+
+def test_a_long_document_is_encoded_in_pieces_to_the_same_tokens(small_tokens, corpus_docs, write_corpus, tmp_path,
+                                                                  monkeypatch):
+    """A document over _PIECE_CHARS is encoded piece by piece (bounded memory, a line saying so),
+    cut only where the whole text's tokens do not change: the same ids as one encode."""
+    from stages import tokenize
+
+    tok = load_tokenizer(small_tokens / "tokenizer.json")
+    # every document of the small corpus joined: code, prose, indented lines, blank lines, unicode
+    text = "\n".join(r["text"] for r in corpus_docs.values()) + "\n  indented\n\n\tx\n é\nlast"
+    pieces = list(tokenize._pieces(text, size=500))
+    assert len(pieces) > 20 and "".join(pieces) == text
+    assert all(p.endswith("\n") for p in pieces[:-1]) and all(not p[0].isspace() for p in pieces[1:])
+    whole = tok.encode(text, add_special_tokens=False).ids
+    assert [t for p in pieces for t in tok.encode(p, add_special_tokens=False).ids] == whole
+    assert list(tokenize._pieces("no newline at all " * 100, size=50)) == ["no newline at all " * 100]
+
+    monkeypatch.setattr(tokenize, "_PIECE_CHARS", 500)
+    corpus = write_corpus({"src/a.jsonl": json.dumps({"id": "big", "text": text}).encode() + b"\n"})
+    logged = []
+    monkeypatch.setattr(tokenize._log, "info", lambda msg, *a: logged.append(msg % a))
+    tokenize_dir(corpus, tmp_path / "out", small_tokens / "tokenizer.json", val_fraction=0.0)
+    ids = np.fromfile(next((tmp_path / "out" / "train").rglob("*.npy")), dtype="<u2").tolist()
+    assert ids[:-1] == whole and ids[-1] == tok.token_to_id("<|endoftext|>")
+    assert any("a document of" in line and "pieces" in line for line in logged)
