@@ -80,7 +80,7 @@ FIGURE_READS = {
     "throughput.png": ("training",),
     "expert_load.png": ("training",),
     "eval_table.png": ("training", "evaluation"),
-    "downstream.png": ("training", "evaluation", "reference"),
+    "downstream.png": ("training", "evaluation", "reference", "downstream"),
     "scaling.png": ("scaling",),
     "scaling_breakdown.png": ("scaling",),
     "ablation.png": ("bench", "ablation"),

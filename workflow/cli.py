@@ -35,8 +35,8 @@ from pathlib import Path
 from optimus_core.log import configure_logging
 from workflow.commands import (cmd_corpus, cmd_evaluate, cmd_execution, cmd_experiments, cmd_export_hf, cmd_figures,
                                cmd_hosts, cmd_perfmodel, cmd_plan, cmd_presets, cmd_pretrain, cmd_reference,
-                               cmd_rehearse, cmd_report, cmd_scaling, cmd_tokenize, cmd_warm_cache, cmd_window_order,
-                               emit)
+                               cmd_rehearse, cmd_report, cmd_scaling, cmd_task_data, cmd_tokenize, cmd_warm_cache,
+                               cmd_window_order, emit)
 from workflow.experiments import DESIGNS
 from workflow.failures import check_site_use, user_failure
 
@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=1,
                    help="ranks: > 1 evaluates held-out metrics on the model sharded over them (as trained)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "xpu"],
-                   help="the ranks' device when sharded (one process evaluates on the CPU)")
+                   help="the ranks' device when sharded; one process: cuda or xpu evaluates on that device, "
+                        "auto and cpu on the CPU")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--launcher", choices=("local", "parsl"), default="local",
                    help="parsl: a compute job of --nproc ranks (default: the run's) on --site")
@@ -183,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--faults", type=Path, default=None, help="a run's node-faults.json (absent: none named)")
     p.add_argument("--nodefile", type=Path, default=None, help="default: $PBS_NODEFILE")
     p.set_defaults(func=cmd_hosts)
+
+    p = sub.add_parser("task-data", parents=[common],
+                       help="load lm-eval's tasks once (internet needed), caching their data for offline evaluations")
+    p.add_argument("--tasks", nargs="+", required=True, help="lm-eval task names (e.g. the paper's nine)")
+    p.add_argument("--task-dir", action="append", default=None, help="a directory of lm-eval task YAMLs (repeatable)")
+    p.set_defaults(func=cmd_task_data)
 
     p = sub.add_parser("warm-cache", parents=[common],
                        help="fill the site's shared compile cache once (one node): every later job starts from it")

@@ -446,6 +446,21 @@ def cmd_hosts(args) -> Summary:
     return Summary(f"{args.out}: {len(hosts)} host(s)", {"hostfile": str(args.out), "hosts": hosts})
 
 
+def cmd_task_data(args) -> Summary:
+    """`optimus task-data`: lm-eval's tasks loaded once where there is internet (a login node),
+    their data left in the datasets cache the evaluation jobs read offline."""
+    try:
+        from optimus_core.eval.tasks import fetch_task_data
+    except ImportError as e:
+        raise ValueError(f"task-data needs lm-evaluation-harness ({e}); install the eval extra: "
+                         f"pip install -e '.[eval]'") from None
+    cache = os.environ.get("HF_DATASETS_CACHE") or "the default Hugging Face datasets cache"
+    counts = fetch_task_data(args.tasks, task_dirs=args.task_dir or ())
+    lines = [f"  {task}: {n:,} documents" for task, n in counts.items()]
+    return Summary(f"{len(counts)} task(s) cached in {cache}:\n" + "\n".join(lines),
+                   {"cache": cache, "documents": counts})
+
+
 def cmd_warm_cache(args) -> Summary:
     from workflow.launch import warm_cache_on_site
 

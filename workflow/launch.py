@@ -36,6 +36,7 @@ _log = get_logger(__name__)
 # forwarded to the command that runs there (the site's env sets the compute nodes' threads).
 WHERE = {"launcher", "site", "nproc", "threads"}
 CONFIG_ERROR = 2  # the `optimus` command's status for a configuration error
+REPEATED = {"set", "task_dir"}  # flags given once per value (action="append"); other lists follow one flag
 
 
 def pretrain_argv(options: dict[str, Any], optimus: str = "optimus") -> list[str]:
@@ -45,7 +46,8 @@ def pretrain_argv(options: dict[str, Any], optimus: str = "optimus") -> list[str
 
 def command_argv(command: str, options: dict[str, Any], optimus: str = "optimus") -> list[str]:
     """`optimus COMMAND` with ``options`` (flag name with '_' -> value): None / False dropped,
-    True as a bare flag, a list repeated (``set``), the launcher forced to ``local``."""
+    True as a bare flag, a list repeated for the flags given once a value (REPEATED: ``set``),
+    else its values after one flag (``tasks``), the launcher forced to ``local``."""
     argv = [*shlex.split(optimus), command]
     for key, value in options.items():
         if key in WHERE or value is None or value is False:
@@ -53,9 +55,11 @@ def command_argv(command: str, options: dict[str, Any], optimus: str = "optimus"
         flag = "--" + key.replace("_", "-")
         if value is True:
             argv.append(flag)
-        elif isinstance(value, (list, tuple)):
+        elif isinstance(value, (list, tuple)) and key in REPEATED:
             for v in value:
                 argv += [flag, str(v)]
+        elif isinstance(value, (list, tuple)):  # one flag, its values after it (nargs="+")
+            argv += [flag, *map(str, value)] if value else []
         else:
             argv += [flag, str(value)]
     return argv + ["--launcher", "local"]
@@ -232,6 +236,28 @@ def _run_on_site(site: SiteConfig, job: JobPlan, subcommand: str, forwarded: dic
     return done
 
 
+def _one_process_evaluation(site: SiteConfig, options: dict[str, Any], run_dir: Path) -> Submitted:
+    """`optimus evaluate --tasks ...` with lm-eval's tasks on a site: one process on one tile of
+    one node (the model whole, in bf16 where asked: up to a 20B model on a 64 GiB tile), the
+    site's device; no mpiexec."""
+    import dataclasses
+    import json
+
+    from workflow.plan import plan
+
+    if int(options.get("nproc") or 1) > 1:
+        raise ConfigError(f"--tasks {' '.join(options['tasks'])} with --nproc {options['nproc']}: lm-eval's tasks "
+                          f"run in one process (on one tile of the site)")
+    job = plan(None, site, ranks=site.tiles_per_node if site.kind == "pbspro" else 1)
+    job = dataclasses.replace(job, ranks=1, mpiexec="", gpu_affinity="")  # one node held, one process on it
+    forwarded = _forwarded(options, ("run", "data", "out", "store"))
+    forwarded.pop("nproc", None)
+    if site.device != "auto" and forwarded.get("device") in (None, "auto"):
+        forwarded["device"] = site.device
+    return _run_on_site(site, job, "evaluate", forwarded,
+                        f"downstream-{json.loads((run_dir / 'meta.json').read_text())['run_id']}")
+
+
 def warm_cache_on_site(options: dict[str, Any]) -> Submitted:
     """`optimus warm-cache --site NAME`: the site's compile cache (``site.compile_cache``) filled
     once, by one process on one node of the site: `optimus rehearse` of every paper run given
@@ -286,6 +312,8 @@ def evaluate_on_site(options: dict[str, Any]) -> Submitted:
     site = load_site(options["site"])
     run_dir = Path(options["run"]).resolve()
     ranks = int(options.get("nproc") or 1)
+    if set(options.get("tasks") or ["heldout"]) != {"heldout"}:  # lm-eval: the whole model in one process
+        return _one_process_evaluation(site, options, run_dir)
     if ranks == 1:
         from optimus_core.train.checkpoint import newest_meta
 

@@ -194,6 +194,34 @@ def task_manager(tasks: Sequence[str], *, task_dirs: Sequence = (), include_defa
                            + (f"; did you mean {', '.join(dict.fromkeys(near))}?" if near else ""))
 
 
+def fetch_task_data(tasks: Sequence[str], *, task_dirs: Sequence = ()) -> dict[str, int]:
+    """Load every one of ``tasks`` as lm-eval does before it evaluates, so that its data lands in
+    the Hugging Face datasets cache (HF_DATASETS_CACHE) where a later run reads it offline
+    (HF_DATASETS_OFFLINE=1: compute nodes without internet); {task: documents it evaluates},
+    a group's (mmlu's) subtasks each by name. Unknown names: UnknownTaskError (task_manager)."""
+    manager = task_manager(tasks, task_dirs=task_dirs)
+    if hasattr(manager, "load"):  # newer lm-eval: a flat dict of the leaf tasks
+        leaves = manager.load(list(tasks))["tasks"]
+    else:  # earlier: groups nest their subtasks
+        from lm_eval.tasks import get_task_dict
+
+        leaves = {}
+
+        def flatten(node) -> None:
+            for name, value in node.items():
+                if isinstance(value, dict):
+                    flatten(value)
+                else:
+                    leaves[getattr(name, "group_name", None) or str(name)] = value
+
+        flatten(get_task_dict(list(tasks), manager))
+    counts = {}
+    for name, task in leaves.items():
+        docs = task.test_docs() if task.has_test_docs() else task.validation_docs()
+        counts[str(name)] = len(docs) if docs is not None else 0
+    return counts
+
+
 def run_lm_eval(lm, tasks: Sequence[str], *, task_dirs: Sequence = (), limit: Optional[int] = None,
                 include_defaults: Optional[bool] = None, manager=None) -> dict[str, dict]:
     """Run lm-eval ``tasks`` zero-shot on ``lm``; ``{task: {"acc", "acc_stderr", "acc_norm", ..., "n"}}``.

@@ -62,7 +62,8 @@ def test_cli_only_flag(store_path, tmp_path, capsys):
 def test_every_figure_says_what_it_reads():
     assert list(FIGURE_READS) == list(FIGURES)
     assert {need for needs in FIGURE_READS.values() for need in needs} == {
-        "training", "evaluation", "scaling", "bench", "scaleup", "reference", "ablation"}
+        "training", "evaluation", "scaling", "bench", "scaleup", "reference", "ablation", "downstream"}
+    assert "downstream" in FIGURE_READS["downstream.png"]  # the paper's lm-eval jobs, where the DAG has them
     assert FIGURE_READS["scaleup.png"] == ("scaleup",)  # the MoE training runs only, no evaluate stage
     assert FIGURE_READS["ablation.png"] == ("bench", "ablation")  # the GPU benchmark and the ablation runs
 

@@ -264,9 +264,10 @@ def test_paper_dry_run_lists_every_job_and_the_node_hour_total(tmp_path):
     assert out.returncode == 0, text[-3000:]
     counts = {"corpus": 1, "tokenize": 1, "pretrain": 22, "evaluate": 5, "figure": 10, "report": 1,
               "ingest_bench": 5, "perfmodel": 1, "reference": 1, "paper_plan": 1, "window_order": 1,
-              "compile_cache": 1, "total": 51}
+              "compile_cache": 1, "task_data": 1, "downstream": 3, "total": 55}
     # no CPU scaling sweep at paper scale; one window order: every run's is 2048 / 42; one
-    # warm-up job fills the compile cache before the training jobs
+    # warm-up job fills the compile cache before the training jobs; the nine lm-eval tasks on the
+    # three pretraining runs whose bf16 weights fit a tile, their data cached once before
     for rule, count in counts.items():
         assert any(line.split() == [rule, str(count)] for line in text.splitlines()), rule
     for exp in dag("paper"):
@@ -282,6 +283,10 @@ def test_paper_dry_run_lists_every_job_and_the_node_hour_total(tmp_path):
     assert "--launcher parsl --site aurora" in text
     assert "optimus window-order --data" in text and "--seq-len 2048 --seed 42" in text
     assert "optimus warm-cache --site aurora" in text
+    assert "optimus task-data --tasks arc_easy arc_challenge hellaswag piqa boolq sciq winogrande openbookqa mmlu" in text
+    assert re.search(r"optimus evaluate --run \S+pretrain-mula-7b-a1b .*--tasks arc_easy .* --downstream-all-checkpoints "
+                     r"--dtype bfloat16 .*--launcher parsl --site aurora", text)
+    assert "downstream tasks not run on paper-pretrain-mula-100b-a7b (186 GiB" in text
     # each evaluation is a compute job of the site too (the model sharded as trained), in bf16
     assert re.search(r"optimus evaluate --run \S+ .*--dtype bfloat16 .*--launcher parsl --site aurora", text)
     # tokenization fans out through the site's CPU executor, its shards kept beside the tokens
@@ -362,3 +367,13 @@ def test_evaluate_on_site_is_a_compute_job_of_the_runs_tiles(tmp_path, monkeypat
     assert "--device xpu" in seen["command"] and "--dtype bfloat16" in seen["command"]
     assert seen["command"].endswith("--launcher local") and "--nproc" not in seen["command"]
     assert f"--store {Path('s.zarr').resolve()}" in seen["command"]  # the job's working directory is not ours
+    # lm-eval's tasks: one process on one tile of one node, the site's device, no mpiexec
+    assert main(["evaluate", "--run", str(run), "--launcher", "parsl", "--site", "aurora", "--tasks", "arc_easy",
+                 "piqa", "--all-checkpoints", "--downstream-all-checkpoints", "--dtype", "bfloat16"]) == 0
+    assert (seen["nodes"], seen["name"]) == (1, "downstream-paper-x")
+    assert seen["command"].startswith(f"optimus evaluate --run {run} --tasks arc_easy piqa ")
+    assert "--device xpu" in seen["command"] and "mpiexec" not in seen["command"] and "--nproc" not in seen["command"]
+    seen.clear()
+    assert main(["evaluate", "--run", str(run), "--launcher", "parsl", "--site", "aurora", "--tasks", "piqa",
+                 "--nproc", "24"]) == 2  # lm-eval runs in one process: said before anything is submitted
+    assert not seen

@@ -26,6 +26,22 @@ WINDOW_ORDER_MARKERS = [f"{RES}/data/window-order-s{s}-seed{seed}.done" for s, s
 # before the training jobs, each of which starts from a copy of it on its nodes (data.smk)
 COMPILE_CACHE_MARKERS = ([f"{RES}/compile-cache.done"]
                          if config.get("launcher") == "parsl" and (config.get("site") or {}).get("compile_cache") else [])
+# The paper's downstream evaluation (downstream_tasks: its nine lm-eval tasks) of every model-only
+# checkpoint, one process on one tile (lm-eval needs the whole model): the pretraining runs whose
+# bf16 weights fit a tile's budget (downstream_max_gib); the task data cached once on the node
+# that runs Snakemake (`optimus task-data`), which the jobs read offline
+DOWNSTREAM_TASKS = config.get("downstream_tasks") or []
+DOWNSTREAM_RUNS, DOWNSTREAM_TOO_LARGE = [], []
+for _run in EVAL_RUNS if DOWNSTREAM_TASKS else []:
+    _gib = 2 * PRETRAIN_RUNS[_run].scale(SCALE).run_config().model.num_params() / 2**30
+    (DOWNSTREAM_RUNS if _gib <= config.get("downstream_max_gib", float("inf")) else DOWNSTREAM_TOO_LARGE).append(
+        (_run, _gib))
+if DOWNSTREAM_TOO_LARGE:
+    print("downstream tasks not run on " + ", ".join(f"{r} ({g:,.0f} GiB of bf16 weights)" for r, g in DOWNSTREAM_TOO_LARGE)
+          + f": over one tile's {config.get('downstream_max_gib')} GiB (lm-eval runs the model whole, in one process)",
+          file=sys.stderr)
+DOWNSTREAM_RUNS = [r for r, _ in DOWNSTREAM_RUNS]
+TASK_DATA_MARKERS = [f"{RES}/task-data.done"] if DOWNSTREAM_TASKS else []
 # The paper's scale-up runs (evaluated with `scaleup_eval` where the config sets it), and the runs
 # scaleup.png draws: the MoE pretraining runs, the scale-up runs and their reference.
 SCALEUP_RUNS = [e.run_id(SCALE) for e in scaleup() if e.run_id(SCALE) in PRETRAIN_RUNS]

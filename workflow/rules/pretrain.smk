@@ -56,3 +56,34 @@ rule evaluate:
         + (" --all-checkpoints" if config.get("eval_all_checkpoints") else "")
         # launcher: parsl -- a compute job of the site on the run's tiles, the model sharded as trained
         + " --out {output} " + LAUNCH + " > {log} 2>&1"
+
+
+# lm-eval's data, loaded once where there is internet (the node that runs Snakemake), into the
+# datasets cache the site's jobs read offline (its env: HF_DATASETS_CACHE, HF_DATASETS_OFFLINE=1)
+rule task_data:
+    output:
+        f"{RES}/task-data.done",
+    params:
+        cache=lambda wc: ((config.get("site") or {}).get("env") or {}).get("HF_DATASETS_CACHE", ""),
+    log:
+        f"{RES}/logs/task-data.log",
+    shell:
+        "HF_DATASETS_CACHE={params.cache} optimus task-data --tasks " + " ".join(DOWNSTREAM_TASKS)
+        + " > {output}.tmp 2> {log} && mv {output}.tmp {output}"
+
+
+# The paper's downstream curves: every checkpoint (model-only ones included) of a pretraining run
+# on the downstream_tasks, one process on one tile of the site, the model in bf16
+rule downstream:
+    input:
+        f"{RES}/runs/{{run}}/summary.json",
+        TASK_DATA_MARKERS,
+    output:
+        f"{RES}/runs/{{run}}/downstream.json",
+    params:
+        run_dir=lambda wc: f"{RES}/runs/{wc.run}",
+    log:
+        f"{RES}/logs/downstream-{{run}}.log",
+    shell:
+        "optimus evaluate --run {params.run_dir} --store " + STORE + " --tasks " + " ".join(DOWNSTREAM_TASKS)
+        + " --all-checkpoints --downstream-all-checkpoints --dtype bfloat16 --out {output} " + LAUNCH + " > {log} 2>&1"

@@ -12,6 +12,9 @@ FIGURE_NEEDS = {
     # the registry's ablation runs of this DAG (timed, never evaluated): none at laptop scale
     "ablation": expand(f"{RES}/runs/{{run}}/summary.json", run=ABLATION_RUNS),
     "reference": REFERENCE_MARKERS,  # the reference models' published scores, in the store
+    # the paper's lm-eval tasks on every checkpoint (downstream_tasks; none at laptop scale, where
+    # the evaluations' offline tasks stand in)
+    "downstream": expand(f"{RES}/runs/{{run}}/downstream.json", run=DOWNSTREAM_RUNS),
 }
 
 
