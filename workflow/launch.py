@@ -229,7 +229,12 @@ def _run_on_site(site: SiteConfig, job: JobPlan, subcommand: str, forwarded: dic
     _log.info(f"launch on site {site.name}: {job.nodes} node(s), {job.ranks} rank(s), queue {job.queue or '-'}, "
               f"walltime {job.walltime}, up to {job.jobs} job(s)")
     _log.info(f"launch: {command}")
-    done = launch_chain(site, job, command, Path(site.run_dir).resolve() / name, name, log=_log.info, faults=faults)
+    return _succeeded(site, name, launch_chain(site, job, command, Path(site.run_dir).resolve() / name, name,
+                                               log=_log.info, faults=faults))
+
+
+def _succeeded(site: SiteConfig, name: str, done: Submitted) -> Submitted:
+    """``done``, if its last job succeeded; else LaunchError with its status and stderr's tail."""
     if done.returncode != 0:
         raise LaunchError(f"{name}: the job on site {site.name} failed (exit {done.returncode}); "
                           f"stderr {done.stderr}:\n{done.tail()}")
@@ -289,11 +294,8 @@ def warm_cache_on_site(options: dict[str, Any]) -> Submitted:
     name = "warm-cache"
     _log.info(f"warm-cache on site {site.name}: 1 node, queue {job.queue or '-'}, walltime {job.walltime}: "
               f"{shlex.join(argv)}")
-    done = launch_chain(site, job, shlex.join(argv), Path(site.run_dir).resolve() / name, name, log=_log.info)
-    if done.returncode != 0:
-        raise LaunchError(f"{name}: the job on site {site.name} failed (exit {done.returncode}); "
-                          f"stderr {done.stderr}:\n{done.tail()}")
-    return done
+    return _succeeded(site, name, launch_chain(site, job, shlex.join(argv), Path(site.run_dir).resolve() / name,
+                                               name, log=_log.info))
 
 
 def evaluate_on_site(options: dict[str, Any]) -> Submitted:
