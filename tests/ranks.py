@@ -31,3 +31,14 @@ def train_on_ranks(nproc, cfg, tokens_dir, run_dir, out_path, rows, start_method
     metrics, through ``out_path`` (JSON)."""
     spawn_local(_worker, nproc, (cfg.to_json(), tokens_dir, run_dir, out_path, rows), start_method=start_method)
     return json.loads(out_path.read_text())
+
+
+def fit_on_rank(cfg_json, tokens_dir, run_dir):
+    """One gloo rank (spawn_local's function) training ``cfg_json`` into ``run_dir``, no store."""
+    torch.set_num_threads(1)
+    cfg = RunConfig.from_json(cfg_json)
+    mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts, device="cpu")
+    try:
+        Trainer(cfg, tokens_dir, run_dir, progress=False, mesh=mesh).fit()
+    finally:
+        shutdown(mesh)

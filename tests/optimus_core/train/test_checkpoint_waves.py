@@ -4,31 +4,18 @@ alike written once, its bytes spread over them (DCP's deduplication)."""
 import json
 
 import pytest
-import torch
 
 from optimus_core import presets
 from optimus_core.parallel.launch import spawn_local
 from optimus_core.train import checkpoint as ckpt
 from optimus_core.train.loop import Trainer
+from ranks import fit_on_rank
 
 
 def _cfg(**extra):
     return presets.get("mula-7b-a1b@laptop").run_config(**{
         "train.steps": 2, "train.eval_batches": 1, "train.device": "cpu", "train.global_batch": 4,
         "data.seq_len": 32, "model.n_layers": 1, "model.moe.n_experts": 4, "model.moe.top_k": 2, **extra})
-
-
-def _rank(cfg_json, tokens_dir, run_dir):
-    from optimus_core.config import RunConfig
-    from optimus_core.parallel import init_distributed, shutdown
-
-    torch.set_num_threads(1)
-    cfg = RunConfig.from_json(cfg_json)
-    mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts, device="cpu")
-    try:
-        Trainer(cfg, tokens_dir, run_dir, progress=False, mesh=mesh).fit()
-    finally:
-        shutdown(mesh)
 
 
 def _manifests(run_dir):
@@ -39,7 +26,7 @@ def _manifests(run_dir):
 @pytest.mark.parametrize("async_checkpoint", [False, True])
 def test_ranks_write_in_waves_by_replica_one_wave_after_the_other(tmp_path, tokens_dir, async_checkpoint):
     cfg = _cfg(**{"train.checkpoint_write_waves": 2, "train.async_checkpoint": async_checkpoint})
-    spawn_local(_rank, 4, (cfg.to_json(), tokens_dir, tmp_path / "run"), start_method="fork")
+    spawn_local(fit_on_rank, 4, (cfg.to_json(), tokens_dir, tmp_path / "run"), start_method="fork")
     step, manifests = _manifests(tmp_path / "run")
     assert [m["wave"] for m in manifests] == [0, 1, 0, 1] and {m["waves"] for m in manifests} == {2}
     first = [m["write_window"] for m in manifests if m["wave"] == 0]
@@ -51,7 +38,7 @@ def test_ranks_write_in_waves_by_replica_one_wave_after_the_other(tmp_path, toke
 
 def test_replicated_parts_are_written_once_spread_over_the_replicas(tmp_path, tokens_dir):
     # 2 replicas of a 2-rank sharding block (HSDP): each rank writes about a quarter of one copy
-    spawn_local(_rank, 4, (_cfg(**{"parallel.dp_shard": 2}).to_json(), tokens_dir, tmp_path / "hsdp"),
+    spawn_local(fit_on_rank, 4, (_cfg(**{"parallel.dp_shard": 2}).to_json(), tokens_dir, tmp_path / "hsdp"),
                 start_method="fork")
     Trainer(_cfg(), tokens_dir, tmp_path / "one", progress=False).fit()
     sizes = [p.stat().st_size for p in sorted(ckpt.list_step_dirs(tmp_path / "hsdp")[0].glob("*.distcp"))]

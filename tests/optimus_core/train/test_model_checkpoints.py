@@ -9,6 +9,7 @@ from optimus_core import presets
 from optimus_core.parallel.launch import spawn_local
 from optimus_core.train import checkpoint as ckpt
 from optimus_core.train.loop import Trainer
+from ranks import fit_on_rank
 from stages.evaluate import _checkpoints
 
 
@@ -46,21 +47,8 @@ def test_model_only_checkpoints_one_process(tmp_path, tokens_dir):
     _check(tmp_path / "run")
 
 
-def _rank(cfg_json, tokens_dir, run_dir):
-    from optimus_core.config import RunConfig
-    from optimus_core.parallel import init_distributed, shutdown
-
-    torch.set_num_threads(1)
-    cfg = RunConfig.from_json(cfg_json)
-    mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts, device="cpu")
-    try:
-        Trainer(cfg, tokens_dir, run_dir, progress=False, mesh=mesh).fit()
-    finally:
-        shutdown(mesh)
-
-
 def test_model_only_checkpoints_of_two_expert_parallel_ranks_load_whole(tmp_path, tokens_dir):
-    spawn_local(_rank, 2, (_cfg(ep=2).to_json(), tokens_dir, tmp_path / "run"), start_method="fork")
+    spawn_local(fit_on_rank, 2, (_cfg(ep=2).to_json(), tokens_dir, tmp_path / "run"), start_method="fork")
     _check(tmp_path / "run")
     meta = json.loads((ckpt.checkpoints_dir(tmp_path / "run", ckpt.MODEL_ONLY) / "step_000004" / "meta.json").read_text())
     assert meta["world_size"] == 2 and meta["manifests"] == 2
