@@ -106,6 +106,10 @@ class CorpusConfig:
 @dataclass(frozen=True)
 class CorpusInputs:
     from_dir: Optional[Path] = None  # an OLMoE-mix download to index; None = build from stdlib
+    # with from_dir: index only the files this list names (a line each: <source>/<file name>, or
+    # a URL ending in them, e.g. the urls.txt the authors' scripts/generate_urls.py writes), so
+    # that the windows are numbered over the files the paper trained on
+    files_list: Optional[Path] = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,8 @@ def run_corpus(config: CorpusConfig, inputs: CorpusInputs, outputs: CorpusOutput
             raise FileNotFoundError(f"corpus input from_dir = {str(src)!r}: "
                                     f"{missing(src, 'directory')}")
         files = _scan(src.resolve())
+        if inputs.files_list is not None:
+            files = _listed(files, Path(inputs.files_list))
         with atomic_dir(out) as tmp:
             _write_index(tmp, src.resolve(), files)
             mark_output(tmp, "corpus", {"from_dir": src.resolve()})
@@ -329,6 +335,31 @@ def _scan(root: Path) -> list[CorpusFile]:
                           f"(or the same under <dir>/data/), or an {INDEX_NAME} written by `optimus corpus`",
                           str(root))
     return files
+
+
+def _listed(files: list[CorpusFile], files_list: Path) -> list[CorpusFile]:
+    """The ``files`` that ``files_list`` names (CorpusInputs.files_list), in the corpus's order;
+    a listed file that is not there is a CorpusError naming it, files not listed are left out
+    with a warning counting them."""
+    try:
+        lines = [line.strip() for line in files_list.read_text(encoding="utf-8").splitlines()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise CorpusError(f"files list {files_list}: cannot be read ({e})", str(files_list)) from None
+    wanted = ["/".join(line.rstrip("/").split("/")[-2:]) for line in lines if line and not line.startswith("#")]
+    if not wanted:
+        raise CorpusError(f"files list {files_list}: names no file (a line each: <source>/<file> or its URL)",
+                          str(files_list))
+    by_name = {f"{f.source}/{Path(f.rel).name}": f for f in files}
+    missing = [name for name in wanted if name not in by_name]
+    if missing:
+        raise CorpusError(f"files list {files_list}: {len(missing)} listed file(s) not in the corpus, e.g. "
+                          f"{', '.join(missing[:3])}", str(files_list))
+    keep = set(wanted)
+    left = [f for name, f in by_name.items() if name not in keep]
+    if left:
+        _log.warning("%d corpus file(s) not in %s left out (e.g. %s)", len(left), files_list,
+                     ", ".join(f.rel for f in left[:3]))
+    return [f for f in files if f"{f.source}/{Path(f.rel).name}" in keep]
 
 
 def _is_index(path: Path) -> bool:

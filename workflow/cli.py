@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("corpus", parents=[common], help="build the embedded corpus, or index an OLMoE-mix download")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--from", dest="from_dir", type=Path, default=None, help="an OLMoE-mix-0924 directory")
+    p.add_argument("--files-list", type=Path, default=None,
+                   help="with --from: index only the files listed (a line each: <source>/<file> or its URL; e.g. "
+                        "the authors' urls.txt), so that the windows are the paper's files'")
     p.set_defaults(func=cmd_corpus)
 
     p = sub.add_parser("tokenize", parents=[common], help="Dolma JSONL -> token arrays + indices + manifest")

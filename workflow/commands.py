@@ -123,7 +123,10 @@ def parse_overrides(pairs: list[str]) -> dict:
 def cmd_corpus(args) -> Summary:
     from stages.corpus import CorpusConfig, CorpusInputs, CorpusOutputs, run_corpus
 
-    result = run_corpus(CorpusConfig(), CorpusInputs(from_dir=args.from_dir), CorpusOutputs(out_dir=args.out))
+    if args.files_list is not None and args.from_dir is None:
+        raise ConfigError("--files-list: only with --from (it chooses the files of a download to index)")
+    result = run_corpus(CorpusConfig(), CorpusInputs(from_dir=args.from_dir, files_list=args.files_list),
+                        CorpusOutputs(out_dir=args.out))
     how = "indexed in place" if result.indexed else "built"
     per_source = ", ".join(f"{src} {n} file(s)" + (f" / {result.docs[src]:,} docs" if src in result.docs else "")
                            for src, n in sorted(result.files.items()))

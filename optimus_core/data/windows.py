@@ -12,8 +12,11 @@ As the paper's code reads OLMoE-mix (GitHub IntelLabs/Optimus-LM, ``optimus/data
 - each token file of the split is cut into non-overlapping windows of ``seq_len`` tokens, its
   tail shorter than a window dropped; a window never crosses a file. Window ``j`` of file ``f``
   is tokens ``[j * seq_len, (j + 1) * seq_len)``, numbered after the windows of the files before
-  it (the manifest's order, by path; the authors number them in their download list's order, so
-  one seed permutes the same window numbers, which name other windows of OLMoE-mix);
+  it in the manifest's order, by source then file name: the order of the authors' download list
+  (their scripts/generate_urls.py), whose files are those of six sources (algebraic-stack, dclm,
+  open-web-math, pes2o, starcoder, wiki): `optimus corpus --files-list` indexes a download
+  restricted to such a list, so that the same files are numbered; our held-out split, which the
+  authors do not have, takes its documents out of the train files' windows;
 - the windows are visited in one permutation, numpy's legacy generator
   ``np.random.RandomState(seed).permutation(N)`` (what ``np.random.seed(42)`` then
   ``np.random.permutation`` draws);

@@ -166,3 +166,22 @@ def test_files_the_scan_passes_over_are_counted_in_a_warning(tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(said) == 1 and said[0].startswith(f"{root}: 2 file(s) not read: not *.jsonl|")
     assert said[0].endswith("under a source directory (top.jsonl, wiki/b.txt)")
+
+
+def test_a_files_list_indexes_only_the_files_it_names(tmp_path, caplog):
+    """The authors' download list (their urls.txt: URLs ending in <source>/<file>) chooses the
+    files whose windows the paper numbered; a listed file that is missing is an error."""
+    download, out = tmp_path / "olmoe-mix", tmp_path / "corpus"
+    make_download(download)
+    urls = tmp_path / "urls.txt"
+    base = "https://huggingface.co/datasets/allenai/OLMoE-mix-0924/resolve/main/data"
+    urls.write_text(f"{base}/dclm/dclm-0000.json.zst\n{base}/wiki/wiki-0000.json.gz\n")
+    with caplog.at_level("WARNING"):
+        result = run_corpus(CorpusConfig(), CorpusInputs(from_dir=download, files_list=urls), CorpusOutputs(out))
+    assert result.files == {"dclm": 1, "wiki": 1}
+    assert [f.rel for f in list_corpus(out)] == ["data/dclm/dclm-0000.json.zst", "data/wiki/wiki-0000.json.gz"]
+    assert "1 corpus file(s) not in" in caplog.text and "dclm-0001" in caplog.text
+    urls.write_text("dclm/dclm-0000.json.zst\npes2o/pes2o-0000.json.gz\n")
+    with pytest.raises(CorpusError, match=r"1 listed file\(s\) not in the corpus, e.g. pes2o/pes2o-0000.json.gz"):
+        run_corpus(CorpusConfig(), CorpusInputs(from_dir=download, files_list=urls), CorpusOutputs(tmp_path / "o2"))
+    assert not (tmp_path / "o2").exists()

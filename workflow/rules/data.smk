@@ -2,7 +2,8 @@ rule corpus:
     output:
         directory(CORPUS),
     params:
-        source=f"--from {config['corpus_from']}" if config.get("corpus_from") else "",
+        source=(f"--from {config['corpus_from']}" if config.get("corpus_from") else "")
+        + (f" --files-list {config['corpus_files_list']}" if config.get("corpus_files_list") else ""),
     log:
         f"{RES}/logs/corpus.log",
     shell:
