@@ -32,6 +32,7 @@ import json
 import multiprocessing
 import os
 import platform
+import re
 import shutil
 import signal
 import sys
@@ -372,14 +373,15 @@ def _pieces(text: str, size: int = _PIECE_CHARS):
     the pieces' tokens are the whole text's. A text with no such newline is one piece."""
     start = 0
     while len(text) - start > size:
-        cut = start + size
-        while cut < len(text) and not (text[cut - 1] == "\n" and not text[cut].isspace()):
-            cut += 1
-        if cut >= len(text):
+        found = _CUT.search(text, start + size - 1)
+        if found is None:
             break
-        yield text[start:cut]
-        start = cut
+        yield text[start:found.end()]
+        start = found.end()
     yield text[start:]
+
+
+_CUT = re.compile(r"\n(?=\S)")  # a newline that a character other than whitespace follows
 
 
 def _batched(items, n: int):

@@ -136,8 +136,8 @@ def timed_walltime(site: SiteConfig, est_hours: float) -> float:
     return math.ceil((est_hours * (1 + site.timed_margin) + site.startup_h) * 12) / 12
 
 
-UNSET_ACCOUNT = f"<set site.account or {ACCOUNT_ENV}>"
-HOSTFILE_VARIABLE = "OPTIMUS_HOSTFILE"  # a job's hostfile (workflow/hostfile.py), where the mpiexec line has {hostfile}  # a dry run's account where none is set
+UNSET_ACCOUNT = f"<set site.account or {ACCOUNT_ENV}>"  # a dry run's account where none is set
+HOSTFILE_VARIABLE = "OPTIMUS_HOSTFILE"  # a job's hostfile (workflow/hostfile.py), where the mpiexec line has {hostfile}
 
 
 def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
