@@ -32,7 +32,8 @@ SHARED, FILL, NODE_LOCAL = "OPTIMUS_COMPILE_CACHE", "OPTIMUS_COMPILE_CACHE_FILL"
 PARTS = {"TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
 
 
-def _writable(path: Path, what: str) -> None:
+def check_cache_dir(path: Path, what: str) -> None:
+    """Make ``path`` if absent; ConfigError naming ``what`` and the path where it cannot be written."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".optimus-write-probe-{os.getpid()}"
@@ -52,14 +53,14 @@ def use_compile_cache(local_rank: int = 0, env: MutableMapping[str, str] | None 
         return None
     shared = Path(shared)
     if env.get(FILL) == "1":
-        _writable(shared, SHARED)
+        check_cache_dir(shared, SHARED)
         where = shared
     else:
         job = env.get("PBS_JOBID", "local").split(".")[0]
         root = Path(env.get(NODE_LOCAL) or "/tmp")
         where = root / f"optimus-compile-cache-{os.environ.get('USER', 'user')}-{job}"
         if local_rank == 0 and not where.exists():
-            _writable(root, NODE_LOCAL)
+            check_cache_dir(root, NODE_LOCAL)
             t0 = time.monotonic()
             with atomic_dir(where) as tmp:
                 if shared.is_dir():

@@ -38,12 +38,17 @@ def job_hosts(nodefile: Path) -> list[str]:
     return hosts
 
 
+def named(hosts: list[str], faulty: list[str]) -> list[str]:
+    """The ``hosts`` that one of ``faulty`` names (node_faults.same_host), in their order."""
+    return [h for h in hosts if any(node_faults.same_host(h, f) for f in faulty)]
+
+
 def healthy_hosts(hosts: list[str], faulty: list[str], nodes: int, spare: int | None = None) -> list[str]:
     """The first ``nodes`` of ``hosts`` none of ``faulty`` names (node_faults.same_host);
     NotEnoughHosts naming what is missing where there are fewer."""
     if nodes < 1:
         raise ConfigError(f"--nodes = {nodes}: must be >= 1")
-    left_out = [h for h in hosts if any(node_faults.same_host(h, f) for f in faulty)]
+    left_out = named(hosts, faulty)
     healthy = [h for h in hosts if h not in left_out]
     if len(healthy) >= nodes:
         return healthy[:nodes]
@@ -65,7 +70,7 @@ def write_hostfile(out: Path, *, nodes: int, faults: Path | None, nodefile: Path
     hosts = job_hosts(Path(nodefile))
     faulty = node_faults.read(faults)["hosts"] if faults is not None else []
     chosen = healthy_hosts(hosts, faulty, nodes, spare=len(hosts) - nodes)
-    left_out = [h for h in hosts if h not in chosen and any(node_faults.same_host(h, f) for f in faulty)]
+    left_out = named(hosts, faulty)
     if left_out:
         log(f"optimus hosts: leaving out {', '.join(left_out)} (named faulty in {faults}); "
             f"running on {len(chosen)} of the job's {len(hosts)} nodes")

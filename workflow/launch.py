@@ -241,20 +241,27 @@ def _succeeded(site: SiteConfig, name: str, done: Submitted) -> Submitted:
     return done
 
 
+def _one_process_job(site: SiteConfig) -> JobPlan:
+    """A job of one node of ``site`` (planned as such: queue, walltime, account) that runs one
+    process on its head node's first tile: no mpiexec, no affinity wrapper, no hostfile."""
+    import dataclasses
+
+    from workflow.plan import plan
+
+    job = plan(None, site, ranks=site.tiles_per_node if site.kind == "pbspro" else 1)
+    return dataclasses.replace(job, ranks=1, mpiexec="", gpu_affinity="")
+
+
 def _one_process_evaluation(site: SiteConfig, options: dict[str, Any], run_dir: Path) -> Submitted:
     """`optimus evaluate --tasks ...` with lm-eval's tasks on a site: one process on one tile of
     one node (the model whole, in bf16 where asked: up to a 20B model on a 64 GiB tile), the
     site's device; no mpiexec."""
-    import dataclasses
     import json
-
-    from workflow.plan import plan
 
     if int(options.get("nproc") or 1) > 1:
         raise ConfigError(f"--tasks {' '.join(options['tasks'])} with --nproc {options['nproc']}: lm-eval's tasks "
                           f"run in one process (on one tile of the site)")
-    job = plan(None, site, ranks=site.tiles_per_node if site.kind == "pbspro" else 1)
-    job = dataclasses.replace(job, ranks=1, mpiexec="", gpu_affinity="")  # one node held, one process on it
+    job = _one_process_job(site)
     forwarded = _forwarded(options, ("run", "data", "out", "store"))
     forwarded.pop("nproc", None)
     if site.device != "auto" and forwarded.get("device") in (None, "auto"):
@@ -272,20 +279,16 @@ def warm_cache_on_site(options: dict[str, Any]) -> Submitted:
     anything is submitted."""
     import dataclasses
 
-    from optimus_core.compile_cache import FILL
-    from workflow.plan import plan
+    from optimus_core.compile_cache import FILL, check_cache_dir
     from workflow.sites import load_site
 
     site = load_site(options["site"])
     if not site.compile_cache:
         raise ConfigError(f"site {site.name}: compile_cache = '': no shared compile cache to fill; set "
                           f"site.compile_cache to a directory every job can read")
-    from optimus_core.compile_cache import _writable
-
-    _writable(Path(site.compile_cache), "site.compile_cache")
-    job = plan(None, site, ranks=site.tiles_per_node if site.kind == "pbspro" else 1)
-    # one process on the head node's first tile: no mpiexec, no hostfile
-    job = dataclasses.replace(job, mpiexec="", gpu_affinity="", env={**job.env, FILL: "1"})
+    check_cache_dir(Path(site.compile_cache), "site.compile_cache")
+    job = _one_process_job(site)
+    job = dataclasses.replace(job, env={**job.env, FILL: "1"})
     argv = [*shlex.split(site.optimus), "rehearse", "--no-save", "--steps", str(options.get("steps") or 2),
             "--site", str(Path(options["site"]).resolve()) if Path(options["site"]).suffix in (".yaml", ".yml")
             else options["site"]]

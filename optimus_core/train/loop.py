@@ -271,10 +271,8 @@ class Trainer:
         self._last_save_time = time.monotonic()  # the minutes of train.checkpoint_every_minutes restart
         settle_updates(self.optimizer)  # the weights and state saved are those after the last update
         state = {"loader": self.loader.state_dict(), "guard": self.guard.state_dict()}
-        meta = {"config": self.cfg.to_dict(), "execution_plan": self.plan.to_dict(), "tokens": self.tokens,
-                "data_position": self.loader.state_dict(), "world_size": self.mesh.world_size, "ep": self.mesh.ep,
-                "pp": self.mesh.pp,
-                "tokenizer_sha256": self.tokenizer_sha256, "uid": self.uid}
+        meta = {**self._checkpoint_meta(), "execution_plan": self.plan.to_dict(),
+                "data_position": self.loader.state_dict()}
         if self.is_lead and self.writer is not None:
             self.writer.flush()  # metrics up to a checkpoint survive a kill, as the weights do
         self.publish_checkpoint()  # one background write at a time
@@ -331,12 +329,15 @@ class Trainer:
                 self._event(kind="nonfinite_state", step=self.step)
                 return None
             self.publish_checkpoint()  # a background full save finishes first: one write at a time
-            meta = {"config": self.cfg.to_dict(), "tokens": self.tokens, "world_size": self.mesh.world_size,
-                    "ep": self.mesh.ep, "pp": self.mesh.pp, "tokenizer_sha256": self.tokenizer_sha256,
-                    "uid": self.uid, "model_only": True}
+            meta = {**self._checkpoint_meta(), "model_only": True}
             return ckpt.save_checkpoint(self.run_dir, self.step, tensors=tensors, state={}, meta=meta,
                                         rank=self.mesh.rank, distributed=self.mesh.distributed,
                                         all_max=self.mesh.all_max, kind=ckpt.MODEL_ONLY, wave=self._write_wave())
+
+    def _checkpoint_meta(self) -> dict:
+        """What every checkpoint's meta.json records of the run, full or model-only."""
+        return {"config": self.cfg.to_dict(), "tokens": self.tokens, "world_size": self.mesh.world_size,
+                "ep": self.mesh.ep, "pp": self.mesh.pp, "tokenizer_sha256": self.tokenizer_sha256, "uid": self.uid}
 
     def _write_wave(self) -> tuple[int, int]:
         """(this rank's wave, waves) of a checkpoint write: by data-parallel replica (rank order
