@@ -535,9 +535,6 @@ class RunConfig(Validated):
             fail("parallel.ep", self.parallel.ep, f"must divide model.moe.n_experts ({self.model.moe.n_experts})")
         if self.parallel.pp > 1:
             self.parallel.stage_layers(self.model.n_layers)
-            if self.execution.weight_gathers == "per_step":
-                fail("execution.weight_gathers", "per_step", "the pipeline's schedule interleaves the micro-batches' "
-                     f"forwards and backwards (parallel.pp = {self.parallel.pp}): use 'per_micro_batch' or 'auto'")
             if self.model.moe is not None and self.model.moe.lb_loss_scope == "global":
                 fail("model.moe.lb_loss_scope", "global", "is not carried between pipeline stages (parallel.pp "
                      f"= {self.parallel.pp}); use 'forward'")

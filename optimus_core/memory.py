@@ -422,12 +422,15 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
         reduce_bytes = 2.0 + (4.0 if bf16 else 0.0)  # the unsharded gradient, and its float32 copy to reduce
         biggest_unit = max(dense_block, expert_unit)
         gathered_bwd = root + g * 2 * (dense_block + expert_unit) + reduce_bytes * biggest_unit
-        if L.gathers == "per_step":  # every unit kept gathered, its gradient accumulated whole
-            # (float32 where the run reduces in float32; bf16 runs reducing in bf16 keep half:
-            # priced at float32) beside the unit's gradient being made
+        if L.gathers == "per_step":  # every unit kept gathered (the embedding in float32, as
+            # stored), its gradient accumulated whole from the step's first backward on (float32
+            # where the run reduces in float32; bf16 runs reducing in bf16 keep half: priced at
+            # float32), beside the unit's gradient being made
             whole = len(layers) * (dense_block + expert_unit)
-            gathered_fwd = root + g * whole
-            gathered_bwd = root + g * whole + 4.0 * whole + g * biggest_unit
+            embed = 4.0 * V * D if first else 0.0
+            accumulated = 4.0 * (whole + V * D * (int(first) + int(last)))
+            gathered_fwd = root + embed + g * whole + (accumulated if L.accumulation > 1 else 0.0)
+            gathered_bwd = root + embed + g * whole + accumulated + g * biggest_unit
 
     accumulating = L.accumulation > 1
     static = {"weights": weights, "optimizer": optimizer, "weight copies": copies,

@@ -21,8 +21,9 @@ With pipeline stages (parallel.pp) the rank rehearsed belongs to the heaviest st
 model's: optimus_core.memory.heaviest_stage): the loopback world is that stage's ranks, and each
 step runs the stage's micro-batches in its 1F1B order -- as many forwards in flight as the stage
 holds, then one backward and one forward at a time -- on random hidden states from the stage
-before and random gradients from the stage after, where the schedule would receive them. The
-step time is then one stage's compute with its sends and receives left out.
+before and random gradients from the stage after, where the schedule would receive them, its
+gradients synchronised as the pipeline's are (the last backward reduces where the plan gathers
+once a step). The step time is then one stage's compute with its sends and receives left out.
 
 On the meta device nothing is allocated or run: the rank's shares are built and their sizes
 compared with the memory model's static terms (weights, gradients, optimizer state), which is
@@ -143,17 +144,18 @@ def static_terms(model) -> dict[str, float]:
 
 def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, device: str = "cuda",
              micro_batches: int | None = None, checkpointing: tuple[str, int] | None = None,
-             save_dir: str | None = None, warmup: int = 0) -> dict:
+             weight_gathers: str | None = None, save_dir: str | None = None, warmup: int = 0) -> dict:
     """Rehearse rank ``rank`` of ``cfg`` on ``world`` ranks (module doc). ``micro_batches``: at most
     this many of the rank's micro-batches per step (the peak is reached by the second: the
     gradients exist from the first on); ``checkpointing``: the resolved (mode, every) (default:
     the configured mode, "auto" resolved by the memory model on the device's budget);
-    ``save_dir``: after the steps, write this rank's part of a checkpoint there (its rows of every
+    ``weight_gathers``: the resolved execution.weight_gathers of a sharded rank (default: the
+    configured, "auto" resolved as the run resolves it on the device's budget); ``save_dir``: after the steps, write this rank's part of a checkpoint there (its rows of every
     parameter and moment, as a run's save writes them, without the collectives of the planning)
     and record the device's peak during the save (``save_peak_allocated_gib``); ``warmup``: steps
     run first and neither timed nor counted in the peak (the kernels' compilation and autotuning,
     whose buffers a run allocates once)."""
-    from .execution import device_memory_bytes, resolve_choices
+    from .execution import device_memory_bytes, resolve_choices, resolve_weight_gathers
     from .memory import device_budget, resolve_checkpointing
     from .train.build import build_model, build_run_optimizer
     from .train.step import train_step
@@ -181,6 +183,12 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
     if checkpointing is None:
         checkpointing = resolve_checkpointing(cfg, world, plan, device_budget(device_memory_bytes(dev)))
     plan = dataclasses.replace(plan, checkpointing=checkpointing)
+    if plan.weight_gathers is not None:  # a sharded rank
+        if weight_gathers is not None:
+            plan = dataclasses.replace(plan, weight_gathers=weight_gathers)
+        elif cfg.execution.weight_gathers == "auto":
+            plan = resolve_weight_gathers(cfg, world, plan, checkpointing, None,
+                                          device_budget(device_memory_bytes(dev)))[0]
     layout = heaviest_stage(cfg.model, MemoryLayout.of_run(cfg, world, checkpointing, plan, micro_batches))
     predicted = estimate(cfg.model, layout)
     record = {"preset": cfg.preset, "world": world, "rank": rank, "ep": cfg.parallel.ep,
@@ -188,6 +196,7 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
               "optimizer": cfg.parallel.optimizer, "dtype": plan.dtype, "seq_len": cfg.data.seq_len,
               "micro_batch": layout.micro_batch, "accumulation": layout.accumulation,
               "checkpointing": f"{checkpointing[0]}" + (f"/{checkpointing[1]}" if checkpointing[0] == "full" else ""),
+              "weight_gathers": plan.weight_gathers or "",
               "experts_backend": plan.experts or "", "exchange": plan.expert_exchange or "",
               "model_gib": predicted.peak_gib, "model_at": predicted.at,
               "terms_gib": {k: v / GIB for k, v in predicted.terms.items()}, "device": dev.type,
@@ -278,11 +287,15 @@ def _stage_step(model, optimizer, batch_BS1: torch.Tensor, layout: MemoryLayout,
                                            for o in outs])
 
     model.train()
-    in_flight, next_forward = [], 0
+    sync = getattr(optimizer, "before_micro_batch", lambda last, layers=None: None)  # as Pipeline.step
+    sync(False)
+    in_flight, next_forward, done = [], 0, 0
     while next_forward < min(layout.in_flight, m):  # the warm-up: as many forwards as the stage holds
         in_flight.append(forward(chunks[next_forward]))
         next_forward += 1
     while in_flight:  # then one backward and one forward at a time, and the last backwards
+        done += 1
+        sync(done == m)
         backward(in_flight.pop(0))
         if next_forward < m:
             in_flight.append(forward(chunks[next_forward]))
@@ -324,7 +337,8 @@ def _rehearse_save(model, optimizer, mesh, save_dir: str, gpu) -> dict:
 def fmt(record: dict) -> str:
     """One line of a rehearsal record."""
     stage = f", stage {record['stage']} of {record['pp']}" if record.get("pp", 1) > 1 else ""
-    head = (f"{record['preset']} on {record['world']} ranks (ep {record['ep']}, {record['checkpointing']}, "
+    gathers = f", gathered {record['weight_gathers'].replace('_', ' ')}" if record.get("weight_gathers") else ""
+    head = (f"{record['preset']} on {record['world']} ranks (ep {record['ep']}, {record['checkpointing']}{gathers}, "
             f"rank {record['rank']}{stage}):")
     if "peak_allocated_gib" not in record:
         shares = ", ".join(f"{k} {v:.3f}" for k, v in record["shares_gib"].items())

@@ -37,13 +37,15 @@ _log = get_logger(__name__)
 @dataclass(frozen=True)
 class Rehearsal:
     """One layout to rehearse: a name (the registry's run), its RunConfig and world size, the
-    checkpointing it resolves to on its target machine, and that machine's budget per device."""
+    checkpointing and weight gathers it resolves to on its target machine (None: a rank not
+    sharded, or as the rehearsal's device resolves them), and that machine's budget per device."""
 
     name: str
     run: RunConfig
     world: int
     checkpointing: tuple[str, int]
     budget_gib: float | None = None
+    weight_gathers: str | None = None
 
 
 @dataclass
@@ -102,6 +104,7 @@ def run_rehearse(config: RehearseConfig, outputs: RehearseOutputs) -> RehearseRe
         with tempfile.TemporaryDirectory(prefix="rehearsal-save-") as save_dir:
             record = rehearse(job.run, job.world, rank=config.rank, steps=config.steps, device=config.device,
                               micro_batches=config.micro_batches, checkpointing=job.checkpointing,
+                              weight_gathers=job.weight_gathers,
                               save_dir=save_dir if config.save else None)
         record.update(name=job.name, budget_gib=job.budget_gib,
                       within_budget=None if job.budget_gib is None or "peak_allocated_gib" not in record

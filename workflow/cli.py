@@ -178,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=2048, help="the window (data.seq_len)")
     p.add_argument("--seed", type=int, default=42, help="the order's seed (data.seed)")
     p.add_argument("--epochs", type=int, default=1, help="orders of this many epochs (each its own file)")
+    p.add_argument("--launcher", choices=("local", "parsl"), default="local",
+                   help="parsl: drawn by one process on one node of --site (a compute node's memory)")
+    p.add_argument("--site", default=None, help="with --launcher parsl: local, aurora, or a YAML file with a site: block")
     p.set_defaults(func=cmd_window_order)
 
     p = sub.add_parser("hosts", parents=[common],
@@ -259,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpointing", default=None, metavar="MODE",
                    help="none, moe, full, full/K or level1..level7: rehearse this activation checkpointing instead "
                         "of the one the plan resolves (to measure a choice before the plan makes it)")
+    p.add_argument("--weight-gathers", choices=["per_micro_batch", "per_step"], default=None,
+                   help="rehearse a sharded rank's weights gathered this way instead of the plan's way (to "
+                        "measure a choice before the plan makes it)")
     p.add_argument("--layout", choices=DESIGNS, default=None,
                    help="the runs in the authors' layout (default) or our design")
     p.add_argument("--no-save", action="store_true", help="skip the checkpoint write after the steps")

@@ -434,6 +434,12 @@ def cmd_window_order(args) -> Summary:
 
     if args.epochs < 1:
         raise ConfigError(f"--epochs = {args.epochs}: must be >= 1")
+    if args.launcher == "parsl":  # the same command as a one-node job of the site (workflow/launch.py)
+        from optimus_core.data.shards import load_manifest
+        from workflow.launch import window_order_on_site
+
+        load_manifest(args.data)  # tokens the job can read: checked here, before anything is submitted
+        return _site_summary(window_order_on_site(vars(args)), args, f"window order drawn on site {args.site}")
     windows = FileWindows(args.data, "train", args.seq_len)
     paths = [write_order(windows, args.seed, epoch) for epoch in range(args.epochs)]
     lines = [f"{p} ({p.stat().st_size / 2**20:,.1f} MiB)" for p in paths]
@@ -558,12 +564,13 @@ def parse_checkpointing(text: str) -> tuple[str, int]:
     return mode, int(every or 1)
 
 
-def rehearsal_jobs(names, tiles, site, checkpointing: tuple[str, int] | None = None, layout: str = "authors"):
+def rehearsal_jobs(names, tiles, site, checkpointing: tuple[str, int] | None = None, layout: str = "authors",
+                   weight_gathers: str | None = None):
     """The registry's paper runs (``names``; default every run of the paper DAG) in design
     ``layout`` (workflow.experiments.DESIGNS) as rehearsals, each at its own tile count or at
-    each of ``tiles``, its checkpointing resolved for the site's machine as `optimus plan`
-    resolves it (workflow.plan.plan_memory), or ``checkpointing`` (mode, every) where given: a
-    choice rehearsed before the plan makes it."""
+    each of ``tiles``, its checkpointing and weight gathers resolved for the site's machine as
+    `optimus plan` resolves them (workflow.plan.plan_memory), or ``checkpointing`` (mode, every)
+    and ``weight_gathers`` where given: a choice rehearsed before the plan makes it."""
     from stages.rehearse import Rehearsal
     from workflow.experiments import dag, get as get_experiment
     from workflow.plan import plan_memory
@@ -574,9 +581,10 @@ def rehearsal_jobs(names, tiles, site, checkpointing: tuple[str, int] | None = N
         paper = exp.scale("paper", layout)
         for n in tiles or [paper.devices]:
             run = paper.at_tiles(n)
-            _, budget, resolved = plan_memory(run, site, n)  # MemoryBudgetError: over the budget
+            _, budget, resolved, gathers = plan_memory(run, site, n)  # MemoryBudgetError: over the budget
             jobs.append(Rehearsal(exp.name, run.run_config(), n, checkpointing or resolved or ("none", 1),
-                                  budget if budget == budget else None))
+                                  budget if budget == budget else None,
+                                  (weight_gathers or gathers) if gathers else None))  # (None: not sharded)
     return jobs
 
 
@@ -599,7 +607,7 @@ def cmd_rehearse(args) -> Summary:
         resolve_device_type(args.device, field="--device", instead="cpu (or meta: the shares' sizes only)")
     asked = parse_checkpointing(args.checkpointing) if args.checkpointing else None
     jobs = rehearsal_jobs(args.experiment, args.tiles, load_site(args.site, account=args.site_account), asked,
-                          _layout(args))
+                          _layout(args), args.weight_gathers)
     result = run_rehearse(RehearseConfig(jobs, rank=args.rank, steps=args.steps, device=args.device,
                                          micro_batches=args.micro_batches or None, save=not args.no_save),
                           RehearseOutputs(jsonl=args.jsonl, store=args.store))

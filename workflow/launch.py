@@ -301,6 +301,20 @@ def warm_cache_on_site(options: dict[str, Any]) -> Submitted:
                                                name, log=_log.info))
 
 
+def window_order_on_site(options: dict[str, Any]) -> Submitted:
+    """`optimus window-order --launcher parsl --site NAME ...`: the window order drawn by one
+    process on one node of the site and written beside the tokens on its shared file system,
+    where a compute node's memory holds it (8 bytes a window while it is drawn: some 16 GiB for
+    OLMoE-mix's windows), not the node that runs Snakemake."""
+    from workflow.sites import load_site
+
+    if not options.get("site"):
+        raise ConfigError("--launcher parsl needs --site NAME (local, aurora, or a YAML file with a site: block)")
+    site = load_site(options["site"])
+    return _run_on_site(site, _one_process_job(site), "window-order", _forwarded(options, ("data",)),
+                        f"window-order-s{options['seq_len']}-seed{options['seed']}")
+
+
 def evaluate_on_site(options: dict[str, Any]) -> Submitted:
     """`optimus evaluate --launcher parsl --site NAME ...`: the held-out evaluation of a run as a
     compute job, on the model sharded as it was trained (stages/evaluate.py), so that a model no

@@ -172,7 +172,7 @@ def plan(run=None, site: SiteConfig | None = None, *, ranks: int | None = None,
     if site.kind == "pbspro" and site.spare_nodes > nodes:
         raise ConfigError(f"site {site.name}: spare_nodes = {site.spare_nodes}: more than the job's {nodes} node(s); "
                           f"a spare stands in for a faulty node, so at most {nodes}")
-    memory_gib, budget_gib, checkpointing = plan_memory(run, site, ranks)
+    memory_gib, budget_gib, checkpointing, _ = plan_memory(run, site, ranks)
     est, source = estimate_hours(run, site, ranks)
     timed = bool(getattr(run, "timed", False))
     if timed and est == est:
@@ -226,23 +226,22 @@ def _label(checkpointing: tuple[str, int] | None) -> str:
     return mode + (f"/{every}" if mode == "full" and every > 1 else "")
 
 
-def plan_memory(run, site: SiteConfig, ranks: int) -> tuple[float, float, tuple[str, int] | None]:
-    """(GiB per tile, budget GiB, (mode, every)) of ``run`` on ``site.machine``'s devices, with
-    execution.activation_checkpointing resolved as the run will resolve it on such a device
-    (optimus_core.memory.check_run); MemoryBudgetError -- the run, the GiB, the budget and the
-    knob that would help -- when it cannot fit. (nan, nan, None) without a run or a machine."""
-    from optimus_core.execution import resolve_choices
-    from optimus_core.memory import GIB, check_run, device_budget
+def plan_memory(run, site: SiteConfig, ranks: int) -> tuple[float, float, tuple[str, int] | None, str | None]:
+    """(GiB per tile, budget GiB, (mode, every), weight gathers) of ``run`` on ``site.machine``'s
+    devices, with activation checkpointing and weight gathers resolved as the run will resolve
+    them on such a device (workflow.perfmodel.planned_run: the plan the step time is predicted
+    for; the gathers None where a rank is not sharded); MemoryBudgetError -- the run, the GiB, the
+    budget and the knob that would help -- when it cannot fit. (nan, nan, None, None) without a
+    run or a machine."""
+    from optimus_core.memory import GIB
+    from workflow import perfmodel
 
     nan = float("nan")
     if run is None or not site.machine:
-        return nan, nan, None
-    machine = _machine(site.machine)
-    cfg = run.run_config()
-    budget = device_budget(machine.memory_bytes) if machine.memory_bytes else None
-    plan = resolve_choices(cfg, machine.device_kind, ranks, probe=False)  # that device is not here
-    checkpointing, est = check_run(cfg, ranks, plan, budget, run=f"{cfg.preset} on {ranks} tiles")
-    return est.peak_gib, budget / GIB if budget else nan, checkpointing
+        return nan, nan, None, None
+    plan = perfmodel.planned_run(run.run_config(), _machine(site.machine), ranks)  # that device is not here
+    budget = plan.budget_bytes
+    return plan.memory.peak_gib, budget / GIB if budget else nan, plan.checkpointing, plan.weight_gathers
 
 
 def estimate_hours(run, site: SiteConfig, ranks: int) -> tuple[float, str]:

@@ -9,7 +9,8 @@ Modules: plan (the choices), apply (the one function that applies them), weight_
 experts' bf16 weight copies and where their gradients are).
 """
 from .apply import compile_blocks, parallelize, recompute, use_kernels
-from .plan import ExecutionError, ExecutionPlan, check_launch, device_memory_bytes, plan_execution, resolve_choices
+from .plan import (ExecutionError, ExecutionPlan, check_launch, device_memory_bytes, plan_execution, resolve_choices,
+                   resolve_weight_gathers)
 
 __all__ = ["ExecutionError", "ExecutionPlan", "check_launch", "compile_blocks", "device_memory_bytes", "parallelize",
-           "plan_execution", "recompute", "resolve_choices", "use_kernels"]
+           "plan_execution", "recompute", "resolve_choices", "resolve_weight_gathers", "use_kernels"]

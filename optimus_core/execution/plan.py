@@ -355,8 +355,8 @@ def plan_execution(cfg: RunConfig, device: torch.device | str, world_size: int =
     checkpointing, est = check_run(cfg, world_size, plan, budget_bytes, run=run or cfg.preset or "this run")
     why = dict(plan.why)
     if cfg.execution.weight_gathers == "auto" and cfg.parallel.stage_world(world_size) > 1:
-        plan, est, why["weight gathers"] = _per_step_if_it_fits(cfg, world_size, plan, checkpointing, est,
-                                                                 budget_bytes)
+        plan, est, why["weight gathers"] = resolve_weight_gathers(cfg, world_size, plan, checkpointing, est,
+                                                                  budget_bytes)
     asked = cfg.execution.activation_checkpointing
     why["activation checkpointing"] = ("asked" if asked != "auto" else
                                        "auto: the least recomputation that fits" if budget_bytes else
@@ -388,22 +388,21 @@ def _expert_exchange(cfg: RunConfig, device: torch.device, world_size: int, rank
     return exchange
 
 
-def _per_step_if_it_fits(cfg: RunConfig, world_size: int, plan: ExecutionPlan, checkpointing: tuple[str, int],
-                         est, budget_bytes: float | None):
+def resolve_weight_gathers(cfg: RunConfig, world_size: int, plan: ExecutionPlan, checkpointing: tuple[str, int],
+                           est, budget_bytes: float | None):
     """(plan, estimate, reason) of weight_gathers "auto": per_step where the rank accumulates
     several micro-batches and the memory model puts it within the budget with its error to
     spare (optimus_core.memory.FIT_MARGIN), else the plan as it is."""
-    from ..memory import FIT_MARGIN, MemoryLayout, estimate
+    from ..memory import FIT_MARGIN, MemoryLayout, estimate, heaviest_stage
 
-    if cfg.parallel.pp > 1:
-        return plan, est, "auto: every micro-batch under pipeline stages (the schedule interleaves them)"
     layout = MemoryLayout.of_run(cfg, world_size, checkpointing, plan)
     if layout.accumulation == 1:
         return plan, est, "auto: one micro-batch a step"
     if not budget_bytes:
         return plan, est, "auto: no memory budget known to hold the gathered weights"
     per_step = dataclasses.replace(plan, weight_gathers="per_step")
-    bigger = estimate(cfg.model, MemoryLayout.of_run(cfg, world_size, checkpointing, per_step))
+    bigger = estimate(cfg.model, heaviest_stage(cfg.model, MemoryLayout.of_run(cfg, world_size, checkpointing,
+                                                                              per_step)))
     if bigger.peak_bytes * (1 + FIT_MARGIN) > budget_bytes:
         return plan, est, (f"auto: the gathered weights would need {bigger.peak_gib:.1f} GiB of the "
                            f"{budget_bytes / GIB:.1f} GiB budget")

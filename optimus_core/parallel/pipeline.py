@@ -4,7 +4,8 @@
     keep_stage(model, cfg.parallel.rank_stages(mesh.pp_rank), layers)   # a meta model pruned to this rank's stages
     ...                                           # then parallelized and materialised as a whole model is
     pipe = Pipeline(model, mesh.stage, cfg.parallel, micro_batches=4, act_dtype=torch.bfloat16)
-    out = pipe.step(batch_BS1)                    # every micro-batch's forward and backward, 1F1B order
+    out = pipe.step(batch_BS1, sync=optimizer.before_micro_batch)  # every micro-batch's forward and
+                                                  # backward, 1F1B order; each stage's last reduces
 
 A stage keeps the blocks of its layers under their own names (``blocks.<layer>``), so its
 parameters' names, their seeded init and their checkpoint keys are those of the whole model;
@@ -24,10 +25,17 @@ the rank's one (pruned) model, its layers run by ``Transformer.hidden(layers=...
 micro-batch's loss is weighted by its token share (the schedule does not scale the gradients
 again), so a step's gradients are those of the mean loss over the rank's batch, as without
 stages. The stages' shapes are given to the schedule up front: no trial forward runs.
+
+Sharded stages synchronise their gradients as a sharded model without stages does over its
+micro-batches (optimus_core.train.sharded_adamw): before each stage's backward of a micro-batch
+its units learn whether it is the stage's last, so the replicas' all-reduce and, with the
+weights gathered once a step, the reduction and the freeing wait for that last backward.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Callable, ContextManager
 
@@ -88,6 +96,25 @@ def aux_from_routing_sums(sums: torch.Tensor, moe_cfg,
         lb = per_layer / L
     z = z / L
     return moe_cfg.lb_loss_coef * lb + moe_cfg.z_loss_coef * z, lb, z
+
+
+@functools.cache
+def _stage_class():
+    """torch's PipelineStage that calls ``before_backward(micro_batch)`` before its backward of
+    each micro-batch (the schedules run them in micro-batch order), made at first use: torch's
+    pipelining is imported only by runs with stages."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class SyncedStage(PipelineStage):
+        def __init__(self, *args, before_backward: Callable[[int], None], **kwargs):
+            super().__init__(*args, **kwargs)
+            self.before_backward = before_backward
+
+        def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+            self.before_backward(bwd_chunk_id)
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    return SyncedStage
 
 
 class StageModule(nn.Module):
@@ -172,6 +199,7 @@ class Pipeline:
                                     act_dtype=act_dtype, layers=range(*layers[s]), autocast=autocast,
                                     chunk_rows=chunk_rows) for s in self.stage_ids]
         self._schedule, self._shape = None, None
+        self._sync = None  # this step's (step)
 
     @property
     def layer_ids(self) -> list[int]:
@@ -183,7 +211,7 @@ class Pipeline:
         (and again should the shape change), with every stage's inputs and outputs given as the
         schedule sees them (shapes, dtypes, and that the floating ones carry gradients), so that
         it runs no trial forward to learn them."""
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
 
         if self._shape != (micro_batch, seq_len):
             cfg, mesh, meta = self.model.cfg, self.mesh, torch.device("meta")
@@ -196,8 +224,9 @@ class Pipeline:
             for s, module in zip(self.stage_ids, self.modules):
                 inputs = (tokens,) if module.first else (hidden, *sums)
                 outputs = (torch.empty(1, device=meta, requires_grad=True),) if module.last else (hidden, *sums)
-                stages.append(PipelineStage(module, s, self.n_stages, mesh.device, input_args=inputs,
-                                            output_args=outputs, group=mesh.pp_group))
+                stages.append(_stage_class()(module, s, self.n_stages, mesh.device, input_args=inputs,
+                                             output_args=outputs, group=mesh.pp_group,
+                                             before_backward=functools.partial(self._before_backward, module)))
             loss = lambda out, _target: out.sum()  # noqa: E731  (the last stage's output is the weighted objective)
             if self.interleaved:
                 self._schedule = ScheduleInterleaved1F1B(stages, self.micro_batches, loss_fn=loss, scale_grads=False)
@@ -206,10 +235,22 @@ class Pipeline:
             self._shape = (micro_batch, seq_len)
         return self._schedule
 
-    def step(self, batch_BS1: torch.Tensor) -> PipelineStep:
+    def _before_backward(self, module: StageModule, micro_batch: int) -> None:
+        """Before ``module``'s backward of ``micro_batch``: the step's gradient synchronisation
+        settings for its layers' units (``sync`` of step)."""
+        if self._sync is not None:
+            self._sync(micro_batch == self.micro_batches - 1, module.layers)
+
+    def step(self, batch_BS1: torch.Tensor,
+             sync: Callable[[bool, Collection[int] | None], None] | None = None) -> PipelineStep:
         """Every micro-batch's forward and backward of this rank's share ``batch_BS1`` (B
         sequences of S+1 tokens, B = micro_batches x micro_batch), in the schedule's order; the
-        gradients stay on the parameters, the update is the caller's."""
+        gradients stay on the parameters, the update is the caller's. ``sync(last, layers)``
+        (ShardedAdamW.before_micro_batch) sets how the backwards synchronise the gradients: once
+        for every layer (not last) before the step, then before each stage's backward of a
+        micro-batch for that stage's layers, ``last`` for its last micro-batch: so the replicas'
+        all-reduce, and under per-step gathers the reduction and the freeing, wait for each
+        stage's last backward."""
         tokens_BS, targets_BS = batch_BS1[:, :-1].contiguous(), batch_BS1[:, 1:].contiguous()
         B, S = tokens_BS.shape
         if B % self.micro_batches:
@@ -218,6 +259,9 @@ class Pipeline:
         for module in self.modules:
             module.parts.clear()
             module.counts.clear()
+        self._sync = sync
+        if sync is not None:
+            sync(False, None)
         args = (tokens_BS,) if self.first else ()
         kwargs = {"targets": targets_BS} if self.last else {}
         # the targets go to the last stage's forward (its loss is fused with the LM head); the

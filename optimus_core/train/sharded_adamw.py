@@ -25,6 +25,8 @@ or scales the local gradients once (torch's AdamW). The update is torch.optim.Ad
 """
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch import nn
 
@@ -52,6 +54,13 @@ class ShardedAdamW:
         self.mesh, self.mode, self.model, self.per_step = mesh, mode, model, weight_gathers == "per_step"
         # the units below the root (whose weights stay gathered through the backward anyway)
         self.units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+        # every unit, the root included, with the layer it serves (a pipeline stage's backward
+        # settles its own layers' units): a block and its experts their layer, the embedding the
+        # first, the root (final norm, LM head) the last
+        n_layers = model.cfg.n_layers
+        self.unit_layers = [(unit, 0 if unit is getattr(model, "embed", None) else
+                             n_layers - 1 if unit is model else int(name.split(".")[1]))
+                            for name, unit in model.named_modules() if isinstance(unit, FSDPModule)]
 
         params = [p for p in model.parameters() if p.requires_grad]
         # experts at ep > 1: FSDP2's mean over the expert-dp group is ep x the world mean
@@ -81,20 +90,26 @@ class ShardedAdamW:
     def state(self):
         return self.inner.state
 
-    def before_micro_batch(self, last: bool) -> None:
-        """With replicas (parallel.dp_shard, or dp_sharded's dense units over the EP group), the
-        gradients are all-reduced over them in the last micro-batch's backward only: the earlier
-        ones reduce-scatter within the shard group and add up. Gathered once a step (the plan's
+    def before_micro_batch(self, last: bool, layers: Collection[int] | None = None) -> None:
+        """Set how the coming backward synchronises, ``last``: the step's last micro-batch. With
+        replicas (parallel.dp_shard, or dp_sharded's dense units over the EP group), the gradients
+        are all-reduced over them in the last micro-batch's backward only: the earlier ones
+        reduce-scatter within the shard group and add up. Gathered once a step (the plan's
         weight_gathers per_step), the units stay gathered and their gradients accumulate whole
         until the last micro-batch, whose backward reduces them and frees the gathered weights
-        (the update then writes the shards, which the next step's first forward gathers)."""
-        if self.per_step:
-            for unit in self.units:
-                unit.set_reshard_after_forward(False, recurse=False)
-            self.model.set_requires_gradient_sync(last)
-            self.model.set_reshard_after_backward(last)
-        elif self.hsdp and hasattr(self.model, "set_requires_all_reduce"):
-            self.model.set_requires_all_reduce(last)
+        (the update then writes the shards, which the next step's first forward gathers).
+        ``layers``: only the units serving these layers (a pipeline stage's, before its backward
+        of a micro-batch: optimus_core.parallel.pipeline.Pipeline.step); default every unit."""
+        for unit, layer in self.unit_layers:
+            if layers is not None and layer not in layers:
+                continue
+            if self.per_step:
+                if unit is not self.model:  # (the root stays gathered from its forward anyway)
+                    unit.set_reshard_after_forward(False, recurse=False)
+                unit.set_requires_gradient_sync(last, recurse=False)
+                unit.set_reshard_after_backward(last, recurse=False)
+            elif self.hsdp:
+                unit.set_requires_all_reduce(last, recurse=False)
 
     @torch.no_grad()
     def clip_and_step(self, max_norm: float | None) -> torch.Tensor:

@@ -141,8 +141,8 @@ def pipeline_train_step(pipe, optimizer: torch.optim.Optimizer, batch_BS1: torch
     autocast (the Pipeline's)."""
     model = pipe.model
     model.train()
-    with phase("compute"):
-        out = pipe.step(batch_BS1)
+    with phase("compute"):  # ShardedAdamW: when the stages' backwards reduce (Pipeline.step)
+        out = pipe.step(batch_BS1, sync=getattr(optimizer, "before_micro_batch", None))
     sums_4, load_LE = out.sums_4, out.counts_LE
     local_4 = sums_4.clone()  # a last stage's losses; zeros on the others
     with phase("grad_sync"):  # every stage's part: the others add zeros

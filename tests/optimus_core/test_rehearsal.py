@@ -27,7 +27,7 @@ def test_a_rank_of_eight_trains_on_loopback_collectives_and_writes_its_checkpoin
     assert all(math.isfinite(g) and g > 0 for g in record["grad_norms"])
     assert record["shares_gib"] == record["model_shares_gib"]  # the memory model's static terms, exactly
     assert (tmp_path / ".metadata").is_file() and any(tmp_path.glob("*.distcp"))
-    assert "8 ranks (ep 2, full/1, rank 3)" in fmt(record)
+    assert "8 ranks (ep 2, full/1, gathered per micro batch, rank 3)" in fmt(record)
 
 
 def test_warm_up_steps_run_untimed_and_either_exchange_rehearses():

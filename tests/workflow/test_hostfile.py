@@ -118,3 +118,37 @@ def test_warm_cache_is_one_process_on_one_node_filling_the_sites_cache(tmp_path,
     site.write_text(yaml.safe_dump({"site": block}))
     seen.clear()
     assert main(["warm-cache", "--site", str(site)]) == 2 and not seen
+
+
+def test_window_order_on_a_site_is_one_process_on_one_node(tokens_dir, tmp_path, monkeypatch):
+    """`optimus window-order --launcher parsl`: a one-node job of the site (no mpiexec, no
+    hostfile) whose command draws the order locally, beside the tokens (absolute paths: the job
+    runs elsewhere); tokens that are not there are one line, nothing submitted."""
+    from workflow import launch
+    from workflow.cli import main
+
+    seen = {}
+
+    def fake_submit(site, job, command, run_dir, name):
+        seen.update(job=job, command=command, name=name)
+        (tmp_path / "o").write_text("done\n")
+        return launch.Submitted(0, tmp_path / "o", tmp_path / "e", 0.0)
+
+    monkeypatch.setattr(launch, "submit", fake_submit)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv(sites.ACCOUNT_ENV, "P")
+    site = tmp_path / "site.yaml"
+    import yaml
+    block = yaml.safe_load((Path(__file__).resolve().parents[2] / "workflow/config/aurora.yaml").read_text())["site"]
+    block.update(run_dir=str(tmp_path / "parsl"), slots_dir=str(tmp_path / "slots"), compile_cache="")
+    site.write_text(yaml.safe_dump({"site": block}))
+    monkeypatch.chdir(tokens_dir.parent)
+    assert main(["window-order", "--data", tokens_dir.name, "--seed", "7", "--launcher", "parsl",
+                 "--site", str(site)]) == 0
+    job = seen["job"]
+    assert job.nodes == 1 and job.ranks == 1 and job.mpiexec == ""
+    assert seen["command"] == f"optimus window-order --data {tokens_dir} --seq-len 2048 --seed 7 --epochs 1 --launcher local"
+    assert seen["name"] == "window-order-s2048-seed7" and not (tokens_dir / "window-order").exists()
+    seen.clear()
+    assert main(["window-order", "--data", str(tmp_path / "none"), "--launcher", "parsl", "--site", str(site)]) == 1
+    assert not seen

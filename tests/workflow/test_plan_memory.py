@@ -53,7 +53,7 @@ def test_a_job_over_the_tile_is_refused_at_planning_time(aurora):
     base = get("scaling-mula-220b-a10b-384").scale("paper", "zero3-blocks")
     run = RunScale.for_steps(base.preset, 2, 384, walltime_h=1, ep=12, global_batch=12288,
                              extra={**base.extra, "execution.activation_checkpointing": "none", "train.micro_batch": 4})
-    with pytest.raises(MemoryBudgetError, match=r"mula-220b-a10b on 384 tiles: \d+\.\d GiB at the .* per rank is over "
+    with pytest.raises(MemoryBudgetError, match=r"mula-220b-a10b on 384 aurora devices: \d+\.\d GiB at the .* per rank is over "
                                                 r"the budget of 57.6 GiB per device; try "
                                                 r"execution.activation_checkpointing=full \(or auto\)"):
         plan(run, aurora)

@@ -29,8 +29,8 @@ def aurora(monkeypatch):
 
 
 @pytest.mark.parametrize("run, nodes, queue, walltime", [
-    ("scaling-mula-220b-a10b-384", 32, "debug-scaling", "00:50:00"),   # a timed run: its estimate + room
-    ("scaling-mula-220b-a10b-3072", 256, "debug-scaling", "00:25:00"),
+    ("scaling-mula-220b-a10b-384", 32, "debug-scaling", "00:25:00"),   # a timed run: its estimate + room
+    ("scaling-mula-220b-a10b-3072", 256, "debug-scaling", "00:20:00"),
     ("scaling-mula-220b-a10b-12288", 1024, "prod", "00:20:00"),
     ("pretrain-mula-7b-a1b", 256, "prod", "12:00:00"),                  # the longest prod's small tier allows
 ])
@@ -110,8 +110,8 @@ def test_a_timed_run_fits_one_job_with_room_or_is_refused(aurora):
                                 extra=run.extra, dp_shard=run.dp_shard)
     with pytest.raises(ConfigError, match=r"no queue fits.*a timed run: .* h estimated, asking .* with room; fewer steps"):
         plan(longer, aurora)
-    with pytest.raises(ConfigError, match=r"walltime_h = 0.5: a timed run needs .* h"):
-        plan(run, aurora, walltime_h=0.5)
+    with pytest.raises(ConfigError, match=r"walltime_h = 0.25: a timed run needs .* h"):
+        plan(run, aurora, walltime_h=aurora.startup_h)  # the start-up allowance alone
 
 
 def test_a_long_run_is_chained_jobs_that_each_fit(aurora):
@@ -132,8 +132,8 @@ def test_planning_errors_name_field_value_and_allowed(aurora, monkeypatch):
         plan(None, aurora, ranks=100)
     with pytest.raises(ConfigError, match=r"nodes = 32: queue 'debug' allows 1-2 nodes"):
         plan(run, sites.load_site("aurora", account="A", queue="debug"))
-    with pytest.raises(ConfigError, match=r"walltime_h = 0.5: a timed run needs"):
-        plan(run, sites.load_site("aurora", account="A", queue="debug-scaling"), walltime_h=0.5)
+    with pytest.raises(ConfigError, match=r"walltime_h = 0.25: a timed run needs"):
+        plan(run, sites.load_site("aurora", account="A", queue="debug-scaling"), walltime_h=0.25)
     with pytest.raises(ConfigError, match=r"walltime_h = 2: over queue 'debug-scaling''s limit of 1h"):
         plan(None, sites.load_site("aurora", account="A", queue="debug-scaling"), ranks=12 * 32, walltime_h=2)
     with pytest.raises(ConfigError, match=r"nodes = 11000: no queue takes 11000 nodes; allowed: debug: 1-2 nodes"):
@@ -281,7 +281,7 @@ def test_paper_dry_run_lists_every_job_and_the_node_hour_total(tmp_path):
     assert all(p.est_source == "perfmodel:aurora" for p in plans)
     assert f"TOTAL 22 jobs, {total} node-hours (performance model on machine aurora for 22 jobs)" in text
     assert "--launcher parsl --site aurora" in text
-    assert "optimus window-order --data" in text and "--seq-len 2048 --seed 42" in text
+    assert "optimus window-order --data" in text and "--seq-len 2048 --seed 42 --launcher parsl --site aurora" in text
     assert "optimus warm-cache --site aurora" in text
     assert "optimus task-data --tasks arc_easy arc_challenge hellaswag piqa boolq sciq winogrande openbookqa mmlu" in text
     assert re.search(r"optimus evaluate --run \S+pretrain-mula-7b-a1b .*--tasks arc_easy .* --downstream-all-checkpoints "

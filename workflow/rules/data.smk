@@ -33,8 +33,9 @@ rule tokenize:
 
 
 # The window order of the paper's data order, drawn once for every run that reads it (common.smk
-# WINDOW_ORDERS), on the node that runs Snakemake: for OLMoE-mix ~2e9 windows, ~16 GiB of memory
-# and minutes, once, instead of on every rank of every job.
+# WINDOW_ORDERS): for OLMoE-mix ~2e9 windows, ~16 GiB of memory and minutes, once, instead of on
+# every rank of every job; with the parsl launcher by one process on one node of the site, not on
+# the node that runs Snakemake.
 rule window_order:
     input:
         TOKENS,
@@ -43,8 +44,8 @@ rule window_order:
     log:
         f"{RES}/logs/window-order-s{{seq_len}}-seed{{seed}}.log",
     shell:
-        "optimus window-order --data {input} --seq-len {wildcards.seq_len} --seed {wildcards.seed}"
-        " > {output}.tmp 2> {log} && mv {output}.tmp {output}"
+        "optimus window-order --data {input} --seq-len {wildcards.seq_len} --seed {wildcards.seed} " + LAUNCH
+        + " > {output}.tmp 2> {log} && mv {output}.tmp {output}"
 
 
 # The site's compile cache, filled once by one process on one node (`optimus warm-cache`: every

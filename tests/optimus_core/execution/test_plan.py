@@ -430,6 +430,28 @@ def test_weights_are_gathered_once_a_step_where_a_rank_accumulates_and_it_fits()
     assert resolve_choices(asked, "cuda", 2, probe=False).weight_gathers == "per_step"
 
 
+def test_pipeline_stages_gather_once_a_step_where_their_heaviest_stage_fits():
+    """Under stages the choice is the heaviest stage's: per step where its estimate (the stage's
+    gathered weights and their gradients accumulated whole) fits with the margin, per micro-batch
+    where only a lighter stage's would."""
+    from optimus_core.config import ParallelConfig
+    from optimus_core.memory import FIT_MARGIN, MemoryLayout, estimate, heaviest_stage
+
+    cfg = run(train=TrainConfig(global_batch=8, micro_batch=1)).replace(parallel=ParallelConfig(pp=2))
+    plan = plan_execution(cfg, "cuda", 4, budget_bytes=64 * GIB, probe=False)  # 2 stages of 2 ranks, 4 micro-batches
+    assert plan.weight_gathers == "per_step" and plan.why["weight gathers"] == "auto: 4 micro-batches a step, and it fits"
+    layouts = MemoryLayout.of_run(cfg, 4, plan.checkpointing, plan).stage_layouts()
+    peaks = [estimate(cfg.model, L).peak_bytes for L in layouts]
+    assert plan.memory.peak_bytes == max(peaks) == estimate(cfg.model, heaviest_stage(cfg.model, layouts[0])).peak_bytes
+    assert peaks[0] != peaks[1]  # (the first stage's embedding and the last's head weigh differently)
+    per_mb = [estimate(cfg.model, dataclasses.replace(L, gathers="per_micro_batch")).peak_bytes for L in layouts]
+    # a budget the lighter stage's per-step estimate fits, the heavier's not
+    budget = (min(peaks) + max(peaks)) / 2 * (1 + FIT_MARGIN)
+    assert max(per_mb) * (1 + FIT_MARGIN) < budget
+    tight = plan_execution(cfg, "cuda", 4, budget_bytes=budget, probe=False)
+    assert tight.weight_gathers == "per_micro_batch" and "would need" in tight.why["weight gathers"]
+
+
 def test_a_kernel_that_fails_its_self_check_under_auto_is_a_warning_not_a_silent_swap(monkeypatch):
     """On a device where the experts' Triton kernels fail their self-check (as on an XPU whose
     Triton rejects a compile option), "auto" falls back, and the plan says the experiment changed:

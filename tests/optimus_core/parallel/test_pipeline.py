@@ -14,7 +14,7 @@ from optimus_core.config import (ConfigError, DataConfig, ExecutionConfig, Model
                                  RunConfig, ScheduleConfig, TrainConfig)
 from optimus_core.execution import plan_execution
 from optimus_core.model.transformer import Transformer
-from optimus_core.parallel import init_distributed
+from optimus_core.parallel import init_distributed, shutdown
 from optimus_core.parallel.mesh import pipeline_layout
 from optimus_core.parallel.pipeline import add_routing_sums, aux_from_routing_sums, keep_stage
 from optimus_core.train.loop import Trainer
@@ -24,7 +24,8 @@ from sinks import ListSink
 STEPS = 10
 
 
-def _cfg(pp=1, ep=1, steps=STEPS, recompute="none", schedule="cosine", lb_form="per_layer", micro_batch=2, chunks=1):
+def _cfg(pp=1, ep=1, steps=STEPS, recompute="none", schedule="cosine", lb_form="per_layer", micro_batch=2, chunks=1,
+         gathers="auto", dp_shard=0):
     # micro_batch 2 everywhere: the load-balancing loss is a per-forward statistic, so the
     # 1-process run must see the same 2-sequence forwards as the stages do (global batch 8)
     return RunConfig(
@@ -33,9 +34,9 @@ def _cfg(pp=1, ep=1, steps=STEPS, recompute="none", schedule="cosine", lb_form="
                                         lb_loss_form=lb_form)),
         train=TrainConfig(steps=steps, global_batch=8, micro_batch=micro_batch, device="cpu", eval_batches=1),
         data=DataConfig(seq_len=32), schedule=ScheduleConfig(kind=schedule, warmup_steps=3),
-        parallel=ParallelConfig(ep=ep, pp=pp, pp_chunks=chunks,
+        parallel=ParallelConfig(ep=ep, pp=pp, pp_chunks=chunks, dp_shard=dp_shard,
                                 pp_schedule="interleaved_1f1b" if chunks > 1 else "1f1b"),
-        execution=ExecutionConfig(activation_checkpointing=recompute))
+        execution=ExecutionConfig(activation_checkpointing=recompute, weight_gathers=gathers))
 
 
 def _rows(sink):
@@ -189,6 +190,77 @@ def test_stages_follow_the_one_process_run(single, tokens_dir, tmp_path, nproc, 
     cfg = _cfg(pp=pp, ep=ep, recompute=recompute, chunks=chunks)
     got = _ranks(nproc, cfg, tokens_dir, tmp_path / "run", tmp_path / "rows.json")
     _close(got, single)
+
+
+@pytest.mark.parametrize("pp, ep, recompute, chunks, gathers, dp_shard", [
+    (2, 1, "none", 1, "per_step", 0),  # the paper's granularity: each stage's weights gathered once a step
+    (2, 2, "level1", 1, "per_step", 0),  # the 100B's: EP 2 within each stage, the MoE block recomputed
+    (2, 1, "level7", 2, "per_step", 0),  # interleaved: each chunk of the rank reduces after its own last backward
+    (2, 1, "none", 1, "per_micro_batch", 1),  # each stage replicated over its 2 ranks: all-reduced once a step
+    (2, 1, "full", 1, "per_step", 1),
+])
+def test_stages_synchronise_once_a_step_and_follow_the_one_process_run(single, tokens_dir, tmp_path, pp, ep,
+                                                                       recompute, chunks, gathers, dp_shard):
+    cfg = _cfg(pp=pp, ep=ep, recompute=recompute, chunks=chunks, gathers=gathers, dp_shard=dp_shard)
+    got = _ranks(4, cfg, tokens_dir, tmp_path / "run", tmp_path / "rows.json")
+    _close(got, single)
+
+
+def _count_collectives(cfg_json, tokens_dir, run_dir, out_path):
+    """One gloo rank training ``cfg_json`` with torch.distributed's gathers, reductions and
+    all-reduces counted (global rank 0 writes the counts)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    cfg = RunConfig.from_json(cfg_json)
+    mesh = init_distributed(cfg.parallel, cfg.model.moe.n_experts, device="cpu")
+    counts = {}
+
+    def counted(kind, real):
+        def call(*args, **kwargs):
+            counts[kind] = counts.get(kind, 0) + 1
+            return real(*args, **kwargs)
+        return call
+
+    kinds = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",  # (FSDP2's, by torch version)
+             "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+             "all_reduce": "all_reduce"}
+    names = [name for name in kinds if hasattr(dist, name)]
+    real = {name: getattr(dist, name) for name in names}
+    try:
+        for name in names:
+            setattr(dist, name, counted(kinds[name], real[name]))
+        Trainer(cfg, tokens_dir, run_dir, progress=False, mesh=mesh).fit()
+    finally:
+        for name in names:
+            setattr(dist, name, real[name])
+        shutdown(mesh)
+    if mesh.rank == 0:
+        out_path.write_text(json.dumps(counts))
+
+
+@pytest.mark.parametrize("gathers, dp_shard, constant, growing", [
+    ("per_micro_batch", 1, "all_reduce", None),  # the replicas' all-reduce: once a step
+    ("per_micro_batch", 0, "all_reduce", "reduce_scatter"),
+    ("per_step", 0, "all_gather", None),  # gathered and reduced once a step
+    ("per_step", 0, "reduce_scatter", None),
+])
+def test_stages_synchronise_once_a_step_whatever_the_micro_batches(tokens_dir, tmp_path, gathers, dp_shard,
+                                                                  constant, growing):
+    """PP 2 x DP 2, 2 steps: with 2 and with 4 micro-batches a step, the collectives the step
+    synchronises once are as many; those of every micro-batch grow with them."""
+    from optimus_core.parallel.launch import spawn_local
+
+    counts = []
+    for micro_batch in (2, 1):  # 4 sequences per data-parallel rank: 2, then 4 micro-batches
+        cfg = _cfg(pp=2, steps=2, micro_batch=micro_batch, gathers=gathers, dp_shard=dp_shard)
+        out = tmp_path / f"counts{micro_batch}.json"
+        spawn_local(_count_collectives, 4, (cfg.to_json(), tokens_dir, tmp_path / f"run{micro_batch}", out),
+                    start_method="fork")
+        counts.append(json.loads(out.read_text()))
+    assert counts[0][constant] == counts[1][constant] > 0
+    if growing:
+        assert counts[1][growing] > counts[0][growing]
 
 
 def test_a_checkpoint_loads_across_pipeline_degrees(tokens_dir, tmp_path):
