@@ -25,12 +25,18 @@ one ``heldout`` row each with its ``step`` and ``tokens``: eval-vs-tokens curves
 each as well with ``downstream_all_checkpoints``. A rerun rewrites the same rows (the store
 replaces rows from a re-logged step on), so it is idempotent.
 
+With ``all_checkpoints`` each checkpoint's evaluation is kept as soon as it is made, beside
+``eval.json`` (``<eval json>.parts/``): a rerun of an evaluation cut short (a job's walltime, a
+failure) evaluates only the checkpoints it had not reached (_Parts).
+
 Sharded: started as several ranks (mpiexec, torchrun, `optimus evaluate --nproc N`, or a site's
 compute job through `--launcher parsl`), the held-out metrics run on the model sharded as the
 trainer shards it (FSDP2, the run's EP degree), each rank loading only the rows it holds from the
 checkpoint, on ``device``: how a paper-scale model that no one process can hold is evaluated.
 Every rank runs the same batches; rank 0 writes the store and ``eval.json``. Downstream tasks
-(lm-eval) need the whole model in one process and are refused there.
+(lm-eval) need the whole model in one process: started as several ranks with them, the ranks
+share the checkpoints instead (rank r the r-th of every N, one process each on its own device),
+and rank 0 writes the results once every rank's parts are there.
 """
 from __future__ import annotations
 
@@ -136,43 +142,113 @@ def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
 
     launch = read_launch_env()
     use_compile_cache(launch.local_rank)  # the site's warm kernels, before any compiles
-    if launch.world_size > 1:
+    split = launch.world_size > 1 and bool(config.downstream)  # lm-eval: each rank its own checkpoints
+    if launch.world_size > 1 and not split:
         return _run_sharded(config, inputs, outputs, run_id)
     device = "cpu"
     if config.device in ("cuda", "xpu"):  # one process on a GPU or a tile: said now if it is not here
         from optimus_core.device import resolve_device_type
 
         device = resolve_device_type(config.device, field="--device")
+        if split:  # this rank's device of the node's (one each where the launcher shows only its own)
+            import torch
+
+            backend = getattr(torch, device)
+            backend.set_device(launch.local_rank % backend.device_count())
+    if split and not config.all_checkpoints:
+        raise ConfigError(f"tasks = {list(config.tasks)} on {launch.world_size} ranks: the ranks share a run's "
+                          f"checkpoints (all_checkpoints); one checkpoint is evaluated by one process")
     found = _checkpoints(run_dir, config.all_checkpoints)
     newest = found[-1]
     data_dir = _checked_data(inputs.data_dir or newest.cfg.data.path, run_dir)
-    heldout_rows: list[dict] = []  # oldest first: the store's rows stay in step order
-    down_rows: list[dict] = []
-    scores: dict = {}
+    parts = _Parts(outputs.eval_json, config, data_dir) if config.all_checkpoints else None
+    mine = _share(found, launch, run_id) if split else found
+    done, counts = _evaluate(config, mine, newest, data_dir, device, run_id, parts)
+    if split:
+        if launch.rank != 0:  # rank 0 writes the store and eval.json once every part is there
+            return EvaluateResult(run_id, newest.step, checkpoints=sorted(done))
+        done = parts.wait_for(found, run_id)
+    return _write_results(config, found, done, outputs, run_id, data_dir, counts)
+
+
+HOST_SHARE = 0.8  # of a node's memory the ranks that share the checkpoints may fill
+
+
+def _share(found: list[_Point], launch, run_id: str) -> list[_Point]:
+    """This rank's checkpoints where the ranks share them: as many ranks of each node as its
+    memory holds loading a checkpoint at once (the float32 state read and the float32 model it
+    fills: 8 bytes a parameter, HOST_SHARE of the node's memory; the launch's ranks of a node are
+    consecutive), the k-th of them every k-th checkpoint; none for the others."""
+    import os
+
+    per_node = launch.local_world or launch.world_size
+    if launch.world_size % per_node:  # nodes of unequal ranks: counted as one
+        per_node = launch.world_size
+    node_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    each = 8 * found[-1].cfg.model.num_params()
+    active = max(1, min(per_node, int(HOST_SHARE * node_bytes // each)))
+    if launch.local_rank >= active:
+        _log.info("%s: rank %d evaluates nothing: %d rank(s) of each node's %d do, each loading %.1f GiB of the "
+                  "node's %.0f GiB", run_id, launch.rank, active, per_node, each / 2**30, node_bytes / 2**30)
+        return []
+    position, ranks = launch.rank // per_node * active + launch.local_rank, launch.world_size // per_node * active
+    return found[position::ranks]
+
+
+def _evaluate(config: EvaluateConfig, points: list[_Point], newest: _Point, data_dir: Path, device: str,
+              run_id: str, parts: _Parts | None) -> tuple[dict[int, dict], dict]:
+    """({step: record} of ``points``, the held-out counts of the last one evaluated here): each
+    checkpoint's held-out metrics and (the newest's, or each with downstream_all_checkpoints)
+    downstream scores, as a record (_Parts.record); one already in ``parts`` is kept, each new
+    one written there as soon as it is made."""
+    done: dict[int, dict] = {}
+    todo: list[tuple[int, _Point]] = []
+    for k, point in enumerate(points, 1):
+        kept = parts.read(point) if parts is not None else None
+        if kept is None:
+            todo.append((k, point))
+        else:
+            done[point.step] = kept
+            _log.info("%s: checkpoint %d of %d (step %d) evaluated before, kept (%s)", run_id, k, len(points),
+                      point.step, parts.path(point))
+    counts: dict = {}
+    if not todo:
+        return done, counts
     with tempfile.TemporaryDirectory(prefix="optimus-tasks-") as tmp:
         # The offline tasks are rebuilt per evaluation (seconds, deterministic), in a temporary
         # directory: nothing is left behind that could go stale against a re-tokenized corpus.
         names = _task_names(config, data_dir, Path(tmp)) if config.downstream else []
         manager = _task_manager(config, names, tmp) if names else None  # unknown names: before any model loads
-        counts: dict = {}
-        for k, point in enumerate(found, 1):
-            _log.info("%s: checkpoint %d of %d (step %d) loading", run_id, k, len(found), point.step)
+        for k, point in todo:
+            _log.info("%s: checkpoint %d of %d (step %d) loading", run_id, k, len(points), point.step)
             model = point.load(device, config.dtype)
-            base = {"step": point.step, "tokens": point.tokens}
+            heldout = scores = None
             if "heldout" in config.tasks:
                 counts = {}
-                heldout_rows.append({**base, **heldout_metrics(
-                    model, data_dir, seq_len=point.cfg.data.seq_len, batch_size=config.batch_size,
-                    max_batches=config.max_batches, dtype=config.dtype, device=device, counts=counts)})
+                heldout = heldout_metrics(model, data_dir, seq_len=point.cfg.data.seq_len,
+                                          batch_size=config.batch_size, max_batches=config.max_batches,
+                                          dtype=config.dtype, device=device, counts=counts)
                 _log.info("%s: step %d held-out loss %.4f over %d batches (%d sequences)", run_id, point.step,
-                          heldout_rows[-1].get("loss", float("nan")), counts.get("batches", 0),
-                          counts.get("sequences", 0))
-            if names and (point is newest or config.downstream_all_checkpoints):
+                          heldout.get("loss", float("nan")), counts.get("batches", 0), counts.get("sequences", 0))
+            if names and (point.step == newest.step or config.downstream_all_checkpoints):
                 _log.info("%s: step %d downstream tasks %s", run_id, point.step, ", ".join(names))
                 scores = _downstream(config, model, point.cfg, data_dir, names, manager, device)
-                down_rows.append({**base, **{f"{metric}.{task}": v for task, m in scores.items()
-                                             for metric, v in m.items()}})
             del model
+            done[point.step] = _Parts.record(point, heldout, scores)
+            if parts is not None:
+                parts.write(point, done[point.step])
+    return done, counts
+
+
+def _write_results(config: EvaluateConfig, found: list[_Point], done: dict[int, dict], outputs: EvaluateOutputs,
+                   run_id: str, data_dir: Path, counts: dict) -> EvaluateResult:
+    """The store's rows and eval.json of the evaluated checkpoints ``found`` (their records in
+    ``done``), oldest first: the store's rows stay in step order."""
+    records = [done[p.step] for p in found]
+    heldout_rows = [{"step": r["step"], "tokens": r["tokens"], **r["heldout"]} for r in records if r["heldout"]]
+    down_rows = [{"step": r["step"], "tokens": r["tokens"],
+                  **{f"{metric}.{task}": v for task, m in r["downstream"].items() for metric, v in m.items()}}
+                 for r in records if r["downstream"]]
     if outputs.store:
         with open_store(outputs.store).run_writer(run_id) as writer:
             for row in heldout_rows:
@@ -180,9 +256,11 @@ def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
             for row in down_rows:
                 writer.log("downstream", row)
             writer.update_attrs(evaluated=utc_now())
+    newest = found[-1]
     base = {"step": newest.step, "tokens": newest.tokens}
     metrics = {k: v for k, v in (heldout_rows[-1] if heldout_rows else {}).items() if k not in base}
     doc = {"run_id": run_id, "data_dir": str(data_dir), **base, **metrics}
+    scores = next((r["downstream"] for r in reversed(records) if r["downstream"]), None)
     if scores:
         doc["downstream"] = scores
     if config.all_checkpoints:
@@ -195,17 +273,74 @@ def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
                           checkpoints=[r["step"] for r in heldout_rows or down_rows], heldout_counts=counts)
 
 
+class _Parts:
+    """Each checkpoint's evaluation, kept as it is made beside the evaluation's output
+    (``<eval json>.parts/step_<step>.json``), so that an evaluation of many checkpoints cut short
+    (a job's walltime, a failure) goes on from where it stopped, and ranks that share the
+    checkpoints hand theirs to the rank that writes the results. A part counts only for the same
+    checkpoint (the run's uid, step and tokens seen) evaluated the same way (tasks, their
+    settings, the data); any other is evaluated again and replaced."""
+
+    POLL_S = 10.0  # how often rank 0 looks for the other ranks' parts
+
+    def __init__(self, eval_json: Path, config: EvaluateConfig, data_dir: Path):
+        self.dir = Path(eval_json).with_name(Path(eval_json).name + ".parts")
+        self.how = {"tasks": list(config.tasks), "limit": config.limit, "n_items": config.n_items,
+                    "dtype": config.dtype, "batch_size": config.batch_size, "max_batches": config.max_batches,
+                    "downstream_all_checkpoints": config.downstream_all_checkpoints,
+                    "task_dirs": list(config.task_dirs), "data": str(Path(data_dir).resolve())}
+
+    @staticmethod
+    def record(point: _Point, heldout: dict | None, scores: dict | None) -> dict:
+        """One checkpoint's evaluation: its step, tokens seen, held-out metrics and downstream
+        scores ({task: {metric: value}}; None: not evaluated)."""
+        return {"step": point.step, "tokens": point.tokens, "heldout": heldout, "downstream": scores}
+
+    def path(self, point: _Point) -> Path:
+        return self.dir / f"step_{point.step:08d}.json"
+
+    def _identity(self, point: _Point) -> dict:
+        return {"uid": point.found.meta.get("uid"), "step": point.step, "tokens": point.tokens}
+
+    def read(self, point: _Point) -> dict | None:
+        """``point``'s record, where a part of this evaluation of it is kept; else None."""
+        try:
+            part = json.loads(self.path(point).read_text())
+        except (OSError, ValueError):  # none yet, or unreadable: evaluated (again)
+            return None
+        if not isinstance(part, dict) or part.get("how") != self.how or part.get("checkpoint") != self._identity(point):
+            return None
+        return part.get("record")
+
+    def write(self, point: _Point, record: dict) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.path(point), json.dumps({"how": self.how, "checkpoint": self._identity(point),
+                                                   "record": record}))
+
+    def wait_for(self, points: list[_Point], run_id: str) -> dict[int, dict]:
+        """{step: record} of every one of ``points``, waiting for the parts other ranks make (a
+        rank that fails ends the job: its launcher stops the others)."""
+        import time
+
+        said = -1
+        while True:
+            done = {p.step: r for p in points if (r := self.read(p)) is not None}
+            if len(done) == len(points):
+                return done
+            if len(done) != said:
+                _log.info("%s: %d of %d checkpoints evaluated; waiting for the other ranks' parts", run_id,
+                          len(done), len(points))
+                said = len(done)
+            time.sleep(self.POLL_S)
+
+
 def _run_sharded(config: EvaluateConfig, inputs: EvaluateInputs, outputs: EvaluateOutputs,
                  run_id: str) -> EvaluateResult:
     """Held-out metrics of each checkpoint on the model sharded over this job's ranks (module doc):
     the layout from the newest checkpoint's config, then each rank validates its share of the
     checkpoints (optimus_core.train.checkpoint.latest_valid) before reading its rows."""
-    from optimus_core.config import ConfigError
     from optimus_core.parallel import init_distributed, shutdown
 
-    if config.downstream:
-        raise ConfigError(f"tasks = {list(config.tasks)}: a sharded evaluation runs 'heldout' only (lm-eval's "
-                          f"tasks need the whole model in one process)")
     from optimus_core.parallel.mesh import read_launch_env
 
     run_dir = Path(inputs.run_dir)

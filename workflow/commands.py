@@ -350,9 +350,10 @@ def cmd_evaluate(args) -> Summary | None:
     launch = read_launch_env()
     _rank_logging(args, launch)
     if args.nproc > 1 and launch.world_size == 1:
-        if set(args.tasks) != {"heldout"}:  # before any rank starts
-            raise ConfigError(f"--tasks {' '.join(args.tasks)} with --nproc {args.nproc}: a sharded evaluation runs "
-                              f"'heldout' only (lm-eval's tasks need the whole model in one process)")
+        if set(args.tasks) != {"heldout"} and not (args.all_checkpoints or args.downstream_all_checkpoints):
+            raise ConfigError(f"--tasks {' '.join(args.tasks)} with --nproc {args.nproc}: lm-eval's tasks need the "
+                              f"whole model in one process, so the ranks share a run's checkpoints: add "
+                              f"--all-checkpoints (or evaluate the newest checkpoint in one process)")
         from optimus_core.device import resolve_device_type
 
         resolve_device_type(args.device, field="--device")  # a device that is not here: said once, not per rank

@@ -21,7 +21,7 @@ import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from optimus_core.config import ConfigError
 from optimus_core.log import get_logger
@@ -142,7 +142,8 @@ class LaunchError(ValueError):
 
 
 def launch_chain(site: SiteConfig, job: JobPlan, command: str, run_dir: str | Path, name: str,
-                 submit_fn=None, log=print, poll_s: float = 10.0, faults: Path | None = None) -> Submitted:
+                 submit_fn=None, log=print, poll_s: float = 10.0, faults: Path | None = None,
+                 progress: Callable[[], int] | None = None) -> Submitted:
     """Submit ``command`` as chained jobs until one ends with success: ``job.jobs`` jobs for a run
     longer than one walltime, each resuming from the newest checkpoint, plus ``site.retries`` for
     failures. Every attempt is a new PBS job, so a failed node is not given back to the run in the
@@ -151,19 +152,26 @@ def launch_chain(site: SiteConfig, job: JobPlan, command: str, run_dir: str | Pa
     its length (it fits one), only the retries. A configuration error (status 2) ends the chain:
     the next job would refuse the same command. A node fault (status 76: the run named hosts in
     ``faults``, its node-faults.json) is said with the hosts; the next job leaves them out where
-    it holds spare nodes (``site.spare_nodes``; command_line's hostfile)."""
+    it holds spare nodes (``site.spare_nodes``; command_line's hostfile). ``progress``: a count of
+    the work done that the command keeps across jobs (an evaluation's checkpoints): a job that
+    ends unfinished but raised it is followed by one more, not counted against the retries."""
     from workflow.queue_slots import queue_slots
 
     submit_fn = submit_fn or submit
     attempts = job.jobs + site.retries
-    done = None
-    for attempt in range(1, attempts + 1):
+    made = progress() if progress is not None else 0
+    done, attempt = None, 0
+    while attempt < attempts:
+        attempt += 1
         with queue_slots(site, job.queue, wait_log=log, poll_s=poll_s):
             log(f"[optimus launch] {name}: job {attempt} of at most {attempts} (queue {job.queue or '-'}, "
                 f"walltime {job.walltime})")
             done = submit_fn(site, job, command, run_dir, name=name)
         if done.returncode in (0, CONFIG_ERROR):  # success, or an error no new job fixes
             return done
+        if progress is not None and (now := progress()) > made:
+            log(f"[optimus launch] {name}: job {attempt} got from {made} to {now} before it ended: the next goes on")
+            made, attempts = now, attempts + 1
         log(f"[optimus launch] {name}: job {attempt} ended with status {done.returncode}"
             + ("; submitting the next, which resumes from the newest checkpoint" if attempt < attempts else ""))
         if done.returncode == NODE_FAULT_EXIT_CODE and faults is not None:
@@ -216,9 +224,10 @@ def _forwarded(options: dict[str, Any], paths: tuple[str, ...]) -> dict[str, Any
     return forwarded
 
 
-def _run_on_site(site: SiteConfig, job: JobPlan, subcommand: str, forwarded: dict[str, Any], name: str) -> Submitted:
-    """`optimus SUBCOMMAND` with ``forwarded`` under the job's launcher, as launch_chain's jobs;
-    LaunchError with the stderr's tail unless one ends with success."""
+def _run_on_site(site: SiteConfig, job: JobPlan, subcommand: str, forwarded: dict[str, Any], name: str,
+                 progress: Callable[[], int] | None = None) -> Submitted:
+    """`optimus SUBCOMMAND` with ``forwarded`` under the job's launcher, as launch_chain's jobs
+    (``progress``: theirs); LaunchError with the stderr's tail unless one ends with success."""
     argv = command_argv(subcommand, forwarded, optimus=site.optimus)
     if job.ranks > 1 and not job.mpiexec:  # no MPI launcher on this site: the command spawns its ranks
         argv[-2:-2] = ["--nproc", str(job.ranks)]
@@ -230,7 +239,7 @@ def _run_on_site(site: SiteConfig, job: JobPlan, subcommand: str, forwarded: dic
               f"walltime {job.walltime}, up to {job.jobs} job(s)")
     _log.info(f"launch: {command}")
     return _succeeded(site, name, launch_chain(site, job, command, Path(site.run_dir).resolve() / name, name,
-                                               log=_log.info, faults=faults))
+                                               log=_log.info, faults=faults, progress=progress))
 
 
 def _succeeded(site: SiteConfig, name: str, done: Submitted) -> Submitted:
@@ -252,22 +261,33 @@ def _one_process_job(site: SiteConfig) -> JobPlan:
     return dataclasses.replace(job, ranks=1, mpiexec="", gpu_affinity="")
 
 
-def _one_process_evaluation(site: SiteConfig, options: dict[str, Any], run_dir: Path) -> Submitted:
-    """`optimus evaluate --tasks ...` with lm-eval's tasks on a site: one process on one tile of
-    one node (the model whole, in bf16 where asked: up to a 20B model on a 64 GiB tile), the
-    site's device; no mpiexec."""
+def _downstream_evaluation(site: SiteConfig, options: dict[str, Any], run_dir: Path) -> Submitted:
+    """`optimus evaluate --tasks ...` with lm-eval's tasks on a site (the model whole in each
+    process, in bf16 where asked: up to a 20B model on a 64 GiB tile), on one node: the newest
+    checkpoint by one process on one tile; every checkpoint (--all-checkpoints) by the node's
+    tiles, one process each, sharing the checkpoints (as many at once as the node's memory holds:
+    stages/evaluate.py), each checkpoint's scores kept as they are made, so that a job cut short by
+    its walltime leaves them to the next, which goes on from there (launch_chain's progress)."""
     import json
 
+    from workflow.plan import plan
+
     if int(options.get("nproc") or 1) > 1:
-        raise ConfigError(f"--tasks {' '.join(options['tasks'])} with --nproc {options['nproc']}: lm-eval's tasks "
-                          f"run in one process (on one tile of the site)")
-    job = _one_process_job(site)
+        raise ConfigError(f"--tasks {' '.join(options['tasks'])} with --nproc {options['nproc']} on a site: the "
+                          f"site's job takes one node's tiles for every checkpoint (--all-checkpoints), one for "
+                          f"the newest")
+    every = bool(options.get("all_checkpoints") or options.get("downstream_all_checkpoints"))
+    job = plan(None, site, ranks=site.tiles_per_node if site.kind == "pbspro" else 1) if every else \
+        _one_process_job(site)
     forwarded = _forwarded(options, ("run", "data", "out", "store"))
     forwarded.pop("nproc", None)
     if site.device != "auto" and forwarded.get("device") in (None, "auto"):
         forwarded["device"] = site.device
+    out = Path(forwarded.get("out") or run_dir / "eval.json")
+    parts = out.with_name(out.name + ".parts")  # each checkpoint's scores (stages/evaluate.py's _Parts)
     return _run_on_site(site, job, "evaluate", forwarded,
-                        f"downstream-{json.loads((run_dir / 'meta.json').read_text())['run_id']}")
+                        f"downstream-{json.loads((run_dir / 'meta.json').read_text())['run_id']}",
+                        progress=(lambda: len(list(parts.glob("step_*.json")))) if every else None)
 
 
 def warm_cache_on_site(options: dict[str, Any]) -> Submitted:
@@ -332,7 +352,7 @@ def evaluate_on_site(options: dict[str, Any]) -> Submitted:
     run_dir = Path(options["run"]).resolve()
     ranks = int(options.get("nproc") or 1)
     if set(options.get("tasks") or ["heldout"]) != {"heldout"}:  # lm-eval: the whole model in one process
-        return _one_process_evaluation(site, options, run_dir)
+        return _downstream_evaluation(site, options, run_dir)
     if ranks == 1:
         from optimus_core.train.checkpoint import newest_meta
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
@@ -233,8 +234,15 @@ def run_lm_eval(lm, tasks: Sequence[str], *, task_dirs: Sequence = (), limit: Op
 
     if manager is None:
         manager = task_manager(tasks, task_dirs=task_dirs, include_defaults=include_defaults)
-    res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, num_fewshot=0, limit=limit,
-                                  log_samples=False, bootstrap_iters=0)
+    # One process, whatever launched it: lm-eval reads LOCAL_RANK as a tensor-parallel launch's and
+    # returns results on local rank 0 only, where a launch's ranks each evaluate their own checkpoints
+    local_rank = os.environ.pop("LOCAL_RANK", None)
+    try:
+        res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, num_fewshot=0, limit=limit,
+                                      log_samples=False, bootstrap_iters=0)
+    finally:
+        if local_rank is not None:
+            os.environ["LOCAL_RANK"] = local_rank
     scores = {}
     for task, metrics in res["results"].items():
         row = {k.split(",")[0]: float(v) for k, v in metrics.items()

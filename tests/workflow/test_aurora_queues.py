@@ -121,3 +121,27 @@ def test_each_attempt_is_a_new_job_until_one_succeeds(tmp_path, aurora):
     refused = launch_chain(aurora, job, "true", tmp_path, "r",
                            submit_fn=lambda *a, **k: Submitted(2, tmp_path / "o", tmp_path / "e", 0.0), log=logs.append)
     assert refused.returncode == 2 and sum("ended with status 2" in l for l in logs) == 0  # one job, no resubmit
+
+
+def test_jobs_that_make_progress_are_followed_by_more_than_the_retries(tmp_path, aurora):
+    """An evaluation of many checkpoints keeps what each job made (its progress count): a job
+    cut short after it got further is followed by another, beyond the retries; jobs that get
+    nowhere still end the chain after the retries."""
+    from workflow.plan import plan as plan_job
+
+    job = plan_job(None, aurora, ranks=12)
+    attempts = job.jobs + aurora.retries
+    made, calls = [0], []
+
+    def submit(site, job, command, run_dir, name):  # each job evaluates 10 checkpoints of 40, then its walltime
+        calls.append(name)
+        made[0] = min(40, made[0] + 10)
+        return Submitted(0 if made[0] == 40 else 271, tmp_path / "o", tmp_path / "e", 0.0)
+
+    logs = []
+    done = launch_chain(aurora, job, "true", tmp_path, "e", submit_fn=submit, log=logs.append, progress=lambda: made[0])
+    assert done.returncode == 0 and len(calls) == 4 > attempts
+    assert "[optimus launch] e: job 1 got from 0 to 10 before it ended: the next goes on" in logs
+    stuck = launch_chain(aurora, job, "true", tmp_path, "e", log=logs.append, progress=lambda: 40,
+                         submit_fn=lambda *a, **k: Submitted(1, tmp_path / "o", tmp_path / "e", 0.0))
+    assert stuck.returncode == 1 and sum("ended with status 1" in l for l in logs) == attempts

@@ -367,13 +367,20 @@ def test_evaluate_on_site_is_a_compute_job_of_the_runs_tiles(tmp_path, monkeypat
     assert "--device xpu" in seen["command"] and "--dtype bfloat16" in seen["command"]
     assert seen["command"].endswith("--launcher local") and "--nproc" not in seen["command"]
     assert f"--store {Path('s.zarr').resolve()}" in seen["command"]  # the job's working directory is not ours
-    # lm-eval's tasks: one process on one tile of one node, the site's device, no mpiexec
+    # lm-eval's tasks on every checkpoint: one node, its 12 tiles sharing the checkpoints, one
+    # process each (stages/evaluate.py), the site's device
     assert main(["evaluate", "--run", str(run), "--launcher", "parsl", "--site", "aurora", "--tasks", "arc_easy",
                  "piqa", "--all-checkpoints", "--downstream-all-checkpoints", "--dtype", "bfloat16"]) == 0
     assert (seen["nodes"], seen["name"]) == (1, "downstream-paper-x")
-    assert seen["command"].startswith(f"optimus evaluate --run {run} --tasks arc_easy piqa ")
-    assert "--device xpu" in seen["command"] and "mpiexec" not in seen["command"] and "--nproc" not in seen["command"]
+    assert seen["command"].split(" && ")[-1].startswith(
+        f'mpiexec -n 12 --ppn 12 --hostfile "$OPTIMUS_HOSTFILE" --cpu-bind {CPU_BIND} optimus evaluate --run {run} '
+        f'--tasks arc_easy piqa ')
+    assert "--device xpu" in seen["command"] and "--nproc" not in seen["command"]
+    # the newest checkpoint alone: one process on one tile, no mpiexec
+    assert main(["evaluate", "--run", str(run), "--launcher", "parsl", "--site", "aurora", "--tasks", "piqa"]) == 0
+    assert seen["nodes"] == 1 and seen["command"].startswith(f"optimus evaluate --run {run} --tasks piqa ")
+    assert "mpiexec" not in seen["command"] and "--nproc" not in seen["command"]
     seen.clear()
     assert main(["evaluate", "--run", str(run), "--launcher", "parsl", "--site", "aurora", "--tasks", "piqa",
-                 "--nproc", "24"]) == 2  # lm-eval runs in one process: said before anything is submitted
+                 "--nproc", "24"]) == 2  # the site's job decides the processes: said before anything is submitted
     assert not seen

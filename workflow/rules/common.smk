@@ -27,7 +27,7 @@ WINDOW_ORDER_MARKERS = [f"{RES}/data/window-order-s{s}-seed{seed}.done" for s, s
 COMPILE_CACHE_MARKERS = ([f"{RES}/compile-cache.done"]
                          if config.get("launcher") == "parsl" and (config.get("site") or {}).get("compile_cache") else [])
 # The paper's downstream evaluation (downstream_tasks: its nine lm-eval tasks) of every model-only
-# checkpoint, one process on one tile (lm-eval needs the whole model): the pretraining runs whose
+# checkpoint, one process a tile (lm-eval needs the whole model): the pretraining runs whose
 # bf16 weights fit a tile's budget (downstream_max_gib); the task data cached once on the node
 # that runs Snakemake (`optimus task-data`), which the jobs read offline
 DOWNSTREAM_TASKS = config.get("downstream_tasks") or []

@@ -73,7 +73,8 @@ rule task_data:
 
 
 # The paper's downstream curves: every checkpoint (model-only ones included) of a pretraining run
-# on the downstream_tasks, one process on one tile of the site, the model in bf16
+# on the downstream_tasks, by one node's tiles of the site sharing the checkpoints, one process
+# each with the model whole in bf16 (workflow/launch.py: jobs go on from the checkpoints done)
 rule downstream:
     input:
         f"{RES}/runs/{{run}}/summary.json",
