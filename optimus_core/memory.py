@@ -88,6 +88,7 @@ class MemoryLayout:
     optimizer: str = "ep_aware"  # parallel.optimizer
     exchange: str = "all_to_all"  # the plan's expert exchange (EP > 1): all_to_all | all_gather
     gathers: str = "per_micro_batch"  # the plan's weight gathers (several ranks): per_micro_batch | per_step
+    reduce_bytes: int = 4  # a gathered unit's gradient element: 2 where a bf16 run reduces in bf16 (parallel.reduce_dtype)
     checkpointing: str = "none"  # resolved execution.activation_checkpointing: none | full | moe
     every: int = 1  # full: every k-th block
     lm_loss_kernel: bool = True  # the fused LM loss's softmax by the Triton kernel (execution.lm_loss)
@@ -186,6 +187,7 @@ class MemoryLayout:
                    seq_len=cfg.data.seq_len, dtype=plan.dtype, optimizer=cfg.parallel.optimizer,
                    exchange=plan.expert_exchange or "all_to_all",
                    gathers=plan.weight_gathers or "per_micro_batch",
+                   reduce_bytes=2 if plan.dtype == "bfloat16" and cfg.parallel.reduce_dtype == "bfloat16" else 4,
                    checkpointing=checkpointing[0], every=checkpointing[1],
                    lm_loss_kernel=plan.lm_loss == "triton", fp32_residual=plan.residual_dtype == "float32",
                    expert_weight_casts=plan.expert_copies,
@@ -423,12 +425,12 @@ def estimate(cfg: ModelConfig, L: MemoryLayout) -> MemoryEstimate:
         biggest_unit = max(dense_block, expert_unit)
         gathered_bwd = root + g * 2 * (dense_block + expert_unit) + reduce_bytes * biggest_unit
         if L.gathers == "per_step":  # every unit kept gathered (the embedding in float32, as
-            # stored), its gradient accumulated whole from the step's first backward on (float32
-            # where the run reduces in float32; bf16 runs reducing in bf16 keep half: priced at
-            # float32), beside the unit's gradient being made
+            # stored), its gradient accumulated whole from the step's first backward on (in the
+            # reduction's dtype, FSDP2's accumulation; the embedding's in float32), beside the
+            # unit's gradient being made
             whole = len(layers) * (dense_block + expert_unit)
             embed = 4.0 * V * D if first else 0.0
-            accumulated = 4.0 * (whole + V * D * (int(first) + int(last)))
+            accumulated = L.reduce_bytes * (whole + (V * D if last else 0)) + embed
             gathered_fwd = root + embed + g * whole + (accumulated if L.accumulation > 1 else 0.0)
             gathered_bwd = root + embed + g * whole + accumulated + g * biggest_unit
 

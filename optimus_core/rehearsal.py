@@ -150,9 +150,10 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
     gradients exist from the first on); ``checkpointing``: the resolved (mode, every) (default:
     the configured mode, "auto" resolved by the memory model on the device's budget);
     ``weight_gathers``: the resolved execution.weight_gathers of a sharded rank (default: the
-    configured, "auto" resolved as the run resolves it on the device's budget); ``save_dir``: after the steps, write this rank's part of a checkpoint there (its rows of every
-    parameter and moment, as a run's save writes them, without the collectives of the planning)
-    and record the device's peak during the save (``save_peak_allocated_gib``); ``warmup``: steps
+    configured, "auto" resolved as the run resolves it on the device's budget); ``save_dir``:
+    after the steps, write this rank's part of a checkpoint there (its rows of every parameter
+    and moment, as a run's save writes them, without the collectives of the planning) and
+    record the device's peak during the save (``save_peak_allocated_gib``); ``warmup``: steps
     run first and neither timed nor counted in the peak (the kernels' compilation and autotuning,
     whose buffers a run allocates once)."""
     from .execution import device_memory_bytes, resolve_choices, resolve_weight_gathers
