@@ -81,12 +81,12 @@ def test_spare_nodes_are_asked_for_charged_and_checked(monkeypatch):
         sites.load_site("aurora", account="A", spare_nodes=-1)
 
 
-def test_warm_cache_is_one_process_on_one_node_filling_the_sites_cache(tmp_path, monkeypatch):
-    """`optimus warm-cache`: a one-node job of the site whose command is `optimus rehearse` of the
-    paper runs (no mpiexec, no hostfile), with the fill flag, after the cache is checked writable;
-    every other job of the site carries the cache's place."""
+def _site_submitting_to(tmp_path, monkeypatch, **fields):
+    """(what the fake submit saw, the site YAML, its block): Aurora's site with ``fields``, its
+    jobs recorded instead of submitted (each ends with success)."""
+    import yaml
+
     from workflow import launch
-    from workflow.cli import main
 
     seen = {}
 
@@ -99,11 +99,19 @@ def test_warm_cache_is_one_process_on_one_node_filling_the_sites_cache(tmp_path,
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv(sites.ACCOUNT_ENV, "P")
     site = tmp_path / "site.yaml"
-    import yaml
     block = yaml.safe_load((Path(__file__).resolve().parents[2] / "workflow/config/aurora.yaml").read_text())["site"]
-    block.update(compile_cache=str(tmp_path / "cache"), run_dir=str(tmp_path / "parsl"),
-                 slots_dir=str(tmp_path / "slots"))
+    block.update(run_dir=str(tmp_path / "parsl"), slots_dir=str(tmp_path / "slots"), **fields)
     site.write_text(yaml.safe_dump({"site": block}))
+    return seen, site, block
+
+
+def test_warm_cache_is_one_process_on_one_node_filling_the_sites_cache(tmp_path, monkeypatch):
+    """`optimus warm-cache`: a one-node job of the site whose command is `optimus rehearse` of the
+    paper runs (no mpiexec, no hostfile), with the fill flag, after the cache is checked writable;
+    every other job of the site carries the cache's place."""
+    from workflow.cli import main
+
+    seen, site, block = _site_submitting_to(tmp_path, monkeypatch, compile_cache=str(tmp_path / "cache"))
     assert main(["warm-cache", "--site", str(site), "--experiment", "pretrain-mula-1b", "--steps", "3"]) == 0
     job = seen["job"]
     assert job.nodes == 1 and job.mpiexec == "" and job.env["OPTIMUS_COMPILE_CACHE_FILL"] == "1"
@@ -113,6 +121,8 @@ def test_warm_cache_is_one_process_on_one_node_filling_the_sites_cache(tmp_path,
     big = plan(None, sites.load_site(str(site)), ranks=12 * 256)
     assert big.env["OPTIMUS_COMPILE_CACHE"] == str(tmp_path / "cache") and "OPTIMUS_COMPILE_CACHE_FILL" not in big.env
     # a cache no job can write: one line, nothing submitted
+    import yaml
+
     (tmp_path / "flat").write_text("x")
     block["compile_cache"] = str(tmp_path / "flat" / "cache")
     site.write_text(yaml.safe_dump({"site": block}))
@@ -124,24 +134,9 @@ def test_window_order_on_a_site_is_one_process_on_one_node(tokens_dir, tmp_path,
     """`optimus window-order --launcher parsl`: a one-node job of the site (no mpiexec, no
     hostfile) whose command draws the order locally, beside the tokens (absolute paths: the job
     runs elsewhere); tokens that are not there are one line, nothing submitted."""
-    from workflow import launch
     from workflow.cli import main
 
-    seen = {}
-
-    def fake_submit(site, job, command, run_dir, name):
-        seen.update(job=job, command=command, name=name)
-        (tmp_path / "o").write_text("done\n")
-        return launch.Submitted(0, tmp_path / "o", tmp_path / "e", 0.0)
-
-    monkeypatch.setattr(launch, "submit", fake_submit)
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setenv(sites.ACCOUNT_ENV, "P")
-    site = tmp_path / "site.yaml"
-    import yaml
-    block = yaml.safe_load((Path(__file__).resolve().parents[2] / "workflow/config/aurora.yaml").read_text())["site"]
-    block.update(run_dir=str(tmp_path / "parsl"), slots_dir=str(tmp_path / "slots"), compile_cache="")
-    site.write_text(yaml.safe_dump({"site": block}))
+    seen, site, _ = _site_submitting_to(tmp_path, monkeypatch, compile_cache="")
     monkeypatch.chdir(tokens_dir.parent)
     assert main(["window-order", "--data", tokens_dir.name, "--seed", "7", "--launcher", "parsl",
                  "--site", str(site)]) == 0
