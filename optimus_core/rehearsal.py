@@ -20,7 +20,8 @@ nothing towards the clip's norm, as in the job, but here no other rank adds the 
 With pipeline stages (parallel.pp) the rank rehearsed belongs to the heaviest stage (the memory
 model's: optimus_core.memory.heaviest_stage): the loopback world is that stage's ranks, and each
 step runs the stage's micro-batches in its 1F1B order -- as many forwards in flight as the stage
-holds, then one backward and one forward at a time -- on random hidden states from the stage
+holds, then one backward and one forward at a time; interleaved, each of the rank's stages in
+Megatron's order (schedule_order) -- on random hidden states from the stage
 before and random gradients from the stage after, where the schedule would receive them, its
 gradients synchronised as the pipeline's are (the last backward reduces where the plan gathers
 once a step). The step time is then one stage's compute with its sends and receives left out.
@@ -166,9 +167,6 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
 
     if steps < 1:
         raise ValueError(f"--steps {steps}: must be >= 1")
-    if cfg.parallel.pp_chunks > 1:
-        raise ConfigError("parallel.pp_schedule = 'interleaved_1f1b': a rank of several stages is not rehearsed yet "
-                          "(the memory model prices it); rehearse the layout under '1f1b'")
     pipeline_layout(world, cfg.parallel.pp, cfg.parallel.ep)
     stage_world = cfg.parallel.stage_world(world)  # the ranks of one pipeline stage (the world without stages)
     group_layout(stage_world, cfg.parallel.ep, cfg.model.moe.n_experts if cfg.model.moe else None,
@@ -190,10 +188,13 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
         elif cfg.execution.weight_gathers == "auto":
             plan = resolve_weight_gathers(cfg, world, plan, checkpointing, None,
                                           device_budget(device_memory_bytes(dev)))[0]
+    if micro_batches is not None and cfg.parallel.pp_chunks > 1:  # interleaved: whole groups of pp micro-batches
+        micro_batches = -(-micro_batches // cfg.parallel.pp) * cfg.parallel.pp
     layout = heaviest_stage(cfg.model, MemoryLayout.of_run(cfg, world, checkpointing, plan, micro_batches))
     predicted = estimate(cfg.model, layout)
     record = {"preset": cfg.preset, "world": world, "rank": rank, "ep": cfg.parallel.ep,
-              "pp": cfg.parallel.pp, "stage": layout.stage, "in_flight": layout.in_flight,
+              "pp": cfg.parallel.pp, "pp_chunks": cfg.parallel.pp_chunks, "stage": layout.stage,
+              "in_flight": layout.in_flight,
               "optimizer": cfg.parallel.optimizer, "dtype": plan.dtype, "seq_len": cfg.data.seq_len,
               "micro_batch": layout.micro_batch, "accumulation": layout.accumulation,
               "checkpointing": f"{checkpointing[0]}" + (f"/{checkpointing[1]}" if checkpointing[0] == "full" else ""),
@@ -253,34 +254,66 @@ def rehearse(cfg: RunConfig, world: int, *, rank: int = 0, steps: int = 2, devic
     return record
 
 
+def schedule_order(pp: int, chunks: int, stage: int, micro_batches: int) -> list[tuple[str, int, int]]:
+    """The forwards and backwards of pipeline rank ``stage`` in one step, as ("F" or "B", chunk,
+    micro-batch): under 1F1B (``chunks`` 1) pp - stage forwards, then a backward and a forward at
+    a time, then the last backwards; interleaved, Megatron's order of the rank's chunks (groups of
+    pp micro-batches per chunk, the backwards from the last chunk down), its warm-up 2 (pp -
+    stage - 1) + (chunks - 1) pp forwards, then a forward and a backward at a time (the memory
+    model's in_flight counts the same)."""
+    if chunks > 1 and micro_batches % pp:
+        raise ValueError(f"{micro_batches} micro-batches: interleaved stages run them in groups of pp = {pp}")
+    if chunks == 1:
+        warm = min(pp - stage, micro_batches)
+        order = [("F", 0, i) for i in range(warm)]
+        for i in range(micro_batches):
+            order.append(("B", 0, i))
+            if warm + i < micro_batches:
+                order.append(("F", 0, warm + i))
+        return order
+    total = micro_batches * chunks
+
+    def place(k: int, backward: bool) -> tuple[int, int]:
+        chunk = (k // pp) % chunks
+        return (chunks - 1 - chunk if backward else chunk), (k // (pp * chunks)) * pp + k % pp
+
+    warm = min(total, 2 * (pp - stage - 1) + (chunks - 1) * pp)
+    order = [("F", *place(k, False)) for k in range(warm)]
+    for k in range(total - warm):
+        order += [("F", *place(warm + k, False)), ("B", *place(k, True))]
+    return order + [("B", *place(k, True)) for k in range(total - warm, total)]
+
+
 def _stage_step(model, optimizer, batch_BS1: torch.Tensor, layout: MemoryLayout, plan, cfg: RunConfig,
                 generator: torch.Generator):
-    """One step of a pipeline stage alone (module doc): its micro-batches in 1F1B order with
-    random inputs and output gradients where its neighbours would send them, then its update.
+    """One step of a pipeline rank alone (module doc): its stages' micro-batches in the schedule's
+    order (schedule_order) with random inputs and output gradients where its neighbours would
+    send them, each stage's gradients synchronised as the pipeline's are, then its update.
     Returns the step's StepStats (loss: the last stage's, else nan)."""
     from .parallel.pipeline import StageModule, routing_sums_size
     from .train.step import _update, autocast_context
 
     dev, m = batch_BS1.device, layout.accumulation
-    first, last = layout.stage == 0, layout.stage == layout.pp - 1
+    cut = cfg.parallel.stage_layers(cfg.model.n_layers)
     act_dtype = getattr(torch, plan.residual_dtype)
-    module = StageModule(model, first=first, last=last, weight=1.0 / m, act_dtype=act_dtype,
-                         autocast=lambda: autocast_context(dev.type, plan.dtype))
+    modules = [StageModule(model, first=s == 0, last=s == len(cut) - 1, weight=1.0 / m, act_dtype=act_dtype,
+                           layers=range(*cut[s]), autocast=lambda: autocast_context(dev.type, plan.dtype))
+               for s in cfg.parallel.rank_stages(layout.stage)]
     chunks = batch_BS1.split(layout.micro_batch)
     moe = model.cfg.moe is not None
 
-    def forward(chunk):
+    def forward(module, chunk):
         tokens, targets = chunk[:, :-1], chunk[:, 1:]
-        if first:
+        if module.first:
             inputs = (tokens,)
         else:
             h = torch.randn(*tokens.shape, model.cfg.d_model, generator=generator, device=dev).to(act_dtype)
             sums = (torch.zeros(routing_sums_size(model.cfg.moe.n_experts), device=dev),) if moe else ()
             inputs = tuple(t.requires_grad_() for t in (h, *sums))
-        return module(*inputs, targets=targets if last else None)
+        return module(*inputs, targets=targets if module.last else None)
 
-    def backward(out):
-        if last:
+    def backward(module, out):
+        if module.last:
             out.sum().backward()
         else:
             outs = out if isinstance(out, tuple) else (out,)
@@ -290,20 +323,16 @@ def _stage_step(model, optimizer, batch_BS1: torch.Tensor, layout: MemoryLayout,
     model.train()
     sync = getattr(optimizer, "before_micro_batch", lambda last, layers=None: None)  # as Pipeline.step
     sync(False)
-    in_flight, next_forward, done = [], 0, 0
-    while next_forward < min(layout.in_flight, m):  # the warm-up: as many forwards as the stage holds
-        in_flight.append(forward(chunks[next_forward]))
-        next_forward += 1
-    while in_flight:  # then one backward and one forward at a time, and the last backwards
-        done += 1
-        sync(done == m)
-        backward(in_flight.pop(0))
-        if next_forward < m:
-            in_flight.append(forward(chunks[next_forward]))
-            next_forward += 1
+    in_flight = {}
+    for op, v, i in schedule_order(layout.pp, layout.chunks, layout.stage, m):
+        if op == "F":
+            in_flight[v, i] = forward(modules[v], chunks[i])
+        else:
+            sync(i == m - 1, modules[v].layers)
+            backward(modules[v], in_flight.pop((v, i)))
     model.clear_routing()
-    sums_4 = torch.stack(module.parts).double().mean(0) if module.parts else torch.full((4,), float("nan"),
-                                                                                         dtype=torch.float64)
+    parts = modules[-1].parts
+    sums_4 = torch.stack(parts).double().mean(0) if parts else torch.full((4,), float("nan"), dtype=torch.float64)
     return _update(model, optimizer, sums_4, None, [], grad_clip=cfg.optim.grad_clip, lr=cfg.optim.lr, accept=None)
 
 
@@ -337,7 +366,9 @@ def _rehearse_save(model, optimizer, mesh, save_dir: str, gpu) -> dict:
 
 def fmt(record: dict) -> str:
     """One line of a rehearsal record."""
-    stage = f", stage {record['stage']} of {record['pp']}" if record.get("pp", 1) > 1 else ""
+    chunks = record.get("pp_chunks", 1)
+    stage = (f", stage {record['stage']} of {record['pp']}" + (f" (x {chunks} interleaved)" if chunks > 1 else "")
+             if record.get("pp", 1) > 1 else "")
     gathers = f", gathered {record['weight_gathers'].replace('_', ' ')}" if record.get("weight_gathers") else ""
     head = (f"{record['preset']} on {record['world']} ranks (ep {record['ep']}, {record['checkpointing']}{gathers}, "
             f"rank {record['rank']}{stage}):")

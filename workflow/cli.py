@@ -265,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-gathers", choices=["per_micro_batch", "per_step"], default=None,
                    help="rehearse a sharded rank's weights gathered this way instead of the plan's way (to "
                         "measure a choice before the plan makes it)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override each run's config (e.g. parallel.pp_chunks=2): a layout the registry does not run")
     p.add_argument("--layout", choices=DESIGNS, default=None,
                    help="the runs in the authors' layout (default) or our design")
     p.add_argument("--no-save", action="store_true", help="skip the checkpoint write after the steps")

@@ -566,12 +566,13 @@ def parse_checkpointing(text: str) -> tuple[str, int]:
 
 
 def rehearsal_jobs(names, tiles, site, checkpointing: tuple[str, int] | None = None, layout: str = "authors",
-                   weight_gathers: str | None = None):
+                   weight_gathers: str | None = None, sets: dict | None = None):
     """The registry's paper runs (``names``; default every run of the paper DAG) in design
     ``layout`` (workflow.experiments.DESIGNS) as rehearsals, each at its own tile count or at
-    each of ``tiles``, its checkpointing and weight gathers resolved for the site's machine as
-    `optimus plan` resolves them (workflow.plan.plan_memory), or ``checkpointing`` (mode, every)
-    and ``weight_gathers`` where given: a choice rehearsed before the plan makes it."""
+    each of ``tiles``, with the config overrides ``sets`` (`--set`: a layout the registry does not
+    run), its checkpointing and weight gathers resolved for the site's machine as `optimus plan`
+    resolves them (workflow.plan.plan_memory), or ``checkpointing`` (mode, every) and
+    ``weight_gathers`` where given: a choice rehearsed before the plan makes it."""
     from stages.rehearse import Rehearsal
     from workflow.experiments import dag, get as get_experiment
     from workflow.plan import plan_memory
@@ -582,6 +583,8 @@ def rehearsal_jobs(names, tiles, site, checkpointing: tuple[str, int] | None = N
         paper = exp.scale("paper", layout)
         for n in tiles or [paper.devices]:
             run = paper.at_tiles(n)
+            if sets:
+                run = dataclasses.replace(run, extra={**run.extra, **sets})
             _, budget, resolved, gathers = plan_memory(run, site, n)  # MemoryBudgetError: over the budget
             jobs.append(Rehearsal(exp.name, run.run_config(), n, checkpointing or resolved or ("none", 1),
                                   budget if budget == budget else None,
@@ -608,7 +611,7 @@ def cmd_rehearse(args) -> Summary:
         resolve_device_type(args.device, field="--device", instead="cpu (or meta: the shares' sizes only)")
     asked = parse_checkpointing(args.checkpointing) if args.checkpointing else None
     jobs = rehearsal_jobs(args.experiment, args.tiles, load_site(args.site, account=args.site_account), asked,
-                          _layout(args), args.weight_gathers)
+                          _layout(args), args.weight_gathers, parse_overrides(args.set))
     result = run_rehearse(RehearseConfig(jobs, rank=args.rank, steps=args.steps, device=args.device,
                                          micro_batches=args.micro_batches or None, save=not args.no_save),
                           RehearseOutputs(jsonl=args.jsonl, store=args.store))

@@ -93,3 +93,45 @@ def test_the_heaviest_pipeline_stage_is_rehearsed_in_its_one_f_one_b_order(devic
     if device == "cpu":
         assert record["steps"] == 1 and all(math.isfinite(g) and g > 0 for g in record["grad_norms"])
         assert math.isfinite(record["loss"]) == (heaviest.stage == 1)  # the loss is the last stage's
+
+
+@pytest.mark.parametrize("pp, chunks, micro_batches", [(4, 1, 8), (4, 1, 2), (2, 2, 4), (4, 2, 8), (4, 3, 4)])
+def test_each_pipeline_rank_runs_its_stages_in_the_schedules_order(pp, chunks, micro_batches):
+    """Every forward of each of a rank's stages before its backward, each once; as many in flight
+    at the most as the memory model prices (in_flight, in micro-batches of one stage)."""
+    from collections import Counter
+
+    from optimus_core.memory import MemoryLayout
+    from optimus_core.rehearsal import schedule_order
+
+    for stage in range(pp):
+        order = schedule_order(pp, chunks, stage, micro_batches)
+        assert Counter(order) == Counter([(op, v, i) for op in "FB" for v in range(chunks)
+                                          for i in range(micro_batches)])
+        held, peak = set(), 0
+        for op, v, i in order:
+            if op == "F":
+                held.add((v, i))
+            else:
+                held.remove((v, i))  # (KeyError: a backward before its forward)
+            peak = max(peak, len(held))
+        layout = MemoryLayout(pp=pp, stage=stage, chunks=chunks, accumulation=micro_batches,
+                              cut=tuple((k, k + 1) for k in range(pp * chunks)))
+        assert peak == layout.in_flight * chunks
+    with pytest.raises(ValueError, match="interleaved stages run them in groups of pp = 4"):
+        schedule_order(4, 2, 0, 6)
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_a_rank_of_interleaved_stages_is_rehearsed(device):
+    """PP 2 x 2 chunks over 8 ranks (4 layers): the heaviest rank holds two stages, its shares the
+    model's; on the CPU both stages' micro-batches run in the interleaved order, the weights
+    gathered once a step, and it takes its update."""
+    cfg = _cfg(**{"parallel.pp": 2, "parallel.pp_chunks": 2, "parallel.pp_schedule": "interleaved_1f1b",
+                  "model.n_layers": 4, "parallel.dp_shard": 0, "execution.weight_gathers": "per_step"})
+    record = rehearse(cfg, 8, device=device, steps=1)
+    assert not dist.is_initialized()
+    assert record["pp"] == 2 and record["weight_gathers"] == "per_step"
+    assert record["shares_gib"] == record["model_shares_gib"]
+    if device == "cpu":
+        assert record["steps"] == 1 and all(math.isfinite(g) and g > 0 for g in record["grad_norms"])

@@ -54,3 +54,26 @@ def test_a_checkpointing_can_be_rehearsed_before_the_plan_chooses_it(tmp_path):
     assert third["model_gib"] > half["model_gib"]  # fewer blocks recomputed: more activations held
     for bad in ("full/0", "moe/2", "half", "full/x"):
         assert main(["rehearse", "--device", "meta", "--checkpointing", bad]) == 2
+
+
+def test_a_layout_the_registry_does_not_run_is_rehearsed_with_its_plans_choices(tmp_path):
+    """`--set` changes each run's config before the plan resolves it: the 220B's pipeline ranks
+    holding 2 interleaved stages, its weights gathered as that layout's plan chooses (or as
+    `--weight-gathers` asks), the rank's shares the memory model's."""
+    def rehearsed(*extra):
+        out = tmp_path / "r.jsonl"
+        assert main(["rehearse", "--device", "meta", "--experiment", "pretrain-mula-220b-a10b", "--micro-batches", "0",
+                     "--set", "parallel.pp_chunks=2", "--set", "parallel.pp_schedule=interleaved_1f1b",
+                     *extra, "--jsonl", str(out)]) == 0
+        return json.loads(out.read_text().splitlines()[0])
+
+    planned = rehearsed()
+    assert (planned["pp"], planned["pp_chunks"], planned["weight_gathers"]) == (8, 2, "per_step")
+    assert planned["shares_gib"] == pytest.approx(planned["model_shares_gib"], rel=1e-12)
+    from optimus_core.rehearsal import fmt
+
+    assert "stage 0 of 8 (x 2 interleaved)" in fmt(planned)
+    asked = rehearsed("--weight-gathers", "per_micro_batch")
+    assert asked["weight_gathers"] == "per_micro_batch" and asked["model_gib"] < planned["model_gib"]
+    assert main(["rehearse", "--device", "meta", "--experiment", "pretrain-mula-220b-a10b",
+                 "--set", "parallel.pp_chunks=3"]) == 2  # a bad override: the field named, nothing built
