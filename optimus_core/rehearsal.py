@@ -26,6 +26,12 @@ before and random gradients from the stage after, where the schedule would recei
 gradients synchronised as the pipeline's are (the last backward reduces where the plan gathers
 once a step). The step time is then one stage's compute with its sends and receives left out.
 
+Rehearse in a process of its own, as `optimus rehearse` does: a process that rehearsed a layout
+and then forked real gloo ranks whose device meshes had the same shape (4 ranks after a
+rehearsed stage of 4) has been seen to save checkpoints whose shards all claimed the first
+rank's place (torch's DeviceMesh compares equal across process groups; clearing DTensor's
+caches did not help, and the cause is not known).
+
 On the meta device nothing is allocated or run: the rank's shares are built and their sizes
 compared with the memory model's static terms (weights, gradients, optimizer state), which is
 what CI checks for every paper run.

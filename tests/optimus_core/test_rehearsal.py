@@ -124,12 +124,14 @@ def test_each_pipeline_rank_runs_its_stages_in_the_schedules_order(pp, chunks, m
 
 @pytest.mark.parametrize("device", ["meta", "cpu"])
 def test_a_rank_of_interleaved_stages_is_rehearsed(device):
-    """PP 2 x 2 chunks over 8 ranks (4 layers): the heaviest rank holds two stages, its shares the
-    model's; on the CPU both stages' micro-batches run in the interleaved order, the weights
-    gathered once a step, and it takes its update."""
+    """PP 2 x 2 chunks over 16 ranks (4 layers): the heaviest rank holds two stages, its shares
+    the model's; on the CPU both stages' micro-batches run in the interleaved order, the weights
+    gathered once a step, and it takes its update. (Stages of 8 ranks: a rehearsed mesh of the
+    shape of a later test's real one has been seen to spoil that test's checkpoint in this
+    process; optimus_core.rehearsal's module doc.)"""
     cfg = _cfg(**{"parallel.pp": 2, "parallel.pp_chunks": 2, "parallel.pp_schedule": "interleaved_1f1b",
                   "model.n_layers": 4, "parallel.dp_shard": 0, "execution.weight_gathers": "per_step"})
-    record = rehearse(cfg, 8, device=device, steps=1)
+    record = rehearse(cfg, 16, device=device, steps=1)
     assert not dist.is_initialized()
     assert record["pp"] == 2 and record["weight_gathers"] == "per_step"
     assert record["shares_gib"] == record["model_shares_gib"]
