@@ -145,6 +145,9 @@ def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
     split = launch.world_size > 1 and bool(config.downstream)  # lm-eval: each rank its own checkpoints
     if launch.world_size > 1 and not split:
         return _run_sharded(config, inputs, outputs, run_id)
+    if split and not config.all_checkpoints:
+        raise ConfigError(f"tasks = {list(config.tasks)} on {launch.world_size} ranks: the ranks share a run's "
+                          f"checkpoints (all_checkpoints); one checkpoint is evaluated by one process")
     device = "cpu"
     if config.device in ("cuda", "xpu"):  # one process on a GPU or a tile: said now if it is not here
         from optimus_core.device import resolve_device_type
@@ -155,9 +158,6 @@ def run_evaluate(config: EvaluateConfig, inputs: EvaluateInputs, outputs: Evalua
 
             backend = getattr(torch, device)
             backend.set_device(launch.local_rank % backend.device_count())
-    if split and not config.all_checkpoints:
-        raise ConfigError(f"tasks = {list(config.tasks)} on {launch.world_size} ranks: the ranks share a run's "
-                          f"checkpoints (all_checkpoints); one checkpoint is evaluated by one process")
     found = _checkpoints(run_dir, config.all_checkpoints)
     newest = found[-1]
     data_dir = _checked_data(inputs.data_dir or newest.cfg.data.path, run_dir)
@@ -273,6 +273,17 @@ def _write_results(config: EvaluateConfig, found: list[_Point], done: dict[int, 
                           checkpoints=[r["step"] for r in heldout_rows or down_rows], heldout_counts=counts)
 
 
+def parts_dir(eval_json: Path) -> Path:
+    """Where an evaluation of every checkpoint keeps each one's evaluation as it is made (_Parts)."""
+    return Path(eval_json).with_name(Path(eval_json).name + ".parts")
+
+
+def checkpoints_kept(eval_json: Path) -> int:
+    """Checkpoints whose evaluation is kept beside ``eval_json``: the progress of an evaluation of
+    every checkpoint that a job cut short (workflow.launch)."""
+    return len(list(parts_dir(eval_json).glob("step_*.json")))
+
+
 class _Parts:
     """Each checkpoint's evaluation, kept as it is made beside the evaluation's output
     (``<eval json>.parts/step_<step>.json``), so that an evaluation of many checkpoints cut short
@@ -284,7 +295,7 @@ class _Parts:
     POLL_S = 10.0  # how often rank 0 looks for the other ranks' parts
 
     def __init__(self, eval_json: Path, config: EvaluateConfig, data_dir: Path):
-        self.dir = Path(eval_json).with_name(Path(eval_json).name + ".parts")
+        self.dir = parts_dir(eval_json)
         self.how = {"tasks": list(config.tasks), "limit": config.limit, "n_items": config.n_items,
                     "dtype": config.dtype, "batch_size": config.batch_size, "max_batches": config.max_batches,
                     "downstream_all_checkpoints": config.downstream_all_checkpoints,

@@ -283,11 +283,12 @@ def _downstream_evaluation(site: SiteConfig, options: dict[str, Any], run_dir: P
     forwarded.pop("nproc", None)
     if site.device != "auto" and forwarded.get("device") in (None, "auto"):
         forwarded["device"] = site.device
+    from stages.evaluate import checkpoints_kept
+
     out = Path(forwarded.get("out") or run_dir / "eval.json")
-    parts = out.with_name(out.name + ".parts")  # each checkpoint's scores (stages/evaluate.py's _Parts)
     return _run_on_site(site, job, "evaluate", forwarded,
                         f"downstream-{json.loads((run_dir / 'meta.json').read_text())['run_id']}",
-                        progress=(lambda: len(list(parts.glob("step_*.json")))) if every else None)
+                        progress=(lambda: checkpoints_kept(out)) if every else None)
 
 
 def warm_cache_on_site(options: dict[str, Any]) -> Submitted:
